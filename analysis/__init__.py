@@ -1,0 +1,1 @@
+"""Figures and comparisons from tltsim / tltrun result files (matplotlib)."""
