@@ -1,0 +1,293 @@
+"""Tests of the importers (``tltsim.importers``, ``tltsim import``): marginal kept, groups formed.
+
+Run: ``.venv/bin/python -m pytest tests/test_importers.py -q``
+
+Most tests build small source files in the ServeGen / Azure layouts; the ones marked by
+``needs_shared`` read the real files in ``$TLT_SHARED_TRACES`` (default /work/shared/traces) and
+are skipped, with that reason, where those files are absent.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+from tltsim.cli import main
+from tltsim.importers import ImportConfig, import_azure, import_servegen
+from tltsim.trace import Trace, load_trace
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("TLT_SHARED_TRACES", "/work/shared/traces"))
+SERVEGEN = SHARED / "servegen_deepseek_r1_output_tokens.csv.gz"
+AZURE_CONV = SHARED / "azure_llm_inference_2023_conv.csv"
+needs_shared = pytest.mark.skipif(
+    not SERVEGEN.exists() or not AZURE_CONV.exists(),
+    reason=f"public length data not found in {SHARED} (set TLT_SHARED_TRACES)",
+)
+
+
+def _servegen_file(path: Path, seed: int = 0) -> np.ndarray:
+    """A ServeGen-layout file: 2 clients x 2 windows of lognormal lengths, sorted per window."""
+    rng = np.random.default_rng(seed)
+    parts = []
+    for client, window, median in [(0, 0, 500), (0, 21600, 900), (7, 0, 3000), (7, 21600, 200)]:
+        tokens = np.sort(
+            np.clip(np.rint(median * np.exp(rng.standard_normal(2000))), 1, 32768).astype(int)
+        )
+        parts.append(
+            pd.DataFrame({"client_id": client, "window_start_s": window, "output_tokens": tokens})
+        )
+    frame = pd.concat(parts, ignore_index=True)
+    frame.to_csv(path, index=False)
+    return frame["output_tokens"].to_numpy()
+
+
+def _azure_file(path: Path, seed: int = 0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    n = 3000
+    frame = pd.DataFrame(
+        {
+            "TIMESTAMP": pd.date_range("2023-11-16 18:00", periods=n, freq="s").astype(str),
+            "ContextTokens": rng.integers(2, 8000, n),
+            "GeneratedTokens": np.minimum(
+                np.rint(130 * np.exp(rng.standard_normal(n))).astype(int) + 1, 1000
+            ),
+        }
+    )
+    frame.to_csv(path, index=False)
+    return frame
+
+
+def _logs(trace: Trace) -> np.ndarray:
+    """Log lengths as (steps, prompts, group)."""
+    return np.log(
+        np.array([[p.response_lengths() for p in s.prompts] for s in trace.steps], dtype=float)
+    )
+
+
+def _assert_marginal(lengths: np.ndarray, source: np.ndarray) -> None:
+    qs = [0.1, 0.25, 0.5, 0.75, 0.9]
+    np.testing.assert_allclose(np.quantile(lengths, qs), np.quantile(source, qs), rtol=0.1)
+    assert np.quantile(lengths, 0.99) == pytest.approx(np.quantile(source, 0.99), rel=0.25)
+    assert stats.ks_2samp(lengths, source).statistic < 0.03
+
+
+def _assert_groups(trace: Trace) -> None:
+    logs = _logs(trace)
+    within = logs.std(axis=2).mean()  # scatter of a prompt's samples
+    across = logs.mean(axis=2).std(axis=1).mean()  # scatter of prompt means within a step
+    assert within < 0.6 * across, (within, across)
+
+
+def test_servegen_layout_keeps_marginal_and_forms_groups(tmp_path: Path) -> None:
+    source = _servegen_file(tmp_path / "sg.csv.gz")
+    trace = import_servegen(
+        tmp_path / "sg.csv.gz", ImportConfig(num_steps=16, prompts_per_step=32, seed=1)
+    )
+    assert (trace.num_steps, trace.num_prompts, trace.num_responses) == (16, 512, 4096)
+    _assert_marginal(trace.response_lengths(), source)
+    _assert_groups(trace)
+    assert set(trace.response_lengths().tolist()) <= set(source.tolist())  # only source values
+
+
+def test_servegen_filters_select_rows(tmp_path: Path) -> None:
+    _servegen_file(tmp_path / "sg.csv")
+    frame = pd.read_csv(tmp_path / "sg.csv")
+    subset = frame[(frame.client_id == 7) & (frame.window_start_s == 0)].output_tokens.to_numpy()
+    trace = import_servegen(
+        tmp_path / "sg.csv", ImportConfig(client_id=7, window_start_s=0, num_steps=8)
+    )
+    assert set(trace.response_lengths().tolist()) <= set(subset.tolist())
+    assert np.median(trace.response_lengths()) == pytest.approx(np.median(subset), rel=0.15)
+
+
+def test_groups_do_not_interleave_without_within_group_scatter(tmp_path: Path) -> None:
+    # group_sigma = 0: a prompt's samples share one score, so they take consecutive ranks.
+    _servegen_file(tmp_path / "sg.csv")
+    trace = import_servegen(
+        tmp_path / "sg.csv", ImportConfig(group_sigma=0.0, num_steps=3, prompts_per_step=16)
+    )
+    for step in trace.steps:
+        groups = sorted(
+            (min(p.response_lengths()), max(p.response_lengths())) for p in step.prompts
+        )
+        assert all(hi <= next_lo for (_, hi), (next_lo, _) in zip(groups, groups[1:], strict=False))
+
+
+def test_cap_cuts_and_marks_length(tmp_path: Path) -> None:
+    _servegen_file(tmp_path / "sg.csv")
+    trace = import_servegen(
+        tmp_path / "sg.csv", ImportConfig(max_response_tokens=1000, num_steps=4)
+    )
+    responses = [r for s in trace.steps for p in s.prompts for r in p.responses]
+    assert max(r.tokens for r in responses) == 1000 and trace.max_response_tokens == 1000
+    assert all((r.finish == "length") == (r.tokens == 1000) for r in responses)
+
+
+def test_azure_prompt_and_response_lengths_come_from_the_source(tmp_path: Path) -> None:
+    frame = _azure_file(tmp_path / "az.csv")
+    trace = import_azure(tmp_path / "az.csv", ImportConfig(num_steps=16, seed=2), "azure-code")
+    prompts = [p.prompt_tokens for s in trace.steps for p in s.prompts]
+    assert set(prompts) <= set(frame.ContextTokens.tolist())
+    _assert_marginal(trace.response_lengths(), frame.GeneratedTokens.to_numpy())
+    _assert_groups(trace)
+    assert trace.max_response_tokens == frame.GeneratedTokens.max()
+    assert "CC-BY-4.0" in trace.meta["source"]
+
+
+def test_cli_import_is_seeded_and_records_provenance(tmp_path: Path) -> None:
+    _servegen_file(tmp_path / "sg.csv")
+    outs = []
+    for name, seed in [("a.json", "3"), ("b.json", "3"), ("c.json", "4")]:
+        assert (
+            main(
+                [
+                    "import",
+                    "servegen",
+                    str(tmp_path / "sg.csv"),
+                    "--num-steps",
+                    "2",
+                    "--seed",
+                    seed,
+                    "--out",
+                    str(tmp_path / name),
+                ]
+            )
+            == 0
+        )
+        outs.append((tmp_path / name).read_bytes())
+    assert outs[0] == outs[1] and outs[0] != outs[2]
+    trace = load_trace(tmp_path / "a.json")
+    assert "alibaba/ServeGen" in trace.meta["source"] and "Apache-2.0" in trace.meta["source"]
+    assert trace.meta["importer"]["seed"] == 3 and trace.meta["importer"]["file"] == "sg.csv"
+
+
+BAD_SOURCES = {
+    "missing column": (
+        "servegen",
+        "s.csv",
+        "client_id,window_start_s\n0,0\n",
+        [],
+        ["missing column 'output_tokens'"],
+    ),
+    "zero length": (
+        "servegen",
+        "s.csv",
+        "client_id,window_start_s,output_tokens\n0,0,5\n0,0,0\n",
+        [],
+        ["line 3", "'output_tokens'", "got 0"],
+    ),
+    "string length": (
+        "azure-conv",
+        "a.csv",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\nt,5,7\nt,5,many\n",
+        [],
+        ["line 3", "'GeneratedTokens'", "'many'"],
+    ),
+    "no rows selected": (
+        "servegen",
+        "s.csv",
+        "client_id,window_start_s,output_tokens\n0,0,5\n",
+        ["--client-id", "9"],
+        ["no rows with client_id=9"],
+    ),
+    "azure with client": (
+        "azure-code",
+        "a.csv",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\nt,5,7\n",
+        ["--client-id", "1"],
+        ["client_id"],
+    ),
+    "empty file": ("azure-code", "a.csv", "", [], ["empty file"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SOURCES))
+def test_bad_sources_exit_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture, case: str
+) -> None:
+    kind, name, text, flags, fragments = BAD_SOURCES[case]
+    (tmp_path / name).write_text(text)
+    assert (
+        main(["import", kind, str(tmp_path / name), *flags, "--out", str(tmp_path / "t.json")]) == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_missing_source_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert (
+        main(
+            ["import", "servegen", str(tmp_path / "nope.csv.gz"), "--out", str(tmp_path / "t.json")]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope.csv.gz'}: no such file"
+
+
+# --- the real public data --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def servegen_source() -> np.ndarray:
+    return pd.read_csv(SERVEGEN)["output_tokens"].to_numpy()
+
+
+@needs_shared
+def test_real_servegen_marginal_and_groups(servegen_source: np.ndarray) -> None:
+    trace = import_servegen(SERVEGEN, ImportConfig(num_steps=16, prompts_per_step=32, seed=5))
+    _assert_marginal(trace.response_lengths(), servegen_source)
+    _assert_groups(trace)
+    assert trace.max_response_tokens == 32768
+
+
+@needs_shared
+@pytest.mark.parametrize(
+    "name, argv",
+    [
+        (
+            "servegen_r1_rl.json",
+            [
+                "import",
+                "servegen",
+                str(SERVEGEN),
+                "--num-steps",
+                "8",
+                "--prompts-per-step",
+                "32",
+                "--group-size",
+                "8",
+                "--seed",
+                "0",
+            ],
+        ),
+        (
+            "azure_conv_rl.json",
+            [
+                "import",
+                "azure-conv",
+                str(AZURE_CONV),
+                "--num-steps",
+                "4",
+                "--prompts-per-step",
+                "32",
+                "--group-size",
+                "8",
+                "--seed",
+                "0",
+            ],
+        ),
+    ],
+)
+def test_sample_traces_regenerate_byte_for_byte(tmp_path: Path, name: str, argv: list[str]) -> None:
+    # The commands documented in traces/README.md.
+    assert main([*argv, "--out", str(tmp_path / name)]) == 0
+    assert (tmp_path / name).read_bytes() == (REPO / "traces" / name).read_bytes()

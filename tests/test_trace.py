@@ -1,0 +1,410 @@
+"""Tests of the ``tlt-trace`` v1 format: round trips, accessors, and one-line errors on bad input.
+
+Run: ``.venv/bin/python -m pytest tests/test_trace.py -q``
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tltsim.cli import main
+from tltsim.trace import (
+    Prompt,
+    Response,
+    Step,
+    Trace,
+    TraceError,
+    dumps_trace,
+    load_trace,
+    save_trace,
+    trace_from_dict,
+    trace_to_dict,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+CAP = 32768
+
+# --- random traces ---------------------------------------------------------------------------
+
+_ids = st.text(st.characters(blacklist_categories=("Cs", "Cc")), min_size=1, max_size=8)
+_meta_extra = st.dictionaries(
+    st.sampled_from(["model", "source", "note"]), st.text(max_size=10), max_size=2
+)
+
+
+@st.composite
+def traces(draw, is_tabular: bool = False) -> Trace:
+    """Random valid traces; ``is_tabular`` leaves out what only JSON can hold."""
+    cap = draw(st.one_of(st.none(), st.integers(1, 5000)))
+    group_size = draw(st.one_of(st.none(), st.integers(1, 4)))
+    max_tokens = cap or 10**6
+    numbers = sorted(draw(st.sets(st.integers(0, 10_000), min_size=1, max_size=4)))
+    steps = []
+    for number in numbers:
+        ids = draw(st.lists(_ids, min_size=1, max_size=4, unique=True))
+        prompts = []
+        for pid in ids:
+            size = group_size or draw(st.integers(1, 4))
+            responses = []
+            for _ in range(size):
+                tokens = draw(st.integers(1, max_tokens))
+                finish = draw(st.sampled_from(["stop", "length"]))
+                hist = (
+                    None
+                    if is_tabular
+                    else draw(
+                        st.one_of(st.none(), st.lists(st.integers(0, 99), max_size=4).map(tuple))
+                    )
+                )
+                responses.append(Response(tokens=tokens, finish=finish, accept_hist=hist))
+            prompts.append(
+                Prompt(
+                    id=pid, prompt_tokens=draw(st.integers(1, 10**6)), responses=tuple(responses)
+                )
+            )
+        measured = (
+            None
+            if is_tabular
+            else draw(st.one_of(st.none(), st.just({"rollout_s": 1.5, "policy": {"name": "tlt"}})))
+        )
+        steps.append(Step(step=number, prompts=tuple(prompts), measured=measured))
+    meta = draw(_meta_extra)
+    if cap is not None:
+        meta["max_response_tokens"] = cap
+    if group_size is not None:
+        meta["group_size"] = group_size
+    return Trace(meta=meta, steps=tuple(steps))
+
+
+_settings = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@_settings
+@given(trace=traces())
+def test_json_round_trip_is_lossless(tmp_path: Path, trace: Trace) -> None:
+    for name in ("t.json", "t.json.gz"):
+        save_trace(trace, tmp_path / name)
+        assert load_trace(tmp_path / name) == trace
+    assert trace_from_dict(json.loads(json.dumps(trace_to_dict(trace))), "mem") == trace
+
+
+@_settings
+@given(trace=traces(is_tabular=True))
+def test_csv_and_parquet_round_trips_are_lossless(tmp_path: Path, trace: Trace) -> None:
+    save_trace(trace, tmp_path / "t.csv")
+    from_csv = load_trace(tmp_path / "t.csv")
+    assert from_csv == trace
+    save_trace(from_csv, tmp_path / "back.json")
+    assert (tmp_path / "back.json").read_text() == dumps_trace(
+        trace
+    )  # JSON -> CSV -> JSON, same bytes
+    save_trace(trace, tmp_path / "t.parquet")
+    assert load_trace(tmp_path / "t.parquet") == trace
+
+
+def _example() -> Trace:
+    return Trace(
+        meta={"max_response_tokens": 100, "group_size": 2},
+        steps=(
+            Step(
+                0,
+                (
+                    Prompt("a", 5, (Response(10), Response(100, "length"))),
+                    Prompt("b", 7, (Response(3), Response(4))),
+                ),
+            ),
+            Step(3, (Prompt("a", 6, (Response(100, "stop"), Response(1))),)),
+        ),
+    )
+
+
+def test_accessors() -> None:
+    trace = _example()
+    assert trace.num_steps == 2 and trace.num_prompts == 3 and trace.num_responses == 6
+    assert trace.steps[0].response_lengths() == [10, 100, 3, 4]
+    assert trace.steps[0].prompt_lengths() == [5, 5, 7, 7]
+    assert trace.steps[1].total_response_tokens == 101
+    assert trace.total_response_tokens == 218
+    assert trace.response_lengths().tolist() == [10, 100, 3, 4, 100, 1]
+    summary = trace.summary()
+    assert (summary["max_tokens"], summary["num_truncated"], summary["median_tokens"]) == (
+        100,
+        1,
+        7.0,
+    )
+
+
+def test_bare_int_at_cap_means_length_and_explicit_finish_survives(tmp_path: Path) -> None:
+    doc = trace_to_dict(_example())
+    assert doc["steps"][0]["prompts"][0]["responses"] == [10, 100]  # finish implied by the cap
+    assert doc["steps"][1]["prompts"][0]["responses"][0] == {"tokens": 100, "finish": "stop"}
+    assert trace_from_dict(doc, "mem") == _example()
+
+
+def test_csv_is_pandas_friendly_and_refuses_json_only_fields(tmp_path: Path) -> None:
+    save_trace(_example(), tmp_path / "t.csv")
+    frame = pd.read_csv(tmp_path / "t.csv", comment="#")
+    assert list(frame.columns) == [
+        "step",
+        "prompt_id",
+        "prompt_tokens",
+        "response_tokens",
+        "finish",
+    ]
+    assert frame["response_tokens"].sum() == 218
+    measured = Trace(
+        meta={}, steps=(Step(0, (Prompt("a", 1, (Response(2),)),), measured={"rollout_s": 1.0}),)
+    )
+    with pytest.raises(TraceError, match="measured"):
+        save_trace(measured, tmp_path / "m.csv")
+    save_trace(measured, tmp_path / "m.csv", allow_lossy=True)
+    assert load_trace(tmp_path / "m.csv").steps[0].measured is None
+
+
+def test_csv_rows_in_any_order(tmp_path: Path) -> None:
+    text = "step,prompt_id,prompt_tokens,response_tokens\n2,x,9,5\n0,b,3,7\n0,a,4,1\n0,b,3,8\n"
+    (tmp_path / "t.csv").write_text(text)
+    trace = load_trace(tmp_path / "t.csv")
+    assert [s.step for s in trace.steps] == [0, 2]
+    assert [(p.id, p.response_lengths()) for p in trace.steps[0].prompts] == [
+        ("b", [7, 8]),
+        ("a", [1]),
+    ]
+    assert trace.meta == {"source": "t.csv"}
+
+
+def test_sample_traces_validate_and_stay_small() -> None:
+    samples = sorted((REPO / "traces").glob("*.json"))
+    assert {"synth_reasoning_rl.json", "servegen_r1_rl.json"} <= {p.name for p in samples}
+    for path in samples:
+        assert path.stat().st_size < 1_000_000
+        assert main(["validate", str(path)]) == 0
+
+
+# --- bad input: exit code 2, one line naming file / step / prompt / field ----------------------
+
+GOOD = {
+    "format": "tlt-trace",
+    "version": 1,
+    "meta": {"max_response_tokens": 1000, "group_size": 2},
+    "steps": [{"step": 0, "prompts": [{"id": "p0", "prompt_tokens": 10, "responses": [5, 7]}]}],
+}
+
+
+def _bad(edit) -> dict:
+    doc = json.loads(json.dumps(GOOD))
+    edit(doc)
+    return doc
+
+
+def _prompt(doc: dict) -> dict:
+    return doc["steps"][0]["prompts"][0]
+
+
+JSON_CASES = {
+    "missing responses": (
+        lambda d: _prompt(d).pop("responses"),
+        ["step 0 prompt 'p0'", "'responses'"],
+    ),
+    "missing steps": (lambda d: d.pop("steps"), ["'steps'"]),
+    "missing tokens": (
+        lambda d: _prompt(d).update(responses=[5, {"finish": "stop"}]),
+        ["prompt 'p0' response 1", "'tokens'"],
+    ),
+    "string tokens": (
+        lambda d: _prompt(d).update(responses=[5, "812"]),
+        ["prompt 'p0' response 1", "'tokens'", "positive integer", "'812'"],
+    ),
+    "bool tokens": (
+        lambda d: _prompt(d).update(responses=[True, 5]),
+        ["response 0", "'tokens'", "True"],
+    ),
+    "float tokens": (
+        lambda d: _prompt(d).update(responses=[5, 7.5]),
+        ["response 1", "'tokens'", "7.5"],
+    ),
+    "negative tokens": (
+        lambda d: _prompt(d).update(responses=[5, -3]),
+        ["step 0 prompt 'p0' response 1", "'tokens'", "-3"],
+    ),
+    "zero tokens": (
+        lambda d: _prompt(d).update(responses=[0, 5]),
+        ["response 0", "'tokens'", "got 0"],
+    ),
+    "tokens over cap": (
+        lambda d: _prompt(d).update(responses=[5, 1001]),
+        ["'tokens'", "max_response_tokens (1000)"],
+    ),
+    "zero prompt tokens": (
+        lambda d: _prompt(d).update(prompt_tokens=0),
+        ["prompt 'p0'", "'prompt_tokens'", "got 0"],
+    ),
+    "string prompt tokens": (
+        lambda d: _prompt(d).update(prompt_tokens="10"),
+        ["'prompt_tokens'", "'10'"],
+    ),
+    "int id": (lambda d: _prompt(d).update(id=3), ["step 0 prompts[0]", "'id'", "string"]),
+    "wrong format": (lambda d: d.update(format="tlt-trac"), ["'format'", "'tlt-trace'"]),
+    "wrong version": (lambda d: d.update(version=2), ["'version'", "got 2"]),
+    "string version": (lambda d: d.update(version="1"), ["'version'", "got '1'"]),
+    "empty steps": (lambda d: d.update(steps=[]), ["'steps'", "non-empty"]),
+    "empty prompts": (
+        lambda d: d["steps"][0].update(prompts=[]),
+        ["step 0", "'prompts'", "non-empty"],
+    ),
+    "empty responses": (
+        lambda d: _prompt(d).update(responses=[]),
+        ["prompt 'p0'", "'responses'", "non-empty"],
+    ),
+    "bad finish": (
+        lambda d: _prompt(d).update(responses=[5, {"tokens": 7, "finish": "eos"}]),
+        ["response 1", "'finish'", "'stop' or 'length'", "'eos'"],
+    ),
+    "bad accept_hist": (
+        lambda d: _prompt(d).update(responses=[5, {"tokens": 7, "accept_hist": [1, -1]}]),
+        ["response 1", "'accept_hist'"],
+    ),
+    "negative step": (lambda d: d["steps"][0].update(step=-1), ["steps[0]", "'step'", "-1"]),
+    "steps not ascending": (
+        lambda d: d["steps"].append(d["steps"][0]),
+        ["steps[1]", "'step'", "ascend"],
+    ),
+    "duplicate prompt": (
+        lambda d: d["steps"][0]["prompts"].append(_prompt(d)),
+        ["prompts[1]", "'id'", "unique"],
+    ),
+    "group size mismatch": (
+        lambda d: _prompt(d).update(responses=[5]),
+        ["prompt 'p0'", "'responses'", "2 responses"],
+    ),
+    "unknown field": (
+        lambda d: _prompt(d).update(prompt_token=3),
+        ["prompt 'p0'", "'prompt_token'"],
+    ),
+    "bad meta cap": (
+        lambda d: d["meta"].update(max_response_tokens="big"),
+        ["meta", "'max_response_tokens'"],
+    ),
+    "meta not object": (lambda d: d.update(meta=[]), ["'meta'", "object"]),
+}
+
+
+def _run_validate(path: Path, capsys: pytest.CaptureFixture) -> str:
+    code = main(["validate", str(path)])
+    captured = capsys.readouterr()
+    assert code == 2
+    err = captured.err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith(f"error: {path}"), err
+    return err
+
+
+@pytest.mark.parametrize("case", sorted(JSON_CASES))
+def test_bad_json_gives_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture, case: str
+) -> None:
+    edit, fragments = JSON_CASES[case]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(_bad(edit)))
+    err = _run_validate(path, capsys)
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+def test_good_document_is_accepted(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "good.json"
+    path.write_text(json.dumps(GOOD))
+    assert main(["validate", str(path)]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"{path}: 1 steps, 1 prompts, 2 responses") and "\n" not in out
+
+
+FILE_CASES = {
+    "truncated json": ("t.json", lambda: json.dumps(GOOD)[:70], ["not valid JSON", "truncated"]),
+    "top-level list": ("t.json", lambda: "[1, 2]", ["top level"]),
+    "csv missing column": (
+        "t.csv",
+        lambda: "step,prompt_id,response_tokens\n0,a,5\n",
+        ["missing column 'prompt_tokens'"],
+    ),
+    "csv string tokens": (
+        "t.csv",
+        lambda: "step,prompt_id,prompt_tokens,response_tokens\n0,a,3,5\n0,a,3,abc\n",
+        ["line 3", "'response_tokens'", "'abc'"],
+    ),
+    "csv negative": (
+        "t.csv",
+        lambda: "step,prompt_id,prompt_tokens,response_tokens\n0,a,3,-5\n",
+        ["line 2", "'response_tokens'", "'-5'"],
+    ),
+    "csv zero": (
+        "t.csv",
+        lambda: "step,prompt_id,prompt_tokens,response_tokens\n0,a,0,5\n",
+        ["line 2", "'prompt_tokens'", "got 0"],
+    ),
+    "csv float": (
+        "t.csv",
+        lambda: "step,prompt_id,prompt_tokens,response_tokens\n0,a,3,5.0\n",
+        ["line 2", "'5.0'"],
+    ),
+    "csv bad finish": (
+        "t.csv",
+        lambda: "step,prompt_id,prompt_tokens,response_tokens,finish\n0,a,3,5,eos\n",
+        ["line 2", "'finish'", "'eos'"],
+    ),
+    "csv prompt tokens disagree": (
+        "t.csv",
+        lambda: "step,prompt_id,prompt_tokens,response_tokens\n0,a,3,5\n0,a,4,6\n",
+        ["line 3", "step 0, prompt 'a'", "'prompt_tokens'", "as on line 2"],
+    ),
+    "csv no rows": ("t.csv", lambda: "step,prompt_id,prompt_tokens,response_tokens\n", ["no rows"]),
+    "csv empty": ("t.csv", lambda: "", ["empty CSV"]),
+    "csv wrong version": (
+        "t.csv",
+        lambda: "# tlt-trace v2 meta: {}\nstep,prompt_id,prompt_tokens,response_tokens\n0,a,3,5\n",
+        ["'version'", "got 2"],
+    ),
+    "csv over cap": (
+        "t.csv",
+        lambda: (
+            '# tlt-trace v1 meta: {"max_response_tokens": 4}\nstep,prompt_id,prompt_tokens,response_tokens\n0,a,3,5\n'
+        ),
+        ["line 3", "max_response_tokens (4)"],
+    ),
+    "unknown suffix": ("t.txt", lambda: "{}", ["unknown trace file type"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FILE_CASES))
+def test_bad_files_give_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture, case: str
+) -> None:
+    name, text, fragments = FILE_CASES[case]
+    path = tmp_path / name
+    path.write_text(text())
+    err = _run_validate(path, capsys)
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+def test_missing_file_directory_and_broken_gzip(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert "no such file" in _run_validate(tmp_path / "nope.json", capsys)
+    assert "no such file" in _run_validate(tmp_path / "nope.csv", capsys)
+    (tmp_path / "dir.json").mkdir()
+    assert "directory" in _run_validate(tmp_path / "dir.json", capsys)
+    good = gzip.compress(json.dumps(GOOD).encode())
+    (tmp_path / "cut.json.gz").write_bytes(good[: len(good) // 2])
+    assert "cannot read" in _run_validate(tmp_path / "cut.json.gz", capsys)
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
+    assert "Parquet" in _run_validate(tmp_path / "junk.parquet", capsys)
