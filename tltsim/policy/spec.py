@@ -1,20 +1,5 @@
-"""Policy objects shared by the simulator (tltsim.sim) and the runtime (tltrun.engine).
-
-A policy turns an observation into a decision. Both are frozen dataclasses of plain numbers,
-so the SimPy model and the torch engine can drive the very same object. Time (``obs.now_s``)
-and randomness (a ``random.Random`` handed to the constructor) come in from outside: a policy
-never reads a clock or the global RNG, so every run is reproducible from its seed.
-
-Standard library only: importing this module pulls in neither simpy nor torch (tested).
-
-Contract for drivers (simulator and engine alike), per engine instance:
-
-1. ``policy.start_rollout(step)`` once when an RL step's rollout begins (all instances).
-2. Before every decode iteration of instance ``i``: ``decision = policy.decide(DecodeObs(...))``.
-3. After the iteration: ``policy.observe(SpecFeedback(...))`` with what really happened
-   (measured or simulated iteration seconds and accepted tokens).
-
-Spot drafter training is driven the same way through ``SpotTrainerPolicy.decide(IdleObs)``.
+"""Speculative-decoding policy interface: observations, decisions, feedback, and the two fixed
+policies (``NoSpec``, ``StaticSpec``). Standard library only. See ``tltsim.policy``.
 """
 
 from __future__ import annotations
@@ -47,6 +32,14 @@ class SpecDecision:
     Strategy naming follows TLT's public configuration: ``"{draft_steps}_{topk}_{verify_tokens}"``
     (e.g. 8_4_48 = 8 draft steps, top-4 branching per step, 48 tree nodes verified).
     ``topk == 1`` with ``verify_tokens == draft_steps`` is chain drafting.
+
+    ``verify_tokens`` counts drafted nodes; the verify forward also feeds the root (the last
+    accepted token), i.e. verify_tokens + 1 tokens per request (``tltsim.costmodel``). SGLang's
+    speculative_num_draft_tokens, the third number in TLT's names, counts the root too, so our
+    8_4_48 verifies one node more than fastrl's: a ~2% difference in verify cost, accepted so that
+    a chain stays (k, 1, k). EAGLE-2-style drafting offers at most topk + (draft_steps - 1) *
+    topk^2 candidates (a beam of topk per layer); the acceptance model verifies all of them when
+    verify_tokens is larger, the rest being padding.
     """
 
     enabled: bool
@@ -57,10 +50,14 @@ class SpecDecision:
     def __post_init__(self) -> None:
         if self.enabled:
             if self.draft_steps < 1 or self.topk < 1 or self.verify_tokens < 1:
-                raise ValueError(f"SpecDecision: enabled SD needs draft_steps, topk, verify_tokens >= 1, got {self}")
+                raise ValueError(
+                    f"SpecDecision: enabled SD needs draft_steps, topk, verify_tokens >= 1, got {self}"
+                )
             # A tree of depth d with branching topk has at most sum_{i=1..d} topk^i nodes.
             if self.verify_tokens > sum(self.topk**i for i in range(1, self.draft_steps + 1)):
-                raise ValueError(f"SpecDecision: verify_tokens={self.verify_tokens} exceeds the tree size for {self}")
+                raise ValueError(
+                    f"SpecDecision: verify_tokens={self.verify_tokens} exceeds the tree size for {self}"
+                )
 
     @property
     def strategy(self) -> str:
@@ -77,7 +74,9 @@ class SpecDecision:
             return OFF
         parts = name.split("_")
         if len(parts) != 3 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"strategy {name!r}: expected 'DRAFTSTEPS_TOPK_VERIFYTOKENS' such as '8_4_48', or 'off'")
+            raise ValueError(
+                f"strategy {name!r}: expected 'DRAFTSTEPS_TOPK_VERIFYTOKENS' such as '8_4_48', or 'off'"
+            )
         d, k, v = (int(p) for p in parts)
         return cls(True, d, k, v)
 
@@ -95,6 +94,9 @@ class SpecFeedback:
     decision: SpecDecision
     accepted_tokens: int  # tokens emitted by the whole batch this iteration (incl. bonus tokens)
     iteration_s: float  # seconds the iteration took (measured by tltrun, modelled by tltsim)
+    # A driver may report a span of identical decisions at once (tltsim's fast mode); then
+    # accepted_tokens and iteration_s are per-iteration means over the num_iters iterations.
+    num_iters: int = 1
 
 
 @runtime_checkable
@@ -128,8 +130,20 @@ class StaticSpec:
 
     name = "static"
 
-    def __init__(self, draft_steps: int = 8, topk: int = 4, verify_tokens: int = 32):
-        self.decision = SpecDecision(True, draft_steps, topk, verify_tokens)
+    def __init__(
+        self,
+        draft_steps: int = 8,
+        topk: int = 4,
+        verify_tokens: int = 32,
+        strategy: str | None = None,
+    ):
+        self.decision = (
+            SpecDecision.parse(strategy)
+            if strategy
+            else SpecDecision(True, draft_steps, topk, verify_tokens)
+        )
+        if not self.decision.enabled:
+            raise ValueError("StaticSpec: the strategy must enable SD (use NoSpec for 'off')")
 
     def start_rollout(self, step: int) -> None:
         pass
@@ -139,17 +153,3 @@ class StaticSpec:
 
     def observe(self, feedback: SpecFeedback) -> None:
         pass
-
-
-# TLTAdaptive (BEG-MAB), SpotTrainerPolicy and the vLLM dynamic-SD export are defined below
-# this line (issue #3).
-
-__all__ = [
-    "DecodeObs",
-    "NoSpec",
-    "OFF",
-    "SpecDecision",
-    "SpecFeedback",
-    "SpecPolicy",
-    "StaticSpec",
-]

@@ -1,0 +1,281 @@
+"""Policy objects: import hygiene, TLTAdaptive switching and bandit, spot trainer, vLLM export.
+
+Run: .venv/bin/python -m pytest tests/test_policy.py -q
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tltsim.policy import (
+    NO_TRAINING,
+    OFF,
+    BegMab,
+    DecodeObs,
+    IdleObs,
+    NoDrafterTraining,
+    NoSpec,
+    SpecDecision,
+    SpecFeedback,
+    SpecPolicy,
+    SpotTrainerPolicy,
+    StaticSpec,
+    TLTAdaptive,
+    TLTConfig,
+    make_policy,
+    to_vllm_dynamic_table,
+)
+
+
+def obs(num_active: int, instance: int = 0, now_s: float = 0.0, step: int = 0) -> DecodeObs:
+    return DecodeObs(now_s=now_s, step=step, instance=instance, num_active=num_active)
+
+
+def test_policy_import_pulls_in_no_simpy_torch_or_numpy():
+    code = "import sys, tltsim.policy; print(sorted(m for m in ('simpy', 'torch', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_strategy_names_round_trip():
+    for name in ("8_4_48", "8_4_8", "5_1_5", "off"):
+        assert SpecDecision.parse(name).strategy == name
+    for bad in ("8-4-48", "8_4", "x_4_8"):
+        with pytest.raises(ValueError, match="DRAFTSTEPS_TOPK_VERIFYTOKENS"):
+            SpecDecision.parse(bad)
+    with pytest.raises(ValueError, match="exceeds the tree size"):
+        SpecDecision(True, 2, 2, 7)
+
+
+def test_all_policies_satisfy_the_protocol():
+    for name in ("nospec", "static", "tlt"):
+        assert isinstance(make_policy(name, seed=0), SpecPolicy)
+
+
+# --- TLTAdaptive switching -------------------------------------------------------------------------
+
+
+def test_tlt_hysteresis_warmup_and_stays_on():
+    policy = TLTAdaptive()
+    policy.start_rollout(0)
+    assert all(policy.decide(obs(40)) == OFF for _ in range(20))  # above the threshold
+    assert all(policy.decide(obs(30)) == OFF for _ in range(9))  # 9 checks: still warming up
+    assert policy.decide(obs(33)) == OFF  # back above: the count restarts
+    assert all(policy.decide(obs(32)) == OFF for _ in range(9))
+    assert policy.decide(obs(32, now_s=12.5)).enabled  # 10th consecutive check: SD on
+    assert policy.switched_on(0) and policy.switch_time_s(0) == 12.5
+    assert policy.decide(obs(200)).enabled  # stays on for the rest of the rollout
+
+
+def test_tlt_switch_is_per_instance_and_reset_per_rollout():
+    policy = TLTAdaptive(warmup_checks=3)
+    policy.start_rollout(0)
+    for _ in range(3):
+        policy.decide(obs(8, instance=0))
+    assert policy.switched_on(0) and not policy.switched_on(1)
+    assert policy.decide(obs(8, instance=1)) == OFF
+    policy.start_rollout(1)
+    assert not policy.switched_on(0) and policy.switch_time_s(0) is None
+    assert policy.decide(obs(8, instance=0)) == OFF
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 80), min_size=1, max_size=60),
+    threshold=st.integers(1, 64),
+    warmup=st.integers(1, 12),
+)
+def test_tlt_switch_matches_reference(sizes, threshold, warmup):
+    """SD is on at call i iff some run of ``warmup`` consecutive calls with 1 <= batch <=
+    threshold ended at or before i (calls with an empty batch are not checks)."""
+    policy = TLTAdaptive(threshold=threshold, warmup_checks=warmup)
+    policy.start_rollout(0)
+    checks = [b for b in sizes if b >= 1]
+    is_on, run = [], 0
+    for b in checks:
+        run = run + 1 if b <= threshold else 0
+        is_on.append(bool(is_on and is_on[-1]) or run >= warmup)
+    got = [policy.decide(obs(b)).enabled for b in sizes if b >= 1]
+    assert got == is_on
+
+
+def test_default_buckets_follow_tlt_configuration():
+    # fastrl BEG: buckets from batch 1, 2, 5, 21 take the strategies with 48, 32, 16, 8 verify tokens.
+    policy = TLTAdaptive(warmup_checks=1)
+    policy.start_rollout(0)
+    expected = {
+        1: "8_4_48",
+        2: "8_4_32",
+        4: "8_4_32",
+        5: "8_4_16",
+        20: "8_4_16",
+        21: "8_4_8",
+        32: "8_4_8",
+    }
+    for batch, strategy in expected.items():
+        assert policy.decide(obs(batch)).strategy == strategy
+        assert policy.default_decision(batch).strategy == strategy
+
+
+def test_max_hold_iters_only_during_warmup():
+    policy = TLTAdaptive()
+    policy.start_rollout(0)
+    first = obs(16)
+    decision = policy.decide(first)
+    assert policy.max_hold_iters(first, decision) == 1
+    assert policy.max_hold_iters(obs(64), policy.decide(obs(64))) is None
+    for _ in range(10):
+        decision = policy.decide(first)
+    assert decision.enabled and policy.max_hold_iters(first, decision) is None
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="distinct verify_tokens"):
+        TLTConfig(strategies=("8_4_48", "6_4_48"))
+    with pytest.raises(ValueError, match="start at 1"):
+        TLTConfig(bucket_starts=(2, 5, 9, 21))
+    with pytest.raises(ValueError, match="epsilon"):
+        TLTConfig(epsilon=1.5)
+
+
+# --- BEG-MAB -------------------------------------------------------------------------------------
+
+ARMS_ONE_BUCKET = {"strategies": ("8_4_32", "6_4_32", "4_4_32"), "bucket_starts": (1,)}
+ARM_MEANS = {"8_4_32": 100.0, "6_4_32": 120.0, "4_4_32": 90.0}
+
+
+def drive_bandit(
+    policy: TLTAdaptive, noise: random.Random, rounds: int, batch: int = 8
+) -> list[str]:
+    chosen = []
+    for _ in range(rounds):
+        decision = policy.decide(obs(batch))
+        tokens = max(0, round(ARM_MEANS[decision.strategy] + noise.gauss(0.0, 30.0)))
+        policy.observe(SpecFeedback(0, 0, batch, decision, accepted_tokens=tokens, iteration_s=1.0))
+        chosen.append(decision.strategy)
+    return chosen
+
+
+def test_bandit_converges_to_best_arm():
+    policy = TLTAdaptive(seed=1, warmup_checks=1, **ARMS_ONE_BUCKET)
+    policy.start_rollout(0)
+    chosen = drive_bandit(policy, random.Random(2), 3000)
+    assert set(chosen[:3]) == set(ARM_MEANS)  # untried arms first
+    late = chosen[-1000:]
+    # Exploit picks the best median; exploration (epsilon = 0.1) picks each arm a third of the time.
+    assert late.count("6_4_32") / len(late) > 0.85
+
+
+def test_same_seed_same_decisions_different_seed_differs():
+    runs = []
+    for seed in (5, 5, 6):
+        policy = TLTAdaptive(seed=seed, warmup_checks=1, **ARMS_ONE_BUCKET)
+        policy.start_rollout(0)
+        runs.append(drive_bandit(policy, random.Random(9), 500))
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_bandit_statistics_per_batch_group_and_window():
+    bandit = BegMab(TLTConfig(window=5, **ARMS_ONE_BUCKET), random.Random(0))
+    arm = SpecDecision.parse("6_4_32")
+    bandit.record(3, arm, 10.0, num_iters=50)  # a span of 50 iterations, window keeps 5
+    assert list(bandit.rewards[(3, arm)]) == [10.0] * 5
+    bandit.record(40, arm, 1.0)  # batch 40 falls in the 40..47 group
+    assert list(bandit.rewards[(40, arm)]) == [1.0]
+    bandit.record(3, SpecDecision.parse("8_4_48"), 5.0)  # not an arm of this bucket: ignored
+    assert (3, SpecDecision.parse("8_4_48")) not in bandit.rewards
+
+
+def test_observe_ignores_plain_iterations():
+    policy = TLTAdaptive(**ARMS_ONE_BUCKET)
+    policy.observe(SpecFeedback(0, 0, 8, OFF, accepted_tokens=8, iteration_s=0.01))
+    assert not policy._bandit(0).rewards
+
+
+# --- spot trainer --------------------------------------------------------------------------------
+
+
+def idle(**overrides) -> IdleObs:
+    base = {
+        "now_s": 50.0,
+        "step": 0,
+        "idle_instances": (3, 1),
+        "num_instances": 4,
+        "num_rollout_active_instances": 2,
+        "buffer_tokens": 100_000,
+        "update_s": 2.0,
+        "tokens_per_update": 8192,
+        "available_s": 30.0,
+    }
+    base.update(overrides)
+    return IdleObs(**base)
+
+
+def test_spot_trainer_uses_idle_instances_within_time_and_data():
+    decision = SpotTrainerPolicy().decide(idle())
+    assert decision.workers == (1, 3) and decision.max_updates == 15  # 30 s / 2 s per update
+    data_bound = SpotTrainerPolicy().decide(idle(available_s=None))
+    assert data_bound.max_updates == 10 * 100_000 // 8192  # max_epochs passes over the buffer
+    assert SpotTrainerPolicy(max_trainers=1).decide(idle()).workers == (1,)
+
+
+def test_spot_trainer_declines():
+    policy = SpotTrainerPolicy(min_idle_instances=3, train_every_steps=2)
+    assert policy.decide(idle(idle_instances=(0, 1, 2), step=1)) == NO_TRAINING  # off-step
+    assert policy.decide(idle(step=2)) == NO_TRAINING  # too few idle instances
+    assert policy.decide(idle(idle_instances=(0, 1, 2), step=2)).is_training
+    assert (
+        SpotTrainerPolicy().decide(idle(num_rollout_active_instances=0)) == NO_TRAINING
+    )  # preempted
+    assert SpotTrainerPolicy().decide(idle(available_s=1.0)) == NO_TRAINING  # no update fits
+    assert SpotTrainerPolicy().decide(idle(buffer_tokens=0)) == NO_TRAINING
+    assert NoDrafterTraining().decide(idle()) == NO_TRAINING
+    with pytest.raises(ValueError, match="update_s"):
+        SpotTrainerPolicy().decide(idle(update_s=0.0))
+
+
+# --- vLLM export and factory -------------------------------------------------------------------
+
+
+def assert_well_formed(table: list[list[int]], max_batch: int) -> None:
+    assert table[0][0] == 1 and table[-1][1] == max_batch
+    for row, nxt in zip(table, table[1:], strict=False):
+        assert nxt[0] == row[1] + 1 and row[2] != nxt[2]  # contiguous, equal k merged
+    assert all(lo <= hi and k >= 0 for lo, hi, k in table)
+
+
+@settings(max_examples=200, deadline=None)
+@given(max_batch=st.integers(1, 1024), threshold=st.integers(1, 100))
+def test_vllm_table_well_formed(max_batch, threshold):
+    strategies = ("8_4_48", "6_4_32", "4_4_16", "3_1_3")
+    policy = TLTAdaptive(threshold=threshold, strategies=strategies)
+    table = to_vllm_dynamic_table(policy, max_batch)
+    assert_well_formed(table, max_batch)
+    per_batch = {b: k for lo, hi, k in table for b in range(lo, hi + 1)}
+    for batch in range(1, max_batch + 1):
+        expected = 0 if batch > threshold else policy.default_decision(batch).draft_steps
+        assert per_batch[batch] == expected
+
+
+def test_vllm_table_defaults_and_fixed_policies():
+    assert to_vllm_dynamic_table(make_policy("tlt"), 256) == [[1, 32, 8], [33, 256, 0]]
+    assert to_vllm_dynamic_table(make_policy("tlt"), 16) == [[1, 16, 8]]
+    assert to_vllm_dynamic_table(NoSpec(), 64) == [[1, 64, 0]]
+    assert to_vllm_dynamic_table(StaticSpec(5, 1, 5), 64) == [[1, 64, 5]]
+
+
+def test_make_policy():
+    assert make_policy("static", strategy="8_4_16").decide(obs(4)).strategy == "8_4_16"
+    assert make_policy("tlt", seed=3, threshold=16).config.threshold == 16
+    with pytest.raises(ValueError, match="unknown policy 'eagle'"):
+        make_policy("eagle")
+    with pytest.raises(ValueError, match="unknown setting"):
+        make_policy("tlt", thresh=3)
+    with pytest.raises(ValueError, match="must enable SD"):
+        make_policy("static", strategy="off")

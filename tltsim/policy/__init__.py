@@ -1,0 +1,142 @@
+"""Policy objects shared by the simulator (tltsim.sim) and the runtime (tltrun.engine).
+
+A policy turns an observation into a decision. Both are frozen dataclasses of plain numbers,
+so the SimPy model and the torch engine can drive the very same object. Time (``obs.now_s``)
+and randomness (a ``random.Random`` handed to the constructor) come in from outside: a policy
+never reads a clock or the global RNG, so every run is reproducible from its seed.
+
+Standard library only: importing this module pulls in neither simpy nor torch (tested).
+
+Contract for drivers (simulator and engine alike), per engine instance:
+
+1. ``policy.start_rollout(step)`` once when an RL step's rollout begins (all instances).
+2. Before every decode iteration of instance ``i``: ``decision = policy.decide(DecodeObs(...))``.
+3. After the iteration: ``policy.observe(SpecFeedback(...))`` with what really happened
+   (measured or simulated iteration seconds and accepted tokens).
+
+   A driver that asks once per span of iterations (tltsim's fast mode) honours an optional
+   ``policy.max_hold_iters(obs, decision)`` and reports the span with ``SpecFeedback.num_iters``.
+
+Spot drafter training is driven the same way through ``SpotTrainerPolicy.decide(IdleObs)``.
+
+Layout: ``spec`` (interface, NoSpec, StaticSpec), ``tlt`` (TLTAdaptive, BEG-MAB), ``spot``
+(spot trainer); this module adds the vLLM dynamic-SD export and ``make_policy``.
+
+    from tltsim.policy import make_policy, to_vllm_dynamic_table
+    policy = make_policy("tlt", seed=0)
+    to_vllm_dynamic_table(policy, max_batch=256)  # [[1, 32, 8], [33, 256, 0]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from tltsim.policy.spec import (
+    OFF,
+    DecodeObs,
+    NoSpec,
+    SpecDecision,
+    SpecFeedback,
+    SpecPolicy,
+    StaticSpec,
+)
+from tltsim.policy.spot import (
+    NO_TRAINING,
+    DrafterTrainingPolicy,
+    IdleObs,
+    NoDrafterTraining,
+    SpotTrainerConfig,
+    SpotTrainerPolicy,
+    TrainDecision,
+)
+from tltsim.policy.tlt import REWARD_GROUPS, BegMab, TLTAdaptive, TLTConfig, bucket_arms
+
+# ---------------------------------------------------------------------------------------------
+# vLLM dynamic-SD export and the policy factory
+# ---------------------------------------------------------------------------------------------
+
+
+def to_vllm_dynamic_table(policy: SpecPolicy, max_batch: int) -> list[list[int]]:
+    """Rows [min_batch, max_batch, k] of vLLM's ``num_speculative_tokens_per_batch_size``
+    (k = 0: no speculation), contiguous and covering 1..max_batch, adjacent equal k merged.
+
+    TLTAdaptive maps to k = 0 above ``threshold`` and, below, k = draft_steps of each bucket's
+    first arm, since vLLM's EAGLE here drafts a chain. Lost in the export: the warm-up hysteresis
+    (vLLM switches per iteration on the batch size alone, without re-prefill), the tree shape
+    (topk, verify_tokens) and the bandit (one fixed arm per bucket)."""
+    if max_batch < 1:
+        raise ValueError(f"to_vllm_dynamic_table: max_batch must be >= 1, got {max_batch}")
+    if isinstance(policy, NoSpec):
+        return [[1, max_batch, 0]]
+    if isinstance(policy, StaticSpec):
+        return [[1, max_batch, policy.decision.draft_steps]]
+    if not isinstance(policy, TLTAdaptive):
+        raise ValueError(
+            f"to_vllm_dynamic_table: no export for policy {getattr(policy, 'name', type(policy).__name__)!r}"
+        )
+    cfg = policy.config
+    rows: list[list[int]] = []
+    for start, end, arms in cfg.buckets():
+        hi = min(end if end is not None else max_batch, cfg.threshold, max_batch)
+        if start <= hi:
+            rows.append([start, hi, arms[0].draft_steps])
+    if max_batch > cfg.threshold:
+        rows.append([cfg.threshold + 1, max_batch, 0])
+    merged: list[list[int]] = []
+    for row in rows:
+        if merged and merged[-1][2] == row[2]:
+            merged[-1][1] = row[1]
+        else:
+            merged.append(row)
+    return merged
+
+
+POLICY_NAMES = ("nospec", "static", "tlt")
+
+
+def make_policy(name: str, seed: int = 0, **settings) -> SpecPolicy:
+    """ "nospec" | "static" (draft_steps, topk, verify_tokens or strategy="8_4_32") | "tlt"
+    (TLTConfig fields). Bad names or settings raise one ValueError naming them."""
+    if name not in POLICY_NAMES:
+        raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
+    allowed = {
+        "nospec": set(),
+        "static": {"draft_steps", "topk", "verify_tokens", "strategy"},
+        "tlt": {f.name for f in fields(TLTConfig)},
+    }[name]
+    unknown = sorted(set(settings) - allowed)
+    if unknown:
+        raise ValueError(
+            f"policy {name!r}: unknown setting(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed)) or 'none'}"
+        )
+    if name == "nospec":
+        return NoSpec()
+    if name == "static":
+        return StaticSpec(**settings)
+    return TLTAdaptive(seed=seed, **settings)
+
+
+__all__ = [
+    "BegMab",
+    "DecodeObs",
+    "DrafterTrainingPolicy",
+    "IdleObs",
+    "NO_TRAINING",
+    "NoDrafterTraining",
+    "NoSpec",
+    "OFF",
+    "POLICY_NAMES",
+    "REWARD_GROUPS",
+    "SpecDecision",
+    "SpecFeedback",
+    "SpecPolicy",
+    "SpotTrainerConfig",
+    "SpotTrainerPolicy",
+    "StaticSpec",
+    "TLTAdaptive",
+    "TLTConfig",
+    "TrainDecision",
+    "bucket_arms",
+    "make_policy",
+    "to_vllm_dynamic_table",
+]

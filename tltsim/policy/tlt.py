@@ -1,0 +1,216 @@
+"""``TLTAdaptive``: SD only in the long tail of a rollout, with the strategy per batch-size
+bucket chosen by the BEG-MAB bandit (TLT, arXiv 2511.16665). Standard library only.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+from tltsim.policy.spec import OFF, DecodeObs, SpecDecision, SpecFeedback
+
+# Reward statistics are kept per fine batch-size group, as fastrl's MABGroupManager does
+# (third-party/sglang/.../speculative/eagle_mab.py): 1..31, then steps of 8 to 120, then of 32 to 256.
+REWARD_GROUPS = tuple(range(1, 32)) + tuple(range(32, 128, 8)) + tuple(range(128, 257, 32))
+
+
+@dataclass(frozen=True)
+class TLTConfig:
+    """TLTAdaptive settings. Defaults are TLT's public configuration (mit-han-lab/fastrl:
+    verl/trainer/config/fastrl_trainer.yaml and the patched SGLang it ships)."""
+
+    threshold: int = 32  # speculative.bs_threshold: SD stays off above this many active requests
+    # eagle_worker.py adaptive_spec_warmup_checks: consecutive checks at or below the threshold
+    warmup_checks: int = 10
+    # spec_steps/topk/verify_tokens 8/4/48 plus mab_configs 8_4_32, 8_4_16, 8_4_8
+    strategies: tuple[str, ...] = ("8_4_48", "8_4_32", "8_4_16", "8_4_8")
+    bucket_starts: tuple[int, ...] = (1, 2, 5, 21)  # mab_bs_threshold
+    epsilon: float = 0.1  # EpsilonGreedyMAB / BucketedEpsilonGreedyMAB default
+    window: int = 300  # server_args speculative_mab_window_size: rewards kept per arm
+
+    def __post_init__(self) -> None:
+        if self.threshold < 1 or self.warmup_checks < 1 or self.window < 1:
+            raise ValueError(
+                f"TLTConfig: threshold, warmup_checks and window must be >= 1, got {self.threshold}, {self.warmup_checks}, {self.window}"
+            )
+        if not 0.0 <= self.epsilon <= 1.0:
+            raise ValueError(f"TLTConfig: epsilon must be in [0, 1], got {self.epsilon}")
+        starts = self.bucket_starts
+        if (
+            not starts
+            or starts[0] != 1
+            or any(b <= a for a, b in zip(starts, starts[1:], strict=False))
+        ):
+            raise ValueError(
+                f"TLTConfig: bucket_starts must be increasing and start at 1, got {starts}"
+            )
+        decisions = [SpecDecision.parse(s) for s in self.strategies]
+        if not all(d.enabled for d in decisions):
+            raise ValueError("TLTConfig: every strategy must enable SD ('off' is not an arm)")
+        if len({d.verify_tokens for d in decisions}) != len(starts):
+            raise ValueError(
+                f"TLTConfig: {len(starts)} buckets need as many distinct verify_tokens values among the strategies, got {self.strategies}"
+            )
+
+    def buckets(self) -> tuple[tuple[int, int | None, tuple[SpecDecision, ...]], ...]:
+        """(min_batch, max_batch or None for no cap, arms). As in fastrl's BEG: strategies are
+        grouped by verify_tokens, the group with the most verify tokens serving the smallest
+        batches; arms keep the order given in ``strategies`` (the first is the bucket default)."""
+        decisions = [SpecDecision.parse(s) for s in self.strategies]
+        tokens = sorted({d.verify_tokens for d in decisions}, reverse=True)
+        ends = [s - 1 for s in self.bucket_starts[1:]] + [None]
+        return tuple(
+            (start, end, tuple(d for d in decisions if d.verify_tokens == v))
+            for start, end, v in zip(self.bucket_starts, ends, tokens, strict=True)
+        )
+
+
+def bucket_arms(
+    buckets: tuple[tuple[int, int | None, tuple[SpecDecision, ...]], ...], batch: int
+) -> tuple[SpecDecision, ...]:
+    """Arms of the bucket serving ``batch`` (``TLTConfig.buckets()`` format)."""
+    for start, end, arms in buckets:
+        if start <= batch and (end is None or batch <= end):
+            return arms
+    raise ValueError(f"batch must be >= 1, got {batch}")
+
+
+class BegMab:
+    """Bucketed epsilon-greedy bandit (BEG-MAB) of one engine instance. The batch size picks the
+    bucket (its arms); reward windows are kept per (reward group, arm). Selection: an arm with
+    no reward yet first, else with probability epsilon a uniformly random arm, else the arm with
+    the highest median reward over its window. A bucket with one arm needs no bandit (and draws
+    no random number), as in fastrl; TLT's default strategies give one arm per bucket."""
+
+    def __init__(self, config: TLTConfig, rng: random.Random):
+        self.config = config
+        self.rng = rng
+        self.buckets = config.buckets()
+        self.rewards: dict[tuple[int, SpecDecision], deque[float]] = {}
+
+    def arms(self, batch: int) -> tuple[SpecDecision, ...]:
+        return bucket_arms(self.buckets, batch)
+
+    def _window(self, batch: int, arm: SpecDecision) -> deque[float]:
+        group = max(g for g in REWARD_GROUPS if g <= batch) if batch >= 1 else 1
+        key = (group, arm)
+        if key not in self.rewards:
+            self.rewards[key] = deque(maxlen=self.config.window)
+        return self.rewards[key]
+
+    def select(self, batch: int) -> SpecDecision:
+        arms = self.arms(batch)
+        if len(arms) == 1:
+            return arms[0]
+        windows = [self._window(batch, arm) for arm in arms]
+        for arm, window in zip(arms, windows, strict=True):
+            if not window:
+                return arm
+        if self.rng.random() < self.config.epsilon:
+            return self.rng.choice(arms)
+        medians = [statistics.median(w) for w in windows]
+        return arms[medians.index(max(medians))]
+
+    def record(self, batch: int, arm: SpecDecision, reward: float, num_iters: int = 1) -> None:
+        if arm in self.arms(batch):
+            self._window(batch, arm).extend([reward] * min(num_iters, self.config.window))
+
+
+@dataclass
+class _InstanceSwitch:
+    """Per-instance SD switch of one rollout (reset by start_rollout)."""
+
+    checks: int = 0  # consecutive decide() calls with num_active <= threshold
+    is_on: bool = False
+    switch_s: float | None = None  # DecodeObs.now_s when SD switched on
+
+
+class TLTAdaptive:
+    """TLT's adaptive rollout engine (arXiv 2511.16665; fastrl ``EAGLEWorker.should_enable_sd``).
+
+    Per instance: SD is off while ``num_active > threshold``; once ``num_active <= threshold`` has
+    held for ``warmup_checks`` consecutive decide() calls it switches on and stays on for the rest
+    of that rollout (long-tail batches only shrink). fastrl runs the switching iteration without
+    SD and requeues the batch to re-prefill the drafter; here SD is on from that iteration and the
+    driver charges the re-prefill (``CostModel.sd_switch_s``) before it.
+
+    The strategy comes from the instance's ``BegMab``. Reward = accepted tokens x batch size /
+    iteration seconds with accepted tokens PER REQUEST (fastrl: mean accept length incl. the
+    bonus token x batch / time), i.e. batch-total tokens per second; ``SpecFeedback`` carries
+    the batch total, so reward = accepted_tokens / iteration_s. (fastrl smooths the accept length
+    with its median across batch groups; we use the measured one.) Bandit statistics persist
+    across rollouts (fastrl keeps its MAB manager for the engine's lifetime); the switch resets.
+    """
+
+    name = "tlt"
+
+    def __init__(
+        self,
+        seed: int = 0,
+        rng: random.Random | None = None,
+        config: TLTConfig | None = None,
+        **settings,
+    ):
+        if config is not None and settings:
+            raise ValueError("TLTAdaptive: pass either a TLTConfig or its fields, not both")
+        self.config = config or TLTConfig(**settings)
+        self.seed = seed
+        # One stream per instance, so an instance's choices do not depend on the order in which
+        # a driver interleaves instances; a shared ``rng`` may be passed instead.
+        self._shared_rng = rng
+        self._bandits: dict[int, BegMab] = {}
+        self._switches: dict[int, _InstanceSwitch] = {}
+
+    def _bandit(self, instance: int) -> BegMab:
+        if instance not in self._bandits:
+            rng = self._shared_rng or random.Random(f"tlt:{self.seed}:{instance}")
+            self._bandits[instance] = BegMab(self.config, rng)
+        return self._bandits[instance]
+
+    def _switch(self, instance: int) -> _InstanceSwitch:
+        return self._switches.setdefault(instance, _InstanceSwitch())
+
+    def start_rollout(self, step: int) -> None:
+        self._switches.clear()
+
+    def decide(self, obs: DecodeObs) -> SpecDecision:
+        if obs.num_active < 1:
+            return OFF
+        sw = self._switch(obs.instance)
+        if not sw.is_on:
+            sw.checks = sw.checks + 1 if obs.num_active <= self.config.threshold else 0
+            if sw.checks < self.config.warmup_checks:
+                return OFF
+            sw.is_on, sw.switch_s = True, obs.now_s
+        return self._bandit(obs.instance).select(obs.num_active)
+
+    def max_hold_iters(self, obs: DecodeObs, decision: SpecDecision) -> int | None:
+        """For drivers that ask once per span: during the warm-up every iteration is a check, so
+        a decision may stand for one iteration only; otherwise until the batch changes."""
+        sw = self._switches.get(obs.instance)
+        is_warming = sw is not None and not sw.is_on and obs.num_active <= self.config.threshold
+        return 1 if is_warming else None
+
+    def observe(self, feedback: SpecFeedback) -> None:
+        if not feedback.decision.enabled or feedback.iteration_s <= 0 or feedback.num_active < 1:
+            return
+        reward = feedback.accepted_tokens / feedback.iteration_s
+        self._bandit(feedback.instance).record(
+            feedback.num_active, feedback.decision, reward, feedback.num_iters
+        )
+
+    def switched_on(self, instance: int) -> bool:
+        """Whether SD is on for ``instance`` in the current rollout (the "SD switch" marker)."""
+        sw = self._switches.get(instance)
+        return sw is not None and sw.is_on
+
+    def switch_time_s(self, instance: int) -> float | None:
+        """``DecodeObs.now_s`` at which SD switched on for ``instance`` this rollout, or None."""
+        sw = self._switches.get(instance)
+        return sw.switch_s if sw is not None else None
+
+    def default_decision(self, batch: int) -> SpecDecision:
+        """The first arm of the bucket serving ``batch`` (what the vLLM table exports)."""
+        return bucket_arms(self.config.buckets(), batch)[0]
