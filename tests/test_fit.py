@@ -1,0 +1,245 @@
+"""``tltsim fit``: recover known drafter-dynamics parameters from synthetic measured traces,
+the per-step maximum-likelihood estimate, the dynamics recursion, and one-line bad input.
+
+Synthetic traces are drawn from the simulator's own model with known parameters; recovery is
+checked against both the reported standard errors and an absolute tolerance.
+
+Run: .venv/bin/python -m pytest tests/test_fit.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tltsim.acceptance import DrafterDynamics, accept_len_pmf
+from tltsim.cli import main
+from tltsim.cliutil import UsageError
+from tltsim.fit import FitConfig, estimate_accept_rate, fit_trace, load_dynamics
+from tltsim.fit_dynamics import StepAcceptance, predict
+from tltsim.policy import SpecDecision
+from tltsim.trace import Prompt, Response, Step, Trace, save_trace
+
+TRUE = DrafterDynamics(
+    max_accept_rate=0.85,
+    initial_accept_rate=0.75,
+    stale_accept_rate=0.45,
+    drift_per_step=0.08,
+    learn_tokens=2e5,
+    sibling_rate=0.35,
+)
+# 20 steps of a frozen drafter (drift toward stale), then 15 of spot training (recovery).
+TRAINED = [0] * 20 + [100_000] * 15
+
+
+def synthetic_trace(
+    dynamics: DrafterDynamics,
+    trained: list[int],
+    strategy: str,
+    seed: int = 0,
+    num_prompts: int = 16,
+    verifies_per_response: int = 50,
+    measured_strategy: bool = True,
+) -> Trace:
+    """Per step: acceptance from ``dynamics``; per response, ``verifies_per_response`` verify
+    outcomes drawn from the exact accept-length distribution, as tltrun records them."""
+    rng = np.random.default_rng(seed)
+    decision = SpecDecision.parse(strategy)
+    rates = predict(dynamics, [StepAcceptance(i, {}, n) for i, n in enumerate(trained)])
+    steps = []
+    for i, rate in enumerate(rates):
+        pmf = accept_len_pmf(decision, rate, dynamics.sibling_rate)
+        prompts = []
+        for p in range(num_prompts):
+            responses = []
+            for _ in range(4):
+                hist = rng.multinomial(verifies_per_response, pmf)
+                tokens = int(hist @ np.arange(1, hist.size + 1))
+                responses.append(Response(tokens=tokens, accept_hist=tuple(int(h) for h in hist)))
+            prompts.append(Prompt(f"p{p}", 100, tuple(responses)))
+        measured = {"drafter_trained_tokens": trained[i]}
+        if measured_strategy:
+            measured["policy"] = {"name": "static", "iterations_per_strategy": {strategy: 99}}
+        steps.append(Step(i, tuple(prompts), measured))
+    return Trace({"source": "synthetic"}, tuple(steps))
+
+
+def assert_recovered(
+    fitted: DrafterDynamics, stderr: dict, names: tuple[str, ...], rel: float = 0.25
+) -> None:
+    for name in names:
+        got, want = getattr(fitted, name), getattr(TRUE, name)
+        assert abs(got - want) <= 4 * stderr[name], (name, got, want, stderr[name])
+        assert abs(got - want) <= rel * abs(want), (name, got, want)
+
+
+ALL = (
+    "initial_accept_rate",
+    "max_accept_rate",
+    "stale_accept_rate",
+    "drift_per_step",
+    "learn_tokens",
+)
+
+
+def test_chain_fit_recovers_all_five_parameters() -> None:
+    result = fit_trace(synthetic_trace(TRUE, TRAINED, "4_1_4"), FitConfig(), "synthetic")
+    assert set(result.fit.fitted) == set(ALL) and result.sibling_rate_se is None
+    assert_recovered(result.dynamics, result.fit.stderr, ALL)
+    assert 0.3 < result.fit.chi2_per_dof < 2.5  # binomial noise only: chi^2/dof near 1
+    assert result.dynamics.sibling_rate == DrafterDynamics().sibling_rate  # held: chains only
+
+
+def test_frozen_drafter_holds_what_it_cannot_determine() -> None:
+    """No training: max_accept_rate and learn_tokens are not identifiable and stay at base."""
+    trace = synthetic_trace(TRUE, [0] * 25, "4_1_4", seed=1)
+    result = fit_trace(trace, FitConfig(), "synthetic")
+    assert set(result.fit.fitted) == {"initial_accept_rate", "stale_accept_rate", "drift_per_step"}
+    assert "no drafter training" in result.fit.held["learn_tokens"]
+    assert result.dynamics.learn_tokens == DrafterDynamics().learn_tokens
+    assert_recovered(
+        result.dynamics, result.fit.stderr, ("initial_accept_rate", "drift_per_step"), rel=0.2
+    )
+    assert abs(result.dynamics.stale_accept_rate - TRUE.stale_accept_rate) < 0.08
+
+
+def test_tree_fit_recovers_sibling_rate() -> None:
+    trace = synthetic_trace(TRUE, TRAINED[:6] + TRAINED[-6:], "4_2_6", seed=2)
+    result = fit_trace(
+        trace, FitConfig(fixed=("learn_tokens", "max_accept_rate")), "synthetic", base=TRUE
+    )
+    assert "sibling_rate" in result.to_json("x")["fit"]["fitted"]
+    assert abs(result.dynamics.sibling_rate - TRUE.sibling_rate) < 4 * result.sibling_rate_se + 0.01
+    assert abs(result.dynamics.initial_accept_rate - TRUE.initial_accept_rate) < 0.02
+
+
+def test_chain_estimate_is_the_likelihood_maximum() -> None:
+    """The closed form S / (S + F) maximises the exact accept-length likelihood."""
+    decision = SpecDecision.parse("5_1_5")
+    hist = np.array([30.0, 22.0, 15.0, 9.0, 7.0, 17.0])
+    a, se, _ = estimate_accept_rate({decision: hist}, 0.25)
+    accepted, rejected = hist @ np.arange(6), hist[:5].sum()
+    assert a == pytest.approx(accepted / (accepted + rejected))
+
+    def loglik(x: float) -> float:
+        return float(hist @ np.log(accept_len_pmf(decision, x)))
+
+    assert loglik(a) > loglik(a + 1e-3) and loglik(a) > loglik(a - 1e-3)
+    assert se == pytest.approx(np.sqrt(a * (1 - a) / (accepted + rejected)))
+
+
+def test_predict_follows_the_simulator_order() -> None:
+    """Rollout at the current rate, then training on the step's tokens, then one drift per RL
+    update up to the next recorded step (steps 0, 1, 3: two drifts before step 3)."""
+    dyn = DrafterDynamics(
+        max_accept_rate=0.9,
+        initial_accept_rate=0.7,
+        stale_accept_rate=0.5,
+        drift_per_step=0.1,
+        learn_tokens=1000,
+    )
+    got = predict(
+        dyn, [StepAcceptance(0, {}, 1000), StepAcceptance(1, {}, 0), StepAcceptance(3, {}, 0)]
+    )
+    a1 = 0.9 - 0.2 * np.exp(-1)  # trained on 1000 tokens
+    a1 -= 0.1 * (a1 - 0.5)  # drift into step 1
+    a3 = a1
+    for _ in range(2):
+        a3 -= 0.1 * (a3 - 0.5)
+    assert got == pytest.approx([0.7, a1, a3])
+
+
+def test_cli_fit_writes_loadable_json(tmp_path: Path, capsys) -> None:
+    trace_path, out = tmp_path / "measured.json", tmp_path / "fit.json"
+    save_trace(synthetic_trace(TRUE, TRAINED, "3_1_3", seed=3), trace_path)
+    assert main(["fit", str(trace_path), "--out", str(out), "--fixed", "stale_accept_rate"]) == 0
+    printed = capsys.readouterr().out
+    assert "drift_per_step" in printed and "held: held by --fixed" in printed
+    saved = json.loads(out.read_text())
+    assert saved["config"]["fixed"] == ["stale_accept_rate"]
+    dyn = load_dynamics(out)
+    assert dyn.stale_accept_rate == DrafterDynamics().stale_accept_rate
+    assert abs(dyn.initial_accept_rate - TRUE.initial_accept_rate) < 0.03
+
+
+def _bad(tmp_path: Path, trace: Trace) -> Path:
+    path = tmp_path / "bad.json"
+    save_trace(trace, path)
+    return path
+
+
+def _with_step(trace: Trace, index: int, **changes) -> Trace:
+    steps = list(trace.steps)
+    steps[index] = Step(
+        **{
+            "step": steps[index].step,
+            "prompts": steps[index].prompts,
+            "measured": steps[index].measured,
+            **changes,
+        }
+    )
+    return Trace(trace.meta, tuple(steps))
+
+
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (
+            lambda t: _with_step(
+                t, 2, measured={"policy": {"iterations_per_strategy": {"2_1_2": 5, "3_1_3": 4}}}
+            ),
+            "step 2: mixed strategies 2_1_2, 3_1_3",
+        ),
+        (
+            lambda t: _with_step(t, 1, measured={}),
+            "step 1: responses have accept_hist but no strategy is recorded",
+        ),
+        (
+            lambda t: _with_step(t, 0, measured={"strategy": "2_1_2"}),
+            "step 0: accept_hist has 4 entries but strategy 2_1_2 drafts at most 2 tokens",
+        ),
+        (
+            lambda t: _with_step(
+                t, 0, measured={"strategy": "3_1_3", "drafter_trained_tokens": -5}
+            ),
+            "step 0: field 'measured.drafter_trained_tokens'",
+        ),
+        (
+            lambda t: Trace(
+                t.meta, tuple(Step(s.step, (Prompt("p", 10, (Response(5),)),)) for s in t.steps)
+            ),
+            "no SD verifies recorded",
+        ),
+    ],
+)
+def test_bad_measured_trace_is_one_line_exit_2(
+    tmp_path: Path, capsys, mutate, expected: str
+) -> None:
+    trace = synthetic_trace(TRUE, [0, 0, 0], "3_1_3", num_prompts=2)
+    path = _bad(tmp_path, mutate(trace))
+    assert main(["fit", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and expected in err, err
+
+
+def test_bad_config_and_dynamics_file(tmp_path: Path, capsys) -> None:
+    trace_path = tmp_path / "t.json"
+    save_trace(synthetic_trace(TRUE, [0, 0, 0], "3_1_3", num_prompts=2), trace_path)
+    assert main(["fit", str(trace_path), "--fixed", "warp_speed"]) == 2
+    assert "unknown field(s) warp_speed" in capsys.readouterr().err
+    bad = tmp_path / "dyn.json"
+    bad.write_text(
+        json.dumps(
+            {"format": "tlt-drafter-dynamics", "version": 1, "dynamics": {"drift_per_step": 2.0}}
+        )
+    )
+    with pytest.raises(UsageError, match="drift_per_step must be in"):
+        load_dynamics(bad)
+    bad.write_text(
+        json.dumps({"format": "tlt-drafter-dynamics", "version": 1, "dynamics": {"warp": 1}})
+    )
+    with pytest.raises(UsageError, match="dynamics.warp"):
+        load_dynamics(bad)
