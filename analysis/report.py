@@ -1,0 +1,41 @@
+"""``tltsim report DIR``: detect a replay or sweep output directory and draw its figures.
+
+    python -m analysis.report results/replay-synth_reasoning_rl
+
+The kind is read from ``DIR/summary.json`` (``"kind": "replay" | "sweep"``); figures go to
+``DIR/plots/*.png``. A directory that is neither raises ValueError with one line saying why.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def report(out_dir: str | Path) -> list[Path]:
+    out_dir = Path(out_dir)
+    summary_path = out_dir / "summary.json"
+    try:
+        kind = json.loads(summary_path.read_text()).get("kind")
+    except FileNotFoundError:
+        raise ValueError(
+            f"{out_dir}: no summary.json (expected the output directory of tltsim replay or tltsim sweep)"
+        ) from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{summary_path}: unreadable ({err})") from None
+    if kind == "replay":
+        from analysis.replay_plots import draw_all
+    elif kind == "sweep":
+        from analysis.sweep_plots import draw_all
+    else:
+        raise ValueError(f"{summary_path}: field 'kind' must be 'replay' or 'sweep', got {kind!r}")
+    try:
+        return draw_all(out_dir)
+    except FileNotFoundError as err:
+        raise ValueError(f"{out_dir}: missing result file {Path(err.filename).name}") from None
+
+
+if __name__ == "__main__":
+    for path in report(sys.argv[1]):
+        print(f"wrote {path}")

@@ -1,0 +1,156 @@
+"""Figures of a ``tltsim sweep`` output directory (PNG, matplotlib Agg).
+
+    python -c "from analysis.sweep_plots import draw_all; draw_all('results/sweep-x')"
+    (or: tltsim report results/sweep-x)
+
+Reads ``sweep.parquet`` and ``summary.json``. Speedup vs NoSpec (mean over seeds, other settings
+averaged) against the settings the sweep varied: bars when none varies, lines (one per policy)
+for one setting, a heat map per policy over the first two otherwise. The best setting is marked.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from analysis.replay_plots import POLICY_COLORS, _save  # noqa: E402
+
+
+def _speculating(table: pd.DataFrame) -> pd.DataFrame:
+    return table[table.policy != "nospec"]
+
+
+def speedup_bars(table: pd.DataFrame, path: Path) -> Path:
+    rows = (
+        _speculating(table).groupby("policy")["speedup_vs_nospec"].agg(["mean", "std"]).fillna(0.0)
+    )
+    fig, ax = plt.subplots(figsize=(6, 4))
+    colors = [POLICY_COLORS.get(p, "#1f77b4") for p in rows.index]
+    ax.bar(rows.index, rows["mean"], yerr=rows["std"], color=colors, capsize=4)
+    best = rows["mean"].idxmax()
+    ax.annotate(
+        "best",
+        (list(rows.index).index(best), rows.loc[best, "mean"]),
+        ha="center",
+        va="bottom",
+        xytext=(0, 8),
+        textcoords="offset points",
+    )
+    ax.axhline(1.0, color="black", lw=1, ls=":")
+    ax.set_ylabel("step-time speedup vs NoSpec")
+    ax.set_title("Sweep: speedup per policy (mean and std over seeds)")
+    return _save(fig, path)
+
+
+def speedup_lines(table: pd.DataFrame, setting: str, path: Path) -> Path:
+    spec = _speculating(table)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    best_val, best_at = -np.inf, None
+    for policy in dict.fromkeys(spec.policy):
+        rows = (
+            spec[spec.policy == policy]
+            .groupby(setting)["speedup_vs_nospec"]
+            .agg(["mean", "std"])
+            .fillna(0.0)
+        )
+        x = rows.index.to_numpy()
+        ax.errorbar(
+            x,
+            rows["mean"],
+            yerr=rows["std"],
+            marker="o",
+            capsize=3,
+            color=POLICY_COLORS.get(policy),
+            label=policy,
+        )
+        i = int(np.argmax(rows["mean"].to_numpy()))
+        if rows["mean"].iloc[i] > best_val:
+            best_val, best_at = rows["mean"].iloc[i], (x[i], policy)
+    if best_at is not None:
+        ax.plot(
+            [best_at[0]],
+            [best_val],
+            marker="*",
+            ms=18,
+            color="gold",
+            mec="black",
+            ls="none",
+            label=f"best: {best_at[1]}, {setting}={best_at[0]:g} ({best_val:.2f}x)",
+        )
+    ax.axhline(1.0, color="black", lw=1, ls=":")
+    ax.set_xlabel(setting)
+    ax.set_ylabel("step-time speedup vs NoSpec")
+    ax.set_title(f"Sweep: speedup vs {setting}\n(mean and std over seeds and the other settings)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def speedup_surface(table: pd.DataFrame, x: str, y: str, path: Path) -> Path:
+    spec = _speculating(table)
+    policies = list(dict.fromkeys(spec.policy))
+    fig, axes = plt.subplots(1, len(policies), figsize=(5.5 * len(policies), 4.5), squeeze=False)
+    grids = {
+        p: spec[spec.policy == p].pivot_table(
+            index=y, columns=x, values="speedup_vs_nospec", aggfunc="mean"
+        )
+        for p in policies
+    }
+    vmin = min(float(np.nanmin(g.to_numpy())) for g in grids.values())
+    vmax = max(float(np.nanmax(g.to_numpy())) for g in grids.values())
+    best_policy = max(grids, key=lambda p: np.nanmax(grids[p].to_numpy()))
+    for ax, policy in zip(axes[0], policies, strict=True):
+        grid = grids[policy]
+        im = ax.imshow(
+            grid.to_numpy(), origin="lower", aspect="auto", cmap="viridis", vmin=vmin, vmax=vmax
+        )
+        ax.set_xticks(
+            range(grid.shape[1]),
+            [f"{v:g}" if isinstance(v, float) else str(v) for v in grid.columns],
+        )
+        ax.set_yticks(
+            range(grid.shape[0]), [f"{v:g}" if isinstance(v, float) else str(v) for v in grid.index]
+        )
+        for (i, j), value in np.ndenumerate(grid.to_numpy()):
+            if np.isfinite(value):
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white", fontsize=8)
+        if policy == best_policy:
+            i, j = np.unravel_index(np.nanargmax(grid.to_numpy()), grid.shape)
+            ax.plot([j], [i], marker="*", ms=22, color="gold", mec="black", ls="none", label="best")
+            ax.legend(loc="upper right", fontsize=8)
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
+        ax.set_title(f"{policy}: speedup vs NoSpec")
+        fig.colorbar(im, ax=ax, label="speedup (x)")
+    return _save(fig, path)
+
+
+def draw_all(out_dir: str | Path) -> list[Path]:
+    out_dir = Path(out_dir)
+    plots = out_dir / "plots"
+    plots.mkdir(exist_ok=True)
+    table = pd.read_parquet(out_dir / "sweep.parquet")
+    varying = json.loads((out_dir / "summary.json").read_text())["varying"]
+    if not len(_speculating(table)):
+        raise ValueError(
+            f"{out_dir}: the sweep has no speculating policy, nothing to compare with NoSpec"
+        )
+    written = [speedup_bars(table, plots / "speedup_per_policy.png")]
+    if len(varying) == 1:
+        written.append(speedup_lines(table, varying[0], plots / f"speedup_vs_{varying[0]}.png"))
+    elif len(varying) >= 2:
+        written.append(
+            speedup_surface(
+                table, varying[0], varying[1], plots / f"speedup_{varying[0]}_x_{varying[1]}.png"
+            )
+        )
+        for setting in varying:
+            written.append(speedup_lines(table, setting, plots / f"speedup_vs_{setting}.png"))
+    return written

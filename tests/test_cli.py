@@ -1,0 +1,168 @@
+"""``tltsim replay`` and ``tltsim report`` end to end: files written, figures drawn, bad input.
+
+.venv/bin/python -m pytest tests/test_cli.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image as mpimg
+import pandas as pd
+import pytest
+
+from tltsim.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "traces" / "synth_reasoning_rl.json"
+
+
+def assert_real_png(path: Path) -> None:
+    """Exists, is not tiny, and is not a blank canvas."""
+    assert path.exists() and path.stat().st_size > 15_000, path
+    pixels = mpimg.imread(path)[..., :3]
+    assert pixels.std() > 0.05, f"{path.name} looks blank"
+    assert (pixels.reshape(-1, 3) < 0.9).any(axis=1).mean() > 0.02, f"{path.name} has almost no ink"
+
+
+@pytest.fixture(scope="module")
+def replay_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("replay")
+    assert (
+        main(
+            [
+                "replay",
+                str(SAMPLE),
+                "--max-steps",
+                "3",
+                "--preset",
+                "h100x8-qwen7b",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    return out
+
+
+def test_replay_writes_every_result_file(replay_dir: Path) -> None:
+    config = json.loads((replay_dir / "config.json").read_text())
+    assert config["sim"]["num_gpus"] == 8 and config["sim"]["model"] == "Qwen2.5-7B"
+    assert config["replay"]["policy"] == "all" and config["trace"].endswith(
+        "synth_reasoning_rl.json"
+    )
+    summary = json.loads((replay_dir / "summary.json").read_text())
+    assert summary["kind"] == "replay"
+    rows = {r["policy"]: r for r in summary["policies"]}
+    assert set(rows) == {"nospec", "static", "tlt"}
+    assert rows["nospec"]["speedup_vs_nospec"] == pytest.approx(1.0)
+    assert rows["tlt"]["speedup_vs_nospec"] > 1.0
+    for row in rows.values():
+        assert row["mean_rollout_s"] >= summary["mean_ideal_rollout_s"]
+    steps = pd.read_csv(replay_dir / "steps.csv")
+    assert len(steps) == 9 and set(steps.policy) == set(rows)
+    instances = pd.read_csv(replay_dir / "instances.csv")
+    assert len(instances) == 3 * 3 * 8
+    timeline = pd.read_parquet(replay_dir / "timeline.parquet")
+    assert {"sd", "decode", "prefill", "train", "spot_train"} <= set(timeline.phase)
+    responses = pd.read_parquet(replay_dir / "responses.parquet")
+    assert len(responses) == 3 * 512 and responses.finish_s_tlt.notna().all()
+
+
+def test_report_draws_readable_pngs(replay_dir: Path) -> None:
+    assert main(["report", str(replay_dir)]) == 0
+    names = {p.name for p in (replay_dir / "plots").glob("*.png")}
+    assert names == {
+        "length_cdf.png",
+        "gantt_slowest_step.png",
+        "active_requests.png",
+        "step_breakdown.png",
+        "step_time_per_policy.png",
+        "accept_length.png",
+    }
+    for name in names:
+        assert_real_png(replay_dir / "plots" / name)
+
+
+def test_single_policy_prints_the_per_step_table(tmp_path: Path, capsys) -> None:
+    assert (
+        main(
+            [
+                "replay",
+                str(SAMPLE),
+                "--max-steps",
+                "2",
+                "--policy",
+                "nospec",
+                "--num-gpus",
+                "4",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "rollout_%" in out and "bubble_%" in out and "summary" in out
+    assert json.loads((tmp_path / "config.json").read_text())["sim"]["num_gpus"] == 4
+
+
+def test_flags_override_the_preset(tmp_path: Path) -> None:
+    main(
+        [
+            "replay",
+            str(SAMPLE),
+            "--max-steps",
+            "1",
+            "--policy",
+            "nospec",
+            "--preset",
+            "h200x8-qwen32b",
+            "--num-gpus",
+            "16",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    sim = json.loads((tmp_path / "config.json").read_text())["sim"]
+    assert (sim["model"], sim["hardware"], sim["num_gpus"], sim["tp"]) == (
+        "Qwen2.5-32B",
+        "H200",
+        16,
+        2,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["replay", "no/such/trace.json"], "no/such/trace.json"),
+        (["replay", str(SAMPLE), "--preset", "h100x3-gpt5"], "unknown preset"),
+        (["replay", str(SAMPLE), "--policy", "nospec,fast"], "policy"),
+        (["replay", str(SAMPLE), "--num-gpus", "6", "--tp", "4"], "not a multiple of tp"),
+        (["replay", str(SAMPLE), "--model", "GPT-9"], "unknown model preset"),
+        (["replay", str(SAMPLE), "--tlt-epsilon", "2"], "epsilon"),
+        (["report", str(ROOT / "traces")], "no summary.json"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    argv: list[str], message: str, tmp_path: Path, capsys
+) -> None:
+    if argv[0] == "replay":
+        argv = [*argv, "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def test_the_console_entry_point_exits_2_without_a_traceback(tmp_path: Path) -> None:
+    argv = ["replay", str(SAMPLE), "--model", "GPT-9", "--out", str(tmp_path)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tltsim.cli", *argv], capture_output=True, text=True, cwd=ROOT
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: unknown model preset")

@@ -1,0 +1,151 @@
+"""The SimPy model without speculation: invariants (hypothesis), fast vs exact mode, bookkeeping.
+
+.venv/bin/python -m pytest tests/test_sim.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from simtools import clusters, make_trace, roofline, run, small_traces
+
+from tltsim.policy import NoSpec
+from tltsim.sim import SimConfig, place, simulate
+from tltsim.trace import Trace, load_trace
+
+TRACES = Path(__file__).resolve().parents[1] / "traces"
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def check_timeline(result) -> None:
+    """Per (step, instance): segments in order, none overlapping, none running backwards."""
+    frame = result.timeline_frame()
+    assert (frame.end_s >= frame.start_s - 1e-12).all()
+    for (_, _), seg in frame.groupby(["step", "instance"], sort=False):
+        starts, ends = seg.start_s.to_numpy(), seg.end_s.to_numpy()
+        assert np.all(starts[1:] >= ends[:-1] - 1e-9), "a segment starts before the previous ended"
+
+
+@FAST
+@given(trace=small_traces(), cluster=clusters())
+def test_invariants_nospec(trace: Trace, cluster: dict) -> None:
+    result = run(trace, "nospec", **cluster)
+    starts = [s.start_s for s in result.steps]
+    assert starts == sorted(starts), "the clock went backwards between steps"
+    for rec, step, fin in zip(result.steps, trace.steps, result.finish_s, strict=True):
+        # every response finishes exactly once, inside its step's rollout
+        assert fin.size == step.num_responses and not np.isnan(fin).any()
+        assert fin.min() >= 0 and fin.max() <= rec.rollout_s + 1e-9
+        assert math.isclose(fin.max(), rec.rollout_s, rel_tol=1e-12)
+        assert rec.tokens_generated == step.total_response_tokens
+        assert rec.step_s >= rec.rollout_s > 0 and rec.train_s > 0
+        assert rec.bubble_gpu_s >= -1e-9 and rec.busy_gpu_s > 0
+        # busy + idle GPU-seconds account for the whole rollout on every GPU
+        assert math.isclose(
+            rec.busy_gpu_s + rec.bubble_gpu_s, rec.rollout_s * cluster["num_gpus"], rel_tol=1e-9
+        )
+        assert rec.rollout_s >= rec.ideal_rollout_s * (1 - 1e-9)  # rounding of the clock
+    check_timeline(result)
+
+
+@FAST
+@given(trace=small_traces(), cluster=clusters())
+def test_same_seed_same_result_and_independent_simulations(trace: Trace, cluster: dict) -> None:
+    first = run(trace, "nospec", **cluster).steps_frame()
+    other = run(
+        make_trace([[[5, 900, 40]]]), "nospec", num_gpus=2
+    )  # a different simulation in between
+    again = run(trace, "nospec", **cluster).steps_frame()
+    assert first.equals(again)
+    assert other.steps[0].tokens_generated == 945
+
+
+@FAST
+@given(
+    lengths=st.lists(st.integers(1, 4000), min_size=8, max_size=8).map(lambda xs: xs * 4),
+    num_gpus=st.sampled_from([1, 2, 4]),
+    max_running=st.sampled_from([2, 8, 1024]),
+)
+def test_more_instances_never_slower_when_spread_evenly(
+    lengths: list[int], num_gpus: int, max_running: int
+) -> None:
+    # 32 requests, round robin: each instance of the doubled cluster holds a subset of the
+    # requests its counterpart held, in the same order.
+    trace = make_trace([[lengths]])
+    slow = (
+        run(trace, "nospec", num_gpus=num_gpus, max_running_requests=max_running).steps[0].rollout_s
+    )
+    fast = (
+        run(trace, "nospec", num_gpus=2 * num_gpus, max_running_requests=max_running)
+        .steps[0]
+        .rollout_s
+    )
+    assert fast <= slow * (1 + 1e-12)
+
+
+def test_fast_matches_exact_on_every_step_of_a_sample_trace() -> None:
+    trace = load_trace(TRACES / "azure_conv_rl.json")
+    config = SimConfig(num_gpus=8)
+    fast = simulate(trace, config, roofline(), NoSpec())
+    exact = simulate(trace, dataclasses.replace(config, exact=True), roofline(), NoSpec())
+    for f, e in zip(fast.steps, exact.steps, strict=True):
+        assert f.step_s == pytest.approx(e.step_s, rel=0.01)
+        assert f.rollout_s == pytest.approx(e.rollout_s, rel=1e-9)  # no approximation without SD
+    assert [f.tokens_generated for f in fast.steps] == [e.tokens_generated for e in exact.steps]
+
+
+def test_continuous_batching_admits_queued_requests_when_slots_free() -> None:
+    # One instance, two slots, lengths 10, 100, 20: the third request starts when the first ends.
+    trace = make_trace([[[10, 100, 20]]], [[50]])
+    result = run(trace, "nospec", num_gpus=1, max_running_requests=2)
+    fin = result.finish_s[0]
+    assert fin[0] < fin[2] < fin[1]
+    prefills = [seg for seg in result.timeline if seg[4] == "prefill"]
+    assert [seg[5] for seg in prefills] == [2, 2]  # batch after each admission
+    assert prefills[1][2] == pytest.approx(fin[0])  # admitted the moment a slot freed
+
+
+def test_decode_time_is_the_closed_form_span() -> None:
+    # One request of n tokens on one GPU: prefill + (n - 1) iterations of a growing context.
+    cost = roofline()
+    trace = make_trace([[[1000]]], [[300]])
+    rollout = run(trace, "nospec", num_gpus=1).steps[0].rollout_s
+    expected = cost.prefill_s(300, 0.0, 1) + sum(
+        cost.decode_iter_s(1, 301 + i, 1) for i in range(999)
+    )
+    assert rollout == pytest.approx(expected, rel=1e-9)
+
+
+def test_tail_and_bubble_bookkeeping() -> None:
+    # Two instances: one holds a 20-token request, the other a 4000-token one.
+    trace = make_trace([[[20, 4000]]])
+    rec = run(trace, "nospec", num_gpus=2).steps[0]
+    rows = run(trace, "nospec", num_gpus=2).instances_frame()
+    assert rec.first_idle_s == pytest.approx(rows.busy_s.min())
+    assert rec.bubble_gpu_s == pytest.approx(rec.rollout_s - rows.busy_s.min())
+    assert rec.max_tail_s == pytest.approx(rec.rollout_s)  # one active request < 32 all along
+    assert rec.train_s == pytest.approx(
+        roofline().train_s(round((2 * 200 + 4020) / 2), (2 * 200 + 4020) / 2)
+    )
+
+
+@pytest.mark.parametrize("placement", ["round_robin", "chunked", "random"])
+def test_placement_assigns_every_request_once(placement: str) -> None:
+    owners = place(103, 8, placement, np.random.default_rng(0))
+    flat = np.sort(np.concatenate(owners))
+    assert np.array_equal(flat, np.arange(103))
+    if placement != "random":
+        assert max(o.size for o in owners) - min(o.size for o in owners) <= 1
+
+
+def test_bad_config_is_rejected_with_the_field_name() -> None:
+    with pytest.raises(ValueError, match="num_gpus=6 is not a multiple of tp=4"):
+        SimConfig(num_gpus=6, tp=4)
+    with pytest.raises(ValueError, match="placement"):
+        SimConfig(placement="best")

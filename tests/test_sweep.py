@@ -1,0 +1,134 @@
+"""``tltsim sweep``: spec parsing, grid + random points, the tidy table, resume, report.
+
+.venv/bin/python -m pytest tests/test_sweep.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tltsim.cli import main
+from tltsim.cliutil import UsageError
+from tltsim.sweep import load_spec, run_sweep, spec_points
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT / "traces" / "azure_conv_rl.json"
+
+SPEC = f"""
+trace = "{TRACE}"
+seeds = [0, 1]
+max_steps = 2
+[fixed]
+num_gpus = 4
+[grid]
+policy = ["static", "tlt"]
+"tlt.threshold" = [8, 32]
+"""
+
+
+def write_spec(tmp_path: Path, text: str = SPEC) -> Path:
+    path = tmp_path / "spec.toml"
+    path.write_text(text)
+    return path
+
+
+def test_points_cover_the_grid_plus_baselines(tmp_path: Path) -> None:
+    points = spec_points(load_spec(write_spec(tmp_path)))
+    # static x 2 thresholds (tlt.* settings still make distinct points), tlt x 2, one NoSpec baseline
+    assert sorted(p["policy"] for p in points) == ["nospec", "static", "static", "tlt", "tlt"]
+    assert {"num_gpus": 4, "policy": "nospec"} in points
+
+
+def test_random_points_are_seeded(tmp_path: Path) -> None:
+    text = f"""
+trace = "{TRACE}"
+[random]
+num_points = 5
+seed = 7
+"tlt.epsilon" = {{low = 0.0, high = 0.3}}
+num_gpus = {{choices = [2, 4]}}
+"""
+    a = spec_points(load_spec(write_spec(tmp_path, text)))
+    b = spec_points(load_spec(write_spec(tmp_path, text)))
+    assert a == b and len([p for p in a if p.get("policy") != "nospec"]) == 5
+    assert all(0.0 <= p["tlt.epsilon"] <= 0.3 for p in a if "tlt.epsilon" in p)
+
+
+def test_sweep_table_resume_and_report(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path)
+    out = tmp_path / "out"
+    first = run_sweep(spec, out, workers=1)
+    # 5 points x 2 seeds; the two static points differ only in tlt.threshold, which StaticSpec
+    # ignores, so they share one simulation: 4 simulations per seed.
+    assert first.num_computed == 8 and first.num_reused == 0
+    table = pd.read_parquet(out / "sweep.parquet")
+    assert (
+        len(table) == 10
+        and table.groupby(["policy", "tlt.threshold", "seed"], dropna=False).size().max() == 1
+    )
+    static = table[table.policy == "static"].sort_values(["seed", "tlt.threshold"])
+    assert static.mean_step_s.iloc[0] == static.mean_step_s.iloc[1]
+    assert (table[table.policy == "nospec"].speedup_vs_nospec == 1.0).all()
+    assert (table[table.policy != "nospec"].speedup_vs_nospec > 1.0).all()
+    assert pd.read_csv(out / "sweep.csv").shape == table.shape
+    lines = (out / "points.jsonl").read_text().splitlines()
+
+    again = run_sweep(spec, out, workers=1)  # resume: nothing to recompute
+    assert again.num_computed == 0 and again.num_reused == 8
+    assert (out / "points.jsonl").read_text().splitlines() == lines
+    pd.testing.assert_frame_equal(again.table, first.table)
+
+    (out / "points.jsonl").write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])  # torn write
+    partial = run_sweep(spec, out, workers=1)
+    assert partial.num_computed == 3 and partial.num_reused == 5
+
+    def tidy(t: pd.DataFrame) -> pd.DataFrame:
+        return t.drop(columns=["wall_s"]).sort_values("key").reset_index(drop=True)
+
+    pd.testing.assert_frame_equal(tidy(partial.table), tidy(first.table))
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["kind"] == "sweep" and summary["varying"] == ["tlt.threshold"]
+    assert summary["best"]["policy"] in ("static", "tlt")
+    assert main(["report", str(out)]) == 0
+    pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
+    assert pngs == ["speedup_per_policy.png", "speedup_vs_tlt.threshold.png"]
+
+
+def test_parallel_workers_give_the_same_table(tmp_path: Path) -> None:
+    spec = write_spec(tmp_path)
+    serial = run_sweep(spec, tmp_path / "serial", workers=1).table
+    parallel = run_sweep(spec, tmp_path / "parallel", workers=2).table
+    key = ["key"]
+    pd.testing.assert_frame_equal(
+        serial.drop(columns=["wall_s"]).sort_values(key).reset_index(drop=True),
+        parallel.drop(columns=["wall_s"]).sort_values(key).reset_index(drop=True),
+    )
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('trace = "x.json"\n[grid]\nnum_gpu = [1]', "unknown setting 'num_gpu'"),
+        ('trace = "x.json"\n[grid]\n"tlt.thresh" = [1]', "unknown setting 'tlt.thresh'"),
+        ('trace = "x.json"\nseeds = []', "seeds"),
+        ('trace = "x.json"\n[grid]\npolicy = "tlt"', "non-empty list"),
+        ('traces = "x.json"', "unknown top-level key"),
+        ('trace = "x.json"\n[random]\n"tlt.epsilon" = 0.1\nnum_points = 2', "low = .., high = .."),
+        ("trace = [", "cannot read"),
+    ],
+)
+def test_bad_specs_name_the_problem(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(UsageError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        load_spec(write_spec(tmp_path, text))
+
+
+def test_bad_values_fail_before_any_point_runs(tmp_path: Path, capsys) -> None:
+    spec = write_spec(tmp_path, f'trace = "{TRACE}"\n[grid]\nnum_gpus = [4, 6]\ntp = [4]')
+    assert main(["sweep", str(spec), "--out", str(tmp_path / "o")]) == 2
+    assert "not a multiple of tp" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "points.jsonl").exists()
