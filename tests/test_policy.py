@@ -123,16 +123,38 @@ def test_default_buckets_follow_tlt_configuration():
         assert policy.default_decision(batch).strategy == strategy
 
 
-def test_max_hold_iters_only_during_warmup():
+def test_max_hold_iters_covers_the_missing_warmup_checks():
     policy = TLTAdaptive()
     policy.start_rollout(0)
     first = obs(16)
     decision = policy.decide(first)
-    assert policy.max_hold_iters(first, decision) == 1
+    # one check done, nine missing: the OFF decision may stand for nine iterations
+    assert policy.max_hold_iters(first, decision) == 9
     assert policy.max_hold_iters(obs(64), policy.decide(obs(64))) is None
     for _ in range(10):
         decision = policy.decide(first)
     assert decision.enabled and policy.max_hold_iters(first, decision) is None
+
+
+@pytest.mark.parametrize("hold_cap", [1, 3, 100])
+def test_span_driver_switches_on_the_same_iteration_as_per_iteration_driver(hold_cap):
+    """A driver that asks once per span (the simulator's fast mode) and reports num_iters must
+    see SD switch on at exactly the iteration a per-iteration driver (tltrun) sees it."""
+
+    def switch_iteration(span_driver: bool) -> int:
+        policy = TLTAdaptive(warmup_checks=10)
+        policy.start_rollout(0)
+        it = 0
+        while True:
+            o = obs(16)
+            d = policy.decide(o)
+            if d.enabled:
+                return it
+            hold = min(hold_cap, policy.max_hold_iters(o, d) or hold_cap) if span_driver else 1
+            policy.observe(SpecFeedback(0, 0, 16, d, 16 * hold, 0.01 * hold, num_iters=hold))
+            it += hold
+
+    assert switch_iteration(span_driver=True) == switch_iteration(span_driver=False) == 9
 
 
 def test_config_validation():

@@ -55,6 +55,19 @@ class CostModel(Protocol):
         ``default_sd_iter_s``; a measured profile may time whole SD iterations instead."""
         ...
 
+    def sd_span_s(
+        self,
+        batch: int,
+        context_tokens: float,
+        decision: SpecDecision,
+        num_iters: int,
+        tokens_per_iter: float,
+    ) -> float:
+        """Sum of ``sd_iter_s`` over ``num_iters`` iterations of a fixed batch whose context grows
+        by ``tokens_per_iter`` (batch total) per iteration — the simulator's fast-mode hot path,
+        in closed form (``RooflineCost``, ``ProfileCost``)."""
+        ...
+
     def sd_switch_s(self, batch: int, context_tokens: float) -> float:
         """Turning SD on mid-rollout: re-prefill of the running requests (target + drafter), as
         TLT requeues them to rebuild the drafter's KV cache. Default: ``default_sd_switch_s``."""

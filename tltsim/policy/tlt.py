@@ -4,6 +4,7 @@ bucket chosen by the BEG-MAB bandit (TLT, arXiv 2511.16665). Standard library on
 
 from __future__ import annotations
 
+import bisect
 import random
 import statistics
 from collections import deque
@@ -94,7 +95,7 @@ class BegMab:
         return bucket_arms(self.buckets, batch)
 
     def _window(self, batch: int, arm: SpecDecision) -> deque[float]:
-        group = max(g for g in REWARD_GROUPS if g <= batch) if batch >= 1 else 1
+        group = REWARD_GROUPS[max(0, bisect.bisect_right(REWARD_GROUPS, batch) - 1)]
         key = (group, arm)
         if key not in self.rewards:
             self.rewards[key] = deque(maxlen=self.config.window)
@@ -187,13 +188,24 @@ class TLTAdaptive:
         return self._bandit(obs.instance).select(obs.num_active)
 
     def max_hold_iters(self, obs: DecodeObs, decision: SpecDecision) -> int | None:
-        """For drivers that ask once per span: during the warm-up every iteration is a check, so
-        a decision may stand for one iteration only; otherwise until the batch changes."""
+        """For drivers that ask once per span of iterations: during the warm-up every iteration
+        is a check, so an OFF decision may stand for the checks still missing (``observe`` counts
+        the span's ``num_iters`` as that many checks, so the switch lands on the same iteration
+        as with a per-iteration driver); otherwise it stands until the batch changes."""
         sw = self._switches.get(obs.instance)
         is_warming = sw is not None and not sw.is_on and obs.num_active <= self.config.threshold
-        return 1 if is_warming else None
+        return max(1, self.config.warmup_checks - sw.checks) if is_warming else None
 
     def observe(self, feedback: SpecFeedback) -> None:
+        sw = self._switches.get(feedback.instance)
+        if (
+            sw is not None
+            and not sw.is_on
+            and not feedback.decision.enabled
+            and 1 <= feedback.num_active <= self.config.threshold
+        ):
+            # A span of num_iters OFF iterations is num_iters checks; decide() counted the first.
+            sw.checks += feedback.num_iters - 1
         if not feedback.decision.enabled or feedback.iteration_s <= 0 or feedback.num_active < 1:
             return
         reward = feedback.accepted_tokens / feedback.iteration_s
