@@ -1,0 +1,128 @@
+"""Tests of ``tltrun sft`` (tltrun/sft.py, tltrun/sft_eval.py) on a tiny model: the checkpoint
+loads in ``transformers``, the loss falls, runs are reproducible, bad flags exit 2.
+
+Run: ``.venv/bin/python -m pytest tests/test_sft.py -q``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from tltrun.sft import SFTConfig, collate, example_tokens, length_batches, main, run_sft  # noqa: E402
+from tltrun.tasks import TaskConfig, make_examples  # noqa: E402
+from tltrun.tokenizer import CharTokenizer  # noqa: E402
+
+TINY = dict(
+    num_steps=12,
+    num_layers=1,
+    hidden_size=32,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=64,
+    lr=3e-3,
+    warmup_steps=2,
+    batch_tokens=2048,
+    num_eval_prompts=8,
+    num_sample_prompts=2,
+    group_size=2,
+    eval_batch_size=8,
+    max_new_tokens=24,
+)
+# Short chains keep the tiny run fast; the full distribution is tested in test_tasks.py.
+TINY_TASK = TaskConfig(median_ops=2.0, max_ops=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft")
+    metrics = run_sft(SFTConfig(out=str(out), **TINY), TINY_TASK, show_progress=False)
+    return out, metrics
+
+
+def test_checkpoint_is_a_loadable_hf_llama(tiny_run):
+    out, _ = tiny_run
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["model_type"] == "llama"
+    assert (out / "model.safetensors").is_file()
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok.eos_token_id == CharTokenizer.eos_id
+    ids = torch.tensor([CharTokenizer().encode("3 a+4 b*2\n")])
+    logits = model(input_ids=ids).logits  # (1, T, V)
+    assert logits.shape == (1, ids.shape[1], CharTokenizer().vocab_size)
+    assert torch.isfinite(logits).all()
+
+
+def test_loss_decreases_and_metrics_are_written(tiny_run):
+    out, metrics = tiny_run
+    losses = [row["loss"] for row in metrics["train_log"]]
+    assert len(losses) == TINY["num_steps"]
+    # Untrained: ~ln(100) = 4.6 nats per token; a few steps must already beat it clearly.
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["greedy"]["num_prompts"] == TINY["num_eval_prompts"]
+    assert [r["num_prompts"] for r in saved["greedy"]["by_difficulty"]] and sum(
+        r["num_prompts"] for r in saved["greedy"]["by_difficulty"]
+    ) == TINY["num_eval_prompts"]
+    assert (
+        saved["response_tokens"]["sampled"]["num"]
+        == TINY["num_sample_prompts"] * TINY["group_size"]
+    )
+    resolved = json.loads((out / "sft_config.json").read_text())
+    assert resolved["sft"]["num_steps"] == TINY["num_steps"]
+    assert resolved["task"]["max_ops"] == TINY_TASK.max_ops
+
+
+def test_same_seed_same_run(tmp_path, tiny_run):
+    _, first = tiny_run
+    again = run_sft(SFTConfig(out=str(tmp_path), **TINY), TINY_TASK, show_progress=False)
+    assert [r["loss"] for r in again["train_log"]] == [r["loss"] for r in first["train_log"]]
+    assert again["examples"] == first["examples"]
+
+
+def test_labels_mask_the_prompt_and_batches_respect_the_token_budget():
+    tok = CharTokenizer()
+    examples = make_examples(TaskConfig(), random.Random(0), 200)
+    ex = examples[0]
+    ids, labels = example_tokens(ex, ex.solutions[0], tok)
+    num_prompt = len(ex.prompt) + 1  # + BOS
+    assert labels[:num_prompt] == [-100] * num_prompt
+    assert labels[num_prompt:] == ids[num_prompt:] and ids[-1] == tok.eos_id
+    assert tok.decode(ids[num_prompt:]) == ex.solutions[0]
+    seqs = [example_tokens(e, e.solutions[0], tok) for e in examples]
+    batches = length_batches(seqs, 1024, random.Random(0))
+    assert sum(len(b) for b in batches) == len(seqs)
+    for b in batches:
+        batch = collate(b, tok.pad_id)
+        assert batch["input_ids"].numel() <= 1024 or len(b) == 1
+        assert int(batch["attention_mask"].sum()) == sum(len(x) for x, _ in b)
+
+
+def test_bad_flags_exit_2_with_one_line(tmp_path, capsys):
+    assert main(["--out", str(tmp_path), "--num-steps", "-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "num_steps" in err and "\n" not in err
+    assert main(["--num-steps", "3"]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path), "--task-max-ops", "99"]) == 2
+    assert "max_ops" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # argparse's own errors also exit 2
+        main(["--out", str(tmp_path), "--num-steps", "many"])
+    assert exc.value.code == 2
+
+
+def test_standalone_eval_reproduces_the_run(tiny_run, capsys):
+    from tltrun import sft_eval
+
+    out, metrics = tiny_run
+    assert sft_eval.main([str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"greedy accuracy {metrics['greedy']['accuracy']:.3f}" in printed
+    assert sft_eval.main([str(out / "missing")]) == 2
