@@ -64,6 +64,9 @@ class IterationRecord:
     is_prefill: bool
     strategy: str  # SpecDecision.strategy ("off" for plain decode)
     accept_lens: tuple[int, ...] = ()  # per request: accepted draft tokens (SD iterations only)
+    # Drafter re-prefill (is_prefill too): catching the drafter up on requests it has not seen
+    # since SD was last on — TLT's cost of switching SD on. Not part of any decode iteration.
+    is_drafter_prefill: bool = False
 
 
 @dataclass

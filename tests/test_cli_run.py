@@ -1,0 +1,244 @@
+"""``tltrun generate / train-drafter / bench`` end to end on a tiny model, and their one-line
+errors (exit 2, no traceback).
+
+Run: ``python -m pytest tests/test_cli_run.py -q``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from tiny_models import tiny_model
+
+from tltrun.cli import main
+from tltrun.drafter import EagleDrafter, export_vllm
+from tltrun.model import save_hf
+from tltsim.trace import load_trace
+
+ENGINE = ["--max-running-requests", "3", "--max-model-len", "64", "--temperature", "0"]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    model = tiny_model(seed=0)
+    save_hf(model, root / "model")
+    export_vllm(EagleDrafter.for_target(model, seed=1), root / "drafter")
+    prompts = [
+        {
+            "id": f"p{i}",
+            "prompt_token_ids": list(range(5 + i, 12 + 2 * i)),
+            "max_new_tokens": 6 + 3 * i,
+        }
+        for i in range(4)
+    ]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    trace = {
+        "format": "tlt-trace",
+        "version": 1,
+        "meta": {"source": "test"},
+        "steps": [
+            {
+                "step": 0,
+                "prompts": [
+                    {"id": "a", "prompt_tokens": 7, "responses": [12, 3, 20]},
+                    {"id": "b", "prompt_tokens": 4, "responses": [9, 9]},
+                ],
+            }
+        ],
+    }
+    (root / "trace.json").write_text(json.dumps(trace))
+    return root
+
+
+def test_generate_then_train_drafter(dirs, capsys):
+    out = dirs / "gen"
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(dirs / "model"),
+            "--prompts",
+            str(dirs / "prompts.jsonl"),
+            "--out",
+            str(out),
+            "--drafter",
+            str(dirs / "drafter"),
+            "--policy",
+            "static",
+            "--strategy",
+            "3_2_6",
+            "--group-size",
+            "2",
+            *ENGINE,
+        ]
+    )
+    assert rc == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"p{i}/{j}" for i in range(4) for j in range(2)]
+    assert all(1 <= len(r["output_token_ids"]) <= 6 + 3 * int(r["id"][1]) for r in rows)
+    trace = load_trace(out / "trace.json")
+    assert (
+        trace.steps[0].num_responses == 8 and trace.steps[0].measured["policy"]["name"] == "static"
+    )
+    cfg = json.loads((out / "config.json").read_text())
+    assert (
+        cfg["engine"]["max_running_requests"] == 3 and cfg["engine"]["sampling"]["temperature"] == 0
+    )
+    rc = main(
+        [
+            "train-drafter",
+            "--model",
+            str(dirs / "model"),
+            "--data",
+            str(out / "generations.jsonl"),
+            "--out",
+            str(dirs / "trained"),
+            "--train-num-steps",
+            "5",
+            "--train-lr",
+            "1e-3",
+        ]
+    )
+    assert rc == 0
+    assert json.loads((dirs / "trained" / "config.json").read_text())["architectures"] == [
+        "EagleLlamaForCausalLM"
+    ]
+    assert len(json.loads((dirs / "trained" / "history.json").read_text())) == 5
+    assert "exported to" in capsys.readouterr().out
+
+
+def test_bench_prints_side_by_side_table(dirs, capsys):
+    out = dirs / "bench"
+    rc = main(
+        [
+            "bench",
+            "--trace",
+            str(dirs / "trace.json"),
+            "--policy",
+            "nospec,static,tlt",
+            "--model",
+            str(dirs / "model"),
+            "--drafter",
+            str(dirs / "drafter"),
+            "--strategy",
+            "2_2_4",
+            "--out",
+            str(out),
+            "--no-is-progress-shown",
+            *ENGINE,
+        ]
+    )
+    assert rc == 0, capsys.readouterr().err
+    table = capsys.readouterr().out
+    for word in ("policy", "tokens/s", "accept len", "speedup", "nospec", "static", "tlt"):
+        assert word in table
+    results = json.loads((out / "results.json").read_text())
+    assert list(results) == ["nospec", "static", "tlt"]
+    assert all(r["total_tokens"] == 12 + 3 + 20 + 9 + 9 for r in results.values())
+    assert results["nospec"]["speedup"] == 1.0 and results["static"]["mean_accept_len"] >= 1.0
+    for name in results:
+        replay = load_trace(out / f"trace_{name}.json")
+        assert replay.steps[0].response_lengths() == [12, 3, 20, 9, 9]
+    assert json.loads((out / "config.json").read_text())["bench"]["policy"] == [
+        "nospec",
+        "static",
+        "tlt",
+    ]
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tltrun.cli", *argv], capture_output=True, text=True
+    )
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["generate", "--model", "/nonexistent", "--prompts", "x", "--out", "y", *ENGINE],
+            "no config.json",
+        ),
+        (
+            ["generate", "--model", "M", "--prompts", "P", "--out", "y", "--temperature", "0"],
+            "missing required flag",
+        ),
+        (
+            ["generate", "--model", "M", "--prompts", "/nonexistent.jsonl", "--out", "y", *ENGINE],
+            "no such file",
+        ),
+        (
+            [
+                "bench",
+                "--trace",
+                "T",
+                "--model",
+                "M",
+                "--out",
+                "y",
+                "--policy",
+                "nospec,fast",
+                *ENGINE,
+            ],
+            "--policy nospec,fast",
+        ),
+        (
+            ["bench", "--trace", "T", "--model", "M", "--out", "y", "--policy", "static", *ENGINE],
+            "need --drafter",
+        ),
+        (
+            [
+                "bench",
+                "--trace",
+                "T",
+                "--model",
+                "M",
+                "--out",
+                "y",
+                "--policy",
+                "nospec",
+                "--length-scale",
+                "10",
+                *ENGINE,
+            ],
+            "exceed --max-model-len 64",
+        ),
+    ],
+)
+def test_errors_are_one_line_exit_2(dirs, argv, message, capsys):
+    argv = [
+        str(dirs / "model")
+        if a == "M"
+        else str(dirs / "trace.json")
+        if a == "T"
+        else str(dirs / "prompts.jsonl")
+        if a == "P"
+        else a
+        for a in argv
+    ]
+    assert main(argv) == 2  # in-process: no exception escaped main
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert message in err
+
+
+def test_bad_prompt_line_names_file_and_line(dirs, tmp_path):
+    """As a real process: exit status 2, one stderr line, no traceback."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "prompt_token_ids": [1, 2], "max_new_tokens": 3}\n{"id": "b"}\n')
+    proc = _cli(
+        "generate",
+        "--model",
+        str(dirs / "model"),
+        "--prompts",
+        str(bad),
+        "--out",
+        str(tmp_path / "o"),
+        *ENGINE,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+    assert f"{bad} line 2: needs 'prompt_token_ids' or 'prompt'" in proc.stderr

@@ -1,0 +1,176 @@
+"""EAGLE drafter: cached drafting equals a cache-free recomputation along every tree path,
+trees are well formed (ancestor-closed, siblings by descending probability, verify_tokens
+nodes), and the vLLM export has the expected names and config.
+
+Run: ``python -m pytest tests/test_drafter.py -q``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_models import VOCAB, tiny_model
+
+from tltrun.drafter import (
+    EagleDrafter,
+    draft,
+    drafter_prefill,
+    export_vllm,
+    load_drafter,
+    tree_layout,
+)
+from tltrun.interface import SamplingParams
+from tltrun.kvcache import KVCache
+from tltrun.model import CausalContext, CheckpointError
+from tltrun.speculative import logits_to_probs
+from tltsim.policy import SpecDecision
+
+GREEDY = SamplingParams(temperature=0.0)
+TARGET = tiny_model(seed=1)
+DRAFTER = EagleDrafter.for_target(TARGET, seed=2)
+with torch.no_grad():
+    for _p in DRAFTER.parameters():
+        _p.mul_(3.0)  # sharper draft distributions: fewer near-ties in top-k
+
+
+def target_hidden(tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        _, hidden = TARGET(torch.tensor([tokens]), torch.arange(len(tokens))[None], CausalContext())
+    return hidden[0]  # (T,C)
+
+
+def naive_drafter_logits(prompt: list[int], path: list[int]) -> torch.Tensor:
+    """Drafter logits after the exact pairs of ``prompt`` then the drafted ``path`` tokens,
+    each drafted pair using the previous pair's output as its hidden input (no cache)."""
+    f = target_hidden(prompt)
+    # The target has committed prompt[:-1] (f_0 .. f_{n-2}); prompt[-1] is the pending root.
+    toks, hid = list(prompt[1:]), [f[i] for i in range(len(prompt) - 1)]
+    with torch.no_grad():
+        for tok in [None, *path]:
+            if tok is not None:
+                toks.append(tok)
+            ids = torch.tensor([toks])
+            h = torch.stack(hid[: len(toks)])[None]
+            logits, out = DRAFTER(ids, h, torch.arange(len(toks))[None], CausalContext())
+            hid.append(out[0, -1])
+    return logits[0, -1]
+
+
+def run_draft(prompts: list[list[int]], decision: SpecDecision, params=GREEDY, gen=None):
+    cache = KVCache.for_model(TARGET.config, num_slots=len(prompts), max_tokens=64, num_layers=1)
+    width = max(len(p) for p in prompts) - 1
+    toks = torch.tensor([p[1:] + [0] * (width - len(p) + 1) for p in prompts])
+    hid = torch.zeros(len(prompts), width, TARGET.config.hidden_size)
+    for b, p in enumerate(prompts):
+        hid[b, : len(p) - 1] = target_hidden(p)[:-1]
+    # Catch up in two chunks to exercise a prefill followed by the drafting catch-up.
+    slots = torch.arange(len(prompts))
+    first = torch.tensor([max(1, len(p) - 3) for p in prompts])
+    drafter_prefill(DRAFTER, cache, slots, toks, hid, first)
+    rest = torch.tensor([len(p) - 1 for p in prompts]) - first
+    gather = first[:, None] + torch.arange(width)[None]
+    t2 = toks.gather(1, gather.clamp(max=width - 1))
+    h2 = hid.gather(1, gather.clamp(max=width - 1)[..., None].expand(-1, -1, hid.shape[-1]))
+    tree = draft(DRAFTER, cache, slots, t2, h2, rest, decision, params, gen)
+    assert torch.equal(cache.lens, torch.tensor([len(p) - 1 for p in prompts]))
+    return tree
+
+
+PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [60, 61, 62, 63, 64, 65, 66, 67, 68, 70], [11, 12, 13, 14, 15]]
+
+
+@pytest.mark.parametrize("strategy", ["4_1_4", "3_2_6", "4_3_10", "2_4_20"])
+def test_every_expanded_node_children_are_the_naive_topk(strategy):
+    decision = SpecDecision.parse(strategy)
+    tree = run_draft(PROMPTS, decision)
+    num_nodes = min(
+        decision.verify_tokens, decision.topk + (decision.draft_steps - 1) * decision.topk**2
+    )
+    assert tree.tokens.shape == (len(PROMPTS), num_nodes + 1)
+    assert tree.draft_probs is None
+    depth = tree.depth
+    assert int(depth.max()) <= decision.draft_steps
+    fast_depth, fast_mask = tree_layout(tree.parents, decision.draft_steps)
+    assert torch.equal(fast_depth, depth) and torch.equal(fast_mask, tree.ancestor_mask())
+    for b, prompt in enumerate(PROMPTS):
+        assert tree.tokens[b, 0] == prompt[-1]
+        parents = tree.parents[b].tolist()
+        for node in range(num_nodes + 1):
+            kids = [i for i in range(1, num_nodes + 1) if parents[i] == node]
+            if not kids:
+                continue
+            path, j = [], node
+            while j:
+                path.append(int(tree.tokens[b, j]))
+                j = parents[j]
+            logits = naive_drafter_logits(prompt, path[::-1])
+            want = torch.topk(logits, decision.topk).indices.tolist()
+            got = [int(tree.tokens[b, i]) for i in kids]
+            assert got == want[: len(got)], f"row {b} node {node}: {got} vs top-k {want}"
+
+
+def test_sampled_chain_returns_the_q_each_token_was_drawn_from():
+    params = SamplingParams(temperature=0.8, top_k=20)
+    gen = torch.Generator().manual_seed(0)
+    tree = run_draft(PROMPTS, SpecDecision(True, 3, 1, 3), params, gen)
+    assert tree.is_chain and tree.draft_probs is not None
+    q = tree.draft_probs
+    assert torch.all(q[:, 0] == 0)
+    assert torch.allclose(q[:, 1:].sum(-1), torch.ones(len(PROMPTS), 3))
+    for b, prompt in enumerate(PROMPTS):
+        for i in range(1, 4):
+            path = tree.tokens[b, 1:i].tolist()
+            want = logits_to_probs(naive_drafter_logits(prompt, path), params)
+            assert torch.allclose(q[b, i], want, atol=1e-4)  # cached vs cache-free fp32
+            assert q[b, i, tree.tokens[b, i]] > 0  # the drafted token was possible under q
+
+
+def test_export_names_config_and_round_trip(tmp_path):
+    export_vllm(DRAFTER, tmp_path, meta={"num_trained_tokens": 0})
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["EagleLlamaForCausalLM"]
+    assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 1
+    assert cfg["hidden_size"] == TARGET.config.hidden_size
+    assert cfg["num_key_value_heads"] == TARGET.config.num_key_value_heads
+    names = set(load_file(tmp_path / "model.safetensors"))
+    layer = {f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"}
+    layer |= {f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    assert names == {"fc.weight", "layers.0.post_attention_layernorm.weight", *layer}
+    assert load_file(tmp_path / "model.safetensors")["fc.weight"].shape == (48, 96)
+    again = load_drafter(tmp_path, TARGET)
+    ids = torch.randint(0, VOCAB, (2, 6))
+    hid = torch.randn(2, 6, 48)
+    pos = torch.arange(6).expand(2, 6)
+    with torch.no_grad():
+        assert torch.equal(
+            again(ids, hid, pos, CausalContext())[0], DRAFTER(ids, hid, pos, CausalContext())[0]
+        )
+
+
+def test_qwen2_target_exports_attention_bias(tmp_path):
+    target = tiny_model(seed=0, model_type="qwen2", attention_bias=True)
+    export_vllm(EagleDrafter.for_target(target), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["attention_bias"] is True and cfg["model_type"] == "llama"
+    assert "layers.0.self_attn.q_proj.bias" in load_file(tmp_path / "model.safetensors")
+
+
+def test_drafter_never_trains_the_shared_head():
+    ids = torch.randint(0, VOCAB, (1, 5))
+    logits, _ = DRAFTER(ids, torch.randn(1, 5, 48), torch.arange(5)[None], CausalContext())
+    logits.sum().backward()
+    assert TARGET.lm_head.weight.grad is None and TARGET.model.embed_tokens.weight.grad is None
+    assert DRAFTER.fc.weight.grad is not None
+    names = {n for n, _ in DRAFTER.named_parameters()}
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    DRAFTER.zero_grad(set_to_none=True)
+
+
+def test_load_rejects_mismatched_target(tmp_path):
+    export_vllm(DRAFTER, tmp_path)
+    other = tiny_model(seed=0, hidden_size=32, head_dim=8)
+    with pytest.raises(CheckpointError, match="hidden_size=48 but the target has 32"):
+        load_drafter(tmp_path, other)

@@ -1,0 +1,267 @@
+"""Rollout engine: speculative decoding is lossless under greedy decoding (chain and tree, several
+strategies, SD switched on and off mid-rollout) for batch sizes 1..16 with mixed prompt and
+output lengths and continuous batching; trace replay reproduces lengths exactly; the engine
+drives a policy once per iteration with measured seconds; harvest and weight sync are exact.
+
+Run: ``python -m pytest tests/test_engine.py -q``.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_models import VOCAB, tiny_model
+
+from tltrun.drafter import EagleDrafter
+from tltrun.engine import EngineConfig, RolloutEngine
+from tltrun.interface import Request, SamplingParams
+from tltrun.measured_trace import measured_step, requests_from_step
+from tltrun.model import CausalContext
+from tltrun.train_drafter import DrafterTrainConfig, TrainRecord, train_drafter
+from tltsim.policy import NoSpec, SpecDecision, StaticSpec
+from tltsim.trace import Prompt, Response, Step
+
+GREEDY = SamplingParams(temperature=0.0)
+TARGET = tiny_model(seed=0)
+
+
+def make_requests(n: int, seed: int, max_new: int = 32, max_prompt: int = 24) -> list[Request]:
+    rng = random.Random(seed)
+    return [
+        Request(
+            f"r{i}",
+            tuple(rng.randrange(4, VOCAB) for _ in range(rng.randint(1, max_prompt))),
+            rng.randint(1, max_new),
+        )
+        for i in range(n)
+    ]
+
+
+def engine(drafter=None, model=TARGET, **overrides) -> RolloutEngine:
+    fields = dict(max_running_requests=4, max_model_len=96, sampling=GREEDY)
+    fields.update(overrides)
+    return RolloutEngine(model, drafter, EngineConfig(**fields))
+
+
+def _trained_drafter() -> EagleDrafter:
+    """A drafter trained briefly on the target's greedy outputs: accepts some drafts (first and
+    later siblings), rejects others — both paths of the verify/compaction code run."""
+    eng = engine(is_harvesting=True, max_running_requests=8)
+    eng.generate(make_requests(24, seed=100, max_new=48), NoSpec())
+    records = [TrainRecord(r.token_ids, r.num_prompt_tokens, r.hidden) for r in eng.pop_harvest()]
+    drafter = EagleDrafter.for_target(TARGET, seed=5)
+    cfg = DrafterTrainConfig(num_steps=60, lr=1e-2, batch_size=8, seed=0)  # tiny model: big lr
+    train_drafter(drafter, records, cfg, is_progress_shown=False)
+    return drafter
+
+
+DRAFTER = _trained_drafter()
+
+
+class RecordingPolicy:
+    """Cycles through decisions (SD off included) and records every call."""
+
+    name = "recording"
+
+    def __init__(self, decisions):
+        self.decisions = decisions
+        self.calls: list[tuple[str, object]] = []
+
+    def start_rollout(self, step):
+        self.calls.append(("start", step))
+
+    def decide(self, obs):
+        decision = self.decisions[sum(c[0] == "decide" for c in self.calls) % len(self.decisions)]
+        self.calls.append(("decide", obs))
+        return decision
+
+    def observe(self, feedback):
+        self.calls.append(("observe", feedback))
+
+
+SWITCHING = [
+    SpecDecision.parse(s)
+    for s in ("4_1_4", "off", "off", "3_2_6", "5_4_16", "off", "2_1_2", "4_3_12")
+]
+POLICIES = {
+    "chain-4": lambda: StaticSpec(4, 1, 4),
+    "chain-1": lambda: StaticSpec(1, 1, 1),
+    "tree-3_2_6": lambda: StaticSpec(3, 2, 6),
+    "tree-5_4_16": lambda: StaticSpec(5, 4, 16),
+    "switching": lambda: RecordingPolicy(SWITCHING),
+}
+
+
+@pytest.mark.parametrize("num_requests", [1, 2, 3, 5, 8, 12, 16])
+def test_greedy_sd_equals_plain_greedy(num_requests):
+    reqs = make_requests(num_requests, seed=num_requests)
+    running = max(1, num_requests // 3)  # fewer slots than requests: continuous batching
+    plain = engine(max_running_requests=running).generate(reqs, NoSpec())
+    want = [o.output_token_ids for o in plain.outputs]
+    assert [len(w) for w in want] == [r.max_new_tokens for r in reqs] or any(
+        o.finish == "stop" for o in plain.outputs
+    )
+    for name, make in POLICIES.items():
+        result = engine(DRAFTER, max_running_requests=running).generate(reqs, make())
+        got = [o.output_token_ids for o in result.outputs]
+        assert got == want, f"{name}: SD output differs from plain greedy"
+        assert [o.finish for o in result.outputs] == [o.finish for o in plain.outputs]
+
+
+def test_kernel_reference_attention_gives_the_same_outputs():
+    # attn_impl="ref" routes every target forward through kernels.tree_attention's reference.
+    reqs = make_requests(5, seed=21)
+    want = [o.output_token_ids for o in engine().generate(reqs, NoSpec()).outputs]
+    got = engine(DRAFTER, attn_impl="ref").generate(reqs, StaticSpec(4, 2, 8))
+    assert [o.output_token_ids for o in got.outputs] == want
+
+
+def test_lossless_when_eos_falls_inside_accepted_drafts():
+    # Make the target's most frequent greedy token the EOS, so many requests stop mid-tree.
+    reqs = make_requests(10, seed=7, max_new=40)
+    counts = torch.bincount(
+        torch.tensor(
+            [t for o in engine().generate(reqs, NoSpec()).outputs for t in o.output_token_ids]
+        )
+    )
+    model = tiny_model(seed=0, eos_token_ids=(int(counts.argmax()),))
+    model.load_state_dict(TARGET.state_dict())
+    drafter = EagleDrafter.for_target(model)
+    drafter.load_state_dict(DRAFTER.state_dict())
+    plain = engine(model=model).generate(reqs, NoSpec())
+    assert sum(o.finish == "stop" for o in plain.outputs) >= 3
+    for policy in (StaticSpec(4, 1, 4), StaticSpec(4, 4, 16)):
+        sd = engine(drafter, model=model).generate(reqs, policy)
+        assert [o.output_token_ids for o in sd.outputs] == [
+            o.output_token_ids for o in plain.outputs
+        ]
+
+
+def test_accept_histograms_account_for_every_token():
+    reqs = make_requests(6, seed=3, max_new=40)
+    result = engine(DRAFTER).generate(reqs, StaticSpec(4, 2, 8))
+    num_sd = [0] * len(reqs)
+    index = {r.id: i for i, r in enumerate(reqs)}
+    for it in result.iterations:
+        assert it.num_new_tokens <= sum(a + 1 for a in it.accept_lens) or it.is_prefill
+    for o in result.outputs:
+        emitted = 1 + sum(
+            (i + 1) * n for i, n in enumerate(o.accept_hist)
+        )  # prefill token + verifies
+        # the last verify may overshoot the stop by up to draft_steps tokens
+        assert emitted - 4 <= len(o.output_token_ids) <= emitted
+        num_sd[index[o.id]] = sum(o.accept_hist)
+    assert sum(num_sd) == sum(len(it.accept_lens) for it in result.iterations)
+    assert any(a > 0 for it in result.iterations for a in it.accept_lens)
+
+
+def test_trace_replay_generates_exactly_the_trace_lengths():
+    step = Step(
+        0,
+        (
+            Prompt("p0", 5, (Response(9), Response(1), Response(30))),
+            Prompt("p1", 17, (Response(12), Response(4))),
+        ),
+    )
+    reqs = requests_from_step(step, VOCAB, seed=0)
+    for policy, drafter in ((NoSpec(), None), (StaticSpec(3, 2, 6), DRAFTER)):
+        result = engine(drafter, max_running_requests=2).generate(reqs, policy)
+        assert [len(o.output_token_ids) for o in result.outputs] == step.response_lengths()
+        assert all(o.finish == "length" for o in result.outputs)
+        measured = measured_step(0, result, policy_name=policy.name, hardware="cpu")
+        assert [p.id for p in measured.prompts] == ["p0", "p1"]
+        assert measured.response_lengths() == step.response_lengths()
+        assert [p.prompt_tokens for p in measured.prompts] == [5, 17]
+        assert measured.measured["rollout_s"] > 0
+        has_hist = all(
+            r.accept_hist is not None for p in measured.prompts for r in p.responses if r.tokens > 1
+        )
+        assert has_hist == (drafter is not None)
+
+
+def test_engine_drives_the_policy_once_per_iteration_with_measured_time():
+    policy = RecordingPolicy(SWITCHING)
+    result = engine(DRAFTER, max_running_requests=3).generate(
+        make_requests(7, seed=11), policy, step=4
+    )
+    assert policy.calls[0] == ("start", 4)
+    decode_records = [i for i in result.iterations if not i.is_prefill]
+    decides = [c[1] for c in policy.calls if c[0] == "decide"]
+    observes = [c[1] for c in policy.calls if c[0] == "observe"]
+    assert len(decides) == len(observes) == len(decode_records) > len(SWITCHING)
+    kinds = [c[0] for c in policy.calls[1:]]
+    assert all(
+        a == "decide" and b == "observe" for a, b in zip(kinds[::2], kinds[1::2], strict=True)
+    )
+    for obs, fb, rec in zip(decides, observes, decode_records, strict=True):
+        assert obs.step == fb.step == 4 and obs.num_active == fb.num_active == rec.num_active
+        assert fb.iteration_s > 0 and fb.iteration_s == rec.wall_s
+        assert fb.accepted_tokens == rec.num_new_tokens and fb.decision.strategy == rec.strategy
+        assert obs.mean_context_tokens > 0
+    assert any(o.accept_len_ema >= 1.0 for o in decides)  # after the first SD iteration
+    # SD switched on for requests the drafter had not seen: a drafter re-prefill is recorded.
+    assert any(i.is_drafter_prefill and i.is_prefill and i.wall_s > 0 for i in result.iterations)
+
+
+def test_sampled_sd_is_reproducible_from_the_seed():
+    reqs = make_requests(6, seed=2)
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    runs = [
+        engine(DRAFTER, sampling=params, seed=s).generate(reqs, StaticSpec(3, 2, 6))
+        for s in (1, 1, 2)
+    ]
+    out = [[o.output_token_ids for o in r.outputs] for r in runs]
+    assert out[0] == out[1] and out[0] != out[2]
+    for o, r in zip(runs[0].outputs, reqs, strict=True):
+        assert 1 <= len(o.output_token_ids) <= r.max_new_tokens
+
+
+def test_harvest_holds_the_target_hidden_states():
+    eng = engine(DRAFTER, is_harvesting=True)
+    result = eng.generate(make_requests(5, seed=9), StaticSpec(4, 2, 8))
+    records = eng.pop_harvest()
+    assert sorted(r.request_id for r in records) == sorted(o.id for o in result.outputs)
+    assert eng.harvest == []
+    for rec in records:
+        ids = rec.token_ids[None]
+        with torch.no_grad():
+            _, hidden = TARGET(ids, torch.arange(ids.shape[1])[None], CausalContext())
+        assert rec.hidden.shape == (ids.shape[1] - 1, TARGET.config.hidden_size)
+        assert (rec.hidden - hidden[0, :-1]).abs().max() < 1e-4
+
+
+def test_update_weights_switches_to_the_new_policy_weights():
+    other = tiny_model(seed=42)
+    reqs = make_requests(4, seed=5)
+    want = [o.output_token_ids for o in engine(model=other).generate(reqs, NoSpec()).outputs]
+    model = tiny_model(seed=0)
+    eng = engine(EagleDrafter.for_target(model), model=model)
+    before = [o.output_token_ids for o in eng.generate(reqs, NoSpec()).outputs]
+    eng.update_weights(other.state_dict())
+    after = [o.output_token_ids for o in eng.generate(reqs, StaticSpec(3, 2, 6)).outputs]
+    assert after == want and before != want
+    with pytest.raises(ValueError, match="missing"):
+        eng.update_weights({"model.norm.weight": torch.ones(48)})
+
+
+def test_bad_requests_and_missing_drafter_are_one_line_errors():
+    eng = engine()
+    with pytest.raises(ValueError, match="exceeds max_model_len=96"):
+        eng.generate([Request("a", (5,) * 90, 10)], NoSpec())
+    with pytest.raises(ValueError, match="duplicate request id"):
+        eng.generate([Request("a", (5,), 1), Request("a", (6,), 1)], NoSpec())
+    with pytest.raises(ValueError, match="no drafter"):
+        eng.generate([Request("a", (5,), 3)], StaticSpec(2, 1, 2))
+    with pytest.raises(ValueError, match="verify_tokens exceeds"):
+        engine(DRAFTER, max_verify_tokens=4).generate([Request("a", (5,), 3)], StaticSpec(3, 2, 6))
+
+
+def test_engine_import_pulls_in_no_simpy():
+    code = (
+        "import sys, tltrun.engine, tltrun.cli; assert 'simpy' not in sys.modules, 'simpy imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,156 @@
+"""tltrun.model matches transformers' Llama/Qwen2 logits on the same weights (fp32, <= 1e-4),
+loads single-file and sharded checkpoints, and round-trips through save_hf.
+
+Run: ``python -m pytest tests/test_model.py -q -s`` (``-s`` shows the max abs diffs).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tltrun.model import CausalContext, CheckpointError, ModelConfig, load_hf, read_config, save_hf
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-4
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+
+def _hf_model(kind: str, *, kv_heads: int, tied: bool, rope: dict | None = None, seed: int = 0):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        eos_token_id=2,
+        bos_token_id=1,
+        initializer_range=0.1,  # larger than HF's 0.02 so a wrong RoPE/bias shows well above TOL
+    )
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**common, rope_scaling=rope, rope_theta=500000.0)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    # Random (not zero) q/k/v biases so the Qwen2 bias path is exercised.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return model.eval()
+
+
+def _ours_vs_hf(hf_model, model_dir) -> float:
+    ours = load_hf(model_dir, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (3, 40), generator=gen)
+    pos = torch.arange(40).expand(3, 40)
+    with torch.no_grad():
+        want = hf_model(input_ids=ids).logits
+        got, hidden = ours(ids, pos, CausalContext())
+    assert hidden.shape == (3, 40, 64)
+    return (got - want).abs().max().item()
+
+
+CASES = [
+    ("llama", 2, False, None),  # GQA, untied
+    ("llama", 4, True, None),  # MHA, tied
+    ("llama", 1, False, LLAMA3_ROPE),  # MQA + llama3 rope scaling (positions beyond 16 matter)
+    ("llama", 2, True, {"rope_type": "linear", "factor": 4.0}),
+    ("qwen2", 2, False, None),  # QKV bias inferred from model_type
+    ("qwen2", 2, True, None),
+]
+
+
+@pytest.mark.parametrize("kind,kv_heads,tied,rope", CASES)
+def test_logits_match_transformers(tmp_path, kind, kv_heads, tied, rope):
+    hf = _hf_model(kind, kv_heads=kv_heads, tied=tied, rope=rope)
+    hf.save_pretrained(tmp_path)
+    diff = _ours_vs_hf(hf, tmp_path)
+    print(
+        f"{kind} kv_heads={kv_heads} tied={tied} rope={rope and rope['rope_type']}: max abs diff {diff:.2e}"
+    )
+    assert diff <= TOL
+
+
+def test_qwen2_bias_inferred_and_llama3_rope_parsed(tmp_path):
+    hf = _hf_model("qwen2", kv_heads=2, tied=False)
+    hf.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert "attention_bias" not in raw  # the reason it must be inferred
+    assert read_config(tmp_path).attention_bias
+    cfg = ModelConfig.from_hf_dict(
+        {
+            "model_type": "llama",
+            "vocab_size": 10,
+            "hidden_size": 8,
+            "intermediate_size": 8,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "rope_theta": 5.0,
+            "rope_scaling": LLAMA3_ROPE,
+        }
+    )
+    assert (cfg.rope_scaling.kind, cfg.rope_theta, cfg.head_dim) == ("llama3", 5.0, 4)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf = _hf_model("llama", kv_heads=2, tied=False)
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert not (tmp_path / "model.safetensors").exists()
+    assert _ours_vs_hf(hf, tmp_path) <= TOL
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_save_hf_round_trips_through_transformers(tmp_path, tied):
+    hf = _hf_model("llama", kv_heads=2, tied=tied, rope=LLAMA3_ROPE)
+    hf.save_pretrained(tmp_path / "a")
+    ours = load_hf(tmp_path / "a")
+    save_hf(ours, tmp_path / "b")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
+    diff = _ours_vs_hf(again, tmp_path / "a")
+    assert diff <= TOL
+    ids = torch.randint(0, 97, (1, 30))
+    with torch.no_grad():
+        assert torch.allclose(hf(input_ids=ids).logits, again(input_ids=ids).logits, atol=TOL)
+
+
+def test_bad_checkpoints_give_one_line_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_hf(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": 10}')
+    with pytest.raises(CheckpointError, match="missing field 'num_attention_heads'"):
+        load_hf(tmp_path)
+    hf = _hf_model("llama", kv_heads=2, tied=False)
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="neither model.safetensors"):
+        load_hf(tmp_path)
+
+
+def test_rope_frequencies_stay_float32_in_bfloat16():
+    from tiny_models import tiny_config
+
+    from tltrun.model import Transformer
+
+    model = Transformer(tiny_config(rope_theta=500000.0)).to(torch.bfloat16)
+    assert model.rotary.inv_freq.dtype == torch.float32
+    cos, _ = model.rotary(torch.tensor([[100000]]), torch.bfloat16)
+    exact = torch.cos(100000 * model.rotary.inv_freq.double())
+    assert (cos[0, 0, : exact.numel()].double() - exact).abs().max() < 1e-2  # bf16 output rounding only
