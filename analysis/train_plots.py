@@ -1,0 +1,136 @@
+"""Figures of ``tltrun train`` runs (each run directory holds log.jsonl and config.json):
+
+* ``reward.png``: mean reward per RL step, one line per run;
+* ``accept_len.png``: mean accept length per step (tokens per verify incl. the bonus token),
+  one line per run whose rollouts used SD; a spot-trained and a frozen-drafter run of the same
+  policy side by side show what spot training buys once the policy moves;
+* ``step_time.png``: stacked mean seconds per step per run: rollout, actor update, and the rest
+  (syncs, logging); spot drafter training happens inside the rollout's idle time, so it is
+  drawn as a hatched bar beside, not stacked.
+
+Run: ``tltrun report RUN_DIR [RUN_DIR ...] [--out DIR]`` or
+``python -m analysis.train_plots RUN_DIR ...``; ``report()`` returns the written paths.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def load_run(run: str | Path) -> tuple[str, list[dict]]:
+    """(label, log rows). Label: the run directory name + policy (+ "frozen" without spot)."""
+    path = Path(run)
+    log_file = path / "log.jsonl"
+    if not log_file.is_file():
+        raise ValueError(f"{path}: no log.jsonl (not a tltrun train output directory)")
+    rows = [json.loads(line) for line in log_file.read_text().splitlines() if line.strip()]
+    label = path.name
+    config = path / "config.json"
+    if config.is_file():
+        train = json.loads(config.read_text())["train"]
+        spot = "spot" if train["is_spot_training"] else "frozen drafter"
+        label = f"{path.name} ({train['policy']}, {spot})"
+    return label, rows
+
+
+def _reward(runs, out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for label, rows in runs:
+        ax.plot(
+            [r["step"] for r in rows], [r["reward_mean"] for r in rows], marker="o", label=label
+        )
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("mean reward")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return _save(fig, out / "reward.png")
+
+
+def _accept(runs, out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for label, rows in runs:
+        if any(r["accept_len"] > 0 for r in rows):
+            ax.plot(
+                [r["step"] for r in rows], [r["accept_len"] for r in rows], marker="o", label=label
+            )
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("accept length (tokens / verify)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return _save(fig, out / "accept_len.png")
+
+
+def _step_time(runs, out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [label for label, _ in runs]
+    x = range(len(runs))
+    mean = [
+        {
+            k: sum(r[k] for r in rows) / len(rows)
+            for k in ("rollout_s", "train_s", "step_s", "drafter_train_s")
+        }
+        for _, rows in runs
+    ]
+    rollout = [m["rollout_s"] for m in mean]
+    train = [m["train_s"] for m in mean]
+    other = [max(m["step_s"] - m["rollout_s"] - m["train_s"], 0.0) for m in mean]
+    ax.bar([i - 0.2 for i in x], rollout, width=0.4, label="rollout")
+    ax.bar([i - 0.2 for i in x], train, width=0.4, bottom=rollout, label="actor update")
+    ax.bar(
+        [i - 0.2 for i in x],
+        other,
+        width=0.4,
+        bottom=[a + b for a, b in zip(rollout, train, strict=True)],
+        label="other",
+    )
+    ax.bar(
+        [i + 0.2 for i in x],
+        [m["drafter_train_s"] for m in mean],
+        width=0.4,
+        hatch="//",
+        fill=False,
+        label="spot drafter training (in idle time)",
+    )
+    ax.set_xticks(list(x), names, rotation=15, fontsize=7)
+    ax.set_ylabel("seconds per RL step")
+    ax.legend(fontsize=7)
+    return _save(fig, out / "step_time.png")
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def report(run_dirs: list[str], out: str | None = None) -> list[Path]:
+    runs = [load_run(r) for r in run_dirs]
+    dest = Path(out) if out else Path(run_dirs[0])
+    dest.mkdir(parents=True, exist_ok=True)
+    return [_reward(runs, dest), _accept(runs, dest), _step_time(runs, dest)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        print("usage: python -m analysis.train_plots RUN_DIR [RUN_DIR ...]", file=sys.stderr)
+        return 2
+    try:
+        for path in report(args):
+            print(path)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,199 @@
+"""``tltrun train`` end to end with 2 gloo workers on a tiny random model (spawned processes):
+logs, trace and checkpoints are written; a worker that finishes early spot-trains the drafter
+until the other finishes (preemption); drafters and actors are identical on every worker after
+each step; a run killed with SIGKILL mid-step and resumed ends in exactly the state of an
+uninterrupted run; greedy TLTAdaptive rollouts equal greedy NoSpec rollouts, and sampled ones
+agree in distribution.
+
+Run: ``python -m pytest tests/test_train.py -q`` (about 3 minutes on 2 cores: every run spawns
+two worker processes that import torch).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+from tiny_models import tiny_model
+
+from tltrun.model import save_hf
+from tltrun.tasks import TaskConfig
+from tltrun.tokenizer import CharTokenizer
+from tltrun.train import TrainConfig, run_train
+from tltsim.trace import load_trace
+
+TASK = TaskConfig(median_ops=2, max_ops=4)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    tok = CharTokenizer()
+    save_hf(tiny_model(seed=0, vocab_size=tok.vocab_size, eos_token_ids=(tok.eos_id,)), out)
+    tok.save(out)
+    (out / "sft_config.json").write_text(json.dumps({"task": asdict(TASK)}))
+    return out
+
+
+def config(model_dir: Path, out: Path, **overrides) -> TrainConfig:
+    # Imbalance on purpose: worker 0 rolls out 1 prompt, worker 1 three prompts two requests
+    # at a time, so worker 0 idles (and spot-trains) for most of worker 1's rollout.
+    fields = dict(
+        model_dir=str(model_dir),
+        out=str(out),
+        num_workers=2,
+        num_steps=3,
+        prompts_per_step=4,
+        group_size=4,
+        max_new_tokens=32,
+        prompt_split=(1, 3),
+        max_running_requests=2,
+        policy="nospec",
+        lr=1e-2,
+        kl_coef=0.04,
+        checkpoint_every=1,
+        seed=0,
+        spot_max_epochs=1000,  # no update cap: only the preemption stops spot training
+    )
+    fields.update(overrides)
+    return TrainConfig(**fields)
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def deterministic(row: dict) -> dict:
+    keys = (
+        "step",
+        "reward_mean",
+        "response_tokens_mean",
+        "response_tokens_max",
+        "loss",
+        "num_tokens",
+        "actor_sha1",
+        "rollout_sha1",
+    )
+    return {k: row[k] for k in keys}
+
+
+@pytest.fixture(scope="module")
+def reference_run(model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ref")
+    run_train(config(model_dir, out), TASK)
+    return out
+
+
+@pytest.mark.slow
+def test_run_writes_logs_trace_checkpoints_and_spot_trains(reference_run):
+    log = rows(reference_run)
+    assert [r["step"] for r in log] == [0, 1, 2]
+    trace = load_trace(reference_run / "trace.json")
+    assert trace.num_steps == 3 and all(s.num_responses == 16 for s in trace.steps)
+    assert {"rollout_s", "train_s", "drafter_train_s"} <= set(trace.steps[0].measured)
+    for step in (1, 2, 3):
+        assert (reference_run / "ckpt" / f"step_{step:06d}" / "state.json").is_file()
+    assert (reference_run / "final" / "actor" / "model.safetensors").is_file()
+    for row in log:
+        # worker 0 finished first and was the only spot trainer; worker 1 never trained
+        assert row["worker_rollout_s"][0] < row["worker_rollout_s"][1]
+        assert row["spot_decisions"][1] == []
+        assert row["spot_decisions"][0][0]["trainers"] == [0]
+        assert row["drafter_updates"] >= 1 and row["drafter_trained_tokens"] > 0
+        # preemption, not the cap, ended training: far fewer updates than allowed, and the
+        # training time fits in the idle time (one update of slack)
+        assert row["drafter_updates"] < row["spot_decisions"][0][0]["max_updates"]
+        slack = row["drafter_train_s"] / row["drafter_updates"]
+        assert row["drafter_train_s"] <= row["idle_worker_s"] + slack
+        # identical weights on both workers after the broadcast / data-parallel update
+        assert len(set(row["drafter_sha1"])) == 1 and len(set(row["actor_sha1"])) == 1
+    assert len({r["actor_sha1"][0] for r in log}) == 3  # the actor did move every step
+    assert trace.steps[1].measured["drafter_trained_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_matches_uninterrupted_run(model_dir, reference_run, tmp_path):
+    out = tmp_path / "killed"
+    cfg = config(model_dir, out)
+    flags = [
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in asdict(cfg).items()
+        if k not in ("prompt_split", "drafter_dir", "is_spot_training") and v != ()
+    ]
+    flags += ["--prompt-split=1,3"]
+    cmd = [sys.executable, "-m", "tltrun.train", "train", *flags]
+    proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.DEVNULL)
+    marker = out / "ckpt" / "step_000001" / "state.json"
+    deadline = time.monotonic() + 120
+    while not marker.is_file() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert proc.poll() is None, f"the run ended before the kill (exit {proc.returncode})"
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole session: the launcher and its workers
+    proc.wait()
+    assert marker.is_file() and not (out / "final").exists(), "the kill came too late"
+    done = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [deterministic(r) for r in rows(out)] == [deterministic(r) for r in rows(reference_run)]
+    a = (out / "final" / "actor" / "model.safetensors").read_bytes()
+    b = (reference_run / "final" / "actor" / "model.safetensors").read_bytes()
+    assert a == b
+
+
+@pytest.mark.slow
+def test_greedy_tlt_rollouts_equal_greedy_nospec(model_dir, tmp_path):
+    logs = {}
+    for policy in ("nospec", "tlt"):
+        out = tmp_path / policy
+        run_train(config(model_dir, out, policy=policy, temperature=0.0, num_steps=2), TASK)
+        logs[policy] = rows(out)
+    assert [r["rollout_sha1"] for r in logs["tlt"]] == [r["rollout_sha1"] for r in logs["nospec"]]
+    assert all(r["sd_on_fraction"] > 0 for r in logs["tlt"])  # SD really ran
+
+
+@pytest.mark.slow
+def test_sampled_tlt_matches_nospec_length_distribution(model_dir, reference_run, tmp_path):
+    out = tmp_path / "tlt"
+    run_train(config(model_dir, out, policy="tlt"), TASK)
+    lengths = {}
+    for name, run in (("tlt", out), ("nospec", reference_run)):
+        trace = load_trace(run / "trace.json")
+        lengths[name] = [n for s in trace.steps for n in s.response_lengths()]
+    assert rows(out)[0]["sd_on_fraction"] > 0
+    # SD is lossless, so both runs are draws of the same random process (same prompts).
+    # Tolerance: 4 standard errors of the difference of two means of 48 lengths each.
+    mean = {k: sum(v) / len(v) for k, v in lengths.items()}
+    var = {k: sum((x - mean[k]) ** 2 for x in v) / (len(v) - 1) for k, v in lengths.items()}
+    se = math.sqrt(sum(var[k] / len(lengths[k]) for k in lengths))
+    assert abs(mean["tlt"] - mean["nospec"]) <= 4 * se + 1e-9, (mean, se)
+
+
+@pytest.mark.parametrize(
+    "setup, expected",
+    [
+        ({"config": "num_workers = 2\nbogus = 1\n"}, "unknown field(s) bogus"),
+        ({"config": "num_workers = 0\n"}, "num_workers must be >= 1"),
+        ({"model_dir": "/nonexistent"}, "no config.json"),
+        ({"backend": "vllm"}, "backend 'vllm'"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(model_dir, tmp_path, capsys, setup, expected):
+    from tltrun.train import main
+
+    argv = ["train", "--out", str(tmp_path / "o")]
+    if "config" in setup:
+        (tmp_path / "c.toml").write_text(setup["config"])
+        argv += ["--config", str(tmp_path / "c.toml")]
+    argv += ["--model-dir", setup.get("model_dir", str(model_dir))]
+    if "backend" in setup:
+        argv += ["--backend", setup["backend"]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and "\n" not in err and "Traceback" not in err
