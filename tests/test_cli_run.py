@@ -137,11 +137,12 @@ def test_bench_prints_side_by_side_table(dirs, capsys):
     for word in ("policy", "tokens/s", "accept len", "speedup", "nospec", "static", "tlt"):
         assert word in table
     results = json.loads((out / "results.json").read_text())
-    assert list(results) == ["nospec", "static", "tlt"]
+    assert list(results) == ["torch/nospec", "torch/static", "torch/tlt"]
     assert all(r["total_tokens"] == 12 + 3 + 20 + 9 + 9 for r in results.values())
-    assert results["nospec"]["speedup"] == 1.0 and results["static"]["mean_accept_len"] >= 1.0
+    assert results["torch/nospec"]["speedup"] == 1.0
+    assert results["torch/static"]["mean_accept_len"] >= 1.0
     for name in results:
-        replay = load_trace(out / f"trace_{name}.json")
+        replay = load_trace(out / f"trace_{name.replace('/', '_')}.json")
         assert replay.steps[0].response_lengths() == [12, 3, 20, 9, 9]
     assert json.loads((out / "config.json").read_text())["bench"]["policy"] == [
         "nospec",
@@ -206,6 +207,21 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
                 *ENGINE,
             ],
             "exceed --max-model-len 64",
+        ),
+        (
+            [
+                "bench",
+                "--trace",
+                "T",
+                "--model",
+                "M",
+                "--out",
+                "y",
+                "--backend",
+                "torch,sglang",
+                *ENGINE,
+            ],
+            "--backend torch,sglang",
         ),
     ],
 )

