@@ -153,4 +153,6 @@ def test_rope_frequencies_stay_float32_in_bfloat16():
     assert model.rotary.inv_freq.dtype == torch.float32
     cos, _ = model.rotary(torch.tensor([[100000]]), torch.bfloat16)
     exact = torch.cos(100000 * model.rotary.inv_freq.double())
-    assert (cos[0, 0, : exact.numel()].double() - exact).abs().max() < 1e-2  # bf16 output rounding only
+    assert (
+        cos[0, 0, : exact.numel()].double() - exact
+    ).abs().max() < 1e-2  # bf16 output rounding only
