@@ -308,6 +308,7 @@ def _read_generations(path: str, vocab_size: int) -> list[tuple[list[int], int]]
 
 def build_parser() -> argparse.ArgumentParser:
     from tltrun import bench, sft
+    from tltrun import profile as profile_cmd
     from tltrun import train as train_cmd
     from tltrun.train_drafter import DrafterTrainConfig
 
@@ -331,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=bench.cmd_bench)
     sft.register(sub)
     train_cmd.register(sub)  # train, report (GRPO with spot drafter training)
+    profile_cmd.register(sub)  # profile: measured cost table for tltsim --profile
     return parser
 
 

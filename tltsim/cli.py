@@ -33,7 +33,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tltsim import cli_fidelity, cli_trace, replay, sweep
+    from tltsim import cli_fidelity, cli_trace, compare, replay, sweep
 
     parser = argparse.ArgumentParser(
         prog="tltsim", description="Simulate long-tail RL rollouts and TLT policies."
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     replay.register(sub)
     cli_fidelity.register(sub)  # fit, profile-info
+    compare.register(sub)  # compare: measured vs simulated
     sweep.register(sub)
     p = sub.add_parser("report", help="draw PNG figures from a replay or sweep output directory")
     p.add_argument("dir", type=Path, help="output directory of tltsim replay or tltsim sweep")

@@ -6,6 +6,9 @@
 
 Flags map 1:1 onto ``SimConfig`` (cluster), ``ReplayConfig`` (what to run), ``TLTConfig``
 (``--tlt-*``), ``DrafterDynamics`` (``--drafter-*``) and ``SpotTrainerConfig`` (``--spot-*``).
+``--profile FILE`` (``tltrun profile``) replaces the roofline by the measured profile, which the
+roofline still backs for ops the profile lacks; ``--drafter-dynamics FILE`` (``tltsim fit``)
+sets the ``--drafter-*`` defaults.
 ``--preset`` fills the cluster fields first; explicit flags override it. The output directory
 (default ``results/replay-<trace stem>``) gets ``config.json`` (everything resolved),
 ``summary.json``, ``steps.csv``, ``instances.csv``, ``timeline.parquet`` and
@@ -25,6 +28,12 @@ import pandas as pd
 from tqdm import tqdm
 
 from tltsim.acceptance import DrafterDynamics
+from tltsim.cli_fidelity import (
+    add_profile_args,
+    dynamics_from_args,
+    extrapolation_lines,
+    with_profile,
+)
 from tltsim.cliutil import UsageError, add_dataclass_args, dataclass_from_args, write_json
 from tltsim.costmodel import RooflineCost
 from tltsim.metrics import SimResult, ideal_rollout_s
@@ -106,6 +115,7 @@ class RunSettings:
     drafter: DrafterDynamics = DrafterDynamics()
     spot: SpotTrainerConfig = SpotTrainerConfig()
     is_spot_training: bool = True
+    profile: Path | None = None  # measured cost profile (tltrun profile); None: roofline
 
 
 def cost_model(sim: SimConfig) -> RooflineCost:
@@ -119,7 +129,7 @@ def cost_model(sim: SimConfig) -> RooflineCost:
 def run_settings(settings: RunSettings, trace: Trace, progress: Any = None) -> SimResult:
     """Build the cost model and policy objects of ``settings`` and simulate ``trace``."""
     sim = settings.sim
-    cost = cost_model(sim)
+    cost = with_profile(settings.profile, cost_model(sim))
     if settings.policy == "tlt":
         policy = make_policy("tlt", seed=sim.seed, **dataclasses.asdict(settings.tlt))
     elif settings.policy == "static":
@@ -144,6 +154,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_dataclass_args(p, TLTConfig, prefix="tlt-")
     add_dataclass_args(p, DrafterDynamics, prefix="drafter-")
     add_dataclass_args(p, SpotTrainerConfig, prefix="spot-")
+    add_profile_args(p)  # --profile, --drafter-dynamics
     p.set_defaults(func=cmd_replay)
 
 
@@ -154,14 +165,17 @@ def resolve(
     base = apply_preset(SimConfig(), replay.preset) if replay.preset else SimConfig()
     sim = dataclass_from_args(SimConfig, args, base=base)
     tlt = dataclass_from_args(TLTConfig, args, prefix="tlt-")
-    drafter = dataclass_from_args(DrafterDynamics, args, prefix="drafter-")
+    drafter = dataclass_from_args(
+        DrafterDynamics, args, prefix="drafter-", base=dynamics_from_args(args)
+    )
     spot = dataclass_from_args(SpotTrainerConfig, args, prefix="spot-")
     return replay, sim, tlt, drafter, spot
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
     replay, sim, tlt, drafter, spot = resolve(args)
-    cost = cost_model(sim)
+    profile = getattr(args, "profile", None)
+    cost = with_profile(profile, cost_model(sim))
     trace = load_trace(args.trace)
     if replay.max_steps is not None:
         trace = Trace(meta=trace.meta, steps=trace.steps[: replay.max_steps])
@@ -181,9 +195,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "drafter": drafter,
         "spot": spot,
         "cost_model": {
-            "model": dataclasses.asdict(cost.model),
-            "hardware": dataclasses.asdict(cost.hardware),
-            "tp": cost.tp,
+            "model": dataclasses.asdict(cost_model(sim).model),
+            "hardware": dataclasses.asdict(cost_model(sim).hardware),
+            "tp": sim.tp,
+            "profile": None if profile is None else str(profile),
         },
     }
     write_json(out / "config.json", config)
@@ -191,11 +206,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
         trace,
         names,
         RunSettings(
-            sim, names[0], tlt, replay.static_strategy, drafter, spot, replay.is_spot_training
+            sim,
+            names[0],
+            tlt,
+            replay.static_strategy,
+            drafter,
+            spot,
+            replay.is_spot_training,
+            profile,
         ),
     )
-    write_outputs(out, trace, results, sim)
-    print_report(results, out)
+    write_outputs(out, trace, results, sim, profile)
+    print_report(results, out, profile=profile)
+    for line in extrapolation_lines(cost):
+        print(line)
     return 0
 
 
@@ -215,10 +239,12 @@ def _simulate_all(trace: Trace, names: tuple[str, ...], base: RunSettings) -> di
 # -- outputs ----------------------------------------------------------------------------------------
 
 
-def comparison(results: dict[str, SimResult], sim: SimConfig) -> tuple[list[dict[str, Any]], float]:
+def comparison(
+    results: dict[str, SimResult], sim: SimConfig, profile: Path | None = None
+) -> tuple[list[dict[str, Any]], float]:
     """Per-policy summary rows (speedup vs NoSpec when it ran) and the mean ideal rollout time
     over the strategies every policy used (one lower bound for all of them)."""
-    cost = cost_model(sim)
+    cost = with_profile(profile, cost_model(sim))
     strategies = sorted(
         set().union(*(r.strategies_used for r in results.values())), key=lambda d: d.strategy
     )
@@ -247,9 +273,13 @@ def comparison(results: dict[str, SimResult], sim: SimConfig) -> tuple[list[dict
 
 
 def write_outputs(
-    out: Path, trace: Trace, results: dict[str, SimResult], sim: SimConfig
+    out: Path,
+    trace: Trace,
+    results: dict[str, SimResult],
+    sim: SimConfig,
+    profile: Path | None = None,
 ) -> dict[str, Any]:
-    rows, mean_ideal = comparison(results, sim)
+    rows, mean_ideal = comparison(results, sim, profile)
     summary = {
         "kind": "replay",
         "trace": trace.summary(),
@@ -288,7 +318,9 @@ def _fmt(frame: pd.DataFrame) -> str:
     return frame.to_string(index=False, float_format=lambda v: f"{v:,.2f}")
 
 
-def print_report(results: dict[str, SimResult], out: Path, max_rows: int = 12) -> None:
+def print_report(
+    results: dict[str, SimResult], out: Path, max_rows: int = 12, profile: Path | None = None
+) -> None:
     """Per-step table (first and last steps when long) and the summary / side-by-side table."""
     names = list(results)
     first = results[names[0]]
@@ -318,7 +350,7 @@ def print_report(results: dict[str, SimResult], out: Path, max_rows: int = 12) -
     else:
         print("per step:")
     print(_fmt(table))
-    rows, mean_ideal = comparison(results, first.config)
+    rows, mean_ideal = comparison(results, first.config, profile)
     cols = {
         "policy": "policy",
         "mean_step_s": "step_s",

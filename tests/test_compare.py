@@ -1,0 +1,245 @@
+"""``tltsim compare``: a run fed its own simulated timings compares with zero error (the
+plumbing: policy, placement, cap, acceptance and training cost reach the simulator intact);
+measured traces of the torch engine on a tiny model give finite errors and the plots; bad input
+is one line and exit code 2.
+
+Run: .venv/bin/python -m pytest tests/test_compare.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+
+import numpy as np
+import pytest
+from tiny_models import VOCAB, tiny_model
+
+from tltsim.acceptance import DrafterDynamics
+from tltsim.cli import main
+from tltsim.costmodel import RooflineCost
+from tltsim.policy import TLTConfig, make_policy
+from tltsim.profile import ProfileGrid, grid_points, load_profile, write_profile
+from tltsim.profilecost import ProfileCost, profile_from_cost
+from tltsim.sim import SimConfig, simulate
+from tltsim.specs import HARDWARE_PRESETS, MODEL_PRESETS
+from tltsim.trace import Prompt, Response, Step, Trace, save_trace
+
+META = {
+    "hardware": "test",
+    "backend": "torch",
+    "tp": 1,
+    "model": "Qwen2.5-0.5B",
+    "software": {},
+    "date": "2026-01-01",
+}
+GRID = ProfileGrid(
+    batches=(1, 2, 4, 8, 16),
+    context_per_seq=(16, 64, 256, 1024),
+    verify_tokens_per_seq=(3, 5, 9),
+    drafter_tokens_per_seq=(1, 2),
+    prefill_batches=(1, 4, 16),
+    prefill_tokens_per_seq=(16, 64, 256),
+    train_batches=(1, 4, 16),
+    train_tokens_per_seq=(64, 256, 1024),
+)
+TLT = TLTConfig(threshold=6, warmup_checks=3, strategies=("4_1_4", "2_1_2"), bucket_starts=(1, 3))
+# accept rate 1: every verify accepts all drafts, so accept lengths are deterministic
+SURE = DrafterDynamics(max_accept_rate=1.0, initial_accept_rate=1.0, stale_accept_rate=1.0)
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    """A noiseless profile of a GPU roofline (the plumbing test needs exact costs only)."""
+    cost = RooflineCost(MODEL_PRESETS["Qwen2.5-0.5B"], HARDWARE_PRESETS["H100-SXM"])
+    path = tmp_path_factory.mktemp("cmp") / "profile.csv"
+    write_profile(profile_from_cost(grid_points(GRID), cost), path, META)
+    return path
+
+
+def lengths_trace(num_steps: int = 3, seed: int = 0) -> Trace:
+    rng = np.random.default_rng(seed)
+    steps = []
+    for s in range(num_steps):
+        prompts = tuple(
+            Prompt(
+                f"p{i}",
+                int(rng.integers(20, 80)),
+                tuple(Response(int(n)) for n in rng.lognormal(4.0, 0.9, 4).astype(int) + 1),
+            )
+            for i in range(6)
+        )
+        steps.append(Step(s, prompts))
+    return Trace(meta={"source": "test"}, steps=tuple(steps))
+
+
+def self_measured(trace: Trace, policy: str, settings: dict, profile, num_instances: int, cap: int):
+    """Simulate ``trace`` on ``num_instances`` instances (chunked: whole prompts per instance)
+    and write what a runtime would: measured = simulated, accept_hist per response."""
+    cost = ProfileCost(load_profile(profile), is_warned=False)
+    sim = SimConfig(
+        num_gpus=num_instances, max_running_requests=cap, placement="chunked", exact=True
+    )
+    result = simulate(trace, sim, cost, make_policy(policy, seed=3, **settings), None, SURE)
+    steps = []
+    for step, rec in zip(trace.steps, result.steps, strict=True):
+        k = int(settings["strategy"].split("_")[0]) if policy == "static" else 0
+        prompts = tuple(
+            Prompt(
+                p.id,
+                p.prompt_tokens,
+                tuple(
+                    Response(r.tokens, accept_hist=(0,) * k + (1,) if k else None)
+                    for r in p.responses
+                ),
+            )
+            for p in step.prompts
+        )
+        share = len(step.prompts) // num_instances
+        measured = {
+            "rollout_s": rec.rollout_s,
+            "train_s": rec.train_s,
+            "policy": {"name": policy, "config": settings, "seed": 3},
+            "max_running_requests": cap,
+            "instance_prompts": [
+                [p.id for p in step.prompts[i * share : (i + 1) * share]]
+                for i in range(num_instances)
+            ],
+        }
+        if policy == "tlt":  # verifies of both strategies, all drafts accepted
+            measured["accept_hist_by_strategy"] = {"4_1_4": [0, 0, 0, 0, 5], "2_1_2": [0, 0, 5]}
+        steps.append(Step(step.step, prompts, measured))
+    return Trace(meta={"source": "self"}, steps=tuple(steps))
+
+
+@pytest.mark.parametrize(
+    "policy, settings",
+    [("nospec", {}), ("static", {"strategy": "4_1_4"}), ("tlt", dataclasses.asdict(TLT))],
+)
+@pytest.mark.parametrize("num_instances, cap", [(1, 32), (2, 5)])
+def test_own_simulated_timings_compare_with_zero_error(
+    policy, settings, num_instances, cap, profile_path, tmp_path, capsys
+):
+    trace = self_measured(lengths_trace(), policy, settings, profile_path, num_instances, cap)
+    path = tmp_path / "measured.json"
+    save_trace(trace, path)
+    out = tmp_path / "cmp"
+    argv = ["compare", str(path), "--profile", str(profile_path), "--out", str(out)]
+    assert main(argv) == 0
+    steps = json.loads((out / "summary.json").read_text())
+    assert steps["rollout_err_pct"]["median"] == pytest.approx(0.0, abs=1e-9)
+    assert steps["rollout_err_pct"]["p90"] == pytest.approx(0.0, abs=1e-9)
+    assert steps["train_err_pct"]["p90"] == pytest.approx(0.0, abs=1e-9)
+    config = json.loads((out / "config.json").read_text())
+    assert config["runs"][0]["num_instances"] == num_instances
+    assert config["runs"][0]["policy"] == policy
+    assert "rollout" in capsys.readouterr().out
+
+
+def test_speedups_between_policies(profile_path, tmp_path):
+    paths = []
+    for policy, settings in (("nospec", {}), ("static", {"strategy": "4_1_4"})):
+        paths.append(tmp_path / f"{policy}.json")
+        save_trace(self_measured(lengths_trace(), policy, settings, profile_path, 1, 32), paths[-1])
+    out = tmp_path / "cmp"
+    assert (
+        main(["compare", *map(str, paths), "--profile", str(profile_path), "--out", str(out)]) == 0
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    up = summary["speedups"]["static"]
+    assert up["sim_speedup"] == pytest.approx(up["measured_speedup"], rel=1e-9)
+    assert up["measured_speedup"] > 1.0  # SD at accept rate 1 on a GPU roofline pays
+    assert (out / "parity.png").stat().st_size > 0 and (out / "steps.png").stat().st_size > 0
+
+
+def test_torch_engine_traces_give_finite_errors_and_plots(tmp_path):
+    """profile -> run -> compare on a tiny model (the recipe, in miniature)."""
+    from tltrun.drafter import EagleDrafter, export_vllm
+    from tltrun.engine import EngineConfig, RolloutEngine
+    from tltrun.interface import SamplingParams
+    from tltrun.measured_trace import measured_step, requests_from_step
+    from tltrun.model import save_hf
+    from tltrun.profile import ProfileRunConfig, run_profile
+
+    target = tiny_model(seed=0)
+    drafter = EagleDrafter.for_target(target, seed=1)
+    save_hf(target, tmp_path / "target")
+    export_vllm(drafter, tmp_path / "drafter")
+    profile = tmp_path / "profile.csv"
+    pcfg = ProfileRunConfig(
+        model=str(tmp_path / "target"),
+        drafter=str(tmp_path / "drafter"),
+        out=str(profile),
+        batches=(1, 2, 4),
+        context_per_seq=(8, 32, 64),
+        strategies=("2_1_2",),
+        prefill_batches=(1, 4),
+        prefill_tokens_per_seq=(8, 32),
+        train_batches=(1, 4),
+        train_tokens_per_seq=(16, 64),
+        num_warmup=1,
+        num_repeats=2,
+        is_progress_shown=False,
+    )
+    run_profile(pcfg, datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC))
+    trace = Trace(
+        meta={},
+        steps=(
+            Step(0, (Prompt("a", 6, (Response(9), Response(30))), Prompt("b", 10, (Response(4),)))),
+        ),
+    )
+    paths = []
+    for name, settings in (("nospec", {}), ("static", {"strategy": "2_1_2"})):
+        engine = RolloutEngine(target, drafter, EngineConfig(4, 64, SamplingParams(1.0), seed=0))
+        result = engine.generate(
+            requests_from_step(trace.steps[0], VOCAB, seed=0), make_policy(name, **settings)
+        )
+        step = measured_step(0, result, None, name, "test", {"max_running_requests": 4})
+        paths.append(tmp_path / f"{name}.json")
+        save_trace(Trace({}, (step,)), paths[-1])
+    out = tmp_path / "cmp"
+    assert main(["compare", *map(str, paths), "--profile", str(profile), "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for policy in ("nospec", "static"):
+        assert math.isfinite(summary["policies"][policy]["rollout_err_pct"]["median"])
+    assert math.isfinite(summary["speedups"]["static"]["sim_speedup"])
+    for name in ("parity.png", "steps.png", "steps.csv", "speedups.csv", "config.json"):
+        assert (out / name).stat().st_size > 0
+
+
+def _measured_trace(**measured) -> Trace:
+    base = {"rollout_s": 1.0, "policy": {"name": "nospec"}, "max_running_requests": 8}
+    base.update(measured)
+    base = {k: v for k, v in base.items() if v is not None}
+    prompts = (Prompt("p0", 10, (Response(5), Response(7))), Prompt("p1", 12, (Response(3),)))
+    return Trace({}, (Step(0, prompts, base),))
+
+
+@pytest.mark.parametrize(
+    "trace, extra, expected",
+    [
+        (_measured_trace(rollout_s=None), [], "measured.rollout_s"),
+        (_measured_trace(policy={"name": "fast"}), [], "measured.policy.name"),
+        (_measured_trace(max_running_requests=None), [], "max_running_requests"),
+        (_measured_trace(instance_prompts=[["p0"]]), [], "every prompt"),
+        (_measured_trace(worker_rollout_s=[1.0, 0.5]), [], "2 workers"),
+        (
+            _measured_trace(policy={"name": "tlt", "config": {"speed": 1}}),
+            [],
+            "policy.config.speed",
+        ),
+        (_measured_trace(clock="cpu"), [], "measured in cpu seconds"),
+        (_measured_trace(clock="gpu"), [], "measured.clock"),
+        (_measured_trace(), ["--profile", "/nonexistent.csv"], "/nonexistent.csv"),
+        (_measured_trace(), ["--hardware", "TPU"], "hardware"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(trace, extra, expected, profile_path, tmp_path, capsys):
+    path = tmp_path / "t.json"
+    save_trace(trace, path)
+    argv = ["compare", str(path), "--profile", str(profile_path), "--out", str(tmp_path / "o")]
+    assert main(argv + extra) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err and expected in err

