@@ -103,10 +103,11 @@ def test_run_writes_logs_trace_checkpoints_and_spot_trains(reference_run):
         assert (reference_run / "ckpt" / f"step_{step:06d}" / "state.json").is_file()
     assert (reference_run / "final" / "actor" / "model.safetensors").is_file()
     for row in log:
-        # worker 0 finished first and was the only spot trainer; worker 1 never trained
-        assert row["worker_rollout_s"][0] < row["worker_rollout_s"][1]
-        assert row["spot_decisions"][1] == []
-        assert row["spot_decisions"][0][0]["trainers"] == [0]
+        # The worker that finished first (worker 0 has a third of the work, but a loaded machine
+        # can deschedule it) was the only spot trainer; the last one never trained.
+        first = min(range(2), key=lambda w: row["worker_rollout_s"][w])
+        assert row["spot_decisions"][1 - first] == []
+        assert row["spot_decisions"][first][0]["trainers"] == [first]
         assert row["drafter_updates"] >= 1 and row["drafter_trained_tokens"] > 0
         # preemption, not the cap, ended training: far fewer updates than allowed, and the
         # training time fits in the idle time (one update of slack)
