@@ -243,3 +243,24 @@ def test_bad_input_is_one_line_exit_2(trace, extra, expected, profile_path, tmp_
     assert main(argv + extra) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "\n" not in err and expected in err
+
+
+def test_replayed_acceptance_is_per_step_and_strategy():
+    from tltsim.measured_run import replayed_acceptance
+    from tltsim.policy import SpecDecision
+
+    prompts = (Prompt("p0", 10, (Response(50),)),)
+    hists = [{"2_1_2": [10, 0, 30]}, {"4_1_4": [5, 5, 0, 0, 10]}]
+    trace = Trace(
+        {}, tuple(Step(i, prompts, {"accept_hist_by_strategy": h}) for i, h in enumerate(hists))
+    )
+    acc = replayed_acceptance(trace, "t")
+    chain2, chain4 = SpecDecision.parse("2_1_2"), SpecDecision.parse("4_1_4")
+    step0 = acc.initial_state()
+    step1 = acc.after_rl_step(step0)
+    assert acc.accept_len_pmf(step0, chain2).tolist() == [0.25, 0.0, 0.75]
+    assert acc.accept_len_pmf(step1, chain4).tolist() == [0.25, 0.25, 0.0, 0.0, 0.5]
+    assert acc.accept_len_pmf(step0, chain4) is None  # not measured in step 0: the model's
+    assert acc.rates[0] == pytest.approx(
+        60 / (60 + 10)
+    )  # chain ML: accepted / (accepted + rejected)

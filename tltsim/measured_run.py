@@ -23,10 +23,11 @@ Contract: the per-step ``measured`` block fields this module reads (tltrun write
   chunked split and ``tltrun train``. Absent: one instance served the whole step, which is an
   error when ``worker_rollout_s`` lists more than one worker.
 * Acceptance: the per-response ``accept_hist`` and ``accept_hist_by_strategy`` of the fit
-  contract (``tltsim.fit``). Each step's per-token acceptance is estimated from them (maximum
-  likelihood, ``tltsim.fit.estimate_accept_rate``) and replayed: the simulated drafter of step s
-  accepts exactly as the measured one did on average, so the comparison tests the cost model
-  and the scheduling, not the drafter-dynamics model (``--drafter-dynamics`` tests that).
+  contract (``tltsim.fit``). They are replayed: in step s the simulation draws the accept
+  lengths of each strategy from that strategy's measured histogram in step s (strategies the
+  step did not use: the acceptance model at the step's maximum-likelihood rate,
+  ``tltsim.fit.estimate_accept_rate``). The comparison thus tests the cost model and the
+  scheduling, not the drafter-dynamics model (``tltsim compare --drafter-dynamics`` does).
 
 Bad input raises ``UsageError`` naming the file, the step and the field.
 """
@@ -48,13 +49,18 @@ from tltsim.trace import Step, Trace
 
 @dataclass(frozen=True)
 class MeasuredAcceptance:
-    """Drafter "dynamics" replaying a measured run: step k of the simulation (k-th RL step)
-    drafts with the acceptance measured in the trace's k-th step. Training and drift change
-    nothing (the measurement already contains their effect). Implements the interface
-    ``tltsim.sim.simulate`` needs from ``DrafterDynamics``."""
+    """Drafter "dynamics" replaying a measured run. Step k of the simulation (its k-th RL step)
+    draws accept lengths from the histogram the trace's k-th step measured for the decision's
+    strategy (``accept_len_pmf``, which ``tltsim.sim`` asks first): acceptance differs a lot
+    between strategies of one step, e.g. the chain a lone tail request drafts with. A strategy
+    the step did not measure falls back to the acceptance model at the step's rate. Training
+    and drift change nothing (the measurement already contains their effect). Implements the
+    interface ``tltsim.sim.simulate`` needs from ``DrafterDynamics``."""
 
     rates: tuple[float, ...]
     sibling_rate: float = DEFAULT_SIBLING_RATE
+    # per step: {strategy: verify counts by accepted drafts}, as tltsim.fit collects them
+    hists: tuple[dict[str, tuple[int, ...]], ...] = ()
 
     def initial_state(self) -> DrafterState:
         return DrafterState(self.rates[0])
@@ -65,6 +71,17 @@ class MeasuredAcceptance:
 
     def after_training(self, state: DrafterState, num_tokens: int) -> DrafterState:
         return dataclasses.replace(state, trained_tokens=state.trained_tokens + num_tokens)
+
+    def accept_len_pmf(self, state: DrafterState, decision: SpecDecision) -> np.ndarray | None:
+        """P(accept length = i + 1) as measured in this step for ``decision``, or None."""
+        if state.num_rl_steps >= len(self.hists):
+            return None
+        hist = self.hists[state.num_rl_steps].get(decision.strategy)
+        if not hist or not sum(hist):
+            return None
+        pmf = np.zeros(decision.draft_steps + 1)
+        pmf[: len(hist)] = hist
+        return pmf / pmf.sum()
 
 
 @dataclass(frozen=True)
@@ -250,7 +267,8 @@ def replayed_acceptance(trace: Trace, source: str, strategy: str = "") -> Measur
             pooled[d] = np.pad(have, (0, n - have.size)) + np.pad(hist, (0, n - hist.size))
     overall = estimate_accept_rate(pooled, sibling)[0]
     rates = tuple(estimate_accept_rate(s.hists, sibling)[0] if s.hists else overall for s in steps)
-    return MeasuredAcceptance(rates, sibling)
+    hists = tuple({d.strategy: tuple(int(c) for c in h) for d, h in s.hists.items()} for s in steps)
+    return MeasuredAcceptance(rates, sibling, hists)
 
 
 def measured_run(

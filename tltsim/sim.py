@@ -326,7 +326,14 @@ class _Simulation:
         return self.drafter_state.accept_rate
 
     def accept_dist(self, decision: SpecDecision, acceptance: float) -> AcceptDist:
-        return AcceptDist.of(accept_len_pmf(decision, acceptance, self.drafter.sibling_rate))
+        # A drafter object may supply its own accept-length pmf for a decision (optional
+        # ``accept_len_pmf(state, decision)``, None = use the model): tltsim.measured_run
+        # replays a measured run's per-step, per-strategy histograms this way.
+        own = getattr(self.drafter, "accept_len_pmf", None)
+        pmf = own(self.drafter_state, decision) if own is not None else None
+        if pmf is None:
+            pmf = accept_len_pmf(decision, acceptance, self.drafter.sibling_rate)
+        return AcceptDist.of(pmf)
 
     def reprefill_s(self, num_active: int, context_tokens: float) -> float:
         # TLT rebuilds the drafter's KV cache by re-prefilling the running requests when SD

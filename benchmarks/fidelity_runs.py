@@ -1,0 +1,195 @@
+"""The measured-run half of ``benchmarks/bench_fidelity.py``: the engines (torch: one per policy;
+vLLM: one engine, two controls), the replays of every step under every policy, the timed GRPO
+update of a rollout's samples, and the measured traces ``tltsim compare`` reads (with the
+per-strategy verify histograms, the batching cap, the policy's settings and the clock).
+
+Not run directly (``python benchmarks/bench_fidelity.py`` imports it). ``cfg`` arguments are
+``bench_fidelity.BenchFidelityConfig``s.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from bench_fidelity import BenchFidelityConfig
+
+POLICIES = ("nospec", "tlt")
+
+
+class Trainer:
+    """Times one GRPO update of a rollout's samples (tltrun.grpo, as ``tltrun train`` runs it)
+    on a copy of the target. Rewards are seeded random numbers: the update's cost does not
+    depend on them, and the weights are not synced back (this benchmark measures time).
+
+    Samples go in sorted by length (GRPO's token-level loss does not depend on their order),
+    which shortens the padding of tltrun.grpo's micro-batches, each padded to its longest
+    sequence; the simulator's training cost counts real tokens (as veRL's remove-padding), so
+    the padding that remains shows as training-time error."""
+
+    def __init__(self, target, temperature: float, seed: int, clock: Callable[[], float]):
+        from tltrun.grpo import GRPOConfig, make_optimizer
+
+        self.actor = copy.deepcopy(target).train()
+        self.ref = copy.deepcopy(target).eval()
+        self.gcfg = GRPOConfig()
+        self.optimizer = make_optimizer(self.actor, self.gcfg)
+        self.temperature = temperature or 1.0
+        self.rng = random.Random(seed)
+        self.clock = clock
+
+    def update_s(self, result) -> float:
+        from tltrun.grpo import Sample, grpo_update
+
+        samples = [
+            Sample(
+                o.id.rpartition("/")[0],
+                o.prompt_token_ids,
+                tuple(o.output_token_ids),
+                self.rng.random(),
+            )
+            for o in result.outputs
+        ]
+        samples.sort(key=lambda s: len(s.prompt_ids) + len(s.response_ids))
+        start = self.clock()
+        grpo_update(
+            self.actor, self.ref, self.optimizer, samples, self.gcfg, self.temperature, pad_id=0
+        )
+        return self.clock() - start
+
+
+def accept_hist_by_strategy(result) -> dict[str, list[int]]:
+    """Verify outcomes per strategy (the fit contract's field; TLT mixes strategies)."""
+    hist: dict[str, list[int]] = {}
+    for it in result.iterations:
+        for n in it.accept_lens:
+            h = hist.setdefault(it.strategy, [])
+            h.extend([0] * (n + 1 - len(h)))
+            h[n] += 1
+    return hist
+
+
+def backend_clock(cfg: BenchFidelityConfig, backend: str) -> str:
+    return cfg.clock if backend == "torch" else "wall"
+
+
+def tlt_settings(cfg: BenchFidelityConfig) -> dict:
+    from tltsim.policy import TLTConfig
+
+    return asdict(TLTConfig(strategies=cfg.tlt_strategies))
+
+
+class MeasuredRuns:
+    """The measured run: every step under every policy, replayed ``num_replays`` times."""
+
+    def __init__(self, cfg: BenchFidelityConfig, backend: str, engines: dict, steps):
+        from tltsim.policy import make_policy
+
+        self.cfg, self.backend, self.engines, self.steps = cfg, backend, engines, steps
+        self.settings = {"nospec": {}, "tlt": tlt_settings(cfg)}
+        self.policies = {n: make_policy(n, seed=cfg.seed, **self.settings[n]) for n in POLICIES}
+        self.results: dict[tuple[str, int], list] = {}
+
+    def replay(self, replay: int) -> None:
+        """One replay of every step under every policy (interleaved: same load for both)."""
+        for index, requests in self.steps:
+            for name in POLICIES:
+                result = self.engines[name].generate(requests, self.policies[name], step=index)
+                self.results.setdefault((name, index), []).append(result)
+                print(
+                    f"  {self.backend} replay {replay} step {index} {name:>6}: rollout {result.wall_s:6.2f} s",
+                    flush=True,
+                )
+
+    def write(self, out: Path, target) -> dict[str, Path]:
+        """One measured trace per policy with the fields ``tltsim compare`` reads. A step's
+        block is its replay with the median rollout time (all times in ``rollout_s_replays``);
+        then one GRPO update of that replay's samples is timed (``train_s``)."""
+        from tltrun.measured_trace import hardware_name, measured_step
+        from tltrun.profile import CLOCKS
+        from tltsim.trace import Trace, save_trace
+
+        cfg = self.cfg
+        clock = backend_clock(cfg, self.backend)
+        trainer = (
+            Trainer(target, cfg.temperature, cfg.seed, CLOCKS[clock]) if cfg.is_training else None
+        )
+        measured = {name: [] for name in POLICIES}
+        for (name, index), replays in self.results.items():
+            replays = sorted(replays, key=lambda r: r.wall_s)
+            result = replays[(len(replays) - 1) // 2]
+            extra = {
+                "clock": clock,
+                "max_running_requests": cfg.max_running_requests,
+                "accept_hist_by_strategy": accept_hist_by_strategy(result),
+                "rollout_s_replays": [r.wall_s for r in replays],
+            }
+            if trainer is not None:
+                extra["train_s"] = trainer.update_s(result)
+            step = measured_step(index, result, None, name, hardware_name("cpu"), extra)
+            step.measured["policy"].update(config=self.settings[name], seed=cfg.seed)
+            measured[name].append(step)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {}
+        for name, steps in measured.items():
+            meta = {"source": f"benchmarks/bench_fidelity.py ({self.backend})"}
+            paths[name] = out / f"trace_{name}.json"
+            save_trace(
+                Trace(meta={**meta, "length_scale": cfg.length_scale}, steps=tuple(steps)),
+                paths[name],
+            )
+        return paths
+
+
+def torch_engines(cfg: BenchFidelityConfig, target, drafter, steps) -> dict:
+    """One engine per policy (NoSpec without a drafter, as ``tltrun bench``), warmed up."""
+    from tltrun.engine import EngineConfig, RolloutEngine
+    from tltrun.interface import Request, SamplingParams
+    from tltrun.profile import CLOCKS
+    from tltsim.policy import NoSpec, StaticSpec
+
+    max_len = max(len(r.prompt_token_ids) + r.max_new_tokens for _, reqs in steps for r in reqs)
+    ecfg = EngineConfig(
+        cfg.max_running_requests, max_len, SamplingParams(cfg.temperature), seed=cfg.seed
+    )
+    clock = CLOCKS[backend_clock(cfg, "torch")]
+    engines = {
+        name: RolloutEngine(target, drafter if name != "nospec" else None, ecfg, clock)
+        for name in POLICIES
+    }
+    warm = [Request(r.id, r.prompt_token_ids, 16, True) for r in steps[0][1][:8]]
+    engines["nospec"].generate(warm, NoSpec())  # first calls allocate; not part of a step
+    engines["tlt"].generate(warm, StaticSpec(strategy=cfg.tlt_strategies[-1]))
+    return engines
+
+
+def vllm_engines(cfg: BenchFidelityConfig, target: Path, drafter: Path, steps):
+    """One vLLM engine with the drafter for both policies, as it was profiled: NoSpec through
+    the dynamic-SD table (k = 0 everywhere), TLTAdaptive with ``control="switch"`` (its warm-up,
+    bandit and switch re-prefill; tltrun.vllm_backend). Returns (torch target, engines)."""
+    from tltrun.interface import Request, SamplingParams
+    from tltrun.model import load_hf
+    from tltrun.vllm_backend import VLLMBackend, VLLMBackendConfig
+    from tltsim.policy import NoSpec
+
+    max_len = max(len(r.prompt_token_ids) + r.max_new_tokens for _, reqs in steps for r in reqs)
+    config = VLLMBackendConfig(
+        max_draft_steps=max(int(s.split("_")[0]) for s in cfg.tlt_strategies),
+        max_num_seqs=cfg.max_running_requests,
+        max_model_len=2 * max_len,  # switch mode resubmits prompt + generated
+        kv_cache_bytes=1 << 30,
+        seed=cfg.seed,
+    )
+    backend = VLLMBackend(str(target), str(drafter), config, SamplingParams(cfg.temperature))
+    torch.set_num_threads(cfg.num_threads)  # starting vLLM changes it; the trainer needs it
+    engines = {"nospec": backend.with_control("table"), "tlt": backend.with_control("switch")}
+    warm = [Request(r.id, r.prompt_token_ids, 16, True) for r in steps[0][1][:8]]
+    engines["nospec"].generate(warm, NoSpec())  # first steps allocate; not part of a step
+    return load_hf(target), engines
