@@ -6,8 +6,9 @@ simulated and measured step times side by side, with their errors (issue #7, par
 
 Each trace is one policy's measured run (``tltrun bench`` / ``tltrun train`` / the fidelity
 benchmark write them). It is replayed with the same lengths, placement (instances and which
-prompts ran where), batching cap, policy object and per-step drafter acceptance
-(``tltsim.measured_run`` lists what the trace must record), on the cost model of ``--profile``
+prompts ran where), batching cap, policy object and accept lengths (each step's measured
+histogram per strategy; ``tltsim.measured_run`` lists what the trace must record; with
+``--drafter-dynamics`` the fitted acceptance model instead), on the cost model of ``--profile``
 (``tltsim.profilecost.ProfileCost``; ``--hardware PRESET`` adds a roofline fallback for ops
 the profile lacks).
 
