@@ -217,31 +217,26 @@ class RooflineCost:
         heads = self.model.num_kv_heads
         return math.ceil(heads / self.tp) / heads
 
-    @cached_property
-    def _target(self) -> _Pass:
-        m, tp = self.model, self.tp
+    def _pass(self, spec, overhead_s: float) -> _Pass:
+        """Per-GPU costs of one forward of ``spec`` (target ModelSpec or DrafterSpec) at ``tp``."""
+        tp = self.tp
         return _Pass(
-            m.matmul_params / tp,
-            m.weight_bytes / tp,
-            m.kv_bytes_per_token * self._kv_shard(),
-            m.attn_flops_per_pair / tp,
-            m.vocab_size * self.logit_bytes / tp,
-            m.num_layers,
-            self.hardware.iter_overhead_s,
+            spec.matmul_params / tp,
+            spec.weight_bytes / tp,
+            spec.kv_bytes_per_token * self._kv_shard(),
+            spec.attn_flops_per_pair / tp,
+            spec.vocab_size * self.logit_bytes / tp,
+            spec.num_layers,
+            overhead_s,
         )
 
     @cached_property
+    def _target(self) -> _Pass:
+        return self._pass(self.model, self.hardware.iter_overhead_s)
+
+    @cached_property
     def _draft(self) -> _Pass:
-        d, tp = self.drafter_spec, self.tp
-        return _Pass(
-            d.matmul_params / tp,
-            d.weight_bytes / tp,
-            d.kv_bytes_per_token * self._kv_shard(),
-            d.attn_flops_per_pair / tp,
-            d.vocab_size * self.logit_bytes / tp,
-            d.num_layers,
-            self.hardware.draft_step_overhead_s,
-        )
+        return self._pass(self.drafter_spec, self.hardware.draft_step_overhead_s)
 
     def _allreduce_s(self, p: _Pass, num_tokens: float, num_calls: int = 1) -> float:
         """Two ring all-reduces per layer (after attention, after the MLP), each moving
