@@ -65,17 +65,6 @@ class Trainer:
         return self.clock() - start
 
 
-def accept_hist_by_strategy(result) -> dict[str, list[int]]:
-    """Verify outcomes per strategy (the fit contract's field; TLT mixes strategies)."""
-    hist: dict[str, list[int]] = {}
-    for it in result.iterations:
-        for n in it.accept_lens:
-            h = hist.setdefault(it.strategy, [])
-            h.extend([0] * (n + 1 - len(h)))
-            h[n] += 1
-    return hist
-
-
 def backend_clock(cfg: BenchFidelityConfig, backend: str) -> str:
     return cfg.clock if backend == "torch" else "wall"
 
@@ -128,13 +117,12 @@ class MeasuredRuns:
             extra = {
                 "clock": clock,
                 "max_running_requests": cfg.max_running_requests,
-                "accept_hist_by_strategy": accept_hist_by_strategy(result),
                 "rollout_s_replays": [r.wall_s for r in replays],
             }
             if trainer is not None:
                 extra["train_s"] = trainer.update_s(result)
-            step = measured_step(index, result, None, name, hardware_name("cpu"), extra)
-            step.measured["policy"].update(config=self.settings[name], seed=cfg.seed)
+            step = measured_step(index, result, None, name, hardware_name("cpu"), extra,
+                                 policy_config=self.settings[name], policy_seed=cfg.seed)  # fmt: skip
             measured[name].append(step)
         out.mkdir(parents=True, exist_ok=True)
         paths = {}

@@ -16,6 +16,7 @@ from tiny_models import tiny_model
 from tltrun.cli import main
 from tltrun.drafter import EagleDrafter, export_vllm
 from tltrun.model import save_hf
+from tltsim.measured_run import measured_run
 from tltsim.trace import load_trace
 
 ENGINE = ["--max-running-requests", "3", "--max-model-len", "64", "--temperature", "0"]
@@ -144,11 +145,23 @@ def test_bench_prints_side_by_side_table(dirs, capsys):
     for name in results:
         replay = load_trace(out / f"trace_{name.replace('/', '_')}.json")
         assert replay.steps[0].response_lengths() == [12, 3, 20, 9, 9]
-    assert json.loads((out / "config.json").read_text())["bench"]["policy"] == [
-        "nospec",
-        "static",
-        "tlt",
-    ]
+    config = json.loads((out / "config.json").read_text())
+    assert config["bench"]["policy"] == ["nospec", "static", "tlt"]
+    # each trace holds what `tltsim compare` reads: policy settings and seed, the batching cap,
+    # per-strategy accept histograms
+    for name, settings in (("nospec", {}), ("static", {"strategy": "2_2_4"}), ("tlt", None)):
+        path = out / f"trace_torch_{name}.json"
+        run = measured_run(load_trace(path), str(path))
+        assert run.policy == name and run.policy_seed == config["engine"]["seed"]
+        assert run.max_running_requests == 3 and run.num_instances == 1
+        if settings is not None:
+            assert run.settings == settings
+    # every verify of every response, counted once in the strategy's histogram
+    static_trace = load_trace(out / "trace_torch_static.json")
+    static = measured_run(static_trace, "static")
+    num_verifies = sum(sum(r.accept_hist or ()) for p in static_trace.steps[0].prompts
+                       for r in p.responses)  # fmt: skip
+    assert num_verifies > 0 and sum(static.acceptance.hists[0]["2_2_4"]) == num_verifies
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:

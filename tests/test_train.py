@@ -28,6 +28,7 @@ from tltrun.model import save_hf
 from tltrun.tasks import TaskConfig
 from tltrun.tokenizer import CharTokenizer
 from tltrun.train import TrainConfig, run_train
+from tltsim.measured_run import measured_run
 from tltsim.trace import load_trace
 
 TASK = TaskConfig(median_ops=2, max_ops=4)
@@ -118,6 +119,10 @@ def test_run_writes_logs_trace_checkpoints_and_spot_trains(reference_run):
         assert len(set(row["drafter_sha1"])) == 1 and len(set(row["actor_sha1"])) == 1
     assert len({r["actor_sha1"][0] for r in log}) == 3  # the actor did move every step
     assert trace.steps[1].measured["drafter_trained_tokens"] > 0
+    # what `tltsim compare` reads: placement per worker (prompt_split 1 + 3), the cap, the policy
+    run = measured_run(trace, str(reference_run / "trace.json"))
+    assert run.policy == "nospec" and run.policy_seed == 0 and run.max_running_requests == 2
+    assert all([len(owned) for owned in step] == [1, 3] for step in run.placement)
 
 
 @pytest.mark.slow

@@ -134,7 +134,14 @@ def run_bench(cfg: BenchConfig, engine_cfg) -> dict[str, Any]:
                 raise UsageError(str(err)) from None
             measured.append(
                 measured_step(
-                    step.step, result, {p.id: p.prompt_tokens for p in step.prompts}, name, hardware
+                    step.step,
+                    result,
+                    {p.id: p.prompt_tokens for p in step.prompts},
+                    name,
+                    hardware,
+                    {"max_running_requests": engine_cfg.max_running_requests},
+                    policy_config=settings,
+                    policy_seed=engine_cfg.seed,
                 )
             )
             bar.update()

@@ -232,7 +232,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 row["text"] = tokenizer.decode(o.output_token_ids)
             f.write(json.dumps(row) + "\n")
     step = measured_step(
-        cfg.step, result, policy_name=cfg.policy, hardware=hardware_name(engine_cfg.device)
+        cfg.step,
+        result,
+        policy_name=cfg.policy,
+        hardware=hardware_name(engine_cfg.device),
+        extra={"max_running_requests": engine_cfg.max_running_requests},
+        policy_config=settings,
+        policy_seed=engine_cfg.seed,
     )
     save_trace(
         Trace(meta={"source": f"tltrun generate {cfg.prompts}", "model": cfg.model}, steps=(step,)),

@@ -6,8 +6,12 @@ simulated and a measured step can be put side by side (DESIGN.md, "Trace format"
   response length). Request ids are ``"{prompt_id}/{response index}"``.
 * ``measured_step``: a ``RolloutResult`` -> ``tltsim.trace.Step`` with one Response per output
   (tokens, finish, accept_hist) grouped by prompt, plus the step's ``measured`` block:
-  ``rollout_s``, ``policy`` (name, iterations per strategy), ``hardware``, ``backend``,
-  decode/SD/re-prefill seconds and tokens, mean accept length.
+  ``rollout_s``, ``policy`` (name, iterations per strategy, and the ``config`` / ``seed`` the
+  policy object was built with when given), ``hardware``, ``backend``, decode/SD/re-prefill
+  seconds and tokens, mean accept length, ``accept_hist_by_strategy``. With the
+  ``max_running_requests`` (and, for several workers, ``instance_prompts``) the caller adds,
+  that is everything ``tltsim compare`` reads (``tltsim.measured_run``).
+* ``accept_hist_by_strategy``: verify outcomes per strategy of a list of iterations.
 * ``hardware_name``: a one-line description of the device the engine ran on.
 
 Save with ``tltsim.trace.save_trace(Trace(meta, steps), path)`` (JSON keeps everything).
@@ -100,6 +104,23 @@ def rollout_summary(result: RolloutResult) -> dict[str, Any]:
     }
 
 
+def accept_hist_by_strategy(iterations) -> dict[str, list[int]]:
+    """{strategy: [number of verifies that accepted 0, 1, 2, ... drafts]} over ``iterations``
+    (the fit contract's field, ``tltsim.fit``; TLT mixes strategies within a step)."""
+    hist: dict[str, list[int]] = {}
+    for it in iterations:
+        for n in it.accept_lens:
+            h = hist.setdefault(it.strategy, [])
+            h.extend([0] * (n + 1 - len(h)))
+            h[n] += 1
+    return hist
+
+
+def instance_prompts(results: list[RolloutResult]) -> list[list[str]]:
+    """One list per engine instance (worker) of the prompt ids it served, in output order."""
+    return [list(dict.fromkeys(prompt_of(o.id) for o in r.outputs)) for r in results]
+
+
 def measured_step(
     step: int,
     result: RolloutResult,
@@ -107,8 +128,12 @@ def measured_step(
     policy_name: str = "",
     hardware: str = "",
     extra: dict[str, Any] | None = None,
+    policy_config: dict[str, Any] | None = None,
+    policy_seed: int | None = None,
 ) -> Step:
-    """Group outputs by prompt (request ids ``prompt/i``, order of first appearance)."""
+    """Group outputs by prompt (request ids ``prompt/i``, order of first appearance).
+    ``policy_config`` / ``policy_seed``: the ``make_policy`` settings and seed of the policy
+    that ran (recorded so that ``tltsim compare`` rebuilds the same policy)."""
     groups: dict[str, list] = {}
     for out in result.outputs:
         groups.setdefault(prompt_of(out.id), []).append(out)
@@ -125,14 +150,21 @@ def measured_step(
         num_prompt = prompt_tokens[pid] if prompt_tokens else len(outs[0].prompt_token_ids)
         prompts.append(Prompt(id=pid, prompt_tokens=num_prompt, responses=responses))
     strategies = Counter(i.strategy for i in result.iterations if not i.is_prefill)
+    policy: dict[str, Any] = {
+        "name": policy_name,
+        "iterations_per_strategy": dict(sorted(strategies.items())),
+    }
+    if policy_config is not None:
+        policy["config"] = {k: list(v) if isinstance(v, tuple) else v
+                            for k, v in policy_config.items()}  # fmt: skip
+    if policy_seed is not None:
+        policy["seed"] = policy_seed
     measured = {
         **rollout_summary(result),
-        "policy": {
-            "name": policy_name,
-            "iterations_per_strategy": dict(sorted(strategies.items())),
-        },
+        "policy": policy,
         "hardware": hardware,
         "backend": result.backend,
+        "accept_hist_by_strategy": accept_hist_by_strategy(result.iterations),
         **(extra or {}),
     }
     return Step(step=step, prompts=tuple(prompts), measured=measured)

@@ -83,6 +83,19 @@ class TrainConfig:
     dtype: str = "float32"
     device: str = "cpu"
 
+    def policy_settings(self) -> dict:
+        """``tltsim.policy.make_policy`` keyword arguments of this run's policy."""
+        if self.policy == "static":
+            return {"strategy": self.static_strategy}
+        if self.policy != "tlt":
+            return {}
+        settings: dict = {"threshold": self.tlt_threshold}
+        if self.tlt_strategies:
+            settings["strategies"] = tuple(self.tlt_strategies)
+        if self.tlt_bucket_starts:
+            settings["bucket_starts"] = tuple(self.tlt_bucket_starts)
+        return settings
+
     def __post_init__(self) -> None:
         if not self.model_dir or not self.out:
             raise ValueError("model_dir and out are required")
@@ -104,12 +117,7 @@ class TrainConfig:
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
         if self.policy == "tlt":  # the policy validates its own settings (one-line ValueError)
-            tlt = {"threshold": self.tlt_threshold}
-            if self.tlt_strategies:
-                tlt["strategies"] = tuple(self.tlt_strategies)
-            if self.tlt_bucket_starts:
-                tlt["bucket_starts"] = tuple(self.tlt_bucket_starts)
-            TLTConfig(**tlt)
+            TLTConfig(**self.policy_settings())
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.prompts_per_step < self.num_workers and not self.prompt_split:

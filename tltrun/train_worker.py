@@ -28,7 +28,7 @@ from tltrun.drafter import EagleDrafter, export_vllm, load_drafter
 from tltrun.engine import EngineConfig, HarvestRecord, RolloutEngine
 from tltrun.grpo import GRPOConfig, Sample, grpo_update, make_optimizer
 from tltrun.interface import Request, RolloutResult, SamplingParams
-from tltrun.measured_trace import hardware_name, measured_step
+from tltrun.measured_trace import hardware_name, instance_prompts, measured_step
 from tltrun.model import load_hf, save_hf
 from tltrun.spot import SpotStats, SpotTrainer, SubsetGroups
 from tltrun.tasks import Problem, TaskConfig, reward, sample_problem
@@ -93,16 +93,7 @@ class Worker:
             ),
             clock=self.clock,
         )
-        settings: dict = {}
-        if cfg.policy == "static":
-            settings = {"strategy": cfg.static_strategy}
-        elif cfg.policy == "tlt":
-            settings = {"threshold": cfg.tlt_threshold}
-            if cfg.tlt_strategies:
-                settings["strategies"] = tuple(cfg.tlt_strategies)
-            if cfg.tlt_bucket_starts:
-                settings["bucket_starts"] = tuple(cfg.tlt_bucket_starts)
-        self.spec_policy = make_policy(cfg.policy, seed=cfg.seed, **settings)
+        self.spec_policy = make_policy(cfg.policy, seed=cfg.seed, **cfg.policy_settings())
         self.spot = None
         if is_harvesting:
             groups = SubsetGroups(cfg.num_workers)
@@ -288,19 +279,14 @@ class Worker:
         finishes = [g["finish_s"] for g in gathered]
         rollout_s = max(finishes)
         merged = RolloutResult(outputs, iterations, rollout_s, gathered[0]["result"].backend)
-        hist: dict[str, list[int]] = {}
-        for it in iterations:
-            for n in it.accept_lens:
-                h = hist.setdefault(it.strategy, [])
-                h.extend([0] * (n + 1 - len(h)))
-                h[n] += 1
         spots = [g["spot"] for g in gathered]
         extra = {
             "train_s": max(g["train_s"] for g in gathered),
             "drafter_train_s": max(s["train_s"] for s in spots),
             "drafter_trained_tokens": sum(s["trained_tokens"] for s in spots),
-            "accept_hist_by_strategy": hist,
             "worker_rollout_s": finishes,
+            "instance_prompts": instance_prompts([g["result"] for g in gathered]),
+            "max_running_requests": self.cfg.max_running_requests,
         }
         trace_step = measured_step(
             step,
@@ -308,6 +294,8 @@ class Worker:
             policy_name=self.cfg.policy,
             hardware=hardware_name(self.cfg.device),
             extra=extra,
+            policy_config=self.cfg.policy_settings(),
+            policy_seed=self.cfg.seed,
         )
         step_dict = trace_to_dict(Trace(meta={}, steps=(trace_step,)))["steps"][0]
         ts.append_jsonl(self.out / "trace_steps.jsonl", step_dict)
