@@ -187,7 +187,7 @@ def test_sampled_tlt_matches_nospec_length_distribution(model_dir, reference_run
         ({"config": "num_workers = 2\nbogus = 1\n"}, "unknown field(s) bogus"),
         ({"config": "num_workers = 0\n"}, "num_workers must be >= 1"),
         ({"model_dir": "/nonexistent"}, "no config.json"),
-        ({"backend": "vllm"}, "backend 'vllm'"),
+        ({"backend": "vllm"}, "vLLM's CPU attention supports head sizes"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(model_dir, tmp_path, capsys, setup, expected):

