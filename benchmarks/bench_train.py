@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,13 +45,46 @@ class BenchTrainConfig:
     # TLTAdaptive on a CPU: chain strategies (TLT's GPU defaults verify 8..48-node trees per
     # request, compute-bound here — see tltrun/train.py), longest chain at batch 1.
     tlt_strategies: tuple[str, ...] = ("4_1_4", "3_1_3", "2_1_2", "1_1_1")
-    # SD pays on this CPU up to batch 4 and loses from batch 16 on (benchmarks/bench_spec.py,
-    # measured here: 1.58x at batch 4, 0.91x at 16), so TLT's switch threshold is set at that
-    # measured crossover instead of the GPU default 32 (fastrl bs_threshold).
-    tlt_threshold: int = 4
+    # TLT's switch threshold: 0 = the batch size where SD stops paying on this machine, read
+    # from benchmarks/bench_spec.py's results (``crossover_batch``) instead of the GPU default
+    # 32 (fastrl bs_threshold); > 0 sets it.
+    tlt_threshold: int = 0
+    spec_results: str = "runs/bench_spec/results.json"
+
+
+def crossover_batch(spec_results: dict) -> int:
+    """The largest batch size at which SD still pays, from bench_spec's rows (per batch size,
+    the speedup of each strategy): between the last measured batch whose best speedup is >= 1
+    and the next one, where it is < 1, the speedup is interpolated linearly in log2(batch) and
+    the crossing rounded down. E.g. 1.58x at batch 4 and 0.91x at 16 cross at batch 13."""
+    points = []
+    for row in sorted(spec_results["rows"], key=lambda r: r["batch"]):
+        best = max(v["speedup"] for k, v in row["runs"].items() if k != "off")
+        points.append((row["batch"], best))
+    for (b0, s0), (b1, s1) in zip(points, points[1:], strict=False):
+        if s0 >= 1 > s1:
+            x0, x1 = math.log2(b0), math.log2(b1)
+            return int(2 ** (x0 + (s0 - 1) / (s0 - s1) * (x1 - x0)))
+    return points[-1][0] if points[-1][1] >= 1 else 1
+
+
+def tlt_threshold(cfg: BenchTrainConfig) -> int:
+    if cfg.tlt_threshold > 0:
+        return cfg.tlt_threshold
+    path = Path(cfg.spec_results)
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UsageError(
+            f"{path}: cannot read bench_spec results ({err}); run benchmarks/bench_spec.py or "
+            "pass --tlt-threshold"
+        ) from None
+    return crossover_batch(results)
 
 
 def run_all(cfg: BenchTrainConfig) -> dict:
+    threshold = tlt_threshold(cfg)
+    print(f"TLT threshold: {threshold} (SD pays on this machine up to this batch size)")
     results = {}
     for name, policy, is_spot in RUNS:
         train = TrainConfig(
@@ -64,7 +98,7 @@ def run_all(cfg: BenchTrainConfig) -> dict:
             max_new_tokens=cfg.max_new_tokens,
             policy=policy,
             tlt_strategies=cfg.tlt_strategies,
-            tlt_threshold=cfg.tlt_threshold,
+            tlt_threshold=threshold,
             is_spot_training=is_spot,
             lr=cfg.lr,
             seed=cfg.seed,

@@ -1,0 +1,42 @@
+"""benchmarks/bench_train.py's TLT threshold: the batch size where SD stops paying, interpolated
+from benchmarks/bench_spec.py's measured speedups."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_train.py"
+_SPEC = importlib.util.spec_from_file_location("bench_train", _PATH)
+bench_train = importlib.util.module_from_spec(_SPEC)
+sys.modules["bench_train"] = bench_train  # dataclasses look their module up
+_SPEC.loader.exec_module(bench_train)
+
+
+def _results(speedups: dict[int, dict[str, float]]) -> dict:
+    return {
+        "rows": [
+            {
+                "batch": b,
+                "runs": {"off": {"speedup": 1.0}, **{k: {"speedup": v} for k, v in s.items()}},
+            }
+            for b, s in speedups.items()
+        ]
+    }
+
+
+@pytest.mark.parametrize(
+    "speedups, expected",
+    [
+        # bench_spec on this machine: best 1.58x at batch 4, 0.91x at 16 -> log2 crossing 13.3
+        ({1: {"a": 2.2}, 4: {"a": 1.58, "b": 1.36}, 16: {"a": 0.85, "b": 0.91}}, 13),
+        ({1: {"a": 1.5}, 2: {"a": 0.5}}, 1),  # crossing at log2 = 0.5 -> 1.41 -> 1
+        ({1: {"a": 1.2}, 8: {"a": 1.1}}, 8),  # never stops paying: the largest measured batch
+        ({1: {"a": 0.9}, 8: {"a": 0.5}}, 1),  # never pays
+    ],
+)
+def test_crossover_batch(speedups, expected):
+    assert bench_train.crossover_batch(_results(speedups)) == expected
