@@ -89,7 +89,7 @@ def deterministic(row: dict) -> dict:
 @pytest.fixture(scope="module")
 def reference_run(model_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ref")
-    run_train(config(model_dir, out), TASK)
+    run_train(config(model_dir, out, tensorboard=True), TASK)
     return out
 
 
@@ -119,6 +119,14 @@ def test_run_writes_logs_trace_checkpoints_and_spot_trains(reference_run):
         assert len(set(row["drafter_sha1"])) == 1 and len(set(row["actor_sha1"])) == 1
     assert len({r["actor_sha1"][0] for r in log}) == 3  # the actor did move every step
     assert trace.steps[1].measured["drafter_trained_tokens"] > 0
+    # TensorBoard scalars = the log's numbers
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(reference_run / "tensorboard"))
+    events.Reload()
+    for key in ("reward_mean", "rollout_s", "drafter_trained_tokens", "loss"):
+        got = [(e.step, e.value) for e in events.Scalars(f"train/{key}")]
+        assert got == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in log], key
     # what `tltsim compare` reads: placement per worker (prompt_split 1 + 3), the cap, the policy
     run = measured_run(trace, str(reference_run / "trace.json"))
     assert run.policy == "nospec" and run.policy_seed == 0 and run.max_running_requests == 2

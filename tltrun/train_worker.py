@@ -56,6 +56,8 @@ def worker_main(rank: int, cfg: TrainConfig, task: TaskConfig, store_path: str, 
         worker = Worker(rank, cfg, task, dist.PrefixStore("tlt", store), resume)
         worker.run()
     finally:
+        if worker is not None and worker.tensorboard is not None:
+            worker.tensorboard.close()
         if worker is not None and hasattr(worker.engine, "close"):
             worker.engine.close()  # the vLLM engine's worker process
         if dist.is_initialized():  # (vLLM's shutdown may already have torn it down)
@@ -150,6 +152,14 @@ class Worker:
         self.start_step = 0
         if ckpt:
             self._restore(ckpt)
+        self.tensorboard = None
+        if cfg.tensorboard and rank == 0:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: a resumed run drops the events of steps it repeats
+            self.tensorboard = SummaryWriter(
+                str(self.out / "tensorboard"), purge_step=self.start_step if ckpt else None
+            )
 
     # ---- checkpoints ------------------------------------------------------------------------
 
@@ -367,6 +377,11 @@ class Worker:
             "rollout_sha1": [g["rollout_sha1"] for g in gathered],
         }
         ts.append_jsonl(self.out / "log.jsonl", row)
+        if self.tensorboard is not None:
+            for key, value in row.items():
+                if key != "step" and type(value) in (int, float):
+                    self.tensorboard.add_scalar(f"train/{key}", value, step)
+            self.tensorboard.flush()
         return row
 
     def _trace_meta(self) -> dict:
