@@ -50,6 +50,13 @@ class BenchTrainConfig:
     # 32 (fastrl bs_threshold); > 0 sets it.
     tlt_threshold: int = 0
     spec_results: str = "runs/bench_spec/results.json"
+    # Drafter evaluation after the runs: the spot run's final actor (the moved policy) generates
+    # eval_prompts x group_size responses to prompts of steps after the run with a chain of
+    # eval_strategy, once with the frozen drafter and once with the spot-trained one (same
+    # target, same prompts, same seed), and the accept lengths are compared.
+    eval_prompts: int = 16
+    eval_strategy: str = "4_1_4"
+    reuse_runs: bool = False  # take finished runs' log.jsonl from --out instead of rerunning
 
 
 def crossover_batch(spec_results: dict) -> int:
@@ -105,11 +112,52 @@ def run_all(cfg: BenchTrainConfig) -> dict:
             checkpoint_every=cfg.num_steps,
         )
         check_inputs(train)
-        print(f"run {name} ...", file=sys.stderr)
-        run_train(train, task_for(cfg.model_dir))
+        is_done = (Path(train.out) / "final" / "actor").is_dir()
+        if not (cfg.reuse_runs and is_done):
+            print(f"run {name} ...", file=sys.stderr)
+            run_train(train, task_for(cfg.model_dir))
         log = [json.loads(x) for x in (Path(train.out) / "log.jsonl").read_text().splitlines()]
         results[name] = {"config": asdict(train), "log": log}
     return results
+
+
+def drafter_eval(cfg: BenchTrainConfig) -> dict[str, float]:
+    """Mean accept length (tokens per verify, bonus included) of the frozen and of the
+    spot-trained drafter on the same moved target (the spot run's final actor)."""
+    import torch
+
+    from tltrun.drafter import load_drafter
+    from tltrun.engine import EngineConfig, RolloutEngine
+    from tltrun.interface import Request, SamplingParams
+    from tltrun.measured_trace import rollout_summary
+    from tltrun.model import load_hf
+    from tltrun.tokenizer import CharTokenizer
+    from tltrun.train_worker import step_problems
+    from tltsim.policy import make_policy
+
+    torch.set_num_threads(1)
+    spot_dir = Path(cfg.out) / "tlt-spot" / "final"
+    target = load_hf(spot_dir / "actor")
+    tok = CharTokenizer.load(spot_dir / "actor")
+    task = task_for(cfg.model_dir)
+    problems = step_problems(task, cfg.seed, cfg.num_steps, cfg.eval_prompts)
+    requests = [
+        Request(f"e{i}/{g}", tuple(tok.encode(p.prompt)), cfg.max_new_tokens)
+        for i, p in enumerate(problems)
+        for g in range(cfg.group_size)
+    ]
+    engine_cfg = EngineConfig(
+        max_running_requests=len(requests),
+        max_model_len=task.max_prompt_chars + 1 + cfg.max_new_tokens,
+        sampling=SamplingParams(1.0),
+        seed=cfg.seed,
+    )
+    accept = {}
+    for name, drafter_dir in (("frozen", cfg.drafter_dir), ("spot", spot_dir / "drafter")):
+        engine = RolloutEngine(target, load_drafter(drafter_dir, target), engine_cfg)
+        result = engine.generate(requests, make_policy("static", strategy=cfg.eval_strategy))
+        accept[name] = rollout_summary(result)["mean_accept_len"]
+    return accept
 
 
 def _tokens_per_s(res: dict) -> float:
@@ -184,7 +232,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     table = summarise(results)
     print_table(table)
-    write_json(out / "results.json", {"config": asdict(cfg), "table": table, "runs": results})
+    accept = drafter_eval(cfg)
+    print(
+        f"drafters on the moved policy (tlt-spot's final actor, {cfg.eval_prompts} new prompts "
+        f"x {cfg.group_size}, chain {cfg.eval_strategy}): accept length frozen "
+        f"{accept['frozen']:.2f}, spot-trained {accept['spot']:.2f}"
+    )
+    write_json(
+        out / "results.json",
+        {"config": asdict(cfg), "table": table, "drafter_eval": accept, "runs": results},
+    )
     return 0
 
 
