@@ -138,10 +138,11 @@ def test_resume_after_sigkill_matches_uninterrupted_run(model_dir, reference_run
     out = tmp_path / "killed"
     cfg = config(model_dir, out)
     flags = [
-        f"--{k.replace('_', '-')}={v}"
+        (f"--{'' if v else 'no-'}{k.replace('_', '-')}" if isinstance(v, bool)
+         else f"--{k.replace('_', '-')}={v}")
         for k, v in asdict(cfg).items()
-        if k not in ("prompt_split", "drafter_dir", "is_spot_training") and v != ()
-    ]
+        if k not in ("prompt_split", "drafter_dir") and v != ()
+    ]  # fmt: skip
     flags += ["--prompt-split=1,3"]
     cmd = [sys.executable, "-m", "tltrun.train", "train", *flags]
     proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.DEVNULL)

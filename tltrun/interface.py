@@ -80,4 +80,6 @@ class RolloutResult:
 class RolloutBackend(Protocol):
     name: str
 
-    def generate(self, requests: list[Request], policy: SpecPolicy, step: int = 0) -> RolloutResult: ...
+    def generate(
+        self, requests: list[Request], policy: SpecPolicy, step: int = 0
+    ) -> RolloutResult: ...
