@@ -7,8 +7,9 @@ Starting point: the fine-tuned target and offline-trained drafter of
 ``benchmarks/bench_spec.py`` (``--model-dir`` / ``--drafter-dir``, run that first); every run
 starts from the same weights and seed, so the runs see the same prompts.
 
-Run: ``python benchmarks/bench_train.py`` (about 12 minutes on 2 shared CPU cores). Prints the
-table and writes ``results.json`` + ``config.json`` into ``--out``.
+Run: ``python benchmarks/bench_train.py`` (about 15 minutes on 2 otherwise idle CPU cores; run
+nothing beside it, the runs are timed in wall seconds). Prints the table and writes
+``results.json`` + ``config.json`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class BenchTrainConfig:
     model_dir: str = "runs/bench_spec/target"
     drafter_dir: str = "runs/bench_spec/drafter"
     out: str = "runs/bench_train"
-    num_steps: int = 6  # 20 in the issue; 6 keeps 4 runs within ~12 min on 2 loaded cores
+    num_steps: int = 20  # the issue's example run
     prompts_per_step: int = 4
     group_size: int = 4
     max_new_tokens: int = 192
