@@ -5,11 +5,12 @@ torch mirrors of the rollout weights, behind the surface ``tltrun.train_worker``
 vLLM returns tokens, not hidden states, so spot drafter training cannot harvest them during the
 rollout as the torch engine does. ``pop_harvest`` recomputes them instead: one cache-free
 forward of the torch mirror of the target over each finished response
-(``tltrun.train_drafter.records_from_outputs``). The worker calls it after its own rollout, i.e.
-on time the long tail leaves idle, and the mirror holds exactly the weights vLLM sampled with
-(the actor update comes after the rollout). The recompute costs one prefill per response on the
-spot trainer; it is part of that worker's measured idle-time work (``drafter_train_s`` excludes
-it, ``rollout_end_s`` includes it).
+(``tltrun.train_drafter.records_from_outputs``). The worker calls it after its own rollout, and
+the mirror holds exactly the weights vLLM sampled with (the actor update comes after the
+rollout). The recompute costs one prefill per response: on a worker that finishes early it uses
+time the long tail leaves idle, but the worker that finishes last also recomputes before it
+announces the end of the rollout, so it lengthens the step (``rollout_end_s`` includes it,
+``drafter_train_s`` does not). The torch engine harvests the hidden states for free.
 
 Policies run with ``control="iteration"``: the policy's ``decide()`` before every vLLM step,
 exact for chain strategies (``tltrun.vllm_backend``; a tree strategy ``d_k_v`` runs as chain

@@ -90,12 +90,8 @@ class Worker:
         sampling = SamplingParams(cfg.temperature, cfg.top_p)
         engine_drafter = drafter if cfg.policy != "nospec" else None
         if cfg.backend == "vllm":
-            from tltrun.train_vllm import (
-                VLLMBackendConfig,
-                VLLMTrainRollout,
-                kv_cache_bytes,
-                max_draft_steps,
-            )
+            from tltrun.train_vllm import VLLMTrainRollout, kv_cache_bytes, max_draft_steps
+            from tltrun.vllm_backend import VLLMBackendConfig
 
             vcfg = VLLMBackendConfig(
                 control="iteration",
