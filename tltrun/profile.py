@@ -351,9 +351,12 @@ def run_profile(
     cfg: ProfileRunConfig,
     now: datetime.datetime,
     between_rounds: Callable[[int], None] = lambda r: None,
+    vllm_backend=None,
 ) -> list[ProfileRow]:
     """Load the model (and drafter), time the grid, write ``cfg.out`` and its sidecar.
-    ``between_rounds(r)`` runs after each round of the torch rollout ops (Measure.interleaved)."""
+    ``between_rounds(r)`` runs after each round of the rollout ops (Measure.interleaved).
+    ``vllm_backend``: profile this running ``VLLMBackend`` (left open) instead of starting one
+    (``tltrun.profile_vllm.profile_vllm``)."""
     from tltrun.cli import load_drafter_dir, load_target
     from tltrun.engine import DTYPES
 
@@ -374,10 +377,7 @@ def run_profile(
         if cfg.backend == "vllm":
             from tltrun.profile_vllm import profile_vllm
 
-            num_points = len(cfg.batches) * len(cfg.context_per_seq)
-            num_points += len(cfg.prefill_batches) * len(cfg.prefill_tokens_per_seq)
-            bar.total = cfg.num_repeats + num_points
-            rows = profile_vllm(cfg, measure, progress)
+            rows = profile_vllm(cfg, measure, progress, between_rounds, vllm_backend)
             torch.set_num_threads(cfg.num_threads)  # starting vLLM changes it (vllm_backend)
         else:
             from tltrun.profile_torch import profile_torch

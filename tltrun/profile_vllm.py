@@ -3,8 +3,13 @@ timed as whole vLLM engine steps (``LLMEngine.step``: schedule, forward, sample,
 unit in which the backend runs a rollout and records ``IterationRecord``s.
 
 vLLM exposes no per-phase timing of a step, so per-op costs are derived from whole steps of a
-controlled batch (``batch`` requests of ``context`` prompt tokens, ``ignore_eos``), each timed
-``num_repeats`` times after ``num_warmup`` steps:
+controlled batch (``batch`` requests of ``context`` prompt tokens, ``ignore_eos``). Every point
+is timed in interleaved rounds (``tltrun.profile.Measure.interleaved``, as the torch backend):
+each round visits every point, sets it up (untimed: submit its prompts, which are prefix-cache
+hits after the first round, and step until each has its first token), runs ``num_warmup``
+untimed steps and times one. A slow or fast spell of a shared machine so reaches all points
+alike, and a caller can run its measured rollouts between rounds on the same engine
+(``profile_vllm(..., backend=, between_rounds=)``; benchmarks/bench_fidelity.py does).
 
 * ``decode``: steps with k = 0 draft tokens. On an engine with a drafter vLLM still runs the
   drafter once per step to keep its KV cache in sync (tltrun.vllm_backend), so this is the cost
@@ -21,8 +26,8 @@ controlled batch (``batch`` requests of ``context`` prompt tokens, ``ignore_eos`
   is served mostly from vLLM's prefix cache).
 * ``prefill``: fresh random prompts (no prefix-cache hits), timed until each has its first token.
 
-Contexts drift while steps are timed (each step adds 1..k+1 tokens per request); each row
-records the mean context of its timed steps, so rows sit near, not on, the grid's values.
+A timed step runs at the point's context plus the tokens of the warm-up steps before it; each
+row records the mean context of its timed steps, so rows sit near, not on, the grid's values.
 Prompts are submitted before timing starts, as ``VLLMBackend.generate`` submits before its clock.
 Not run directly: ``tltrun profile --backend vllm`` calls ``profile_vllm``.
 """
@@ -34,6 +39,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tltrun.profile import Series
 from tltsim.profile import ProfileRow
 
 
@@ -88,6 +94,11 @@ class VLLMProbe:
     def context(self, ids: list[str]) -> int:
         return sum(len(self.prompts[rid]) + len(self.tokens[rid]) for rid in ids)
 
+    def abort_all(self) -> None:
+        """Abort every request this probe submitted that is still known (setup of a point)."""
+        if self.prompts:
+            self.abort(list(self.prompts))
+
     def abort(self, ids: list[str]) -> None:
         self.engine.abort_request(ids)
         while self.engine.has_unfinished_requests():
@@ -101,55 +112,43 @@ class VLLMProbe:
             self.backend._set_lookup([[1, self.backend.config.max_num_seqs, k]])
 
 
-def _steps(probe: VLLMProbe, ids: list[str], measure) -> tuple[np.ndarray, int]:
-    """Timed steps of the running ``ids`` and their mean batch context (tokens)."""
-    contexts = []
+def _timed(values: list, measure) -> list:
+    """The values recorded by the timed call of each round: a series' ``fn`` runs
+    ``num_warmup`` untimed times and then once timed, every round (``Measure.interleaved``)."""
+    return values[measure.num_warmup :: measure.num_warmup + 1]
 
-    def one() -> None:
-        contexts.append(probe.context(ids))
+
+def step_series(probe: VLLMProbe, prompts, k: int, margin: int, contexts: list) -> Series:
+    """Engine steps with k draft tokens of the running ``prompts``. Setup (untimed): submit
+    them (a prefix-cache hit after the first round) and step until each has its first token."""
+    state: dict = {}
+
+    def setup() -> None:
+        probe.abort_all()
+        probe.set_k(k)
+        state["ids"] = probe.submit(prompts, margin)
+        probe.step_until_new_token(state["ids"])
+
+    def step() -> None:
+        contexts.append(probe.context(state["ids"]))
         probe.step()
 
-    samples = measure.samples(one)
-    return samples, int(round(np.mean(contexts[-len(samples) :])))
+    return Series(("step", len(prompts), len(prompts[0]), k), step, setup=setup)
 
 
-def measure_point(probe: VLLMProbe, batch: int, context: int, ks: list[int], measure, margin: int):
-    """decode / verify / drafter / sd_switch rows at one (batch, context per sequence)."""
-    prompts = probe.random_prompts(batch, context)
-    by_k: dict[int, tuple[np.ndarray, int]] = {}
-    for k in [0, *ks]:
+def switch_series(probe: VLLMProbe, prompts, k: int, margin: int, contexts: list) -> Series:
+    """What ``control="switch"`` does when SD turns on: abort the running requests and
+    resubmit them with their generated prefix; timed until each has a new token (the
+    re-prefill is served mostly from vLLM's prefix cache)."""
+    state: dict = {}
+
+    def setup() -> None:
+        probe.abort_all()
+        probe.set_k(0)
+        state["ids"] = probe.submit(prompts, margin)
+        probe.step_until_new_token(state["ids"])
+        probe.step()
         probe.set_k(k)
-        ids = probe.submit(prompts, margin)  # same prompts: a prefix-cache hit after the first
-        probe.step_until_new_token(ids)
-        by_k[k] = _steps(probe, ids, measure)
-        probe.abort(ids)
-    rows = [measure.row("decode", batch, by_k[0][1], 1, by_k[0][0])]
-    if ks:
-        k_arr = np.array([0, *ks], dtype=float)
-        times = np.stack([by_k[k][0] for k in [0, *ks]])  # (len(ks)+1, repeats)
-        # per repeat, least-squares slope of step time over k
-        slope = ((k_arr - k_arr.mean())[:, None] * (times - times.mean(0))).sum(0)
-        slope = np.maximum(slope / ((k_arr - k_arr.mean()) ** 2).sum(), 0.01 * times[0])
-        rows.append(measure.row("drafter", batch, by_k[ks[-1]][1], 1, slope))
-        step_s = float(np.median(slope))
-        for k in ks:
-            it, ctx = by_k[k]
-            rows.append(
-                measure.row("verify", batch, ctx, k + 1, np.maximum(it - k * step_s, 0.1 * it))
-            )
-        rows.append(measure_switch(probe, prompts, ks[-1], measure, margin))
-    return rows
-
-
-def measure_switch(probe: VLLMProbe, prompts, k: int, measure, margin: int) -> ProfileRow:
-    """Abort and resubmit running requests with their generated prefix (control="switch")."""
-    probe.set_k(0)
-    ids = probe.submit(prompts, margin)
-    probe.step_until_new_token(ids)
-    probe.step()
-    probe.set_k(k)
-    state = {"ids": ids}
-    contexts = []
 
     def resubmit() -> None:
         new_prompts = [probe.prompts[r] + probe.tokens[r] for r in state["ids"]]
@@ -158,66 +157,153 @@ def measure_switch(probe: VLLMProbe, prompts, k: int, measure, margin: int) -> P
         state["ids"] = probe.submit(new_prompts, margin)
         probe.step_until_new_token(state["ids"])
 
-    samples = measure.samples(resubmit)
-    probe.abort(state["ids"])
-    batch, total = len(prompts), int(round(np.mean(contexts[-len(samples) :])))
-    return measure.row("sd_switch", batch, total, max(1, round(total / batch)), samples)
+    return Series(("switch", len(prompts), len(prompts[0])), resubmit, setup=setup)
 
 
-def measure_prefill(probe: VLLMProbe, batch: int, tokens: int, measure) -> ProfileRow:
-    state = {}
+def prefill_series(probe: VLLMProbe, batch: int, tokens: int) -> Series:
+    """Fresh random prompts (no prefix-cache hits), timed until each has its first token."""
+    state: dict = {}
 
     def submit() -> None:
+        probe.abort_all()
         state["ids"] = probe.submit(probe.random_prompts(batch, tokens), 1)
 
-    def prefill() -> None:
-        probe.step_until_new_token(state["ids"])
-
-    def finish() -> None:
-        probe.abort(state["ids"])
-        submit()
-
-    submit()
-    samples = measure.samples(prefill, finish)
-    probe.abort(state["ids"])
-    return measure.row("prefill", batch, 0, tokens, samples)
+    return Series(
+        ("prefill", batch, tokens),
+        lambda: probe.step_until_new_token(state["ids"]),
+        reset=submit,
+        setup=submit,
+    )
 
 
-def profile_vllm(cfg, measure, progress: Callable[[str], None]) -> list[ProfileRow]:
-    """Rollout rows of ``cfg``'s grid (a ``tltrun.profile.ProfileRunConfig``) on one in-process
-    vLLM engine configured as the run's ``VLLMBackend`` would be."""
+def point_rows(b: int, c: int, ks: list[int], timed: dict, contexts: dict, measure) -> list:
+    """decode, drafter, verify and sd_switch rows of one (batch, context per sequence)."""
+
+    def ctx(key) -> int:
+        return int(round(np.mean(_timed(contexts[key], measure))))
+
+    by_k = {k: timed[("step", b, c, k)] for k in [0, *ks]}
+    rows = [measure.row("decode", b, ctx(("step", b, c, 0)), 1, by_k[0])]
+    if not ks:
+        return rows
+    k_arr = np.array([0, *ks], dtype=float)
+    times = np.stack([by_k[k] for k in [0, *ks]])  # (len(ks) + 1, repeats)
+    # per round, the least-squares slope of step time over k
+    slope = ((k_arr - k_arr.mean())[:, None] * (times - times.mean(0))).sum(0)
+    slope = np.maximum(slope / ((k_arr - k_arr.mean()) ** 2).sum(), 0.01 * times[0])
+    rows.append(measure.row("drafter", b, ctx(("step", b, c, ks[-1])), 1, slope))
+    step_s = float(np.median(slope))
+    for k in ks:
+        it = by_k[k]
+        verify = np.maximum(it - k * step_s, 0.1 * it)
+        rows.append(measure.row("verify", b, ctx(("step", b, c, k)), k + 1, verify))
+    total = ctx(("switch", b, c))
+    per_seq = max(1, round(total / b))
+    rows.append(measure.row("sd_switch", b, total, per_seq, timed[("switch", b, c)]))
+    return rows
+
+
+def start_backend(cfg, margin: int, ks: list[int]):
+    """An in-process engine configured as the run's ``VLLMBackend`` would be."""
     from tltrun.interface import SamplingParams
-    from tltrun.model import read_config
     from tltrun.vllm_backend import VLLMBackend, VLLMBackendConfig
 
-    ks = sorted({d.draft_steps for d in cfg.decisions}) if cfg.drafter else []
-    steps_per_point = measure.num_warmup + measure.num_repeats + 2
-    margin = steps_per_point * (max(ks, default=0) + 1) + 2
-    longest = max(max(cfg.context_per_seq), max(cfg.prefill_tokens_per_seq))
     config = VLLMBackendConfig(
         control="iteration",
         max_draft_steps=max(ks, default=1),
         max_num_seqs=max(max(cfg.batches), max(cfg.prefill_batches)),
-        max_model_len=2 * (longest + margin),  # sd_switch resubmits prompt + generated
+        max_model_len=profile_model_len(cfg, margin),
         kv_cache_bytes=cfg.vllm_kv_cache_bytes,
         dtype=cfg.dtype,
         seed=cfg.seed,
     )
-    backend = VLLMBackend(cfg.model, cfg.drafter or None, config, SamplingParams(cfg.temperature))
+    return VLLMBackend(cfg.model, cfg.drafter or None, config, SamplingParams(cfg.temperature))
+
+
+def profile_margin(cfg, num_warmup: int) -> int:
+    """max_tokens of a profile request: the steps of one round at the deepest k, and spare."""
+    ks = [d.draft_steps for d in cfg.decisions] if cfg.drafter else []
+    return (num_warmup + 3) * (max(ks, default=0) + 1) + 2
+
+
+def profile_model_len(cfg, margin: int) -> int:
+    """The max_model_len a profiling engine needs (sd_switch resubmits prompt + generated)."""
+    return 2 * (max(max(cfg.context_per_seq), max(cfg.prefill_tokens_per_seq)) + margin)
+
+
+def check_backend(cfg, backend, margin: int) -> None:
+    """A caller's engine must hold the grid: its batches, lengths and draft steps."""
+    ks = [d.draft_steps for d in cfg.decisions] if cfg.drafter else []
+    need = {
+        "max_num_seqs": max(max(cfg.batches), max(cfg.prefill_batches)),
+        "max_model_len": profile_model_len(cfg, margin),
+        "max_draft_steps": max(ks, default=0),
+    }
+    for name, value in need.items():
+        have = getattr(backend.config, name)
+        if have is None or have < value:
+            raise ValueError(f"profile_vllm: the engine's {name} is {have}, the grid needs {value}")
+    if bool(cfg.drafter) != backend.has_drafter or backend.config.control == "table":
+        raise ValueError(
+            "profile_vllm: the engine needs a drafter exactly when the profile has one, and "
+            "control 'iteration' or 'switch' (in-process)"
+        )
+
+
+def profile_vllm(
+    cfg,
+    measure,
+    progress: Callable[[str], None],
+    between_rounds: Callable[[int], None] = lambda r: None,
+    backend=None,
+) -> list[ProfileRow]:
+    """Rollout rows of ``cfg``'s grid (a ``tltrun.profile.ProfileRunConfig``) on one in-process
+    vLLM engine: ``backend`` (a ``VLLMBackend`` the caller also runs, left open; its
+    ``control`` must not be ``"table"``) or one started here as the run's would be.
+    ``between_rounds(r)`` runs after round r (on ``backend``: a measured rollout)."""
+    from tltrun.model import read_config
+
+    ks = sorted({d.draft_steps for d in cfg.decisions}) if cfg.drafter else []
+    margin = profile_margin(cfg, measure.num_warmup)
+    is_own = backend is None
+    if is_own:
+        backend = start_backend(cfg, margin, ks)
+    else:
+        check_backend(cfg, backend, margin)
     probe = VLLMProbe(backend, read_config(cfg.model).vocab_size, cfg.seed)
-    rows: list[ProfileRow] = []
-    try:
-        for batch in cfg.batches:
-            for context in cfg.context_per_seq:
-                progress(f"vllm steps batch {batch} context {context}")
-                rows += measure_point(probe, batch, context, ks, measure, margin)
+    contexts: dict[tuple, list[int]] = {}
+    series: list[Series] = []
+    for b in cfg.batches:
+        for c in cfg.context_per_seq:
+            prompts = probe.random_prompts(b, c)
+            for k in [0, *ks]:
+                key = ("step", b, c, k)
+                series.append(step_series(probe, prompts, k, margin, contexts.setdefault(key, [])))
+            if ks:
+                key = ("switch", b, c)
+                lst = contexts.setdefault(key, [])
+                series.append(switch_series(probe, prompts, ks[-1], margin, lst))
+    for b in cfg.prefill_batches:
+        for t in cfg.prefill_tokens_per_seq:
+            series.append(prefill_series(probe, b, t))
+
+    def after_round(r: int) -> None:
+        probe.abort_all()
         probe.set_k(0)
-        for batch in cfg.prefill_batches:
-            for tokens in cfg.prefill_tokens_per_seq:
-                progress(f"vllm prefill batch {batch} x {tokens} tokens")
-                rows.append(measure_prefill(probe, batch, tokens, measure))
+        between_rounds(r)
+
+    try:
+        timed = measure.interleaved(series, progress=progress, between_rounds=after_round)
     finally:
-        backend.close()
+        if is_own:
+            backend.close()
+    rows: list[ProfileRow] = []
+    for b in cfg.batches:
+        for c in cfg.context_per_seq:
+            rows += point_rows(b, c, ks, timed, contexts, measure)
+    for b in cfg.prefill_batches:
+        for t in cfg.prefill_tokens_per_seq:
+            rows.append(measure.row("prefill", b, 0, t, timed[("prefill", b, t)]))
     return rows
 
 
