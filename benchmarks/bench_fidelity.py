@@ -202,10 +202,10 @@ def profile_config(cfg: BenchFidelityConfig, backend: str, target: Path, drafter
         drafter=str(drafter),
         out=str(out),
         batches=batches + (cfg.max_running_requests,),
-        context_per_seq=(16, 128, 768),  # the run's contexts: 7 to ~660 tokens
+        context_per_seq=(8, 128, 768),  # the run's contexts: 7 to ~660 tokens
         strategies=cfg.tlt_strategies,
         prefill_batches=(1, 8, cfg.max_running_requests),
-        prefill_tokens_per_seq=(16, 64, 256),
+        prefill_tokens_per_seq=(8, 32, 128),  # prompts: 7 to 44 tokens
         train_batches=(8, 32),
         train_tokens_per_seq=(64, 256),
         num_warmup=1,  # per point per round: one untimed call warms the caches

@@ -265,3 +265,30 @@ def test_engine_import_pulls_in_no_simpy():
         "import sys, tltrun.engine, tltrun.cli; assert 'simpy' not in sys.modules, 'simpy imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_finished_slots_are_compacted_without_changing_any_output(monkeypatch):
+    """The running batch is kept in slots 0..n-1 (Scheduler.compact moves the highest slots
+    into the freed ones, the engine copies their caches): greedy outputs, plain and SD, equal
+    each request generated alone, and moves did happen."""
+    from tltrun.scheduler import Scheduler
+
+    moves, layouts = [], []
+    compact = Scheduler.compact
+
+    def spy(self):
+        out = compact(self)
+        moves.extend(out)
+        layouts.append([s.slot for s in self.running])
+        return out
+
+    monkeypatch.setattr(Scheduler, "compact", spy)
+    reqs = make_requests(10, seed=7, max_new=40)
+    alone = [engine(max_running_requests=1).generate([r], NoSpec()) for r in reqs]
+    want = [a.outputs[0].output_token_ids for a in alone]
+    for drafter, policy in ((None, NoSpec()), (DRAFTER, StaticSpec(4, 1, 4))):
+        moves.clear()
+        result = engine(drafter, max_running_requests=6).generate(reqs, policy)
+        assert [o.output_token_ids for o in result.outputs] == want
+        assert moves and all(src > dst for src, dst in moves)
+    assert all(layout == list(range(len(layout))) for layout in layouts)

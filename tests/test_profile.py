@@ -184,6 +184,19 @@ def test_missing_sidecar_and_bad_sidecar(tmp_path: Path, capsys) -> None:
     )
     with pytest.raises(ProfileError, match="field 'tp'"):
         load_profile(path)
+    side = {"format": "tlt-profile", "version": 1, **META, "attention_context": "ragged"}
+    path.with_suffix(".json").write_text(json.dumps(side))
+    with pytest.raises(ProfileError, match="'attention_context': expected one of summed, padded"):
+        load_profile(path)
+
+
+@pytest.mark.parametrize("value", [None, "summed", "padded"])
+def test_attention_context_of_the_sidecar_reaches_the_cost_model(tmp_path, value) -> None:
+    path = tmp_path / "p.csv"
+    extra = {} if value is None else {"attention_context": value}
+    write_profile(bilinear_profile().rows, path, {**META, **extra})
+    cost = ProfileCost(load_profile(path))
+    assert cost.is_context_padded is (value == "padded")
 
 
 def test_single_point_curve_is_rejected() -> None:

@@ -66,6 +66,7 @@ def test_tiny_profile_is_valid_and_complete(model_dirs, tmp_path):
     rows = run_profile(tiny_grid(target, drafter, out), NOW)
     profile = load_profile(out)
     assert set(profile.ops) == set(OPS)
+    assert profile.meta["attention_context"] == "padded"  # dense SDPA over the padded batch
     assert len(profile.rows) == len(rows)
     for r in profile.rows:
         assert 0 < r.seconds_p10 <= r.seconds <= r.seconds_p90 < 60, r
@@ -196,6 +197,7 @@ def test_vllm_profile_is_valid_and_complete(tmp_path):
     profile = load_profile(out)
     assert set(profile.ops) == set(OPS)
     assert profile.meta["backend"] == "vllm" and profile.meta["clock"] == "wall"
+    assert profile.meta["attention_context"] == "summed"  # paged attention
     for r in profile.rows:
         assert 0 < r.seconds_p10 <= r.seconds <= r.seconds_p90 < 60, r
         assert r.num_repeats == 3

@@ -149,3 +149,50 @@ def test_bad_config_is_rejected_with_the_field_name() -> None:
         SimConfig(num_gpus=6, tp=4)
     with pytest.raises(ValueError, match="placement"):
         SimConfig(placement="best")
+
+
+class _RecordingCost:
+    """The roofline, recording the context and prefill sizes the simulator asks for."""
+
+    def __init__(self, is_context_padded: bool):
+        self.inner = roofline()
+        self.is_context_padded = is_context_padded
+        self.decode_contexts: list[float] = []
+        self.prefills: list[tuple[int, int]] = []
+
+    def decode_iter_s(self, batch, context_tokens, tokens_per_seq=1):
+        self.decode_contexts.append(context_tokens)
+        return self.inner.decode_iter_s(batch, context_tokens, tokens_per_seq)
+
+    def decode_span_s(self, batch, context_tokens, num_iters):
+        self.decode_contexts.append(context_tokens)
+        return self.inner.decode_span_s(batch, context_tokens, num_iters)
+
+    def prefill_s(self, num_tokens, context_tokens=0.0, num_seqs=1):
+        self.prefills.append((num_tokens, num_seqs))
+        return self.inner.prefill_s(num_tokens, context_tokens, num_seqs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("is_padded", [False, True])
+def test_padded_engines_are_costed_at_the_longest_context(exact: bool, is_padded: bool) -> None:
+    """Prompts of 10 and 100 tokens, responses of 5 and 50: a paged engine's first decode reads
+    11 + 101 context tokens, a padded one (tltrun's torch engine) 2 x 101; its prefill pads
+    both prompts to 100 tokens. After the short response ends, one request is left: equal.
+    (Further calls come from the run's summary metrics.)"""
+    trace = make_trace([[[5], [50]]], [[10, 100]])
+    cost = _RecordingCost(is_padded)
+    cfg = SimConfig(num_gpus=1, max_running_requests=2, exact=exact)
+    simulate(trace, cfg, cost, NoSpec(), None, None)
+    assert cost.prefills[0] == (200 if is_padded else 110, 2)  # then the metrics' own calls
+    assert cost.decode_contexts[0] == (2 * 101 if is_padded else 11 + 101)
+    # the last call: the long request alone (context 100 + 5 + ... in both cases)
+    # padded: the batch grows 2 tokens per iteration, as the summed context does
+    if exact:
+        first = cost.decode_contexts[:4]
+        assert first == [cost.decode_contexts[0] + 2 * i for i in range(4)]
+    # the short response is done after 4 iterations: the long one alone, at 100 + 5 tokens
+    assert cost.decode_contexts[4 if exact else 1] == 105

@@ -441,6 +441,27 @@ class RolloutEngine:
                 self.harvest.append(
                     HarvestRecord(seq.request.id, ids, seq.num_prompt_tokens, hidden)
                 )
+        moves = sched.compact()
+        if moves:
+            self._move_slots(moves)
+
+    def _move_slots(self, moves: list[tuple[int, int]]) -> None:
+        """Copy running sequences' per-slot state (KV caches and lengths, tokens, hidden states)
+        to their new slots (``Scheduler.compact``; sources and destinations are disjoint)."""
+        src = torch.tensor([m[0] for m in moves], dtype=torch.long, device=self.device)
+        dst = torch.tensor([m[1] for m in moves], dtype=torch.long, device=self.device)
+        width = int(self.cache.lens[src].max()) + 1  # + the pending token / its hidden state
+        for cache in (self.cache, self.draft_cache):
+            if cache is not None:
+                w = min(width, cache.max_tokens)
+                cache.k[:, dst, :, :w] = cache.k[:, src, :, :w]
+                cache.v[:, dst, :, :w] = cache.v[:, src, :, :w]
+                cache.lens[dst] = cache.lens[src]
+                cache.lens[src] = 0
+        self.tokens[dst] = self.tokens[src]
+        if self.hidden is not None:
+            w = min(width, self.hidden.shape[1])
+            self.hidden[dst, :w] = self.hidden[src, :w]
 
 
 def _load_in_place(

@@ -19,9 +19,11 @@ predicts ``tltrun.engine.RolloutEngine`` and not an idealised forward pass.
 
 * One ``RolloutEngine`` with as many KV slots as the largest batch of the grid (make it the
   run's ``max_running_requests``) holds ``batch`` running sequences of ``context`` cached tokens,
-  in random slots as a shrinking rollout leaves them (scattered slots cost up to a third more
-  per iteration than adjacent ones here). The KV caches, hidden states and pending tokens are
-  seeded random values, not a prefill (a forward's cost does not depend on the values).
+  in slots 0..batch-1 where the engine keeps its running batch (``Scheduler.compact``). The KV
+  caches, hidden states and pending tokens are seeded random values, not a prefill (a forward's
+  cost does not depend on the values). The engine's attention is dense and padded to the
+  longest context of the batch; the profile records that (``attention_context: padded``), so
+  the simulator costs a run's mixed-length batch at batch x its longest context.
 * ``decode``: one full engine loop iteration with SD off — ``RolloutEngine._decode_iteration``
   (observation, policy call, target forward, sampling, bookkeeping) plus ``_release`` — then a
   rollback of the cache lengths and the sequences, so every repeat runs at the same context.
@@ -343,6 +345,10 @@ def profile_meta(cfg: ProfileRunConfig, now: datetime.datetime) -> dict[str, Any
         "date": now.isoformat(timespec="seconds"),
         "statistic": cfg.statistic,
         "clock": cfg.clock,
+        # the torch engine's attention is dense SDPA over the batch padded to its longest
+        # context (tltrun.kvcache.CacheContext) and its prefill pads prompts likewise; vLLM's
+        # is paged (tltsim.profile: attention_context)
+        "attention_context": "padded" if cfg.backend == "torch" else "summed",
         "config": asdict(cfg),
     }
 

@@ -44,8 +44,8 @@ def fill_engine(engine: RolloutEngine, context: int, gen: torch.Generator) -> No
 class EngineProbe:
     """``batch`` running sequences of ``context`` cached tokens each in a ``fill_engine``-ed
     ``RolloutEngine``, and the rollback that puts the engine into exactly that state (before
-    its turn, and after every timed iteration). The sequences sit in seeded random slots among
-    the engine's ``max_running_requests``: profile with the run's cap as the largest batch."""
+    its turn, and after every timed iteration). The sequences sit in slots 0..batch-1 of the
+    engine's ``max_running_requests``: profile with the run's cap as the largest batch."""
 
     def __init__(self, engine: RolloutEngine, batch: int, context: int, margin: int, gen):
         self.engine = engine
@@ -61,13 +61,8 @@ class EngineProbe:
         ]
         num_slots = engine.config.max_running_requests
         self.sched = Scheduler(requests, num_slots)
+        # slots 0..batch-1, where the engine keeps a running batch (Scheduler.compact)
         self.running = self.sched.admit()
-        # Where a shrinking rollout leaves its survivors: scattered over the engine's slots
-        # (all were admitted together, the others finished). Measured here: 16 sequences in
-        # scattered slots of 64 cost 25-35% more per iteration than in slots 0..15.
-        spread = torch.randperm(num_slots, generator=gen)[:batch].sort().values.tolist()
-        for seq, slot in zip(self.running, spread, strict=True):
-            seq.slot = slot
         self.slots = slots = engine._slots(self.running)
         for seq in self.running:  # prefill's sampled token, pending in tokens[slot, context]
             seq.output.append(int(engine.tokens[seq.slot, context]))

@@ -2,8 +2,12 @@
 KV slot, when a request stops. Pure Python, no torch (as nano-vllm's scheduler): the engine's
 ``ModelRunner`` side (tltrun.engine) owns the tensors, this side owns the sequences.
 
-Lifecycle of a ``Sequence``: WAITING -> (admitted into a free slot) RUNNING -> FINISHED when it
-emits EOS (unless ``ignore_eos``: trace replay) or reaches ``max_new_tokens``. Tokens past the
+Lifecycle of a ``Sequence``: WAITING -> (admitted into the lowest free slot) RUNNING -> FINISHED
+when it emits EOS (unless ``ignore_eos``: trace replay) or reaches ``max_new_tokens``. After
+sequences finish, ``compact`` moves the running ones with the highest slots into the freed
+lower ones (the engine moves their cache rows), so the running batch always occupies slots
+0..n-1 in slot order and the engine's attention reads the KV cache through a view instead of
+gathering scattered slots every layer of every iteration. Tokens past the
 stop point of an iteration (e.g. accepted drafts after an EOS) are dropped, which is what plain
 decoding would have done, so speculative decoding never changes a sequence.
 
@@ -91,6 +95,7 @@ class Scheduler:
         self.sequences = [Sequence(r, i) for i, r in enumerate(requests)]
         self.waiting: deque[Sequence] = deque(self.sequences)
         self.running: list[Sequence] = []
+        self.max_running = max_running
         self.free_slots: deque[int] = deque(range(max_running))
 
     @property
@@ -114,6 +119,22 @@ class Scheduler:
             for seq in done:
                 self.free_slots.append(seq.slot)
         return done
+
+    def compact(self) -> list[tuple[int, int]]:
+        """Move running sequences from slots >= n (n running) into the free slots below n;
+        returns the (from slot, to slot) moves, in increasing ``from`` order, for the engine to
+        copy. Afterwards ``running`` holds slots 0..n-1 in slot order and the free slots are
+        n..max_running-1 (admission then fills them in order)."""
+        n = len(self.running)
+        holes = sorted(s for s in self.free_slots if s < n)
+        movers = sorted((s for s in self.running if s.slot >= n), key=lambda s: s.slot)
+        moves = []
+        for seq, dst in zip(movers, holes, strict=True):
+            moves.append((seq.slot, dst))
+            seq.slot = dst
+        self.running.sort(key=lambda s: s.slot)
+        self.free_slots = deque(range(n, self.max_running))
+        return moves
 
     def outputs(self) -> list[RequestOutput]:
         return [s.to_output() for s in self.sequences]

@@ -16,6 +16,12 @@ Two implementations behind one interface (``admit``, ``advance``, ``retire``), u
   iterations: the mean of the random walk given where it ends). When the decision changes, every
   request's remaining tokens are taken at that mean and re-sampled under the new decision.
 
+What a cost call is given as context (``cost_context``): the batch's summed context, or, for a
+cost model of an engine whose attention pads the batch to its longest sequence
+(``tltsim.costmodel.is_context_padded``), batch size x the longest context. FastBatch grows
+the latter over a span at the longest request's mean rate (one token per iteration when SD is
+off); ExactBatch recomputes it every iteration.
+
 Completion iterations (``sample_iterations``): exact first-passage draws (accept lengths summed
 until they reach the remaining tokens) when a request needs at most ``MAX_EXACT_PASSAGE_ITERS``
 iterations on average; beyond that the renewal-theory normal law
@@ -31,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from tltsim.costmodel import is_context_padded
 from tltsim.policy import OFF, SpecDecision
 
 # From 16 expected iterations on, the normal law's mean and spread of N are within 2% / 10% of
@@ -131,6 +138,19 @@ class FastBatch:
         self.finished_tokens = 0  # prompt + response tokens of the requests finished so far
         self.next_finish = 0  # state[0, FINISH]
         self.rate_sum = 0.0  # tokens per iteration over the batch
+        self.is_padded = is_context_padded(run.cost)
+
+    def cost_context(self) -> tuple[float, float]:
+        """(context of the cost calls, its growth per iteration): the summed context growing
+        at ``rate_sum``, or (padded engines) batch x the longest context growing at batch x
+        the longest request's rate."""
+        if not self.is_padded or self.num_active == 0:
+            return self.context_tokens, self.rate_sum
+        state = self.state
+        context = state[:, FULL] - self.remaining()
+        i = int(np.argmax(context))
+        b = self.num_active
+        return b * float(context[i]), b * float(state[i, RATE])
 
     def _schedule(self, rem: np.ndarray, decision: SpecDecision) -> tuple[np.ndarray, np.ndarray]:
         """Finish iterations and per-iteration rates for requests with ``rem`` tokens to go."""
@@ -177,12 +197,13 @@ class FastBatch:
         n = max(n, 1)
         growth = self.rate_sum
         cost, b = self.run.cost, self.num_active
+        context, context_growth = self.cost_context()
         if decision.enabled:
-            dt = cost.sd_span_s(b, self.context_tokens, decision, n, growth)
+            dt = cost.sd_span_s(b, context, decision, n, context_growth)
         elif n == 1:  # warm-up checks and other one-iteration holds
-            dt = cost.decode_iter_s(b, self.context_tokens, 1)
+            dt = cost.decode_iter_s(b, context, 1)
         else:
-            dt = cost.decode_span_s(b, self.context_tokens, n)
+            dt = cost.decode_span_s(b, context, n)
         self.iters += n
         self.context_tokens += n * growth
         self.tokens += n * growth
@@ -223,10 +244,17 @@ class ExactBatch:
         self.tokens = 0
         self.finished_tokens = 0  # prompt + response tokens of the requests finished so far
         self.full = np.empty(0, dtype=np.int64)
+        self.is_padded = is_context_padded(run.cost)
 
     @property
     def num_active(self) -> int:
         return int(self.rem.size)
+
+    def cost_context(self) -> tuple[float, float]:
+        """(context of the cost calls, 0): summed, or batch x the longest (padded engines)."""
+        if not self.is_padded or self.rem.size == 0:
+            return float(self.context_tokens), 0.0
+        return float(self.rem.size * int((self.full - self.rem).max())), 0.0
 
     def admit(self, prompt: np.ndarray, response: np.ndarray, ids: np.ndarray) -> None:
         self.rem = np.concatenate((self.rem, response - 1))
@@ -237,13 +265,14 @@ class ExactBatch:
 
     def advance(self, decision: SpecDecision, hold: int | None) -> tuple[float, int, float]:
         cost, b = self.run.cost, self.num_active
+        context = self.cost_context()[0]
         if decision.enabled:
-            dt = cost.sd_iter_s(b, float(self.context_tokens), decision)
+            dt = cost.sd_iter_s(b, context, decision)
             adv = np.minimum(self.run.accept_dist(decision).sample(self.run.rng, b), self.rem)
             emitted = int(adv.sum())
             self.rem -= adv
         else:
-            dt = cost.decode_iter_s(b, float(self.context_tokens), 1)
+            dt = cost.decode_iter_s(b, context, 1)
             emitted = b
             self.rem -= 1
         self.context_tokens += emitted

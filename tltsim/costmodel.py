@@ -28,7 +28,14 @@ from tltsim.specs import DrafterSpec, HardwareSpec, ModelSpec
 
 @runtime_checkable
 class CostModel(Protocol):
-    """Seconds for the work of ONE engine instance (a TP group of ``tp`` GPUs)."""
+    """Seconds for the work of ONE engine instance (a TP group of ``tp`` GPUs).
+
+    ``context_tokens`` is what the engine's attention reads, summed over the batch. For a
+    paged engine (vLLM) that is each sequence's own context; an engine whose batched attention
+    is dense and padded (tltrun's torch engine) reads the longest sequence's context for every
+    sequence, and its prefill pads prompts to the longest. A cost model of such an engine says
+    so with an attribute ``is_context_padded = True`` (optional; absent means False, see
+    ``is_context_padded``) and the simulator then passes batch x the longest context instead."""
 
     def decode_iter_s(self, batch: int, context_tokens: float, tokens_per_seq: int = 1) -> float:
         """One target forward over ``batch`` sequences, each feeding ``tokens_per_seq`` new
@@ -83,6 +90,12 @@ class CostModel(Protocol):
     def drafter_train_s(self, num_tokens: int, mean_seq_tokens: float = 0.0) -> float:
         """Drafter training over ``num_tokens`` harvested tokens on one instance."""
         ...
+
+
+def is_context_padded(cost: CostModel) -> bool:
+    """Whether ``cost`` models an engine whose attention pads the batch to its longest
+    sequence (the ``CostModel`` docstring)."""
+    return bool(getattr(cost, "is_context_padded", False))
 
 
 def default_sd_iter_s(

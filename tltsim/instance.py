@@ -143,7 +143,10 @@ class InstanceRollout:
                 take = min(max_running - batch.num_active, num - next_queued)
                 sl = slice(next_queued, next_queued + take)
                 next_queued += take
-                dt = cost.prefill_s(int(self.prompt_tokens[sl].sum()), 0.0, take)
+                prompts = self.prompt_tokens[sl]
+                # a padded engine prefills every prompt at the longest one's length
+                num_prompt = take * int(prompts.max()) if batch.is_padded else int(prompts.sum())
+                dt = cost.prefill_s(num_prompt, 0.0, take)
                 batch.admit(self.prompt_tokens[sl], self.response_tokens[sl], self.ids[sl])
                 self._charge(now, dt, "prefill", batch.num_active)
                 yield env.timeout(pending + dt)
@@ -166,7 +169,7 @@ class InstanceRollout:
             if decision.enabled and not self.is_sd_on:
                 # SD switches on: rebuild the drafter's KV cache over the running requests.
                 self.is_sd_on = True
-                dt = run.reprefill_s(b, float(batch.context_tokens))
+                dt = run.reprefill_s(b, batch.cost_context()[0])
                 self.reprefill_s += dt
                 self._charge(now, dt, "reprefill", b)
                 pending += dt

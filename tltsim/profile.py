@@ -47,7 +47,12 @@ A CSV file with this header and one row per measured point (any row order)::
   are allowed and kept. ``tltrun profile`` also writes ``"statistic"`` (``"median"`` or
   ``"mean"``: which statistic of the repeats the ``seconds`` column holds) and ``"clock"``
   (``"wall"`` or ``"cpu"``: what a second is); ``tltsim compare`` refuses a measured trace timed
-  with another clock than its profile (absent: ``"wall"``).
+  with another clock than its profile (absent: ``"wall"``), and ``"attention_context"``:
+  ``"summed"`` (paged attention reads each sequence's own context: vLLM) or ``"padded"`` (dense
+  batched attention reads the longest sequence's context for every sequence, and prefill pads
+  prompts to the longest: tltrun's torch engine); absent: ``"summed"``. ``ProfileCost`` of a
+  padded profile has ``is_context_padded``, and the simulator then costs an iteration at
+  batch x the longest context (its rows were measured with equal contexts, where both agree).
 
 Bad input raises ``ProfileError`` (a ``UsageError``: ``tltsim`` prints one line, exits 2) naming
 the file, the row (1 = header), the column and what was expected.
@@ -80,6 +85,7 @@ COLUMNS = (
 OPS = ("decode", "verify", "drafter", "prefill", "sd_switch", "train", "drafter_train")
 REQUIRED_OPS = ("decode", "verify", "drafter", "prefill", "train", "drafter_train")
 META_KEYS = ("hardware", "backend", "tp", "model", "software", "date")
+ATTENTION_CONTEXTS = ("summed", "padded")  # optional sidecar key attention_context (docstring)
 
 
 class ProfileError(UsageError):
@@ -377,10 +383,15 @@ def _load_meta(path: Path) -> dict[str, Any]:
         )
     if type(meta["tp"]) is not int or meta["tp"] < 1:
         raise ProfileError(f"{side}: field 'tp': expected an integer >= 1, got {meta['tp']!r}")
+    if meta.get("attention_context", "summed") not in ATTENTION_CONTEXTS:
+        raise ProfileError(
+            f"{side}: field 'attention_context': expected one of {', '.join(ATTENTION_CONTEXTS)}, got {meta['attention_context']!r}"
+        )
     return meta
 
 
 __all__ = [
+    "ATTENTION_CONTEXTS",
     "COLUMNS",
     "FORMAT",
     "META_KEYS",

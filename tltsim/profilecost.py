@@ -175,6 +175,8 @@ class ProfileCost:
             )
         self.extrapolations: dict[tuple[str, str], Extrapolation] = {}
         self._slices: dict[tuple, Curve] = {}
+        # the profiled engine pads attention to the batch's longest context (tltsim.profile)
+        self.is_context_padded = profile.meta.get("attention_context") == "padded"
 
     # -- lookups with range bookkeeping --
 
