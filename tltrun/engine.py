@@ -431,7 +431,8 @@ class RolloutEngine:
         return [row[: n + 1] for row, n in zip(out, accepted, strict=True)], tuple(accepted)
 
     def _release(self, sched: Scheduler) -> None:
-        for seq in sched.release_finished():
+        released = sched.release_finished()
+        for seq in released:
             if self.config.is_harvesting:
                 n = seq.num_tokens
                 ids = torch.tensor(
@@ -441,6 +442,8 @@ class RolloutEngine:
                 self.harvest.append(
                     HarvestRecord(seq.request.id, ids, seq.num_prompt_tokens, hidden)
                 )
+        if not released:  # admission fills the lowest free slots: still 0..n-1 in order
+            return
         moves = sched.compact()
         if moves:
             self._move_slots(moves)
