@@ -118,6 +118,11 @@ def _timed(values: list, measure) -> list:
     return values[measure.num_warmup :: measure.num_warmup + 1]
 
 
+def _series(key: tuple, fn, setup, reset=lambda: None) -> Series:
+    """A series warmed up every round, which ``_timed`` relies on."""
+    return Series(key, fn, reset=reset, setup=setup, is_warmed_each_round=True)
+
+
 def step_series(probe: VLLMProbe, prompts, k: int, margin: int, contexts: list) -> Series:
     """Engine steps with k draft tokens of the running ``prompts``. Setup (untimed): submit
     them (a prefix-cache hit after the first round) and step until each has its first token."""
@@ -133,7 +138,7 @@ def step_series(probe: VLLMProbe, prompts, k: int, margin: int, contexts: list) 
         contexts.append(probe.context(state["ids"]))
         probe.step()
 
-    return Series(("step", len(prompts), len(prompts[0]), k), step, setup=setup)
+    return _series(("step", len(prompts), len(prompts[0]), k), step, setup)
 
 
 def switch_series(probe: VLLMProbe, prompts, k: int, margin: int, contexts: list) -> Series:
@@ -157,7 +162,7 @@ def switch_series(probe: VLLMProbe, prompts, k: int, margin: int, contexts: list
         state["ids"] = probe.submit(new_prompts, margin)
         probe.step_until_new_token(state["ids"])
 
-    return Series(("switch", len(prompts), len(prompts[0])), resubmit, setup=setup)
+    return _series(("switch", len(prompts), len(prompts[0])), resubmit, setup)
 
 
 def prefill_series(probe: VLLMProbe, batch: int, tokens: int) -> Series:
@@ -168,11 +173,8 @@ def prefill_series(probe: VLLMProbe, batch: int, tokens: int) -> Series:
         probe.abort_all()
         state["ids"] = probe.submit(probe.random_prompts(batch, tokens), 1)
 
-    return Series(
-        ("prefill", batch, tokens),
-        lambda: probe.step_until_new_token(state["ids"]),
-        reset=submit,
-        setup=submit,
+    return _series(
+        ("prefill", batch, tokens), lambda: probe.step_until_new_token(state["ids"]), submit, submit
     )
 
 
