@@ -222,10 +222,14 @@ def start_backend(cfg, margin: int, ks: list[int]):
     return VLLMBackend(cfg.model, cfg.drafter or None, config, SamplingParams(cfg.temperature))
 
 
+def draft_steps(cfg) -> list[int]:
+    """The grid's distinct draft steps k, ascending ([] without a drafter)."""
+    return sorted({d.draft_steps for d in cfg.decisions}) if cfg.drafter else []
+
+
 def profile_margin(cfg, num_warmup: int) -> int:
     """max_tokens of a profile request: the steps of one round at the deepest k, and spare."""
-    ks = [d.draft_steps for d in cfg.decisions] if cfg.drafter else []
-    return (num_warmup + 3) * (max(ks, default=0) + 1) + 2
+    return (num_warmup + 3) * (max(draft_steps(cfg), default=0) + 1) + 2
 
 
 def profile_model_len(cfg, margin: int) -> int:
@@ -235,11 +239,10 @@ def profile_model_len(cfg, margin: int) -> int:
 
 def check_backend(cfg, backend, margin: int) -> None:
     """A caller's engine must hold the grid: its batches, lengths and draft steps."""
-    ks = [d.draft_steps for d in cfg.decisions] if cfg.drafter else []
     need = {
         "max_num_seqs": max(max(cfg.batches), max(cfg.prefill_batches)),
         "max_model_len": profile_model_len(cfg, margin),
-        "max_draft_steps": max(ks, default=0),
+        "max_draft_steps": max(draft_steps(cfg), default=0),
     }
     for name, value in need.items():
         have = getattr(backend.config, name)
@@ -265,7 +268,7 @@ def profile_vllm(
     ``between_rounds(r)`` runs after round r (on ``backend``: a measured rollout)."""
     from tltrun.model import read_config
 
-    ks = sorted({d.draft_steps for d in cfg.decisions}) if cfg.drafter else []
+    ks = draft_steps(cfg)
     margin = profile_margin(cfg, measure.num_warmup)
     is_own = backend is None
     if is_own:
