@@ -156,3 +156,30 @@ def test_rope_frequencies_stay_float32_in_bfloat16():
     assert (
         cos[0, 0, : exact.numel()].double() - exact
     ).abs().max() < 1e-2  # bf16 output rounding only
+
+
+def test_linear_weights_are_column_major_with_the_checkpoints_values(tmp_path):
+    """gemm_layout: every Linear weight loads column-major (the fast CPU GEMM operand), with the
+    checkpoint's names, shapes and values; an optimiser step and save_hf keep both."""
+    hf = _hf_model("llama", kv_heads=2, tied=False)
+    hf.save_pretrained(tmp_path / "a")
+    ours = load_hf(tmp_path / "a")
+    theirs = dict(hf.named_parameters())
+    linears = [(n, m) for n, m in ours.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer + lm_head
+    for name, m in linears:
+        w = m.weight
+        assert w.stride() == (1, w.shape[0]) and not w.is_contiguous(), name
+        assert torch.equal(w, theirs[f"{name}.weight"]), name
+    opt = torch.optim.AdamW(ours.parameters(), lr=1e-3)
+    ids = torch.randint(0, 97, (2, 12))
+    logits, _ = ours(ids, torch.arange(12).expand(2, 12), CausalContext())
+    logits.square().mean().backward()
+    opt.step()
+    w = ours.lm_head.weight
+    assert w.grad.stride() == w.stride() and w.stride() == (1, w.shape[0])
+    save_hf(ours, tmp_path / "b")
+    again = load_hf(tmp_path / "b")
+    for (name, p), q in zip(ours.named_parameters(), again.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert not torch.equal(ours.lm_head.weight, theirs["lm_head.weight"])  # the step moved it

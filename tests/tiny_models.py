@@ -41,5 +41,6 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
-                p.normal_(0, 0.3)
+                # drawn in logical order: the same values whatever the layout (gemm_layout)
+                p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0, 0.3))
     return model.to(dtype).eval()

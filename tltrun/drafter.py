@@ -47,7 +47,14 @@ from torch import nn
 
 from tltrun.interface import SamplingParams
 from tltrun.kvcache import KVCache, masked_attention
-from tltrun.model import CheckpointError, DecoderLayer, ModelConfig, Rotary, Transformer
+from tltrun.model import (
+    CheckpointError,
+    DecoderLayer,
+    ModelConfig,
+    Rotary,
+    Transformer,
+    gemm_layout,
+)
 from tltrun.speculative import DraftTree, logits_to_probs, sample
 from tltsim.policy import SpecDecision
 
@@ -65,6 +72,7 @@ class EagleDrafter(nn.Module):
         # The target's embedding and LM head, held outside the module tree (a plain tuple):
         # not in state_dict(), not in parameters(), used detached — "shared and frozen".
         self._shared: tuple[nn.Embedding, nn.Linear] | None = None
+        gemm_layout(self)
 
     @classmethod
     def for_target(cls, target: Transformer, seed: int = 0) -> EagleDrafter:

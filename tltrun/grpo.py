@@ -201,7 +201,8 @@ def grpo_update(
         all_reduce_sum(flat)  # sum of per-worker (loss / global N) gradients
         offset = 0
         for p, g in zip(params, grads, strict=True):
-            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+            # empty_like keeps the parameter's layout (tltrun.model.gemm_layout)
+            p.grad = torch.empty_like(p).copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
         totals[3] = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         optimizer.step()

@@ -98,7 +98,8 @@ class AveragedOptimizer:
             flat /= self.size
             offset = 0
             for p in params:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                # empty_like keeps the parameter's layout (tltrun.model.gemm_layout)
+                p.grad = torch.empty_like(p).copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
         self.inner.step()
 

@@ -1,0 +1,178 @@
+"""Why ``tltrun.model.gemm_layout`` stores Linear weights column-major: fp32 CPU GEMM time of
+``F.linear(x, W)`` with W row-major (PyTorch's default) vs column-major (same values), for this
+project's model shapes and the row counts of decoding (batch), verification (batch x verify
+tokens) and prefill/training (hundreds of rows); then, with ``--model-dir`` / ``--drafter-dir``
+(``benchmarks/bench_spec.py``'s models), whole rollouts of the torch engine with either layout.
+
+Both layouts are timed in the same process, alternating every repeat (this machine is shared:
+compare the ratio, not the absolute times), on one torch thread (as the engine benchmarks).
+
+Run: ``python benchmarks/bench_gemm_layout.py`` (~1 minute; ~3 more with the models). Prints
+a table and writes ``results.json`` + ``config.json`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tltsim.cliutil import UsageError, add_dataclass_args, dataclass_from_args, write_json
+
+
+@dataclass(frozen=True)
+class BenchGemmConfig:
+    out: str = "runs/bench_gemm_layout"
+    # (in, out) of bench_spec's 8-layer model (hidden 512, MLP 1376, q/k/v/o) and
+    # bench_fidelity's 4-layer one (hidden 256, MLP 704)
+    shapes: tuple[str, ...] = ("512x512", "512x1376", "1376x512", "256x256", "256x704", "704x256")
+    rows: tuple[int, ...] = (1, 4, 5, 8, 16, 20, 40, 80, 256, 1024)
+    num_repeats: int = 30
+    seed: int = 0
+    # optional engine rollouts (bench_spec.py's outputs); skipped when the directory is absent
+    model_dir: str = "runs/bench_spec/target"
+    drafter_dir: str = "runs/bench_spec/drafter"
+    batches: tuple[int, ...] = (1, 4, 8)
+    strategy: str = "4_1_4"
+    max_new_tokens: int = 128
+    num_rollouts: int = 4
+
+
+def col_major(w: torch.Tensor) -> torch.Tensor:
+    return w.t().contiguous().t()
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_gemm(cfg: BenchGemmConfig) -> list[dict]:
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rows = []
+    for shape in cfg.shapes:
+        try:
+            k, n = (int(v) for v in shape.split("x"))
+        except ValueError:
+            raise UsageError(f"--shapes {shape}: expected IN x OUT, e.g. 512x1376") from None
+        w = torch.randn(n, k, generator=gen)
+        layouts = {"row": w, "col": col_major(w)}
+        for m in cfg.rows:
+            x = torch.randn(m, k, generator=gen)
+            if not torch.equal(F.linear(x, layouts["row"]), F.linear(x, layouts["col"])):
+                # not bitwise equal is allowed (other kernel), a wrong product is not
+                assert torch.allclose(F.linear(x, layouts["row"]), F.linear(x, layouts["col"]),
+                                      rtol=1e-4, atol=1e-4)  # fmt: skip
+            inner = max(1, int(2e6 // (m * k * n) + 1))  # ~ms-long samples for tiny products
+
+            def call(wt, x=x, inner=inner):
+                for _ in range(inner):
+                    F.linear(x, wt)
+
+            times = {name: [] for name in layouts}
+            for wt in layouts.values():  # warm-up
+                call(wt)
+            for _ in range(cfg.num_repeats):
+                for name, wt in layouts.items():
+                    times[name].append(_timed(lambda wt=wt: call(wt)) / inner)
+            row_us = 1e6 * statistics.median(times["row"])
+            col_us = 1e6 * statistics.median(times["col"])
+            rows.append({"in": k, "out": n, "rows": m, "row_major_us": row_us,
+                         "col_major_us": col_us, "speedup": row_us / col_us})  # fmt: skip
+    return rows
+
+
+def bench_engine(cfg: BenchGemmConfig) -> list[dict]:
+    """Greedy rollouts of task prompts, NoSpec and a chain, with both layouts (same outputs)."""
+    import random
+
+    from tltrun.drafter import load_drafter
+    from tltrun.engine import EngineConfig, RolloutEngine
+    from tltrun.interface import Request, SamplingParams
+    from tltrun.model import load_hf
+    from tltrun.tasks import TaskConfig, make_examples
+    from tltrun.tokenizer import CharTokenizer
+    from tltsim.policy import NoSpec, StaticSpec
+
+    models = {}
+    for layout in ("row", "col"):
+        target = load_hf(cfg.model_dir)
+        drafter = load_drafter(cfg.drafter_dir, target)
+        if layout == "row":  # undo gemm_layout: PyTorch's default layout
+            for module in (target, drafter):
+                for p in module.parameters():
+                    p.data = p.data.contiguous()
+        models[layout] = (target, drafter)
+    tok = CharTokenizer.load(cfg.model_dir)
+    policies = {"nospec": NoSpec(), cfg.strategy: StaticSpec(strategy=cfg.strategy)}
+    out = []
+    for b in cfg.batches:
+        examples = make_examples(TaskConfig(), random.Random(cfg.seed), b)
+        prompts = [tuple(tok.encode(e.prompt, add_bos=True)) for e in examples]
+        ecfg = EngineConfig(b, max(map(len, prompts)) + cfg.max_new_tokens + 16,
+                            SamplingParams(0.0), seed=cfg.seed)  # fmt: skip
+        engines = {lay: RolloutEngine(t, d, ecfg) for lay, (t, d) in models.items()}
+        times, outputs = {}, {}
+        for rep in range(cfg.num_rollouts + 1):  # rollout 0 warms up
+            for layout, engine in engines.items():
+                for name, policy in policies.items():
+                    reqs = [Request(f"{name}{rep}/{i}", p, cfg.max_new_tokens, True)
+                            for i, p in enumerate(prompts)]  # fmt: skip
+                    start = time.perf_counter()
+                    result = engine.generate(reqs, policy)
+                    if rep:
+                        times.setdefault((layout, name), []).append(time.perf_counter() - start)
+                    outputs[(layout, name)] = [o.output_token_ids for o in result.outputs]
+        for name in policies:
+            row_s = statistics.median(times[("row", name)])
+            col_s = statistics.median(times[("col", name)])
+            out.append({"batch": b, "policy": name, "row_major_s": row_s, "col_major_s": col_s,
+                        "speedup": row_s / col_s,
+                        "same_tokens": outputs[("row", name)] == outputs[("col", name)]})  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_dataclass_args(parser, BenchGemmConfig)
+    cfg = dataclass_from_args(BenchGemmConfig, parser.parse_args(argv))
+    torch.set_num_threads(1)
+    out = Path(cfg.out)
+    try:
+        gemm = bench_gemm(cfg)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"fp32 F.linear, 1 thread, median of {cfg.num_repeats} (microseconds)")
+    print(f"{'in->out':>10} {'rows':>5} {'row-major':>10} {'col-major':>10} {'speedup':>8}")
+    for r in gemm:
+        print(f"{r['in']:>5}->{r['out']:<4} {r['rows']:>5} {r['row_major_us']:>10.1f} "
+              f"{r['col_major_us']:>10.1f} {r['speedup']:>7.2f}x")  # fmt: skip
+    engine = []
+    if Path(cfg.model_dir).is_dir() and Path(cfg.drafter_dir).is_dir():
+        engine = bench_engine(cfg)
+        print(f"\ntorch engine rollouts ({cfg.model_dir}), median of {cfg.num_rollouts} (seconds)")
+        print(f"{'batch':>5} {'policy':>7} {'row-major':>10} {'col-major':>10} {'speedup':>8} same")
+        for r in engine:
+            print(f"{r['batch']:>5} {r['policy']:>7} {r['row_major_s']:>10.3f} "
+                  f"{r['col_major_s']:>10.3f} {r['speedup']:>7.2f}x {r['same_tokens']}")  # fmt: skip
+    else:
+        print(f"\n(no {cfg.model_dir} / {cfg.drafter_dir}: engine rollouts skipped; "
+              "run benchmarks/bench_spec.py first)")  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "config.json", asdict(cfg))
+    write_json(out / "results.json", {"gemm": gemm, "engine": engine,
+               "torch": torch.__version__, "num_threads": 1})  # fmt: skip
+    print(f"\nwrote {out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
