@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -61,7 +62,10 @@ class BenchConfig:
     num_kv_heads: int = 2
     draft_steps: int = 4
     tlt_threshold: int = 4  # TLTAdaptive.threshold scaled to this small batch
-    num_repeats: int = 2
+    # rollouts per backend and row, torch and vLLM alternating (paired_runs); the table shows
+    # the median run's tok/s and the median of the per-repeat torch/vLLM ratios
+    num_repeats: int = 5
+    vllm_idle_s: float = 1.2  # > vLLM's 1 s busy-poll after a step (paired_runs)
     # torch intra-op threads of the torch engine = the OpenMP threads vLLM's CPU worker runs:
     # VLLM_CPU_OMP_THREADS_BIND=auto takes one core per physical core minus one reserved for
     # its front end (its "OpenMP thread binding info" log line: core ids=[0] on 2 cores).
@@ -75,6 +79,8 @@ class BenchConfig:
             raise ValueError("num_prompts, num_repeats, draft_steps and num_threads must be >= 1")
         if not self.length_scale > 0:
             raise ValueError(f"length_scale must be > 0, got {self.length_scale}")
+        if self.vllm_idle_s < 0:
+            raise ValueError(f"vllm_idle_s must be >= 0, got {self.vllm_idle_s}")
 
 
 def build_models(cfg: BenchConfig) -> dict[str, tuple[Transformer, EagleDrafter]]:
@@ -98,7 +104,8 @@ def build_models(cfg: BenchConfig) -> dict[str, tuple[Transformer, EagleDrafter]
     with torch.no_grad():
         for name, p in target.named_parameters():
             if "norm" not in name:
-                p.normal_(0, 0.3)  # spread-out logits, as tests/tiny_models.py
+                # spread-out logits, as tests/tiny_models.py (drawn in logical order)
+                p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0, 0.3))
     bigram = Transformer(shape).eval()
     bigram.load_state_dict(target.state_dict())
     exact = EagleDrafter.for_target(bigram, seed=cfg.seed + 2)
@@ -128,12 +135,30 @@ def policies(cfg: BenchConfig) -> dict[str, Any]:
     }
 
 
-def best_of(cfg: BenchConfig, run) -> dict[str, Any]:
-    results = [run() for _ in range(cfg.num_repeats)]
-    best = min(results, key=lambda r: r.wall_s)
-    summary = rollout_summary(best)
-    summary["tokens_per_s"] = summary["total_tokens"] / best.wall_s
-    summary["outputs"] = [o.output_token_ids for o in best.outputs]
+def paired_runs(cfg: BenchConfig, engines: dict, generate) -> dict[str, list]:
+    """``num_repeats`` rollouts per backend, alternating torch and vLLM (torch first in even
+    repeats, vLLM first in odd ones), so that each torch run has a vLLM run beside it in time:
+    this shared machine's speed changes from second to second, and a ratio of neighbours
+    cancels most of that. After a vLLM run the benchmark waits ``vllm_idle_s``: vLLM's worker
+    busy-polls its message queue for 1 s after its last step (shm_broadcast.SpinCondition,
+    busy_loop_s = 1), which would otherwise slow the next torch run."""
+    runs: dict[str, list] = {"torch": [], "vllm": []}
+    for r in range(cfg.num_repeats):
+        for backend in ("torch", "vllm") if r % 2 == 0 else ("vllm", "torch"):
+            runs[backend].append(generate(engines[backend]))
+            if backend == "vllm":
+                time.sleep(cfg.vllm_idle_s)
+    return runs
+
+
+def median_run(results: list) -> dict[str, Any]:
+    """The summary of the run with the median time (outputs: its tokens; every run of a row
+    generates the same greedy tokens)."""
+    median = sorted(results, key=lambda r: r.wall_s)[(len(results) - 1) // 2]
+    summary = rollout_summary(median)
+    summary["tokens_per_s"] = summary["total_tokens"] / median.wall_s
+    summary["outputs"] = [o.output_token_ids for o in median.outputs]
+    summary["rollout_s_runs"] = [r.wall_s for r in results]
     return summary
 
 
@@ -185,10 +210,16 @@ def run(cfg: BenchConfig) -> list[dict[str, Any]]:
                     "torch": RolloutEngine(target, None if name == "nospec" else drafter, ecfg),
                     "vllm": vllm_plain if name == "nospec" else vllm_sd,
                 }
-                for backend, eng in engines.items():
-                    summary = best_of(
-                        cfg, lambda eng=eng, make=make: eng.generate(requests, make(), cfg.step)
-                    )
+                runs = paired_runs(
+                    cfg, engines, lambda e, make=make: e.generate(requests, make(), cfg.step)
+                )
+                # per repeat, torch tok/s / vLLM tok/s = vLLM seconds / torch seconds (same tokens)
+                ratios = [
+                    v.wall_s / t.wall_s for t, v in zip(runs["torch"], runs["vllm"], strict=True)
+                ]
+                for backend, results in runs.items():
+                    summary = median_run(results)
+                    summary["torch_over_vllm"] = sorted(ratios)
                     rows.append({"drafter": kind, "policy": name, "backend": backend, **summary})
                     bar.update()
         bar.close()
@@ -204,7 +235,10 @@ def run(cfg: BenchConfig) -> list[dict[str, Any]]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'drafter':<8} {'policy':<8} {'torch tok/s':>12} {'vllm tok/s':>11} {'torch/vllm':>11} {'accept len t/v':>15} {'same tokens':>12}"
+    head = (
+        f"{'drafter':<8} {'policy':<8} {'torch tok/s':>12} {'vllm tok/s':>11} {'torch/vllm':>11} "
+        f"{'(min-max)':>12} {'accept len t/v':>15} {'same tokens':>12}"
+    )
     lines = [head, "-" * len(head)]
     by_key = {(r["drafter"], r["policy"], r["backend"]): r for r in rows}
     for drafter, policy in dict.fromkeys((r["drafter"], r["policy"]) for r in rows):
@@ -214,9 +248,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             if t["mean_accept_len"]
             else "-"
         )
+        ratios = t["torch_over_vllm"]
+        spread = f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
         lines.append(
             f"{drafter:<8} {policy:<8} {t['tokens_per_s']:>12.1f} {v['tokens_per_s']:>11.1f} "
-            f"{t['tokens_per_s'] / v['tokens_per_s']:>10.2f}x {accept:>15} {str(t['outputs'] == v['outputs']):>12}"
+            f"{statistics.median(ratios):>10.2f}x {spread:>12} {accept:>15} "
+            f"{str(t['outputs'] == v['outputs']):>12}"
         )
     return "\n".join(lines)
 
