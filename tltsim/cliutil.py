@@ -39,16 +39,34 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
         flag = "--" + prefix + f.name.replace("_", "-")
         tp = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
-        helptext = f.metadata.get("help", "") + (f" (default: {default})" if default is not None else "")
+        helptext = f.metadata.get("help", "") + (
+            f" (default: {default})" if default is not None else ""
+        )
         if tp is bool:
-            group.add_argument(flag, dest=prefix + f.name, action=argparse.BooleanOptionalAction, default=None, help=helptext)
+            group.add_argument(
+                flag,
+                dest=prefix + f.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=helptext,
+            )
         elif tp in (tuple, list):
-            group.add_argument(flag, dest=prefix + f.name, default=None, help=helptext + " (comma-separated)")
+            group.add_argument(
+                flag, dest=prefix + f.name, default=None, help=helptext + " (comma-separated)"
+            )
         else:
-            group.add_argument(flag, dest=prefix + f.name, type=tp if tp in (int, float, str) else str, default=None, help=helptext)
+            group.add_argument(
+                flag,
+                dest=prefix + f.name,
+                type=tp if tp in (int, float, str) else str,
+                default=None,
+                help=helptext,
+            )
 
 
-def dataclass_from_args(cls: type, ns: argparse.Namespace, prefix: str = "", base: Any = None) -> Any:
+def dataclass_from_args(
+    cls: type, ns: argparse.Namespace, prefix: str = "", base: Any = None
+) -> Any:
     """Build ``cls`` from parsed flags; fields whose flag was not given keep ``base``'s value
     (or the dataclass default). Validation errors from ``__post_init__`` become UsageError."""
     hints = typing.get_type_hints(cls)
@@ -68,7 +86,9 @@ def dataclass_from_args(cls: type, ns: argparse.Namespace, prefix: str = "", bas
             try:
                 raw = tuple(elem(x) for x in raw.split(",") if x != "")
             except ValueError:
-                raise UsageError(f"--{prefix}{f.name.replace('_', '-')}: expected comma-separated {elem.__name__} values, got {raw!r}") from None
+                raise UsageError(
+                    f"--{prefix}{f.name.replace('_', '-')}: expected comma-separated {elem.__name__} values, got {raw!r}"
+                ) from None
         values[f.name] = raw
     try:
         return cls(**values)
