@@ -208,7 +208,8 @@ def profile_config(cfg: BenchFidelityConfig, backend: str, target: Path, drafter
         prefill_tokens_per_seq=(8, 32, 128),  # prompts: 7 to 44 tokens
         train_batches=(8, 32),
         train_tokens_per_seq=(64, 256),
-        num_warmup=1,  # per point per round: one untimed call warms the caches
+        num_warmup=2,  # per point per round; then back_to_back_calls (ProfileRunConfig's
+        # default) timed calls of the ops a rollout runs back to back
         num_repeats=cfg.num_repeats,
         num_threads=cfg.num_threads,
         seed=cfg.seed,

@@ -144,6 +144,29 @@ def test_measure_times_after_warmup_and_resets():
     assert (samples >= 0).all()
 
 
+def test_back_to_back_samples_are_the_mean_of_consecutive_calls(monkeypatch):
+    """num_calls > 1: each round times that many calls in a row (reset after each, untimed)
+    after the warm-up, and the sample is their mean."""
+    import tltrun.profile as profile
+
+    now, events = [0.0], []
+
+    def fn():  # the k-th call of the whole run takes k seconds on the fake clock
+        events.append("call")
+        now[0] += events.count("call")
+
+    def reset():
+        events.append("reset")
+        now[0] += 1000.0  # untimed: must not reach a sample
+
+    monkeypatch.setitem(profile.CLOCKS, "wall", lambda: now[0])
+    series = profile.Series(("x",), fn, reset, num_calls=3)
+    samples = Measure(1, 2, "mean").interleaved([series])[("x",)]
+    # round 1: warm-up call 1, timed calls 2, 3, 4; round 2: warm-up 5, timed 6, 7, 8
+    assert samples.tolist() == [3.0, 7.0]
+    assert events == ["call", "reset"] * 8
+
+
 @pytest.mark.parametrize(
     "argv, expected",
     [
@@ -152,6 +175,7 @@ def test_measure_times_after_warmup_and_resets():
         (["--model", "m", "--out", "x.csv", "--strategies", "2_1_2,2_2_2"], "verify_tokens"),
         (["--model", "m", "--out", "x.csv", "--context-per-seq", "32"], ">= 2 values"),
         (["--model", "m", "--out", "x.csv", "--statistic", "mode"], "statistic"),
+        (["--model", "m", "--out", "x.csv", "--back-to-back-calls", "0"], "back_to_back_calls"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(argv, expected, capsys):

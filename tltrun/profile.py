@@ -7,7 +7,8 @@ the ``tlt-profile`` CSV that ``tltsim ... --profile FILE`` interpolates (issue #
 
 The schema (ops, axes, sidecar) is ``tltsim.profile``'s; this module fills it. Every point is
 timed ``num_repeats`` times, in interleaved rounds (``Measure.interleaved``: each round visits
-every point, warms it up with ``num_warmup`` untimed calls and times one), so that a shared
+every point, warms it up with ``num_warmup`` untimed calls and times one, or for the ops a
+rollout runs back to back the mean of ``back_to_back_calls`` consecutive ones), so that a shared
 machine's slow and fast spells reach all points alike; a row keeps the median (or, with
 ``--statistic mean``, the mean: see ``ProfileRunConfig.statistic``) and the 10th / 90th
 percentiles. ``--clock cpu`` times this process's CPU seconds instead of wall seconds (a
@@ -101,6 +102,13 @@ class ProfileRunConfig:
     train_tokens_per_seq: tuple[int, ...] = (64, 256)
     num_warmup: int = 2
     num_repeats: int = 5
+    # Ops a rollout runs back to back (torch: decode, SD iterations, drafting) are timed as the
+    # mean of this many consecutive calls per sample, after the warm-up: measured on this CPU
+    # (4-layer hidden-256 model, decode at batch 1-16 right after another point's SD iteration,
+    # interleaved), the first call after one warm-up costs 7-17% more than calls 6-10 of the
+    # same run, calls 2-4 still 3-10% more; at batch 64 1-3%. A rollout's iterations are that
+    # steady state. Re-prefill and prefill run once per rollout and keep one call per sample.
+    back_to_back_calls: int = 8
     # What a row's ``seconds`` is: the schema's median (robust to rare stalls on a quiet
     # machine), or the mean, the unbiased predictor of a SUM of iterations when the machine is
     # shared and the time per call is right-skewed (other jobs preempt some calls). The sidecar
@@ -143,6 +151,8 @@ class ProfileRunConfig:
             raise ValueError(f"strategies {self.strategies}: each needs its own verify_tokens")
         if min(self.num_warmup, self.num_repeats - 1, self.num_threads - 1) < 0:
             raise ValueError("num_warmup >= 0, num_repeats >= 1 and num_threads >= 1 required")
+        if self.back_to_back_calls < 1:
+            raise ValueError(f"back_to_back_calls must be >= 1, got {self.back_to_back_calls}")
         if self.clock not in CLOCKS or (self.clock == "cpu" and self.backend == "vllm"):
             raise ValueError(f"clock must be one of {', '.join(CLOCKS)} (vllm: wall only)")
         if self.statistic not in STATISTICS:
@@ -168,6 +178,9 @@ class Series:
     reset: Callable[[], None] = lambda: None
     setup: Callable[[], None] = lambda: None
     is_warmed_each_round: bool = True  # False: warm-up calls in the first round only
+    # Timed calls per sample, back to back (``reset`` between them untimed); the sample is
+    # their mean. > 1 for ops a rollout runs back to back (``ProfileRunConfig.back_to_back_calls``).
+    num_calls: int = 1
 
 
 @dataclass(frozen=True)
@@ -211,11 +224,14 @@ class Measure:
                     s.fn()
                     sync()
                     s.reset()
-                start = clock()
-                s.fn()
-                sync()
-                out[s.key].append(clock() - start)
-                s.reset()
+                total = 0.0
+                for _ in range(s.num_calls):
+                    start = clock()
+                    s.fn()
+                    sync()
+                    total += clock() - start
+                    s.reset()
+                out[s.key].append(total / s.num_calls)
             between_rounds(r)
         return {key: np.asarray(v) for key, v in out.items()}
 

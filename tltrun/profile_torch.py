@@ -119,18 +119,24 @@ class EngineProbe:
         self.engine.draft_cache.lens[self.slots] = 0
 
 
-def point_series(probe: EngineProbe, decisions: list[SpecDecision]) -> list[Series]:
-    """Everything timed at one (batch, context): keys (kind, batch, context[, strategy])."""
+def point_series(
+    probe: EngineProbe, decisions: list[SpecDecision], num_calls: int = 1
+) -> list[Series]:
+    """Everything timed at one (batch, context): keys (kind, batch, context[, strategy]).
+    Iterations and drafting, which a rollout runs back to back, take ``num_calls`` consecutive
+    calls per sample; the SD switch (once per rollout) one."""
     b, c = len(probe.running), int(probe.cache_lens[probe.slots[0]])
     r = probe.rollback
-    series = [Series(("decode", b, c), lambda: probe.iteration(NoSpec()), r, r)]
+    n = num_calls
+    series = [Series(("decode", b, c), lambda: probe.iteration(NoSpec()), r, r, num_calls=n)]
     if not probe.is_drafter:
         return series
     for d in decisions:
         policy = StaticSpec(strategy=d.strategy)
-        series.append(Series(("iteration", b, c, d), partial(probe.iteration, policy), r, r))
+        it = partial(probe.iteration, policy)
+        series.append(Series(("iteration", b, c, d), it, r, r, num_calls=n))
     for d in _deepest(decisions):
-        series.append(Series(("draft", b, c, d), lambda d=d: probe.draft(d), r, r))
+        series.append(Series(("draft", b, c, d), lambda d=d: probe.draft(d), r, r, num_calls=n))
     f = probe.forget_drafter
     series.append(Series(("switch", b, c), lambda: probe.reprefill(decisions[0]), f, f))
     return series
@@ -218,7 +224,8 @@ def profile_torch(
         fill_engine(engine, max(cfg.context_per_seq), gen)
         for b in cfg.batches:
             for c in cfg.context_per_seq:
-                series += point_series(EngineProbe(engine, b, c, margin, gen), decisions)
+                probe = EngineProbe(engine, b, c, margin, gen)
+                series += point_series(probe, decisions, cfg.back_to_back_calls)
         for b in cfg.prefill_batches:
             for t in cfg.prefill_tokens_per_seq:
                 series.append(prefill_series(engine, b, t, gen))
