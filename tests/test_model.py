@@ -183,3 +183,24 @@ def test_linear_weights_are_column_major_with_the_checkpoints_values(tmp_path):
     for (name, p), q in zip(ours.named_parameters(), again.parameters(), strict=True):
         assert torch.equal(p, q), name
     assert not torch.equal(ours.lm_head.weight, theirs["lm_head.weight"])  # the step moved it
+
+
+def test_reduce_grads_goes_through_one_flat_tensor_and_keeps_layouts():
+    from tltrun.model import reduce_grads
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 4, bias=True)
+    lin.weight.data = lin.weight.data.t().contiguous().t()  # column-major, as gemm_layout
+    lin(torch.randn(3, 6)).sum().backward()
+    lin.bias.grad = None  # a parameter without a gradient takes part as zeros
+    before = lin.weight.grad.clone()
+    seen = []
+
+    def reduce(flat):
+        seen.append(flat.numel())
+        flat.mul_(2.0)
+
+    reduce_grads([lin.weight, lin.bias], reduce)
+    assert seen == [6 * 4 + 4]
+    assert torch.equal(lin.weight.grad, 2 * before) and torch.equal(lin.bias.grad, torch.zeros(4))
+    assert lin.weight.grad.stride() == lin.weight.stride() == (1, 4)

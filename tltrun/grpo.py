@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tltrun.model import CausalContext, Transformer
+from tltrun.model import CausalContext, Transformer, reduce_grads
 
 
 @dataclass(frozen=True)
@@ -196,14 +196,7 @@ def grpo_update(
             )
             loss.backward()
             totals += torch.tensor([loss.item(), stats["kl_sum"], stats["clipped_sum"], 0.0])
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        all_reduce_sum(flat)  # sum of per-worker (loss / global N) gradients
-        offset = 0
-        for p, g in zip(params, grads, strict=True):
-            # empty_like keeps the parameter's layout (tltrun.model.gemm_layout)
-            p.grad = torch.empty_like(p).copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        reduce_grads(params, all_reduce_sum)  # sum of per-worker (loss / global N) gradients
         totals[3] = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         optimizer.step()
     actor.eval()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -379,6 +380,19 @@ def gemm_layout(module: nn.Module) -> nn.Module:
         if isinstance(m, nn.Linear) and m.weight.is_contiguous() and m.weight.dim() == 2:
             m.weight.data = m.weight.data.t().contiguous().t()
     return module
+
+
+def reduce_grads(params: list[nn.Parameter], reduce: Callable[[torch.Tensor], Any]) -> None:
+    """Pass the gradients of ``params`` (zeros where a parameter has none) through ``reduce``
+    as ONE flat tensor (one collective, not one per parameter; ``reduce`` works in place, e.g.
+    an all-reduce) and write them back, each in its parameter's layout (``gemm_layout``)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    reduce(flat)
+    offset = 0
+    for p in params:
+        p.grad = torch.empty_like(p).copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
 
 
 class Backbone(nn.Module):

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from tltrun.drafter import EagleDrafter
+from tltrun.model import reduce_grads
 from tltrun.train_drafter import (
     DrafterTrainConfig,
     TrainRecord,
@@ -92,16 +93,12 @@ class AveragedOptimizer:
     def step(self) -> None:
         params = [p for g in self.inner.param_groups for p in g["params"]]
         if self.size > 1:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=self.group)
-            flat /= self.size
-            offset = 0
-            for p in params:
-                # empty_like keeps the parameter's layout (tltrun.model.gemm_layout)
-                p.grad = torch.empty_like(p).copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            reduce_grads(params, self._average)
         self.inner.step()
+
+    def _average(self, flat: torch.Tensor) -> None:
+        dist.all_reduce(flat, group=self.group)
+        flat /= self.size
 
 
 @dataclass
