@@ -374,10 +374,10 @@ def gemm_layout(module: nn.Module) -> nn.Module:
     0.95-1.11x on the 8-layer hidden-512 model, within this machine's noise).
     Everything that copies into a weight (``load_state_dict``, weight sync) keeps the layout;
     writers that need contiguous tensors (safetensors, vLLM) already call ``.contiguous()``;
-    gradients written back after an all-reduce are made with ``empty_like`` (same layout).
+    gradients reduced across workers are written back in it (``reduce_grads``).
     GPUs' GEMMs take either layout at the same speed (a transpose flag)."""
     for m in module.modules():
-        if isinstance(m, nn.Linear) and m.weight.is_contiguous() and m.weight.dim() == 2:
+        if isinstance(m, nn.Linear) and m.weight.is_contiguous():
             m.weight.data = m.weight.data.t().contiguous().t()
     return module
 

@@ -102,7 +102,8 @@ class ProfileRunConfig:
     train_tokens_per_seq: tuple[int, ...] = (64, 256)
     num_warmup: int = 2
     num_repeats: int = 5
-    # Ops a rollout runs back to back (torch: decode, SD iterations, drafting) are timed as the
+    # torch backend only (vLLM's profile times its engine steps one call each). Ops a rollout
+    # runs back to back (decode, SD iterations, drafting) are timed as the
     # mean of this many consecutive calls per sample, after the warm-up: measured on this CPU
     # (4-layer hidden-256 model, decode at batch 1-16 right after another point's SD iteration,
     # interleaved), the first call after one warm-up costs 7-17% more than calls 6-10 of the
