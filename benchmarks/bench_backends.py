@@ -145,6 +145,12 @@ def paired_runs(cfg: BenchConfig, engines: dict, generate) -> dict[str, list]:
     runs: dict[str, list] = {"torch": [], "vllm": []}
     for r in range(cfg.num_repeats):
         for backend in ("torch", "vllm") if r % 2 == 0 else ("vllm", "torch"):
+            if backend == "vllm":
+                # every repeat replays the same prompts: without this, repeats after the first
+                # would find them in vLLM's prefix cache, which no real RL step does (new
+                # prompts); within a rollout both backends share a group's prompt
+                # (EngineConfig.share_prompts, vLLM's automatic prefix caching)
+                engines[backend].reset_prefix_cache()
             runs[backend].append(generate(engines[backend]))
             if backend == "vllm":
                 time.sleep(cfg.vllm_idle_s)

@@ -292,3 +292,68 @@ def test_finished_slots_are_compacted_without_changing_any_output(monkeypatch):
         assert [o.output_token_ids for o in result.outputs] == want
         assert moves and all(src > dst for src, dst in moves)
     assert all(layout == list(range(len(layout))) for layout in layouts)
+
+
+def group_requests(
+    num_prompts: int, group: int, seed: int, max_new: int | None = None, prompt_len: int = 20
+) -> list[Request]:
+    """GRPO-shaped requests: ``group`` responses per prompt (identical prompt token ids)."""
+    rng = random.Random(seed)
+    reqs = []
+    for p in range(num_prompts):
+        prompt = tuple(rng.randrange(4, VOCAB) for _ in range(prompt_len))
+        reqs += [Request(f"p{p}-{i}", prompt, max_new or rng.randint(1, 32)) for i in range(group)]
+    return reqs
+
+
+@pytest.mark.parametrize("running", [3, 5, 8])
+def test_shared_prompts_change_no_output(running):
+    # Followers come from same-wave leaders and (3, 5 slots) from running siblings admitted in
+    # earlier waves, with SD on, off and switching (the drafter's shared prompt pairs too).
+    reqs = group_requests(3, 4, seed=31)
+    plain = engine(share_prompts=False, max_running_requests=running).generate(reqs, NoSpec())
+    want = [o.output_token_ids for o in plain.outputs]
+    for name, make in {"nospec": NoSpec, **POLICIES}.items():
+        eng = engine(DRAFTER, max_running_requests=running, is_harvesting=True)
+        got = eng.generate(reqs, make())
+        assert [o.output_token_ids for o in got.outputs] == want, name
+        for rec in eng.pop_harvest():  # followers' copied hidden states are the target's own
+            ids = rec.token_ids[None]
+            with torch.no_grad():
+                _, hidden = TARGET(ids, torch.arange(ids.shape[1])[None], CausalContext())
+            assert (rec.hidden - hidden[0, :-1]).abs().max() < 1e-4, name
+
+
+def _count_tokens(module: torch.nn.Module):
+    """Forward hook: counts the tokens (batch x length) ``module`` computes."""
+    seen = [0]
+
+    def hook(_mod, args, _out):
+        seen[0] += args[0].shape[0] * args[0].shape[1]
+
+    return seen, module.register_forward_hook(hook)
+
+
+def test_a_group_prefills_its_prompt_once():
+    # 3 prompts x 4, 8 slots, equal lengths: wave 1 = prompts 0 and 1 (2 leaders, 6
+    # followers), all finish together, wave 2 = prompt 2 (1 leader, 3 followers).
+    reqs = group_requests(3, 4, seed=32, max_new=10)
+    decode = 12 * 9  # every request decodes its 9 tokens after the first, one per iteration
+    computed = {}
+    for share in (True, False):
+        target_seen, h1 = _count_tokens(TARGET.model.embed_tokens)
+        drafter_seen, h2 = _count_tokens(DRAFTER.fc)
+        try:
+            engine(max_running_requests=8, share_prompts=share).generate(reqs, NoSpec())
+            nospec = target_seen[0]
+            eng = engine(DRAFTER, max_running_requests=8, share_prompts=share)
+            eng.generate(reqs, StaticSpec(1, 1, 1))
+        finally:
+            h1.remove()
+            h2.remove()
+        computed[share] = nospec, drafter_seen[0]
+    assert computed[True][0] == 3 * 20 + 9 + decode
+    assert computed[False][0] == 12 * 20 + decode
+    # the drafter's re-prefill feeds each group's 19 prompt pairs once instead of 4 times;
+    # drafting itself (accept-dependent, the same with both settings) cancels in the difference
+    assert computed[False][1] - computed[True][1] == 9 * 19

@@ -74,6 +74,12 @@ class EngineConfig:
     # (tltsim.instance.ACCEPT_EMA_WEIGHT) so a policy sees the same signal in both.
     accept_len_ema_weight: float = 0.1
     is_harvesting: bool = False
+    # Requests with identical prompts (a GRPO group) prefill the prompt once: a follower copies
+    # its leader's (or a running sibling's) KV cache, hidden states and drafter cache, then
+    # computes only its last prompt token (``_prefill_followers``); a drafter re-prefill feeds a
+    # group's shared prompt pairs once (``_share_drafter_prompts``). vLLM's automatic prefix
+    # caching (on by default in V1) spares the same work, so both backends do it.
+    share_prompts: bool = True
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_model_len < 2 or self.max_prefill_tokens < 1:
@@ -155,7 +161,7 @@ class RolloutEngine:
         while not sched.is_done:
             admitted = sched.admit()
             if admitted:
-                iterations += self._prefill(admitted, t0)
+                iterations += self._prefill(admitted, sched.running, t0)
                 self._release(sched)
             if sched.running:
                 iterations += self._decode_iteration(sched, policy, step, t0)
@@ -228,10 +234,36 @@ class RolloutEngine:
                 width = n
         return groups
 
-    def _prefill(self, admitted: list[Sequence], t0: float) -> list[IterationRecord]:
+    def _prompt_sources(
+        self, admitted: list[Sequence], running: list[Sequence]
+    ) -> tuple[list[Sequence], list[tuple[Sequence, Sequence]]]:
+        """Split admitted sequences into leaders (prefilled) and (follower, source) pairs: a
+        follower's prompt equals an earlier running sequence's (its cache rows 0..P-1 hold that
+        prompt: a running sequence only appends) or an admitted leader's."""
+        if not self.config.share_prompts:
+            return admitted, []
+        new = {id(s) for s in admitted}
+        sources: dict[tuple[int, ...], Sequence] = {}
+        for s in running:
+            if id(s) not in new:
+                sources.setdefault(s.request.prompt_token_ids, s)
+        leaders, followers = [], []
+        for s in admitted:
+            prompt = s.request.prompt_token_ids
+            if prompt in sources:
+                followers.append((s, sources[prompt]))
+            else:
+                sources[prompt] = s
+                leaders.append(s)
+        return leaders, followers
+
+    def _prefill(
+        self, admitted: list[Sequence], running: list[Sequence], t0: float
+    ) -> list[IterationRecord]:
+        leaders, followers = self._prompt_sources(admitted, running)
         records = []
-        for group in self._prefill_groups([s.num_prompt_tokens for s in admitted]):
-            seqs = [admitted[i] for i in group]
+        for group in self._prefill_groups([s.num_prompt_tokens for s in leaders]):
+            seqs = [leaders[i] for i in group]
             start = self.clock()
             slots = self._slots(seqs)
             self.cache.reset(slots)
@@ -266,7 +298,55 @@ class RolloutEngine:
                     start - t0, wall, len(seqs), len(seqs), int(lens.sum()), True, "off"
                 )
             )
+        if followers:
+            records.append(self._prefill_followers(followers, t0))
         return records
+
+    def _prefill_followers(
+        self, pairs: list[tuple[Sequence, Sequence]], t0: float
+    ) -> IterationRecord:
+        """Prefill followers from their sources' caches: copy the KV of prompt positions
+        0..P-2, the hidden states there and the drafter's KV of the pairs among them it holds,
+        then run the last prompt token of every follower in one decode-shaped forward, which
+        samples each its own first token (vLLM's prefix cache likewise recomputes the last
+        prompt token of a full hit)."""
+        start = self.clock()
+        seqs = [f for f, _ in pairs]
+        dst = self._slots(seqs)
+        src = self._slots([s for _, s in pairs])
+        last = torch.tensor([f.num_prompt_tokens - 1 for f in seqs], device=self.device)  # P-1
+        width = int(last.max())
+        cache = self.cache
+        cache.k[:, dst, :, :width] = cache.k[:, src, :, :width]
+        cache.v[:, dst, :, :width] = cache.v[:, src, :, :width]
+        cache.lens[dst] = last
+        self.tokens[dst, : width + 1] = self.tokens[src, : width + 1]
+        if self.hidden is not None:
+            self.hidden[dst, :width] = self.hidden[src, :width]
+        if self.draft_cache is not None:
+            # drafter pairs p < P-1 read prompt tokens and prompt hidden states only
+            held = torch.minimum(self.draft_cache.lens[src], last)
+            w = int(held.max())
+            self.draft_cache.k[:, dst, :, :w] = self.draft_cache.k[:, src, :, :w]
+            self.draft_cache.v[:, dst, :, :w] = self.draft_cache.v[:, src, :, :w]
+            self.draft_cache.lens[dst] = held
+        ids = self.tokens[dst, last][:, None]
+        ctx = cache.context(dst, 1, impl=self.config.attn_impl)
+        logits, hidden = self.model(ids, last[:, None], ctx)
+        if self.hidden is not None:
+            self.hidden[dst, last] = hidden[:, 0]
+        cache.commit(dst, 1)
+        first = sample(logits_to_probs(logits[:, 0], self.config.sampling), self.generator)
+        self.tokens[dst, last + 1] = first
+        self._sync()
+        now = self.clock()
+        for s, tok in zip(seqs, first.tolist(), strict=True):
+            s.is_drafter_fresh = False
+            s.append([tok], self.eos_ids, now - t0)
+        wall = self.clock() - start
+        return IterationRecord(
+            start - t0, wall, len(seqs), len(seqs), int(last.sum()) + len(seqs), True, "off"
+        )
 
     def _decode_iteration(
         self, sched: Scheduler, policy: SpecPolicy, step: int, t0: float
@@ -362,8 +442,26 @@ class RolloutEngine:
         """Feed stale requests' pending pairs to the drafter, all but the newest (the drafting
         catch-up feeds that one and drafts from it)."""
         start = self.clock()
+        fed = self._share_drafter_prompts(stale) if self.config.share_prompts else 0
         slots = self._slots(stale)
         num = self.cache.lens[slots] - self.draft_cache.lens[slots] - 1
+        self._feed_drafter(slots, num)
+        self._sync()
+        wall = self.clock() - start
+        return IterationRecord(
+            start - t0,
+            wall,
+            len(stale),
+            0,
+            fed + int(num.clamp(min=0).sum()),
+            True,
+            decision.strategy,
+            is_drafter_prefill=True,
+        )
+
+    def _feed_drafter(self, slots: torch.Tensor, num: torch.Tensor) -> None:
+        """drafter_prefill of ``num`` pending pairs per slot (none where num <= 0), in groups of
+        at most max_prefill_tokens padded pairs."""
         todo = (num > 0).nonzero(as_tuple=True)[0].tolist()
         for group in self._prefill_groups([int(num[i]) for i in todo]):
             idx = torch.tensor([todo[i] for i in group], device=self.device)
@@ -377,18 +475,32 @@ class RolloutEngine:
                 num[idx],
                 self.config.attn_impl,
             )
-        self._sync()
-        wall = self.clock() - start
-        return IterationRecord(
-            start - t0,
-            wall,
-            len(stale),
-            0,
-            int(num.clamp(min=0).sum()),
-            True,
-            decision.strategy,
-            is_drafter_prefill=True,
-        )
+
+    def _share_drafter_prompts(self, stale: list[Sequence]) -> int:
+        """Stale siblings (same prompt, empty drafter cache) get the drafter's prompt pairs
+        0..P-2 from one forward over their group's first member, copied to the others. Their
+        prompt hidden states are bit-identical (``_prefill_followers`` copied them), so the
+        copy is what each would have computed. Returns the pairs fed."""
+        empty = (self.draft_cache.lens[self._slots(stale)] == 0).tolist()
+        groups: dict[tuple[int, ...], list[Sequence]] = {}
+        for s, is_empty in zip(stale, empty, strict=True):
+            if is_empty and s.num_prompt_tokens >= 2:
+                groups.setdefault(s.request.prompt_token_ids, []).append(s)
+        groups = {p: g for p, g in groups.items() if len(g) >= 2}
+        if not groups:
+            return 0
+        leaders = [g[0] for g in groups.values()]
+        num = torch.tensor([s.num_prompt_tokens - 1 for s in leaders], device=self.device)
+        self._feed_drafter(self._slots(leaders), num)
+        members = [(m, g[0]) for g in groups.values() for m in g[1:]]
+        dst = self._slots([m for m, _ in members])
+        src = self._slots([lead for _, lead in members])
+        width = int(num.max())
+        cache = self.draft_cache
+        cache.k[:, dst, :, :width] = cache.k[:, src, :, :width]
+        cache.v[:, dst, :, :width] = cache.v[:, src, :, :width]
+        cache.lens[dst] = cache.lens[src]
+        return int(num.sum())
 
     def _spec_step(
         self, running: list[Sequence], slots: torch.Tensor, decision: SpecDecision

@@ -185,7 +185,10 @@ def prefill_series(engine: RolloutEngine, batch: int, tokens: int, gen) -> Serie
         state["seqs"] = Scheduler(requests, engine.config.max_running_requests).admit()
 
     return Series(
-        ("prefill", batch, tokens), lambda: engine._prefill(state["seqs"], 0.0), admit, admit
+        ("prefill", batch, tokens),
+        lambda: engine._prefill(state["seqs"], state["seqs"], 0.0),
+        admit,
+        admit,
     )
 
 

@@ -508,6 +508,13 @@ class VLLMBackend:
                 self._engine.collective_rpc(method, args=(path,))
         self._engine.reset_prefix_cache()  # cached KV was computed with the old weights
 
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prompt KV (vLLM's automatic prefix caching), e.g. between benchmark
+        repeats of the same requests: an RL step's prompts are new, so a rollout that hits
+        blocks cached by an earlier rollout of the same prompts measures a cache a real step
+        never has. Requests of one rollout still share their prompts' blocks."""
+        self._engine.reset_prefix_cache()
+
     def spec_decode_metrics(self) -> dict[str, Any]:
         """vLLM's cumulative ``vllm:spec_decode_*`` counters (drafts, draft tokens, accepted
         tokens, accepted tokens per position). Prometheus state: process-wide, so with several
