@@ -75,12 +75,24 @@ def lengths_trace(num_steps: int = 3, seed: int = 0) -> Trace:
     return Trace(meta={"source": "test"}, steps=tuple(steps))
 
 
-def self_measured(trace: Trace, policy: str, settings: dict, profile, num_instances: int, cap: int):
+def self_measured(
+    trace: Trace,
+    policy: str,
+    settings: dict,
+    profile,
+    num_instances: int,
+    cap: int,
+    share_prompts: bool = True,
+):
     """Simulate ``trace`` on ``num_instances`` instances (chunked: whole prompts per instance)
     and write what a runtime would: measured = simulated, accept_hist per response."""
     cost = ProfileCost(load_profile(profile), is_warned=False)
     sim = SimConfig(
-        num_gpus=num_instances, max_running_requests=cap, placement="chunked", exact=True
+        num_gpus=num_instances,
+        max_running_requests=cap,
+        placement="chunked",
+        exact=True,
+        share_prompts=share_prompts,
     )
     result = simulate(trace, sim, cost, make_policy(policy, seed=3, **settings), None, SURE)
     steps = []
@@ -103,6 +115,7 @@ def self_measured(trace: Trace, policy: str, settings: dict, profile, num_instan
             "train_s": rec.train_s,
             "policy": {"name": policy, "config": settings, "seed": 3},
             "max_running_requests": cap,
+            "share_prompts": sim.share_prompts,
             "instance_prompts": [
                 [p.id for p in step.prompts[i * share : (i + 1) * share]]
                 for i in range(num_instances)
@@ -118,11 +131,15 @@ def self_measured(trace: Trace, policy: str, settings: dict, profile, num_instan
     "policy, settings",
     [("nospec", {}), ("static", {"strategy": "4_1_4"}), ("tlt", dataclasses.asdict(TLT))],
 )
-@pytest.mark.parametrize("num_instances, cap", [(1, 32), (2, 5)])
+@pytest.mark.parametrize("num_instances, cap, share", [(1, 32, True), (2, 5, True), (2, 5, False)])
 def test_own_simulated_timings_compare_with_zero_error(
-    policy, settings, num_instances, cap, profile_path, tmp_path, capsys
+    policy, settings, num_instances, cap, share, profile_path, tmp_path, capsys
 ):
-    trace = self_measured(lengths_trace(), policy, settings, profile_path, num_instances, cap)
+    # share: the measured block's share_prompts reaches the replay (a replay that ignored it
+    # would prefill differently from the "measurement" and miss it)
+    trace = self_measured(
+        lengths_trace(), policy, settings, profile_path, num_instances, cap, share
+    )
     path = tmp_path / "measured.json"
     save_trace(trace, path)
     out = tmp_path / "cmp"
@@ -232,6 +249,7 @@ def _measured_trace(**measured) -> Trace:
         ),
         (_measured_trace(clock="cpu"), [], "measured in cpu seconds"),
         (_measured_trace(clock="gpu"), [], "measured.clock"),
+        (_measured_trace(share_prompts="yes"), [], "measured.share_prompts"),
         (_measured_trace(), ["--profile", "/nonexistent.csv"], "/nonexistent.csv"),
         (_measured_trace(), ["--hardware", "TPU"], "hardware"),
     ],

@@ -196,3 +196,29 @@ def test_padded_engines_are_costed_at_the_longest_context(exact: bool, is_padded
         assert first == [cost.decode_contexts[0] + 2 * i for i in range(4)]
     # the short response is done after 4 iterations: the long one alone, at 100 + 5 tokens
     assert cost.decode_contexts[4 if exact else 1] == 105
+
+
+def _prefill_s(result) -> float:
+    frame = result.timeline_frame()
+    part = frame[frame["phase"] == "prefill"]
+    return float((part["end_s"] - part["start_s"]).sum())
+
+
+def test_a_group_shares_its_prompt_prefill_while_a_sibling_runs() -> None:
+    cost = roofline()
+    trace = make_trace([[[50, 60, 70, 80]]])  # one prompt (200 tokens), four responses
+    shared = run(trace, num_gpus=1)
+    # one prefill of the prompt, then the three followers' last prompt token in one forward
+    want = cost.prefill_s(200, 0.0, 1) + cost.decode_iter_s(3, 3 * 199, 1)
+    assert _prefill_s(shared) == pytest.approx(want)
+    assert _prefill_s(run(trace, num_gpus=1, share_prompts=False)) == pytest.approx(
+        cost.prefill_s(800, 0.0, 4)
+    )
+    # one slot: each response starts after its sibling left, so each prefills the prompt
+    alone = run(trace, num_gpus=1, max_running_requests=1)
+    assert _prefill_s(alone) == pytest.approx(4 * cost.prefill_s(200, 0.0, 1))
+    # two slots, 50 and 60 first: 70 is admitted while 60 runs and follows it; 80 follows 70
+    pairs = run(trace, num_gpus=1, max_running_requests=2)
+    follow = cost.decode_iter_s(1, 199, 1)
+    want = cost.prefill_s(200, 0.0, 1) + 3 * follow
+    assert _prefill_s(pairs) == pytest.approx(want)

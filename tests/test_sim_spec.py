@@ -195,9 +195,12 @@ def test_ideal_bound_covers_sd_with_perfect_drafts() -> None:
 
 
 def test_sd_switch_costs_a_reprefill() -> None:
-    trace = make_trace([[[2000, 2000]]])
-    rec = run(trace, "static", num_gpus=1).steps[0]
+    trace = make_trace([[[2000, 2000]]])  # one prompt of 200 tokens, two responses
+    rec = run(trace, "static", num_gpus=1, share_prompts=False).steps[0]
     assert rec.reprefill_instance_s == pytest.approx(roofline().sd_switch_s(2, 2 * 201))
+    # the second response takes the prompt's 199 drafter pairs from the first
+    rec = run(trace, "static", num_gpus=1).steps[0]
+    assert rec.reprefill_instance_s == pytest.approx(roofline().sd_switch_s(2, 2 * 201 - 199))
     nospec = run(trace, "nospec", num_gpus=1).steps[0]
     assert nospec.reprefill_instance_s == 0 and dataclasses.asdict(nospec)["sd_tokens"] == 0
 

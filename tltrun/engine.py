@@ -166,7 +166,13 @@ class RolloutEngine:
             if sched.running:
                 iterations += self._decode_iteration(sched, policy, step, t0)
                 self._release(sched)
-        return RolloutResult(sched.outputs(), iterations, self.clock() - t0, self.name)
+        return RolloutResult(
+            sched.outputs(),
+            iterations,
+            self.clock() - t0,
+            self.name,
+            self.config.share_prompts,
+        )
 
     def pop_harvest(self) -> list[HarvestRecord]:
         out, self.harvest = self.harvest, []

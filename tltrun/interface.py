@@ -75,6 +75,9 @@ class RolloutResult:
     iterations: list[IterationRecord]
     wall_s: float
     backend: str  # "torch" | "vllm"
+    # requests with identical prompts shared their prefill (EngineConfig.share_prompts, vLLM's
+    # prefix caching); recorded in a measured trace so the simulator replays the same
+    shares_prompts: bool = False
 
 
 class RolloutBackend(Protocol):

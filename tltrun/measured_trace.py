@@ -164,6 +164,7 @@ def measured_step(
         "policy": policy,
         "hardware": hardware,
         "backend": result.backend,
+        "share_prompts": result.shares_prompts,
         "accept_hist_by_strategy": accept_hist_by_strategy(result.iterations),
         **(extra or {}),
     }

@@ -320,7 +320,8 @@ class Worker:
         iterations = [it for g in gathered for it in g["result"].iterations]
         finishes = [g["finish_s"] for g in gathered]
         rollout_s = max(finishes)
-        merged = RolloutResult(outputs, iterations, rollout_s, gathered[0]["result"].backend)
+        first = gathered[0]["result"]
+        merged = RolloutResult(outputs, iterations, rollout_s, first.backend, first.shares_prompts)
         spots = [g["spot"] for g in gathered]
         extra = {
             "train_s": max(g["train_s"] for g in gathered),

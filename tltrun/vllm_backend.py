@@ -378,7 +378,13 @@ class VLLMBackend:
                 )
             pending = decision if self.config.control != "table" else None
         wall_s = self.clock() - t0
-        return RolloutResult([self._output(lv) for lv in lives], iterations, wall_s, self.name)
+        return RolloutResult(
+            [self._output(lv) for lv in lives],
+            iterations,
+            wall_s,
+            self.name,
+            self.config.is_prefix_caching,
+        )
 
     def _decide(
         self, policy: SpecPolicy, unfinished: list[_Live], step: int, t0: float

@@ -169,6 +169,7 @@ def simulate_run(
             num_gpus=tp,
             tp=tp,
             max_running_requests=cap,
+            share_prompts=run.share_prompts,
             exact=cfg.exact,
             is_timeline_recorded=False,
             seed=cfg.seed + i,

@@ -49,12 +49,16 @@ class InstanceRollout:
         ids: np.ndarray,
         prompt_tokens: np.ndarray,
         response_tokens: np.ndarray,
+        groups: np.ndarray,
     ):
         self.run = run
         self.index = index
         self.ids = ids  # response index within the step (for finish times)
         self.prompt_tokens = prompt_tokens
         self.response_tokens = response_tokens
+        self.groups = groups  # each response's prompt index: responses of a group share it
+        self.active_groups: dict[int, int] = {}  # prompt index -> running responses
+        self.group_prompt = dict(zip(groups.tolist(), prompt_tokens.tolist(), strict=True))
         self.batch = ExactBatch(run) if run.config.exact else FastBatch(run)
         self.busy_s = 0.0
         self.tail_s = 0.0
@@ -109,6 +113,53 @@ class InstanceRollout:
         if done.size:
             self.run.finish_s[done] = now_s
             self.num_finished += int(done.size)
+            for g in self.run.prompt_index[done].tolist():
+                left = self.active_groups[g] - 1
+                if left:
+                    self.active_groups[g] = left
+                else:
+                    del self.active_groups[g]
+
+    def _admission_s(self, prompts: np.ndarray, groups: np.ndarray) -> float:
+        """Seconds to admit requests with these prompt lengths and groups.
+
+        Without prompt sharing: one prefill of all prompts. With it (``SimConfig.share_prompts``)
+        a group's prompt is prefilled once, by its first admitted response, unless a response of
+        the group is already running; every other response (a follower) copies the cached prompt
+        and computes only its last prompt token — one decode-shaped forward over the followers,
+        as tltrun's torch engine does and vLLM's prefix cache does on a full hit."""
+        padded = self.batch.is_padded
+        cost = self.run.cost
+        lead = np.ones(prompts.size, dtype=bool)
+        if self.run.config.share_prompts:
+            _, first = np.unique(groups, return_index=True)
+            lead[:] = False
+            lead[first] = True
+            lead &= np.array([g not in self.active_groups for g in groups.tolist()], dtype=bool)
+        for g in groups.tolist():
+            self.active_groups[g] = self.active_groups.get(g, 0) + 1
+        dt = 0.0
+        if lead.any():
+            p = prompts[lead]
+            # a padded engine prefills every prompt at the longest one's length
+            num = p.size * int(p.max()) if padded else int(p.sum())
+            dt += cost.prefill_s(num, 0.0, int(p.size))
+        if not lead.all():
+            cached = prompts[~lead] - 1
+            ctx = cached.size * int(cached.max()) if padded else int(cached.sum())
+            dt += cost.decode_iter_s(int(cached.size), float(ctx), 1)
+        return dt
+
+    def _reprefill_context(self) -> float:
+        """Context the SD switch re-prefills: the batch's, less the prompt pairs a group's other
+        running responses take from its first one (tltrun's drafter re-prefill feeds them once)."""
+        context = self.batch.cost_context()[0]
+        if not self.run.config.share_prompts:
+            return context
+        saved = sum(
+            (n - 1) * (int(self.group_prompt[g]) - 1) for g, n in self.active_groups.items()
+        )
+        return max(float(self.batch.num_active), context - saved)
 
     def _sd_stats(self, decision, dt: float, num_iters: int, emitted: float, b: int) -> None:
         run = self.run
@@ -129,7 +180,7 @@ class InstanceRollout:
 
     def process(self):
         run, batch = self.run, self.batch
-        env, cost, policy = run.env, run.cost, run.policy
+        env, policy = run.env, run.policy
         max_running = run.config.max_running_requests
         num = int(self.response_tokens.size)
         next_queued = 0
@@ -143,10 +194,7 @@ class InstanceRollout:
                 take = min(max_running - batch.num_active, num - next_queued)
                 sl = slice(next_queued, next_queued + take)
                 next_queued += take
-                prompts = self.prompt_tokens[sl]
-                # a padded engine prefills every prompt at the longest one's length
-                num_prompt = take * int(prompts.max()) if batch.is_padded else int(prompts.sum())
-                dt = cost.prefill_s(num_prompt, 0.0, take)
+                dt = self._admission_s(self.prompt_tokens[sl], self.groups[sl])
                 batch.admit(self.prompt_tokens[sl], self.response_tokens[sl], self.ids[sl])
                 self._charge(now, dt, "prefill", batch.num_active)
                 yield env.timeout(pending + dt)
@@ -169,7 +217,7 @@ class InstanceRollout:
             if decision.enabled and not self.is_sd_on:
                 # SD switches on: rebuild the drafter's KV cache over the running requests.
                 self.is_sd_on = True
-                dt = run.reprefill_s(b, batch.cost_context()[0])
+                dt = run.reprefill_s(b, self._reprefill_context())
                 self.reprefill_s += dt
                 self._charge(now, dt, "reprefill", b)
                 pending += dt

@@ -18,6 +18,10 @@ Contract: the per-step ``measured`` block fields this module reads (tltrun write
   ``policy.seed`` (optional, default 0): the seed the policy object was built with.
 * ``max_running_requests`` (required unless given on the command line): the engine's
   continuous-batching cap per instance; ``null`` means each instance admitted its whole share.
+* ``share_prompts`` (optional, default false: traces recorded before engines shared prompts):
+  whether requests with identical prompts shared their prefill (tltrun's
+  ``EngineConfig.share_prompts``, vLLM's prefix caching), the same in every step; the
+  simulation replays it (``SimConfig.share_prompts``).
 * ``instance_prompts`` (optional): one list per engine instance (rollout worker) of the prompt
   ids it served, in admission order: all responses of a prompt ran on one instance, as in veRL's
   chunked split and ``tltrun train``. Absent: one instance served the whole step, which is an
@@ -97,6 +101,7 @@ class MeasuredRun:
     max_running_requests: int | None  # None: each instance admits its whole share
     acceptance: MeasuredAcceptance
     clock: str  # "wall" | "cpu": what the measured seconds are
+    share_prompts: bool = False  # the engine prefilled a group's prompt once (SimConfig's)
 
     @property
     def num_instances(self) -> int:
@@ -283,6 +288,11 @@ def measured_run(
     if len({len(p) for p in placement}) > 1:
         raise UsageError(f"{source}: the number of instances changes between steps")
     strategy = config.get("strategy", "") if name == "static" else ""
+    shares = {step.measured.get("share_prompts", False) for step in trace.steps}
+    if len(shares) > 1 or not shares <= {True, False} or not all(type(s) is bool for s in shares):
+        raise UsageError(
+            f"{source}: field 'measured.share_prompts': expected the same true or false in every step, got {sorted(map(str, shares))}"
+        )
     clocks = {step.measured.get("clock", "wall") for step in trace.steps}
     if len(clocks) > 1 or not clocks <= {"wall", "cpu"}:
         raise UsageError(
@@ -298,6 +308,7 @@ def measured_run(
         max_running_requests=_max_running(trace, source, max_running_requests),
         acceptance=replayed_acceptance(trace, source, strategy),
         clock=clocks.pop(),
+        share_prompts=shares.pop(),
     )
 
 

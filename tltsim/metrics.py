@@ -80,9 +80,10 @@ class InstanceShare:
     """One instance's requests in one step: what the ideal bound needs."""
 
     num_requests: int
-    prompt_tokens: int
+    prompt_tokens: int  # prompt tokens prefilled at least (each group's once when shared)
     decode_tokens: int  # response tokens after the first (which prefill emits)
     min_prompt_tokens: int
+    num_prefills: int = 0  # prompts prefilled at least (0: num_requests)
 
 
 @dataclass
@@ -192,12 +193,16 @@ def step_outputs(
             )
         )
         num = int(inst.response_tokens.size)
+        prompts = inst.prompt_tokens
+        if run.config.share_prompts:  # a group's prompt is prefilled at least once
+            prompts = np.asarray(list(inst.group_prompt.values()), dtype=np.int64)
         shares.append(
             InstanceShare(
                 num_requests=num,
-                prompt_tokens=int(inst.prompt_tokens.sum()),
+                prompt_tokens=int(prompts.sum()),
                 decode_tokens=int(inst.response_tokens.sum()) - num,
                 min_prompt_tokens=int(inst.prompt_tokens.min()) if num else 0,
+                num_prefills=int(prompts.size),
             )
         )
     bubble = sum(rollout_s - inst.finish_s for inst in instances)
@@ -267,7 +272,7 @@ def ideal_rollout_s(
 
     Each instance's own requests at the cheapest per-token iteration it could ever run (batch
     at most min(max_running_requests, its requests), see min_cost_per_token), one prefill of all
-    its prompts, and that work spread evenly over the instances (no tail):
+    its prompts (of each group's prompt once when prompts are shared), and that work spread evenly over the instances (no tail):
     rollout >= max_i busy_i >= mean_i busy_i >= mean_i bound_i.
     """
     if not shares:
@@ -285,7 +290,7 @@ def ideal_rollout_s(
             continue
         batch = min(max_running_requests, s.num_requests)
         total += (
-            cost.prefill_s(s.prompt_tokens, 0.0, s.num_requests)
+            cost.prefill_s(s.prompt_tokens, 0.0, s.num_prefills or s.num_requests)
             + s.decode_tokens * per_token[batch]
         )
     return total / len(shares)

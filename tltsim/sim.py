@@ -89,6 +89,13 @@ class SimConfig:
     drafter_update_tokens: int = field(
         default=16384, metadata=_help("tokens one drafter update consumes per GPU")
     )
+    # vLLM V1 caches prompt blocks by default (automatic prefix caching) and tltrun's torch
+    # engine shares identical prompts (EngineConfig.share_prompts): the responses of one GRPO
+    # group prefill their prompt once (tltsim.instance explains the cost).
+    share_prompts: bool = field(
+        default=True,
+        metadata=_help("responses of one prompt (a group) share its prefill on an instance"),
+    )
     exact: bool = field(
         default=False, metadata=_help("one SimPy event per decode iteration (slow reference)")
     )
@@ -136,6 +143,7 @@ class StepArrays:
     step: int
     prompt_tokens: np.ndarray
     response_tokens: np.ndarray
+    prompt_index: np.ndarray  # the response's prompt (index in the step): its group
 
 
 def step_arrays(trace: Trace) -> list[StepArrays]:
@@ -145,7 +153,10 @@ def step_arrays(trace: Trace) -> list[StepArrays]:
             (p.prompt_tokens for p in s.prompts for _ in p.responses), dtype=np.int64
         )
         resp = np.fromiter((r.tokens for p in s.prompts for r in p.responses), dtype=np.int64)
-        out.append(StepArrays(s.step, prompt, resp))
+        index = np.fromiter(
+            (i for i, p in enumerate(s.prompts) for _ in p.responses), dtype=np.int64
+        )
+        out.append(StepArrays(s.step, prompt, resp, index))
     return out
 
 
@@ -182,6 +193,7 @@ class StepRun:
         self.timeline = sim.timeline
         self.open_segment: list[list | None] = [None] * sim.config.num_instances
         self.finish_s = np.full(arrays.response_tokens.size, np.nan)
+        self.prompt_index = arrays.prompt_index
         self.strategies_used = sim.strategies_used
         self.last_decision: SpecDecision | None = None
         self._hold = getattr(self.policy, "max_hold_iters", None)  # optional in the protocol
@@ -285,7 +297,14 @@ class _Simulation:
             arrays.response_tokens.size, config.num_instances, config.placement, self.placement_rng
         )
         instances = [
-            InstanceRollout(run, i, ids, arrays.prompt_tokens[ids], arrays.response_tokens[ids])
+            InstanceRollout(
+                run,
+                i,
+                ids,
+                arrays.prompt_tokens[ids],
+                arrays.response_tokens[ids],
+                arrays.prompt_index[ids],
+            )
             for i, ids in enumerate(owners)
         ]
         run.instances = instances
