@@ -545,7 +545,7 @@ class RolloutEngine:
         out = result.out_tokens.tolist()
         for s, n in zip(running, accepted, strict=True):
             s.is_drafter_fresh = True
-            s.record_accept(n)
+            s.record_accept(n, decision.strategy)
         return [row[: n + 1] for row, n in zip(out, accepted, strict=True)], tuple(accepted)
 
     def _release(self, sched: Scheduler) -> None:

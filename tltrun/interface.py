@@ -52,6 +52,9 @@ class RequestOutput:
     accept_hist: list[int] = field(default_factory=list)
     first_token_s: float = 0.0  # seconds from rollout start to the first generated token
     finish_s: float = 0.0  # seconds from rollout start to the last generated token
+    # the same, per SD strategy ({"4_1_4": [...]}): a response's own acceptance, which the
+    # simulator's replay (tltsim.measured_run) needs by strategy
+    accept_hist_by_strategy: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ simulated and a measured step can be put side by side (DESIGN.md, "Trace format"
   (tokens, finish, accept_hist) grouped by prompt, plus the step's ``measured`` block:
   ``rollout_s``, ``policy`` (name, iterations per strategy, and the ``config`` / ``seed`` the
   policy object was built with when given), ``hardware``, ``backend``, decode/SD/re-prefill
-  seconds and tokens, mean accept length, ``accept_hist_by_strategy``. With the
+  seconds and tokens, mean accept length, ``accept_hist_by_strategy`` (the step's) and
+  ``response_accept_hist_by_strategy`` (each response's), ``share_prompts``. With the
   ``max_running_requests`` (and, for several workers, ``instance_prompts``) the caller adds,
   that is everything ``tltsim compare`` reads (``tltsim.measured_run``).
 * ``accept_hist_by_strategy``: verify outcomes per strategy of a list of iterations.
@@ -166,6 +167,12 @@ def measured_step(
         "backend": result.backend,
         "share_prompts": result.shares_prompts,
         "accept_hist_by_strategy": accept_hist_by_strategy(result.iterations),
+        # per prompt, one {strategy: hist} per response in the order of its prompt's responses
+        "response_accept_hist_by_strategy": {
+            pid: [o.accept_hist_by_strategy for o in outs]
+            for pid, outs in groups.items()
+            if any(o.accept_hist_by_strategy for o in outs)
+        },
         **(extra or {}),
     }
     return Step(step=step, prompts=tuple(prompts), measured=measured)

@@ -37,6 +37,7 @@ class Sequence:
         self.slot: int | None = None
         self.finish = ""
         self.accept_hist: list[int] = []
+        self.accept_by_strategy: dict[str, list[int]] = {}
         self.first_token_s = 0.0
         self.finish_s = 0.0
         # The drafter has consumed this sequence's pairs up to the previous SD iteration; False
@@ -70,10 +71,9 @@ class Sequence:
                 break
         return kept
 
-    def record_accept(self, num_accepted: int) -> None:
-        if len(self.accept_hist) <= num_accepted:
-            self.accept_hist.extend([0] * (num_accepted + 1 - len(self.accept_hist)))
-        self.accept_hist[num_accepted] += 1
+    def record_accept(self, num_accepted: int, strategy: str) -> None:
+        add_to_hist(self.accept_hist, num_accepted)
+        add_to_hist(self.accept_by_strategy.setdefault(strategy, []), num_accepted)
 
     def to_output(self) -> RequestOutput:
         r = self.request
@@ -85,7 +85,15 @@ class Sequence:
             accept_hist=list(self.accept_hist),
             first_token_s=self.first_token_s,
             finish_s=self.finish_s,
+            accept_hist_by_strategy={k: list(v) for k, v in self.accept_by_strategy.items()},
         )
+
+
+def add_to_hist(hist: list[int], value: int) -> None:
+    """hist[value] += 1, growing ``hist`` as needed."""
+    if len(hist) <= value:
+        hist.extend([0] * (value + 1 - len(hist)))
+    hist[value] += 1
 
 
 class Scheduler:

@@ -83,6 +83,7 @@ import torch
 
 from tltrun.interface import IterationRecord, Request, RequestOutput, RolloutResult, SamplingParams
 from tltrun.model import read_config
+from tltrun.scheduler import add_to_hist
 from tltrun.vllm_worker import stat_logger_factory
 from tltsim.policy import (
     OFF,
@@ -150,6 +151,7 @@ class _Live:
     num_prefix_tokens: int = 0  # tokens generated before the current submission
     tokens: list[int] = field(default_factory=list)
     accept_hist: list[int] = field(default_factory=list)
+    accept_by_strategy: dict[str, list[int]] = field(default_factory=dict)
     first_token_s: float | None = None
     finish_s: float = 0.0
     finish: str | None = None
@@ -427,6 +429,7 @@ class VLLMBackend:
         stats, self._stats[:] = list(self._stats), []
         deltas: dict[str, int] = {}  # tokens each request emitted in this step
         accepted: dict[str, int] = {}  # draft tokens each request had accepted (if drafts ran)
+        touched: dict[str, _Live] = {}
         context_tokens, num_first, num_reprefilled = 0, 0, 0
         for out in outputs:
             live = by_engine_id.get(out.request_id)
@@ -444,6 +447,7 @@ class VLLMBackend:
                 live.tokens.extend(new)
                 live.finish_s = now_s
                 deltas[live.request.id] = len(new)
+                touched[live.request.id] = live
                 # Emitted = accepted + the bonus/correction token, except in a request's last
                 # step, cut at max_tokens or EOS: there vLLM's own per-step count is exact.
                 is_cut = out.finished and metrics is not None and metrics.per_step_accepted
@@ -463,6 +467,9 @@ class VLLMBackend:
         num_drafts = sum(s.num_drafts for s in spec)
         k = round(sum(s.num_draft_tokens for s in spec) / num_drafts) if num_drafts else 0
         num_active = max((s.num_running_reqs for s in stats), default=len(deltas))
+        if k:  # the same (strategy, accepted) pairs the iteration record carries
+            for rid, n in accepted.items():
+                add_to_hist(touched[rid].accept_by_strategy.setdefault(f"{k}_1_{k}", []), n)
         return IterationRecord(
             start_s=start_s,
             wall_s=wall_s,
@@ -486,6 +493,7 @@ class VLLMBackend:
             accept_hist=live.accept_hist,
             first_token_s=live.first_token_s or 0.0,
             finish_s=live.finish_s,
+            accept_hist_by_strategy=live.accept_by_strategy,
         )
 
     # ------------------------------------------------------------------ weight sync

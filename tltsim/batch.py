@@ -152,16 +152,22 @@ class FastBatch:
         b = self.num_active
         return b * float(context[i]), b * float(state[i, RATE])
 
-    def _schedule(self, rem: np.ndarray, decision: SpecDecision) -> tuple[np.ndarray, np.ndarray]:
-        """Finish iterations and per-iteration rates for requests with ``rem`` tokens to go."""
+    def _schedule(
+        self, rem: np.ndarray, decision: SpecDecision, ids: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Finish iterations and per-iteration rates for requests ``ids`` with ``rem`` tokens
+        to go."""
         if decision.enabled:
-            dist = self.run.accept_dist(decision)
-            if rem.min() > 0:
-                n = sample_iterations(self.run.rng, rem, dist)
-            else:  # responses of one token finished at prefill
-                pos = rem > 0
-                n = np.zeros(rem.size, dtype=np.int64)
-                n[pos] = sample_iterations(self.run.rng, rem[pos], dist)
+            n = np.zeros(rem.size, dtype=np.int64)
+            for dist, rows in self.run.request_dists(decision, ids):
+                r = rem if rows is None else rem[rows]
+                got = np.zeros(r.size, dtype=np.int64)
+                pos = r > 0  # responses of one token finished at prefill
+                got[pos] = sample_iterations(self.run.rng, r[pos], dist)
+                if rows is None:
+                    n = got
+                else:
+                    n[rows] = got
         else:
             n = np.ceil(rem - 1e-9).astype(np.int64)  # one token per iteration
         rate = np.divide(rem, n, out=np.zeros(rem.size), where=n > 0)
@@ -175,7 +181,7 @@ class FastBatch:
 
     def admit(self, prompt: np.ndarray, response: np.ndarray, ids: np.ndarray) -> None:
         """Prefilled requests join; prefill already emitted each one's first token."""
-        finish, rate = self._schedule((response - 1).astype(np.float64), self.decision)
+        finish, rate = self._schedule((response - 1).astype(np.float64), self.decision, ids)
         rows = np.column_stack((finish, rate, prompt + response, ids))
         self.state = np.concatenate((self.state, rows))
         self._sort()
@@ -188,7 +194,7 @@ class FastBatch:
     def advance(self, decision: SpecDecision, hold: int | None) -> tuple[float, int, float]:
         """Run until the next completion (or ``hold`` iterations): (seconds, iterations, tokens)."""
         if decision is not self.decision and decision != self.decision:
-            finish, rate = self._schedule(self.remaining(), decision)
+            finish, rate = self._schedule(self.remaining(), decision, self.state[:, ID])
             self.state[:, FINISH], self.state[:, RATE], self.decision = finish, rate, decision
             self._sort()
         n = self.next_finish - self.iters
@@ -268,7 +274,13 @@ class ExactBatch:
         context = self.cost_context()[0]
         if decision.enabled:
             dt = cost.sd_iter_s(b, context, decision)
-            adv = np.minimum(self.run.accept_dist(decision).sample(self.run.rng, b), self.rem)
+            adv = np.empty(b, dtype=self.rem.dtype)
+            for dist, rows in self.run.request_dists(decision, self.ids):
+                if rows is None:
+                    adv[:] = dist.sample(self.run.rng, b)
+                else:
+                    adv[rows] = dist.sample(self.run.rng, rows.size)
+            adv = np.minimum(adv, self.rem)
             emitted = int(adv.sum())
             self.rem -= adv
         else:

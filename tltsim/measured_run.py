@@ -22,6 +22,12 @@ Contract: the per-step ``measured`` block fields this module reads (tltrun write
   whether requests with identical prompts shared their prefill (tltrun's
   ``EngineConfig.share_prompts``, vLLM's prefix caching), the same in every step; the
   simulation replays it (``SimConfig.share_prompts``).
+* ``response_accept_hist_by_strategy`` (optional): ``{prompt id: [{strategy: hist} per
+  response, in the prompt's order]}``, each response's own verifies. With it, each response
+  that verified draws its accept lengths from the acceptance model at its own
+  maximum-likelihood rate (``MeasuredAcceptance.request_accept_rates``), the others from the
+  step's histograms: long responses often accept much less (or more) than their step's mean,
+  and they make the tail.
 * ``instance_prompts`` (optional): one list per engine instance (rollout worker) of the prompt
   ids it served, in admission order: all responses of a prompt ran on one instance, as in veRL's
   chunked split and ``tltrun train``. Absent: one instance served the whole step, which is an
@@ -39,6 +45,7 @@ Bad input raises ``UsageError`` naming the file, the step and the field.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +72,8 @@ class MeasuredAcceptance:
     sibling_rate: float = DEFAULT_SIBLING_RATE
     # per step: {strategy: verify counts by accepted drafts}, as tltsim.fit collects them
     hists: tuple[dict[str, tuple[int, ...]], ...] = ()
+    # per step: {prompt id: each response's own acceptance rate (nan: it verified nothing)}
+    response_rates: tuple[dict[str, tuple[float, ...]], ...] = ()
 
     def initial_state(self) -> DrafterState:
         return DrafterState(self.rates[0])
@@ -75,6 +84,21 @@ class MeasuredAcceptance:
 
     def after_training(self, state: DrafterState, num_tokens: int) -> DrafterState:
         return dataclasses.replace(state, trained_tokens=state.trained_tokens + num_tokens)
+
+    def request_accept_rates(self, state: DrafterState, step: Step) -> np.ndarray | None:
+        """Per response of ``step`` (prompt-major, as ``tltsim.sim`` flattens a step): the
+        acceptance rate its own verifies measured, nan where it verified nothing (those draw
+        from the step's histograms). Long responses of a reasoning step often accept far less
+        than the step's mean (repetitive or unusual text), and they are the long tail: replaying
+        the step's pooled histogram for every response finishes the tail too early."""
+        if state.num_rl_steps >= len(self.response_rates):
+            return None
+        table = self.response_rates[state.num_rl_steps]
+        out = []
+        for p in step.prompts:
+            own = table.get(p.id, ())
+            out += [own[i] if i < len(own) else math.nan for i in range(len(p.responses))]
+        return np.asarray(out, dtype=np.float64)
 
     def accept_len_pmf(self, state: DrafterState, decision: SpecDecision) -> np.ndarray | None:
         """P(accept length = i + 1) as measured in this step for ``decision``, or None."""
@@ -273,7 +297,59 @@ def replayed_acceptance(trace: Trace, source: str, strategy: str = "") -> Measur
     overall = estimate_accept_rate(pooled, sibling)[0]
     rates = tuple(estimate_accept_rate(s.hists, sibling)[0] if s.hists else overall for s in steps)
     hists = tuple({d.strategy: tuple(int(c) for c in h) for d, h in s.hists.items()} for s in steps)
-    return MeasuredAcceptance(rates, sibling, hists)
+    per_response = tuple(_response_rates(step, source, sibling) for step in trace.steps)
+    return MeasuredAcceptance(rates, sibling, hists, per_response)
+
+
+def _response_rates(step: Step, source: str, sibling_rate: float) -> dict[str, tuple[float, ...]]:
+    """Each response's maximum-likelihood acceptance rate from its own verifies by strategy
+    (``measured.response_accept_hist_by_strategy``); nan for one that verified nothing."""
+    table = (step.measured or {}).get("response_accept_hist_by_strategy")
+    if table is None:
+        return {}
+    where = f"{source}: step {step.step}: field 'measured.response_accept_hist_by_strategy'"
+    prompts = {p.id: len(p.responses) for p in step.prompts}
+    if not isinstance(table, dict):
+        raise UsageError(f"{where}: expected {{prompt id: [{{strategy: hist}}, ...]}}")
+    out = {}
+    for pid, per_response in table.items():
+        if pid not in prompts:
+            raise UsageError(f"{where}: prompt {pid!r} is not in the step")
+        if not isinstance(per_response, list) or len(per_response) != prompts[pid]:
+            raise UsageError(
+                f"{where}.{pid}: expected one entry per response ({prompts[pid]}), got {per_response!r:.80}"
+            )
+        rates = []
+        for i, by_strategy in enumerate(per_response):
+            hists = _strategy_hists(by_strategy, f"{where}.{pid}[{i}]")
+            if not hists:
+                rates.append(math.nan)
+                continue
+            rates.append(float(estimate_accept_rate(hists, sibling_rate)[0]))
+        out[pid] = tuple(rates)
+    return out
+
+
+def _strategy_hists(by_strategy: Any, where: str) -> dict[SpecDecision, np.ndarray]:
+    if not isinstance(by_strategy, dict):
+        raise UsageError(f"{where}: expected {{strategy: [counts]}}, got {by_strategy!r:.80}")
+    hists = {}
+    for name, hist in by_strategy.items():
+        try:
+            decision = SpecDecision.parse(name)
+        except ValueError as err:
+            raise UsageError(f"{where}: {err}") from None
+        if (
+            not isinstance(hist, list)
+            or not all(type(c) is int and c >= 0 for c in hist)
+            or len(hist) > decision.draft_steps + 1
+        ):
+            raise UsageError(
+                f"{where}.{name}: expected at most {decision.draft_steps + 1} counts >= 0, got {hist!r:.80}"
+            )
+        if decision.enabled and sum(hist):
+            hists[decision] = np.asarray(hist, dtype=np.float64)
+    return hists
 
 
 def measured_run(

@@ -38,7 +38,7 @@ from tltsim.instance import InstanceRollout
 from tltsim.metrics import InstanceShare, SimResult, StepRecord, ideal_rollout_s, step_outputs
 from tltsim.policy import DecodeObs, IdleObs, SpecDecision, SpecFeedback, TrainDecision
 from tltsim.spot import SpotOutcome, spot_schedule
-from tltsim.trace import Trace
+from tltsim.trace import Step, Trace
 
 PLACEMENTS = ("round_robin", "chunked", "random")
 
@@ -181,8 +181,11 @@ def place(
 class StepRun:
     """Everything the instances of one RL step's rollout share (one per step, per simulation)."""
 
-    def __init__(self, sim: _Simulation, arrays: StepArrays, t0: float):
+    def __init__(
+        self, sim: _Simulation, arrays: StepArrays, t0: float, rates: np.ndarray | None = None
+    ):
         self.sim = sim
+        self.request_rate = rates  # per response (nan: draws from accept_dist), or None
         self.env = sim.env
         self.config = sim.config
         self.cost = sim.cost
@@ -198,7 +201,7 @@ class StepRun:
         self.last_decision: SpecDecision | None = None
         self._hold = getattr(self.policy, "max_hold_iters", None)  # optional in the protocol
         self.acceptance = sim.drafter_acceptance()
-        self._dist_cache: dict[SpecDecision, AcceptDist] = {}
+        self._dist_cache: dict[Any, AcceptDist] = {}  # decision or (decision, rate)
         self.done: list[InstanceRollout] = []
         self.instances: list[InstanceRollout] = []
         self.train_decisions: list[tuple[float, TrainDecision]] = []  # (rollout time, decision)
@@ -216,6 +219,27 @@ class StepRun:
         if dist is None:
             dist = self._dist_cache[decision] = self.sim.accept_dist(decision, self.acceptance)
         return dist
+
+    def request_dists(
+        self, decision: SpecDecision, ids: np.ndarray
+    ) -> list[tuple[AcceptDist, np.ndarray | None]]:
+        """(distribution, positions in ``ids`` that draw from it; None: all) for SD under
+        ``decision``: ``accept_dist`` unless responses carry their own rates."""
+        if self.request_rate is None:
+            return [(self.accept_dist(decision), None)]
+        rates = self.request_rate[ids.astype(np.int64)]
+        out = []
+        unknown = np.isnan(rates)
+        if unknown.any():
+            out.append((self.accept_dist(decision), np.flatnonzero(unknown)))
+        for rate in np.unique(rates[~unknown]).tolist():
+            key = (decision, rate)
+            dist = self._dist_cache.get(key)
+            if dist is None:
+                pmf = accept_len_pmf(decision, rate, self.sim.drafter.sibling_rate)
+                dist = self._dist_cache[key] = AcceptDist.of(pmf)
+            out.append((dist, np.flatnonzero(rates == rate)))
+        return out
 
     def hold_iters(self, obs: DecodeObs, decision: SpecDecision) -> int | None:
         """How many iterations the policy lets a decision stand (None: until the batch changes)."""
@@ -272,6 +296,7 @@ class _Simulation:
         self.rng = np.random.default_rng([config.seed, 1])  # accept lengths
         self.placement_rng = np.random.default_rng([config.seed, 0])
         self.arrays = step_arrays(trace)
+        self.trace_steps = trace.steps
         self.timeline: list[list] | None = [] if config.is_timeline_recorded else None
         self.strategies_used: set[SpecDecision] = set()
         self.records: list[StepRecord] = []
@@ -282,17 +307,17 @@ class _Simulation:
     # -- the SimPy process: RL steps one after another --------------------------------------
 
     def run(self):
-        for arrays in self.arrays:
-            yield from self._step(arrays)
+        for arrays, step in zip(self.arrays, self.trace_steps, strict=True):
+            yield from self._step(arrays, step)
             if self.progress is not None:
                 self.progress(1)
 
-    def _step(self, arrays: StepArrays):
+    def _step(self, arrays: StepArrays, step: Step):
         env, config = self.env, self.config
         t0 = env.now
         self.spec_policy.start_rollout(arrays.step)
         self.drafter_start_step(arrays.step)
-        run = StepRun(self, arrays, t0)
+        run = StepRun(self, arrays, t0, self.request_rates(step))
         owners = place(
             arrays.response_tokens.size, config.num_instances, config.placement, self.placement_rng
         )
@@ -343,6 +368,16 @@ class _Simulation:
 
     def drafter_acceptance(self) -> float:
         return self.drafter_state.accept_rate
+
+    def request_rates(self, step: Step) -> np.ndarray | None:
+        """Per response of ``step``, its own acceptance rate (nan: the step's), when the
+        drafter object knows them (optional ``request_accept_rates(state, step)``:
+        tltsim.measured_run replays each measured response's own acceptance); else None."""
+        own = getattr(self.drafter, "request_accept_rates", None)
+        rates = own(self.drafter_state, step) if own is not None else None
+        if rates is None or not np.isfinite(rates).any():
+            return None
+        return np.round(rates, 2)  # a few distinct rates: one accept distribution each
 
     def accept_dist(self, decision: SpecDecision, acceptance: float) -> AcceptDist:
         # A drafter object may supply its own accept-length pmf for a decision (optional
