@@ -250,6 +250,7 @@ def _measured_trace(**measured) -> Trace:
         (_measured_trace(clock="cpu"), [], "measured in cpu seconds"),
         (_measured_trace(clock="gpu"), [], "measured.clock"),
         (_measured_trace(share_prompts="yes"), [], "measured.share_prompts"),
+        (_measured_trace(prefix_block_tokens=0), [], "measured.prefix_block_tokens"),
         (_measured_trace(), ["--profile", "/nonexistent.csv"], "/nonexistent.csv"),
         (_measured_trace(), ["--hardware", "TPU"], "hardware"),
     ],
@@ -282,3 +283,57 @@ def test_replayed_acceptance_is_per_step_and_strategy():
     assert acc.rates[0] == pytest.approx(
         60 / (60 + 10)
     )  # chain ML: accepted / (accepted + rejected)
+
+
+def _two_response_trace(by_strategy: list) -> Trace:
+    prompts = (Prompt("p0", 10, (Response(101), Response(101), Response(101))),)
+    measured = {
+        "accept_hist_by_strategy": {"4_1_4": [1, 0, 0, 0, 1]},
+        "response_accept_hist_by_strategy": {"p0": by_strategy},
+    }
+    return Trace({}, (Step(0, prompts, measured),))
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_each_response_replays_its_own_acceptance(exact):
+    from tltsim.measured_run import replayed_acceptance
+    from tltsim.policy import StaticSpec
+
+    # response 0 never accepted a draft (rate 0), responses 1 and 2 always all four (rate 1);
+    # the step's histogram (accept 0 or 4, half each) would make every count random
+    all_four = {"4_1_4": [0, 0, 0, 0, 7]}
+    trace = _two_response_trace([{"4_1_4": [30]}, all_four, all_four])
+    acc = replayed_acceptance(trace, "t")
+    assert acc.request_accept_rates(acc.initial_state(), trace.steps[0]).tolist() == [0, 1, 1]
+    sim = SimConfig(num_gpus=1, exact=exact, share_prompts=False, seed=1)
+    cost = RooflineCost(MODEL_PRESETS["Qwen2.5-0.5B"], HARDWARE_PRESETS["H100-SXM"])
+    result = simulate(trace, sim, cost, StaticSpec(4, 1, 4), None, acc)
+    # 100 tokens after the first: 20 verifies of 5 tokens each for 1 and 2, 100 of 1 for 0
+    rec = result.steps[0]
+    assert rec.sd_verifies == 100 + 20 + 20 and rec.sd_tokens == 300
+    finish = result.finish_s[0]
+    assert finish[1] == finish[2] < finish[0]
+    # a response that verified nothing draws from the step's histogram (nan rate)
+    trace = _two_response_trace([{"4_1_4": [30]}, all_four, {}])
+    rates = replayed_acceptance(trace, "t").request_accept_rates(
+        acc.initial_state(), trace.steps[0]
+    )
+    assert rates[:2].tolist() == [0, 1] and math.isnan(rates[2])
+
+
+@pytest.mark.parametrize(
+    "by_strategy, expected",
+    [
+        ([{"4_1_4": [1]}], "one entry per response (3)"),
+        ([{"4_1_4": [1]}, {"x_1_4": [1]}, {}], "[1]"),
+        ([{"4_1_4": [1, 0, 0, 0, 0, 1]}, {}, {}], "at most 5 counts"),
+        ([{"4_1_4": [-1]}, {}, {}], "4_1_4"),
+    ],
+)
+def test_bad_response_histograms_name_the_field(by_strategy, expected):
+    from tltsim.cliutil import UsageError
+    from tltsim.measured_run import replayed_acceptance
+
+    with pytest.raises(UsageError, match="response_accept_hist_by_strategy") as err:
+        replayed_acceptance(_two_response_trace(by_strategy), "t.json")
+    assert expected in str(err.value) and "t.json: step 0" in str(err.value)

@@ -19,7 +19,12 @@ from tiny_models import VOCAB, tiny_model
 from tltrun.drafter import EagleDrafter
 from tltrun.engine import EngineConfig, RolloutEngine
 from tltrun.interface import Request, SamplingParams
-from tltrun.measured_trace import measured_step, requests_from_step
+from tltrun.measured_trace import (
+    accept_hist_by_strategy,
+    measured_step,
+    prompt_of,
+    requests_from_step,
+)
 from tltrun.model import CausalContext
 from tltrun.train_drafter import DrafterTrainConfig, TrainRecord, train_drafter
 from tltsim.policy import NoSpec, SpecDecision, StaticSpec
@@ -157,6 +162,32 @@ def test_accept_histograms_account_for_every_token():
         num_sd[index[o.id]] = sum(o.accept_hist)
     assert sum(num_sd) == sum(len(it.accept_lens) for it in result.iterations)
     assert any(a > 0 for it in result.iterations for a in it.accept_lens)
+
+
+def test_per_response_histograms_by_strategy_add_up():
+    # SD switching between strategies: each response's histograms by strategy sum to its
+    # accept_hist, and over the responses to the step's histograms by strategy
+    result = engine(DRAFTER, max_running_requests=3).generate(
+        make_requests(7, seed=12), RecordingPolicy(SWITCHING)
+    )
+    by_step = accept_hist_by_strategy(result.iterations)
+    total: dict[str, list[int]] = {}
+    for o in result.outputs:
+        own = [0] * len(o.accept_hist)
+        for name, hist in o.accept_hist_by_strategy.items():
+            assert name != "off" and len(hist) <= SpecDecision.parse(name).draft_steps + 1
+            for i, n in enumerate(hist):
+                own[i] += n
+                total.setdefault(name, [0] * 17)[i] += n
+        assert own == o.accept_hist
+    assert len(total) >= 3
+    for name, hist in by_step.items():
+        assert total[name][: len(hist)] == hist and not any(total[name][len(hist) :])
+    step = measured_step(0, result)
+    table = step.measured["response_accept_hist_by_strategy"]
+    for p in step.prompts:  # one entry per response, in the prompt's order
+        outs = [o for o in result.outputs if prompt_of(o.id) == p.id]
+        assert table.get(p.id, [{}] * len(outs)) == [o.accept_hist_by_strategy for o in outs]
 
 
 def test_trace_replay_generates_exactly_the_trace_lengths():

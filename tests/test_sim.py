@@ -222,3 +222,17 @@ def test_a_group_shares_its_prompt_prefill_while_a_sibling_runs() -> None:
     follow = cost.decode_iter_s(1, 199, 1)
     want = cost.prefill_s(200, 0.0, 1) + 3 * follow
     assert _prefill_s(pairs) == pytest.approx(want)
+
+
+def test_shared_prompts_reuse_whole_blocks_only() -> None:
+    cost = roofline()
+    trace = make_trace([[[50, 60, 70, 80]]])  # one prompt of 200 tokens, four responses
+    # vLLM-like blocks of 16: a follower reuses 192 tokens and prefills the other 8
+    blocks = run(trace, num_gpus=1, prefix_block_tokens=16)
+    want = cost.prefill_s(200, 0.0, 1) + cost.prefill_s(3 * 8, 3 * 192.0, 3)
+    assert _prefill_s(blocks) == pytest.approx(want)
+    # blocks longer than the prompt: nothing to share, every response prefills it
+    none = run(trace, num_gpus=1, prefix_block_tokens=256)
+    assert _prefill_s(none) == pytest.approx(cost.prefill_s(800, 0.0, 4))
+    with pytest.raises(ValueError, match="prefix_block_tokens"):
+        SimConfig(prefix_block_tokens=0)

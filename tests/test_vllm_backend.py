@@ -170,6 +170,13 @@ def test_vllm_and_torch_engine_accept_the_same_drafts(fresh):
     hists = [trimmed(o.accept_hist) for o in result.outputs]
     assert hists == [o.accept_hist for o in torch_result.outputs]
     assert sum(sum(h[1:]) for h in hists) >= 5  # drafts were accepted, so the check has teeth
+    # ... and so do the per-response histograms by strategy (the simulator's replay input)
+    by_strategy = [o.accept_hist_by_strategy for o in result.outputs]
+    assert by_strategy == [o.accept_hist_by_strategy for o in torch_result.outputs]
+    assert {k for h in by_strategy for k in h} == {"3_1_3"}
+    # what each backend's prompt sharing reuses (recorded in measured traces)
+    assert (result.shares_prompts, torch_result.shares_prompts) == (True, True)
+    assert result.prefix_block_tokens == fresh.block_size > 1 == torch_result.prefix_block_tokens
     # per-iteration accept lengths (what the measured trace records) agree too
     mean_accept = rollout_summary(result)["mean_accept_len"]
     assert mean_accept == pytest.approx(rollout_summary(torch_result)["mean_accept_len"])

@@ -81,6 +81,7 @@ class RolloutResult:
     # requests with identical prompts shared their prefill (EngineConfig.share_prompts, vLLM's
     # prefix caching); recorded in a measured trace so the simulator replays the same
     shares_prompts: bool = False
+    prefix_block_tokens: int = 1  # ... in whole blocks of this many tokens (vLLM's KV blocks)
 
 
 class RolloutBackend(Protocol):

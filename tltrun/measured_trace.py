@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from tltrun.interface import Request, RolloutResult
+from tltrun.scheduler import add_to_hist
 from tltsim.trace import Prompt, Response, Step
 
 
@@ -111,9 +112,7 @@ def accept_hist_by_strategy(iterations) -> dict[str, list[int]]:
     hist: dict[str, list[int]] = {}
     for it in iterations:
         for n in it.accept_lens:
-            h = hist.setdefault(it.strategy, [])
-            h.extend([0] * (n + 1 - len(h)))
-            h[n] += 1
+            add_to_hist(hist.setdefault(it.strategy, []), n)
     return hist
 
 
@@ -166,6 +165,7 @@ def measured_step(
         "hardware": hardware,
         "backend": result.backend,
         "share_prompts": result.shares_prompts,
+        "prefix_block_tokens": result.prefix_block_tokens,
         "accept_hist_by_strategy": accept_hist_by_strategy(result.iterations),
         # per prompt, one {strategy: hist} per response in the order of its prompt's responses
         "response_accept_hist_by_strategy": {

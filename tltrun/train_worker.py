@@ -321,7 +321,14 @@ class Worker:
         finishes = [g["finish_s"] for g in gathered]
         rollout_s = max(finishes)
         first = gathered[0]["result"]
-        merged = RolloutResult(outputs, iterations, rollout_s, first.backend, first.shares_prompts)
+        merged = RolloutResult(
+            outputs,
+            iterations,
+            rollout_s,
+            first.backend,
+            first.shares_prompts,
+            first.prefix_block_tokens,
+        )
         spots = [g["spot"] for g in gathered]
         extra = {
             "train_s": max(g["train_s"] for g in gathered),

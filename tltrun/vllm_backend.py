@@ -247,6 +247,8 @@ class VLLMBackend:
             stat_loggers=[stat_logger_factory(self._stats)],
             multiprocess_mode=config.is_multiprocess,
         )
+        # what its prefix cache shares: whole KV blocks (128 tokens on CPU, 16 on GPUs)
+        self.block_size = int(vllm_config.cache_config.block_size)
 
     # ------------------------------------------------------------------ policy -> vLLM's k
 
@@ -386,6 +388,7 @@ class VLLMBackend:
             wall_s,
             self.name,
             self.config.is_prefix_caching,
+            self.block_size,
         )
 
     def _decide(

@@ -170,6 +170,7 @@ def simulate_run(
             tp=tp,
             max_running_requests=cap,
             share_prompts=run.share_prompts,
+            prefix_block_tokens=run.prefix_block_tokens,
             exact=cfg.exact,
             is_timeline_recorded=False,
             seed=cfg.seed + i,

@@ -125,17 +125,21 @@ class InstanceRollout:
 
         Without prompt sharing: one prefill of all prompts. With it (``SimConfig.share_prompts``)
         a group's prompt is prefilled once, by its first admitted response, unless a response of
-        the group is already running; every other response (a follower) copies the cached prompt
-        and computes only its last prompt token — one decode-shaped forward over the followers,
-        as tltrun's torch engine does and vLLM's prefix cache does on a full hit."""
+        the group is already running; every other response (a follower) reuses the cached
+        prompt's whole ``prefix_block_tokens`` blocks, short of its last token, and computes the
+        rest: with token granularity one decode-shaped forward over the followers (tltrun's
+        torch engine), else a prefill on top of the cached blocks (vLLM's prefix cache). A
+        follower with no whole block to reuse prefills like a leader."""
         padded = self.batch.is_padded
         cost = self.run.cost
         lead = np.ones(prompts.size, dtype=bool)
+        cached = self._shared_tokens(prompts)
         if self.run.config.share_prompts:
             _, first = np.unique(groups, return_index=True)
-            lead[:] = False
-            lead[first] = True
-            lead &= np.array([g not in self.active_groups for g in groups.tolist()], dtype=bool)
+            is_first = np.zeros(prompts.size, dtype=bool)
+            is_first[first] = True
+            running = np.array([g in self.active_groups for g in groups.tolist()], dtype=bool)
+            lead = ~((~is_first | running) & (cached > 0))
         for g in groups.tolist():
             self.active_groups[g] = self.active_groups.get(g, 0) + 1
         dt = 0.0
@@ -145,10 +149,19 @@ class InstanceRollout:
             num = p.size * int(p.max()) if padded else int(p.sum())
             dt += cost.prefill_s(num, 0.0, int(p.size))
         if not lead.all():
-            cached = prompts[~lead] - 1
-            ctx = cached.size * int(cached.max()) if padded else int(cached.sum())
-            dt += cost.decode_iter_s(int(cached.size), float(ctx), 1)
+            have, new = cached[~lead], prompts[~lead] - cached[~lead]
+            ctx = have.size * int(have.max()) if padded else int(have.sum())
+            if int(new.max()) == 1:
+                dt += cost.decode_iter_s(int(have.size), float(ctx), 1)
+            else:
+                num = new.size * int(new.max()) if padded else int(new.sum())
+                dt += cost.prefill_s(num, float(ctx), int(new.size))
         return dt
+
+    def _shared_tokens(self, prompts: np.ndarray) -> np.ndarray:
+        """Prompt tokens a follower reuses: whole blocks, short of the last token."""
+        block = self.run.config.prefix_block_tokens
+        return (prompts - 1) // block * block
 
     def _reprefill_context(self) -> float:
         """Context the SD switch re-prefills: the batch's, less the prompt pairs a group's other
@@ -156,8 +169,10 @@ class InstanceRollout:
         context = self.batch.cost_context()[0]
         if not self.run.config.share_prompts:
             return context
+        block = self.run.config.prefix_block_tokens
         saved = sum(
-            (n - 1) * (int(self.group_prompt[g]) - 1) for g, n in self.active_groups.items()
+            (n - 1) * ((int(self.group_prompt[g]) - 1) // block * block)
+            for g, n in self.active_groups.items()
         )
         return max(float(self.batch.num_active), context - saved)
 

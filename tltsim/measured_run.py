@@ -21,7 +21,9 @@ Contract: the per-step ``measured`` block fields this module reads (tltrun write
 * ``share_prompts`` (optional, default false: traces recorded before engines shared prompts):
   whether requests with identical prompts shared their prefill (tltrun's
   ``EngineConfig.share_prompts``, vLLM's prefix caching), the same in every step; the
-  simulation replays it (``SimConfig.share_prompts``).
+  simulation replays it (``SimConfig.share_prompts``). ``prefix_block_tokens`` (optional,
+  default 1): the granularity of that sharing (vLLM: its KV block size), replayed as
+  ``SimConfig.prefix_block_tokens``.
 * ``response_accept_hist_by_strategy`` (optional): ``{prompt id: [{strategy: hist} per
   response, in the prompt's order]}``, each response's own verifies. With it, each response
   that verified draws its accept lengths from the acceptance model at its own
@@ -126,6 +128,7 @@ class MeasuredRun:
     acceptance: MeasuredAcceptance
     clock: str  # "wall" | "cpu": what the measured seconds are
     share_prompts: bool = False  # the engine prefilled a group's prompt once (SimConfig's)
+    prefix_block_tokens: int = 1  # in whole blocks of this many tokens (SimConfig's)
 
     @property
     def num_instances(self) -> int:
@@ -369,6 +372,11 @@ def measured_run(
         raise UsageError(
             f"{source}: field 'measured.share_prompts': expected the same true or false in every step, got {sorted(map(str, shares))}"
         )
+    blocks = {step.measured.get("prefix_block_tokens", 1) for step in trace.steps}
+    if len(blocks) > 1 or not all(type(b) is int and b >= 1 for b in blocks):
+        raise UsageError(
+            f"{source}: field 'measured.prefix_block_tokens': expected the same integer >= 1 in every step, got {sorted(map(str, blocks))}"
+        )
     clocks = {step.measured.get("clock", "wall") for step in trace.steps}
     if len(clocks) > 1 or not clocks <= {"wall", "cpu"}:
         raise UsageError(
@@ -385,6 +393,7 @@ def measured_run(
         acceptance=replayed_acceptance(trace, source, strategy),
         clock=clocks.pop(),
         share_prompts=shares.pop(),
+        prefix_block_tokens=blocks.pop(),
     )
 
 

@@ -96,6 +96,12 @@ class SimConfig:
         default=True,
         metadata=_help("responses of one prompt (a group) share its prefill on an instance"),
     )
+    # What a sharer reuses: whole blocks of this many prompt tokens, never the last token (vLLM
+    # caches full KV blocks: 16 tokens on GPUs, 128 on CPU (vllm/platforms/cpu.py); 1 is token
+    # granularity, as tltrun's torch engine and SGLang's radix cache at its default page size).
+    prefix_block_tokens: int = field(
+        default=1, metadata=_help("granularity in tokens of a shared prompt prefix")
+    )
     exact: bool = field(
         default=False, metadata=_help("one SimPy event per decode iteration (slow reference)")
     )
@@ -113,6 +119,7 @@ class SimConfig:
             "max_running_requests",
             "tail_threshold",
             "drafter_update_tokens",
+            "prefix_block_tokens",
         ):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
