@@ -9,7 +9,8 @@
 3. run: the engine replays ``--steps`` of a long-tail trace (the first ``--prompts-per-step``
    prompts of each step, response lengths x ``--length-scale``, task prompts, ``ignore_eos``)
    under NoSpec and TLTAdaptive, ``--num-replays`` times, policies interleaved step by step, one
-   replay after each round of the profile (same engine, same load); a step's measured time is
+   replay per round of the profile, its rollouts spread evenly between the round's points (torch;
+   vLLM: after each round; same engine, same load); a step's measured time is
    the mean of its replays (the profile's statistic), after which one GRPO update of its median
    replay's samples is timed (``train_s``). Measured traces: ``run_<backend>/trace_<policy>.json``;
 4. compare: ``tltsim compare`` of those traces with the profile (``run_<backend>/compare/``).
@@ -18,7 +19,7 @@ This machine is shared (2 cores, load average 1-5 from other jobs): wall time of
 rollout varies 2x from minute to minute, and even CPU time by +-20%. So, for the torch backend,
 both the profile and the run are timed in this process's CPU seconds (``--clock cpu``: one
 torch thread, so CPU seconds are the time on a core of its own), and the run's replays are
-interleaved with the profile's rounds (one replay after each round) so that both see the same
+interleaved with the profile (each round's replay spread between its points) so that both see the same
 load. vLLM computes in a worker process, so it is timed in wall seconds; its profile times the
 very engine of the run, in rounds with the run's replays between them.
 
@@ -305,13 +306,17 @@ def run_backend(
         if r < cfg.num_replays:
             runs.replay(r)
 
+    def between_series(r: int, i: int, n: int) -> None:  # ... spread over the round (torch)
+        if r < cfg.num_replays:
+            runs.spread(r, i, n)
+
     if backend == "torch":
         model = load_hf(target)
         runs = MeasuredRuns(
             cfg, backend, torch_engines(cfg, model, load_drafter(drafter, model), steps), steps
         )
         print(f"[{backend}] profile, interleaved with the run ...", flush=True)
-        run_profile(pcfg, now, between)
+        run_profile(pcfg, now, between_series=between_series)
     else:
         from tltrun.profile_vllm import profile_margin, profile_model_len
 

@@ -87,16 +87,32 @@ class MeasuredRuns:
         self.policies = {n: make_policy(n, seed=cfg.seed, **self.settings[n]) for n in POLICIES}
         self.results: dict[tuple[str, int], list] = {}
 
+    def rollouts(self) -> list[tuple[int, list, str]]:
+        """One replay's rollouts in order: every step, under every policy (interleaved)."""
+        return [(index, requests, name) for index, requests in self.steps for name in POLICIES]
+
+    def rollout(self, replay: int, index: int, requests: list, name: str) -> None:
+        result = self.engines[name].generate(requests, self.policies[name], step=index)
+        self.results.setdefault((name, index), []).append(result)
+        print(
+            f"  {self.backend} replay {replay} step {index} {name:>6}: rollout {result.wall_s:6.2f} s",
+            flush=True,
+        )
+
     def replay(self, replay: int) -> None:
         """One replay of every step under every policy (interleaved: same load for both)."""
-        for index, requests in self.steps:
-            for name in POLICIES:
-                result = self.engines[name].generate(requests, self.policies[name], step=index)
-                self.results.setdefault((name, index), []).append(result)
-                print(
-                    f"  {self.backend} replay {replay} step {index} {name:>6}: rollout {result.wall_s:6.2f} s",
-                    flush=True,
-                )
+        for task in self.rollouts():
+            self.rollout(replay, *task)
+
+    def spread(self, replay: int, i: int, n: int) -> None:
+        """The part of replay ``replay`` due after series ``i`` of a profile round of ``n``:
+        its m rollouts run after series (j + 1) n / (m + 1) - 1, evenly between the round's
+        points, so the run and the profile share the machine's load at a finer grain than a
+        whole round (a minute here)."""
+        tasks = self.rollouts()
+        for j, task in enumerate(tasks):
+            if max(0, (j + 1) * n // (len(tasks) + 1) - 1) == i:
+                self.rollout(replay, *task)
 
     def write(self, out: Path, target) -> dict[str, Path]:
         """One measured trace per policy with the fields ``tltsim compare`` reads. A step's

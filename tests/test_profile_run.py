@@ -167,6 +167,41 @@ def test_back_to_back_samples_are_the_mean_of_consecutive_calls(monkeypatch):
     assert events == ["call", "reset"] * 8
 
 
+def test_hooks_run_between_series_and_rounds_untimed(monkeypatch):
+    """A benchmark's measured run goes between the profile's series (fine) or rounds (coarse);
+    neither reaches a sample."""
+    import tltrun.profile as profile
+
+    now, events = [0.0], []
+
+    def tick():
+        now[0] += 1.0
+
+    monkeypatch.setitem(profile.CLOCKS, "wall", lambda: now[0])
+    series = [profile.Series((k,), tick, num_calls=1) for k in "ab"]
+
+    def after_series(r, i, n):
+        events.append(("series", r, i, n))
+        now[0] += 100.0
+
+    def after_round(r):
+        events.append(("round", r))
+        now[0] += 1000.0
+
+    timed = Measure(0, 2, "mean").interleaved(
+        series, between_rounds=after_round, between_series=after_series
+    )
+    assert timed[("a",)].tolist() == timed[("b",)].tolist() == [1.0, 1.0]
+    assert events == [
+        ("series", 0, 0, 2),
+        ("series", 0, 1, 2),
+        ("round", 0),
+        ("series", 1, 0, 2),
+        ("series", 1, 1, 2),
+        ("round", 1),
+    ]
+
+
 @pytest.mark.parametrize(
     "argv, expected",
     [

@@ -209,17 +209,19 @@ class Measure:
         sync: Callable[[], None] = lambda: None,
         progress: Callable[[str], None] = lambda what: None,
         between_rounds: Callable[[int], None] = lambda r: None,
+        between_series: Callable[[int, int, int], None] | None = None,
     ) -> dict[tuple, np.ndarray]:
         """``num_repeats`` rounds; in each, every series is set up, warmed up (``num_warmup``
         untimed calls) and timed once. Rounds spread each point's samples over the whole
         measurement, so a slow or fast spell of a shared machine (other jobs' load changes
         over minutes) reaches every point alike instead of a few neighbours on the grid.
-        ``between_rounds(r)`` runs after round r (a benchmark interleaves its measured run)."""
+        ``between_rounds(r)`` runs after round r, ``between_series(r, i, n)`` after series i
+        of the n in round r (a benchmark interleaves its measured run, coarse or fine)."""
         clock = CLOCKS[self.clock]
         out: dict[tuple, list[float]] = {s.key: [] for s in series}
         for r in range(self.num_repeats):
             progress(f"round {r + 1}/{self.num_repeats}")
-            for s in series:
+            for i, s in enumerate(series):
                 s.setup()
                 for _ in range(self.num_warmup if r == 0 or s.is_warmed_each_round else 0):
                     s.fn()
@@ -233,6 +235,8 @@ class Measure:
                     total += clock() - start
                     s.reset()
                 out[s.key].append(total / s.num_calls)
+                if between_series is not None:
+                    between_series(r, i, len(series))
             between_rounds(r)
         return {key: np.asarray(v) for key, v in out.items()}
 
@@ -375,9 +379,11 @@ def run_profile(
     now: datetime.datetime,
     between_rounds: Callable[[int], None] = lambda r: None,
     vllm_backend=None,
+    between_series: Callable[[int, int, int], None] | None = None,
 ) -> list[ProfileRow]:
     """Load the model (and drafter), time the grid, write ``cfg.out`` and its sidecar.
-    ``between_rounds(r)`` runs after each round of the rollout ops (Measure.interleaved).
+    ``between_rounds(r)`` runs after each round of the rollout ops, ``between_series(r, i, n)``
+    (torch backend) after each of their series (Measure.interleaved).
     ``vllm_backend``: profile this running ``VLLMBackend`` (left open) instead of starting one
     (``tltrun.profile_vllm.profile_vllm``)."""
     from tltrun.cli import load_drafter_dir, load_target
@@ -405,7 +411,9 @@ def run_profile(
         else:
             from tltrun.profile_torch import profile_torch
 
-            rows = profile_torch(cfg, target, drafter, measure, progress, between_rounds)
+            rows = profile_torch(
+                cfg, target, drafter, measure, progress, between_rounds, between_series
+            )
         gen = torch.Generator().manual_seed(cfg.seed + 1)
         timed = measure.interleaved(train_series(cfg, target, drafter, gen), progress=progress)
         rows += [measure.row(op, b, 0, seq, v) for (op, b, seq), v in timed.items()]

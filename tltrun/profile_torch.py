@@ -199,6 +199,7 @@ def profile_torch(
     measure,
     progress: Callable[[str], None],
     between_rounds: Callable[[int], None] = lambda r: None,
+    between_series: Callable[[int, int, int], None] | None = None,
 ) -> list[ProfileRow]:
     """Rollout rows of the grid of ``cfg`` (a ``tltrun.profile.ProfileRunConfig``) for the
     torch engine, timed in interleaved rounds by ``measure`` (``tltrun.profile.Measure``)."""
@@ -232,7 +233,7 @@ def profile_torch(
         for b in cfg.prefill_batches:
             for t in cfg.prefill_tokens_per_seq:
                 series.append(prefill_series(engine, b, t, gen))
-        timed = measure.interleaved(series, engine._sync, progress, between_rounds)
+        timed = measure.interleaved(series, engine._sync, progress, between_rounds, between_series)
     rows = []
     for b in cfg.batches:
         for c in cfg.context_per_seq:
