@@ -326,7 +326,7 @@ def test_each_response_replays_its_own_acceptance(exact):
     [
         ([{"4_1_4": [1]}], "one entry per response (3)"),
         ([{"4_1_4": [1]}, {"x_1_4": [1]}, {}], "[1]"),
-        ([{"4_1_4": [1, 0, 0, 0, 0, 1]}, {}, {}], "at most 5 counts"),
+        ([{"4_1_4": [1, 0, 0, 0, 0, 1]}, {}, {}], "drafts at most 4 tokens"),
         ([{"4_1_4": [-1]}, {}, {}], "4_1_4"),
     ],
 )

@@ -128,14 +128,7 @@ def _step_hists(step: Step, where: str, default_strategy: str) -> dict[str, list
     measured = step.measured or {}
     by_strategy = measured.get("accept_hist_by_strategy")
     if by_strategy is not None:
-        if type(by_strategy) is not dict or not all(
-            type(h) is list and all(type(c) is int and c >= 0 for c in h)
-            for h in by_strategy.values()
-        ):
-            raise UsageError(
-                f"{where}: field 'measured.accept_hist_by_strategy': expected {{strategy: list of integers >= 0}}, got {by_strategy!r:.60}"
-            )
-        return {k: list(v) for k, v in by_strategy.items() if sum(v)}
+        return hists_by_strategy(by_strategy, f"{where}: field 'measured.accept_hist_by_strategy'")
     total = _summed_hist(step)
     if not sum(total):
         return {}
@@ -150,7 +143,20 @@ def _step_hists(step: Step, where: str, default_strategy: str) -> dict[str, list
     return {strategy: total}
 
 
-def _checked(hists: dict[str, list[int]], where: str) -> dict[SpecDecision, np.ndarray]:
+def hists_by_strategy(by_strategy: Any, where: str) -> dict[str, list[int]]:
+    """A recorded ``{strategy: verify counts}`` checked for shape, without its empty entries."""
+    if type(by_strategy) is not dict or not all(
+        type(h) is list and all(type(c) is int and c >= 0 for c in h) for h in by_strategy.values()
+    ):
+        raise UsageError(
+            f"{where}: expected {{strategy: list of integers >= 0}}, got {by_strategy!r:.60}"
+        )
+    return {k: list(v) for k, v in by_strategy.items() if sum(v)}
+
+
+def checked_hists(hists: dict[str, list[int]], where: str) -> dict[SpecDecision, np.ndarray]:
+    """Strategy names parsed, 'off' refused, each histogram no longer than its strategy allows
+    (trailing zeros dropped)."""
     checked = {}
     for name, hist in hists.items():
         try:
@@ -181,7 +187,7 @@ def collect_steps(trace: Trace, source: str, default_strategy: str = "") -> list
             )
         steps.append(
             StepAcceptance(
-                s.step, _checked(_step_hists(s, where, default_strategy), where), trained
+                s.step, checked_hists(_step_hists(s, where, default_strategy), where), trained
             )
         )
     if not any(st.hists for st in steps):

@@ -55,7 +55,13 @@ import numpy as np
 
 from tltsim.acceptance import DEFAULT_ACCEPT_RATE, DEFAULT_SIBLING_RATE, DrafterState
 from tltsim.cliutil import UsageError
-from tltsim.fit import collect_steps, estimate_accept_rate, fit_sibling_rate
+from tltsim.fit import (
+    checked_hists,
+    collect_steps,
+    estimate_accept_rate,
+    fit_sibling_rate,
+    hists_by_strategy,
+)
 from tltsim.policy import POLICY_NAMES, SpecDecision, TLTConfig
 from tltsim.trace import Step, Trace
 
@@ -324,35 +330,14 @@ def _response_rates(step: Step, source: str, sibling_rate: float) -> dict[str, t
             )
         rates = []
         for i, by_strategy in enumerate(per_response):
-            hists = _strategy_hists(by_strategy, f"{where}.{pid}[{i}]")
+            at = f"{where}.{pid}[{i}]"
+            hists = checked_hists(hists_by_strategy(by_strategy, at), at)
             if not hists:
                 rates.append(math.nan)
                 continue
             rates.append(float(estimate_accept_rate(hists, sibling_rate)[0]))
         out[pid] = tuple(rates)
     return out
-
-
-def _strategy_hists(by_strategy: Any, where: str) -> dict[SpecDecision, np.ndarray]:
-    if not isinstance(by_strategy, dict):
-        raise UsageError(f"{where}: expected {{strategy: [counts]}}, got {by_strategy!r:.80}")
-    hists = {}
-    for name, hist in by_strategy.items():
-        try:
-            decision = SpecDecision.parse(name)
-        except ValueError as err:
-            raise UsageError(f"{where}: {err}") from None
-        if (
-            not isinstance(hist, list)
-            or not all(type(c) is int and c >= 0 for c in hist)
-            or len(hist) > decision.draft_steps + 1
-        ):
-            raise UsageError(
-                f"{where}.{name}: expected at most {decision.draft_steps + 1} counts >= 0, got {hist!r:.80}"
-            )
-        if decision.enabled and sum(hist):
-            hists[decision] = np.asarray(hist, dtype=np.float64)
-    return hists
 
 
 def measured_run(
