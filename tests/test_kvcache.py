@@ -160,3 +160,19 @@ def test_padded_region_past_the_cache_end_falls_back_and_matches():
     logits, _, _ = forward(cache, [0, 1], [[6], [2]])  # both in place again
     assert (logits[0, 0] - reference_logits(first + [7, 6])[-1]).abs().max() < TOL
     assert (logits[1, 0] - reference_logits(rows[1] + [2])[-1]).abs().max() < TOL
+
+
+def test_copy_positions_moves_only_the_prefix_of_the_named_slots():
+    cache = KVCache(2, 4, 8, 2, 4)
+    cache.k.normal_()
+    cache.v.normal_()
+    cache.lens[:] = torch.tensor([5, 6, 7, 8])
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    cache.copy_positions(torch.tensor([0, 1]), torch.tensor([3, 2]), 5)
+    assert torch.equal(cache.k[:, 3, :, :5], before_k[:, 0, :, :5])
+    assert torch.equal(cache.v[:, 2, :, :5], before_v[:, 1, :, :5])
+    assert torch.equal(cache.k[:, 2:, :, 5:], before_k[:, 2:, :, 5:])  # past the width
+    assert torch.equal(cache.k[:, :2], before_k[:, :2])  # sources untouched
+    assert cache.lens.tolist() == [5, 6, 7, 8]  # lengths are the caller's
+    cache.copy_positions(torch.tensor([0]), torch.tensor([1]), 99)  # clipped to max_tokens
+    assert torch.equal(cache.v[:, 1], before_v[:, 0])

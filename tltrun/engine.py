@@ -323,8 +323,7 @@ class RolloutEngine:
         last = torch.tensor([f.num_prompt_tokens - 1 for f in seqs], device=self.device)  # P-1
         width = int(last.max())
         cache = self.cache
-        cache.k[:, dst, :, :width] = cache.k[:, src, :, :width]
-        cache.v[:, dst, :, :width] = cache.v[:, src, :, :width]
+        cache.copy_positions(src, dst, width)
         cache.lens[dst] = last
         self.tokens[dst, : width + 1] = self.tokens[src, : width + 1]
         if self.hidden is not None:
@@ -332,9 +331,7 @@ class RolloutEngine:
         if self.draft_cache is not None:
             # drafter pairs p < P-1 read prompt tokens and prompt hidden states only
             held = torch.minimum(self.draft_cache.lens[src], last)
-            w = int(held.max())
-            self.draft_cache.k[:, dst, :, :w] = self.draft_cache.k[:, src, :, :w]
-            self.draft_cache.v[:, dst, :, :w] = self.draft_cache.v[:, src, :, :w]
+            self.draft_cache.copy_positions(src, dst, int(held.max()))
             self.draft_cache.lens[dst] = held
         ids = self.tokens[dst, last][:, None]
         ctx = cache.context(dst, 1, impl=self.config.attn_impl)
@@ -501,11 +498,8 @@ class RolloutEngine:
         members = [(m, g[0]) for g in groups.values() for m in g[1:]]
         dst = self._slots([m for m, _ in members])
         src = self._slots([lead for _, lead in members])
-        width = int(num.max())
-        cache = self.draft_cache
-        cache.k[:, dst, :, :width] = cache.k[:, src, :, :width]
-        cache.v[:, dst, :, :width] = cache.v[:, src, :, :width]
-        cache.lens[dst] = cache.lens[src]
+        self.draft_cache.copy_positions(src, dst, int(num.max()))
+        self.draft_cache.lens[dst] = self.draft_cache.lens[src]
         return int(num.sum())
 
     def _spec_step(
@@ -574,9 +568,7 @@ class RolloutEngine:
         width = int(self.cache.lens[src].max()) + 1  # + the pending token / its hidden state
         for cache in (self.cache, self.draft_cache):
             if cache is not None:
-                w = min(width, cache.max_tokens)
-                cache.k[:, dst, :, :w] = cache.k[:, src, :, :w]
-                cache.v[:, dst, :, :w] = cache.v[:, src, :, :w]
+                cache.copy_positions(src, dst, width)
                 cache.lens[dst] = cache.lens[src]
                 cache.lens[src] = 0
         self.tokens[dst] = self.tokens[src]

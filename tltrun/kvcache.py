@@ -155,6 +155,13 @@ class KVCache:
     def reset(self, slots: torch.Tensor) -> None:
         self.lens[slots] = 0
 
+    def copy_positions(self, src: torch.Tensor, dst: torch.Tensor, width: int) -> None:
+        """Keys and values of positions < ``width`` from slots ``src`` to slots ``dst``
+        (disjoint); lengths are the caller's to set."""
+        w = min(width, self.max_tokens)
+        self.k[:, dst, :, :w] = self.k[:, src, :, :w]
+        self.v[:, dst, :, :w] = self.v[:, src, :, :w]
+
     def compact(
         self, slots: torch.Tensor, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor
     ) -> None:
