@@ -160,14 +160,9 @@ class FastBatch:
         if decision.enabled:
             n = np.zeros(rem.size, dtype=np.int64)
             for dist, rows in self.run.request_dists(decision, ids):
-                r = rem if rows is None else rem[rows]
-                got = np.zeros(r.size, dtype=np.int64)
-                pos = r > 0  # responses of one token finished at prefill
-                got[pos] = sample_iterations(self.run.rng, r[pos], dist)
-                if rows is None:
-                    n = got
-                else:
-                    n[rows] = got
+                rows = np.flatnonzero(rem > 0) if rows is None else rows[rem[rows] > 0]
+                # (responses of one token finished at prefill: 0 iterations)
+                n[rows] = sample_iterations(self.run.rng, rem[rows], dist)
         else:
             n = np.ceil(rem - 1e-9).astype(np.int64)  # one token per iteration
         rate = np.divide(rem, n, out=np.zeros(rem.size), where=n > 0)

@@ -83,7 +83,7 @@ class InstanceShare:
     prompt_tokens: int  # prompt tokens prefilled at least (each group's once when shared)
     decode_tokens: int  # response tokens after the first (which prefill emits)
     min_prompt_tokens: int
-    num_prefills: int = 0  # prompts prefilled at least (0: num_requests)
+    num_prefills: int  # prompts prefilled at least
 
 
 @dataclass
@@ -272,7 +272,8 @@ def ideal_rollout_s(
 
     Each instance's own requests at the cheapest per-token iteration it could ever run (batch
     at most min(max_running_requests, its requests), see min_cost_per_token), one prefill of all
-    its prompts (of each group's prompt once when prompts are shared), and that work spread evenly over the instances (no tail):
+    its prompts (each group's once when prompts are shared), and that work spread evenly over
+    the instances (no tail):
     rollout >= max_i busy_i >= mean_i busy_i >= mean_i bound_i.
     """
     if not shares:
@@ -290,7 +291,7 @@ def ideal_rollout_s(
             continue
         batch = min(max_running_requests, s.num_requests)
         total += (
-            cost.prefill_s(s.prompt_tokens, 0.0, s.num_prefills or s.num_requests)
+            cost.prefill_s(s.prompt_tokens, 0.0, s.num_prefills)
             + s.decode_tokens * per_token[batch]
         )
     return total / len(shares)
