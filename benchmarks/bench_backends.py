@@ -1,4 +1,4 @@
-"""Rollout throughput of the torch engine (tltrun.engine) vs vLLM (tltrun.vllm_backend) on the
+"""Rollout throughput of the torch engine (tltrun.rollout.engine) vs vLLM (tltrun.rollout.vllm_backend) on the
 same tiny model, drafter and trace step, with and without speculative decoding.
 
 Issue #6 target: the torch engine is not slower than vLLM on this CPU for the tiny model. Each
@@ -34,15 +34,15 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tltrun.drafter import EagleDrafter, export_vllm
-from tltrun.engine import EngineConfig, RolloutEngine
-from tltrun.interface import SamplingParams
-from tltrun.measured_trace import requests_from_step, rollout_summary
-from tltrun.model import ModelConfig, Transformer, save_hf
-from tltrun.tokenizer import CharTokenizer
-from tltsim.cliutil import UsageError, add_dataclass_args, dataclass_from_args, write_json
+from tltrun.model.drafter import EagleDrafter, export_vllm
+from tltrun.rollout.engine import EngineConfig, RolloutEngine
+from tltrun.rollout.interface import SamplingParams
+from tltrun.rollout.measured_trace import requests_from_step, rollout_summary
+from tltrun.model.transformer import ModelConfig, Transformer, save_hf
+from tltrun.model.tokenizer import CharTokenizer
+from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args, write_json
 from tltsim.policy import NoSpec, StaticSpec, TLTAdaptive
-from tltsim.trace import load_trace
+from tltsim.trace.schema import load_trace
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -169,8 +169,8 @@ def median_run(results: list) -> dict[str, Any]:
 
 
 def run(cfg: BenchConfig) -> list[dict[str, Any]]:
-    from tltrun.bench import scale_step
-    from tltrun.vllm_backend import VLLMBackend, VLLMBackendConfig
+    from tltrun.rollout.bench import scale_step
+    from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig
 
     trace = load_trace(cfg.trace)
     step = next(s for s in trace.steps if s.step == cfg.step)

@@ -50,10 +50,10 @@ import pandas as pd
 import torch
 from fidelity_runs import POLICIES, MeasuredRuns, backend_clock, torch_engines, vllm_engines
 
-from tltsim.cliutil import UsageError, add_dataclass_args, dataclass_from_args, write_json
-from tltsim.specs import HardwareSpec
+from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args, write_json
+from tltsim.cost.specs import HardwareSpec
 
-# This machine's CPU, for the roofline comparison only (tltsim.specs.HardwareSpec fields; the
+# This machine's CPU, for the roofline comparison only (tltsim.cost.specs.HardwareSpec fields; the
 # fractions and overheads keep HardwareSpec's defaults). /proc/cpuinfo: "Intel(R) Xeon(R)
 # Processor", family 6 model 207 (Emerald Rapids), 2.1 GHz, AVX-512 with two FMA units per core;
 # the profile runs ONE torch thread, so one core's peak:
@@ -101,7 +101,7 @@ class BenchFidelityConfig:
     # TLTAdaptive on a CPU: TLT's threshold and warm-up, chains instead of TLT's GPU trees (a
     # 49-token verify costs a CPU 49x a decode; bench_spec.py measured chains of 2-6 paying).
     tlt_strategies: tuple[str, ...] = ("6_1_6", "4_1_4", "3_1_3", "2_1_2")
-    # Profile: the mean (a sum of iterations on a shared machine, tltrun.profile), 8 rounds;
+    # Profile: the mean (a sum of iterations on a shared machine, tltrun.profile.measure), 8 rounds;
     # the run's replays are summarised by the same statistic.
     statistic: str = "mean"
     num_repeats: int = 8
@@ -166,10 +166,10 @@ def build_model(cfg: BenchFidelityConfig, work: Path) -> tuple[Path, Path]:
 def workload(cfg: BenchFidelityConfig, model_dir: Path):
     """Per step: (step index, requests). Task prompts (seeded per step) paired with the trace's
     groups; response lengths from the trace, scaled; ``ignore_eos`` keeps them exact."""
-    from tltrun.interface import Request
-    from tltrun.tasks import TaskConfig, make_examples
-    from tltrun.tokenizer import CharTokenizer
-    from tltsim.trace import load_trace
+    from tltrun.rollout.interface import Request
+    from tltrun.train.tasks import TaskConfig, make_examples
+    from tltrun.model.tokenizer import CharTokenizer
+    from tltsim.trace.schema import load_trace
 
     trace = load_trace(cfg.trace)
     by_index = {s.step: s for s in trace.steps}
@@ -194,7 +194,7 @@ def workload(cfg: BenchFidelityConfig, model_dir: Path):
 def profile_config(cfg: BenchFidelityConfig, backend: str, target: Path, drafter: Path, out: Path):
     """A grid covering the run: every batch size up to the cap, contexts from the prompts to
     past the longest response, the TLT strategies, the step's prefill and training sizes."""
-    from tltrun.profile import ProfileRunConfig
+    from tltrun.profile.measure import ProfileRunConfig
 
     batches = tuple(b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < cfg.max_running_requests)
     return ProfileRunConfig(
@@ -229,10 +229,10 @@ def profile_config(cfg: BenchFidelityConfig, backend: str, target: Path, drafter
 
 def roofline_ratios(profile_path: Path, target: Path) -> list[dict]:
     """Per op: median / min / max of measured profile seconds over this CPU's roofline."""
-    from tltsim.costmodel import RooflineCost
-    from tltsim.profile import load_profile
-    from tltsim.profilecost import compare_to_roofline, summarize_comparison
-    from tltsim.specs import ModelSpec
+    from tltsim.cost.roofline import RooflineCost
+    from tltsim.cost.profile import load_profile
+    from tltsim.cost.measured import compare_to_roofline, summarize_comparison
+    from tltsim.cost.specs import ModelSpec
 
     spec = ModelSpec.from_hf_config_file(target / "config.json", name="bench target")
     frame = compare_to_roofline(load_profile(profile_path), RooflineCost(spec, CPU_SPEC, tp=1))
@@ -242,7 +242,7 @@ def roofline_ratios(profile_path: Path, target: Path) -> list[dict]:
 def compare_backend(
     cfg: BenchFidelityConfig, backend: str, profile_path: Path, paths: dict, out: Path
 ) -> dict:
-    from tltsim.compare import CompareConfig, compare, format_report, write_outputs
+    from tltsim.fidelity.compare import CompareConfig, compare, format_report, write_outputs
 
     ccfg = CompareConfig(profile=str(profile_path), out=str(out), seed=cfg.seed)
     steps, ups, summary, config = compare([paths[name] for name in POLICIES], ccfg)
@@ -288,9 +288,9 @@ def run_backend(
     """profile -> run -> compare for one backend. torch: the run's replays are interleaved
     with the profile's rounds (one replay after each round), so that the profile and the run
     see the same load of this shared machine; vLLM: profile, then run."""
-    from tltrun.drafter import load_drafter
-    from tltrun.model import load_hf
-    from tltrun.profile import run_profile
+    from tltrun.model.drafter import load_drafter
+    from tltrun.model.transformer import load_hf
+    from tltrun.profile.measure import run_profile
 
     out = work / f"run_{backend}"
     profile_path = out / "profile.csv"
@@ -318,7 +318,7 @@ def run_backend(
         print(f"[{backend}] profile, interleaved with the run ...", flush=True)
         run_profile(pcfg, now, between_series=between_series)
     else:
-        from tltrun.profile_vllm import profile_margin, profile_model_len
+        from tltrun.profile.vllm_engine import profile_margin, profile_model_len
 
         need = profile_model_len(pcfg, profile_margin(pcfg, pcfg.num_warmup))
         model, engines = vllm_engines(cfg, target, drafter, steps, need)

@@ -1,4 +1,4 @@
-"""Why ``tltrun.model.gemm_layout`` stores Linear weights column-major: fp32 CPU GEMM time of
+"""Why ``tltrun.model.transformer.gemm_layout`` stores Linear weights column-major: fp32 CPU GEMM time of
 ``F.linear(x, W)`` with W row-major (PyTorch's default) vs column-major (same values), for this
 project's model shapes and the row counts of decoding (batch), verification (batch x verify
 tokens) and prefill/training (hundreds of rows); then, with ``--model-dir`` / ``--drafter-dir``
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tltsim.cliutil import UsageError, add_dataclass_args, dataclass_from_args, write_json
+from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args, write_json
 
 
 @dataclass(frozen=True)
@@ -92,12 +92,12 @@ def bench_engine(cfg: BenchGemmConfig) -> list[dict]:
     """Greedy rollouts of task prompts, NoSpec and a chain, with both layouts (same outputs)."""
     import random
 
-    from tltrun.drafter import load_drafter
-    from tltrun.engine import EngineConfig, RolloutEngine
-    from tltrun.interface import Request, SamplingParams
-    from tltrun.model import load_hf
-    from tltrun.tasks import TaskConfig, make_examples
-    from tltrun.tokenizer import CharTokenizer
+    from tltrun.model.drafter import load_drafter
+    from tltrun.rollout.engine import EngineConfig, RolloutEngine
+    from tltrun.rollout.interface import Request, SamplingParams
+    from tltrun.model.transformer import load_hf
+    from tltrun.train.tasks import TaskConfig, make_examples
+    from tltrun.model.tokenizer import CharTokenizer
     from tltsim.policy import NoSpec, StaticSpec
 
     models = {}

@@ -3,7 +3,7 @@
 For each shape it reports the median time over many runs (CUDA events), the speedup of the
 kernel over the reference, and bandwidth: the floor for reading every probability (or logit)
 once at the device's peak HBM bandwidth, the kernel's time relative to that floor, and the
-bandwidth the kernel achieves on the bytes it actually has to read. Then, if tltrun.engine is
+bandwidth the kernel achieves on the bytes it actually has to read. Then, if tltrun.rollout.engine is
 importable, the effect on a full SD iteration of the torch engine (verify_impl / attn_impl
 "ref"/"sdpa" vs "triton"). Issue #8 target: fused verify >= 3x faster than the reference at
 B = 64, k = 8, V = 152064, within 2x of the bandwidth floor.
@@ -47,7 +47,7 @@ PEAK_HBM_BYTES_PER_S = (
 SPEC_SHAPES = ((64, 8, 152064), (16, 8, 152064), (1, 8, 152064), (64, 4, 32000), (64, 8, 32000))
 # (B, H, Hkv, T, D, L): Qwen2.5-7B attention (28 query heads, 4 KV heads, head dim 128; its
 # config.json) with a 64-token draft tree (TLT's largest public strategy verifies 48 + 1, see
-# tltrun.engine) or an 8-token chain, at several context lengths
+# tltrun.rollout.engine) or an 8-token chain, at several context lengths
 TREE_SHAPES = ((64, 28, 4, 8, 128, 2048), (16, 28, 4, 64, 128, 4096), (1, 28, 4, 64, 128, 16384))
 
 
@@ -226,13 +226,13 @@ def bench_engine(cfg: BenchConfig, device="cuda", dtype="bfloat16", model_overri
     """Median wall seconds of the SD iterations of one rollout (chain of 8 drafts, sampling at
     temperature 1) per (verify_impl, attn_impl); the rest of the engine is identical."""
     try:
-        from tltrun.drafter import EagleDrafter
-        from tltrun.engine import EngineConfig, RolloutEngine
-        from tltrun.interface import Request, SamplingParams
-        from tltrun.model import ModelConfig, Transformer
+        from tltrun.model.drafter import EagleDrafter
+        from tltrun.rollout.engine import EngineConfig, RolloutEngine
+        from tltrun.rollout.interface import Request, SamplingParams
+        from tltrun.model.transformer import ModelConfig, Transformer
         from tltsim.policy import StaticSpec
     except ImportError as err:
-        return [{"note": f"tltrun.engine is not importable ({err}): SD iteration not measured"}]
+        return [{"note": f"tltrun.rollout.engine is not importable ({err}): SD iteration not measured"}]
     model_cfg = ModelConfig(**{**ENGINE_MODEL, **(model_overrides or {})})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_profilecost.py [--out results/bench_profilecost.json]
 
 For each model x GPU preset, a noiseless profile is generated from ``RooflineCost`` on the
-default ``ProfileGrid`` (``tltsim.profilecost.profile_from_cost``) and ``ProfileCost`` is asked
+default ``ProfileGrid`` (``tltsim.cost.measured.profile_from_cost``) and ``ProfileCost`` is asked
 for random off-grid points: "interior" ones (every coordinate away from an axis' first and last
 grid segment, where the scheme rebuilds memory/compute kinks) and "anywhere" ones (the whole
 measured range, where a kink in an edge segment is bridged by a chord). It prints the max and
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from tltsim.costmodel import RooflineCost
+from tltsim.cost.roofline import RooflineCost
 from tltsim.policy import SpecDecision
-from tltsim.profile import Profile, ProfileGrid, grid_points
-from tltsim.profilecost import ProfileCost, profile_from_cost
-from tltsim.specs import get_hardware, get_model
+from tltsim.cost.profile import Profile, ProfileGrid, grid_points
+from tltsim.cost.measured import ProfileCost, profile_from_cost
+from tltsim.cost.specs import get_hardware, get_model
 
 PRESETS = [
     ("Qwen2.5-7B", "H100-SXM", 1),

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_sim.py                       # the benchmark
     .venv/bin/python benchmarks/bench_sim.py --steps 100 --exact-steps 1 --out /tmp/b.json
 
-Replays a synthetic trace (``tltsim.synth``: 1,000 steps x 64 prompts x 8 samples = 512
+Replays a synthetic trace (``tltsim.trace.synth``: 1,000 steps x 64 prompts x 8 samples = 512
 responses per step, 32,768-token cap, long-tail defaults) on 64 H100 GPUs, TP 1, Qwen2.5-7B,
 under NoSpec, StaticSpec and TLTAdaptive (with spot drafter training). Fast mode runs the whole
 trace; exact mode (one SimPy event per decode iteration) runs the first ``--exact-steps`` steps
@@ -22,10 +22,10 @@ import platform
 import time
 from pathlib import Path
 
-from tltsim.replay import RunSettings, run_settings
-from tltsim.sim import SimConfig
-from tltsim.synth import GenConfig, generate
-from tltsim.trace import Trace
+from tltsim.sim.replay import RunSettings, run_settings
+from tltsim.sim.simulator import SimConfig
+from tltsim.trace.synth import GenConfig, generate
+from tltsim.trace.schema import Trace
 
 POLICIES = ("nospec", "static", "tlt")
 

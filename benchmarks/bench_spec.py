@@ -5,7 +5,7 @@ and an EAGLE drafter trained by ``tltrun train-drafter`` on the target's own gen
 Stages (each cached in ``--work-dir``; delete a stage's directory to redo it):
 
 1. ``target/``: an 8-layer, hidden-512 Llama (GQA 8/2 heads) fine-tuned for a few minutes on
-   the built-in long-tail arithmetic task (tltrun.tasks, tltrun.sft's training loop), so its
+   the built-in long-tail arithmetic task (tltrun.train.tasks, tltrun.train.sft's training loop), so its
    outputs are structured text, not noise;
 2. ``gen/``: ``tltrun generate`` greedy rollouts of the target on task prompts;
 3. ``drafter/``: ``tltrun train-drafter`` on those generations;
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from tltsim.cliutil import UsageError, add_dataclass_args, dataclass_from_args, write_json
+from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args, write_json
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class BenchSpecConfig:
     intermediate_size: int = 1408
     sft_steps: int = 150
     sft_batch_tokens: int = 1024
-    sft_lr: float = 2e-3  # tltrun.sft's default for small transformers
+    sft_lr: float = 2e-3  # tltrun.train.sft's default for small transformers
     # Drafter data and training
     num_train_prompts: int = 512
     train_max_new_tokens: int = 256
@@ -79,15 +79,15 @@ class BenchSpecConfig:
 
 
 def task_prompts(num: int, seed: int) -> list[str]:
-    from tltrun.tasks import TaskConfig, make_examples
+    from tltrun.train.tasks import TaskConfig, make_examples
 
     return [ex.prompt for ex in make_examples(TaskConfig(), random.Random(seed), num)]
 
 
 def stage_target(cfg: BenchSpecConfig, out: Path) -> None:
-    from tltrun.sft import SFTConfig, build_model, train
-    from tltrun.tasks import TaskConfig
-    from tltrun.tokenizer import CharTokenizer
+    from tltrun.train.sft import SFTConfig, build_model, train
+    from tltrun.train.tasks import TaskConfig
+    from tltrun.model.tokenizer import CharTokenizer
 
     sft = SFTConfig(
         out=str(out),
@@ -111,7 +111,7 @@ def stage_target(cfg: BenchSpecConfig, out: Path) -> None:
 
 
 def run_cli(argv: list[str]) -> None:
-    from tltrun.cli import main
+    from tltrun.cli.main import main
 
     if main(argv) != 0:
         raise SystemExit(f"tltrun {argv[0]} failed")
@@ -169,10 +169,10 @@ def stage_drafter(cfg: BenchSpecConfig, work: Path) -> None:
 
 
 def measure(cfg: BenchSpecConfig, work: Path) -> dict:
-    from tltrun.drafter import load_drafter
-    from tltrun.measured_trace import hardware_name
-    from tltrun.model import load_hf
-    from tltrun.tokenizer import CharTokenizer
+    from tltrun.model.drafter import load_drafter
+    from tltrun.rollout.measured_trace import hardware_name
+    from tltrun.model.transformer import load_hf
+    from tltrun.model.tokenizer import CharTokenizer
 
     target = load_hf(work / "target")
     drafter = load_drafter(work / "drafter", target)
@@ -187,9 +187,9 @@ def measure(cfg: BenchSpecConfig, work: Path) -> dict:
 def measure_batch(cfg: BenchSpecConfig, target, drafter, prompts: list[list[int]]) -> dict:
     """All strategies on one batch, ``repeats`` interleaved rounds; each strategy keeps its
     fastest round (the machine is shared: the minimum is the least disturbed measurement)."""
-    from tltrun.engine import EngineConfig, RolloutEngine
-    from tltrun.interface import Request, SamplingParams
-    from tltrun.measured_trace import rollout_summary
+    from tltrun.rollout.engine import EngineConfig, RolloutEngine
+    from tltrun.rollout.interface import Request, SamplingParams
+    from tltrun.rollout.measured_trace import rollout_summary
     from tltsim.policy import NoSpec, SpecDecision, StaticSpec
 
     batch = len(prompts)

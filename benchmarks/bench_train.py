@@ -21,8 +21,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tltrun.train import TrainConfig, check_inputs, run_train, task_for
-from tltsim.cliutil import UsageError, add_dataclass_args, dataclass_from_args, write_json
+from tltrun.train.launch import TrainConfig, check_inputs, run_train, task_for
+from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args, write_json
 
 RUNS = (  # name, policy, spot training
     ("nospec", "nospec", False),
@@ -44,7 +44,7 @@ class BenchTrainConfig:
     lr: float = 1e-5
     seed: int = 0
     # TLTAdaptive on a CPU: chain strategies (TLT's GPU defaults verify 8..48-node trees per
-    # request, compute-bound here — see tltrun/train.py), longest chain at batch 1.
+    # request, compute-bound here — see tltrun/train/launch.py), longest chain at batch 1.
     tlt_strategies: tuple[str, ...] = ("4_1_4", "3_1_3", "2_1_2", "1_1_1")
     # TLT's switch threshold: 0 = the batch size where SD stops paying on this machine, read
     # from benchmarks/bench_spec.py's results (``crossover_batch``) instead of the GPU default
@@ -127,13 +127,13 @@ def drafter_eval(cfg: BenchTrainConfig) -> dict[str, float]:
     spot-trained drafter on the same moved target (the spot run's final actor)."""
     import torch
 
-    from tltrun.drafter import load_drafter
-    from tltrun.engine import EngineConfig, RolloutEngine
-    from tltrun.interface import Request, SamplingParams
-    from tltrun.measured_trace import rollout_summary
-    from tltrun.model import load_hf
-    from tltrun.tokenizer import CharTokenizer
-    from tltrun.train_worker import step_problems
+    from tltrun.model.drafter import load_drafter
+    from tltrun.rollout.engine import EngineConfig, RolloutEngine
+    from tltrun.rollout.interface import Request, SamplingParams
+    from tltrun.rollout.measured_trace import rollout_summary
+    from tltrun.model.transformer import load_hf
+    from tltrun.model.tokenizer import CharTokenizer
+    from tltrun.train.worker import step_problems
     from tltsim.policy import make_policy
 
     torch.set_num_threads(1)

@@ -26,17 +26,17 @@ POLICIES = ("nospec", "tlt")
 
 
 class Trainer:
-    """Times one GRPO update of a rollout's samples (tltrun.grpo, as ``tltrun train`` runs it)
+    """Times one GRPO update of a rollout's samples (tltrun.train.grpo, as ``tltrun train`` runs it)
     on a copy of the target. Rewards are seeded random numbers: the update's cost does not
     depend on them, and the weights are not synced back (this benchmark measures time).
 
     Samples go in sorted by length (GRPO's token-level loss does not depend on their order),
-    which shortens the padding of tltrun.grpo's micro-batches, each padded to its longest
+    which shortens the padding of tltrun.train.grpo's micro-batches, each padded to its longest
     sequence; the simulator's training cost counts real tokens (as veRL's remove-padding), so
     the padding that remains shows as training-time error."""
 
     def __init__(self, target, temperature: float, seed: int, clock: Callable[[], float]):
-        from tltrun.grpo import GRPOConfig, make_optimizer
+        from tltrun.train.grpo import GRPOConfig, make_optimizer
 
         self.actor = copy.deepcopy(target).train()
         self.ref = copy.deepcopy(target).eval()
@@ -47,7 +47,7 @@ class Trainer:
         self.clock = clock
 
     def update_s(self, result) -> float:
-        from tltrun.grpo import Sample, grpo_update
+        from tltrun.train.grpo import Sample, grpo_update
 
         samples = [
             Sample(
@@ -119,9 +119,9 @@ class MeasuredRuns:
         block is its replay with the median rollout time, except ``rollout_s``: the profile's
         statistic (mean or median) of all replays' times (listed in ``rollout_s_replays``);
         then one GRPO update of the median replay's samples is timed (``train_s``)."""
-        from tltrun.measured_trace import hardware_name, measured_step
-        from tltrun.profile import CLOCKS
-        from tltsim.trace import Trace, save_trace
+        from tltrun.rollout.measured_trace import hardware_name, measured_step
+        from tltrun.profile.measure import CLOCKS
+        from tltsim.trace.schema import Trace, save_trace
 
         cfg = self.cfg
         clock = backend_clock(cfg, self.backend)
@@ -161,9 +161,9 @@ class MeasuredRuns:
 
 def torch_engines(cfg: BenchFidelityConfig, target, drafter, steps) -> dict:
     """One engine per policy (NoSpec without a drafter, as ``tltrun bench``), warmed up."""
-    from tltrun.engine import EngineConfig, RolloutEngine
-    from tltrun.interface import Request, SamplingParams
-    from tltrun.profile import CLOCKS
+    from tltrun.rollout.engine import EngineConfig, RolloutEngine
+    from tltrun.rollout.interface import Request, SamplingParams
+    from tltrun.profile.measure import CLOCKS
     from tltsim.policy import NoSpec, StaticSpec
 
     max_len = max(len(r.prompt_token_ids) + r.max_new_tokens for _, reqs in steps for r in reqs)
@@ -186,11 +186,11 @@ def vllm_engines(
 ):
     """One vLLM engine with the drafter for both policies, the one the profile times: NoSpec
     through the dynamic-SD table (k = 0 everywhere), TLTAdaptive with ``control="switch"`` (its
-    warm-up, bandit and switch re-prefill; tltrun.vllm_backend). ``min_model_len``: what the
+    warm-up, bandit and switch re-prefill; tltrun.rollout.vllm_backend). ``min_model_len``: what the
     profile's grid needs. Returns (torch target, engines)."""
-    from tltrun.interface import Request, SamplingParams
-    from tltrun.model import load_hf
-    from tltrun.vllm_backend import VLLMBackend, VLLMBackendConfig
+    from tltrun.rollout.interface import Request, SamplingParams
+    from tltrun.model.transformer import load_hf
+    from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig
     from tltsim.policy import NoSpec
 
     max_len = max(len(r.prompt_token_ids) + r.max_new_tokens for _, reqs in steps for r in reqs)

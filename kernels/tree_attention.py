@@ -12,7 +12,7 @@ Shapes:
     k_new     (B, Hkv, T, D)    keys / values of the verify tokens themselves
     v_new     (B, Hkv, T, D)
     tree_mask (B, T, T) bool    [b, i, j] true iff token j is token i or an ancestor of i
-                                (tltrun.speculative.DraftTree.ancestor_mask()); the diagonal
+                                (tltrun.rollout.speculative.DraftTree.ancestor_mask()); the diagonal
                                 must be true so that every row attends to something
     scale     float             softmax scale, usually D ** -0.5
 returns (B, H, T, D) in q's dtype. Grouped-query attention: query head h reads KV head

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from tltsim.acceptance import DrafterDynamics
-from tltsim.costmodel import RooflineCost
+from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.cost.roofline import RooflineCost
 from tltsim.policy import SpotTrainerPolicy, make_policy
-from tltsim.sim import PLACEMENTS, SimConfig, simulate
-from tltsim.specs import get_hardware, get_model
-from tltsim.trace import Trace, trace_from_arrays
+from tltsim.sim.simulator import PLACEMENTS, SimConfig, simulate
+from tltsim.cost.specs import get_hardware, get_model
+from tltsim.trace.schema import Trace, trace_from_arrays
 
 
 def roofline(tp: int = 1, model: str = "Qwen2.5-7B", hardware: str = "H100-SXM") -> RooflineCost:

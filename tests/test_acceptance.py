@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tltsim.acceptance import (
+from tltsim.sim.acceptance import (
     DEFAULT_SIBLING_RATE,
     DrafterDynamics,
     DrafterState,

@@ -14,7 +14,7 @@ import matplotlib.image as mpimg
 import pandas as pd
 import pytest
 
-from tltsim.cli import main
+from tltsim.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "traces" / "synth_reasoning_rl.json"
@@ -162,7 +162,7 @@ def test_bad_input_is_one_line_and_exit_2(
 def test_the_console_entry_point_exits_2_without_a_traceback(tmp_path: Path) -> None:
     argv = ["replay", str(SAMPLE), "--model", "GPT-9", "--out", str(tmp_path)]
     proc = subprocess.run(
-        [sys.executable, "-m", "tltsim.cli", *argv], capture_output=True, text=True, cwd=ROOT
+        [sys.executable, "-m", "tltsim.cli.main", *argv], capture_output=True, text=True, cwd=ROOT
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: unknown model preset")

@@ -13,11 +13,11 @@ import sys
 import pytest
 from tiny_models import tiny_model
 
-from tltrun.cli import main
-from tltrun.drafter import EagleDrafter, export_vllm
-from tltrun.model import save_hf
-from tltsim.measured_run import measured_run
-from tltsim.trace import load_trace
+from tltrun.cli.main import main
+from tltrun.model.drafter import EagleDrafter, export_vllm
+from tltrun.model.transformer import save_hf
+from tltsim.fidelity.measured_run import measured_run
+from tltsim.trace.schema import load_trace
 
 ENGINE = ["--max-running-requests", "3", "--max-model-len", "64", "--temperature", "0"]
 
@@ -166,7 +166,7 @@ def test_bench_prints_side_by_side_table(dirs, capsys):
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "tltrun.cli", *argv], capture_output=True, text=True
+        [sys.executable, "-m", "tltrun.cli.main", *argv], capture_output=True, text=True
     )
 
 

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 from tiny_models import VOCAB, tiny_model
 
-from tltsim.acceptance import DrafterDynamics
-from tltsim.cli import main
-from tltsim.costmodel import RooflineCost
+from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.cli.main import main
+from tltsim.cost.roofline import RooflineCost
 from tltsim.policy import TLTConfig, make_policy
-from tltsim.profile import ProfileGrid, grid_points, load_profile, write_profile
-from tltsim.profilecost import ProfileCost, profile_from_cost
-from tltsim.sim import SimConfig, simulate
-from tltsim.specs import HARDWARE_PRESETS, MODEL_PRESETS
-from tltsim.trace import Prompt, Response, Step, Trace, save_trace
+from tltsim.cost.profile import ProfileGrid, grid_points, load_profile, write_profile
+from tltsim.cost.measured import ProfileCost, profile_from_cost
+from tltsim.sim.simulator import SimConfig, simulate
+from tltsim.cost.specs import HARDWARE_PRESETS, MODEL_PRESETS
+from tltsim.trace.schema import Prompt, Response, Step, Trace, save_trace
 
 META = {
     "hardware": "test",
@@ -173,12 +173,12 @@ def test_speedups_between_policies(profile_path, tmp_path):
 
 def test_torch_engine_traces_give_finite_errors_and_plots(tmp_path):
     """profile -> run -> compare on a tiny model (the recipe, in miniature)."""
-    from tltrun.drafter import EagleDrafter, export_vllm
-    from tltrun.engine import EngineConfig, RolloutEngine
-    from tltrun.interface import SamplingParams
-    from tltrun.measured_trace import measured_step, requests_from_step
-    from tltrun.model import save_hf
-    from tltrun.profile import ProfileRunConfig, run_profile
+    from tltrun.model.drafter import EagleDrafter, export_vllm
+    from tltrun.rollout.engine import EngineConfig, RolloutEngine
+    from tltrun.rollout.interface import SamplingParams
+    from tltrun.rollout.measured_trace import measured_step, requests_from_step
+    from tltrun.model.transformer import save_hf
+    from tltrun.profile.measure import ProfileRunConfig, run_profile
 
     target = tiny_model(seed=0)
     drafter = EagleDrafter.for_target(target, seed=1)
@@ -265,7 +265,7 @@ def test_bad_input_is_one_line_exit_2(trace, extra, expected, profile_path, tmp_
 
 
 def test_replayed_acceptance_is_per_step_and_strategy():
-    from tltsim.measured_run import replayed_acceptance
+    from tltsim.fidelity.measured_run import replayed_acceptance
     from tltsim.policy import SpecDecision
 
     prompts = (Prompt("p0", 10, (Response(50),)),)
@@ -296,7 +296,7 @@ def _two_response_trace(by_strategy: list) -> Trace:
 
 @pytest.mark.parametrize("exact", [True, False])
 def test_each_response_replays_its_own_acceptance(exact):
-    from tltsim.measured_run import replayed_acceptance
+    from tltsim.fidelity.measured_run import replayed_acceptance
     from tltsim.policy import StaticSpec
 
     # response 0 never accepted a draft (rate 0), responses 1 and 2 always all four (rate 1);
@@ -331,8 +331,8 @@ def test_each_response_replays_its_own_acceptance(exact):
     ],
 )
 def test_bad_response_histograms_name_the_field(by_strategy, expected):
-    from tltsim.cliutil import UsageError
-    from tltsim.measured_run import replayed_acceptance
+    from tltsim.cli.args import UsageError
+    from tltsim.fidelity.measured_run import replayed_acceptance
 
     with pytest.raises(UsageError, match="response_accept_hist_by_strategy") as err:
         replayed_acceptance(_two_response_trace(by_strategy), "t.json")

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tltsim.acceptance import expected_accept_len
-from tltsim.costmodel import CostModel, RooflineCost, sum_max_linear
+from tltsim.sim.acceptance import expected_accept_len
+from tltsim.cost.roofline import CostModel, RooflineCost, sum_max_linear
 from tltsim.policy import SpecDecision
-from tltsim.specs import (
+from tltsim.cost.specs import (
     HARDWARE_PRESETS,
     MODEL_PRESETS,
     DrafterSpec,

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import VOCAB, tiny_model
 
-from tltrun.drafter import (
+from tltrun.model.drafter import (
     EagleDrafter,
     draft,
     drafter_prefill,
@@ -22,10 +22,10 @@ from tltrun.drafter import (
     load_drafter,
     tree_layout,
 )
-from tltrun.interface import SamplingParams
-from tltrun.kvcache import KVCache
-from tltrun.model import CausalContext, CheckpointError
-from tltrun.speculative import logits_to_probs
+from tltrun.rollout.interface import SamplingParams
+from tltrun.model.kvcache import KVCache
+from tltrun.model.transformer import CausalContext, CheckpointError
+from tltrun.rollout.speculative import logits_to_probs
 from tltsim.policy import SpecDecision
 
 GREEDY = SamplingParams(temperature=0.0)

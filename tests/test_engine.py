@@ -16,19 +16,19 @@ import pytest
 import torch
 from tiny_models import VOCAB, tiny_model
 
-from tltrun.drafter import EagleDrafter
-from tltrun.engine import EngineConfig, RolloutEngine
-from tltrun.interface import Request, SamplingParams
-from tltrun.measured_trace import (
+from tltrun.model.drafter import EagleDrafter
+from tltrun.rollout.engine import EngineConfig, RolloutEngine
+from tltrun.rollout.interface import Request, SamplingParams
+from tltrun.rollout.measured_trace import (
     accept_hist_by_strategy,
     measured_step,
     prompt_of,
     requests_from_step,
 )
-from tltrun.model import CausalContext
-from tltrun.train_drafter import DrafterTrainConfig, TrainRecord, train_drafter
+from tltrun.model.transformer import CausalContext
+from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord, train_drafter
 from tltsim.policy import NoSpec, SpecDecision, StaticSpec
-from tltsim.trace import Prompt, Response, Step
+from tltsim.trace.schema import Prompt, Response, Step
 
 GREEDY = SamplingParams(temperature=0.0)
 TARGET = tiny_model(seed=0)
@@ -293,7 +293,7 @@ def test_bad_requests_and_missing_drafter_are_one_line_errors():
 
 def test_engine_import_pulls_in_no_simpy():
     code = (
-        "import sys, tltrun.engine, tltrun.cli; assert 'simpy' not in sys.modules, 'simpy imported'"
+        "import sys, tltrun.rollout.engine, tltrun.cli.main; assert 'simpy' not in sys.modules, 'simpy imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -302,7 +302,7 @@ def test_finished_slots_are_compacted_without_changing_any_output(monkeypatch):
     """The running batch is kept in slots 0..n-1 (Scheduler.compact moves the highest slots
     into the freed ones, the engine copies their caches): greedy outputs, plain and SD, equal
     each request generated alone, and moves did happen."""
-    from tltrun.scheduler import Scheduler
+    from tltrun.rollout.scheduler import Scheduler
 
     moves, layouts = [], []
     compact = Scheduler.compact

@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tltsim.acceptance import DrafterDynamics, accept_len_pmf
-from tltsim.cli import main
-from tltsim.cliutil import UsageError
-from tltsim.fit import FitConfig, estimate_accept_rate, fit_trace, load_dynamics
-from tltsim.fit_dynamics import StepAcceptance, predict
+from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
+from tltsim.cli.main import main
+from tltsim.cli.args import UsageError
+from tltsim.fidelity.fit import FitConfig, estimate_accept_rate, fit_trace, load_dynamics
+from tltsim.fidelity.fit_dynamics import StepAcceptance, predict
 from tltsim.policy import SpecDecision
-from tltsim.trace import Prompt, Response, Step, Trace, save_trace
+from tltsim.trace.schema import Prompt, Response, Step, Trace, save_trace
 
 TRUE = DrafterDynamics(
     max_accept_rate=0.85,

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tltsim.presets import apply_preset
-from tltsim.replay import RunSettings, run_settings
-from tltsim.sim import SimConfig
-from tltsim.trace import Trace, load_trace
+from tltsim.cost.presets import apply_preset
+from tltsim.sim.replay import RunSettings, run_settings
+from tltsim.sim.simulator import SimConfig
+from tltsim.trace.schema import Trace, load_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "replay_synth_h100x8.json"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from tltrun.grpo import (
+from tltrun.train.grpo import (
     GRPOConfig,
     Sample,
     group_advantages,
@@ -22,7 +22,7 @@ from tltrun.grpo import (
     surrogate_loss,
     token_logprobs,
 )
-from tltrun.model import CausalContext
+from tltrun.model.transformer import CausalContext
 
 
 def test_group_advantages_hand_checked():

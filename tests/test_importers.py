@@ -1,4 +1,4 @@
-"""Tests of the importers (``tltsim.importers``, ``tltsim import``): marginal kept, groups formed.
+"""Tests of the importers (``tltsim.trace.importers``, ``tltsim import``): marginal kept, groups formed.
 
 Run: ``.venv/bin/python -m pytest tests/test_importers.py -q``
 
@@ -17,9 +17,9 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from tltsim.cli import main
-from tltsim.importers import ImportConfig, import_azure, import_servegen
-from tltsim.trace import Trace, load_trace
+from tltsim.cli.main import main
+from tltsim.trace.importers import ImportConfig, import_azure, import_servegen
+from tltsim.trace.schema import Trace, load_trace
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("TLT_SHARED_TRACES", "/work/shared/traces"))

@@ -33,7 +33,7 @@ from kernels.spec_verify import (
     triton_runnable_on,
 )
 from kernels.tree_attention import tree_attention
-from tltrun.speculative import DraftTree, verify
+from tltrun.rollout.speculative import DraftTree, verify
 
 # As tests/tiny_models.py: small tensor ops gain nothing from intra-op threads, and on a shared
 # 2-core machine OpenMP spin-waiting makes them ~10x slower under load.

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import VOCAB, tiny_model
 
-from tltrun.kvcache import KVCache, masked_attention
-from tltrun.model import CausalContext
+from tltrun.model.kvcache import KVCache, masked_attention
+from tltrun.model.transformer import CausalContext
 
 TOL = 1e-4  # logits are O(10) with std-0.3 weights; fp32 reassociation error ~1e-5
 MODEL = tiny_model(seed=0)

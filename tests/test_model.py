@@ -1,4 +1,4 @@
-"""tltrun.model matches transformers' Llama/Qwen2 logits on the same weights (fp32, <= 1e-4),
+"""tltrun.model.transformer matches transformers' Llama/Qwen2 logits on the same weights (fp32, <= 1e-4),
 loads single-file and sharded checkpoints, and round-trips through save_hf.
 
 Run: ``python -m pytest tests/test_model.py -q -s`` (``-s`` shows the max abs diffs).
@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from tltrun.model import CausalContext, CheckpointError, ModelConfig, load_hf, read_config, save_hf
+from tltrun.model.transformer import CausalContext, CheckpointError, ModelConfig, load_hf, read_config, save_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -147,7 +147,7 @@ def test_bad_checkpoints_give_one_line_errors(tmp_path):
 def test_rope_frequencies_stay_float32_in_bfloat16():
     from tiny_models import tiny_config
 
-    from tltrun.model import Transformer
+    from tltrun.model.transformer import Transformer
 
     model = Transformer(tiny_config(rope_theta=500000.0)).to(torch.bfloat16)
     assert model.rotary.inv_freq.dtype == torch.float32
@@ -186,7 +186,7 @@ def test_linear_weights_are_column_major_with_the_checkpoints_values(tmp_path):
 
 
 def test_reduce_grads_goes_through_one_flat_tensor_and_keeps_layouts():
-    from tltrun.model import reduce_grads
+    from tltrun.model.transformer import reduce_grads
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(6, 4, bias=True)

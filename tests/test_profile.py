@@ -18,13 +18,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tltsim.cli import main
-from tltsim.cli_fidelity import cost_model_from_args, extrapolation_lines
-from tltsim.cliutil import UsageError
-from tltsim.costmodel import CostModel, RooflineCost
-from tltsim.interp import Curve, maximum, measured_curve, minimum
+from tltsim.cli.main import main
+from tltsim.cli.fidelity import cost_model_from_args, extrapolation_lines
+from tltsim.cli.args import UsageError
+from tltsim.cost.roofline import CostModel, RooflineCost
+from tltsim.cost.interp import Curve, maximum, measured_curve, minimum
 from tltsim.policy import SpecDecision
-from tltsim.profile import (
+from tltsim.cost.profile import (
     COLUMNS,
     Profile,
     ProfileError,
@@ -34,7 +34,7 @@ from tltsim.profile import (
     load_profile,
     write_profile,
 )
-from tltsim.profilecost import (
+from tltsim.cost.measured import (
     ProfileCost,
     ProfileExtrapolationWarning,
     compare_to_roofline,
@@ -42,7 +42,7 @@ from tltsim.profilecost import (
     profile_from_cost,
     summarize_comparison,
 )
-from tltsim.specs import get_hardware, get_model
+from tltsim.cost.specs import get_hardware, get_model
 
 META = {
     "hardware": "H100-SXM",
@@ -355,7 +355,7 @@ def test_pointwise_max_min_of_curves(xs, ys_a, ys_b, slopes, probe) -> None:
 
 def _interior(rng: np.random.Generator, knots: tuple[int, ...]) -> float:
     """A random point away from the first and last segment of an axis (there a regime change
-    cannot be located from the data, see tltsim.profilecost)."""
+    cannot be located from the data, see tltsim.cost.measured)."""
     return float(np.exp(rng.uniform(np.log(knots[1]), np.log(knots[-2]))))
 
 

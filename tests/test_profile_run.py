@@ -18,15 +18,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import tiny_model
 
-from tltrun.drafter import EagleDrafter, export_vllm
-from tltrun.engine import EngineConfig, RolloutEngine
-from tltrun.interface import SamplingParams
-from tltrun.model import save_hf
-from tltrun.profile import Measure, ProfileRunConfig, main, run_profile
-from tltrun.profile_torch import EngineProbe, fill_engine
+from tltrun.model.drafter import EagleDrafter, export_vllm
+from tltrun.rollout.engine import EngineConfig, RolloutEngine
+from tltrun.rollout.interface import SamplingParams
+from tltrun.model.transformer import save_hf
+from tltrun.profile.measure import Measure, ProfileRunConfig, main, run_profile
+from tltrun.profile.torch_engine import EngineProbe, fill_engine
 from tltsim.policy import NoSpec, SpecDecision, StaticSpec
-from tltsim.profile import OPS, load_profile
-from tltsim.profilecost import ProfileCost
+from tltsim.cost.profile import OPS, load_profile
+from tltsim.cost.measured import ProfileCost
 
 NOW = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
 
@@ -147,7 +147,7 @@ def test_measure_times_after_warmup_and_resets():
 def test_back_to_back_samples_are_the_mean_of_consecutive_calls(monkeypatch):
     """num_calls > 1: each round times that many calls in a row (reset after each, untimed)
     after the warm-up, and the sample is their mean."""
-    import tltrun.profile as profile
+    import tltrun.profile.measure as profile
 
     now, events = [0.0], []
 
@@ -170,7 +170,7 @@ def test_back_to_back_samples_are_the_mean_of_consecutive_calls(monkeypatch):
 def test_hooks_run_between_series_and_rounds_untimed(monkeypatch):
     """A benchmark's measured run goes between the profile's series (fine) or rounds (coarse);
     neither reaches a sample."""
-    import tltrun.profile as profile
+    import tltrun.profile.measure as profile
 
     now, events = [0.0], []
 
@@ -249,7 +249,7 @@ def _vllm_grid(target, drafter, out) -> ProfileRunConfig:
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_vllm_profile_is_valid_and_complete(tmp_path):
-    """The vLLM backend's profile (whole engine steps; tltrun.profile_vllm) on its own engine."""
+    """The vLLM backend's profile (whole engine steps; tltrun.profile.vllm_engine) on its own engine."""
     target, drafter = _vllm_model(tmp_path)
     out = tmp_path / "p.csv"
     run_profile(_vllm_grid(target, drafter, out), NOW)
@@ -276,9 +276,9 @@ def test_vllm_profile_of_a_running_engine_interleaves_the_callers_rollouts(tmp_p
     """bench_fidelity's use: the caller's engine is profiled in rounds with the caller's own
     rollouts between them, and stays open and usable; an engine that cannot hold the grid is
     refused with what it lacks."""
-    from tltrun.interface import Request
-    from tltrun.profile_vllm import profile_vllm
-    from tltrun.vllm_backend import VLLMBackend, VLLMBackendConfig
+    from tltrun.rollout.interface import Request
+    from tltrun.profile.vllm_engine import profile_vllm
+    from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig
 
     target, drafter = _vllm_model(tmp_path)
     cfg = _vllm_grid(target, drafter, tmp_path / "p.csv")

@@ -1,4 +1,4 @@
-"""Tests of ``tltrun sft`` (tltrun/sft.py, tltrun/sft_eval.py) on a tiny model: the checkpoint
+"""Tests of ``tltrun sft`` (tltrun/train/sft.py, tltrun/train/sft_eval.py) on a tiny model: the checkpoint
 loads in ``transformers``, the loss falls, runs are reproducible, bad flags exit 2.
 
 Run: ``.venv/bin/python -m pytest tests/test_sft.py -q``.
@@ -14,9 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tltrun.sft import SFTConfig, collate, example_tokens, length_batches, main, run_sft  # noqa: E402
-from tltrun.tasks import TaskConfig, make_examples  # noqa: E402
-from tltrun.tokenizer import CharTokenizer  # noqa: E402
+from tltrun.train.sft import SFTConfig, collate, example_tokens, length_batches, main, run_sft  # noqa: E402
+from tltrun.train.tasks import TaskConfig, make_examples  # noqa: E402
+from tltrun.model.tokenizer import CharTokenizer  # noqa: E402
 
 TINY = dict(
     num_steps=12,
@@ -119,7 +119,7 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, capsys):
 
 
 def test_standalone_eval_reproduces_the_run(tiny_run, capsys):
-    from tltrun import sft_eval
+    from tltrun.train import sft_eval
 
     out, metrics = tiny_run
     assert sft_eval.main([str(out)]) == 0

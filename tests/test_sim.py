@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from simtools import clusters, make_trace, roofline, run, small_traces
 
 from tltsim.policy import NoSpec
-from tltsim.sim import SimConfig, place, simulate
-from tltsim.trace import Trace, load_trace
+from tltsim.sim.simulator import SimConfig, place, simulate
+from tltsim.trace.schema import Trace, load_trace
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

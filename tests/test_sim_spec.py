@@ -13,12 +13,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from simtools import clusters, make_trace, roofline, run, small_traces
 
-from tltsim.acceptance import DrafterDynamics, accept_len_pmf
-from tltsim.batch import AcceptDist, sample_iterations
-from tltsim.metrics import ideal_rollout_s
+from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
+from tltsim.sim.batch import AcceptDist, sample_iterations
+from tltsim.sim.metrics import ideal_rollout_s
 from tltsim.policy import OFF, SpecDecision, TrainDecision
-from tltsim.spot import SpotOutcome, spot_schedule
-from tltsim.trace import Trace, load_trace
+from tltsim.sim.spot_schedule import SpotOutcome, spot_schedule
+from tltsim.trace.schema import Trace, load_trace
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,4 +1,4 @@
-"""Tests of tltrun.speculative: speculative sampling is lossless.
+"""Tests of tltrun.rollout.speculative: speculative sampling is lossless.
 
 Three layers on a tiny vocabulary (V = 5), for several p/q pairs including degenerate ones:
 1. the rule itself: the exact first-token distribution, enumerated over drafts and branches in
@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from tltrun.interface import SamplingParams
-from tltrun.speculative import (
+from tltrun.rollout.interface import SamplingParams
+from tltrun.rollout.speculative import (
     DraftTree,
     logits_to_probs,
     sample,
@@ -464,7 +464,7 @@ def test_verify_invariants(case):
 def test_tree_walk_on_a_chain_matches_the_chain_kernel_path(num_seqs, k, vocab, has_q, seed):
     """The general tree walk and the spec_verify path agree on a chain with the same uniforms
     (decisions exactly; tokens too, as no uniform here lands within ~1e-7 of a CDF step)."""
-    from tltrun.speculative import _verify_tree
+    from tltrun.rollout.speculative import _verify_tree
 
     gen = torch.Generator().manual_seed(seed)
     target = torch.softmax(torch.randn(num_seqs, k + 1, vocab, generator=gen), -1)

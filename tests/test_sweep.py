@@ -11,9 +11,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tltsim.cli import main
-from tltsim.cliutil import UsageError
-from tltsim.sweep import load_spec, run_sweep, spec_points
+from tltsim.cli.main import main
+from tltsim.cli.args import UsageError
+from tltsim.sim.sweep import load_spec, run_sweep, spec_points
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "traces" / "azure_conv_rl.json"

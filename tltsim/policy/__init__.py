@@ -1,4 +1,4 @@
-"""Policy objects shared by the simulator (tltsim.sim) and the runtime (tltrun.engine).
+"""Policy objects shared by the simulator (tltsim.sim.simulator) and the runtime (tltrun.rollout.engine).
 
 A policy turns an observation into a decision. Both are frozen dataclasses of plain numbers,
 so the SimPy model and the torch engine can drive the very same object. Time (``obs.now_s``)
@@ -40,7 +40,7 @@ from tltsim.policy.spec import (
     SpecPolicy,
     StaticSpec,
 )
-from tltsim.policy.spot import (
+from tltsim.policy.training import (
     NO_TRAINING,
     DrafterTrainingPolicy,
     IdleObs,

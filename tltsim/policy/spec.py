@@ -34,7 +34,7 @@ class SpecDecision:
     ``topk == 1`` with ``verify_tokens == draft_steps`` is chain drafting.
 
     ``verify_tokens`` counts drafted nodes; the verify forward also feeds the root (the last
-    accepted token), i.e. verify_tokens + 1 tokens per request (``tltsim.costmodel``). SGLang's
+    accepted token), i.e. verify_tokens + 1 tokens per request (``tltsim.cost.roofline``). SGLang's
     speculative_num_draft_tokens, the third number in TLT's names, counts the root too, so our
     8_4_48 verifies one node more than fastrl's: a ~2% difference in verify cost, accepted so that
     a chain stays (k, 1, k). EAGLE-2-style drafting offers at most topk + (draft_steps - 1) *

@@ -1,0 +1,1 @@
+"""The ``tltrun`` command line: argument parsing and ``main()``; the only place that prints errors."""

@@ -1,0 +1,1 @@
+"""Models: HF-compatible target transformer, KV cache, EAGLE drafter, tokenizers."""

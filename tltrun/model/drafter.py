@@ -1,0 +1,392 @@
+"""EAGLE-1 drafter: ``fc(cat(embed(x_{p+1}), f_p))`` then ONE decoder layer of the target's
+shape; embedding and LM head are the target's own (shared, never trained here). Chain and
+EAGLE-2-style tree drafting over a per-slot drafter KV cache; export to vLLM.
+
+Layout, checked against vLLM 0.32 ``vllm/model_executor/models/llama_eagle.py`` (the loader of
+``EagleLlamaForCausalLM``) and EAGLE's ``cnets.py``:
+
+* input pair at RoPE position p: the target's post-norm hidden state f_p (``tltrun.model.transformer``) and
+  the NEXT token x_{p+1}; concatenation order is (token embedding, hidden) and ``fc`` has no
+  bias (vLLM's ``fc`` is ``bias=False``; EAGLE's original checkpoints carry an fc bias that
+  vLLM's loader would reject, so we do not have one);
+* the decoder layer has no ``input_layernorm`` (vLLM replaces it by Identity for layer 0,
+  following EAGLE), and there is no final norm: the layer output g_{p+1} (a prediction of
+  f_{p+1}) goes straight into the target's LM head and is the next step's hidden input;
+* export: ``config.json`` (the target's sizes, ``architectures: ["EagleLlamaForCausalLM"]``,
+  ``model_type: "llama"``, ``num_hidden_layers: 1``) + ``model.safetensors`` with ``fc.weight``
+  and ``layers.0.*`` only. ``embed_tokens`` / ``lm_head`` are left out on purpose: vLLM then
+  shares the target's (``has_own_embed_tokens`` / ``has_own_lm_head`` stay false). This export
+  is also our own save format (plus ``tlt_drafter.json`` metadata), so there is one layout.
+
+Drafter KV-cache scheme (per slot, one layer, a ``tltrun.model.kvcache.KVCache``): the cache holds
+only EXACT entries, pairs (f_p, x_{p+1}) built from committed tokens and the target's real
+hidden states. Each SD iteration first feeds the pairs the drafter has not seen yet (the
+"catch-up": after verifying, the accepted tokens and the correction token; after SD was off or
+for a new request, everything since the drafter last ran: that is the re-prefill) and commits
+them. Speculative tree entries live in a side buffer (``DraftContext``) that is dropped when the
+iteration ends, so nothing in the drafter cache ever needs rolling back.
+
+Tree drafting (EAGLE-2, Li et al. 2024, Sec. 4): expand the top-``topk`` children of each
+frontier node for ``draft_steps`` levels, keeping the ``topk`` candidates with the highest
+cumulative draft log-probability as the next frontier; then keep the ``verify_tokens`` nodes
+with the highest cumulative log-probability (an ancestor-closed set, since log-probabilities
+only decrease along a path). Siblings come out in descending draft probability.
+
+Run the tests: ``python -m pytest tests/test_drafter.py -q``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tltrun.rollout.interface import SamplingParams
+from tltrun.model.kvcache import KVCache, masked_attention
+from tltrun.model.transformer import (
+    CheckpointError,
+    DecoderLayer,
+    ModelConfig,
+    Rotary,
+    Transformer,
+    gemm_layout,
+)
+from tltrun.rollout.speculative import DraftTree, logits_to_probs, sample
+from tltsim.policy import SpecDecision
+
+META_FILE = "tlt_drafter.json"
+META_FORMAT = "tlt-eagle-drafter"
+
+
+class EagleDrafter(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, 0, has_input_norm=False)])
+        self.rotary = Rotary(cfg)
+        # The target's embedding and LM head, held outside the module tree (a plain tuple):
+        # not in state_dict(), not in parameters(), used detached — "shared and frozen".
+        self._shared: tuple[nn.Embedding, nn.Linear] | None = None
+        gemm_layout(self)
+
+    @classmethod
+    def for_target(cls, target: Transformer, seed: int = 0) -> EagleDrafter:
+        """A freshly initialised drafter bound to ``target`` (same dtype and device)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            drafter = cls(target.config)
+        weight = target.lm_head.weight
+        drafter.to(dtype=weight.dtype, device=weight.device)
+        drafter.bind(target)
+        return drafter
+
+    def bind(self, target: Transformer) -> None:
+        self._shared = (target.model.embed_tokens, target.lm_head)
+
+    def _head(self) -> tuple[nn.Embedding, nn.Linear]:
+        if self._shared is None:
+            raise RuntimeError("EagleDrafter is not bound to a target (call bind(target))")
+        return self._shared
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self._head()[1].weight.detach())
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # (B,T) x_{p+1}
+        target_hidden: torch.Tensor,  # (B,T,C) f_p (or a drafted g_p inside a tree)
+        positions: torch.Tensor,  # (B,T) p
+        ctx,  # tltrun.model.transformer.AttentionContext
+        logit_index: torch.Tensor | None = None,  # (B,K)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        embed = F.embedding(tokens, self._head()[0].weight.detach())  # (B,T,C)
+        x = self.fc(torch.cat((embed, target_hidden.to(embed.dtype)), dim=-1))  # (B,T,C)
+        cos, sin = self.rotary(positions, x.dtype)
+        x = self.layers[0](x, cos, sin, ctx)  # g_{p+1}: predicted f_{p+1}, no final norm
+        picked = (
+            x
+            if logit_index is None
+            else x.gather(1, logit_index[..., None].expand(-1, -1, x.shape[-1]))
+        )
+        return self.lm_logits(picked), x
+
+
+# ---------------------------------------------------------------------------------------------
+# Inference: catch-up (re-prefill) and drafting
+# ---------------------------------------------------------------------------------------------
+
+
+class DraftContext:
+    """Attention for draft-tree nodes: the slot's committed drafter cache (read only) plus this
+    iteration's speculative entries in a side buffer. Set ``mask`` (B,T,S+T) before each
+    forward: which side entries (S earlier ones, then the T being added) each query sees."""
+
+    def __init__(self, cache: KVCache, slots: torch.Tensor):
+        self.cache_lens = cache.lens[slots]
+        length = int(self.cache_lens.max())
+        self.k_ctx = cache.k[0, slots, :, :length]  # (B,Hkv,L,D)
+        self.v_ctx = cache.v[0, slots, :, :length]
+        self.side_k = self.k_ctx[:, :, :0]  # (B,Hkv,S,D)
+        self.side_v = self.v_ctx[:, :, :0]
+        self.scale = cache.head_dim**-0.5
+        self.mask: torch.Tensor | None = None
+
+    @property
+    def side_len(self) -> int:
+        return self.side_k.shape[2]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.side_k = torch.cat((self.side_k, k), dim=2)
+        self.side_v = torch.cat((self.side_v, v), dim=2)
+        return masked_attention(
+            q,
+            self.k_ctx,
+            self.v_ctx,
+            self.cache_lens,
+            self.side_k,
+            self.side_v,
+            self.mask,
+            self.scale,
+        )
+
+
+@torch.no_grad()
+def drafter_prefill(
+    drafter: EagleDrafter,
+    cache: KVCache,
+    slots: torch.Tensor,  # (B,)
+    tokens: torch.Tensor,  # (B,T) right-padded x_{p+1}
+    hidden: torch.Tensor,  # (B,T,C) f_p
+    num_new: torch.Tensor,  # (B,) >= 1 valid pairs per slot
+    attn_impl: str = "sdpa",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed exact pairs at positions ``lens .. lens+num_new-1`` and commit them. Returns the
+    last valid pair's (logits (B,V), output g (B,C)): the drafter's view of the next token."""
+    width = tokens.shape[1]
+    positions = cache.lens[slots][:, None] + torch.arange(width, device=tokens.device)[None]
+    ctx = cache.context(slots, width, num_new=num_new, impl=attn_impl)
+    last = (num_new - 1)[:, None]  # (B,1)
+    logits, out = drafter(tokens, hidden, positions, ctx, logit_index=last)
+    cache.commit(slots, num_new)
+    g = out.gather(1, last[..., None].expand(-1, -1, out.shape[-1]))[:, 0]
+    return logits[:, 0], g
+
+
+@dataclass
+class _Nodes:
+    """Growing candidate list of one draft; index 0 is the root."""
+
+    tokens: list[torch.Tensor]  # each (B,n)
+    parents: list[torch.Tensor]
+    scores: list[torch.Tensor]  # cumulative draft log-prob
+    q: list[torch.Tensor | None]  # (B,n,V) distribution each node was drawn from (sampled chains)
+
+    def add(self, tokens, parents, scores, q=None) -> torch.Tensor:
+        start = sum(t.shape[1] for t in self.tokens)
+        self.tokens.append(tokens)
+        self.parents.append(parents)
+        self.scores.append(scores)
+        self.q.append(q)
+        return torch.arange(start, start + tokens.shape[1], device=tokens.device)
+
+
+@torch.no_grad()
+def draft(
+    drafter: EagleDrafter,
+    cache: KVCache,
+    slots: torch.Tensor,
+    tokens: torch.Tensor,  # (B,T) catch-up pairs' tokens; the last valid one is the tree root
+    hidden: torch.Tensor,  # (B,T,C)
+    num_new: torch.Tensor,  # (B,)
+    decision: SpecDecision,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    attn_impl: str = "sdpa",
+) -> DraftTree:
+    """Catch up on the pending exact pairs, then draft a chain (topk 1) or an EAGLE-2 tree.
+
+    Chains under sampling draw each token from the drafter's processed distribution q and
+    return q (the min(1, p/q) test needs it). Greedy chains and all trees draft
+    deterministically (argmax / top-k) and return ``draft_probs=None``: point-mass drafts,
+    verified losslessly by sequential inversion (tltrun.rollout.speculative)."""
+    logits, g = drafter_prefill(drafter, cache, slots, tokens, hidden, num_new, attn_impl)
+    batch, device = slots.shape[0], slots.device
+    root = tokens.gather(1, (num_new - 1)[:, None])  # (B,1)
+    is_sampled_chain = decision.is_chain and not params.is_greedy
+    width = decision.topk
+    zeros = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    nodes = _Nodes([root], [zeros], [torch.zeros(batch, 1, device=device)], [None])
+
+    def children(logits: torch.Tensor, base: torch.Tensor):
+        """logits (B,F,V), base scores (B,F) -> tokens, scores, q of (B,F,width) children."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        if is_sampled_chain:
+            q = logits_to_probs(logits, params)  # (B,F,V)
+            tok = sample(q, generator)[..., None]  # (B,F,1)
+            return tok, base[..., None] + logp.gather(-1, tok), q[:, :, None]
+        top = torch.topk(logp, width, dim=-1)  # sorted: siblings in descending probability
+        return top.indices, base[..., None] + top.values, None
+
+    tok, score, q = children(logits[:, None], nodes.scores[0])
+    frontier = nodes.add(
+        tok[:, 0], zeros.expand(-1, width), score[:, 0], None if q is None else q[:, 0, 0][:, None]
+    )
+    frontier = frontier.expand(batch, -1)  # (B,F) node ids
+    front_tok, front_score = tok[:, 0], score[:, 0]  # (B,F)
+    front_hidden = g[:, None].expand(-1, width, -1)  # (B,F,C): parent's output g
+    ctx = DraftContext(cache, slots)
+    front_anc = torch.zeros(batch, width, 0, dtype=torch.bool, device=device)  # (B,F,S)
+    pair_pos = cache.lens[slots]  # a depth-1 node pairs with g at position target_len
+    for level in range(1, decision.draft_steps):
+        num_front = front_tok.shape[1]
+        eye = torch.eye(num_front, dtype=torch.bool, device=device).expand(batch, -1, -1)
+        ctx.mask = torch.cat((front_anc, eye), dim=-1)  # ancestors' side entries + itself
+        positions = (pair_pos + level - 1)[:, None].expand(-1, num_front)
+        out_logits, out = drafter(front_tok, front_hidden, positions, ctx)  # (B,F,V), (B,F,C)
+        tok, score, q = children(out_logits, front_score)  # (B,F,W)
+        parents = frontier[:, :, None].expand_as(tok).reshape(batch, -1)
+        flat_q = None if q is None else q.reshape(batch, -1, q.shape[-1])
+        ids = nodes.add(tok.reshape(batch, -1), parents, score.reshape(batch, -1), flat_q)
+        # Next frontier: the best ``topk`` of the new candidates (stable: ties keep order).
+        order = torch.sort(score.reshape(batch, -1), dim=1, descending=True, stable=True).indices[
+            :, :width
+        ]
+        parent_rank = order // tok.shape[2]  # (B,F') index into the old frontier
+        frontier = ids[order]
+        front_tok = tok.reshape(batch, -1).gather(1, order)
+        front_score = score.reshape(batch, -1).gather(1, order)
+        front_hidden = out.gather(1, parent_rank[..., None].expand(-1, -1, out.shape[-1]))
+        own = F.one_hot(parent_rank, num_front).bool()  # the parent's own side entry
+        front_anc = torch.cat(
+            (front_anc.gather(1, parent_rank[..., None].expand(-1, -1, front_anc.shape[2])), own),
+            dim=-1,
+        )
+    return _select(nodes, decision.verify_tokens)
+
+
+def tree_layout(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(depth (B,N+1), ancestor mask (B,N+1,N+1)) of a tree no deeper than ``max_depth``:
+    the same as ``DraftTree.depth`` / ``ancestor_mask()`` in ``max_depth`` vectorised steps
+    instead of one Python step per node (this runs every SD iteration)."""
+    batch, num_nodes = parents.shape
+    eye = torch.eye(num_nodes, dtype=torch.bool, device=parents.device)
+    mask = eye.expand(batch, -1, -1).clone()  # row i: i and (after step s) ancestors < s up
+    ancestor = parents
+    rows = torch.arange(batch, device=parents.device)[:, None]
+    for _ in range(max_depth):
+        mask |= eye[ancestor]  # mark the current ancestor of every node
+        ancestor = parents[rows, ancestor]  # one level further up (the root maps to itself)
+    return mask.sum(-1) - 1, mask
+
+
+def _select(nodes: _Nodes, verify_tokens: int) -> DraftTree:
+    """Keep the ``verify_tokens`` best candidates (plus the root) as a DraftTree.
+
+    Candidate ids grow with depth and, within one parent, with decreasing probability, so
+    sorting the kept ids restores a topological, siblings-by-probability order."""
+    tokens = torch.cat(nodes.tokens, dim=1)  # (B,M+1)
+    parents = torch.cat(nodes.parents, dim=1)
+    scores = torch.cat(nodes.scores, dim=1)
+    batch, total = tokens.shape
+    keep = min(verify_tokens, total - 1)
+    # A child's score never exceeds its parent's and its id is larger, so a stable sort keeps
+    # parents ahead of children: the kept set is closed under taking ancestors.
+    order = torch.sort(scores[:, 1:], dim=1, descending=True, stable=True).indices[:, :keep] + 1
+    kept = torch.cat(
+        (torch.zeros(batch, 1, dtype=torch.long, device=tokens.device), order.sort(dim=1).values),
+        dim=1,
+    )
+    remap = torch.zeros(batch, total, dtype=torch.long, device=tokens.device)
+    remap.scatter_(1, kept, torch.arange(keep + 1, device=tokens.device).expand(batch, -1))
+    new_parents = remap.gather(1, parents.gather(1, kept))
+    draft_probs = None
+    if nodes.q[-1] is not None:
+        vocab = nodes.q[-1].shape[-1]
+        rows = [torch.zeros(batch, 1, vocab, device=tokens.device)]
+        rows += [
+            torch.zeros(batch, t.shape[1], vocab, device=tokens.device) if q is None else q.float()
+            for t, q in zip(nodes.tokens[1:], nodes.q[1:], strict=True)
+        ]
+        draft_probs = torch.cat(rows, dim=1).gather(1, kept[..., None].expand(-1, -1, vocab))
+    return DraftTree(tokens.gather(1, kept), new_parents, draft_probs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Export / save / load
+# ---------------------------------------------------------------------------------------------
+
+
+def vllm_config(cfg: ModelConfig) -> dict:
+    """The drafter's ``config.json``: the target's sizes, one layer, vLLM's EAGLE class."""
+    d = cfg.to_hf_dict()
+    d.update(
+        architectures=["EagleLlamaForCausalLM"],
+        model_type="llama",
+        num_hidden_layers=1,
+        tie_word_embeddings=False,
+    )
+    return d
+
+
+def export_vllm(drafter: EagleDrafter, out_dir: str | Path, meta: dict | None = None) -> Path:
+    """Write the drafter in the layout vLLM loads as ``EagleLlamaForCausalLM`` (the single
+    source of that layout; see the module docstring). ``meta`` goes to ``tlt_drafter.json``."""
+    from safetensors.torch import save_file
+
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(vllm_config(drafter.config), indent=2) + "\n")
+    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
+    info = {
+        "format": META_FORMAT,
+        "version": 1,
+        "target": drafter.config.to_hf_dict(),
+        **(meta or {}),
+    }
+    (root / META_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    return root
+
+
+def load_drafter(in_dir: str | Path, target: Transformer) -> EagleDrafter:
+    """Load an exported drafter (ours, or any EAGLE-1 checkpoint in vLLM's layout without an
+    fc bias) and bind it to ``target``; sizes must match the target's."""
+    from safetensors.torch import load_file
+
+    from tltrun.model.transformer import read_config
+
+    root = Path(in_dir)
+    cfg = read_config(root)
+    for name in (
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+    ):
+        if getattr(cfg, name) != getattr(target.config, name):
+            raise CheckpointError(
+                f"{root / 'config.json'}: {name}={getattr(cfg, name)} but the target has {getattr(target.config, name)}"
+            )
+    if not (root / "model.safetensors").is_file():
+        raise CheckpointError(f"{root}: no model.safetensors")
+    tensors = load_file(root / "model.safetensors")
+    for shared in ("embed_tokens.weight", "lm_head.weight"):
+        tensors.pop(shared, None)  # we always use the target's own
+    drafter = EagleDrafter(target.config)
+    expected = set(drafter.state_dict())
+    if set(tensors) != expected:
+        extra, missing = sorted(set(tensors) - expected), sorted(expected - set(tensors))
+        raise CheckpointError(
+            f"{root / 'model.safetensors'}: unexpected tensors {extra[:3]}, missing {missing[:3]}"
+        )
+    drafter.load_state_dict(tensors)
+    weight = target.lm_head.weight
+    drafter.to(dtype=weight.dtype, device=weight.device).eval()
+    drafter.bind(target)
+    return drafter

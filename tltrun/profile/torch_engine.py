@@ -1,0 +1,247 @@
+"""``tltrun profile --backend torch``: the rollout ops of ``tltrun.rollout.engine.RolloutEngine``, timed on
+the engine's own code and state (what each op covers: ``tltrun.profile.measure``'s docstring).
+
+Not run directly: ``tltrun profile`` (``tltrun.profile.measure.run_profile``) calls ``profile_torch``.
+It reaches into the engine's loop pieces (``_decode_iteration``, ``_release``, ``_prefill``,
+``_drafter_reprefill``, ``_pending_pairs``) on purpose: the profile must time exactly what
+``RolloutEngine.generate`` runs per iteration, not a re-implementation of it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import partial
+
+import numpy as np
+import torch
+
+from tltrun.rollout.engine import EngineConfig, RolloutEngine
+from tltrun.rollout.interface import Request, SamplingParams
+from tltrun.profile.measure import Series
+from tltrun.rollout.scheduler import Scheduler
+from tltsim.policy import NoSpec, SpecDecision, StaticSpec
+from tltsim.cost.profile import ProfileRow
+
+
+def fill_engine(engine: RolloutEngine, context: int, gen: torch.Generator) -> None:
+    """Seeded random KV caches, hidden states and tokens in every slot up to ``context``
+    (+1 pending token): the state any ``EngineProbe`` up to that context reads. A forward's
+    cost does not depend on the values; a real prefill would cost minutes per grid."""
+    slots = torch.arange(engine.config.max_running_requests)
+    vocab = engine.model.config.vocab_size
+    for cache in (engine.cache, engine.draft_cache):
+        if cache is not None:
+            shape = (cache.k.shape[0], len(slots), cache.k.shape[2], context, cache.k.shape[4])
+            for buf in (cache.k, cache.v):
+                buf[:, :, :, :context] = (0.5 * torch.randn(shape, generator=gen)).to(buf.dtype)
+    engine.tokens[:, : context + 1] = torch.randint(vocab, (len(slots), context + 1), generator=gen)
+    if engine.hidden is not None:
+        hidden = torch.randn(len(slots), context, engine.hidden.shape[-1], generator=gen)
+        engine.hidden[:, :context] = hidden.to(engine.hidden.dtype)
+
+
+class EngineProbe:
+    """``batch`` running sequences of ``context`` cached tokens each in a ``fill_engine``-ed
+    ``RolloutEngine``, and the rollback that puts the engine into exactly that state (before
+    its turn, and after every timed iteration). The sequences sit in slots 0..batch-1 of the
+    engine's ``max_running_requests``: profile with the run's cap as the largest batch."""
+
+    def __init__(self, engine: RolloutEngine, batch: int, context: int, margin: int, gen):
+        self.engine = engine
+        vocab = engine.model.config.vocab_size
+        requests = [
+            Request(
+                f"q{i}",
+                tuple(torch.randint(vocab, (context,), generator=gen).tolist()),
+                margin,
+                True,
+            )
+            for i in range(batch)
+        ]
+        num_slots = engine.config.max_running_requests
+        self.sched = Scheduler(requests, num_slots)
+        # slots 0..batch-1, where the engine keeps a running batch (Scheduler.compact)
+        self.running = self.sched.admit()
+        self.slots = slots = engine._slots(self.running)
+        for seq in self.running:  # prefill's sampled token, pending in tokens[slot, context]
+            seq.output.append(int(engine.tokens[seq.slot, context]))
+        self.is_drafter = engine.draft_cache is not None
+        self.cache_lens = torch.zeros_like(engine.cache.lens)
+        self.cache_lens[slots] = context
+        # as after an SD iteration: the drafter has cached every pair but the newest
+        self.draft_lens = self.cache_lens - 1 if self.is_drafter else None
+        self.t0 = time.perf_counter()
+
+    def rollback(self) -> None:
+        """Cache lengths, outputs and drafter freshness as at construction (entries past a
+        cache length are garbage by the engine's invariant, so nothing else needs undoing)."""
+        self.engine.cache.lens.copy_(self.cache_lens)
+        if self.is_drafter:
+            self.engine.draft_cache.lens.copy_(self.draft_lens.clamp(min=0))
+        for seq in self.running:
+            del seq.output[1:]
+            seq.accept_hist = []
+            seq.is_drafter_fresh = self.is_drafter
+        self.engine._accept_len_ema = 0.0
+
+    def iteration(self, policy) -> None:
+        """One loop iteration of ``RolloutEngine.generate`` once nothing is waiting."""
+        self.engine._decode_iteration(self.sched, policy, 0, self.t0)
+        self.engine._release(self.sched)
+
+    def draft(self, decision: SpecDecision) -> None:
+        """``tltrun.model.drafter.draft`` called exactly as ``RolloutEngine._spec_step`` calls it."""
+        from tltrun.model.drafter import draft
+
+        e, slots, cfg = self.engine, self.slots, self.engine.config
+        num = e.cache.lens[slots] - e.draft_cache.lens[slots]
+        toks, hid = e._pending_pairs(slots, num)
+        draft(
+            e.drafter,
+            e.draft_cache,
+            slots,
+            toks,
+            hid,
+            num,
+            decision,
+            cfg.sampling,
+            e.generator,
+            cfg.attn_impl,
+        )
+
+    def reprefill(self, decision: SpecDecision) -> None:
+        self.engine._drafter_reprefill(self.running, decision, self.t0)
+
+    def forget_drafter(self) -> None:
+        """The drafter has seen nothing of the sequences: the state in which SD switches on."""
+        self.rollback()
+        self.engine.draft_cache.lens[self.slots] = 0
+
+
+def point_series(
+    probe: EngineProbe, decisions: list[SpecDecision], num_calls: int = 1
+) -> list[Series]:
+    """Everything timed at one (batch, context): keys (kind, batch, context[, strategy]).
+    Iterations and drafting, which a rollout runs back to back, take ``num_calls`` consecutive
+    calls per sample; the SD switch (once per rollout) one."""
+    b, c = len(probe.running), int(probe.cache_lens[probe.slots[0]])
+    r = probe.rollback
+    n = num_calls
+    series = [Series(("decode", b, c), lambda: probe.iteration(NoSpec()), r, r, num_calls=n)]
+    if not probe.is_drafter:
+        return series
+    for d in decisions:
+        policy = StaticSpec(strategy=d.strategy)
+        it = partial(probe.iteration, policy)
+        series.append(Series(("iteration", b, c, d), it, r, r, num_calls=n))
+    for d in _deepest(decisions):
+        series.append(Series(("draft", b, c, d), lambda d=d: probe.draft(d), r, r, num_calls=n))
+    f = probe.forget_drafter
+    series.append(Series(("switch", b, c), lambda: probe.reprefill(decisions[0]), f, f))
+    return series
+
+
+def _deepest(decisions: list[SpecDecision]) -> list[SpecDecision]:
+    """Per top-k, the strategy with the most draft steps (its draft time / steps is the row)."""
+    best: dict[int, SpecDecision] = {}
+    for d in decisions:
+        if d.topk not in best or d.draft_steps > best[d.topk].draft_steps:
+            best[d.topk] = d
+    return list(best.values())
+
+
+def point_rows(b: int, c: int, decisions, timed: dict, row) -> list[ProfileRow]:
+    """decode, drafter, verify and sd_switch rows of one (batch, context) (module docstring of
+    tltrun.profile.measure: the simulator's draft_steps x drafter + verify is every strategy's T_it)."""
+    ctx = b * c
+    rows = [row("decode", b, ctx, 1, timed[("decode", b, c)])]
+    if ("switch", b, c) not in timed:
+        return rows
+    for deepest in _deepest(decisions):
+        per_step = timed[("draft", b, c, deepest)] / deepest.draft_steps
+        rows.append(row("drafter", b, ctx, deepest.topk, per_step))
+        step_s = float(np.median(per_step))
+        for d in decisions:
+            if d.topk == deepest.topk:
+                it = timed[("iteration", b, c, d)]
+                rest = np.maximum(it - d.draft_steps * step_s, 0.1 * it)
+                rows.append(row("verify", b, ctx, d.verify_tokens + 1, rest))
+    rows.append(row("sd_switch", b, ctx, c, timed[("switch", b, c)]))
+    return rows
+
+
+def prefill_series(engine: RolloutEngine, batch: int, tokens: int, gen) -> Series:
+    """``RolloutEngine._prefill`` of ``batch`` fresh prompts of ``tokens`` tokens (as the
+    engine groups them by ``max_prefill_tokens``; each first token sampled)."""
+    vocab = engine.model.config.vocab_size
+    requests = [
+        Request(f"f{i}", tuple(torch.randint(vocab, (tokens,), generator=gen).tolist()), 2, True)
+        for i in range(batch)
+    ]
+    state = {}
+
+    def admit() -> None:
+        state["seqs"] = Scheduler(requests, engine.config.max_running_requests).admit()
+
+    return Series(
+        ("prefill", batch, tokens),
+        lambda: engine._prefill(state["seqs"], state["seqs"], 0.0),
+        admit,
+        admit,
+    )
+
+
+def profile_torch(
+    cfg,
+    target,
+    drafter,
+    measure,
+    progress: Callable[[str], None],
+    between_rounds: Callable[[int], None] = lambda r: None,
+    between_series: Callable[[int, int, int], None] | None = None,
+) -> list[ProfileRow]:
+    """Rollout rows of the grid of ``cfg`` (a ``tltrun.profile.measure.ProfileRunConfig``) for the
+    torch engine, timed in interleaved rounds by ``measure`` (``tltrun.profile.measure.Measure``)."""
+    decisions = cfg.decisions if drafter is not None else []
+    gen = torch.Generator().manual_seed(cfg.seed)
+    # Room per sequence for the largest draft tree and its bonus token, twice: never finishes.
+    margin = 2 * (max([d.draft_steps for d in decisions], default=0) + 2)
+    longest = max(max(cfg.context_per_seq), max(cfg.prefill_tokens_per_seq))
+    engine = RolloutEngine(
+        target,
+        drafter,
+        EngineConfig(
+            max_running_requests=max(max(cfg.batches), max(cfg.prefill_batches)),
+            max_model_len=longest + margin,
+            sampling=SamplingParams(temperature=cfg.temperature),
+            seed=cfg.seed,
+            device=cfg.device,
+            dtype=cfg.dtype,
+            attn_impl=cfg.attn_impl,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            max_verify_tokens=max([d.verify_tokens for d in decisions], default=1),
+        ),
+    )
+    series: list[Series] = []
+    with torch.no_grad():
+        fill_engine(engine, max(cfg.context_per_seq), gen)
+        for b in cfg.batches:
+            for c in cfg.context_per_seq:
+                probe = EngineProbe(engine, b, c, margin, gen)
+                series += point_series(probe, decisions, cfg.back_to_back_calls)
+        for b in cfg.prefill_batches:
+            for t in cfg.prefill_tokens_per_seq:
+                series.append(prefill_series(engine, b, t, gen))
+        timed = measure.interleaved(series, engine._sync, progress, between_rounds, between_series)
+    rows = []
+    for b in cfg.batches:
+        for c in cfg.context_per_seq:
+            rows += point_rows(b, c, decisions, timed, measure.row)
+    for b in cfg.prefill_batches:
+        for t in cfg.prefill_tokens_per_seq:
+            rows.append(measure.row("prefill", b, 0, t, timed[("prefill", b, t)]))
+    return rows
+
+
+__all__ = ["EngineProbe", "fill_engine", "point_rows", "point_series", "profile_torch"]

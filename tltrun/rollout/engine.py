@@ -1,0 +1,594 @@
+"""The torch rollout engine: continuous batching over a slot KV cache, with lossless speculative
+decoding (EAGLE drafter, chain or tree, one target forward per verify) switched per iteration
+by a ``tltsim.policy`` SpecPolicy — the same objects the simulator drives.
+
+One loop (``RolloutEngine.generate``):
+
+1. admit waiting requests into free slots and prefill them (batched, mixed lengths, at most
+   ``max_prefill_tokens`` padded tokens per forward unless one prompt alone is longer: there is
+   no chunked prefill); the prefill samples each first token;
+2. build a ``DecodeObs`` and ask the policy for a ``SpecDecision``;
+3. SD off: one plain decode iteration. SD on: re-prefill the drafter for requests it has not
+   seen since SD was last on (recorded as its own ``is_drafter_prefill`` IterationRecord, TLT's
+   switching cost), then draft, verify the tree in ONE target forward with the tree mask,
+   accept via ``tltrun.rollout.speculative.verify``, compact the accepted path in the KV cache;
+4. ``policy.observe(SpecFeedback)`` with the measured wall seconds of the iteration and the
+   tokens it emitted; finished requests (EOS unless ``ignore_eos``, or ``max_new_tokens``) leave.
+
+Invariant per running slot (see tltrun.model.kvcache): the target cache holds positions
+``0..n-1``, ``tokens[slot, n]`` is the pending last token, ``hidden[slot, p]`` is the target's
+post-norm hidden state at position p < n, and the drafter cache holds the exact pairs
+``0..m-1`` with m <= n (tltrun.model.drafter explains the catch-up).
+
+Harvest (for drafter training, issue #5): with ``is_harvesting`` every finished request leaves a
+``HarvestRecord`` (all token ids, prompt length, the target hidden state at every position but
+the last) in ``engine.harvest``; ``pop_harvest()`` hands them over and clears the buffer.
+
+Run the tests: ``python -m pytest tests/test_engine.py -q``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tltrun.model.drafter import EagleDrafter, draft, drafter_prefill, tree_layout
+from tltrun.rollout.interface import IterationRecord, Request, RolloutResult, SamplingParams
+from tltrun.model.kvcache import ATTN_IMPLS, KVCache
+from tltrun.model.transformer import Transformer
+from tltrun.rollout.scheduler import Scheduler, Sequence
+from tltrun.rollout.speculative import logits_to_probs, sample, verify
+from tltsim.policy import DecodeObs, SpecDecision, SpecFeedback, SpecPolicy
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+VERIFY_IMPLS = ("ref", "triton")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_running_requests: int  # KV slots; the KV cache is preallocated for all of them
+    max_model_len: int  # prompt + generated tokens per request
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    attn_impl: str = (
+        "sdpa"  # "sdpa" (masked torch SDPA) | "ref" | "triton" (kernels.tree_attention)
+    )
+    verify_impl: str = "ref"  # "ref" | "triton" (kernels.spec_verify, chains)
+    instance: int = 0  # engine instance id reported to the policy
+    # vLLM 0.32's CPU default max_num_batched_tokens for offline (LLM-class) use.
+    max_prefill_tokens: int = 4096
+    # KV slack for a draft tree past max_model_len; TLT's largest public strategy, 8_4_48,
+    # verifies 48 drafted nodes + the root (mit-han-lab/fastrl fastrl_trainer.yaml).
+    max_verify_tokens: int = 64
+    # Smoothing of DecodeObs.accept_len_ema; the simulator uses the same weight
+    # (tltsim.sim.instance.ACCEPT_EMA_WEIGHT) so a policy sees the same signal in both.
+    accept_len_ema_weight: float = 0.1
+    is_harvesting: bool = False
+    # Requests with identical prompts (a GRPO group) prefill the prompt once: a follower copies
+    # its leader's (or a running sibling's) KV cache, hidden states and drafter cache, then
+    # computes only its last prompt token (``_prefill_followers``); a drafter re-prefill feeds a
+    # group's shared prompt pairs once (``_share_drafter_prompts``). vLLM's automatic prefix
+    # caching (on by default in V1) spares the same work, so both backends do it.
+    share_prompts: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1 or self.max_model_len < 2 or self.max_prefill_tokens < 1:
+            raise ValueError(
+                "max_running_requests, max_prefill_tokens >= 1 and max_model_len >= 2 required"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl {self.attn_impl!r}: expected one of {ATTN_IMPLS}")
+        if self.verify_impl not in VERIFY_IMPLS:
+            raise ValueError(f"verify_impl {self.verify_impl!r}: expected one of {VERIFY_IMPLS}")
+        if self.max_verify_tokens < 1 or not 0 < self.accept_len_ema_weight <= 1:
+            raise ValueError("max_verify_tokens >= 1 and accept_len_ema_weight in (0, 1] required")
+
+
+@dataclass(frozen=True)
+class HarvestRecord:
+    """One finished request, for drafter training: hidden[p] is the target's post-norm hidden
+    state after reading token_ids[p] (so it predicts token_ids[p + 1])."""
+
+    request_id: str
+    token_ids: torch.Tensor  # (T,) long, prompt then response
+    num_prompt_tokens: int
+    hidden: torch.Tensor  # (T-1, C)
+
+
+class RolloutEngine:
+    name = "torch"
+
+    def __init__(
+        self,
+        model: Transformer,
+        drafter: EagleDrafter | None,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.config = config
+        self.clock = clock
+        self.device = torch.device(config.device)
+        dtype = DTYPES[config.dtype]
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+        self.drafter = drafter
+        if drafter is not None:
+            drafter.to(device=self.device, dtype=dtype).eval()
+            drafter.bind(self.model)
+        cfg = model.config
+        slots = config.max_running_requests
+        self.max_tokens = config.max_model_len + config.max_verify_tokens + 1
+        self.cache = KVCache.for_model(cfg, slots, self.max_tokens, dtype, self.device)
+        self.draft_cache = None
+        if drafter is not None:
+            self.draft_cache = KVCache.for_model(
+                cfg, slots, self.max_tokens, dtype, self.device, num_layers=1
+            )
+        self.hidden = None  # (slots, max_tokens, C) target hidden states by position
+        if drafter is not None or config.is_harvesting:
+            self.hidden = torch.zeros(
+                slots, self.max_tokens, cfg.hidden_size, dtype=dtype, device=self.device
+            )
+        self.tokens = torch.zeros(slots, self.max_tokens, dtype=torch.long, device=self.device)
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.eos_ids = frozenset(cfg.eos_token_ids)
+        self.harvest: list[HarvestRecord] = []
+        self._accept_len_ema = 0.0
+
+    # -----------------------------------------------------------------------------------------
+    # Public API
+    # -----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, requests: list[Request], policy: SpecPolicy, step: int = 0) -> RolloutResult:
+        self._validate(requests)
+        sched = Scheduler(requests, self.config.max_running_requests)
+        policy.start_rollout(step)
+        self._accept_len_ema = 0.0
+        iterations: list[IterationRecord] = []
+        t0 = self.clock()
+        while not sched.is_done:
+            admitted = sched.admit()
+            if admitted:
+                iterations += self._prefill(admitted, sched.running, t0)
+                self._release(sched)
+            if sched.running:
+                iterations += self._decode_iteration(sched, policy, step, t0)
+                self._release(sched)
+        return RolloutResult(
+            sched.outputs(),
+            iterations,
+            self.clock() - t0,
+            self.name,
+            self.config.share_prompts,
+        )
+
+    def pop_harvest(self) -> list[HarvestRecord]:
+        out, self.harvest = self.harvest, []
+        return out
+
+    @torch.no_grad()
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """GRPO weight sync: copy a (Hugging Face-named) state dict into the target in place.
+        The drafter shares the target's embedding and LM head, so it follows automatically."""
+        _load_in_place(
+            self.model,
+            state_dict,
+            "target",
+            drop={"lm_head.weight"} if self.model.config.tie_word_embeddings else set(),
+        )
+
+    @torch.no_grad()
+    def update_drafter(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Spot-trainer sync: new drafter weights (tltrun.model.drafter state-dict names)."""
+        if self.drafter is None:
+            raise ValueError("update_drafter: this engine has no drafter")
+        _load_in_place(self.drafter, state_dict, "drafter", drop=set())
+
+    # -----------------------------------------------------------------------------------------
+    # Loop pieces
+    # -----------------------------------------------------------------------------------------
+
+    def _validate(self, requests: list[Request]) -> None:
+        seen: set[str] = set()
+        vocab = self.model.config.vocab_size
+        for r in requests:
+            where = f"request {r.id!r}"
+            if r.id in seen:
+                raise ValueError(f"{where}: duplicate request id")
+            seen.add(r.id)
+            if not r.prompt_token_ids:
+                raise ValueError(f"{where}: empty prompt")
+            if r.max_new_tokens < 1:
+                raise ValueError(f"{where}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
+            total = len(r.prompt_token_ids) + r.max_new_tokens
+            if total > self.config.max_model_len:
+                raise ValueError(
+                    f"{where}: prompt + max_new_tokens = {total} exceeds max_model_len={self.config.max_model_len}"
+                )
+            if min(r.prompt_token_ids) < 0 or max(r.prompt_token_ids) >= vocab:
+                raise ValueError(f"{where}: prompt token ids must be in [0, {vocab})")
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _slots(self, seqs: list[Sequence]) -> torch.Tensor:
+        return torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
+
+    def _prefill_groups(self, lengths: list[int]) -> list[list[int]]:
+        """Consecutive index groups whose padded size stays within max_prefill_tokens."""
+        groups: list[list[int]] = []
+        width = 0
+        for i, n in enumerate(lengths):
+            if groups and max(width, n) * (len(groups[-1]) + 1) <= self.config.max_prefill_tokens:
+                groups[-1].append(i)
+                width = max(width, n)
+            else:
+                groups.append([i])
+                width = n
+        return groups
+
+    def _prompt_sources(
+        self, admitted: list[Sequence], running: list[Sequence]
+    ) -> tuple[list[Sequence], list[tuple[Sequence, Sequence]]]:
+        """Split admitted sequences into leaders (prefilled) and (follower, source) pairs: a
+        follower's prompt equals an earlier running sequence's (its cache rows 0..P-1 hold that
+        prompt: a running sequence only appends) or an admitted leader's."""
+        if not self.config.share_prompts:
+            return admitted, []
+        new = {id(s) for s in admitted}
+        sources: dict[tuple[int, ...], Sequence] = {}
+        for s in running:
+            if id(s) not in new:
+                sources.setdefault(s.request.prompt_token_ids, s)
+        leaders, followers = [], []
+        for s in admitted:
+            prompt = s.request.prompt_token_ids
+            if prompt in sources:
+                followers.append((s, sources[prompt]))
+            else:
+                sources[prompt] = s
+                leaders.append(s)
+        return leaders, followers
+
+    def _prefill(
+        self, admitted: list[Sequence], running: list[Sequence], t0: float
+    ) -> list[IterationRecord]:
+        leaders, followers = self._prompt_sources(admitted, running)
+        records = []
+        for group in self._prefill_groups([s.num_prompt_tokens for s in leaders]):
+            seqs = [leaders[i] for i in group]
+            start = self.clock()
+            slots = self._slots(seqs)
+            self.cache.reset(slots)
+            if self.draft_cache is not None:
+                self.draft_cache.reset(slots)
+            lens = torch.tensor([s.num_prompt_tokens for s in seqs], device=self.device)
+            width = int(lens.max())
+            ids = torch.zeros(len(seqs), width, dtype=torch.long, device=self.device)
+            for b, s in enumerate(seqs):
+                ids[b, : s.num_prompt_tokens] = torch.tensor(
+                    s.request.prompt_token_ids, device=self.device
+                )
+                s.is_drafter_fresh = False
+            self.tokens[slots, :width] = ids
+            positions = torch.arange(width, device=self.device).expand(len(seqs), -1)
+            ctx = self.cache.context(slots, width, num_new=lens, impl=self.config.attn_impl)
+            logits, hidden = self.model(ids, positions, ctx, logit_index=(lens - 1)[:, None])
+            if self.hidden is not None:
+                self.hidden[slots, :width] = hidden
+            self.cache.commit(slots, lens)
+            first = sample(
+                logits_to_probs(logits[:, 0], self.config.sampling), self.generator
+            )  # (B,)
+            self.tokens[slots, lens] = first
+            self._sync()
+            now = self.clock()
+            for s, tok in zip(seqs, first.tolist(), strict=True):
+                s.append([tok], self.eos_ids, now - t0)
+            wall = self.clock() - start
+            records.append(
+                IterationRecord(
+                    start - t0, wall, len(seqs), len(seqs), int(lens.sum()), True, "off"
+                )
+            )
+        if followers:
+            records.append(self._prefill_followers(followers, t0))
+        return records
+
+    def _prefill_followers(
+        self, pairs: list[tuple[Sequence, Sequence]], t0: float
+    ) -> IterationRecord:
+        """Prefill followers from their sources' caches: copy the KV of prompt positions
+        0..P-2, the hidden states there and the drafter's KV of the pairs among them it holds,
+        then run the last prompt token of every follower in one decode-shaped forward, which
+        samples each its own first token (vLLM's prefix cache likewise recomputes the last
+        prompt token of a full hit)."""
+        start = self.clock()
+        seqs = [f for f, _ in pairs]
+        dst = self._slots(seqs)
+        src = self._slots([s for _, s in pairs])
+        last = torch.tensor([f.num_prompt_tokens - 1 for f in seqs], device=self.device)  # P-1
+        width = int(last.max())
+        cache = self.cache
+        cache.copy_positions(src, dst, width)
+        cache.lens[dst] = last
+        self.tokens[dst, : width + 1] = self.tokens[src, : width + 1]
+        if self.hidden is not None:
+            self.hidden[dst, :width] = self.hidden[src, :width]
+        if self.draft_cache is not None:
+            # drafter pairs p < P-1 read prompt tokens and prompt hidden states only
+            held = torch.minimum(self.draft_cache.lens[src], last)
+            self.draft_cache.copy_positions(src, dst, int(held.max()))
+            self.draft_cache.lens[dst] = held
+        ids = self.tokens[dst, last][:, None]
+        ctx = cache.context(dst, 1, impl=self.config.attn_impl)
+        logits, hidden = self.model(ids, last[:, None], ctx)
+        if self.hidden is not None:
+            self.hidden[dst, last] = hidden[:, 0]
+        cache.commit(dst, 1)
+        first = sample(logits_to_probs(logits[:, 0], self.config.sampling), self.generator)
+        self.tokens[dst, last + 1] = first
+        self._sync()
+        now = self.clock()
+        for s, tok in zip(seqs, first.tolist(), strict=True):
+            s.is_drafter_fresh = False
+            s.append([tok], self.eos_ids, now - t0)
+        wall = self.clock() - start
+        return IterationRecord(
+            start - t0, wall, len(seqs), len(seqs), int(last.sum()) + len(seqs), True, "off"
+        )
+
+    def _decode_iteration(
+        self, sched: Scheduler, policy: SpecPolicy, step: int, t0: float
+    ) -> list[IterationRecord]:
+        running = list(sched.running)
+        cfg = self.config
+        obs = DecodeObs(
+            now_s=self.clock() - t0,
+            step=step,
+            instance=cfg.instance,
+            num_active=len(running),
+            num_waiting=len(sched.waiting),
+            mean_context_tokens=sum(s.num_tokens for s in running) / len(running),
+            accept_len_ema=self._accept_len_ema,
+        )
+        decision = policy.decide(obs)
+        records = []
+        if decision.enabled:
+            if self.drafter is None:
+                raise ValueError(
+                    f"policy {policy.name!r} turned SD on ({decision.strategy}) but the engine has no drafter"
+                )
+            if decision.verify_tokens > cfg.max_verify_tokens:
+                raise ValueError(
+                    f"strategy {decision.strategy}: verify_tokens exceeds max_verify_tokens={cfg.max_verify_tokens}"
+                )
+            stale = [s for s in running if not s.is_drafter_fresh]
+            if stale:
+                records.append(self._drafter_reprefill(stale, decision, t0))
+        slots = self._slots(running)
+        context_tokens = int(self.cache.lens[slots].sum())
+        start = self.clock()
+        if decision.enabled:
+            new_tokens, accept_lens = self._spec_step(running, slots, decision)
+        else:
+            new_tokens, accept_lens = self._plain_step(running, slots), ()
+        self._sync()
+        now = self.clock()
+        num_kept = sum(
+            s.append(toks, self.eos_ids, now - t0)
+            for s, toks in zip(running, new_tokens, strict=True)
+        )
+        wall = self.clock() - start
+        if decision.enabled:
+            mean_len = num_kept / len(running)
+            w = cfg.accept_len_ema_weight
+            ema = self._accept_len_ema
+            self._accept_len_ema = mean_len if ema == 0.0 else ema + w * (mean_len - ema)
+        policy.observe(SpecFeedback(step, cfg.instance, len(running), decision, num_kept, wall))
+        records.append(
+            IterationRecord(
+                start - t0,
+                wall,
+                len(running),
+                num_kept,
+                context_tokens,
+                False,
+                decision.strategy,
+                accept_lens,
+            )
+        )
+        return records
+
+    def _plain_step(self, running: list[Sequence], slots: torch.Tensor) -> list[list[int]]:
+        lens = self.cache.lens[slots]  # (B,)
+        ids = self.tokens[slots, lens][:, None]  # (B,1) the pending tokens
+        ctx = self.cache.context(slots, 1, impl=self.config.attn_impl)
+        logits, hidden = self.model(ids, lens[:, None], ctx)
+        if self.hidden is not None:
+            self.hidden[slots, lens] = hidden[:, 0]
+        self.cache.commit(slots, 1)
+        nxt = sample(logits_to_probs(logits[:, 0], self.config.sampling), self.generator)  # (B,)
+        self.tokens[slots, lens + 1] = nxt
+        for s in running:
+            s.is_drafter_fresh = False
+        return [[t] for t in nxt.tolist()]
+
+    def _pending_pairs(
+        self, slots: torch.Tensor, num: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafter input pairs (x_{p+1}, f_p) for p = drafter_len .. drafter_len + num - 1."""
+        start = self.draft_cache.lens[slots]  # (B,)
+        width = int(num.max())
+        pos = (start[:, None] + torch.arange(width, device=self.device)[None]).clamp(
+            max=self.max_tokens - 2
+        )
+        rows = slots[:, None]
+        return self.tokens[rows, pos + 1], self.hidden[rows, pos]
+
+    def _drafter_reprefill(
+        self, stale: list[Sequence], decision: SpecDecision, t0: float
+    ) -> IterationRecord:
+        """Feed stale requests' pending pairs to the drafter, all but the newest (the drafting
+        catch-up feeds that one and drafts from it)."""
+        start = self.clock()
+        fed = self._share_drafter_prompts(stale) if self.config.share_prompts else 0
+        slots = self._slots(stale)
+        num = self.cache.lens[slots] - self.draft_cache.lens[slots] - 1
+        self._feed_drafter(slots, num)
+        self._sync()
+        wall = self.clock() - start
+        return IterationRecord(
+            start - t0,
+            wall,
+            len(stale),
+            0,
+            fed + int(num.clamp(min=0).sum()),
+            True,
+            decision.strategy,
+            is_drafter_prefill=True,
+        )
+
+    def _feed_drafter(self, slots: torch.Tensor, num: torch.Tensor) -> None:
+        """drafter_prefill of ``num`` pending pairs per slot (none where num <= 0), in groups of
+        at most max_prefill_tokens padded pairs."""
+        todo = (num > 0).nonzero(as_tuple=True)[0].tolist()
+        for group in self._prefill_groups([int(num[i]) for i in todo]):
+            idx = torch.tensor([todo[i] for i in group], device=self.device)
+            toks, hid = self._pending_pairs(slots[idx], num[idx])
+            drafter_prefill(
+                self.drafter,
+                self.draft_cache,
+                slots[idx],
+                toks,
+                hid,
+                num[idx],
+                self.config.attn_impl,
+            )
+
+    def _share_drafter_prompts(self, stale: list[Sequence]) -> int:
+        """Stale siblings (same prompt, empty drafter cache) get the drafter's prompt pairs
+        0..P-2 from one forward over their group's first member, copied to the others. Their
+        prompt hidden states are bit-identical (``_prefill_followers`` copied them), so the
+        copy is what each would have computed. Returns the pairs fed."""
+        empty = (self.draft_cache.lens[self._slots(stale)] == 0).tolist()
+        groups: dict[tuple[int, ...], list[Sequence]] = {}
+        for s, is_empty in zip(stale, empty, strict=True):
+            if is_empty and s.num_prompt_tokens >= 2:
+                groups.setdefault(s.request.prompt_token_ids, []).append(s)
+        groups = {p: g for p, g in groups.items() if len(g) >= 2}
+        if not groups:
+            return 0
+        leaders = [g[0] for g in groups.values()]
+        num = torch.tensor([s.num_prompt_tokens - 1 for s in leaders], device=self.device)
+        self._feed_drafter(self._slots(leaders), num)
+        members = [(m, g[0]) for g in groups.values() for m in g[1:]]
+        dst = self._slots([m for m, _ in members])
+        src = self._slots([lead for _, lead in members])
+        self.draft_cache.copy_positions(src, dst, int(num.max()))
+        self.draft_cache.lens[dst] = self.draft_cache.lens[src]
+        return int(num.sum())
+
+    def _spec_step(
+        self, running: list[Sequence], slots: torch.Tensor, decision: SpecDecision
+    ) -> tuple[list[list[int]], tuple[int, ...]]:
+        cfg = self.config
+        lens = self.cache.lens[slots]  # (B,) n: target cache length; tokens[n] is the root
+        num = lens - self.draft_cache.lens[slots]  # >= 1 pending exact pairs per slot
+        toks, hid = self._pending_pairs(slots, num)
+        tree = draft(
+            self.drafter,
+            self.draft_cache,
+            slots,
+            toks,
+            hid,
+            num,
+            decision,
+            cfg.sampling,
+            self.generator,
+            cfg.attn_impl,
+        )
+        num_nodes = tree.tokens.shape[1]
+        depth, tree_mask = tree_layout(tree.parents, decision.draft_steps)
+        positions = lens[:, None] + depth  # RoPE: root at n, node at n + depth
+        ctx = self.cache.context(slots, num_nodes, tree_mask=tree_mask, impl=cfg.attn_impl)
+        logits, hidden = self.model(tree.tokens, positions, ctx)  # (B,N+1,V), (B,N+1,C)
+        result = verify(
+            tree, logits_to_probs(logits, cfg.sampling), self.generator, impl=cfg.verify_impl
+        )
+        path = result.accepted_nodes  # (B,D+1)
+        pos = lens[:, None] + torch.arange(path.shape[1], device=self.device)[None]  # (B,D+1)
+        rows = slots[:, None]
+        self.hidden[rows, pos] = hidden.gather(1, path[..., None].expand(-1, -1, hidden.shape[-1]))
+        self.tokens[rows, pos + 1] = result.out_tokens
+        self.cache.compact(slots, path, result.num_accepted)
+        accepted = result.num_accepted.tolist()
+        out = result.out_tokens.tolist()
+        for s, n in zip(running, accepted, strict=True):
+            s.is_drafter_fresh = True
+            s.record_accept(n, decision.strategy)
+        return [row[: n + 1] for row, n in zip(out, accepted, strict=True)], tuple(accepted)
+
+    def _release(self, sched: Scheduler) -> None:
+        released = sched.release_finished()
+        for seq in released:
+            if self.config.is_harvesting:
+                n = seq.num_tokens
+                ids = torch.tensor(
+                    list(seq.request.prompt_token_ids) + seq.output, dtype=torch.long
+                )
+                hidden = self.hidden[seq.slot, : n - 1].detach().cpu().clone()
+                self.harvest.append(
+                    HarvestRecord(seq.request.id, ids, seq.num_prompt_tokens, hidden)
+                )
+        if not released:  # admission fills the lowest free slots: still 0..n-1 in order
+            return
+        moves = sched.compact()
+        if moves:
+            self._move_slots(moves)
+
+    def _move_slots(self, moves: list[tuple[int, int]]) -> None:
+        """Copy running sequences' per-slot state (KV caches and lengths, tokens, hidden states)
+        to their new slots (``Scheduler.compact``; sources and destinations are disjoint)."""
+        src = torch.tensor([m[0] for m in moves], dtype=torch.long, device=self.device)
+        dst = torch.tensor([m[1] for m in moves], dtype=torch.long, device=self.device)
+        width = int(self.cache.lens[src].max()) + 1  # + the pending token / its hidden state
+        for cache in (self.cache, self.draft_cache):
+            if cache is not None:
+                cache.copy_positions(src, dst, width)
+                cache.lens[dst] = cache.lens[src]
+                cache.lens[src] = 0
+        self.tokens[dst] = self.tokens[src]
+        if self.hidden is not None:
+            w = min(width, self.hidden.shape[1])
+            self.hidden[dst, :w] = self.hidden[src, :w]
+
+
+def _load_in_place(
+    module: torch.nn.Module, state_dict: dict[str, torch.Tensor], what: str, drop: set[str]
+) -> None:
+    own = module.state_dict()
+    given = {k: v for k, v in state_dict.items() if k not in drop}
+    unexpected = sorted(set(given) - set(own))
+    missing = sorted(set(own) - set(given) - drop)
+    if unexpected or missing:
+        raise ValueError(f"{what} weights: unexpected {unexpected[:3]}, missing {missing[:3]}")
+    for name, tensor in given.items():
+        if tuple(tensor.shape) != tuple(own[name].shape):
+            raise ValueError(
+                f"{what} weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}"
+            )
+        own[name].copy_(tensor)

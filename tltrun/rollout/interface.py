@@ -1,0 +1,92 @@
+"""The rollout interface shared by the torch engine (tltrun.rollout.engine) and the vLLM backend
+(tltrun.rollout.vllm_backend): requests in, per-request outputs and per-iteration records out.
+
+Both backends return exactly these types, so GRPO, ``tltrun bench`` and the measured-trace
+writer never care which backend ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tltsim.policy import SpecPolicy
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy. top_k None / top_p 1.0 mean no truncation."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    prompt_token_ids: tuple[int, ...]
+    max_new_tokens: int
+    ignore_eos: bool = False  # trace replay: generate exactly max_new_tokens
+
+
+@dataclass
+class RequestOutput:
+    id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: list[int]
+    finish: str  # "stop" (EOS) | "length" (max_new_tokens)
+    # accept_hist[i] = verify iterations in which this request had i draft tokens accepted
+    accept_hist: list[int] = field(default_factory=list)
+    first_token_s: float = 0.0  # seconds from rollout start to the first generated token
+    finish_s: float = 0.0  # seconds from rollout start to the last generated token
+    # the same, per SD strategy ({"4_1_4": [...]}): a response's own acceptance, which the
+    # simulator's replay (tltsim.fidelity.measured_run) needs by strategy
+    accept_hist_by_strategy: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    start_s: float  # seconds since the rollout started
+    wall_s: float  # measured wall seconds of the iteration
+    num_active: int  # batch size
+    num_new_tokens: int  # tokens emitted over the batch (accepted drafts + bonus/correction)
+    context_tokens: int  # KV tokens attended over the batch
+    is_prefill: bool
+    strategy: str  # SpecDecision.strategy ("off" for plain decode)
+    accept_lens: tuple[int, ...] = ()  # per request: accepted draft tokens (SD iterations only)
+    # Drafter re-prefill (is_prefill too): catching the drafter up on requests it has not seen
+    # since SD was last on — TLT's cost of switching SD on. Not part of any decode iteration.
+    is_drafter_prefill: bool = False
+
+
+@dataclass
+class RolloutResult:
+    outputs: list[RequestOutput]
+    iterations: list[IterationRecord]
+    wall_s: float
+    backend: str  # "torch" | "vllm"
+    # requests with identical prompts shared their prefill (EngineConfig.share_prompts, vLLM's
+    # prefix caching); recorded in a measured trace so the simulator replays the same
+    shares_prompts: bool = False
+    prefix_block_tokens: int = 1  # ... in whole blocks of this many tokens (vLLM's KV blocks)
+
+
+class RolloutBackend(Protocol):
+    name: str
+
+    def generate(
+        self, requests: list[Request], policy: SpecPolicy, step: int = 0
+    ) -> RolloutResult: ...

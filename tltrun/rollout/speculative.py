@@ -1,0 +1,326 @@
+"""Speculative sampling maths for the rollout engine: sampling parameters to probabilities,
+draft trees, and lossless verification of a drafted chain or tree against the target.
+
+Notation: p is a target probability, q a draft probability, x a drafted token, u ~ U[0, 1).
+
+* Chain (DESIGN.md "Speculative sampling"; Leviathan et al. 2023, Alg. 1): accept x_j iff all
+  earlier drafts were accepted and u_j < p_j(x_j) / q_j(x_j), i.e. with probability
+  min(1, p/q); at the first rejection emit a token from norm(max(p - q, 0)); when all k are
+  accepted emit a bonus token from p_k. The first emitted token is distributed exactly as p:
+      P(y) = min(p(y), q(y)) + (1 - sum_x min(p(x), q(x))) * max(p(y) - q(y), 0) / Z = p(y)
+  since Z = sum_x max(p(x) - q(x), 0) = 1 - sum_x min(p(x), q(x)).
+* Tree (SpecInfer, Miao et al. 2024, Sec. 4.3 "multi-step speculative sampling"): walk from the
+  root; at each node try its children in node-index order. Child c (token x, drafted from q_c)
+  is accepted iff u_c < p(x) / q_c(x); on rejection p <- norm(max(p - q_c, 0)) and the next
+  sibling is tried against the updated p. The walk stops at the first node none of whose
+  children is accepted, and the token emitted there is drawn from the current p. By the
+  identity above, applied once per sibling, each emitted token is distributed exactly as the
+  target's p, provided q_c is the distribution c was really drawn from given its earlier
+  siblings (for sampling without replacement: q with the earlier siblings' tokens removed).
+* Deterministic drafting (draft_probs None: top-k or argmax candidates) is the point mass
+  q_c = one_hot(x): accept x with probability p(x); on rejection p <- norm(p with x's mass
+  removed). This is sequential inversion of p ("is it x1? else is it x2? ..."), so it is
+  lossless too, and with a greedy target (p one-hot at the argmax) it reduces to "accept while
+  the draft equals the argmax".
+
+Greedy decoding is temperature 0: p is the one-hot argmax, so the same code path applies.
+
+Usage (what tltrun.rollout.engine does each SD iteration):
+    probs = logits_to_probs(target_logits, params)             # (B, N+1, V)
+    result = verify(tree, probs, generator, impl="ref")         # impl="triton" on CUDA
+    append result.out_tokens[b, : result.num_accepted[b] + 1] to sequence b
+Tests: tests/test_speculative.py (exact distributions), tests/test_kernels.py (kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.spec_verify import IMPLS, sample_from_weights, spec_verify
+from tltrun.rollout.interface import SamplingParams
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(..., V) logits -> (..., V) float32 probabilities under temperature, top-k, top-p.
+
+    Order as in Hugging Face and vLLM: temperature, then top-k (keep logits >= the k-th
+    largest; ties with the k-th value are all kept), then top-p on the top-k distribution (keep
+    the smallest set of most likely tokens whose mass reaches top_p; ties in probability are
+    broken by token index, lower first). Temperature 0 is greedy: the one-hot argmax (first
+    maximal index on ties)."""
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    if params.is_greedy:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab).float()
+    scaled = logits / params.temperature  # (..., V)
+    if params.top_k is not None and params.top_k < vocab:
+        kth_largest = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]  # (..., 1)
+        scaled = scaled.masked_fill(scaled < kth_largest, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        cum = torch.cumsum(sorted_probs.to(torch.float64), dim=-1)
+        mass_before = cum - sorted_probs.to(torch.float64)  # mass of the more likely tokens
+        is_kept_sorted = mass_before < params.top_p  # the most likely token is always kept
+        is_kept = torch.zeros_like(is_kept_sorted).scatter(-1, order, is_kept_sorted)
+        probs = torch.where(is_kept, probs, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row of (..., V) probabilities by inverse CDF -> int64 (...).
+
+    generator None uses torch's default generator (not reproducible from a seed)."""
+    u = torch.rand(probs.shape[:-1], generator=generator, device=probs.device)  # (...)
+    return sample_from_weights(probs, u)
+
+
+@dataclass
+class DraftTree:
+    """A batch of draft trees with N drafted nodes each (N = 0: no draft).
+
+    tokens (B, N+1) int64: node 0 is the root, the last committed token, not yet fed to the
+    target; nodes 1..N are drafted. parents (B, N+1) int64: parents[:, 0] == 0 and
+    parents[:, i] < i, so node order is a topological order. draft_probs (B, N+1, V) | None:
+    draft_probs[:, i] is the q node i was drawn from (row 0 unused); None means deterministic
+    drafting, treated as point masses. Siblings are tried in node-index order; the drafter puts
+    them in descending draft probability."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens.dim() != 2 or self.tokens.shape != self.parents.shape:
+            raise ValueError(
+                f"tokens and parents must both be (B, N+1), got "
+                f"{tuple(self.tokens.shape)} and {tuple(self.parents.shape)}"
+            )
+        num_seqs, num_nodes = self.tokens.shape
+        if num_nodes < 1:
+            raise ValueError("a draft tree needs its root (node 0)")
+        node_ids = torch.arange(num_nodes, device=self.parents.device)
+        is_valid = (self.parents[:, 0] == 0).all() and (
+            (self.parents[:, 1:] >= 0) & (self.parents[:, 1:] < node_ids[1:])
+        ).all()
+        if not is_valid:
+            raise ValueError("parents must satisfy parents[:, 0] == 0 and 0 <= parents[:, i] < i")
+        if self.draft_probs is not None and (
+            self.draft_probs.dim() != 3 or self.draft_probs.shape[:2] != (num_seqs, num_nodes)
+        ):
+            raise ValueError(
+                f"draft_probs must be (B, N+1, V) with (B, N+1) = "
+                f"{(num_seqs, num_nodes)}, got {tuple(self.draft_probs.shape)}"
+            )
+
+    @classmethod
+    def chain(
+        cls, root: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor | None = None
+    ) -> DraftTree:
+        """A chain: root (B,), drafted (B, k), q (B, k, V) the draft distributions or None."""
+        num_seqs, k = drafted.shape
+        tokens = torch.cat([root.reshape(num_seqs, 1), drafted], dim=1).long()  # (B, k+1)
+        parents = (torch.arange(k + 1, device=tokens.device) - 1).clamp(min=0)  # 0, 0, 1, ..
+        draft_probs = None
+        if q is not None:
+            draft_probs = torch.cat([q.new_zeros(num_seqs, 1, q.shape[2]), q], dim=1)  # (B, k+1, V)
+        return cls(tokens, parents.expand(num_seqs, k + 1).contiguous(), draft_probs)
+
+    @property
+    def num_drafted(self) -> int:
+        return self.tokens.shape[1] - 1
+
+    @property
+    def is_chain(self) -> bool:
+        """Node i's parent is i - 1 for every i >= 1 in every sequence."""
+        expected = torch.arange(self.num_drafted, device=self.parents.device)
+        return bool((self.parents[:, 1:] == expected).all())
+
+    @property
+    def depth(self) -> torch.Tensor:
+        """(B, N+1) int64 depth of each node; the root is 0 (RoPE position = cache_len + depth)."""
+        depth = torch.zeros_like(self.parents)
+        for i in range(1, self.num_drafted + 1):  # parents[:, i] < i: already computed
+            depth[:, i] = depth.gather(1, self.parents[:, i : i + 1]).squeeze(1) + 1
+        return depth
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """(B, N+1, N+1) bool: [b, i, j] true iff node j is node i or an ancestor of node i."""
+        num_seqs, num_nodes = self.tokens.shape
+        mask = torch.eye(num_nodes, dtype=torch.bool, device=self.tokens.device)
+        mask = mask.expand(num_seqs, num_nodes, num_nodes).clone()
+        rows = torch.arange(num_seqs, device=self.tokens.device)
+        for i in range(1, num_nodes):
+            mask[:, i] |= mask[rows, self.parents[:, i]]  # the parent's row is final already
+        return mask
+
+    def children(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, N+1, R) child node ids in trial order, and (B, N+1, R) bool validity, where R
+        is the largest number of children of any node (at least 1)."""
+        num_seqs, num_nodes = self.tokens.shape
+        device = self.tokens.device
+        node_ids = torch.arange(num_nodes, device=device)
+        is_drafted = node_ids >= 1
+        # rank[b, i]: how many earlier drafted siblings node i has
+        is_earlier_sibling = (
+            (self.parents.unsqueeze(2) == self.parents.unsqueeze(1))
+            & (node_ids.unsqueeze(1) > node_ids.unsqueeze(0))
+            & is_drafted
+        )  # (B, i, j)
+        rank = is_earlier_sibling.sum(dim=2)  # (B, N+1)
+        max_children = int(rank[:, 1:].max()) + 1 if num_nodes > 1 else 1
+        children = torch.zeros((num_seqs, num_nodes, max_children), dtype=torch.long, device=device)
+        has_child = torch.zeros_like(children, dtype=torch.bool)
+        rows = torch.arange(num_seqs, device=device).unsqueeze(1).expand(-1, num_nodes - 1)
+        drafted = node_ids[1:].expand(num_seqs, -1)
+        children[rows, self.parents[:, 1:], rank[:, 1:]] = drafted
+        has_child[rows, self.parents[:, 1:], rank[:, 1:]] = True
+        return children, has_child
+
+
+@dataclass
+class VerifyResult:
+    """Outcome of one verify step for B sequences; D = the tree's depth (k for a chain).
+
+    num_accepted (B,): drafted tokens accepted. accepted_nodes (B, D+1): node ids of the
+    accepted path, root 0 first; entries past num_accepted repeat the last accepted node.
+    out_tokens (B, D+1): the tokens to append, the accepted drafted tokens then one correction
+    (or bonus) token; the valid prefix has length num_accepted + 1 and entries past it repeat
+    the correction token."""
+
+    num_accepted: torch.Tensor
+    accepted_nodes: torch.Tensor
+    out_tokens: torch.Tensor
+
+
+def verify(
+    tree: DraftTree,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None,
+    impl: str = "ref",
+) -> VerifyResult:
+    """Verify a batch of draft trees against target_probs (B, N+1, V), where target_probs[:, i]
+    is the target's distribution of the token following node i, already processed by
+    logits_to_probs. Draws (B, N) accept uniforms, then (B,) sampling uniforms, from
+    ``generator`` (in that order whatever the tree's shape) and calls verify_with_uniforms."""
+    num_seqs, num_nodes = tree.tokens.shape
+    device = target_probs.device
+    u_accept = torch.rand((num_seqs, num_nodes - 1), generator=generator, device=device)
+    u_sample = torch.rand((num_seqs,), generator=generator, device=device)
+    return verify_with_uniforms(tree, target_probs, u_accept, u_sample, impl)
+
+
+def verify_with_uniforms(
+    tree: DraftTree,
+    target_probs: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_sample: torch.Tensor,
+    impl: str = "ref",
+) -> VerifyResult:
+    """Deterministic core of verify: node i's accept test uses u_accept[:, i - 1] (B, N); the
+    emitted correction / bonus token uses u_sample (B,).
+
+    A chain is verified by kernels.spec_verify with ``impl`` ("ref": torch, "triton": the fused
+    kernel). A branching tree is walked in torch whatever ``impl`` is (a few gathers per depth
+    level and sibling; there is no tree-verify kernel)."""
+    num_seqs, num_nodes = tree.tokens.shape
+    if target_probs.dim() != 3 or target_probs.shape[:2] != (num_seqs, num_nodes):
+        raise ValueError(
+            f"target_probs must be (B, N+1, V) with (B, N+1) = "
+            f"{(num_seqs, num_nodes)}, got {tuple(target_probs.shape)}"
+        )
+    if tree.draft_probs is not None and tree.draft_probs.shape[2] != target_probs.shape[2]:
+        raise ValueError(
+            f"draft vocabulary {tree.draft_probs.shape[2]} != target vocabulary "
+            f"{target_probs.shape[2]}"
+        )
+    if tuple(u_accept.shape) != (num_seqs, num_nodes - 1) or tuple(u_sample.shape) != (num_seqs,):
+        raise ValueError(
+            f"u_accept must be (B, N) = {(num_seqs, num_nodes - 1)} and u_sample "
+            f"(B,), got {tuple(u_accept.shape)} and {tuple(u_sample.shape)}"
+        )
+    if tree.is_chain:
+        return _verify_chain(tree, target_probs, u_accept, u_sample, impl)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return _verify_tree(tree, target_probs, u_accept, u_sample)
+
+
+def _verify_chain(tree, target_probs, u_accept, u_sample, impl) -> VerifyResult:
+    k = tree.num_drafted
+    drafted = tree.tokens[:, 1:]  # (B, k)
+    q = None if tree.draft_probs is None else tree.draft_probs[:, 1:]  # (B, k, V)
+    _, num_accepted, next_token = spec_verify(
+        target_probs, q, drafted, u_accept, u_sample, impl=impl
+    )
+    positions = torch.arange(k + 1, device=drafted.device)  # (k+1,)
+    accepted_nodes = torch.minimum(positions, num_accepted.unsqueeze(1))  # (B, k+1)
+    out_tokens = torch.where(
+        positions < num_accepted.unsqueeze(1),
+        torch.cat([drafted, next_token.unsqueeze(1)], dim=1),
+        next_token.unsqueeze(1),
+    )  # (B, k+1)
+    return VerifyResult(num_accepted, accepted_nodes, out_tokens)
+
+
+def _rejection_update(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """p <- norm(max(p - q, 0)) per row of (B, V); rows whose residual vanished (possible
+    only through rounding, see kernels/spec_verify.py) keep p."""
+    residual = torch.clamp_min(p - q, 0.0)
+    mass = residual.sum(dim=-1, keepdim=True)  # (B, 1)
+    return torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(p.dtype).tiny), p)
+
+
+def _verify_tree(tree, target_probs, u_accept, u_sample) -> VerifyResult:
+    """The multi-candidate walk of the module docstring, vectorised over the batch; loops over
+    depth levels and sibling ranks."""
+    num_seqs, _ = tree.tokens.shape
+    vocab = target_probs.shape[2]
+    device = target_probs.device
+    rows = torch.arange(num_seqs, device=device)
+    children, has_child = tree.children()  # (B, N+1, R)
+    u_node = torch.cat([torch.zeros_like(u_accept[:, :1]), u_accept], dim=1)  # (B, N+1)
+    max_depth = int(tree.depth.max())
+    node = torch.zeros(num_seqs, dtype=torch.long, device=device)  # current node per sequence
+    p = target_probs[:, 0].float()  # (B, V) target distribution at node, after rejections
+    is_walking = torch.ones(num_seqs, dtype=torch.bool, device=device)
+    path = [node]
+    for _ in range(max_depth):
+        has_moved = torch.zeros_like(is_walking)
+        for rank in range(children.shape[2]):
+            child = children[rows, node, rank]  # (B,)
+            is_tried = is_walking & ~has_moved & has_child[rows, node, rank]
+            x = tree.tokens[rows, child]  # (B,)
+            if tree.draft_probs is None:
+                q = torch.nn.functional.one_hot(x, vocab).float()  # point mass on x
+            else:
+                q = tree.draft_probs[rows, child].float()  # (B, V)
+            p_x = p.gather(1, x.unsqueeze(1)).squeeze(1)
+            q_x = q.gather(1, x.unsqueeze(1)).squeeze(1)
+            is_ok = is_tried & (u_node[rows, child] < p_x / q_x)  # same test as the chain
+            is_rejected = (is_tried & ~is_ok).unsqueeze(1)
+            p = torch.where(is_rejected, _rejection_update(p, q), p)
+            node = torch.where(is_ok, child, node)
+            has_moved |= is_ok
+        p = torch.where(has_moved.unsqueeze(1), target_probs[rows, node].float(), p)
+        is_walking &= has_moved
+        path.append(node)
+    accepted_nodes = torch.stack(path, dim=1)  # (B, D+1), stopped walks repeat their node
+    num_accepted = (accepted_nodes[:, 1:] != accepted_nodes[:, :-1]).sum(dim=1)
+    next_token = sample_from_weights(p, u_sample)
+    steps = torch.arange(max_depth + 1, device=device)
+    out_tokens = torch.where(
+        steps < num_accepted.unsqueeze(1),
+        tree.tokens.gather(1, _shift_left(accepted_nodes)),
+        next_token.unsqueeze(1),
+    )
+    return VerifyResult(num_accepted, accepted_nodes, out_tokens)
+
+
+def _shift_left(accepted_nodes: torch.Tensor) -> torch.Tensor:
+    """(B, D+1) -> (B, D+1): position j holds the node of the (j+1)-th accepted draft token
+    (the last column repeats, and is masked out by the caller)."""
+    return torch.cat([accepted_nodes[:, 1:], accepted_nodes[:, -1:]], dim=1)

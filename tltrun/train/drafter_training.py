@@ -1,0 +1,196 @@
+"""Offline EAGLE drafter training on the target's own generations (what a user runs before RL
+starts; the spot trainers of issue #5 call ``drafter_train_step`` on harvested data).
+
+Loss (EAGLE-1, Li et al. 2024, Sec. 3.2): for each input pair (f_p, x_{p+1}) the drafter
+predicts g_{p+1} ~ f_{p+1};
+
+    L = regression_weight * SmoothL1(g_{p+1}, f_{p+1})
+      + classification_weight * CE(softmax(lm_head(f_{p+1})), log_softmax(lm_head(g_{p+1})))
+
+i.e. cross-entropy against the target's full next-token distribution, not just the sampled
+token. Inputs f_p get uniform noise of width ``feature_noise`` (EAGLE's data augmentation
+against error accumulation; EAGLE scales it by 512 / sequence length, we do not). Only
+positions whose predicted token is a response token contribute (EAGLE's loss mask on the
+assistant part), because the drafter only ever drafts responses.
+
+Data: ``TrainRecord``s (token ids, prompt length, target hidden states); the engine's
+``HarvestRecord`` has the same fields, and ``records_from_outputs`` recomputes hidden states
+for plain generations (e.g. the JSONL written by ``tltrun generate``).
+
+Run: ``tltrun train-drafter --model DIR --data generations.jsonl --out DIR`` (see tltrun.cli.main).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from tltrun.model.drafter import EagleDrafter
+from tltrun.model.transformer import CausalContext, Transformer
+
+
+@dataclass(frozen=True)
+class DrafterTrainConfig:
+    # Defaults are EAGLE-1's published training configuration (SafeAILab/EAGLE
+    # eagle/train/main.py train_config) unless said otherwise.
+    num_steps: int = 1000
+    batch_size: int = 4  # "bs"
+    lr: float = 3e-5  # "lr" (tuned there for 7B targets; small targets want far more)
+    beta1: float = 0.9  # "b1"
+    beta2: float = 0.95  # "b2"
+    grad_clip: float = 0.5  # "grad_clip" (clip by value)
+    regression_weight: float = 1.0  # "v_w"
+    classification_weight: float = 0.1  # "p_w"
+    feature_noise: float = 0.2  # "std" of the uniform noise
+    max_seq_len: int = 2048  # "max_len"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_steps < 0 or self.batch_size < 1 or self.max_seq_len < 2:
+            raise ValueError("num_steps >= 0, batch_size >= 1, max_seq_len >= 2 required")
+        if self.lr <= 0 or self.grad_clip <= 0 or self.feature_noise < 0:
+            raise ValueError("lr > 0, grad_clip > 0, feature_noise >= 0 required")
+        if self.regression_weight < 0 or self.classification_weight < 0:
+            raise ValueError("loss weights must be >= 0")
+
+
+@dataclass(frozen=True)
+class TrainRecord:
+    token_ids: torch.Tensor  # (T,) long
+    num_prompt_tokens: int
+    hidden: torch.Tensor  # (T-1, C): hidden[p] is the target's state after token p
+
+
+@dataclass(frozen=True)
+class DrafterBatch:
+    tokens: torch.Tensor  # (B,T) x_{p+1}
+    hidden: torch.Tensor  # (B,T,C) f_p
+    target: torch.Tensor  # (B,T,C) f_{p+1}
+    loss_mask: torch.Tensor  # (B,T) bool
+
+
+@torch.no_grad()
+def records_from_outputs(
+    model: Transformer, sequences: Iterable[tuple[list[int], int]], batch_size: int = 8
+) -> list[TrainRecord]:
+    """(token ids, prompt length) pairs -> TrainRecords, hidden states from one cache-free
+    forward of the target per batch."""
+    seqs = list(sequences)
+    device = model.lm_head.weight.device
+    out = []
+    for i in range(0, len(seqs), batch_size):
+        chunk = seqs[i : i + batch_size]
+        width = max(len(ids) for ids, _ in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long, device=device)
+        for b, (toks, _) in enumerate(chunk):
+            ids[b, : len(toks)] = torch.tensor(toks)
+        _, hidden = model(
+            ids, torch.arange(width, device=device).expand(len(chunk), -1), CausalContext()
+        )
+        for b, (toks, num_prompt) in enumerate(chunk):
+            out.append(
+                TrainRecord(
+                    ids[b, : len(toks)].cpu(), num_prompt, hidden[b, : len(toks) - 1].float().cpu()
+                )
+            )
+    return out
+
+
+def make_batch(
+    records: list[TrainRecord], max_seq_len: int, device: torch.device | str = "cpu"
+) -> DrafterBatch:
+    """Pairs p = 0..T-2 of each record (cropped to max_seq_len pairs), right-padded.
+
+    Position p is trained iff f_{p+1} exists (p <= T-3) and the token f_{p+1} predicts,
+    x_{p+2}, is a response token (p >= num_prompt_tokens - 2)."""
+    num_pairs = [min(len(r.token_ids) - 1, max_seq_len) for r in records]
+    width = max(num_pairs)
+    dim = records[0].hidden.shape[-1]
+    tokens = torch.zeros(len(records), width, dtype=torch.long)
+    hidden = torch.zeros(len(records), width, dim)
+    target = torch.zeros(len(records), width, dim)
+    mask = torch.zeros(len(records), width, dtype=torch.bool)
+    for b, (r, n) in enumerate(zip(records, num_pairs, strict=True)):
+        tokens[b, :n] = r.token_ids[1 : n + 1]
+        hidden[b, :n] = r.hidden[:n]
+        target[b, : n - 1] = r.hidden[1:n]
+        lo = max(r.num_prompt_tokens - 2, 0)
+        mask[b, lo : min(n - 1, len(r.token_ids) - 2)] = True
+    return DrafterBatch(tokens.to(device), hidden.to(device), target.to(device), mask.to(device))
+
+
+def drafter_train_step(
+    drafter: EagleDrafter,
+    batch: DrafterBatch,
+    optimizer: torch.optim.Optimizer,
+    cfg: DrafterTrainConfig,
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
+    """One optimizer step of the EAGLE loss; returns loss, regression, classification, top1
+    (agreement of the drafter's argmax with the target's at trained positions)."""
+    drafter.train()
+    dtype = drafter.fc.weight.dtype
+    hidden = batch.hidden.to(dtype)
+    target = batch.target.to(dtype)
+    if cfg.feature_noise > 0:
+        noise = torch.rand(hidden.shape, generator=generator, device=hidden.device, dtype=dtype)
+        hidden = hidden + (noise - 0.5) * cfg.feature_noise
+    b, t = batch.tokens.shape
+    positions = torch.arange(t, device=hidden.device).expand(b, -1)
+    logits, pred = drafter(batch.tokens, hidden, positions, CausalContext())  # (B,T,V), (B,T,C)
+    with torch.no_grad():
+        target_logits = drafter.lm_logits(target)
+        target_p = torch.softmax(target_logits.float(), dim=-1)
+    mask = batch.loss_mask.float()
+    denom = mask.sum().clamp(min=1.0)
+    ce = -(target_p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # (B,T)
+    reg = F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(-1)  # (B,T)
+    classification = (ce * mask).sum() / denom
+    regression = (reg * mask).sum() / denom
+    loss = cfg.regression_weight * regression + cfg.classification_weight * classification
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_value_(drafter.parameters(), cfg.grad_clip)
+    optimizer.step()
+    drafter.eval()
+    with torch.no_grad():
+        agree = (logits.argmax(-1) == target_logits.argmax(-1)).float()
+        top1 = float((agree * mask).sum() / denom)
+    return {
+        "loss": loss.item(),
+        "regression": regression.item(),
+        "classification": classification.item(),
+        "top1": top1,
+    }
+
+
+def make_optimizer(drafter: EagleDrafter, cfg: DrafterTrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+
+def train_drafter(
+    drafter: EagleDrafter,
+    records: list[TrainRecord],
+    cfg: DrafterTrainConfig,
+    is_progress_shown: bool = True,
+) -> list[dict[str, float]]:
+    """``cfg.num_steps`` steps on batches drawn (seeded) from ``records``; returns the history."""
+    if not records:
+        raise ValueError("train_drafter: no training records")
+    device = drafter.fc.weight.device
+    gen = torch.Generator().manual_seed(cfg.seed)
+    noise_gen = torch.Generator(device).manual_seed(cfg.seed + 1)
+    optimizer = make_optimizer(drafter, cfg)
+    history = []
+    bar = tqdm(range(cfg.num_steps), desc="train-drafter", disable=not is_progress_shown)
+    for _ in bar:
+        idx = torch.randint(len(records), (cfg.batch_size,), generator=gen).tolist()
+        batch = make_batch([records[i] for i in idx], cfg.max_seq_len, device)
+        stats = drafter_train_step(drafter, batch, optimizer, cfg, noise_gen)
+        history.append(stats)
+        bar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1']:.2f}")
+    return history

@@ -1,0 +1,255 @@
+"""Held-out evaluation of a model on the built-in task (used by ``tltrun sft``): greedy accuracy
+per difficulty bucket and the response-length distribution of the model's own generations.
+
+Generation uses ``transformers``' ``generate`` with a KV cache, prompts left-padded and batched
+in length order (a batch runs until its longest response ends, so grouping similar lengths
+keeps the long tail from holding short prompts hostage). Sampling is plain temperature-1
+sampling from the model's distribution (no top-k / top-p), seeded without touching the caller's
+global RNG state.
+
+Run through ``tltrun sft`` (see tltrun/train/sft.py), or on a saved checkpoint:
+``python -m tltrun.train.sft_eval CHECKPOINT_DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from tltrun.train.tasks import LABELS, Problem, TaskConfig, length_stats, make_examples, reward
+from tltrun.model.tokenizer import CharTokenizer
+
+# Difficulty buckets by chain length (number of operations), doubling: the long tail spans
+# 1..52 operations, so linear buckets would leave the tail in one or two near-empty bins.
+DIFFICULTY_BUCKETS = ((1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (33, len(LABELS)))
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str  # decoded response, special tokens dropped
+    num_tokens: int  # generated tokens including the EOS, as a rollout engine counts them
+    is_finished: bool  # ended with EOS (False: hit max_new_tokens)
+
+
+def generate(
+    model: Any,
+    tok: CharTokenizer,
+    prompts: list[str],
+    max_new_tokens: list[int],
+    temperature: float,
+    seed: int,
+    batch_size: int,
+    desc: str = "generate",
+    show_progress: bool = True,
+) -> list[Generation]:
+    """One response per prompt (greedy when ``temperature`` is 0), in the prompts' order.
+    ``max_new_tokens[i]`` caps prompt i's response; a batch runs to its largest cap."""
+    from transformers import GenerationConfig
+
+    gen_cfg = GenerationConfig(
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_k=None,
+        top_p=None,
+        pad_token_id=tok.pad_id,
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.eos_id,
+    )
+    order = sorted(range(len(prompts)), key=lambda i: (max_new_tokens[i], len(prompts[i])))
+    results: list[Generation | None] = [None] * len(prompts)
+    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        for chunk in tqdm(chunks, desc=desc, unit="batch", disable=not show_progress):
+            encoded = [tok.encode(prompts[i]) for i in chunk]
+            width = max(map(len, encoded))
+            ids = torch.tensor(
+                [[tok.pad_id] * (width - len(e)) + e for e in encoded]
+            )  # (B, T) left padded
+            mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+            cap = max(max_new_tokens[i] for i in chunk)
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, generation_config=gen_cfg, max_new_tokens=cap
+            )
+            for row, i in enumerate(chunk):
+                new = out[row, width:][: max_new_tokens[i]].tolist()
+                is_finished = tok.eos_id in new
+                num_tokens = new.index(tok.eos_id) + 1 if is_finished else len(new)
+                results[i] = Generation(tok.decode(new[:num_tokens]), num_tokens, is_finished)
+    return [r for r in results if r is not None]
+
+
+def accuracy_by_difficulty(problems: list[Problem], rewards: list[float]) -> list[dict[str, Any]]:
+    rows = []
+    for lo, hi in DIFFICULTY_BUCKETS:
+        picked = [r for p, r in zip(problems, rewards, strict=True) if lo <= p.num_ops <= hi]
+        if picked:
+            label = str(lo) if lo == hi else f"{lo}-{hi}"
+            rows.append(
+                {"ops": label, "num_prompts": len(picked), "accuracy": sum(picked) / len(picked)}
+            )
+    return rows
+
+
+def evaluate(
+    model: Any,
+    tok: CharTokenizer,
+    task: TaskConfig,
+    cfg: Any,
+    seed: int,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Greedy accuracy on ``cfg.num_eval_prompts`` held-out problems (per bucket) and length
+    statistics of reference, greedy and sampled (``cfg.group_size`` per prompt) responses.
+    ``cfg`` is an SFTConfig (its eval fields); problems and samples are drawn from ``seed``."""
+    model.eval()
+    rng = random.Random(seed)
+    sample_seed = rng.randrange(2**31)
+    held_out = make_examples(task, rng, cfg.num_eval_prompts, num_solutions=1)
+
+    # A response longer than any well-formed solution of its problem is already wrong: cap it
+    # there (+1 for EOS) rather than at the global cap, so one looping response holds its
+    # batch for as few iterations as possible.
+    def caps(examples: list[Any]) -> list[int]:
+        return [
+            min(cfg.max_new_tokens, task.max_response_chars_for(ex.problem.num_ops) + 1)
+            for ex in examples
+        ]
+
+    greedy = generate(
+        model,
+        tok,
+        [ex.prompt for ex in held_out],
+        caps(held_out),
+        0.0,
+        sample_seed,
+        cfg.eval_batch_size,
+        "greedy",
+        show_progress,
+    )
+    greedy_rewards = [reward(g.text, ex.answer) for g, ex in zip(greedy, held_out, strict=True)]
+    grouped = make_examples(task, rng, cfg.num_sample_prompts, num_solutions=cfg.group_size)
+    repeated = [ex for ex in grouped for _ in range(cfg.group_size)]
+    sampled = generate(
+        model,
+        tok,
+        [ex.prompt for ex in repeated],
+        caps(repeated),
+        1.0,
+        sample_seed,
+        cfg.eval_batch_size,
+        "sampled",
+        show_progress,
+    )
+    sampled_rewards = [reward(g.text, ex.answer) for g, ex in zip(sampled, repeated, strict=True)]
+    # Reference lengths (+ EOS) on the same prompts as each generated set.
+    reference = [len(ex.solutions[0]) + 1 for ex in held_out]
+    reference_grouped = [len(s) + 1 for ex in grouped for s in ex.solutions]
+    groups = [sampled[i : i + cfg.group_size] for i in range(0, len(sampled), cfg.group_size)]
+    spreads = [max(g.num_tokens for g in grp) / min(g.num_tokens for g in grp) for grp in groups]
+    ref_spreads = [max(map(len, ex.solutions)) / min(map(len, ex.solutions)) for ex in grouped]
+
+    def summary(gens: list[Generation], rewards: list[float]) -> dict[str, Any]:
+        return {
+            "num_prompts": len(gens),
+            "accuracy": sum(rewards) / len(rewards) if rewards else 0.0,
+            "num_truncated": sum(not g.is_finished for g in gens),
+        }
+
+    return {
+        "greedy": {
+            **summary(greedy, greedy_rewards),
+            "by_difficulty": accuracy_by_difficulty(
+                [ex.problem for ex in held_out], greedy_rewards
+            ),
+        },
+        "sampled": {
+            **summary(sampled, sampled_rewards),
+            "group_size": cfg.group_size,
+            # Per prompt: longest / shortest of its group_size samples (reference: same prompts).
+            "group_max_over_min_median": statistics.median(spreads) if spreads else None,
+            "group_max_over_min_max": max(spreads) if spreads else None,
+            "reference_group_max_over_min_median": statistics.median(ref_spreads)
+            if ref_spreads
+            else None,
+            "reference_group_max_over_min_max": max(ref_spreads) if ref_spreads else None,
+        },
+        "response_tokens": {
+            "reference": length_stats(reference) if reference else None,
+            "greedy": length_stats([g.num_tokens for g in greedy]) if greedy else None,
+            "reference_grouped": length_stats(reference_grouped) if reference_grouped else None,
+            "sampled": length_stats([g.num_tokens for g in sampled]) if sampled else None,
+        },
+        "examples": [
+            {"prompt": ex.prompt, "response": g.text, "reward": r}
+            for ex, g, r in list(zip(held_out, greedy, greedy_rewards, strict=True))[:4]
+        ],
+    }
+
+
+def eval_table(result: dict[str, Any]) -> str:
+    """The evaluation as printed by ``tltrun sft``: accuracy per bucket, length statistics."""
+    greedy = result["greedy"]
+    lines = [
+        f"greedy accuracy {greedy['accuracy']:.3f} over {greedy['num_prompts']} held-out prompts"
+    ]
+    lines.append(f"{'ops':>8} {'prompts':>8} {'accuracy':>9}")
+    for row in greedy["by_difficulty"]:
+        lines.append(f"{row['ops']:>8} {row['num_prompts']:>8} {row['accuracy']:>9.3f}")
+    lines.append(f"sampled (temperature 1) accuracy {result['sampled']['accuracy']:.3f}")
+    header = f"{'response tokens':<16} {'num':>5} {'median':>7} {'p99':>6} {'max':>6} {'max/med':>8} {'truncated':>9}"
+    lines.append(header)
+    for name in ("reference", "greedy", "reference_grouped", "sampled"):
+        s = result["response_tokens"][name]
+        if s is None:
+            continue
+        truncated = result[name]["num_truncated"] if name in ("greedy", "sampled") else 0
+        lines.append(
+            f"{name:<16} {s['num']:>5} {s['median']:>7.0f} {s['p99']:>6} {s['max']:>6} "
+            f"{s['max_over_median']:>8.1f} {truncated:>9}"
+        )
+    sampled = result["sampled"]
+    if sampled["group_max_over_min_median"] is not None:
+        lines.append(
+            f"per-prompt longest/shortest of {sampled['group_size']} samples: median "
+            f"{sampled['group_max_over_min_median']:.2f} (reference "
+            f"{sampled['reference_group_max_over_min_median']:.2f}), max "
+            f"{sampled['group_max_over_min_max']:.2f} (reference "
+            f"{sampled['reference_group_max_over_min_max']:.2f})"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Re-run the held-out evaluation of a checkpoint written by ``tltrun sft`` (same task,
+    eval settings and seed as in its sft_config.json, so the numbers match its metrics.json)."""
+    from transformers import AutoModelForCausalLM
+
+    from tltrun.train.sft import SFTConfig, stream_seeds
+
+    args = sys.argv[1:] if argv is None else argv
+    config_path = Path(args[0]) / "sft_config.json" if len(args) == 1 else None
+    if config_path is None or not config_path.is_file():
+        print(
+            "usage: python -m tltrun.train.sft_eval CHECKPOINT_DIR (written by tltrun sft)",
+            file=sys.stderr,
+        )
+        return 2
+    resolved = json.loads(config_path.read_text())
+    cfg, task = SFTConfig(**resolved["sft"]), TaskConfig(**resolved["task"])
+    model = AutoModelForCausalLM.from_pretrained(args[0])
+    result = evaluate(model, CharTokenizer.load(args[0]), task, cfg, stream_seeds(cfg.seed)[2])
+    print(eval_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,297 @@
+"""Spot drafter training over torch.distributed: rollout workers that finished their share of a
+rollout train the EAGLE drafter, data parallel, until the last worker finishes (TLT, arXiv
+2511.16665, "spot trainer"). Used by every worker process of ``tltrun train``.
+
+Protocol (one RL step, W workers, a shared c10d store and gloo/NCCL process groups)
+-----------------------------------------------------------------------------------
+* Finishing: a worker whose rollout ends does ``k = store.add("s{step}/num_done", 1)`` and
+  sets ``"s{step}/order/{k}" = rank``: k is its finish order. The idle workers after the k-th
+  finish are exactly the first k finishers, a PREFIX of the finish order, known to everyone.
+* Phase j (1 <= j < W) is the time during which exactly the first j finishers are idle. Its
+  members (the first j finishers) communicate only in the process group of that rank set; all
+  2^W - 1 subset groups are created at start-up by every rank in the same order (hence
+  ``MAX_WORKERS``). The j-th finisher enters phase j directly; members of phase j - 1 enter
+  phase j after leaving phase j - 1. Nobody skips a phase, so every member of phase j arrives.
+* Phase entry: one ``all_gather`` in the phase group of (finishes seen, buffer tokens,
+  seconds per update, drafter version). From that table every member builds the SAME
+  ``IdleObs`` and so gets the same ``SpotTrainerPolicy`` decision (policies are deterministic
+  functions of the observation). If the decision trains and the members' drafters differ, the
+  freshest one (highest version, lowest rank) is broadcast in the phase group, with its AdamW
+  state: all trainers then start from identical parameters and optimiser state.
+* Rounds: each round starts with an ``all_reduce(MAX)`` of the finishes each member has seen in
+  the store; if it exceeds j, every member leaves the phase together (same value everywhere).
+  Otherwise each trainer runs one drafter update whose gradients are averaged (all_reduce SUM /
+  number of trainers) in the trainers' subset group; a member with nothing to do sleeps
+  ``poll_s`` before the next round, leaving the CPU to the workers still rolling out.
+* Preemption: the last finisher (order W) enters no phase; when its finish is seen, phase W - 1
+  ends and every worker proceeds to the end-of-step collectives on the default group. Training
+  stops at most one drafter update after the rollout ended.
+* End of step: an ``all_gather`` of drafter versions on the default group; if they differ the
+  freshest drafter (and optimiser state) is broadcast to all workers, so every engine drafts
+  with the same weights in the next rollout.
+
+Why it cannot deadlock: a collective of group G is only issued by members of G, and each member
+issues the same sequence on G (phase entry, then rounds whose number every member learns from
+the same all_reduce result). A member of phase j waits only for other members of phase j,
+which all arrive (the j-th finisher finishes its finite rollout; earlier ones leave phase j - 1
+once that finish is seen). Phases end because every worker eventually finishes its rollout.
+Different groups have separate communicators, so interleaving across groups is harmless.
+
+Data: each trainer samples its batches from its own buffer: the (token, hidden) pairs harvested
+from its responses of this step and of the previous step (``HarvestRecord``s of the engine).
+Per-worker clipping: ``drafter_train_step`` clips gradients by value before the optimiser step;
+we average after that clip (an elementwise clip of each part, the average stays in bounds).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import combinations
+
+import torch
+import torch.distributed as dist
+
+from tltrun.model.drafter import EagleDrafter
+from tltrun.model.transformer import reduce_grads
+from tltrun.train.drafter_training import (
+    DrafterTrainConfig,
+    TrainRecord,
+    drafter_train_step,
+    make_batch,
+)
+from tltsim.policy import DrafterTrainingPolicy, IdleObs
+
+MAX_WORKERS = 6  # 2^W - 1 subset groups are created at start-up: 63 at W = 6
+
+
+class SubsetGroups:
+    """A process group per non-empty subset of ranks; every rank must construct this."""
+
+    def __init__(self, world_size: int):
+        if world_size > MAX_WORKERS:
+            raise ValueError(f"spot training supports at most {MAX_WORKERS} workers")
+        self.groups = {}
+        for size in range(1, world_size + 1):
+            for ranks in combinations(range(world_size), size):
+                self.groups[ranks] = dist.new_group(list(ranks))
+
+    def __getitem__(self, ranks) -> dist.ProcessGroup:
+        return self.groups[tuple(sorted(ranks))]
+
+
+class AveragedOptimizer:
+    """Wraps an optimiser: ``step`` first averages the gradients over ``group``."""
+
+    def __init__(self, inner: torch.optim.Optimizer, group, size: int):
+        self.inner, self.group, self.size = inner, group, size
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        params = [p for g in self.inner.param_groups for p in g["params"]]
+        if self.size > 1:
+            reduce_grads(params, self._average)
+        self.inner.step()
+
+    def _average(self, flat: torch.Tensor) -> None:
+        dist.all_reduce(flat, group=self.group)
+        flat /= self.size
+
+
+@dataclass
+class SpotStats:
+    """What one worker did in one step's idle time."""
+
+    num_updates: int = 0
+    trained_tokens: int = 0
+    train_s: float = 0.0
+    idle_s: float = 0.0  # from its rollout's end to the last worker's
+    num_phases: int = 0
+    decisions: list[dict] = field(default_factory=list)
+
+
+class SpotTrainer:
+    """Per-worker state of spot drafter training: the trainable drafter, its optimiser, the
+    harvested-data buffer, and the protocol above."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store,
+        groups: SubsetGroups | None,
+        drafter: EagleDrafter,
+        policy: DrafterTrainingPolicy,
+        cfg: DrafterTrainConfig,
+        seed: int,
+        poll_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.rank, self.world_size, self.store, self.groups = rank, world_size, store, groups
+        self.drafter, self.policy, self.cfg, self.poll_s, self.clock = (
+            drafter,
+            policy,
+            cfg,
+            poll_s,
+            clock,
+        )
+        self.optimizer = torch.optim.AdamW(
+            drafter.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2)
+        )
+        self.data_gen = torch.Generator().manual_seed(seed)
+        self.noise_gen = torch.Generator().manual_seed(seed + 1)
+        self.version = 0  # drafter updates applied to this copy since the run began
+        self.update_s = 1.0  # EMA of seconds per update; only a time cap would use it
+        self.previous: list[TrainRecord] = []  # last step's harvest
+
+    # ---- store keys ------------------------------------------------------------------------
+
+    def announce_done(self, step: int) -> int:
+        order = self.store.add(f"s{step}/num_done", 1)
+        self.store.set(f"s{step}/order/{order}", str(self.rank))
+        return order
+
+    def _num_done(self, step: int) -> int:
+        return self.store.add(f"s{step}/num_done", 0)
+
+    def _first_finishers(self, step: int, n: int) -> list[int]:
+        return [int(self.store.get(f"s{step}/order/{i}")) for i in range(1, n + 1)]
+
+    # ---- the protocol ----------------------------------------------------------------------
+
+    def run_idle(
+        self, step: int, order: int, current: list[TrainRecord], rollout_t0: float
+    ) -> SpotStats:
+        """Called by a worker right after ``announce_done`` returned ``order``; returns when
+        the rollout has ended on every worker."""
+        stats = SpotStats()
+        buffer = current + self.previous
+        start = self.clock()
+        step_version = self.version
+        j = order
+        while j < self.world_size:
+            members = self._first_finishers(step, j)
+            group = self.groups[members]
+            table = self._gather_table(step, buffer, group, len(members), rollout_t0)
+            if int(table[:, 0].max()) > j:  # the phase already ended
+                j += 1
+                continue
+            stats.num_phases += 1
+            trainers, max_updates = self._decide(step, members, table, stats)
+            remaining = max_updates - (int(table[:, 3].max()) - step_version)
+            if trainers and remaining > 0:
+                self._sync_from_freshest(members, table[:, 3], group)
+            opt = None
+            if self.rank in trainers:
+                opt = AveragedOptimizer(self.optimizer, self.groups[trainers], len(trainers))
+            done_here = 0
+            while True:
+                flag = torch.tensor([float(self._num_done(step))])
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+                if int(flag[0]) > j:
+                    break
+                if opt is not None and done_here < remaining and buffer:
+                    self._train_one(buffer, opt, stats)
+                    done_here += 1
+                else:
+                    time.sleep(self.poll_s)
+            j += 1
+        stats.idle_s = self.clock() - start
+        self.previous = current
+        return stats
+
+    def _gather_table(self, step, buffer, group, size, rollout_t0: float) -> torch.Tensor:
+        tokens = sum(len(r.token_ids) - r.num_prompt_tokens for r in buffer)
+        mine = torch.tensor(
+            [
+                float(self._num_done(step)),
+                float(tokens),
+                self.update_s,
+                float(self.version),
+                float(len(buffer)),
+                self.clock() - rollout_t0,
+            ],
+            dtype=torch.float64,
+        )
+        rows = [torch.zeros_like(mine) for _ in range(size)]
+        dist.all_gather(rows, mine, group=group)
+        return torch.stack(rows)  # (members, 6), rows in group-rank order
+
+    def _decide(self, step, members, table, stats) -> tuple[tuple[int, ...], int]:
+        buffer_tokens = int(table[:, 1].sum())
+        num_records = max(int(table[:, 4].sum()), 1)
+        per_record = max(buffer_tokens // num_records, 1)
+        obs = IdleObs(
+            now_s=float(table[:, 5].max()),  # agreed by all members, like every field
+            step=step,
+            idle_instances=tuple(sorted(members)),
+            num_instances=self.world_size,
+            num_rollout_active_instances=self.world_size - len(members),
+            buffer_tokens=buffer_tokens,
+            update_s=float(table[:, 2].max()),
+            # all idle members training one batch each; the policy may pick fewer trainers
+            tokens_per_update=len(members) * self.cfg.batch_size * per_record,
+        )
+        decision = self.policy.decide(obs)
+        trainers = tuple(sorted(set(decision.workers) & set(members)))
+        stats.decisions.append(
+            {
+                "idle": list(obs.idle_instances),
+                "trainers": list(trainers),
+                "max_updates": decision.max_updates,
+            }
+        )
+        return (trainers, decision.max_updates) if decision.is_training else ((), 0)
+
+    def _sync_from_freshest(self, members, versions: torch.Tensor, group) -> None:
+        if int(versions.max()) == int(versions.min()):
+            return
+        ranks = sorted(members)  # group ranks follow sorted global ranks
+        best = max(range(len(ranks)), key=lambda i: (int(versions[i]), -ranks[i]))
+        self.broadcast_state(ranks[best], group)
+
+    def broadcast_state(self, src: int, group=None) -> None:
+        """Drafter weights, AdamW state and version from global rank ``src`` to the group."""
+        payload = [None]
+        if self.rank == src:
+            payload = [
+                {
+                    "drafter": {k: v.clone() for k, v in self.drafter.state_dict().items()},
+                    "optimizer": self.optimizer.state_dict(),
+                    "version": self.version,
+                }
+            ]
+        dist.broadcast_object_list(payload, src=src, group=group)
+        if self.rank != src:
+            self.load_state(payload[0])
+
+    def load_state(self, state: dict) -> None:
+        self.drafter.load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version = state["version"]
+
+    def _train_one(self, buffer, opt, stats: SpotStats) -> None:
+        t0 = self.clock()
+        idx = torch.randint(len(buffer), (self.cfg.batch_size,), generator=self.data_gen)
+        batch = make_batch([buffer[i] for i in idx.tolist()], self.cfg.max_seq_len)
+        drafter_train_step(self.drafter, batch, opt, self.cfg, self.noise_gen)
+        self.version += 1
+        seconds = self.clock() - t0
+        stats.num_updates += 1
+        stats.trained_tokens += int(batch.loss_mask.sum())
+        stats.train_s += seconds
+        self.update_s = seconds if stats.num_updates == 1 else 0.8 * self.update_s + 0.2 * seconds
+
+    def sync_end_of_step(self) -> int:
+        """All workers: make every drafter the freshest one. Returns the source rank."""
+        mine = torch.tensor([self.version], dtype=torch.long)
+        rows = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(rows, mine)
+        versions = [int(r[0]) for r in rows]
+        src = versions.index(max(versions))
+        if min(versions) != max(versions):
+            self.broadcast_state(src)
+        return src

@@ -1,0 +1,127 @@
+"""The rollout engine of ``tltrun train --backend vllm``: one ``VLLMBackend`` per worker, with
+torch mirrors of the rollout weights, behind the surface ``tltrun.train.worker`` drives
+(``generate``, ``update_weights``, ``update_drafter``, ``pop_harvest``, ``model``, ``drafter``).
+
+vLLM returns tokens, not hidden states, so spot drafter training cannot harvest them during the
+rollout as the torch engine does. ``pop_harvest`` recomputes them instead: one cache-free
+forward of the torch mirror of the target over each finished response
+(``tltrun.train.drafter_training.records_from_outputs``). The worker calls it after its own rollout, and
+the mirror holds exactly the weights vLLM sampled with (the actor update comes after the
+rollout). The recompute costs one prefill per response: on a worker that finishes early it uses
+time the long tail leaves idle, but the worker that finishes last also recomputes before it
+announces the end of the rollout, so it lengthens the step (``rollout_end_s`` includes it,
+``drafter_train_s`` does not). The torch engine harvests the hidden states for free.
+
+Policies run with ``control="iteration"``: the policy's ``decide()`` before every vLLM step,
+exact for chain strategies (``tltrun.rollout.vllm_backend``; a tree strategy ``d_k_v`` runs as chain
+``d``). The engine starts with the drafter the run starts with (exported to a temporary
+directory in vLLM's EAGLE layout); later drafters arrive through ``update_drafter``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+from tltrun.model.drafter import EagleDrafter, export_vllm
+from tltrun.rollout.engine import HarvestRecord
+from tltrun.rollout.interface import Request, RolloutResult, SamplingParams
+from tltrun.model.transformer import Transformer
+from tltrun.train.drafter_training import records_from_outputs
+from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig
+from tltsim.policy import SpecDecision, SpecPolicy, TLTConfig
+
+# vLLM allocates KV cache in blocks; on CPU its default block_size is 128 tokens
+# (vllm/platforms/cpu.py, check_and_update_config), 16 on GPUs. A sequence holds at most
+# ceil(max_model_len / block) blocks; 128 bounds both.
+VLLM_BLOCK_TOKENS = 128
+MIN_KV_CACHE_BYTES = 16 << 20  # vLLM refuses a cache that cannot hold one full-length sequence
+
+
+def kv_cache_bytes(model: Transformer, num_seqs: int, max_model_len: int, has_drafter: bool) -> int:
+    """Bytes of KV cache for ``num_seqs`` sequences of ``max_model_len`` tokens (K and V, every
+    target layer plus the drafter's one, float32), twice that for vLLM's own slack, at least
+    MIN_KV_CACHE_BYTES."""
+    cfg = model.config
+    blocks = -(-max_model_len // VLLM_BLOCK_TOKENS) * num_seqs
+    layers = cfg.num_hidden_layers + (1 if has_drafter else 0)
+    per_token = 2 * layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    return max(MIN_KV_CACHE_BYTES, 2 * blocks * VLLM_BLOCK_TOKENS * per_token)
+
+
+def max_draft_steps(policy_name: str, settings: Mapping) -> int:
+    """The largest k the policy can ask for (vLLM's num_speculative_tokens)."""
+    if policy_name == "static":
+        return SpecDecision.parse(settings["strategy"]).draft_steps
+    if policy_name == "tlt":
+        strategies = settings.get("strategies", TLTConfig().strategies)
+        return max(SpecDecision.parse(s).draft_steps for s in strategies)
+    return 1
+
+
+class VLLMTrainRollout:
+    """A worker's vLLM engine for training; ``drafter=None`` starts it without SD."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        target: Transformer,
+        drafter: EagleDrafter | None,
+        config: VLLMBackendConfig,
+        sampling: SamplingParams,
+        is_harvesting: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.model = target.eval()  # mirror of the rollout weights
+        self.drafter = drafter
+        self.is_harvesting = is_harvesting
+        self._work = Path(tempfile.mkdtemp(prefix="tlt-vllm-train-"))
+        drafter_dir = None
+        if drafter is not None:
+            drafter_dir = self._work / "drafter"
+            export_vllm(drafter, drafter_dir)
+        self.backend = VLLMBackend(str(model_dir), drafter_dir and str(drafter_dir), config,
+                                   sampling, clock)  # fmt: skip
+        self._finished: list[tuple[str, list[int], int]] = []
+
+    def generate(self, requests: list[Request], policy: SpecPolicy, step: int = 0) -> RolloutResult:
+        result = self.backend.generate(requests, policy, step)
+        if self.is_harvesting:
+            self._finished = [
+                (o.id, list(o.prompt_token_ids) + list(o.output_token_ids), len(o.prompt_token_ids))
+                for o in result.outputs
+            ]
+        return result
+
+    def pop_harvest(self) -> list[HarvestRecord]:
+        """(token ids, target hidden states) of the last rollout's responses, recomputed by the
+        torch mirror (module docstring)."""
+        finished, self._finished = self._finished, []
+        records = records_from_outputs(self.model, [(ids, n) for _, ids, n in finished])
+        return [
+            HarvestRecord(rid, r.token_ids, r.num_prompt_tokens, r.hidden)
+            for (rid, _, _), r in zip(finished, records, strict=True)
+        ]
+
+    @torch.no_grad()
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state_dict)
+        self.backend.update_weights(state_dict)
+
+    @torch.no_grad()
+    def update_drafter(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        if self.drafter is None:
+            raise ValueError("update_drafter: this engine has no drafter")
+        self.drafter.load_state_dict(state_dict)
+        self.backend.update_drafter(state_dict)
+
+    def close(self) -> None:
+        self.backend.close()
+        shutil.rmtree(self._work, ignore_errors=True)

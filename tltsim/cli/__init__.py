@@ -1,0 +1,1 @@
+"""The ``tltsim`` command line: argument parsing and ``main()``; the only place that prints errors."""

@@ -1,0 +1,70 @@
+"""``tltsim`` command line: replay / sweep / report / gen / validate / import.
+
+    tltsim replay traces/synth_reasoning_rl.json --preset h100x8-qwen7b   # simulate, compare policies
+    tltsim sweep sweep.toml                                              # grid / random search
+    tltsim report results/replay-synth_reasoning_rl                      # PNG figures
+    tltsim gen --out my.json ; tltsim validate my.json                   # traces
+
+Each subcommand lives in the module that owns its subject and registers itself here through a
+``register(subparsers)`` function that sets ``func`` on its parser. Run ``tltsim --help``.
+Bad input ends with one ``error: ...`` line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from tltsim.cli.args import UsageError
+from tltsim.trace.schema import TraceError
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from analysis.report import report  # matplotlib is only needed here
+
+    try:
+        paths = report(args.dir)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tltsim.cli import fidelity as cli_fidelity
+    from tltsim.cli import trace as cli_trace
+    from tltsim.fidelity import compare
+    from tltsim.sim import replay, sweep
+
+    parser = argparse.ArgumentParser(
+        prog="tltsim", description="Simulate long-tail RL rollouts and TLT policies."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    replay.register(sub)
+    cli_fidelity.register(sub)  # fit, profile-info
+    compare.register(sub)  # compare: measured vs simulated
+    sweep.register(sub)
+    p = sub.add_parser("report", help="draw PNG figures from a replay or sweep output directory")
+    p.add_argument("dir", type=Path, help="output directory of tltsim replay or tltsim sweep")
+    p.set_defaults(func=_cmd_report)
+    cli_trace.register(sub)  # gen, validate, import
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (UsageError, TraceError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

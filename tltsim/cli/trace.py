@@ -1,0 +1,98 @@
+"""``tltsim gen``, ``tltsim validate`` and ``tltsim import``: make and check ``tlt-trace`` files.
+
+    tltsim gen --num-steps 8 --prompts-per-step 64 --seed 0 --out traces/synth.json
+    tltsim validate traces/synth.json
+    tltsim import servegen /work/shared/traces/servegen_deepseek_r1_output_tokens.csv.gz --out t.json
+
+``tltsim.cli.main`` calls ``register``. Flags of ``gen`` and ``import`` are generated from
+``GenConfig`` and ``ImportConfig``; the resolved config is stored in the trace's ``meta``.
+Errors are ``TraceError`` or ``UsageError`` (one line; ``tltsim.cli.main.main`` exits 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args
+from tltsim.trace.importers import KINDS, ImportConfig, import_trace
+from tltsim.trace.synth import GenConfig, generate
+from tltsim.trace.schema import SUFFIXES, Trace, TraceError, load_trace, save_trace
+
+
+def summary_line(trace: Trace, name: str) -> str:
+    """``FILE: 8 steps, 512 prompts, 4096 responses; response tokens median/p99/max ...``"""
+    s = trace.summary()
+    cap = s["max_response_tokens"]
+    capped = f", {s['num_truncated']} finished at the cap of {cap}" if cap is not None else ""
+    return (
+        f"{name}: {s['num_steps']} steps, {s['num_prompts']} prompts, {s['num_responses']} responses; "
+        f"response tokens median {s['median_tokens']:g} / p99 {s['p99_tokens']:.0f} / max {s['max_tokens']}"
+        f" (total {s['total_response_tokens']}){capped}"
+    )
+
+
+def _check_out(path: Path) -> None:
+    if not path.name.lower().endswith(SUFFIXES):
+        raise UsageError(f"--out {path}: expected a file name ending in {', '.join(SUFFIXES)}")
+
+
+def _cmd_gen(args: argparse.Namespace) -> int:
+    _check_out(args.out)
+    cfg = dataclass_from_args(GenConfig, args)
+    trace = generate(cfg)
+    save_trace(trace, args.out)
+    print("wrote " + summary_line(trace, str(args.out)))
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    trace = load_trace(args.file)
+    print(summary_line(trace, str(args.file)))
+    return 0
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    _check_out(args.out)
+    cfg = dataclass_from_args(ImportConfig, args)
+    try:
+        trace = import_trace(args.kind, args.src, cfg)
+    except ValueError as err:
+        if isinstance(err, TraceError):
+            raise
+        raise UsageError(f"import {args.kind}: {err}") from None
+    save_trace(trace, args.out)
+    print("wrote " + summary_line(trace, str(args.out)))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``gen``, ``validate`` and ``import`` to the ``tltsim`` command line."""
+    gen = subparsers.add_parser(
+        "gen",
+        help="generate a synthetic long-tail trace",
+        description="Generate a synthetic reasoning-RL trace (model: tltsim/trace/synth.py docstring).",
+    )
+    add_dataclass_args(gen, GenConfig)
+    gen.add_argument("--out", type=Path, required=True, help=f"output file ({', '.join(SUFFIXES)})")
+    gen.set_defaults(func=_cmd_gen)
+
+    validate = subparsers.add_parser(
+        "validate",
+        help="check a trace file and print a one-line summary",
+        description="Load and validate a tlt-trace file; print steps, prompts, responses, length median/p99/max.",
+    )
+    validate.add_argument("file", type=Path, help=f"trace file ({', '.join(SUFFIXES)})")
+    validate.set_defaults(func=_cmd_validate)
+
+    imp = subparsers.add_parser(
+        "import",
+        help="build an RL-step trace from public request-length data",
+        description="Turn request lengths (ServeGen R1, Azure 2023) into RL steps of prompts x group_size; "
+        "how groups are formed: tltsim/trace/importers.py docstring and traces/README.md.",
+    )
+    imp.add_argument("kind", choices=KINDS, help="source format")
+    imp.add_argument("src", type=Path, help="source file (see /work/shared/traces/README.md)")
+    add_dataclass_args(imp, ImportConfig)
+    imp.add_argument("--out", type=Path, required=True, help=f"output file ({', '.join(SUFFIXES)})")
+    imp.set_defaults(func=_cmd_import)

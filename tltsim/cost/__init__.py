@@ -1,0 +1,1 @@
+"""Step-time models: roofline, measured profile tables, hardware/model/cluster presets."""

@@ -1,0 +1,448 @@
+"""Model, drafter and hardware specifications with cited presets (inputs of the roofline model).
+
+``ModelSpec`` is a Llama/Qwen2-style dense decoder (GQA, SwiGLU, RMSNorm); ``DrafterSpec`` is an
+EAGLE-1 drafter built on a target; ``HardwareSpec`` is one GPU. ``tltsim.cost.roofline.RooflineCost``
+turns them into seconds. Every preset number is cited where it is set.
+
+    from tltsim.cost.specs import get_model, get_hardware
+    get_model("Qwen2.5-7B").num_params          # 7_615_616_512
+    get_hardware("H100-SXM").hbm_bytes_per_s    # 3.35e12
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a dense decoder-only transformer, as in its Hugging Face ``config.json``."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    has_qkv_bias: bool = False  # Qwen2 has q/k/v biases; Llama does not
+    bytes_per_param: int = 2  # bf16 weights
+    kv_bytes_per_elem: int = 2  # bf16 KV cache
+
+    def __post_init__(self) -> None:
+        for field_name in (
+            "num_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+            "bytes_per_param",
+            "kv_bytes_per_elem",
+        ):
+            if getattr(self, field_name) < 1:
+                raise ValueError(
+                    f"ModelSpec {self.name!r}: {field_name} must be >= 1, got {getattr(self, field_name)}"
+                )
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelSpec {self.name!r}: num_attention_heads={self.num_attention_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def q_width(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """q, k, v, o projections (+ q/k/v biases), SwiGLU MLP (gate, up, down), two RMSNorms."""
+        h = self.hidden_size
+        attn = h * self.q_width + 2 * h * self.kv_width + self.q_width * h
+        bias = self.q_width + 2 * self.kv_width if self.has_qkv_bias else 0
+        return attn + bias + 3 * h * self.intermediate_size + 2 * h
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        """Stored parameters: embedding, layers, final norm, LM head unless tied."""
+        head = 0 if self.tie_word_embeddings else self.lm_head_params
+        return (
+            self.num_layers * self.layer_params
+            + self.vocab_size * self.hidden_size
+            + self.hidden_size
+            + head
+        )
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters a token multiplies through in a forward pass: every layer plus the LM head
+        (tied or not). The embedding is a lookup, not a matmul. Forward FLOPs = 2 x this."""
+        return self.num_layers * self.layer_params + self.lm_head_params + self.hidden_size
+
+    @property
+    def weight_bytes(self) -> int:
+        """Weight bytes one forward pass streams from HBM (the embedding table is not streamed:
+        only the rows of the batch's tokens are read, which is negligible)."""
+        return self.bytes_per_param * self.matmul_params
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over all layers."""
+        return 2 * self.num_layers * self.kv_width * self.kv_bytes_per_elem
+
+    @property
+    def attn_flops_per_pair(self) -> int:
+        """FLOPs for one (query token, key token) pair over all layers: QK^T and AV, each
+        2 x head_dim per head."""
+        return 4 * self.num_layers * self.q_width
+
+    def forward_flops_per_token(self, context_tokens: float) -> float:
+        """2 x params for the matmuls + attention to ``context_tokens`` keys. Kaplan et al. 2020
+        (arXiv 2001.08361, Table 1) count 2 n_layer n_ctx d_attn for the attention scores; the
+        value product A V is as large, hence 4 per (query, key) pair per layer and head dim."""
+        return 2.0 * self.matmul_params + self.attn_flops_per_pair * context_tokens
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], name: str | None = None) -> ModelSpec:
+        """Build from a Hugging Face ``config.json`` dict (Llama / Qwen2 / Mistral layout; a
+        nested ``text_config`` is used when present). A missing field raises one ValueError
+        naming it."""
+        cfg = (
+            config.get("text_config", config)
+            if isinstance(config.get("text_config"), Mapping)
+            else config
+        )
+
+        def need(key: str) -> int:
+            if key not in cfg:
+                raise ValueError(f"config.json: missing field {key!r} (expected an integer)")
+            value = cfg[key]
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"config.json: field {key!r} must be an integer, got {value!r}")
+            return value
+
+        hidden, heads = need("hidden_size"), need("num_attention_heads")
+        model_type = str(cfg.get("model_type", ""))
+        dtype = str(cfg.get("torch_dtype", cfg.get("dtype", "bfloat16")))
+        return cls(
+            name=name or str(cfg.get("_name_or_path", model_type or "model")),
+            num_layers=need("num_hidden_layers"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_attention_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab_size=need("vocab_size"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 puts biases on q/k/v without saying so in config.json; Llama says attention_bias.
+            has_qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            bytes_per_param=_DTYPE_BYTES.get(dtype, 2),
+        )
+
+    @classmethod
+    def from_hf_config_file(cls, path: str | Path, name: str | None = None) -> ModelSpec:
+        path = Path(path)
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: cannot read a JSON config ({err})") from None
+        try:
+            return cls.from_hf_config(config, name=name or path.parent.name)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """EAGLE-1 drafter (arXiv 2401.15077, Sec. 4): ``fc(cat(embed(x_t+1), h_t))`` from 2h to h,
+    then ``num_layers`` decoder layers of the target's shape; the token embedding and the LM head
+    are shared with the target and frozen. The LM head (vocab x hidden) dominates a drafter
+    forward for large vocabularies: for Qwen2.5-7B it is 545M of the 804M parameters streamed."""
+
+    target: ModelSpec
+    num_layers: int = 1
+    draft_vocab_size: int | None = (
+        None  # None: the target's full LM head (EAGLE-1/2); smaller: a hot-token head
+    )
+    has_fc_bias: bool = True  # EAGLE-1's fc layer carries a bias
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"DrafterSpec: num_layers must be >= 1, got {self.num_layers}")
+        if (
+            self.draft_vocab_size is not None
+            and not 1 <= self.draft_vocab_size <= self.target.vocab_size
+        ):
+            raise ValueError(
+                f"DrafterSpec: draft_vocab_size must be in 1..{self.target.vocab_size}, got {self.draft_vocab_size}"
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.draft_vocab_size or self.target.vocab_size
+
+    @property
+    def fc_params(self) -> int:
+        h = self.target.hidden_size
+        return 2 * h * h + (h if self.has_fc_bias else 0)
+
+    @property
+    def trainable_params(self) -> int:
+        return self.fc_params + self.num_layers * self.target.layer_params
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.target.hidden_size
+
+    @property
+    def matmul_params(self) -> int:
+        return self.trainable_params + self.lm_head_params
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.target.bytes_per_param * self.matmul_params
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.target.kv_width * self.target.kv_bytes_per_elem
+
+    @property
+    def attn_flops_per_pair(self) -> int:
+        return 4 * self.num_layers * self.target.q_width
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One GPU. Peaks are datasheet numbers; the fractions turn them into achievable rates."""
+
+    name: str
+    peak_flops_per_s: float  # dense BF16 tensor-core FLOP/s (not the 2:4-sparsity figure)
+    hbm_bytes_per_s: float  # device memory bandwidth
+    memory_bytes: float  # device memory capacity
+    link_bytes_per_s: (
+        float  # GPU-to-GPU bandwidth per direction (NVLink or PCIe), for TP all-reduce
+    )
+    # Assumption (not a published measurement): large bf16 GEMMs in cuBLAS/CUTLASS sustain about
+    # 70% of the dense datasheet peak; decode adds small GEMMs and attention that do worse, which the
+    # per-iteration overhead below partly absorbs. A measured profile (issue #7) replaces it.
+    flops_fraction: float = 0.70
+    # Assumption: streaming kernels (weight GEMV, paged KV reads) sustain about 80% of the datasheet
+    # HBM bandwidth; STREAM-like copies get closer to 90% on H100 (third-party measurements we could
+    # not verify first-hand). Fit from a measured profile (issue #7).
+    bandwidth_fraction: float = 0.80
+    # Training hardware FLOPs utilisation, recompute included: Llama 3 (arXiv 2407.21783, Table 4)
+    # reports 38-43% BF16 MFU for 405B pre-training on H100s; we take 0.40 for FSDP actor updates.
+    train_flops_fraction: float = 0.40
+    # Assumption: fixed cost of one engine iteration with CUDA graphs (scheduling, sampling,
+    # launch, host sync), ~1 ms; e.g. batch-1 decode of an 8B model on H100 runs at 6-7 ms/token
+    # while its weights stream in ~5-6 ms at 80% bandwidth. Fit from a measured profile (issue #7).
+    iter_overhead_s: float = 1.0e-3
+    # Assumption: fixed cost of one drafter forward inside an SD iteration (graph replay + top-k).
+    draft_step_overhead_s: float = 1.0e-4
+    # Assumption: latency of one small intra-node all-reduce (NCCL / custom all-reduce), ~10 us.
+    allreduce_latency_s: float = 1.0e-5
+
+    def __post_init__(self) -> None:
+        for field_name in (
+            "peak_flops_per_s",
+            "hbm_bytes_per_s",
+            "memory_bytes",
+            "link_bytes_per_s",
+        ):
+            if getattr(self, field_name) <= 0:
+                raise ValueError(f"HardwareSpec {self.name!r}: {field_name} must be > 0")
+        for field_name in ("flops_fraction", "bandwidth_fraction", "train_flops_fraction"):
+            if not 0 < getattr(self, field_name) <= 1:
+                raise ValueError(f"HardwareSpec {self.name!r}: {field_name} must be in (0, 1]")
+        for field_name in ("iter_overhead_s", "draft_step_overhead_s", "allreduce_latency_s"):
+            if getattr(self, field_name) < 0:
+                raise ValueError(f"HardwareSpec {self.name!r}: {field_name} must be >= 0")
+
+    @property
+    def achievable_flops_per_s(self) -> float:
+        return self.peak_flops_per_s * self.flops_fraction
+
+    @property
+    def achievable_bytes_per_s(self) -> float:
+        return self.hbm_bytes_per_s * self.bandwidth_fraction
+
+
+# ---------------------------------------------------------------------------------------------
+# Model presets: numbers copied from each model's published Hugging Face config.json.
+# ---------------------------------------------------------------------------------------------
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    # huggingface.co/Qwen/Qwen2.5-0.5B/blob/main/config.json (model card: 0.49B parameters)
+    "Qwen2.5-0.5B": ModelSpec(
+        "Qwen2.5-0.5B",
+        num_layers=24,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_attention_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        has_qkv_bias=True,
+    ),
+    # huggingface.co/Qwen/Qwen2.5-1.5B/blob/main/config.json (model card: 1.54B parameters)
+    "Qwen2.5-1.5B": ModelSpec(
+        "Qwen2.5-1.5B",
+        num_layers=28,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_attention_heads=12,
+        num_kv_heads=2,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        has_qkv_bias=True,
+    ),
+    # huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json (model card: 7.61B parameters);
+    # DeepSeek-R1-Distill-Qwen-7B (a TLT target) has the same shape.
+    "Qwen2.5-7B": ModelSpec(
+        "Qwen2.5-7B",
+        num_layers=28,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_attention_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        vocab_size=152064,
+        has_qkv_bias=True,
+    ),
+    # huggingface.co/Qwen/Qwen2.5-32B/blob/main/config.json (model card: 32.5B parameters;
+    # 32,763,876,352 counted from the config, embedding and LM head included)
+    "Qwen2.5-32B": ModelSpec(
+        "Qwen2.5-32B",
+        num_layers=64,
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_attention_heads=40,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=152064,
+        has_qkv_bias=True,
+    ),
+    # huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json
+    "Llama-3.1-8B": ModelSpec(
+        "Llama-3.1-8B",
+        num_layers=32,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+    ),
+    # huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json (Llama-3.3-70B, a TLT
+    # target, has the same shape)
+    "Llama-3.1-70B": ModelSpec(
+        "Llama-3.1-70B",
+        num_layers=80,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+    ),
+}
+
+GB = 1e9
+TB = 1e12
+
+# ---------------------------------------------------------------------------------------------
+# Hardware presets: datasheet peaks. Dense BF16 = half the "with sparsity" datasheet figure.
+# ---------------------------------------------------------------------------------------------
+
+HARDWARE_PRESETS: dict[str, HardwareSpec] = {
+    # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column: BF16 1,979 TFLOPS with sparsity (989.5
+    # dense), HBM3 3.35 TB/s, 80 GB, NVLink 900 GB/s (bidirectional: 450 GB/s per direction).
+    "H100-SXM": HardwareSpec(
+        "H100-SXM",
+        peak_flops_per_s=989.5 * TB,
+        hbm_bytes_per_s=3.35 * TB,
+        memory_bytes=80 * GB,
+        link_bytes_per_s=450 * GB,
+    ),
+    # NVIDIA H200 Tensor Core GPU datasheet, SXM column: BF16 1,979 TFLOPS with sparsity (989.5
+    # dense), HBM3e 4.8 TB/s, 141 GB, NVLink 900 GB/s.
+    "H200": HardwareSpec(
+        "H200",
+        peak_flops_per_s=989.5 * TB,
+        hbm_bytes_per_s=4.8 * TB,
+        memory_bytes=141 * GB,
+        link_bytes_per_s=450 * GB,
+    ),
+    # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column: BF16 312 TFLOPS dense (624 with
+    # sparsity), HBM2e 2,039 GB/s, 80 GB, NVLink 600 GB/s (300 GB/s per direction).
+    "A100-80GB": HardwareSpec(
+        "A100-80GB",
+        peak_flops_per_s=312 * TB,
+        hbm_bytes_per_s=2.039 * TB,
+        memory_bytes=80 * GB,
+        link_bytes_per_s=300 * GB,
+    ),
+    # NVIDIA H20 (HGX H20 product brief; not a public datasheet, figures as widely reported):
+    # BF16 148 TFLOPS dense (296 with sparsity), HBM3 4.0 TB/s, 96 GB, NVLink 900 GB/s.
+    "H20": HardwareSpec(
+        "H20",
+        peak_flops_per_s=148 * TB,
+        hbm_bytes_per_s=4.0 * TB,
+        memory_bytes=96 * GB,
+        link_bytes_per_s=450 * GB,
+    ),
+    # NVIDIA L40S datasheet: BF16 362.05 TFLOPS dense (733 with sparsity), GDDR6 864 GB/s, 48 GB,
+    # no NVLink: PCIe Gen4 x16, 64 GB/s bidirectional (32 GB/s per direction).
+    "L40S": HardwareSpec(
+        "L40S",
+        peak_flops_per_s=362.05 * TB,
+        hbm_bytes_per_s=0.864 * TB,
+        memory_bytes=48 * GB,
+        link_bytes_per_s=32 * GB,
+    ),
+}
+
+
+def get_model(name: str) -> ModelSpec:
+    if name not in MODEL_PRESETS:
+        raise ValueError(
+            f"unknown model preset {name!r}; expected one of {', '.join(MODEL_PRESETS)}"
+        )
+    return MODEL_PRESETS[name]
+
+
+def get_hardware(name: str) -> HardwareSpec:
+    if name not in HARDWARE_PRESETS:
+        raise ValueError(
+            f"unknown hardware preset {name!r}; expected one of {', '.join(HARDWARE_PRESETS)}"
+        )
+    return HARDWARE_PRESETS[name]
+
+
+__all__ = [
+    "DrafterSpec",
+    "HARDWARE_PRESETS",
+    "HardwareSpec",
+    "MODEL_PRESETS",
+    "ModelSpec",
+    "get_hardware",
+    "get_model",
+]

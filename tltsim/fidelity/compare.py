@@ -1,0 +1,409 @@
+"""``tltsim compare``: replay measured runs in the simulator with a measured cost profile and put
+simulated and measured step times side by side, with their errors (issue #7, part 4).
+
+    tltsim compare runs/fid/trace_nospec.json runs/fid/trace_tlt.json --profile profiles/cpu.csv
+    tltsim compare runs/rl/trace.json --profile profiles/cpu.csv --out results/compare-rl
+
+Each trace is one policy's measured run (``tltrun bench`` / ``tltrun train`` / the fidelity
+benchmark write them). It is replayed with the same lengths, placement (instances and which
+prompts ran where), batching cap, policy object and accept lengths (each step's measured
+histogram per strategy; ``tltsim.fidelity.measured_run`` lists what the trace must record; with
+``--drafter-dynamics`` the fitted acceptance model instead), on the cost model of ``--profile``
+(``tltsim.cost.measured.ProfileCost``; ``--hardware PRESET`` adds a roofline fallback for ops
+the profile lacks).
+
+How: each instance is simulated on its own (``simulate`` with one instance and that instance's
+prompts, every step in order, its own policy object, as each engine drives its own): nothing in
+a rollout couples instances except the barrier, and the step's simulated rollout is the slowest
+instance. Spot drafter training is not simulated (the replayed acceptance already contains its
+effect). Exact mode (one event and one policy call per iteration, as the engine) is the default.
+
+Printed and written to ``--out`` (default ``results/compare-<first trace stem>``):
+``steps.csv`` (per trace and step: measured and simulated rollout, train, prefill, SD and
+re-prefill seconds, accept length, and the absolute % errors), ``speedups.csv`` (per policy and
+step: measured and simulated speedup over ``--baseline``), ``summary.json`` (median and p90 of
+the per-step errors, whole-run speedups), ``config.json``, ``parity.png``, ``steps.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args, write_json
+from tltsim.cost.roofline import RooflineCost
+from tltsim.fidelity.fit import load_dynamics
+from tltsim.fidelity.measured_run import MeasuredRun, measured_run
+from tltsim.policy import TLTConfig, make_policy
+from tltsim.cost.profile import Profile, load_profile
+from tltsim.cost.measured import ProfileCost
+from tltsim.sim.simulator import SimConfig, simulate
+from tltsim.cost.specs import HARDWARE_PRESETS, ModelSpec
+from tltsim.trace.schema import load_trace
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """Settings of ``tltsim compare`` (one flag per field)."""
+
+    profile: str = field(default="", metadata=_help("measured cost profile CSV (required)"))
+    out: str | None = field(
+        default=None, metadata=_help("output directory (default results/compare-<trace stem>)")
+    )
+    baseline: str = field(
+        default="nospec", metadata=_help("policy the speedups are relative to (if compared)")
+    )
+    max_running_requests: int | None = field(
+        default=None, metadata=_help("batching cap per instance when the trace records none")
+    )
+    hardware: str | None = field(
+        default=None,
+        metadata=_help("GPU preset of a roofline fallback for ops the profile lacks"),
+    )
+    exact: bool = field(default=True, metadata=_help("one simulated event per iteration"))
+    seed: int = field(default=0, metadata=_help("seed of the simulated accept lengths"))
+
+    def __post_init__(self) -> None:
+        if not self.profile:
+            raise ValueError("--profile is required")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.hardware is not None and self.hardware not in HARDWARE_PRESETS:
+            raise ValueError(
+                f"hardware {self.hardware!r}: expected one of {', '.join(HARDWARE_PRESETS)}"
+            )
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+
+def profile_cost(profile: Profile, hardware: str | None) -> ProfileCost:
+    """The profile's cost model; with ``hardware`` a roofline of the profiled model (from the
+    sidecar's ``model`` config) prices the ops the profile lacks."""
+    fallback = None
+    if hardware is not None:
+        model = profile.meta.get("model")
+        if not isinstance(model, dict):
+            raise UsageError(
+                f"{profile.source}: sidecar field 'model' is not a config.json object; the roofline fallback needs it"
+            )
+        try:
+            spec = ModelSpec.from_hf_config(model, name="profiled model")
+            fallback = RooflineCost(spec, HARDWARE_PRESETS[hardware], tp=int(profile.meta["tp"]))
+        except ValueError as err:
+            raise UsageError(f"{profile.source}: {err}") from None
+    return ProfileCost(profile, fallback=fallback, is_warned=False)
+
+
+# --- simulating one measured run ---------------------------------------------------------------
+
+
+def _step_rows(run: MeasuredRun, per_instance: list[Any], cost: ProfileCost) -> list[dict]:
+    """Per step: measured and simulated figures (instances summed, rollout = slowest)."""
+    rows = []
+    n = run.num_instances
+    for k, step in enumerate(run.trace.steps):
+        recs = [result.steps[k] for result in per_instance]
+        m = step.measured
+        tokens = sum(p.prompt_tokens * len(p.responses) for p in step.prompts)
+        tokens += step.total_response_tokens
+        # The training phase as tltsim.sim.simulator prices it: data parallel over the instances.
+        train_s = cost.train_s(int(round(tokens / n)), tokens / step.num_responses)
+        sd_tokens, verifies = sum(r.sd_tokens for r in recs), sum(r.sd_verifies for r in recs)
+        busy = sum(r.busy_gpu_s for r in recs) / int(cost.profile.meta["tp"])  # instance-s
+        decode, reprefill = (
+            sum(r.decode_instance_s for r in recs),
+            sum(r.reprefill_instance_s for r in recs),
+        )
+        rows.append(
+            {
+                "trace": run.source,
+                "policy": run.policy,
+                "step": step.step,
+                "num_instances": n,
+                "measured_rollout_s": float(m["rollout_s"]),
+                "sim_rollout_s": max(r.rollout_s for r in recs),
+                "measured_train_s": _number(m.get("train_s")),
+                "sim_train_s": train_s,
+                "measured_prefill_s": _number(m.get("prefill_s")),
+                "sim_prefill_s": busy - decode - reprefill,
+                "measured_sd_s": _number(m.get("sd_s")),
+                "sim_sd_s": sum(r.sd_instance_s for r in recs),
+                "measured_reprefill_s": _number(m.get("drafter_prefill_s")),
+                "sim_reprefill_s": reprefill,
+                "measured_accept_len": _number(m.get("mean_accept_len")),
+                "sim_accept_len": sd_tokens / verifies if verifies else 0.0,
+                "replayed_accept_rate": run.acceptance.rates[k],
+            }
+        )
+    return rows
+
+
+def _number(value: Any) -> float:
+    return float(value) if type(value) in (int, float) else math.nan
+
+
+def simulate_run(
+    run: MeasuredRun, cost: ProfileCost, cfg: CompareConfig, drafter: DrafterDynamics | None
+) -> tuple[list[dict], list[SimConfig]]:
+    """Simulate every instance of ``run`` on its own; per-step rows and the configs used."""
+    results, configs = [], []
+    for i in range(run.num_instances):
+        cap = run.max_running_requests or run.max_share(i)
+        tp = int(cost.profile.meta["tp"])  # one profile describes one engine instance
+        sim = SimConfig(
+            model="profiled",
+            hardware="profiled",
+            num_gpus=tp,
+            tp=tp,
+            max_running_requests=cap,
+            share_prompts=run.share_prompts,
+            prefix_block_tokens=run.prefix_block_tokens,
+            exact=cfg.exact,
+            is_timeline_recorded=False,
+            seed=cfg.seed + i,
+        )
+        policy = make_policy(run.policy, seed=run.policy_seed, **run.settings)
+        results.append(
+            simulate(run.instance_trace(i), sim, cost, policy, None, drafter or run.acceptance)
+        )
+        configs.append(sim)
+    return _step_rows(run, results, cost), configs
+
+
+# --- errors and speedups -------------------------------------------------------------------------
+
+
+def abs_pct_error(sim: pd.Series, measured: pd.Series) -> pd.Series:
+    return 100.0 * (sim - measured).abs() / measured
+
+
+def speedups(steps: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    """Per policy other than ``baseline`` and common step: measured and simulated rollout
+    speedup (baseline seconds / policy seconds), and the step speedup with training when both
+    runs measured it."""
+    if baseline not in set(steps.policy):
+        return pd.DataFrame()
+    base = steps[steps.policy == baseline].set_index("step")
+    rows = []
+    for policy, frame in steps[steps.policy != baseline].groupby("policy", sort=False):
+        for _, r in frame.iterrows():
+            if r.step not in base.index:
+                continue
+            b = base.loc[r.step]
+            row = {"policy": policy, "step": r.step}
+            for kind in ("measured", "sim"):
+                row[f"{kind}_speedup"] = b[f"{kind}_rollout_s"] / r[f"{kind}_rollout_s"]
+                whole = b[f"{kind}_rollout_s"] + b[f"{kind}_train_s"]
+                row[f"{kind}_step_speedup"] = whole / (
+                    r[f"{kind}_rollout_s"] + r[f"{kind}_train_s"]
+                )
+            rows.append(row)
+    out = pd.DataFrame(rows)
+    if not out.empty:
+        out["speedup_err_pct"] = abs_pct_error(out.sim_speedup, out.measured_speedup)
+        out["step_speedup_err_pct"] = abs_pct_error(out.sim_step_speedup, out.measured_step_speedup)
+    return out
+
+
+def _stats(values: pd.Series) -> dict[str, float | None]:
+    v = values.dropna()
+    if v.empty:
+        return {"median": None, "p90": None, "num_steps": 0}
+    return {
+        "median": float(v.median()),
+        "p90": float(np.percentile(v, 90)),
+        "num_steps": int(v.size),
+    }
+
+
+def summarize(steps: pd.DataFrame, ups: pd.DataFrame, baseline: str) -> dict[str, Any]:
+    """Median / p90 of the per-step errors per policy and overall, and whole-run speedups."""
+    out: dict[str, Any] = {"kind": "compare", "policies": {}}
+    for policy, f in steps.groupby("policy", sort=False):
+        out["policies"][policy] = {
+            "rollout_err_pct": _stats(f.rollout_err_pct),
+            "train_err_pct": _stats(f.train_err_pct),
+            "measured_rollout_s": float(f.measured_rollout_s.sum()),
+            "sim_rollout_s": float(f.sim_rollout_s.sum()),
+        }
+    out["rollout_err_pct"] = _stats(steps.rollout_err_pct)
+    out["train_err_pct"] = _stats(steps.train_err_pct)
+    out["speedups"] = {}
+    base = steps[steps.policy == baseline].set_index("step")
+    for policy, f in ups.groupby("policy", sort=False) if not ups.empty else ():
+        mine = steps[(steps.policy == policy) & steps.step.isin(f.step)]
+        b = base.loc[f.step]
+        measured = b.measured_rollout_s.sum() / mine.measured_rollout_s.sum()
+        sim = b.sim_rollout_s.sum() / mine.sim_rollout_s.sum()
+        out["speedups"][policy] = {
+            "baseline": baseline,
+            "measured_speedup": float(measured),
+            "sim_speedup": float(sim),
+            "speedup_err_pct": float(100 * abs(sim - measured) / measured),
+            "per_step_err_pct": _stats(f.speedup_err_pct),
+        }
+    return out
+
+
+# --- the command -----------------------------------------------------------------------------------
+
+
+def compare(
+    paths: list[Path],
+    cfg: CompareConfig,
+    tlt: TLTConfig | None = None,
+    drafter: DrafterDynamics | None = None,
+) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any], dict[str, Any]]:
+    """Simulate every measured trace; (steps, speedups, summary, resolved config)."""
+    profile = load_profile(cfg.profile)
+    cost = profile_cost(profile, cfg.hardware)
+    rows, runs = [], []
+    for path in paths:
+        run = measured_run(load_trace(path), str(path), cfg.max_running_requests, tlt)
+        if run.clock != profile.meta.get("clock", "wall"):
+            raise UsageError(
+                f"{path}: measured in {run.clock} seconds but the profile {profile.source} in {profile.meta.get('clock', 'wall')} seconds (measure both with the same clock)"
+            )
+        step_rows, sims = simulate_run(run, cost, cfg, drafter)
+        rows += step_rows
+        runs.append(
+            {
+                "trace": str(path),
+                "policy": run.policy,
+                "settings": run.settings,
+                "policy_seed": run.policy_seed,
+                "num_instances": run.num_instances,
+                "max_running_requests": run.max_running_requests,
+                "acceptance": dataclasses.asdict(run.acceptance) if drafter is None else None,
+                "sim": [dataclasses.asdict(s) for s in sims],
+            }
+        )
+    steps = pd.DataFrame(rows)
+    steps["rollout_err_pct"] = abs_pct_error(steps.sim_rollout_s, steps.measured_rollout_s)
+    steps["train_err_pct"] = abs_pct_error(steps.sim_train_s, steps.measured_train_s)
+    ups = speedups(steps, cfg.baseline)
+    summary = summarize(steps, ups, cfg.baseline)
+    summary["profile_extrapolation"] = cost.extrapolation_report()
+    config = {
+        "kind": "compare",
+        "compare": dataclasses.asdict(cfg),
+        "profile": {k: v for k, v in profile.meta.items() if k != "config"},
+        "drafter_dynamics": dataclasses.asdict(drafter) if drafter is not None else None,
+        "runs": runs,
+    }
+    return steps, ups, summary, config
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return (
+        "-"
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else format(value, spec)
+    )
+
+
+def format_report(steps: pd.DataFrame, ups: pd.DataFrame, summary: dict[str, Any]) -> str:
+    head = f"{'policy':<8}{'step':>6}{'rollout meas':>14}{'sim':>9}{'err%':>7}{'train meas':>12}{'sim':>9}{'err%':>7}{'accept meas':>13}{'sim':>6}"
+    lines = ["per step (seconds):", head, "-" * len(head)]
+    for _, r in steps.iterrows():
+        lines.append(
+            f"{r.policy:<8}{r.step:>6}{r.measured_rollout_s:>14.3f}{r.sim_rollout_s:>9.3f}{r.rollout_err_pct:>7.1f}"
+            f"{_fmt(r.measured_train_s, '>12.3f'):>12}{r.sim_train_s:>9.3f}{_fmt(r.train_err_pct, '>7.1f'):>7}"
+            f"{_fmt(r.measured_accept_len, '>13.2f'):>13}{r.sim_accept_len:>6.2f}"
+        )
+    if not ups.empty:
+        lines += ["", f"{'policy':<8}{'step':>6}{'speedup meas':>14}{'sim':>8}{'err%':>7}"]
+        for _, r in ups.iterrows():
+            lines.append(
+                f"{r.policy:<8}{r.step:>6}{r.measured_speedup:>14.3f}{r.sim_speedup:>8.3f}{r.speedup_err_pct:>7.1f}"
+            )
+    lines.append("")
+    for policy, s in summary["policies"].items():
+        ro, tr = s["rollout_err_pct"], s["train_err_pct"]
+        lines.append(
+            f"{policy}: rollout error median {_fmt(ro['median'], '.1f')}% p90 {_fmt(ro['p90'], '.1f')}% over {ro['num_steps']} steps; "
+            f"train error median {_fmt(tr['median'], '.1f')}% p90 {_fmt(tr['p90'], '.1f')}%"
+        )
+    for policy, s in summary["speedups"].items():
+        lines.append(
+            f"{policy} vs {s['baseline']}: rollout speedup measured {s['measured_speedup']:.3f}x, simulated {s['sim_speedup']:.3f}x "
+            f"(error {s['speedup_err_pct']:.1f}%; per step median {_fmt(s['per_step_err_pct']['median'], '.1f')}%)"
+        )
+    lines += ["profile extrapolation: " + line for line in summary["profile_extrapolation"]]
+    return "\n".join(lines)
+
+
+def write_outputs(
+    out: Path, steps: pd.DataFrame, ups: pd.DataFrame, summary: dict[str, Any], config: dict
+) -> list[Path]:
+    from analysis.fidelity_plots import parity_plot, steps_plot  # matplotlib only here
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "config.json", config)
+    steps.to_csv(out / "steps.csv", index=False)
+    ups.to_csv(out / "speedups.csv", index=False)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return [parity_plot(steps, out / "parity.png"), steps_plot(steps, ups, out / "steps.png")]
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    cfg = dataclass_from_args(CompareConfig, args)
+    is_tlt_given = any(
+        getattr(args, "tlt-" + f.name, None) is not None for f in dataclasses.fields(TLTConfig)
+    )
+    tlt = dataclass_from_args(TLTConfig, args, prefix="tlt-") if is_tlt_given else None
+    drafter = load_dynamics(args.drafter_dynamics) if args.drafter_dynamics else None
+    steps, ups, summary, config = compare(args.traces, cfg, tlt, drafter)
+    out = (
+        Path(cfg.out)
+        if cfg.out
+        else Path("results") / f"compare-{args.traces[0].name.split('.')[0]}"
+    )
+    plots = write_outputs(out, steps, ups, summary, config)
+    print(format_report(steps, ups, summary))
+    names = ["config.json", "steps.csv", "speedups.csv", "summary.json"] + [p.name for p in plots]
+    print(f"wrote {out}/: {' '.join(names)}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``tltsim compare`` (``tltsim.cli.main.build_parser`` calls this)."""
+    p = subparsers.add_parser(
+        "compare",
+        help="replay measured runs with a measured profile; simulated vs measured, with errors",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("traces", type=Path, nargs="+", help="measured tlt-traces, one per policy run")
+    p.add_argument(
+        "--drafter-dynamics",
+        type=Path,
+        default=None,
+        help="simulate acceptance with these fitted dynamics (tltsim fit --out) instead of replaying the measured per-step acceptance",
+    )
+    add_dataclass_args(p, CompareConfig)
+    add_dataclass_args(p, TLTConfig, prefix="tlt-")
+    p.set_defaults(func=cmd_compare)
+
+
+__all__ = [
+    "CompareConfig",
+    "compare",
+    "format_report",
+    "register",
+    "simulate_run",
+    "speedups",
+    "summarize",
+]

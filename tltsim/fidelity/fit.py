@@ -1,0 +1,450 @@
+"""``tltsim fit``: drafter-dynamics parameters from a measured run (issue #7, part 3).
+
+    tltsim fit runs/measured.json --out fitted_drafter.json
+    tltsim replay trace.json --drafter-dynamics fitted_drafter.json   # (see tltsim.cli.fidelity)
+
+    from tltsim.fidelity.fit import FitConfig, fit_trace, load_dynamics
+    result = fit_trace(load_trace("runs/measured.json"), FitConfig())
+    result.dynamics            # a tltsim.sim.acceptance.DrafterDynamics
+
+Two stages, both on the simulator's own model (``tltsim.sim.acceptance``):
+
+1. Per RL step, the per-token acceptance ``a`` of the drafter's top-1 guess, by maximum
+   likelihood of the step's verify outcomes. For chain drafting with k draft tokens a verify
+   that accepted i tokens contributes a^i (1-a) (i < k) or a^k (i = k): a truncated geometric,
+   so a = S / (S + F) (S accepted tokens, F rejections) with standard error sqrt(a(1-a)/(S+F)).
+   For trees the likelihood is ``accept_len_pmf`` and ``a`` is found numerically; the tree
+   model's ``sibling_rate`` is fitted once for the whole run by profile likelihood.
+2. ``DrafterDynamics`` (initial, max and stale acceptance, drift per RL step, learn tokens) by
+   weighted least squares of the per-step ``a`` on the dynamics recursion the simulator runs:
+   the acceptance of step s's rollout, then training on that step's trained tokens, then one
+   drift per RL update up to the next recorded step. Standard errors come from the Jacobian,
+   scaled by the reduced chi^2 when it exceeds 1 (steps vary more than binomial noise).
+   Parameters the trace cannot determine are held at their base values and reported as such.
+
+Contract: what a measured trace must record (``tltrun`` writes it)
+-----------------------------------------------------------------
+* per response ``accept_hist``: ``accept_hist[i]`` = verify iterations in which the response had
+  i draft tokens accepted (``tltrun.rollout.interface.RequestOutput``);
+* per step ``measured``, to say which strategy produced those verifies, the first found of:
+  ``accept_hist_by_strategy`` ({strategy: histogram summed over the step's responses}; needed
+  when one step mixed strategies, e.g. TLTAdaptive's bandit), ``policy.iterations_per_strategy``
+  with exactly one strategy other than "off" (``tltrun.rollout.measured_trace``), ``strategy``; else
+  ``FitConfig.strategy`` (``--strategy``). Strategies are ``SpecDecision`` names ("4_1_4").
+* per step ``measured.drafter_trained_tokens``: tokens the drafter was trained on during that
+  step (the simulator's step record has the same field); absent = 0 (a frozen drafter).
+
+Bad input (mixed strategies without a per-strategy histogram, a histogram longer than the
+strategy allows, no SD verifies at all) is one ``UsageError`` line naming the file and step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
+from tltsim.cli.args import UsageError
+from tltsim.fidelity.fit_dynamics import DYNAMICS_FIELDS, DynamicsFit, StepAcceptance, fit_dynamics
+from tltsim.policy import SpecDecision
+from tltsim.trace.schema import Step, Trace
+
+FORMAT = "tlt-drafter-dynamics"
+VERSION = 1
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """Settings of ``tltsim fit`` (one flag per field)."""
+
+    strategy: str = field(
+        default="",
+        metadata=_help("SD strategy of steps whose measured block does not name one, e.g. 4_1_4"),
+    )
+    fixed: tuple[str, ...] = field(
+        default=(),
+        metadata=_help(
+            "DrafterDynamics fields held at their base values: "
+            + ", ".join(DYNAMICS_FIELDS + ("sibling_rate",))
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if self.strategy:
+            decision = SpecDecision.parse(self.strategy)  # ValueError names the expected form
+            if not decision.enabled:
+                raise ValueError("strategy must enable SD ('off' produces no verifies)")
+        unknown = sorted(set(self.fixed) - set(DYNAMICS_FIELDS + ("sibling_rate",)))
+        if unknown:
+            raise ValueError(
+                f"fixed: unknown field(s) {', '.join(unknown)}; expected some of {', '.join(DYNAMICS_FIELDS)}, sibling_rate"
+            )
+
+
+# --- stage 0: per-step histograms from the trace ---------------------------------------------
+
+
+def _step_strategy(measured: dict[str, Any], default: str) -> str | None:
+    """The one SD strategy of a step's verifies (contract order), or None if none is named."""
+    policy = measured.get("policy")
+    counts = policy.get("iterations_per_strategy") if isinstance(policy, dict) else None
+    if isinstance(counts, dict):
+        used = sorted(name for name, n in counts.items() if name != "off" and n)
+        if len(used) > 1:
+            raise ValueError(
+                f"mixed strategies {', '.join(used)} in one step: measured.accept_hist_by_strategy is needed to tell their verifies apart"
+            )
+        if used:
+            return used[0]
+    explicit = measured.get("strategy")
+    return (explicit if isinstance(explicit, str) else None) or default or None
+
+
+def _summed_hist(step: Step) -> list[int]:
+    total: list[int] = []
+    for p in step.prompts:
+        for r in p.responses:
+            if r.accept_hist:
+                total += [0] * (len(r.accept_hist) - len(total))
+                total = [
+                    t + (r.accept_hist[i] if i < len(r.accept_hist) else 0)
+                    for i, t in enumerate(total)
+                ]
+    return total
+
+
+def _step_hists(step: Step, where: str, default_strategy: str) -> dict[str, list[int]]:
+    """Strategy name -> verify histogram of one step (empty without SD verifies)."""
+    measured = step.measured or {}
+    by_strategy = measured.get("accept_hist_by_strategy")
+    if by_strategy is not None:
+        return hists_by_strategy(by_strategy, f"{where}: field 'measured.accept_hist_by_strategy'")
+    total = _summed_hist(step)
+    if not sum(total):
+        return {}
+    try:
+        strategy = _step_strategy(measured, default_strategy)
+    except ValueError as err:
+        raise UsageError(f"{where}: {err}") from None
+    if strategy is None:
+        raise UsageError(
+            f"{where}: responses have accept_hist but no strategy is recorded (expected measured.strategy, measured.policy.iterations_per_strategy or --strategy)"
+        )
+    return {strategy: total}
+
+
+def hists_by_strategy(by_strategy: Any, where: str) -> dict[str, list[int]]:
+    """A recorded ``{strategy: verify counts}`` checked for shape, without its empty entries."""
+    if type(by_strategy) is not dict or not all(
+        type(h) is list and all(type(c) is int and c >= 0 for c in h) for h in by_strategy.values()
+    ):
+        raise UsageError(
+            f"{where}: expected {{strategy: list of integers >= 0}}, got {by_strategy!r:.60}"
+        )
+    return {k: list(v) for k, v in by_strategy.items() if sum(v)}
+
+
+def checked_hists(hists: dict[str, list[int]], where: str) -> dict[SpecDecision, np.ndarray]:
+    """Strategy names parsed, 'off' refused, each histogram no longer than its strategy allows
+    (trailing zeros dropped)."""
+    checked = {}
+    for name, hist in hists.items():
+        try:
+            decision = SpecDecision.parse(name)
+        except ValueError as err:
+            raise UsageError(f"{where}: {err}") from None
+        if not decision.enabled:
+            raise UsageError(f"{where}: verifies recorded under strategy 'off'")
+        while len(hist) > decision.draft_steps + 1 and hist[-1] == 0:
+            hist = hist[:-1]
+        if len(hist) > decision.draft_steps + 1:
+            raise UsageError(
+                f"{where}: accept_hist has {len(hist)} entries but strategy {name} drafts at most {decision.draft_steps} tokens (expected <= {decision.draft_steps + 1})"
+            )
+        checked[decision] = np.asarray(hist, dtype=np.float64)
+    return checked
+
+
+def collect_steps(trace: Trace, source: str, default_strategy: str = "") -> list[StepAcceptance]:
+    """Per step: verify histograms by strategy and drafter tokens trained (see the contract)."""
+    steps = []
+    for s in trace.steps:
+        where = f"{source}: step {s.step}"
+        trained = (s.measured or {}).get("drafter_trained_tokens", 0)
+        if type(trained) is not int or trained < 0:
+            raise UsageError(
+                f"{where}: field 'measured.drafter_trained_tokens': expected an integer >= 0, got {trained!r}"
+            )
+        steps.append(
+            StepAcceptance(
+                s.step, checked_hists(_step_hists(s, where, default_strategy), where), trained
+            )
+        )
+    if not any(st.hists for st in steps):
+        raise UsageError(
+            f"{source}: no SD verifies recorded (expected per-response accept_hist or measured.accept_hist_by_strategy)"
+        )
+    return steps
+
+
+# --- stage 1: per-step acceptance by maximum likelihood ----------------------------------------
+
+
+def _loglik(hists: dict[SpecDecision, np.ndarray], a: float, sibling_rate: float) -> float:
+    total = 0.0
+    for decision, hist in hists.items():
+        pmf = accept_len_pmf(decision, a, sibling_rate)[: hist.size]
+        total += float(hist @ np.log(np.maximum(pmf, 1e-300)))
+    return total
+
+
+def _argmax(f, lo: float, hi: float, num_grid: int = 41, tol: float = 1e-7) -> float:
+    """Maximiser of a unimodal-ish ``f`` on [lo, hi]: coarse grid, then golden section."""
+    grid = np.linspace(lo, hi, num_grid)
+    best = int(np.argmax([f(x) for x in grid]))
+    a, b = grid[max(best - 1, 0)], grid[min(best + 1, num_grid - 1)]
+    ratio = (math.sqrt(5) - 1) / 2
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fd = f(c), f(d)
+    while b - a > tol:
+        if fc >= fd:
+            b, d, fd = d, c, fc
+            c = b - ratio * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + ratio * (b - a)
+            fd = f(d)
+    return (a + b) / 2
+
+
+def _newton(f, x: float, lo: float, hi: float, max_iters: int = 30) -> float | None:
+    """Maximiser of a concave-near-``x`` ``f`` by safeguarded Newton steps; None if it fails."""
+    for _ in range(max_iters):
+        h = min(1e-5, (x - lo) / 2, (hi - x) / 2)
+        f0, fp, fm = f(x), f(x + h), f(x - h)
+        grad, curv = (fp - fm) / (2 * h), (fp - 2 * f0 + fm) / h**2
+        if not curv < 0:
+            return None
+        step = min(max(-grad / curv, -0.05), 0.05)
+        x = min(max(x + step, lo + 1e-9), hi - 1e-9)
+        if abs(step) < 1e-8:
+            return x
+    return None
+
+
+def estimate_accept_rate(
+    hists: dict[SpecDecision, np.ndarray], sibling_rate: float, start: float | None = None
+) -> tuple[float, float, float]:
+    """(a, standard error, log-likelihood) of one step's verify histograms; ``start`` (trees
+    only) warm-starts the numeric search."""
+    if all(d.is_chain for d in hists):
+        accepted = rejected = 0.0
+        for d, hist in hists.items():
+            k = min(d.draft_steps, d.verify_tokens)
+            accepted += float(hist @ np.arange(hist.size))
+            rejected += float(hist[:k].sum())
+        trials = accepted + rejected
+        a = accepted / trials
+        # The Fisher information vanishes at a = 0 or 1; shrink by half a pseudo-count there.
+        a_se = min(max(a, 0.5 / (trials + 1)), 1 - 0.5 / (trials + 1))
+        return a, math.sqrt(a_se * (1 - a_se) / trials), _loglik(hists, a, sibling_rate)
+    eps = 1e-6
+
+    def f(x: float) -> float:
+        return _loglik(hists, x, sibling_rate)
+
+    a = _newton(f, start, eps, 1 - eps) if start is not None else None
+    if a is None:
+        a = _argmax(f, eps, 1 - eps)
+    h = min(1e-4, (a - eps) / 2, (1 - eps - a) / 2)
+    curv = (f(a + h) - 2 * f(a) + f(a - h)) / h**2
+    se = 1 / math.sqrt(-curv) if curv < 0 else math.inf
+    return a, se, f(a)
+
+
+def fit_sibling_rate(steps: list[StepAcceptance]) -> tuple[float, float]:
+    """Profile-likelihood estimate of the tree model's ``sibling_rate`` and its standard error:
+    for each candidate b every step's acceptance is re-maximised (warm-started)."""
+    tried: dict[float, dict[int, float]] = {}  # b -> per step a: warm starts from the nearest b
+
+    def profile(b: float) -> float:
+        near = tried[min(tried, key=lambda x: abs(x - b))] if tried else {}
+        found, total = {}, 0.0
+        for s in steps:
+            if s.hists:
+                found[s.step], _, ll = estimate_accept_rate(s.hists, b, near.get(s.step))
+                total += ll
+        tried[b] = found
+        return total
+
+    b = _argmax(profile, 0.01, 0.99, num_grid=9, tol=1e-4)
+    h = min(1e-3, b - 0.005, 0.995 - b)
+    curv = (profile(b + h) - 2 * profile(b) + profile(b - h)) / h**2
+    return b, (1 / math.sqrt(-curv) if curv < 0 else math.inf)
+
+
+# --- the whole fit -----------------------------------------------------------------------------
+
+
+@dataclass
+class FitResult:
+    dynamics: DrafterDynamics
+    fit: DynamicsFit
+    sibling_rate_se: float | None  # None: not fitted (no tree verifies, or fixed)
+    steps: list[StepAcceptance]
+
+    def to_json(self, source: str) -> dict[str, Any]:
+        stderr = dict(self.fit.stderr)
+        if self.sibling_rate_se is not None:
+            stderr["sibling_rate"] = self.sibling_rate_se
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "dynamics": dataclasses.asdict(self.dynamics),
+            "fit": {
+                "source": source,
+                "fitted": list(self.fit.fitted)
+                + (["sibling_rate"] if self.sibling_rate_se is not None else []),
+                "held": self.fit.held,
+                "stderr": {k: (v if math.isfinite(v) else None) for k, v in stderr.items()},
+                "chi2_per_dof": self.fit.chi2_per_dof,
+                "steps": [
+                    {
+                        "step": s.step,
+                        "num_verifies": s.num_verifies,
+                        "accept_rate": s.accept_rate,
+                        "stderr": s.stderr,
+                        "predicted": p,
+                        "drafter_trained_tokens": s.trained_tokens,
+                    }
+                    for s, p in zip(self.steps, self.fit.predicted, strict=True)
+                ],
+            },
+        }
+
+
+def fit_trace(
+    trace: Trace, config: FitConfig, source: str = "<trace>", base: DrafterDynamics | None = None
+) -> FitResult:
+    """Both stages on one measured trace; ``base`` supplies the held parameters."""
+    base = base or DrafterDynamics()
+    steps = collect_steps(trace, source, config.strategy)
+    has_trees = any(not d.is_chain for s in steps for d in s.hists)
+    sibling_rate, sibling_se = base.sibling_rate, None
+    if has_trees and "sibling_rate" not in config.fixed:
+        sibling_rate, sibling_se = fit_sibling_rate(steps)
+    for s in steps:
+        if s.hists:
+            s.accept_rate, s.stderr, _ = estimate_accept_rate(s.hists, sibling_rate)
+    base = dataclasses.replace(base, sibling_rate=sibling_rate)
+    fit = fit_dynamics(steps, base, tuple(f for f in config.fixed if f != "sibling_rate"))
+    return FitResult(fit.dynamics, fit, sibling_se, steps)
+
+
+def format_fit(result: FitResult, source: str) -> str:
+    """The fit as printed by ``tltsim fit``: parameters, then the per-step table."""
+    fit, steps = result.fit, result.steps
+    observed = [s for s in steps if s.hists]
+    lines = [
+        f"{source}: {len(steps)} steps, {len(observed)} with SD verifies ({sum(s.num_verifies for s in observed):,} verifies), "
+        f"{sum(s.trained_tokens for s in steps):,} drafter tokens trained",
+        f"{'parameter':<22}{'value':>12}{'stderr':>12}  status",
+    ]
+    stderr = dict(fit.stderr)
+    if result.sibling_rate_se is not None:
+        stderr["sibling_rate"] = result.sibling_rate_se
+    for name in DYNAMICS_FIELDS + ("sibling_rate",):
+        value = getattr(result.dynamics, name)
+        se = stderr.get(name)
+        status = (
+            "fitted"
+            if name in stderr
+            else "held: " + fit.held.get(name, "no tree verifies in the trace")
+        )
+        lines.append(
+            f"{name:<22}{value:>12.6g}{(f'{se:.3g}' if se is not None else '-'):>12}  {status}"
+        )
+    lines.append(
+        f"chi2 per degree of freedom: {fit.chi2_per_dof:.3g} ({len(observed)} steps, {len(fit.fitted)} parameters)"
+    )
+    lines.append(
+        f"{'step':>6}{'verifies':>10}{'accept':>9}{'stderr':>9}{'predicted':>11}{'resid/se':>10}{'trained':>12}"
+    )
+    for s, pred in zip(steps, fit.predicted, strict=True):
+        if s.hists:
+            resid = (s.accept_rate - pred) / s.stderr if s.stderr > 0 else 0.0
+            lines.append(
+                f"{s.step:>6}{s.num_verifies:>10}{s.accept_rate:>9.4f}{s.stderr:>9.4f}{pred:>11.4f}{resid:>10.2f}{s.trained_tokens:>12}"
+            )
+        else:
+            lines.append(
+                f"{s.step:>6}{0:>10}{'-':>9}{'-':>9}{pred:>11.4f}{'-':>10}{s.trained_tokens:>12}"
+            )
+    return "\n".join(lines)
+
+
+def save_fit(
+    result: FitResult, path: str | Path, source: str, config: FitConfig | None = None
+) -> None:
+    """Write the fit as JSON (``load_dynamics`` reads it back), with the resolved config."""
+    obj = result.to_json(source)
+    obj["config"] = dataclasses.asdict(config or FitConfig())
+    Path(path).write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def load_dynamics(path: str | Path) -> DrafterDynamics:
+    """A ``DrafterDynamics`` from ``tltsim fit --out`` JSON; bad input is one UsageError line."""
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise UsageError(f"{path}: cannot read drafter-dynamics JSON ({err})") from None
+    if type(obj) is not dict or obj.get("format") != FORMAT or obj.get("version") != VERSION:
+        raise UsageError(
+            f"{path}: expected a '{FORMAT}' version {VERSION} file (written by tltsim fit --out)"
+        )
+    params = obj.get("dynamics")
+    names = {f.name for f in dataclasses.fields(DrafterDynamics)}
+    if type(params) is not dict:
+        raise UsageError(
+            f"{path}: field 'dynamics': expected an object of {', '.join(sorted(names))}"
+        )
+    unknown = sorted(set(params) - names)
+    if unknown:
+        raise UsageError(
+            f"{path}: field 'dynamics.{unknown[0]}': unknown (expected {', '.join(sorted(names))})"
+        )
+    bad = [k for k, v in params.items() if type(v) not in (int, float)]
+    if bad:
+        raise UsageError(
+            f"{path}: field 'dynamics.{bad[0]}': expected a number, got {params[bad[0]]!r}"
+        )
+    try:
+        return DrafterDynamics(**params)
+    except ValueError as err:
+        raise UsageError(f"{path}: {err}") from None
+
+
+__all__ = [
+    "FORMAT",
+    "FitConfig",
+    "FitResult",
+    "collect_steps",
+    "estimate_accept_rate",
+    "fit_sibling_rate",
+    "fit_trace",
+    "format_fit",
+    "load_dynamics",
+    "save_fit",
+]

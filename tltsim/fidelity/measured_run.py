@@ -1,0 +1,385 @@
+"""What ``tltsim compare`` reads from a measured trace: the policy, the placement, the batching cap
+and the per-step drafter acceptance of a ``tltrun`` run, so the simulator can replay it.
+
+    from tltsim.fidelity.measured_run import measured_run
+    run = measured_run(load_trace("runs/x/trace_tlt.json"), "runs/x/trace_tlt.json")
+    run.policy, run.settings, run.num_instances, run.instance_trace(0)
+
+Contract: the per-step ``measured`` block fields this module reads (tltrun writes them)
+------------------------------------------------------------------------------------------
+* ``rollout_s`` (required): seconds of the step's rollout (slowest instance); ``train_s``
+  (optional): the actor update; both compared with the simulation. ``clock`` (optional,
+  default ``"wall"``): ``"wall"`` or ``"cpu"`` seconds (``tltrun.profile.measure.CLOCKS``); it must be
+  the clock the profile was measured with.
+* ``policy.name`` (required): ``nospec`` | ``static`` | ``tlt`` (``tltsim.policy.make_policy``),
+  the same in every step; ``policy.config`` (optional): the policy's settings, i.e.
+  ``TLTConfig`` fields for ``tlt`` or ``{"strategy": "4_1_4"}`` for ``static`` (default: the
+  ``TLTConfig`` defaults; a static policy's one strategy from ``policy.iterations_per_strategy``);
+  ``policy.seed`` (optional, default 0): the seed the policy object was built with.
+* ``max_running_requests`` (required unless given on the command line): the engine's
+  continuous-batching cap per instance; ``null`` means each instance admitted its whole share.
+* ``share_prompts`` (optional, default false: traces recorded before engines shared prompts):
+  whether requests with identical prompts shared their prefill (tltrun's
+  ``EngineConfig.share_prompts``, vLLM's prefix caching), the same in every step; the
+  simulation replays it (``SimConfig.share_prompts``). ``prefix_block_tokens`` (optional,
+  default 1): the granularity of that sharing (vLLM: its KV block size), replayed as
+  ``SimConfig.prefix_block_tokens``.
+* ``response_accept_hist_by_strategy`` (optional): ``{prompt id: [{strategy: hist} per
+  response, in the prompt's order]}``, each response's own verifies. With it, each response
+  that verified draws its accept lengths from the acceptance model at its own
+  maximum-likelihood rate (``MeasuredAcceptance.request_accept_rates``), the others from the
+  step's histograms: long responses often accept much less (or more) than their step's mean,
+  and they make the tail.
+* ``instance_prompts`` (optional): one list per engine instance (rollout worker) of the prompt
+  ids it served, in admission order: all responses of a prompt ran on one instance, as in veRL's
+  chunked split and ``tltrun train``. Absent: one instance served the whole step, which is an
+  error when ``worker_rollout_s`` lists more than one worker.
+* Acceptance: the per-response ``accept_hist`` and ``accept_hist_by_strategy`` of the fit
+  contract (``tltsim.fidelity.fit``). They are replayed: in step s the simulation draws the accept
+  lengths of each strategy from that strategy's measured histogram in step s (strategies the
+  step did not use: the acceptance model at the step's maximum-likelihood rate,
+  ``tltsim.fidelity.fit.estimate_accept_rate``). The comparison thus tests the cost model and the
+  scheduling, not the drafter-dynamics model (``tltsim compare --drafter-dynamics`` does).
+
+Bad input raises ``UsageError`` naming the file, the step and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tltsim.sim.acceptance import DEFAULT_ACCEPT_RATE, DEFAULT_SIBLING_RATE, DrafterState
+from tltsim.cli.args import UsageError
+from tltsim.fidelity.fit import (
+    checked_hists,
+    collect_steps,
+    estimate_accept_rate,
+    fit_sibling_rate,
+    hists_by_strategy,
+)
+from tltsim.policy import POLICY_NAMES, SpecDecision, TLTConfig
+from tltsim.trace.schema import Step, Trace
+
+
+@dataclass(frozen=True)
+class MeasuredAcceptance:
+    """Drafter "dynamics" replaying a measured run. Step k of the simulation (its k-th RL step)
+    draws accept lengths from the histogram the trace's k-th step measured for the decision's
+    strategy (``accept_len_pmf``, which ``tltsim.sim.simulator`` asks first): acceptance differs a lot
+    between strategies of one step, e.g. the chain a lone tail request drafts with. A strategy
+    the step did not measure falls back to the acceptance model at the step's rate. Training
+    and drift change nothing (the measurement already contains their effect). Implements the
+    interface ``tltsim.sim.simulator.simulate`` needs from ``DrafterDynamics``."""
+
+    rates: tuple[float, ...]
+    sibling_rate: float = DEFAULT_SIBLING_RATE
+    # per step: {strategy: verify counts by accepted drafts}, as tltsim.fidelity.fit collects them
+    hists: tuple[dict[str, tuple[int, ...]], ...] = ()
+    # per step: {prompt id: each response's own acceptance rate (nan: it verified nothing)}
+    response_rates: tuple[dict[str, tuple[float, ...]], ...] = ()
+
+    def initial_state(self) -> DrafterState:
+        return DrafterState(self.rates[0])
+
+    def after_rl_step(self, state: DrafterState) -> DrafterState:
+        k = min(state.num_rl_steps + 1, len(self.rates) - 1)
+        return DrafterState(self.rates[k], state.trained_tokens, state.num_rl_steps + 1)
+
+    def after_training(self, state: DrafterState, num_tokens: int) -> DrafterState:
+        return dataclasses.replace(state, trained_tokens=state.trained_tokens + num_tokens)
+
+    def request_accept_rates(self, state: DrafterState, step: Step) -> np.ndarray | None:
+        """Per response of ``step`` (prompt-major, as ``tltsim.sim.simulator`` flattens a step): the
+        acceptance rate its own verifies measured, nan where it verified nothing (those draw
+        from the step's histograms). Long responses of a reasoning step often accept far less
+        than the step's mean (repetitive or unusual text), and they are the long tail: replaying
+        the step's pooled histogram for every response finishes the tail too early."""
+        if state.num_rl_steps >= len(self.response_rates):
+            return None
+        table = self.response_rates[state.num_rl_steps]
+        out = []
+        for p in step.prompts:
+            own = table.get(p.id, ())
+            out += [own[i] if i < len(own) else math.nan for i in range(len(p.responses))]
+        return np.asarray(out, dtype=np.float64)
+
+    def accept_len_pmf(self, state: DrafterState, decision: SpecDecision) -> np.ndarray | None:
+        """P(accept length = i + 1) as measured in this step for ``decision``, or None."""
+        if state.num_rl_steps >= len(self.hists):
+            return None
+        hist = self.hists[state.num_rl_steps].get(decision.strategy)
+        if not hist or not sum(hist):
+            return None
+        pmf = np.zeros(decision.draft_steps + 1)
+        pmf[: len(hist)] = hist
+        return pmf / pmf.sum()
+
+
+@dataclass(frozen=True)
+class MeasuredRun:
+    """One measured trace, ready to simulate."""
+
+    source: str
+    trace: Trace
+    policy: str
+    settings: dict[str, Any]  # make_policy keyword arguments
+    policy_seed: int
+    placement: tuple[tuple[tuple[str, ...], ...], ...]  # per step, per instance: prompt ids
+    max_running_requests: int | None  # None: each instance admits its whole share
+    acceptance: MeasuredAcceptance
+    clock: str  # "wall" | "cpu": what the measured seconds are
+    share_prompts: bool = False  # the engine prefilled a group's prompt once (SimConfig's)
+    prefix_block_tokens: int = 1  # in whole blocks of this many tokens (SimConfig's)
+
+    @property
+    def num_instances(self) -> int:
+        return len(self.placement[0])
+
+    def instance_trace(self, instance: int) -> Trace:
+        """The steps' prompts that ran on ``instance`` (a one-instance trace)."""
+        steps = []
+        for step, owners in zip(self.trace.steps, self.placement, strict=True):
+            mine = set(owners[instance])
+            prompts = tuple(p for p in step.prompts if p.id in mine)
+            steps.append(Step(step.step, prompts))
+        return Trace(meta=self.trace.meta, steps=tuple(steps))
+
+    def max_share(self, instance: int) -> int:
+        """The most responses ``instance`` served in one step (the cap when none is recorded)."""
+        trace = self.instance_trace(instance)
+        return max(s.num_responses for s in trace.steps)
+
+
+def _measured(step: Step, source: str) -> dict[str, Any]:
+    if not isinstance(step.measured, dict):
+        raise UsageError(
+            f"{source}: step {step.step}: no 'measured' block (expected a trace written by tltrun)"
+        )
+    m = step.measured
+    value = m.get("rollout_s")
+    if type(value) not in (int, float) or not value > 0:
+        raise UsageError(
+            f"{source}: step {step.step}: field 'measured.rollout_s': expected seconds > 0, got {value!r}"
+        )
+    return m
+
+
+def _policy(trace: Trace, source: str) -> tuple[str, dict[str, Any], int]:
+    """Name, recorded settings and seed of the one policy every step ran."""
+    names, configs, seeds = set(), [], set()
+    for step in trace.steps:
+        policy = _measured(step, source).get("policy")
+        name = policy.get("name") if isinstance(policy, dict) else None
+        if name not in POLICY_NAMES:
+            raise UsageError(
+                f"{source}: step {step.step}: field 'measured.policy.name': expected one of {', '.join(POLICY_NAMES)}, got {name!r}"
+            )
+        names.add(name)
+        config = policy.get("config", {})
+        if not isinstance(config, dict):
+            raise UsageError(
+                f"{source}: step {step.step}: field 'measured.policy.config': expected an object, got {config!r}"
+            )
+        configs.append(config)
+        seed = policy.get("seed", 0)
+        if type(seed) is not int or seed < 0:
+            raise UsageError(
+                f"{source}: step {step.step}: field 'measured.policy.seed': expected an integer >= 0, got {seed!r}"
+            )
+        seeds.add(seed)
+    if len(names) > 1 or len(seeds) > 1 or any(c != configs[0] for c in configs):
+        raise UsageError(
+            f"{source}: steps ran different policies or settings ({', '.join(sorted(names))}); compare one policy per trace"
+        )
+    return names.pop(), dict(configs[0]), seeds.pop()
+
+
+def _settings(name: str, config: dict[str, Any], trace: Trace, source: str, tlt: TLTConfig | None):
+    """``make_policy`` keyword arguments; ``tlt`` (the command line's) overrides the trace."""
+    if name == "nospec":
+        return {}
+    if name == "static":
+        strategy = config.get("strategy")
+        if strategy is None:
+            used = set()
+            for step in trace.steps:
+                counts = step.measured.get("policy", {}).get("iterations_per_strategy", {})
+                used |= {s for s, n in counts.items() if s != "off" and n}
+            if len(used) != 1:
+                raise UsageError(
+                    f"{source}: static policy without 'measured.policy.config.strategy' and {len(used)} strategies in 'policy.iterations_per_strategy' (expected exactly one)"
+                )
+            strategy = used.pop()
+        try:
+            SpecDecision.parse(strategy)
+        except ValueError as err:
+            raise UsageError(f"{source}: field 'measured.policy.config.strategy': {err}") from None
+        return {"strategy": strategy}
+    if tlt is not None:
+        return dataclasses.asdict(tlt)
+    names = {f.name for f in dataclasses.fields(TLTConfig)}
+    unknown = sorted(set(config) - names)
+    if unknown:
+        raise UsageError(
+            f"{source}: field 'measured.policy.config.{unknown[0]}': not a TLTConfig field ({', '.join(sorted(names))})"
+        )
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}
+    try:
+        return dataclasses.asdict(TLTConfig(**values))
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"{source}: field 'measured.policy.config': {err}") from None
+
+
+def _placement(step: Step, source: str) -> tuple[tuple[str, ...], ...]:
+    m = step.measured
+    ids = [p.id for p in step.prompts]
+    owners = m.get("instance_prompts")
+    where = f"{source}: step {step.step}: field 'measured.instance_prompts'"
+    if owners is None:
+        workers = m.get("worker_rollout_s")
+        if isinstance(workers, list) and len(workers) > 1:
+            raise UsageError(
+                f"{where}: missing, but {len(workers)} workers ran the step (expected one list of prompt ids per worker)"
+            )
+        return (tuple(ids),)
+    if not isinstance(owners, list) or not owners or not all(isinstance(o, list) for o in owners):
+        raise UsageError(f"{where}: expected a non-empty list of lists of prompt ids")
+    flat = [pid for o in owners for pid in o]
+    if sorted(flat) != sorted(ids):
+        raise UsageError(f"{where}: must name every prompt of the step exactly once")
+    if any(not o for o in owners):
+        raise UsageError(f"{where}: an instance without prompts cannot be simulated")
+    return tuple(tuple(o) for o in owners)
+
+
+def _max_running(trace: Trace, source: str, given: int | None) -> int | None:
+    if given is not None:
+        return given
+    values = set()
+    for step in trace.steps:
+        if "max_running_requests" not in step.measured:
+            raise UsageError(
+                f"{source}: step {step.step}: field 'measured.max_running_requests' is missing (record it, or pass --max-running-requests)"
+            )
+        value = step.measured["max_running_requests"]
+        if value is not None and (type(value) is not int or value < 1):
+            raise UsageError(
+                f"{source}: step {step.step}: field 'measured.max_running_requests': expected an integer >= 1 or null, got {value!r}"
+            )
+        values.add(value)
+    if len(values) > 1:
+        raise UsageError(f"{source}: 'measured.max_running_requests' differs between steps")
+    return values.pop()
+
+
+def _has_verifies(trace: Trace) -> bool:
+    for step in trace.steps:
+        by_strategy = (step.measured or {}).get("accept_hist_by_strategy") or {}
+        if isinstance(by_strategy, dict) and any(
+            isinstance(h, list) and sum(h) for h in by_strategy.values()
+        ):
+            return True
+        if any(r.accept_hist and sum(r.accept_hist) for p in step.prompts for r in p.responses):
+            return True
+    return False
+
+
+def replayed_acceptance(trace: Trace, source: str, strategy: str = "") -> MeasuredAcceptance:
+    """Per-step maximum-likelihood acceptance of the trace's verifies (steps without verifies
+    get the run's pooled estimate; a run without any gets ``DEFAULT_ACCEPT_RATE``)."""
+    if not _has_verifies(trace):
+        return MeasuredAcceptance((DEFAULT_ACCEPT_RATE,) * len(trace.steps))
+    steps = collect_steps(trace, source, strategy)
+    is_tree = any(not d.is_chain for s in steps for d in s.hists)
+    sibling = fit_sibling_rate(steps)[0] if is_tree else DEFAULT_SIBLING_RATE
+    pooled: dict[SpecDecision, np.ndarray] = {}
+    for s in steps:
+        for d, hist in s.hists.items():
+            have = pooled.get(d, np.zeros(0))
+            n = max(have.size, hist.size)
+            pooled[d] = np.pad(have, (0, n - have.size)) + np.pad(hist, (0, n - hist.size))
+    overall = estimate_accept_rate(pooled, sibling)[0]
+    rates = tuple(estimate_accept_rate(s.hists, sibling)[0] if s.hists else overall for s in steps)
+    hists = tuple({d.strategy: tuple(int(c) for c in h) for d, h in s.hists.items()} for s in steps)
+    per_response = tuple(_response_rates(step, source, sibling) for step in trace.steps)
+    return MeasuredAcceptance(rates, sibling, hists, per_response)
+
+
+def _response_rates(step: Step, source: str, sibling_rate: float) -> dict[str, tuple[float, ...]]:
+    """Each response's maximum-likelihood acceptance rate from its own verifies by strategy
+    (``measured.response_accept_hist_by_strategy``); nan for one that verified nothing."""
+    table = (step.measured or {}).get("response_accept_hist_by_strategy")
+    if table is None:
+        return {}
+    where = f"{source}: step {step.step}: field 'measured.response_accept_hist_by_strategy'"
+    prompts = {p.id: len(p.responses) for p in step.prompts}
+    if not isinstance(table, dict):
+        raise UsageError(f"{where}: expected {{prompt id: [{{strategy: hist}}, ...]}}")
+    out = {}
+    for pid, per_response in table.items():
+        if pid not in prompts:
+            raise UsageError(f"{where}: prompt {pid!r} is not in the step")
+        if not isinstance(per_response, list) or len(per_response) != prompts[pid]:
+            raise UsageError(
+                f"{where}.{pid}: expected one entry per response ({prompts[pid]}), got {per_response!r:.80}"
+            )
+        rates = []
+        for i, by_strategy in enumerate(per_response):
+            at = f"{where}.{pid}[{i}]"
+            hists = checked_hists(hists_by_strategy(by_strategy, at), at)
+            if not hists:
+                rates.append(math.nan)
+                continue
+            rates.append(float(estimate_accept_rate(hists, sibling_rate)[0]))
+        out[pid] = tuple(rates)
+    return out
+
+
+def measured_run(
+    trace: Trace,
+    source: str,
+    max_running_requests: int | None = None,
+    tlt: TLTConfig | None = None,
+) -> MeasuredRun:
+    """Read everything the simulation of ``trace`` needs (see the module docstring)."""
+    name, config, seed = _policy(trace, source)
+    placement = tuple(_placement(step, source) for step in trace.steps)
+    if len({len(p) for p in placement}) > 1:
+        raise UsageError(f"{source}: the number of instances changes between steps")
+    strategy = config.get("strategy", "") if name == "static" else ""
+    shares = {step.measured.get("share_prompts", False) for step in trace.steps}
+    if len(shares) > 1 or not shares <= {True, False} or not all(type(s) is bool for s in shares):
+        raise UsageError(
+            f"{source}: field 'measured.share_prompts': expected the same true or false in every step, got {sorted(map(str, shares))}"
+        )
+    blocks = {step.measured.get("prefix_block_tokens", 1) for step in trace.steps}
+    if len(blocks) > 1 or not all(type(b) is int and b >= 1 for b in blocks):
+        raise UsageError(
+            f"{source}: field 'measured.prefix_block_tokens': expected the same integer >= 1 in every step, got {sorted(map(str, blocks))}"
+        )
+    clocks = {step.measured.get("clock", "wall") for step in trace.steps}
+    if len(clocks) > 1 or not clocks <= {"wall", "cpu"}:
+        raise UsageError(
+            f"{source}: field 'measured.clock': expected one of wall, cpu in every step, got {sorted(map(str, clocks))}"
+        )
+    return MeasuredRun(
+        source=source,
+        trace=trace,
+        policy=name,
+        settings=_settings(name, config, trace, source, tlt),
+        policy_seed=seed,
+        placement=placement,
+        max_running_requests=_max_running(trace, source, max_running_requests),
+        acceptance=replayed_acceptance(trace, source, strategy),
+        clock=clocks.pop(),
+        share_prompts=shares.pop(),
+        prefix_block_tokens=blocks.pop(),
+    )
+
+
+__all__ = ["MeasuredAcceptance", "MeasuredRun", "measured_run", "replayed_acceptance"]

@@ -1,0 +1,297 @@
+"""What a simulation returns: per-step records, per-instance rows, timeline segments, summary.
+
+``tltsim.sim.simulator.simulate`` fills a ``SimResult``; ``tltsim replay`` writes it as ``steps.csv``,
+``instances.csv``, ``timeline.csv`` and ``summary.json``; ``analysis/`` plots those files.
+Also home of ``ideal_rollout_s``, the lower bound on rollout time every policy is compared with.
+
+Glossary: an *instance* is one engine (a TP group of ``tp`` GPUs); the *bubble* is GPU-seconds
+an instance sits idle during rollout because its share finished before the slowest one; the
+*tail* is time an instance decodes with fewer than ``tail_threshold`` (32) active requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from tltsim.policy import SpecDecision
+
+# Timeline segment kinds (the Gantt chart's colours). "idle" and "spot_train" are written after
+# the barrier, when the rollout's end is known.
+PHASES = ("prefill", "decode", "sd", "reprefill", "spot_train", "idle", "checkpoint", "train")
+
+TIMELINE_COLUMNS = ("step", "instance", "start_s", "end_s", "phase", "num_active", "strategy")
+
+
+@dataclass
+class StepRecord:
+    """One RL step. Times are seconds; ``*_gpu_s`` are GPU-seconds (instance-seconds x tp)."""
+
+    step: int
+    start_s: float  # simulated clock when the step's rollout began
+    rollout_s: float  # rollout start -> barrier (slowest instance done)
+    checkpoint_s: float  # spot trainers saving the drafter after preemption (0 without SD)
+    train_s: float  # actor update, data parallel over all instances
+    step_s: float  # rollout_s + checkpoint_s + train_s
+    num_responses: int
+    prompt_tokens: int
+    tokens_generated: int
+    max_response_tokens: int
+    busy_gpu_s: float  # GPU-seconds doing rollout work (prefill, decode, SD, re-prefill)
+    bubble_gpu_s: float  # GPU-seconds idle during rollout (before any spot training)
+    tail_instance_s: float  # instance-seconds decoding with 0 < active < tail_threshold
+    max_tail_s: float  # the longest such time on one instance
+    first_idle_s: float  # rollout time at which the first instance ran out of work
+    decode_instance_s: float  # instance-seconds of decode iterations (plain + SD)
+    sd_instance_s: float  # of which SD iterations
+    reprefill_instance_s: float  # drafter-cache rebuilds when SD switched on
+    sd_tokens: int  # tokens emitted by SD iterations
+    sd_verifies: int  # request-iterations of SD (one verify of one request)
+    drafter_acceptance: float  # per-token draft acceptance during this step's rollout
+    drafter_train_gpu_s: float  # GPU-seconds spot trainers spent training the drafter
+    idle_gpu_s: float  # bubble GPU-seconds left idle after spot training (incl. start-up)
+    drafter_trained_tokens: int  # tokens the drafter trained on during this step
+    ideal_rollout_s: float  # lower bound: see ideal_rollout_s()
+
+    @property
+    def sd_on_fraction(self) -> float:
+        return self.sd_instance_s / self.decode_instance_s if self.decode_instance_s > 0 else 0.0
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Tokens emitted per request per SD verify (incl. the bonus token); 0 without SD."""
+        return self.sd_tokens / self.sd_verifies if self.sd_verifies else 0.0
+
+    def as_row(self) -> dict[str, Any]:
+        row = dataclasses.asdict(self)
+        row["sd_on_fraction"] = self.sd_on_fraction
+        row["mean_accept_len"] = self.mean_accept_len
+        return row
+
+
+@dataclass
+class InstanceShare:
+    """One instance's requests in one step: what the ideal bound needs."""
+
+    num_requests: int
+    prompt_tokens: int  # prompt tokens prefilled at least (each group's once when shared)
+    decode_tokens: int  # response tokens after the first (which prefill emits)
+    min_prompt_tokens: int
+    num_prefills: int  # prompts prefilled at least
+
+
+@dataclass
+class SimResult:
+    policy: str
+    config: Any  # SimConfig (kept as Any to avoid an import cycle)
+    steps: list[StepRecord]
+    instance_rows: list[
+        tuple
+    ]  # (step, instance, busy_s, tail_s, decode_s, sd_s, spot_train_s, idle_s, tokens)
+    timeline: list[list]  # rows of TIMELINE_COLUMNS
+    finish_s: list[np.ndarray]  # per step: each response's finish time since rollout start
+    strategies_used: set[SpecDecision] = field(default_factory=set)
+    shares: list[list[InstanceShare]] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def steps_frame(self) -> pd.DataFrame:
+        return pd.DataFrame([s.as_row() for s in self.steps])
+
+    def instances_frame(self) -> pd.DataFrame:
+        cols = (
+            "step",
+            "instance",
+            "busy_s",
+            "tail_s",
+            "decode_s",
+            "sd_s",
+            "spot_train_s",
+            "idle_s",
+            "tokens",
+        )
+        return pd.DataFrame(self.instance_rows, columns=list(cols))
+
+    def timeline_frame(self) -> pd.DataFrame:
+        frame = pd.DataFrame(self.timeline, columns=list(TIMELINE_COLUMNS))
+        names: dict[int, str] = {}  # a policy returns few distinct decision objects
+        for s in frame["strategy"]:
+            if not isinstance(s, str) and id(s) not in names:
+                names[id(s)] = s.strategy
+        frame["strategy"] = [s if isinstance(s, str) else names[id(s)] for s in frame["strategy"]]
+        return frame
+
+    @property
+    def total_s(self) -> float:
+        return sum(s.step_s for s in self.steps)
+
+    def summary(self) -> dict[str, Any]:
+        """Whole-run figures (the side-by-side table's columns)."""
+        steps = self.steps
+        num = len(steps)
+        total = self.total_s
+        rollout = sum(s.rollout_s for s in steps)
+        bubble = sum(s.bubble_gpu_s for s in steps)
+        rollout_gpu_s = sum(s.rollout_s for s in steps) * self.config.num_gpus
+        decode = sum(s.decode_instance_s for s in steps)
+        verifies = sum(s.sd_verifies for s in steps)
+        return {
+            "policy": self.policy,
+            "num_steps": num,
+            "num_responses": sum(s.num_responses for s in steps),
+            "tokens_generated": sum(s.tokens_generated for s in steps),
+            "total_s": total,
+            "mean_step_s": total / num if num else 0.0,
+            "mean_rollout_s": rollout / num if num else 0.0,
+            "mean_train_s": sum(s.train_s for s in steps) / num if num else 0.0,
+            "rollout_share": rollout / total if total > 0 else 0.0,
+            "bubble_gpu_s": bubble,
+            "bubble_fraction": bubble / rollout_gpu_s if rollout_gpu_s > 0 else 0.0,
+            "drafter_train_gpu_s": sum(s.drafter_train_gpu_s for s in steps),
+            "idle_gpu_s": sum(s.idle_gpu_s for s in steps),
+            "sd_on_fraction": sum(s.sd_instance_s for s in steps) / decode if decode > 0 else 0.0,
+            "mean_accept_len": sum(s.sd_tokens for s in steps) / verifies if verifies else 0.0,
+            "mean_ideal_rollout_s": sum(s.ideal_rollout_s for s in steps) / num if num else 0.0,
+            "strategies_used": sorted(d.strategy for d in self.strategies_used),
+            "wall_s": self.wall_s,
+        }
+
+
+def step_outputs(
+    run: Any,
+    prompt_tokens: np.ndarray,
+    response_tokens: np.ndarray,
+    instances: Sequence[Any],
+    spot: Any,
+    rollout_s: float,
+    checkpoint_s: float,
+    train_s: float,
+    tp: int,
+) -> tuple[StepRecord, list[tuple], list[InstanceShare]]:
+    """One step's record, per-instance rows and instance shares, from the finished
+    ``tltsim.sim.instance.InstanceRollout`` objects and the spot-training outcome."""
+    rows, shares = [], []
+    for inst in instances:
+        trained = float(spot.trained_s[inst.index])
+        idle_s = rollout_s - inst.finish_s
+        rows.append(
+            (
+                run.step,
+                inst.index,
+                inst.busy_s,
+                inst.tail_s,
+                inst.decode_s,
+                inst.sd_s,
+                trained,
+                idle_s - trained,
+                inst.tokens,
+            )
+        )
+        num = int(inst.response_tokens.size)
+        prompts = inst.prompt_tokens
+        if run.config.share_prompts:  # a group's prompt is prefilled at least once
+            prompts = np.asarray(list(inst.group_prompt.values()), dtype=np.int64)
+        shares.append(
+            InstanceShare(
+                num_requests=num,
+                prompt_tokens=int(prompts.sum()),
+                decode_tokens=int(inst.response_tokens.sum()) - num,
+                min_prompt_tokens=int(inst.prompt_tokens.min()) if num else 0,
+                num_prefills=int(prompts.size),
+            )
+        )
+    bubble = sum(rollout_s - inst.finish_s for inst in instances)
+    trained = float(spot.trained_s.sum())
+    record = StepRecord(
+        step=run.step,
+        start_s=run.t0,
+        rollout_s=rollout_s,
+        checkpoint_s=checkpoint_s,
+        train_s=train_s,
+        step_s=rollout_s + checkpoint_s + train_s,
+        num_responses=int(response_tokens.size),
+        prompt_tokens=int(prompt_tokens.sum()),
+        tokens_generated=sum(inst.tokens for inst in instances),
+        max_response_tokens=int(response_tokens.max()) if response_tokens.size else 0,
+        busy_gpu_s=sum(inst.busy_s for inst in instances) * tp,
+        bubble_gpu_s=bubble * tp,
+        tail_instance_s=sum(inst.tail_s for inst in instances),
+        max_tail_s=max(inst.tail_s for inst in instances),
+        first_idle_s=min(inst.finish_s for inst in instances),
+        decode_instance_s=sum(inst.decode_s for inst in instances),
+        sd_instance_s=sum(inst.sd_s for inst in instances),
+        reprefill_instance_s=sum(inst.reprefill_s for inst in instances),
+        sd_tokens=int(round(sum(inst.sd_tokens for inst in instances))),
+        sd_verifies=sum(inst.sd_verifies for inst in instances),
+        drafter_acceptance=run.acceptance,
+        drafter_train_gpu_s=trained * tp,
+        idle_gpu_s=(bubble - trained) * tp,
+        drafter_trained_tokens=spot.tokens,
+        ideal_rollout_s=0.0,  # filled in by simulate() once the strategies used are known
+    )
+    return record, rows, shares
+
+
+def min_cost_per_token(
+    cost: Any, max_batch: int, min_prompt_tokens: int, strategies: Sequence[SpecDecision]
+) -> np.ndarray:
+    """``out[b]`` = the cheapest seconds per emitted token of any iteration with batch <= b.
+
+    Plain decoding emits one token per request per iteration; an SD iteration at most
+    ``min(draft_steps, verify_tokens) + 1`` (every draft accepted plus the bonus token). Context
+    is taken as ``b * min_prompt_tokens``: iteration cost grows with context, and every running
+    request holds at least its prompt, so this is a lower bound for any iteration of batch b.
+    """
+    out = np.full(max_batch + 1, math.inf)
+    best = math.inf
+    for b in range(1, max_batch + 1):
+        ctx = float(b * min_prompt_tokens)
+        best = min(best, cost.decode_iter_s(b, ctx, 1) / b)
+        for d in strategies:
+            if d.enabled:
+                best = min(
+                    best,
+                    cost.sd_iter_s(b, ctx, d) / (b * (min(d.draft_steps, d.verify_tokens) + 1)),
+                )
+        out[b] = best
+    return out
+
+
+def ideal_rollout_s(
+    shares: Sequence[InstanceShare],
+    cost: Any,
+    max_running_requests: int,
+    strategies: Sequence[SpecDecision] = (),
+) -> float:
+    """Lower bound on one step's rollout time under ANY policy using ``strategies``.
+
+    Each instance's own requests at the cheapest per-token iteration it could ever run (batch
+    at most min(max_running_requests, its requests), see min_cost_per_token), one prefill of all
+    its prompts (each group's once when prompts are shared), and that work spread evenly over
+    the instances (no tail):
+    rollout >= max_i busy_i >= mean_i busy_i >= mean_i bound_i.
+    """
+    if not shares:
+        return 0.0
+    max_batch = min(max_running_requests, max(s.num_requests for s in shares))
+    min_prompt = (
+        min(s.min_prompt_tokens for s in shares if s.num_requests)
+        if any(s.num_requests for s in shares)
+        else 0
+    )
+    per_token = min_cost_per_token(cost, max(max_batch, 1), min_prompt, strategies)
+    total = 0.0
+    for s in shares:
+        if s.num_requests == 0:
+            continue
+        batch = min(max_running_requests, s.num_requests)
+        total += (
+            cost.prefill_s(s.prompt_tokens, 0.0, s.num_prefills)
+            + s.decode_tokens * per_token[batch]
+        )
+    return total / len(shares)

@@ -1,0 +1,428 @@
+"""``tltsim sweep SPEC.toml``: grid and random search over policy and cluster settings.
+
+    tltsim sweep sweep.toml --workers 8
+    tltsim report results/sweep-sweep
+
+A spec (TOML) names a trace and the settings to vary. Setting names: ``policy``, ``preset``,
+``static_strategy``, ``is_spot_training``, any ``SimConfig`` field (``num_gpus``, ``tp``, ...),
+``tlt.<TLTConfig field>``, ``drafter.<DrafterDynamics field>``, ``spot.<SpotTrainerConfig field>``.
+
+    trace = "../traces/synth_reasoning_rl.json"   # relative to the spec file
+    seeds = [0, 1]
+    max_steps = 4                                  # optional: first N steps only
+    [fixed]                                        # every point
+    preset = "h100x8-qwen7b"
+    [grid]                                         # every combination
+    policy = ["static", "tlt"]
+    "tlt.threshold" = [16, 32, 64]
+    [random]                                       # num_points seeded draws (added to the grid)
+    num_points = 8
+    seed = 0
+    "tlt.epsilon" = {low = 0.0, high = 0.3}        # uniform (integers if both ends are)
+    num_gpus = {choices = [8, 16]}
+
+Every point runs once per seed, on all cores (multiprocessing). For each speculating point a
+NoSpec baseline with the same cluster settings is added, so the table has ``speedup_vs_nospec``.
+Resumable: each finished (point, seed) is appended to ``points.jsonl`` in the output directory
+and never recomputed. Outputs: ``sweep.parquet`` and ``sweep.csv`` (one row per point x seed),
+``config.json`` (the resolved spec), ``summary.json`` (best setting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import random
+import tomllib
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from tqdm import tqdm
+
+from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.cli.args import UsageError, write_json
+from tltsim.policy import SpotTrainerConfig, TLTConfig
+from tltsim.cost.presets import apply_preset
+from tltsim.sim.replay import RunSettings, run_settings
+from tltsim.sim.simulator import SimConfig
+from tltsim.trace.schema import Trace, TraceError, load_trace
+
+SECTIONS = {"tlt": TLTConfig, "drafter": DrafterDynamics, "spot": SpotTrainerConfig}
+TOP_KEYS = {"policy", "preset", "static_strategy", "is_spot_training"}
+# Settings that only matter when the policy speculates: a NoSpec baseline drops them.
+SPEC_ONLY = {"static_strategy", "is_spot_training"}
+RESULT_COLUMNS = (
+    "mean_step_s",
+    "mean_rollout_s",
+    "mean_train_s",
+    "total_s",
+    "rollout_share",
+    "bubble_fraction",
+    "bubble_gpu_s",
+    "idle_gpu_s",
+    "drafter_train_gpu_s",
+    "sd_on_fraction",
+    "mean_accept_len",
+    "mean_ideal_rollout_s",
+    "wall_s",
+)
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """A parsed spec file (``tltsim sweep`` reads it from TOML)."""
+
+    trace: str
+    seeds: tuple[int, ...] = (0,)
+    max_steps: int | None = None
+    fixed: dict[str, Any] = field(default_factory=dict)
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+    random: dict[str, Any] = field(default_factory=dict)
+    out: str | None = None
+
+
+def _check_key(key: str, source: str) -> None:
+    section, _, name = key.partition(".")
+    if name:
+        cls = SECTIONS.get(section)
+        if cls is None or name not in {f.name for f in dataclasses.fields(cls)}:
+            raise UsageError(
+                f"{source}: unknown setting {key!r} (expected tlt.*, drafter.* or spot.* with a field of TLTConfig, DrafterDynamics, SpotTrainerConfig)"
+            )
+    elif key not in TOP_KEYS and key not in {f.name for f in dataclasses.fields(SimConfig)}:
+        raise UsageError(
+            f"{source}: unknown setting {key!r} (expected policy, preset, static_strategy, is_spot_training or a SimConfig field)"
+        )
+
+
+def load_spec(path: Path) -> SweepSpec:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise UsageError(f"{path}: cannot read the sweep spec ({err})") from None
+    allowed = {"trace", "seeds", "max_steps", "fixed", "grid", "random", "out"}
+    unknown = sorted(set(raw) - allowed)
+    if unknown:
+        raise UsageError(
+            f"{path}: unknown top-level key(s) {', '.join(unknown)}; expected {', '.join(sorted(allowed))}"
+        )
+    if not isinstance(raw.get("trace"), str):
+        raise UsageError(f"{path}: 'trace' must be a path string")
+    trace = raw["trace"] if Path(raw["trace"]).is_absolute() else str(path.parent / raw["trace"])
+    seeds = raw.get("seeds", [0])
+    if (
+        not isinstance(seeds, list)
+        or not seeds
+        or not all(isinstance(s, int) and s >= 0 for s in seeds)
+    ):
+        raise UsageError(f"{path}: 'seeds' must be a non-empty list of integers >= 0")
+    for name in ("fixed", "grid", "random"):
+        if not isinstance(raw.get(name, {}), dict):
+            raise UsageError(f"{path}: [{name}] must be a table")
+    for key, values in raw.get("grid", {}).items():
+        _check_key(key, f"{path} [grid]")
+        if not isinstance(values, list) or not values:
+            raise UsageError(f"{path} [grid]: {key!r} must be a non-empty list")
+    for key in raw.get("fixed", {}):
+        _check_key(key, f"{path} [fixed]")
+    rnd = raw.get("random", {})
+    for key, dist in rnd.items():
+        if key in ("num_points", "seed"):
+            continue
+        _check_key(key, f"{path} [random]")
+        if not isinstance(dist, dict) or not ({"low", "high"} <= set(dist) or "choices" in dist):
+            raise UsageError(
+                f"{path} [random]: {key!r} must be {{low = .., high = ..}} or {{choices = [..]}}"
+            )
+    if rnd and not (isinstance(rnd.get("num_points"), int) and rnd["num_points"] >= 1):
+        raise UsageError(f"{path} [random]: num_points must be an integer >= 1")
+    max_steps = raw.get("max_steps")
+    if max_steps is not None and not (isinstance(max_steps, int) and max_steps >= 1):
+        raise UsageError(f"{path}: max_steps must be an integer >= 1")
+    return SweepSpec(
+        trace,
+        tuple(seeds),
+        max_steps,
+        raw.get("fixed", {}),
+        raw.get("grid", {}),
+        rnd,
+        raw.get("out"),
+    )
+
+
+def spec_points(spec: SweepSpec) -> list[dict[str, Any]]:
+    """Grid points, then random draws, each over ``fixed``; NoSpec baselines appended."""
+    points = []
+    if spec.grid or not spec.random:
+        keys = list(spec.grid)
+        for combo in itertools.product(*(spec.grid[k] for k in keys)):
+            points.append({**spec.fixed, **dict(zip(keys, combo, strict=True))})
+    if spec.random:
+        rng = random.Random(spec.random.get("seed", 0))
+        dists = {k: v for k, v in spec.random.items() if k not in ("num_points", "seed")}
+        for _ in range(spec.random["num_points"]):
+            draw = {}
+            for key, dist in dists.items():
+                if "choices" in dist:
+                    draw[key] = rng.choice(dist["choices"])
+                elif isinstance(dist["low"], int) and isinstance(dist["high"], int):
+                    draw[key] = rng.randint(dist["low"], dist["high"])
+                else:
+                    draw[key] = rng.uniform(float(dist["low"]), float(dist["high"]))
+            points.append({**spec.fixed, **draw})
+    for point in list(points):
+        if point.get("policy", "tlt") != "nospec":
+            points.append(baseline_of(point))
+    unique = {json.dumps(p, sort_keys=True): p for p in points}
+    return list(unique.values())
+
+
+def baseline_of(point: dict[str, Any]) -> dict[str, Any]:
+    """The NoSpec point with the same cluster settings."""
+    base = {k: v for k, v in point.items() if "." not in k and k not in SPEC_ONLY}
+    base["policy"] = "nospec"
+    return base
+
+
+def effective(point: dict[str, Any]) -> dict[str, Any]:
+    """The settings that can change the point's result: tlt.* only for TLTAdaptive,
+    static_strategy only for StaticSpec, nothing drafter-related for NoSpec."""
+    policy = point.get("policy", "tlt")
+
+    def matters(key: str) -> bool:
+        section = key.partition(".")[0] if "." in key else None
+        if section == "tlt":
+            return policy == "tlt"
+        if key == "static_strategy":
+            return policy == "static"
+        if section in ("drafter", "spot") or key == "is_spot_training":
+            return policy != "nospec"
+        return True
+
+    return {k: v for k, v in point.items() if matters(k)}
+
+
+def point_key(point: dict[str, Any], seed: int | None = None) -> str:
+    """Identity of a (point, seed) simulation: equal keys give equal results."""
+    text = json.dumps({"point": effective(point), "seed": seed}, sort_keys=True)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def settings_of(point: dict[str, Any], seed: int) -> RunSettings:
+    """RunSettings of one point; bad values raise UsageError naming the setting."""
+    sim = apply_preset(SimConfig(), point["preset"]) if "preset" in point else SimConfig()
+    sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    top: dict[str, Any] = {}
+    for key, value in point.items():
+        section, _, name = key.partition(".")
+        if name:
+            sections[section][name] = tuple(value) if isinstance(value, list) else value
+        elif key in TOP_KEYS:
+            top[key] = value
+        else:
+            top.setdefault("sim", {})[key] = value
+    try:
+        sim = dataclasses.replace(sim, **top.get("sim", {}), seed=seed)
+        return RunSettings(
+            sim=sim,
+            policy=top.get("policy", "tlt"),
+            tlt=TLTConfig(**sections["tlt"]),
+            static_strategy=top.get("static_strategy", "8_4_32"),
+            drafter=DrafterDynamics(**sections["drafter"]),
+            spot=SpotTrainerConfig(**sections["spot"]),
+            is_spot_training=top.get("is_spot_training", True),
+        )
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"sweep point {point}: {err}") from None
+
+
+def _run_task(task: tuple[str, dict[str, Any], int], trace: Trace) -> dict[str, Any]:
+    """One (point, seed): a row of the sweep table (runs in a worker process)."""
+    key, point, seed = task
+    summary = run_settings(settings_of(point, seed), trace).summary()
+    return {
+        "key": key,
+        "point": point,
+        "seed": seed,
+        "result": {c: summary[c] for c in RESULT_COLUMNS},
+    }
+
+
+def _read_done(path: Path) -> dict[str, dict[str, Any]]:
+    """Finished tasks recorded by earlier runs; a torn last line (interrupted write) is dropped."""
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[row["key"]] = row
+    return done
+
+
+@dataclass
+class SweepOutcome:
+    table: pd.DataFrame
+    num_computed: int
+    num_reused: int
+    out: Path
+
+
+def run_sweep(spec_path: Path, out: Path | None = None, workers: int | None = None) -> SweepOutcome:
+    spec = load_spec(spec_path)
+    out = out or Path(spec.out or Path("results") / f"sweep-{spec_path.stem}")
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        trace = load_trace(spec.trace)
+    except TraceError as err:
+        raise UsageError(f"{spec_path}: trace: {err}") from None
+    if spec.max_steps is not None:
+        trace = Trace(meta=trace.meta, steps=trace.steps[: spec.max_steps])
+    points = spec_points(spec)
+    for point in points:  # validate every point before spending any time
+        settings_of(point, spec.seeds[0])
+    write_json(
+        out / "config.json",
+        {
+            "kind": "sweep",
+            "spec_file": str(spec_path),
+            "spec": dataclasses.asdict(spec),
+            "points": points,
+        },
+    )
+    tasks = [(point_key(p, s), p, s) for p in points for s in spec.seeds]
+    log = out / "points.jsonl"
+    done = _read_done(log)
+    # Points that differ only in settings their policy ignores share one simulation.
+    todo = list({t[0]: t for t in tasks if t[0] not in done}.values())
+    workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
+    # disable=None: a bar on a terminal only
+    with (
+        tqdm(total=len(todo), desc="sweep", unit="point", disable=None if todo else True) as bar,
+        log.open("a") as sink,
+    ):
+        if workers == 1:
+            rows = (_run_task(t, trace) for t in todo)
+            _collect(rows, done, sink, bar)
+        else:
+            with multiprocessing.get_context("spawn").Pool(workers) as pool:
+                _collect(
+                    pool.imap_unordered(partial(_run_task, trace=trace), todo), done, sink, bar
+                )
+    table = sweep_table([{**done[key], "point": point, "seed": seed} for key, point, seed in tasks])
+    table.to_parquet(out / "sweep.parquet", index=False)
+    table.to_csv(out / "sweep.csv", index=False)
+    write_json(out / "summary.json", sweep_summary(table, spec))
+    return SweepOutcome(table, len(todo), len({t[0] for t in tasks}) - len(todo), out)
+
+
+def _collect(rows, done: dict, sink, bar) -> None:
+    for row in rows:
+        sink.write(json.dumps(row) + "\n")
+        sink.flush()  # a finished point survives an interruption
+        done[row["key"]] = row
+        bar.update()
+
+
+def sweep_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """One row per point x seed: settings, seed, results, speedup vs the NoSpec baseline."""
+    records = []
+    for row in rows:
+        point = row["point"]
+        rec = {k: (",".join(map(str, v)) if isinstance(v, list) else v) for k, v in point.items()}
+        rec.setdefault("policy", "tlt")
+        rec["seed"] = row["seed"]
+        rec.update(row["result"])
+        rec["baseline_key"] = point_key(baseline_of(point), row["seed"])
+        rec["key"] = row["key"]
+        records.append(rec)
+    table = pd.DataFrame(records)
+    base = table[table.policy == "nospec"].set_index("key")
+    step = base["mean_step_s"].reindex(table["baseline_key"]).to_numpy()
+    rollout = base["mean_rollout_s"].reindex(table["baseline_key"]).to_numpy()
+    table["speedup_vs_nospec"] = step / table["mean_step_s"]
+    table["rollout_speedup_vs_nospec"] = rollout / table["mean_rollout_s"]
+    return table.drop(columns=["baseline_key"])
+
+
+def varying_settings(table: pd.DataFrame) -> list[str]:
+    """Setting columns that take more than one value among the speculating points."""
+    skip = set(RESULT_COLUMNS) | {
+        "seed",
+        "key",
+        "policy",
+        "speedup_vs_nospec",
+        "rollout_speedup_vs_nospec",
+    }
+    spec = table[table.policy != "nospec"]
+    return [c for c in table.columns if c not in skip and spec[c].nunique(dropna=False) > 1]
+
+
+def sweep_summary(table: pd.DataFrame, spec: SweepSpec) -> dict[str, Any]:
+    varying = varying_settings(table)
+    spec_rows = table[table.policy != "nospec"]
+    best: dict[str, Any] = {}
+    if len(spec_rows):
+        group = ["policy", *varying]
+        means = spec_rows.groupby(group, dropna=False)["speedup_vs_nospec"].mean().reset_index()
+        top = means.loc[means["speedup_vs_nospec"].idxmax()]
+        best = {k: (v.item() if hasattr(v, "item") else v) for k, v in top.items()}
+        # settings columns turn float when NoSpec rows lack them: give integers back
+        best = {
+            k: int(v) if k != "speedup_vs_nospec" and isinstance(v, float) and v.is_integer() else v
+            for k, v in best.items()
+        }
+    return {
+        "kind": "sweep",
+        "trace": spec.trace,
+        "num_rows": len(table),
+        "seeds": list(spec.seeds),
+        "varying": varying,
+        "best": best,
+    }
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sweep",
+        help="grid / random search over policy and cluster settings",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("spec", type=Path, help="sweep spec (TOML)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default: the spec's out, else results/sweep-<spec stem>)",
+    )
+    p.add_argument(
+        "--workers", type=int, default=None, help="worker processes (default: all cores)"
+    )
+    p.set_defaults(func=cmd_sweep)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    if args.workers is not None and args.workers < 1:
+        raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    outcome = run_sweep(args.spec, args.out, args.workers)
+    print(
+        f"{len(outcome.table)} rows (points x seeds): {outcome.num_computed} simulations run, {outcome.num_reused} reused from {outcome.out / 'points.jsonl'}"
+    )
+    summary = json.loads((outcome.out / "summary.json").read_text())
+    if summary["best"]:
+        print(
+            "best setting (mean speedup vs NoSpec over seeds): "
+            + ", ".join(f"{k}={v}" for k, v in summary["best"].items())
+        )
+    print(f"wrote {outcome.out}/: sweep.parquet sweep.csv summary.json config.json points.jsonl")
+    return 0

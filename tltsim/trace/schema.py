@@ -1,0 +1,486 @@
+"""The ``tlt-trace`` v1 format: the dataclasses, validation, and load/save (JSON, CSV, Parquet).
+
+A trace is a list of RL steps; each step holds prompts; each prompt holds the lengths of its
+group's responses (DESIGN.md, "Trace format"; traces/README.md has the full description). Both
+tltsim (replay) and tltrun (measured runs) read and write this one format.
+
+    from tltsim.trace.schema import load_trace, save_trace
+    trace = load_trace("traces/synth_reasoning_rl.json")   # .json, .json.gz, .csv, .parquet
+    trace.steps[0].response_lengths()                       # [812, 1290, ...] in prompt order
+    save_trace(trace, "out/trace.csv")                       # the pandas-friendly twin
+
+``tltsim validate FILE`` checks a file from the shell. Bad input raises ``TraceError`` whose text
+is one line: the file, the step and prompt where known, the field, what was expected, what was
+found. The tabular twin (CSV/Parquet, one row per response) lives in ``tltsim.trace.table``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT = "tlt-trace"
+VERSION = 1
+FINISH_REASONS = ("stop", "length")
+SUFFIXES = (".json", ".json.gz", ".csv", ".parquet")
+_STEP_KEYS = frozenset({"step", "prompts", "measured"})
+_PROMPT_KEYS = frozenset({"id", "prompt_tokens", "responses"})
+_RESPONSE_KEYS = frozenset({"tokens", "finish", "accept_hist"})
+_TOP_KEYS = frozenset({"format", "version", "meta", "steps"})
+
+
+class TraceError(ValueError):
+    """Bad trace input. ``str(err)`` is one line naming file, step, prompt, field, expectation."""
+
+
+@dataclass(frozen=True)
+class Response:
+    tokens: int  # generated tokens, >= 1
+    finish: str = "stop"  # "stop" (EOS) or "length" (hit max_response_tokens)
+    accept_hist: tuple[int, ...] | None = None  # measured: count of verifies that accepted i tokens
+
+    @property
+    def is_truncated(self) -> bool:
+        return self.finish == "length"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    prompt_tokens: int
+    responses: tuple[Response, ...]
+
+    def response_lengths(self) -> list[int]:
+        return [r.tokens for r in self.responses]
+
+
+@dataclass(frozen=True)
+class Step:
+    step: int
+    prompts: tuple[Prompt, ...]
+    measured: dict[str, Any] | None = None  # written by tltrun: rollout_s, train_s, ...
+
+    @property
+    def num_responses(self) -> int:
+        return sum(len(p.responses) for p in self.prompts)
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.prompts)
+
+    def response_lengths(self) -> list[int]:
+        """Generated tokens of every response (request) of the step, flat, in prompt order."""
+        return [r.tokens for p in self.prompts for r in p.responses]
+
+    def prompt_lengths(self) -> list[int]:
+        """Prompt tokens of every response, aligned with ``response_lengths()``."""
+        return [p.prompt_tokens for p in self.prompts for _ in p.responses]
+
+    @property
+    def total_response_tokens(self) -> int:
+        return sum(r.tokens for p in self.prompts for r in p.responses)
+
+
+@dataclass(frozen=True)
+class Trace:
+    meta: dict[str, Any] = field(default_factory=dict)
+    steps: tuple[Step, ...] = ()
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def num_prompts(self) -> int:
+        return sum(len(s.prompts) for s in self.steps)
+
+    @property
+    def num_responses(self) -> int:
+        return sum(s.num_responses for s in self.steps)
+
+    @property
+    def total_response_tokens(self) -> int:
+        return sum(s.total_response_tokens for s in self.steps)
+
+    @property
+    def max_response_tokens(self) -> int | None:
+        """The response cap the trace was generated under (``meta``), if it says."""
+        return self.meta.get("max_response_tokens")
+
+    @property
+    def group_size(self) -> int | None:
+        return self.meta.get("group_size")
+
+    def response_lengths(self) -> np.ndarray:
+        """All response lengths, step by step in prompt order, as an int64 array."""
+        return np.fromiter(
+            (r.tokens for s in self.steps for p in s.prompts for r in p.responses),
+            dtype=np.int64,
+            count=self.num_responses,
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """Counts and the length distribution (median / p99 / max) of all responses."""
+        lengths = self.response_lengths()
+        num_truncated = sum(
+            r.is_truncated for s in self.steps for p in s.prompts for r in p.responses
+        )
+        return {
+            "num_steps": self.num_steps,
+            "num_prompts": self.num_prompts,
+            "num_responses": int(lengths.size),
+            "total_response_tokens": int(lengths.sum()),
+            "median_tokens": float(np.median(lengths)),
+            "p99_tokens": float(np.quantile(lengths, 0.99)),
+            "max_tokens": int(lengths.max()),
+            "num_truncated": int(num_truncated),
+            "max_response_tokens": self.max_response_tokens,
+        }
+
+
+def inferred_finish(tokens: int, cap: int | None) -> str:
+    """Finish reason of a bare-int response: "length" exactly when it reached the cap."""
+    return "length" if cap is not None and tokens == cap else "stop"
+
+
+# --- validation: dict (parsed JSON) -> Trace -------------------------------------------------
+
+
+def _show(value: Any) -> str:
+    """A short one-line rendering of a bad value for error messages."""
+    if isinstance(value, (dict, list)) and value:
+        return f"{'an object' if isinstance(value, dict) else 'a list'} of {len(value)} items"
+    text = json.dumps(value) if isinstance(value, (dict, list)) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _fail(source: str, where: str, name: str, expected: str, got: Any) -> TraceError:
+    place = f"{source}: {where}: " if where else f"{source}: "
+    return TraceError(f"{place}field '{name}': expected {expected}, got {_show(got)}")
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int  # bool is a subclass of int: reject it on purpose
+
+
+def _get(obj: dict, key: str, source: str, where: str, expected: str) -> Any:
+    if key not in obj:
+        place = f"{source}: {where}: " if where else f"{source}: "
+        raise TraceError(f"{place}missing field '{key}' (expected {expected})")
+    return obj[key]
+
+
+def _check_keys(obj: dict, allowed: frozenset, source: str, where: str) -> None:
+    extra = sorted(set(obj) - allowed)
+    if extra:
+        place = f"{source}: {where}: " if where else f"{source}: "
+        raise TraceError(
+            f"{place}unknown field '{extra[0]}' (expected only {', '.join(sorted(allowed))})"
+        )
+
+
+def _meta_from_dict(meta: Any, source: str) -> dict[str, Any]:
+    if type(meta) is not dict:
+        raise _fail(source, "", "meta", "an object", meta)
+    for key in ("max_response_tokens", "group_size"):
+        if key in meta and not (_is_int(meta[key]) and meta[key] >= 1):
+            raise _fail(source, "meta", key, "a positive integer", meta[key])
+    for key in ("source", "model"):
+        if key in meta and not isinstance(meta[key], str):
+            raise _fail(source, "meta", key, "a string", meta[key])
+    return meta
+
+
+def check_header(obj: Any, source: str) -> dict[str, Any]:
+    """Check ``format`` and ``version`` of a parsed header object; return its validated meta."""
+    if type(obj) is not dict:
+        raise TraceError(
+            f"{source}: expected a JSON object at the top level, got {type(obj).__name__}"
+        )
+    fmt = _get(obj, "format", source, "", f"'{FORMAT}'")
+    if fmt != FORMAT:
+        raise _fail(source, "", "format", f"'{FORMAT}'", fmt)
+    version = _get(obj, "version", source, "", str(VERSION))
+    if not _is_int(version) or version != VERSION:
+        raise _fail(
+            source, "", "version", f"{VERSION} (the only version this tltsim reads)", version
+        )
+    return _meta_from_dict(_get(obj, "meta", source, "", "an object"), source)
+
+
+def trace_from_dict(obj: Any, source: str) -> Trace:
+    """Validate a parsed ``tlt-trace`` document and build the Trace. ``source`` names the file
+    in error messages. Every violation raises one-line ``TraceError``; nothing is skipped."""
+    meta = check_header(obj, source)
+    _check_keys(obj, _TOP_KEYS, source, "")
+    raw_steps = _get(obj, "steps", source, "", "a non-empty list of steps")
+    if type(raw_steps) is not list or not raw_steps:
+        raise _fail(source, "", "steps", "a non-empty list of steps", raw_steps)
+    cap = meta.get("max_response_tokens")
+    group_size = meta.get("group_size")
+    cache: dict[Any, Response] = {}  # Responses are immutable: equal ones are shared
+    steps: list[Step] = []
+    for i, raw in enumerate(raw_steps):
+        step = _step_from_dict(raw, f"steps[{i}]", source, cap, group_size, cache)
+        if steps and step.step <= steps[-1].step:
+            raise _fail(
+                source,
+                f"steps[{i}]",
+                "step",
+                f"a step number > {steps[-1].step} (steps ascend)",
+                step.step,
+            )
+        steps.append(step)
+    return Trace(meta=meta, steps=tuple(steps))
+
+
+def _step_from_dict(
+    raw: Any, where: str, source: str, cap: int | None, group_size: int | None, cache: dict
+) -> Step:
+    if type(raw) is not dict:
+        raise TraceError(f"{source}: {where}: expected a step object, got {_show(raw)}")
+    number = _get(raw, "step", source, where, "a step number >= 0")
+    if not _is_int(number) or number < 0:
+        raise _fail(source, where, "step", "an integer >= 0", number)
+    where = f"step {number}"
+    _check_keys(raw, _STEP_KEYS, source, where)
+    raw_prompts = _get(raw, "prompts", source, where, "a non-empty list of prompts")
+    if type(raw_prompts) is not list or not raw_prompts:
+        raise _fail(source, where, "prompts", "a non-empty list of prompts", raw_prompts)
+    measured = raw.get("measured")
+    if measured is not None and type(measured) is not dict:
+        raise _fail(source, where, "measured", "an object", measured)
+    prompts = []
+    seen: set[str] = set()
+    for j, raw_prompt in enumerate(raw_prompts):
+        prompt = _prompt_from_dict(raw_prompt, f"{where} prompts[{j}]", source, cap, cache)
+        if prompt.id in seen:
+            raise _fail(
+                source, f"{where} prompts[{j}]", "id", "an id unique within the step", prompt.id
+            )
+        if group_size is not None and len(prompt.responses) != group_size:
+            place = f"{source}: {where} prompt {prompt.id!r}"
+            raise TraceError(
+                f"{place}: field 'responses': expected {group_size} responses (meta.group_size), got {len(prompt.responses)}"
+            )
+        seen.add(prompt.id)
+        prompts.append(prompt)
+    return Step(step=number, prompts=tuple(prompts), measured=measured)
+
+
+def _prompt_from_dict(raw: Any, where: str, source: str, cap: int | None, cache: dict) -> Prompt:
+    if type(raw) is not dict:
+        raise TraceError(f"{source}: {where}: expected a prompt object, got {_show(raw)}")
+    pid = _get(raw, "id", source, where, "a non-empty string")
+    if type(pid) is not str or not pid:
+        raise _fail(source, where, "id", "a non-empty string", pid)
+    where = f"{where.rsplit(' ', 1)[0]} prompt {pid!r}"
+    _check_keys(raw, _PROMPT_KEYS, source, where)
+    prompt_tokens = _get(raw, "prompt_tokens", source, where, "a positive integer")
+    if not _is_int(prompt_tokens) or prompt_tokens < 1:
+        raise _fail(source, where, "prompt_tokens", "a positive integer", prompt_tokens)
+    raw_responses = _get(raw, "responses", source, where, "a non-empty list of responses")
+    if type(raw_responses) is not list or not raw_responses:
+        raise _fail(source, where, "responses", "a non-empty list of responses", raw_responses)
+    limit = cap if cap is not None else float("inf")
+    expected = "a positive integer" + (
+        f" <= max_response_tokens ({cap})" if cap is not None else ""
+    )
+    responses = []
+    for k, r in enumerate(raw_responses):
+        if _is_int(r):  # fast path: the common bare-int response
+            if not 0 < r <= limit:
+                raise _fail(source, f"{where} response {k}", "tokens", expected, r)
+            resp = cache.get(r)
+            if resp is None:
+                resp = cache[r] = Response(tokens=r, finish=inferred_finish(r, cap))
+        elif type(r) is dict:
+            resp = _response_from_dict(r, f"{where} response {k}", source, cap, expected, cache)
+        else:
+            raise _fail(
+                source, f"{where} response {k}", "tokens", expected + " or a response object", r
+            )
+        responses.append(resp)
+    return Prompt(id=pid, prompt_tokens=prompt_tokens, responses=tuple(responses))
+
+
+def _response_from_dict(
+    raw: dict, where: str, source: str, cap: int | None, expected: str, cache: dict
+) -> Response:
+    _check_keys(raw, _RESPONSE_KEYS, source, where)
+    tokens = _get(raw, "tokens", source, where, expected)
+    if not _is_int(tokens) or tokens < 1 or (cap is not None and tokens > cap):
+        raise _fail(source, where, "tokens", expected, tokens)
+    finish = raw.get("finish", inferred_finish(tokens, cap))
+    if finish not in FINISH_REASONS:
+        raise _fail(source, where, "finish", "'stop' or 'length'", finish)
+    hist = raw.get("accept_hist")
+    if hist is None:
+        key = (tokens, finish)
+        resp = cache.get(key)
+        if resp is None:
+            resp = cache[key] = Response(tokens=tokens, finish=finish)
+        return resp
+    if type(hist) is not list or not all(_is_int(c) and c >= 0 for c in hist):
+        raise _fail(source, where, "accept_hist", "a list of integers >= 0", hist)
+    return Response(tokens=tokens, finish=finish, accept_hist=tuple(hist))
+
+
+# --- Trace -> dict / JSON text ----------------------------------------------------------------
+
+
+def _response_to_json(r: Response, cap: int | None) -> int | dict[str, Any]:
+    if r.accept_hist is None and r.finish == inferred_finish(r.tokens, cap):
+        return r.tokens  # bare int: finish is implied by the cap (see inferred_finish)
+    obj: dict[str, Any] = {"tokens": r.tokens, "finish": r.finish}
+    if r.accept_hist is not None:
+        obj["accept_hist"] = list(r.accept_hist)
+    return obj
+
+
+def _prompt_to_dict(p: Prompt, cap: int | None) -> dict[str, Any]:
+    responses = [_response_to_json(r, cap) for r in p.responses]
+    return {"id": p.id, "prompt_tokens": p.prompt_tokens, "responses": responses}
+
+
+def _step_to_dict(step: Step, cap: int | None) -> dict[str, Any]:
+    obj: dict[str, Any] = {"step": step.step}
+    if step.measured is not None:
+        obj["measured"] = step.measured
+    obj["prompts"] = [_prompt_to_dict(p, cap) for p in step.prompts]
+    return obj
+
+
+def trace_to_dict(trace: Trace) -> dict[str, Any]:
+    """The JSON document of ``trace`` (plain dicts, lists, ints and strings)."""
+    cap = trace.max_response_tokens
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "meta": trace.meta,
+        "steps": [_step_to_dict(s, cap) for s in trace.steps],
+    }
+
+
+def dumps_trace(trace: Trace) -> str:
+    """JSON text with one prompt per line: diff-friendly, compact, byte-identical for equal traces."""
+    cap = trace.max_response_tokens
+    lines = [
+        f'{{"format": "{FORMAT}", "version": {VERSION},',
+        f' "meta": {json.dumps(trace.meta)},',
+        ' "steps": [',
+    ]
+    for i, step in enumerate(trace.steps):
+        head = _step_to_dict(Step(step.step, (), step.measured), cap)
+        del head["prompts"]
+        lines.append("  " + json.dumps(head)[:-1] + ', "prompts": [')
+        for j, p in enumerate(step.prompts):
+            comma = "," if j + 1 < len(step.prompts) else ""
+            lines.append("   " + json.dumps(_prompt_to_dict(p, cap)) + comma)
+        lines.append("  ]}" + ("," if i + 1 < len(trace.steps) else ""))
+    lines.append(" ]}")
+    return "\n".join(lines) + "\n"
+
+
+# --- building from arrays (generators, importers) --------------------------------------------
+
+
+def trace_from_arrays(
+    lengths: np.ndarray, prompt_tokens: np.ndarray, meta: dict[str, Any]
+) -> Trace:
+    """Trace from ``lengths`` (steps, prompts, group) and ``prompt_tokens`` (steps, prompts).
+
+    Steps are numbered 0.., prompt ids are ``s{step}p{index}``; a response whose length equals
+    ``meta["max_response_tokens"]`` gets ``finish="length"``. Inputs must already be valid
+    (positive, capped); this is the fast path for generated traces, not a validator."""
+    if lengths.ndim != 3 or prompt_tokens.shape != lengths.shape[:2]:
+        raise ValueError(
+            f"shapes: lengths {lengths.shape} needs prompt_tokens {lengths.shape[:2]}, got {prompt_tokens.shape}"
+        )
+    cap = meta.get("max_response_tokens")
+    cache: dict[int, Response] = {}
+    steps = []
+    for s, (step_lengths, step_prompts) in enumerate(
+        zip(lengths.tolist(), prompt_tokens.tolist(), strict=True)
+    ):
+        prompts = []
+        for j, (group, num_prompt_tokens) in enumerate(
+            zip(step_lengths, step_prompts, strict=True)
+        ):
+            responses = []
+            for n in group:
+                resp = cache.get(n)
+                if resp is None:
+                    resp = cache[n] = Response(tokens=n, finish=inferred_finish(n, cap))
+                responses.append(resp)
+            prompts.append(
+                Prompt(id=f"s{s}p{j}", prompt_tokens=num_prompt_tokens, responses=tuple(responses))
+            )
+        steps.append(Step(step=s, prompts=tuple(prompts)))
+    return Trace(meta=meta, steps=tuple(steps))
+
+
+# --- files -----------------------------------------------------------------------------------
+
+
+def _suffix(path: Path) -> str:
+    name = path.name.lower()
+    for suffix in sorted(SUFFIXES, key=len, reverse=True):
+        if name.endswith(suffix):
+            return suffix
+    raise TraceError(
+        f"{path}: unknown trace file type: expected a name ending in {', '.join(SUFFIXES)}"
+    )
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        data = path.read_bytes()
+        if path.name.lower().endswith(".gz"):
+            data = gzip.decompress(data)
+        return json.loads(data)
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise TraceError(f"{path}: is a directory, expected a trace file") from None
+    except json.JSONDecodeError as err:
+        raise TraceError(
+            f"{path}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno}); truncated file?"
+        ) from None
+    except (OSError, EOFError, UnicodeDecodeError) as err:  # gzip.BadGzipFile is an OSError
+        raise TraceError(
+            f"{path}: cannot read: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+        ) from None
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Load and validate a trace; the format follows the suffix (.json, .json.gz, .csv, .parquet)."""
+    path = Path(path)
+    suffix = _suffix(path)
+    if suffix in (".csv", ".parquet"):
+        from tltsim.trace import table as trace_table
+
+        return trace_table.read_table(path, suffix)
+    return trace_from_dict(_read_json(path), str(path))
+
+
+def save_trace(trace: Trace, path: str | Path, allow_lossy: bool = False) -> None:
+    """Write ``trace``; the format follows the suffix. The tabular twins (CSV, Parquet) cannot hold
+    ``accept_hist`` or ``measured``: they refuse such a trace unless ``allow_lossy`` is set."""
+    path = Path(path)
+    suffix = _suffix(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if suffix in (".csv", ".parquet"):
+        from tltsim.trace import table as trace_table
+
+        trace_table.write_table(trace, path, suffix, allow_lossy)
+        return
+    data = dumps_trace(trace).encode()
+    if suffix == ".json.gz":
+        data = gzip.compress(data, mtime=0)  # mtime=0: same trace, same bytes
+    path.write_bytes(data)
