@@ -1,6 +1,6 @@
-"""``tltsim report DIR``: detect a replay or sweep output directory and draw its figures.
+"""Detect a replay or sweep output directory and draw its figures (``tltsim report DIR``).
 
-    python -m analysis.report results/replay-synth_reasoning_rl
+    tltsim report results/replay-synth_reasoning_rl
 
 The kind is read from ``DIR/summary.json`` (``"kind": "replay" | "sweep"``); figures go to
 ``DIR/plots/*.png``. A directory that is neither raises ValueError with one line saying why.
@@ -9,7 +9,6 @@ The kind is read from ``DIR/summary.json`` (``"kind": "replay" | "sweep"``); fig
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 
@@ -34,8 +33,3 @@ def report(out_dir: str | Path) -> list[Path]:
         return draw_all(out_dir)
     except FileNotFoundError as err:
         raise ValueError(f"{out_dir}: missing result file {Path(err.filename).name}") from None
-
-
-if __name__ == "__main__":
-    for path in report(sys.argv[1]):
-        print(f"wrote {path}")

@@ -8,14 +8,13 @@
   (syncs, logging); spot drafter training happens inside the rollout's idle time, so it is
   drawn as a hatched bar beside, not stacked.
 
-Run: ``tltrun report RUN_DIR [RUN_DIR ...] [--out DIR]`` or
-``python -m analysis.train_plots RUN_DIR ...``; ``report()`` returns the written paths.
+Run: ``tltrun report RUN_DIR [RUN_DIR ...] [--out DIR]``; ``report()`` returns the written
+paths.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -116,21 +115,3 @@ def report(run_dirs: list[str], out: str | None = None) -> list[Path]:
     dest = Path(out) if out else Path(run_dirs[0])
     dest.mkdir(parents=True, exist_ok=True)
     return [_reward(runs, dest), _accept(runs, dest), _step_time(runs, dest)]
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if not args:
-        print("usage: python -m analysis.train_plots RUN_DIR [RUN_DIR ...]", file=sys.stderr)
-        return 2
-    try:
-        for path in report(args):
-            print(path)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

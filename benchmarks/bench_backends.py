@@ -27,7 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,44 +35,68 @@ import torch
 from tqdm import tqdm
 
 from tltrun.model.drafter import EagleDrafter, export_vllm
+from tltrun.model.tokenizer import CharTokenizer
+from tltrun.model.transformer import ModelConfig, Transformer, save_hf
 from tltrun.rollout.engine import EngineConfig, RolloutEngine
 from tltrun.rollout.interface import SamplingParams
 from tltrun.rollout.measured_trace import requests_from_step, rollout_summary
-from tltrun.model.transformer import ModelConfig, Transformer, save_hf
-from tltrun.model.tokenizer import CharTokenizer
-from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args, write_json
+from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.table import format_table
+from tltsim.errors import UsageError
+from tltsim.jsonio import write_json
 from tltsim.policy import NoSpec, StaticSpec, TLTAdaptive
-from tltsim.trace.schema import load_trace
+from tltsim.trace.files import load_trace
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    out_dir: str = "results/bench_backends"
-    trace: str = "traces/synth_reasoning_rl.json"
-    step: int = 0
-    num_prompts: int = 2  # x group size (8 in the sample traces) requests
-    length_scale: float = 0.1  # the sample trace's ~640-token median response -> ~64 tokens
+    out_dir: str = field(
+        default="results/bench_backends", metadata={"help": "output directory", "metavar": "DIR"}
+    )
+    trace: str = field(
+        default="traces/synth_reasoning_rl.json",
+        metadata={"help": "tlt-trace whose step is replayed", "metavar": "PATH"},
+    )
+    step: int = field(default=0, metadata={"help": "trace step to replay"})
+    # x group size (8 in the sample traces) requests
+    num_prompts: int = field(
+        default=2, metadata={"help": "first prompts of the step to replay (all their responses)"}
+    )
+    # the sample trace's ~640-token median response -> ~64 tokens
+    length_scale: float = field(
+        default=0.1, metadata={"help": "multiply prompt and response lengths by X"}
+    )
     # Model shape: the smallest head size vLLM's CPU attention supports is 32 (cpu_attn.py);
     # 64 is Llama's. Everything else is "tiny" (the issue's wording), not tuned.
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    draft_steps: int = 4
-    tlt_threshold: int = 4  # TLTAdaptive.threshold scaled to this small batch
+    hidden_size: int = field(default=256, metadata={"help": "model width"})
+    num_layers: int = field(default=4, metadata={"help": "model layers"})
+    num_heads: int = field(default=4, metadata={"help": "attention heads"})
+    num_kv_heads: int = field(default=2, metadata={"help": "key/value heads"})
+    draft_steps: int = field(
+        default=4, metadata={"help": "chain length of the static and tlt strategies"}
+    )
+    # TLTAdaptive.threshold scaled to this small batch
+    tlt_threshold: int = field(
+        default=4, metadata={"help": "TLTAdaptive threshold (active requests)"}
+    )
     # rollouts per backend and row, torch and vLLM alternating (paired_runs); the table shows
     # the median run's tok/s and the median of the per-repeat torch/vLLM ratios
-    num_repeats: int = 5
-    vllm_idle_s: float = 1.2  # > vLLM's 1 s busy-poll after a step (paired_runs)
+    num_repeats: int = field(default=5, metadata={"help": "rollouts per backend and row"})
+    # > vLLM's 1 s busy-poll after a step (paired_runs)
+    vllm_idle_s: float = field(
+        default=1.2, metadata={"help": "seconds to wait after a vLLM rollout"}
+    )
     # torch intra-op threads of the torch engine = the OpenMP threads vLLM's CPU worker runs:
     # VLLM_CPU_OMP_THREADS_BIND=auto takes one core per physical core minus one reserved for
     # its front end (its "OpenMP thread binding info" log line: core ids=[0] on 2 cores).
     # Set after vLLM has started, since starting it changes the caller's torch thread count.
-    num_threads: int = 1
-    max_num_seqs: int = 16
-    seed: int = 0
+    num_threads: int = field(default=1, metadata={"help": "torch threads of the torch engine"})
+    max_num_seqs: int = field(
+        default=16, metadata={"help": "requests decoded together on either backend"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the models and sampling"})
 
     def __post_init__(self) -> None:
         if min(self.num_prompts, self.num_repeats, self.draft_steps, self.num_threads) < 1:
@@ -240,28 +264,41 @@ def run(cfg: BenchConfig) -> list[dict[str, Any]]:
     return rows
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (
-        f"{'drafter':<8} {'policy':<8} {'torch tok/s':>12} {'vllm tok/s':>11} {'torch/vllm':>11} "
-        f"{'(min-max)':>12} {'accept len t/v':>15} {'same tokens':>12}"
-    )
-    lines = [head, "-" * len(head)]
+TABLE_COLUMNS = {
+    "drafter": "drafter",
+    "policy": "policy",
+    "torch_tokens_per_s": "torch tok/s",
+    "vllm_tokens_per_s": "vllm tok/s",
+    "ratio": "torch/vllm",
+    "spread": "(min-max)",
+    "accept": "accept len t/v",
+    "is_same": "same tokens",
+}
+
+
+def results_table(rows: list[dict[str, Any]]) -> str:
+    """One line per drafter x policy: both backends' throughput and their paired ratio."""
     by_key = {(r["drafter"], r["policy"], r["backend"]): r for r in rows}
+    table_rows = []
     for drafter, policy in dict.fromkeys((r["drafter"], r["policy"]) for r in rows):
         t, v = by_key[(drafter, policy, "torch")], by_key[(drafter, policy, "vllm")]
-        accept = (
-            f"{t['mean_accept_len']:.2f}/{v['mean_accept_len']:.2f}"
-            if t["mean_accept_len"]
-            else "-"
-        )
         ratios = t["torch_over_vllm"]
-        spread = f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
-        lines.append(
-            f"{drafter:<8} {policy:<8} {t['tokens_per_s']:>12.1f} {v['tokens_per_s']:>11.1f} "
-            f"{statistics.median(ratios):>10.2f}x {spread:>12} {accept:>15} "
-            f"{str(t['outputs'] == v['outputs']):>12}"
+        table_rows.append(
+            {
+                "drafter": drafter,
+                "policy": policy,
+                "torch_tokens_per_s": t["tokens_per_s"],
+                "vllm_tokens_per_s": v["tokens_per_s"],
+                "ratio": statistics.median(ratios),
+                "spread": f"{ratios[0]:.2f}-{ratios[-1]:.2f}",
+                "accept": f"{t['mean_accept_len']:.2f}/{v['mean_accept_len']:.2f}"
+                if t["mean_accept_len"]
+                else None,
+                "is_same": t["outputs"] == v["outputs"],
+            }
         )
-    return "\n".join(lines)
+    formats = {"torch_tokens_per_s": ".1f", "vllm_tokens_per_s": ".1f", "ratio": "{:.2f}x"}
+    return format_table(table_rows, TABLE_COLUMNS, formats, left=("drafter", "policy"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(out / "config.json", dataclasses.asdict(cfg))
     slim = [{k: v for k, v in r.items() if k != "outputs"} for r in rows]
     (out / "bench_backends.json").write_text(json.dumps(slim, indent=2) + "\n")
-    print(format_table(rows))
+    print(results_table(rows))
     print(
         f"vLLM engine start-up: {rows[0]['vllm_startup_s']:.1f} s; {len(rows)} rows in {out / 'bench_backends.json'}"
     )

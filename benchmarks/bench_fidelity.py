@@ -43,15 +43,17 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import pandas as pd
 import torch
 from fidelity_runs import POLICIES, MeasuredRuns, backend_clock, torch_engines, vllm_engines
 
-from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args, write_json
+from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.table import format_table
 from tltsim.cost.specs import HardwareSpec
+from tltsim.errors import UsageError
+from tltsim.jsonio import write_json
 
 # This machine's CPU, for the roofline comparison only (tltsim.cost.specs.HardwareSpec fields; the
 # fractions and overheads keep HardwareSpec's defaults). /proc/cpuinfo: "Intel(R) Xeon(R)
@@ -77,48 +79,98 @@ TARGET_SPEEDUP_ERR_PCT = 5.0
 
 @dataclass(frozen=True)
 class BenchFidelityConfig:
-    work_dir: str = "runs/bench_fidelity"
-    target: str = ""  # target model directory; "" = build it (cached in work_dir/model)
-    drafter: str = ""  # drafter directory (with --target)
-    backends: tuple[str, ...] = BACKENDS  # vllm is skipped when not installed
-    seed: int = 0
+    work_dir: str = field(
+        default="runs/bench_fidelity",
+        metadata={"help": "cache and output directory", "metavar": "DIR"},
+    )
+    # target model directory; "" = build it (cached in work_dir/model)
+    target: str = field(
+        default="",
+        metadata={
+            "help": "target model directory (default: build one in the work dir)",
+            "metavar": "DIR",
+        },
+    )
+    drafter: str = field(
+        default="", metadata={"help": "drafter directory (with --target)", "metavar": "DIR"}
+    )
+    backends: tuple[str, ...] = field(
+        default=BACKENDS,
+        metadata={"help": "backends to profile and replay on (vllm skipped when not installed)"},
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the model, data and sampling"})
     # 1: the machine is shared (OpenMP spin-waiting under load, bench_spec.py); the profile and
     # the run must use the same count.
-    num_threads: int = 1
+    num_threads: int = field(
+        default=1, metadata={"help": "torch threads of the profile and the run"}
+    )
     # Workload: the synthetic long-tail trace, scaled to what a CPU replays in seconds.
-    trace: str = "traces/synth_reasoning_rl.json"
-    steps: tuple[int, ...] = (0, 1, 2)
-    prompts_per_step: int = 8  # x group 8 = 64 requests per step
-    length_scale: float = 0.1  # step 0: median ~70, max ~340 tokens
-    max_running_requests: int = 64
-    temperature: float = 0.0  # greedy: the drafter was trained on greedy generations
-    is_training: bool = True  # time a GRPO update after each rollout (measured train_s)
+    trace: str = field(
+        default="traces/synth_reasoning_rl.json",
+        metadata={"help": "tlt-trace to replay", "metavar": "PATH"},
+    )
+    steps: tuple[int, ...] = field(default=(0, 1, 2), metadata={"help": "trace steps to replay"})
+    # x group 8 = 64 requests per step
+    prompts_per_step: int = field(
+        default=8, metadata={"help": "first prompts of each step to replay"}
+    )
+    # step 0: median ~70, max ~340 tokens
+    length_scale: float = field(
+        default=0.1, metadata={"help": "multiply prompt and response lengths by X"}
+    )
+    max_running_requests: int = field(default=64, metadata={"help": "requests decoded together"})
+    # greedy: the drafter was trained on greedy generations
+    temperature: float = field(default=0.0, metadata={"help": "sampling temperature (0: greedy)"})
+    # measured train_s
+    is_training: bool = field(
+        default=True, metadata={"help": "time a GRPO update after each rollout"}
+    )
     # Replays of every (step, policy), one after each round of the profile; a step's measured
     # time is their mean (``statistic``). Two runs of the same workload on this shared machine
     # differ by ~20% per step (CPU seconds too): one replay cannot resolve 5%.
-    num_replays: int = 8
-    is_compare_only: bool = False  # recompare the profile and traces of an earlier run
+    num_replays: int = field(default=8, metadata={"help": "replays of every (step, policy)"})
+    is_compare_only: bool = field(
+        default=False, metadata={"help": "recompare the profile and traces of an earlier run"}
+    )
     # TLTAdaptive on a CPU: TLT's threshold and warm-up, chains instead of TLT's GPU trees (a
     # 49-token verify costs a CPU 49x a decode; bench_spec.py measured chains of 2-6 paying).
-    tlt_strategies: tuple[str, ...] = ("6_1_6", "4_1_4", "3_1_3", "2_1_2")
+    tlt_strategies: tuple[str, ...] = field(
+        default=("6_1_6", "4_1_4", "3_1_3", "2_1_2"),
+        metadata={"help": "TLTAdaptive strategies, one bucket each"},
+    )
     # Profile: the mean (a sum of iterations on a shared machine, tltrun.profile.measure), 8 rounds;
     # the run's replays are summarised by the same statistic.
-    statistic: str = "mean"
-    num_repeats: int = 8
+    statistic: str = field(
+        default="mean",
+        metadata={
+            "help": "statistic of the profile and the replays",
+            "choices": ("median", "mean"),
+        },
+    )
+    num_repeats: int = field(default=8, metadata={"help": "profile rounds"})
     # torch backend: time the profile AND the run in this process's CPU seconds, so that other
     # jobs on the shared cores (which make wall time vary 2x from minute to minute here) do not
     # enter the comparison; vLLM computes in a worker process: wall seconds.
-    clock: str = "cpu"
+    clock: str = field(
+        default="cpu", metadata={"help": "the torch backend's clock", "choices": ("wall", "cpu")}
+    )
     # Model built when --target is not given (bench_spec's stages): 4 layers, hidden 256,
     # head_dim 64 (vLLM's CPU attention needs >= 32).
-    num_layers: int = 4
-    hidden_size: int = 256
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 704  # 8/3 x 256 rounded up to 64
-    sft_steps: int = 150
-    num_train_prompts: int = 256
-    drafter_steps: int = 300
+    num_layers: int = field(default=4, metadata={"help": "layers of the built model"})
+    hidden_size: int = field(default=256, metadata={"help": "width of the built model"})
+    num_heads: int = field(default=4, metadata={"help": "attention heads of the built model"})
+    num_kv_heads: int = field(default=2, metadata={"help": "key/value heads of the built model"})
+    # 8/3 x 256 rounded up to 64
+    intermediate_size: int = field(
+        default=704, metadata={"help": "SwiGLU MLP width of the built model"}
+    )
+    sft_steps: int = field(default=150, metadata={"help": "fine-tuning steps of the built model"})
+    num_train_prompts: int = field(
+        default=256, metadata={"help": "prompts the built drafter's training data comes from"}
+    )
+    drafter_steps: int = field(
+        default=300, metadata={"help": "training steps of the built drafter"}
+    )
 
     def __post_init__(self) -> None:
         if not self.backends or any(b not in BACKENDS for b in self.backends):
@@ -166,10 +218,10 @@ def build_model(cfg: BenchFidelityConfig, work: Path) -> tuple[Path, Path]:
 def workload(cfg: BenchFidelityConfig, model_dir: Path):
     """Per step: (step index, requests). Task prompts (seeded per step) paired with the trace's
     groups; response lengths from the trace, scaled; ``ignore_eos`` keeps them exact."""
+    from tltrun.model.tokenizer import CharTokenizer
     from tltrun.rollout.interface import Request
     from tltrun.train.tasks import TaskConfig, make_examples
-    from tltrun.model.tokenizer import CharTokenizer
-    from tltsim.trace.schema import load_trace
+    from tltsim.trace.files import load_trace
 
     trace = load_trace(cfg.trace)
     by_index = {s.step: s for s in trace.steps}
@@ -229,9 +281,9 @@ def profile_config(cfg: BenchFidelityConfig, backend: str, target: Path, drafter
 
 def roofline_ratios(profile_path: Path, target: Path) -> list[dict]:
     """Per op: median / min / max of measured profile seconds over this CPU's roofline."""
-    from tltsim.cost.roofline import RooflineCost
-    from tltsim.cost.profile import load_profile
     from tltsim.cost.measured import compare_to_roofline, summarize_comparison
+    from tltsim.cost.profile import load_profile
+    from tltsim.cost.roofline import RooflineCost
     from tltsim.cost.specs import ModelSpec
 
     spec = ModelSpec.from_hf_config_file(target / "config.json", name="bench target")
@@ -242,7 +294,8 @@ def roofline_ratios(profile_path: Path, target: Path) -> list[dict]:
 def compare_backend(
     cfg: BenchFidelityConfig, backend: str, profile_path: Path, paths: dict, out: Path
 ) -> dict:
-    from tltsim.fidelity.compare import CompareConfig, compare, format_report, write_outputs
+    from tltsim.cli.compare import format_report
+    from tltsim.fidelity.compare import CompareConfig, compare, write_outputs
 
     ccfg = CompareConfig(profile=str(profile_path), out=str(out), seed=cfg.seed)
     steps, ups, summary, config = compare([paths[name] for name in POLICIES], ccfg)
@@ -251,7 +304,7 @@ def compare_backend(
     return summary
 
 
-def format_table(results: dict) -> str:
+def results_table(results: dict) -> str:
     """The benchmark's table: errors and speedups per backend and policy, then the roofline."""
     rows = []
     for backend, res in results["backends"].items():
@@ -273,12 +326,12 @@ def format_table(results: dict) -> str:
                     "speedup target %": TARGET_SPEEDUP_ERR_PCT if up else None,
                 }
             )
-    fmt = {"float_format": lambda v: f"{v:.3g}", "na_rep": "-", "index": False}
     lines = ["per-step rollout error (train: per-step training error) and TLT-vs-NoSpec speedup:"]
-    lines.append(pd.DataFrame(rows).to_string(**fmt))
+    lines.append(format_table(rows, list(rows[0]), left=("backend", "policy"), float_format=".3g"))
     for backend, res in results["backends"].items():
         lines.append(f"\nmeasured / roofline seconds, {backend} profile vs {CPU_SPEC.name}:")
-        lines.append(pd.DataFrame(res["roofline"]).to_string(**fmt))
+        roofline = res["roofline"]
+        lines.append(format_table(roofline, list(roofline[0]), left=("op",), float_format=".3g"))
     return "\n".join(lines)
 
 
@@ -359,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         results["backends"][backend] = run_backend(cfg, backend, work, target, drafter, steps)
     (work / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print()
-    print(format_table(results))
+    print(results_table(results))
     if "vllm" in cfg.backends and "vllm" not in backends:
         print("vLLM is not installed: its rows are missing")
     return 0

@@ -17,31 +17,57 @@ import argparse
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args, write_json
+from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.table import format_table
+from tltsim.errors import UsageError
+from tltsim.jsonio import write_json
 
 
 @dataclass(frozen=True)
 class BenchGemmConfig:
-    out: str = "runs/bench_gemm_layout"
+    out: str = field(
+        default="runs/bench_gemm_layout", metadata={"help": "output directory", "metavar": "DIR"}
+    )
     # (in, out) of bench_spec's 8-layer model (hidden 512, MLP 1376, q/k/v/o) and
     # bench_fidelity's 4-layer one (hidden 256, MLP 704)
-    shapes: tuple[str, ...] = ("512x512", "512x1376", "1376x512", "256x256", "256x704", "704x256")
-    rows: tuple[int, ...] = (1, 4, 5, 8, 16, 20, 40, 80, 256, 1024)
-    num_repeats: int = 30
-    seed: int = 0
+    shapes: tuple[str, ...] = field(
+        default=("512x512", "512x1376", "1376x512", "256x256", "256x704", "704x256"),
+        metadata={"help": "weight shapes INxOUT timed"},
+    )
+    rows: tuple[int, ...] = field(
+        default=(1, 4, 5, 8, 16, 20, 40, 80, 256, 1024),
+        metadata={"help": "input rows (tokens) per GEMM"},
+    )
+    num_repeats: int = field(
+        default=30, metadata={"help": "timed calls per layout, shape and row count"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the random weights and inputs"})
     # optional engine rollouts (bench_spec.py's outputs); skipped when the directory is absent
-    model_dir: str = "runs/bench_spec/target"
-    drafter_dir: str = "runs/bench_spec/drafter"
-    batches: tuple[int, ...] = (1, 4, 8)
-    strategy: str = "4_1_4"
-    max_new_tokens: int = 128
-    num_rollouts: int = 4
+    model_dir: str = field(
+        default="runs/bench_spec/target",
+        metadata={
+            "help": "target of the rollouts (bench_spec.py's); skipped when absent",
+            "metavar": "DIR",
+        },
+    )
+    drafter_dir: str = field(
+        default="runs/bench_spec/drafter",
+        metadata={"help": "drafter of the rollouts (bench_spec.py's)", "metavar": "DIR"},
+    )
+    batches: tuple[int, ...] = field(default=(1, 4, 8), metadata={"help": "rollout batch sizes"})
+    strategy: str = field(
+        default="4_1_4", metadata={"help": "SD strategy of the rollouts (besides nospec)"}
+    )
+    max_new_tokens: int = field(
+        default=128, metadata={"help": "tokens each rollout request generates"}
+    )
+    num_rollouts: int = field(default=4, metadata={"help": "timed rollouts per layout and batch"})
 
 
 def col_major(w: torch.Tensor) -> torch.Tensor:
@@ -93,11 +119,11 @@ def bench_engine(cfg: BenchGemmConfig) -> list[dict]:
     import random
 
     from tltrun.model.drafter import load_drafter
+    from tltrun.model.tokenizer import CharTokenizer
+    from tltrun.model.transformer import load_hf
     from tltrun.rollout.engine import EngineConfig, RolloutEngine
     from tltrun.rollout.interface import Request, SamplingParams
-    from tltrun.model.transformer import load_hf
     from tltrun.train.tasks import TaskConfig, make_examples
-    from tltrun.model.tokenizer import CharTokenizer
     from tltsim.policy import NoSpec, StaticSpec
 
     models = {}
@@ -138,6 +164,25 @@ def bench_engine(cfg: BenchGemmConfig) -> list[dict]:
     return out
 
 
+GEMM_COLUMNS = {
+    "shape": "in->out",
+    "rows": "rows",
+    "row_major_us": "row-major",
+    "col_major_us": "col-major",
+    "speedup": "speedup",
+}
+GEMM_FORMATS = {"row_major_us": ".1f", "col_major_us": ".1f", "speedup": "{:.2f}x"}
+ENGINE_COLUMNS = {
+    "batch": "batch",
+    "policy": "policy",
+    "row_major_s": "row-major",
+    "col_major_s": "col-major",
+    "speedup": "speedup",
+    "same_tokens": "same",
+}
+ENGINE_FORMATS = {"row_major_s": ".3f", "col_major_s": ".3f", "speedup": "{:.2f}x"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_dataclass_args(parser, BenchGemmConfig)
@@ -150,18 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"fp32 F.linear, 1 thread, median of {cfg.num_repeats} (microseconds)")
-    print(f"{'in->out':>10} {'rows':>5} {'row-major':>10} {'col-major':>10} {'speedup':>8}")
-    for r in gemm:
-        print(f"{r['in']:>5}->{r['out']:<4} {r['rows']:>5} {r['row_major_us']:>10.1f} "
-              f"{r['col_major_us']:>10.1f} {r['speedup']:>7.2f}x")  # fmt: skip
+    shapes = [{**r, "shape": f"{r['in']}->{r['out']}"} for r in gemm]
+    print(format_table(shapes, GEMM_COLUMNS, GEMM_FORMATS))
     engine = []
     if Path(cfg.model_dir).is_dir() and Path(cfg.drafter_dir).is_dir():
         engine = bench_engine(cfg)
         print(f"\ntorch engine rollouts ({cfg.model_dir}), median of {cfg.num_rollouts} (seconds)")
-        print(f"{'batch':>5} {'policy':>7} {'row-major':>10} {'col-major':>10} {'speedup':>8} same")
-        for r in engine:
-            print(f"{r['batch']:>5} {r['policy']:>7} {r['row_major_s']:>10.3f} "
-                  f"{r['col_major_s']:>10.3f} {r['speedup']:>7.2f}x {r['same_tokens']}")  # fmt: skip
+        print(format_table(engine, ENGINE_COLUMNS, ENGINE_FORMATS))
     else:
         print(f"\n(no {cfg.model_dir} / {cfg.drafter_dir}: engine rollouts skipped; "
               "run benchmarks/bench_spec.py first)")  # fmt: skip

@@ -1,14 +1,20 @@
 """Benchmark of the Triton kernels (kernels/) against their torch references, on a CUDA GPU.
 
-For each shape it reports the median time over many runs (CUDA events), the speedup of the
-kernel over the reference, and bandwidth: the floor for reading every probability (or logit)
-once at the device's peak HBM bandwidth, the kernel's time relative to that floor, and the
-bandwidth the kernel achieves on the bytes it actually has to read. Then, if tltrun.rollout.engine is
-importable, the effect on a full SD iteration of the torch engine (verify_impl / attn_impl
-"ref"/"sdpa" vs "triton"). Issue #8 target: fused verify >= 3x faster than the reference at
-B = 64, k = 8, V = 152064, within 2x of the bandwidth floor.
+For each shape it reports the median time over many runs (``triton.testing.do_bench``, CUDA
+events), the speedup of the kernel over the reference, and bandwidth: the floor for reading
+every probability (or logit) once at the device's peak HBM bandwidth, the kernel's time
+relative to that floor, and the bandwidth the kernel achieves on the bytes it actually has to
+read. Then, if tltrun.rollout.engine is importable, the effect on a full SD iteration of the
+torch engine (verify_impl / attn_impl "ref"/"sdpa" vs "triton"). Issue #8 target: fused verify
+>= 3x faster than the reference at B = 64, k = 8, V = 152064, within 2x of the bandwidth floor.
 
-Run: python benchmarks/bench_kernels.py [--out_dir results/bench_kernels] [--num_repeats 100]
+Why ``do_bench``: it clears the L2 cache (zeroing a 256 MB buffer) before every timed run. These
+kernels are memory-bound; a loop that calls them back to back on a warm L2 serves part of each
+call's reads from the cache lines the previous call left (an H100 has 50 MB of L2: the 10 MB of
+a whole B = 1 verify fit), a bandwidth they do not get inside an SD iteration, where the model's
+forward pass runs in between, and that overstates the speedup of the kernel that reads least.
+
+Run: python benchmarks/bench_kernels.py [--out_dir results/bench_kernels] [--rep_ms 100]
 Writes OUT_DIR/config.json and OUT_DIR/bench_kernels.json, prints a table. Without CUDA it
 prints that it needs a GPU and exits 0.
 """
@@ -27,6 +33,7 @@ import torch
 
 from kernels.spec_verify import spec_verify, spec_verify_from_logits
 from kernels.tree_attention import tree_attention
+from tltsim.cli.table import format_table
 
 # Peak HBM bandwidth by device name, from NVIDIA's datasheets:
 #   H100 SXM 3.35 TB/s, H100 PCIe 2.0 TB/s, H100 NVL 3.9 TB/s: NVIDIA H100 Tensor Core GPU
@@ -54,16 +61,17 @@ TREE_SHAPES = ((64, 28, 4, 8, 128, 2048), (16, 28, 4, 64, 128, 4096), (1, 28, 4,
 @dataclass(frozen=True)
 class BenchConfig:
     out_dir: str = "results/bench_kernels"
-    num_warmup: int = 10
-    num_repeats: int = 100
+    # do_bench's budgets in milliseconds (it turns them into run counts from a first estimate)
+    warmup_ms: int = 25
+    rep_ms: int = 100
     seed: int = 0
     is_engine_measured: bool = True
     engine_num_requests: int = 64
     engine_max_new_tokens: int = 64
 
     def __post_init__(self) -> None:
-        if self.num_warmup < 0 or self.num_repeats < 1:
-            raise ValueError("num_warmup >= 0 and num_repeats >= 1 required")
+        if self.warmup_ms < 0 or self.rep_ms < 1:
+            raise ValueError("warmup_ms >= 0 and rep_ms >= 1 required")
         if self.engine_num_requests < 1 or self.engine_max_new_tokens < 1:
             raise ValueError("engine_num_requests and engine_max_new_tokens must be >= 1")
 
@@ -80,18 +88,11 @@ def peak_bandwidth(props) -> tuple[float, str]:
     return float("nan"), "unknown device"
 
 
-def median_ms(fn, num_warmup: int, num_repeats: int) -> float:
-    for _ in range(num_warmup):
-        fn()
-    times = []
-    for _ in range(num_repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def median_ms(fn, cfg: BenchConfig) -> float:
+    """Median milliseconds of ``fn`` on a cold L2 (module docstring: why)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median")
 
 
 def _spec_inputs(shape, gen: torch.Generator) -> dict:
@@ -141,10 +142,8 @@ def bench_spec_verify(cfg: BenchConfig, peak: float, gen: torch.Generator) -> li
                        x["u_sample"], 1.0)  # fmt: skip
         for entry, fn, args in (("probs", spec_verify, probs_args),
                                 ("logits", spec_verify_from_logits, logits_args)):  # fmt: skip
-            ref_ms = median_ms(lambda fn=fn, args=args: fn(*args, impl="ref"), cfg.num_warmup,
-                               cfg.num_repeats)  # fmt: skip
-            kernel_ms = median_ms(lambda fn=fn, args=args: fn(*args, impl="triton"),
-                                  cfg.num_warmup, cfg.num_repeats)  # fmt: skip
+            ref_ms = median_ms(lambda fn=fn, args=args: fn(*args, impl="ref"), cfg)
+            kernel_ms = median_ms(lambda fn=fn, args=args: fn(*args, impl="triton"), cfg)
             num_accepted = fn(*args, impl="triton")[1]
             needed = _bytes_read(num_accepted, k, vocab, entry == "logits")
             rows.append({
@@ -193,11 +192,9 @@ def bench_tree_attention(cfg: BenchConfig, peak: float, gen: torch.Generator) ->
             head_dim**-0.5,
         )
         kv_bytes = 2 * num_seqs * num_kv_heads * (max_len + num_tokens) * head_dim * 2  # bf16
-        ref_ms = median_ms(lambda a=args: tree_attention(*a, impl="ref"), cfg.num_warmup,
-                           cfg.num_repeats)  # fmt: skip
-        sdpa_ms = median_ms(lambda a=args: _sdpa_baseline(*a), cfg.num_warmup, cfg.num_repeats)
-        kernel_ms = median_ms(lambda a=args: tree_attention(*a, impl="triton"), cfg.num_warmup,
-                              cfg.num_repeats)  # fmt: skip
+        ref_ms = median_ms(lambda a=args: tree_attention(*a, impl="ref"), cfg)
+        sdpa_ms = median_ms(lambda a=args: _sdpa_baseline(*a), cfg)
+        kernel_ms = median_ms(lambda a=args: tree_attention(*a, impl="triton"), cfg)
         rows.append({
             "kernel": "tree_attention[bf16]", "shape": "B={} H={} Hkv={} T={} D={} L={}".format(
                 *shape), "ref_ms": ref_ms, "sdpa_ms": sdpa_ms, "triton_ms": kernel_ms,
@@ -227,12 +224,14 @@ def bench_engine(cfg: BenchConfig, device="cuda", dtype="bfloat16", model_overri
     temperature 1) per (verify_impl, attn_impl); the rest of the engine is identical."""
     try:
         from tltrun.model.drafter import EagleDrafter
+        from tltrun.model.transformer import ModelConfig, Transformer
         from tltrun.rollout.engine import EngineConfig, RolloutEngine
         from tltrun.rollout.interface import Request, SamplingParams
-        from tltrun.model.transformer import ModelConfig, Transformer
         from tltsim.policy import StaticSpec
     except ImportError as err:
-        return [{"note": f"tltrun.rollout.engine is not importable ({err}): SD iteration not measured"}]
+        return [
+            {"note": f"tltrun.rollout.engine is not importable ({err}): SD iteration not measured"}
+        ]
     model_cfg = ModelConfig(**{**ENGINE_MODEL, **(model_overrides or {})})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
@@ -271,17 +270,10 @@ def bench_engine(cfg: BenchConfig, device="cuda", dtype="bfloat16", model_overri
 
 
 def _format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    """Rows as an aligned text table; columns are (key, title, format spec); missing keys blank."""
-    cells = [
-        [format(row[key], fmt) if key in row else "" for key, _, fmt in columns] for row in rows
-    ]
-    titles = [title for _, title, _ in columns]
-    widths = [max([len(t)] + [len(r[i]) for r in cells]) for i, t in enumerate(titles)]
-    lines = [" | ".join(t.ljust(w) for t, w in zip(titles, widths, strict=True))]
-    lines.append("-" * len(lines[0]))
-    for r in cells:
-        lines.append(" | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
-    return "\n".join(lines)
+    """Rows as the CLI's text table (tltsim.cli.table); columns are (key, title, format spec)."""
+    titles = {key: title for key, title, _ in columns}
+    formats = {key: fmt for key, _, fmt in columns}
+    return format_table(rows, titles, formats, left=("kernel", "shape", "verify_impl", "attn_impl"))
 
 
 KERNEL_COLUMNS = [

@@ -22,11 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
-from tltsim.cost.roofline import RooflineCost
-from tltsim.policy import SpecDecision
-from tltsim.cost.profile import Profile, ProfileGrid, grid_points
+from tltsim.cli.table import format_table
 from tltsim.cost.measured import ProfileCost, profile_from_cost
+from tltsim.cost.profile import Profile, ProfileGrid, grid_points
+from tltsim.cost.roofline import RooflineCost
 from tltsim.cost.specs import get_hardware, get_model
+from tltsim.policy import SpecDecision
 
 PRESETS = [
     ("Qwen2.5-7B", "H100-SXM", 1),
@@ -101,15 +102,30 @@ def per_call_us(fn, num_calls: int = 2000) -> float:
     return (time.perf_counter() - start) / num_calls * 1e6
 
 
+ERROR_COLUMNS = {
+    "preset": "preset",
+    "op": "op",
+    "interior_max_pct": "interior max",
+    "interior_median_pct": "median",
+    "anywhere_max_pct": "anywhere max",
+    "anywhere_median_pct": "median",
+}
+SPEED_COLUMNS = {
+    "preset": "preset",
+    "roofline_decode_span_us": "decode_span roofline",
+    "profile_decode_span_us": "profile",
+    "roofline_decode_iter_us": "decode_iter roofline",
+    "profile_decode_iter_us": "profile",
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("results/bench_profilecost.json"))
     args = parser.parse_args()
     grid = ProfileGrid()
     results = []
-    print(
-        f"{'preset':<32}{'op':<15}{'interior max':>13}{'median':>9}{'anywhere max':>14}{'median':>9}"
-    )
+    error_rows, speed_rows = [], []
     for model, hw, tp in PRESETS:
         rc = RooflineCost(get_model(model), get_hardware(hw), tp=tp)
         cost = ProfileCost(
@@ -140,9 +156,7 @@ def main() -> None:
                     strict=True,
                 )
             )
-            print(
-                f"{name:<32}{op:<15}{stats[0]:>12.2f}%{stats[1]:>8.2f}%{stats[2]:>13.2f}%{stats[3]:>8.2f}%"
-            )
+            error_rows.append({"preset": name, "op": op, **row["ops"][op]})
         speed = {}
         for label, model_cost in (("roofline", rc), ("profile", cost)):
             speed[f"{label}_decode_span_us"] = per_call_us(
@@ -156,10 +170,12 @@ def main() -> None:
                 )
             )
         row["speed"] = speed
-        print(
-            f"{name:<32}{'speed (us/call)':<15} decode_span: roofline {speed['roofline_decode_span_us']:.1f}, profile {speed['profile_decode_span_us']:.1f}; decode_iter: roofline {speed['roofline_decode_iter_us']:.1f}, profile {speed['profile_decode_iter_us']:.1f}"
-        )
+        speed_rows.append({"preset": name, **speed})
         results.append(row)
+    print("profile interpolation error vs the roofline it was built from (%):")
+    print(format_table(error_rows, ERROR_COLUMNS, left=("preset", "op")))
+    print("\nspeed (microseconds per call):")
+    print(format_table(speed_rows, SPEED_COLUMNS, left=("preset",), float_format=".1f"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(

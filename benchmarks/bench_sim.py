@@ -22,10 +22,11 @@ import platform
 import time
 from pathlib import Path
 
+from tltsim.cli.table import format_table
 from tltsim.sim.replay import RunSettings, run_settings
 from tltsim.sim.simulator import SimConfig
-from tltsim.trace.synth import GenConfig, generate
 from tltsim.trace.schema import Trace
+from tltsim.trace.synth import GenConfig, generate
 
 POLICIES = ("nospec", "static", "tlt")
 
@@ -45,6 +46,27 @@ def timed(settings: RunSettings, trace: Trace) -> dict:
         "responses_per_s_wall": n / wall,
         "mean_step_s_simulated": result.summary()["mean_step_s"],
     }
+
+
+TABLE_COLUMNS = {
+    "policy": "policy",
+    "wall_s": "fast wall s",
+    "cpu_s": "fast CPU s",
+    "responses_per_s_cpu": "resp/s (CPU)",
+    "responses_per_min_cpu": "resp/min (CPU)",
+    "vs_nospec": "vs nospec",
+    "exact_full_cpu_s": "exact CPU s (full, extrap.)",
+    "fast_over_exact": "fast/exact",
+}
+TABLE_FORMATS = {
+    "wall_s": ".1f",
+    "cpu_s": ".1f",
+    "responses_per_s_cpu": ",.0f",
+    "responses_per_min_cpu": ",.0f",
+    "vs_nospec": "{:.2f}x",
+    "exact_full_cpu_s": ",.0f",
+    "fast_over_exact": "{:.0f}x",
+}
 
 
 def main() -> None:
@@ -97,15 +119,17 @@ def main() -> None:
             flush=True,
         )
     base = rows[0]["fast"]["cpu_s"]
-    header = f"{'policy':8} {'fast wall s':>11} {'fast CPU s':>10} {'resp/s (CPU)':>13} {'resp/min (CPU)':>15} {'vs nospec':>9} {'exact CPU s (full, extrap.)':>27} {'fast/exact':>10}"
-    print("\n" + header)
-    print("-" * len(header))
-    for row in rows:
-        f = row["fast"]
-        print(
-            f"{row['policy']:8} {f['wall_s']:11.1f} {f['cpu_s']:10.1f} {f['responses_per_s_cpu']:13,.0f} {f['responses_per_min_cpu']:15,.0f} "
-            f"{f['cpu_s'] / base:8.2f}x {row['exact_full_cpu_s_extrapolated']:27,.0f} {row['fast_over_exact_speed']:9.0f}x"
-        )
+    table = [
+        {
+            "policy": row["policy"],
+            **row["fast"],
+            "vs_nospec": row["fast"]["cpu_s"] / base,
+            "exact_full_cpu_s": row["exact_full_cpu_s_extrapolated"],
+            "fast_over_exact": row["fast_over_exact_speed"],
+        }
+        for row in rows
+    ]
+    print("\n" + format_table(table, TABLE_COLUMNS, TABLE_FORMATS, left=("policy",)))
     print(
         f"\nexact mode ran the first {sliced.num_steps} of {trace.num_steps} steps; its full-trace time is extrapolated x{trace.num_steps / sliced.num_steps:g}."
     )

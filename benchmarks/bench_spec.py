@@ -31,44 +31,73 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args, write_json
+from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.table import format_table
+from tltsim.errors import UsageError
+from tltsim.jsonio import write_json
 
 
 @dataclass(frozen=True)
 class BenchSpecConfig:
-    work_dir: str = "runs/bench_spec"
-    seed: int = 0
+    work_dir: str = field(
+        default="runs/bench_spec",
+        metadata={"help": "cache and output directory of the stages", "metavar": "DIR"},
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the model, data and sampling"})
     # Intra-op threads. 1: on a CPU shared with other jobs, OpenMP spin-waiting makes 2 threads
     # slower than 1 for these small matmuls (measured here: ~20x slower under load).
-    num_threads: int = 1
+    num_threads: int = field(default=1, metadata={"help": "torch intra-op threads"})
     # Target: the suggested size; SwiGLU width 8/3 x 512 rounded up to 64.
-    num_layers: int = 8
-    hidden_size: int = 512
-    num_heads: int = 8
-    num_kv_heads: int = 2
-    intermediate_size: int = 1408
-    sft_steps: int = 150
-    sft_batch_tokens: int = 1024
-    sft_lr: float = 2e-3  # tltrun.train.sft's default for small transformers
+    num_layers: int = field(default=8, metadata={"help": "target layers"})
+    hidden_size: int = field(default=512, metadata={"help": "target width"})
+    num_heads: int = field(default=8, metadata={"help": "target attention heads"})
+    num_kv_heads: int = field(default=2, metadata={"help": "target key/value heads"})
+    intermediate_size: int = field(default=1408, metadata={"help": "target SwiGLU MLP width"})
+    sft_steps: int = field(default=150, metadata={"help": "target fine-tuning steps"})
+    sft_batch_tokens: int = field(
+        default=1024, metadata={"help": "padded tokens per fine-tuning batch"}
+    )
+    # tltrun.train.sft's default for small transformers
+    sft_lr: float = field(default=2e-3, metadata={"help": "target fine-tuning peak learning rate"})
     # Drafter data and training
-    num_train_prompts: int = 512
-    train_max_new_tokens: int = 256
-    drafter_steps: int = 400  # top-1 agreement with the target plateaus after ~150 steps here
-    drafter_lr: float = 1e-3  # EAGLE's 3e-5 is for 7B targets and 800k steps; ours has minutes
-    drafter_batch_size: int = 8
+    num_train_prompts: int = field(
+        default=512, metadata={"help": "task prompts the target generates drafter data from"}
+    )
+    train_max_new_tokens: int = field(
+        default=256, metadata={"help": "token cap of those generations"}
+    )
+    # top-1 agreement with the target plateaus after ~150 steps here
+    drafter_steps: int = field(default=400, metadata={"help": "drafter training steps"})
+    # EAGLE's 3e-5 is for 7B targets and 800k steps; ours has minutes
+    drafter_lr: float = field(default=1e-3, metadata={"help": "drafter learning rate"})
+    drafter_batch_size: int = field(default=8, metadata={"help": "sequences per drafter step"})
     # Measurement
-    batch_sizes: tuple[int, ...] = (1, 4, 16, 64, 128)  # 128: past the 64, to find the end
-    strategies: tuple[str, ...] = ("2_1_2", "3_1_3", "4_1_4", "6_1_6", "4_2_8", "6_2_12", "8_4_32")
+    # 128: past the 64, to find the end
+    batch_sizes: tuple[int, ...] = field(
+        default=(1, 4, 16, 64, 128), metadata={"help": "decode batch sizes measured"}
+    )
+    strategies: tuple[str, ...] = field(
+        default=("2_1_2", "3_1_3", "4_1_4", "6_1_6", "4_2_8", "6_2_12", "8_4_32"),
+        metadata={"help": "SD strategies compared with NoSpec"},
+    )
     # Skip strategies verifying more tokens per iteration (batch x (verify_tokens + 1)): at
     # batch 64 a CPU is compute-bound and such runs take minutes without any chance to pay.
-    max_strategy_tokens: int = 512
-    max_new_tokens: int = 128
-    repeats: int = 3  # interleaved rounds per batch; each strategy keeps its fastest
+    max_strategy_tokens: int = field(
+        default=512,
+        metadata={"help": "skip strategies with more batch x (verify tokens + 1) per iteration"},
+    )
+    max_new_tokens: int = field(
+        default=128, metadata={"help": "tokens each measured request generates"}
+    )
+    repeats: int = field(
+        default=3,
+        metadata={"help": "interleaved rounds per batch; each strategy keeps its fastest"},
+    )
 
     def __post_init__(self) -> None:
         if (
@@ -85,9 +114,9 @@ def task_prompts(num: int, seed: int) -> list[str]:
 
 
 def stage_target(cfg: BenchSpecConfig, out: Path) -> None:
+    from tltrun.model.tokenizer import CharTokenizer
     from tltrun.train.sft import SFTConfig, build_model, train
     from tltrun.train.tasks import TaskConfig
-    from tltrun.model.tokenizer import CharTokenizer
 
     sft = SFTConfig(
         out=str(out),
@@ -170,9 +199,9 @@ def stage_drafter(cfg: BenchSpecConfig, work: Path) -> None:
 
 def measure(cfg: BenchSpecConfig, work: Path) -> dict:
     from tltrun.model.drafter import load_drafter
-    from tltrun.rollout.measured_trace import hardware_name
-    from tltrun.model.transformer import load_hf
     from tltrun.model.tokenizer import CharTokenizer
+    from tltrun.model.transformer import load_hf
+    from tltrun.rollout.measured_trace import hardware_name
 
     target = load_hf(work / "target")
     drafter = load_drafter(work / "drafter", target)
@@ -234,26 +263,23 @@ def measure_batch(cfg: BenchSpecConfig, target, drafter, prompts: list[list[int]
     return {"batch": batch, "runs": runs, "best": best}
 
 
-def format_table(res: dict, strategies: tuple[str, ...]) -> str:
-    head = (
-        f"{'batch':>5} {'nospec tok/s':>12} "
-        + " ".join(f"{s:>13}" for s in strategies)
-        + f" {'best':>8} {'speedup':>8}"
-    )
-    lines = ["per strategy: accept length / speedup", head, "-" * len(head)]
+def results_table(res: dict, strategies: tuple[str, ...]) -> str:
+    rows = []
     for r in res["rows"]:
-        cells = []
+        row = {
+            "batch": r["batch"],
+            "nospec": r["runs"]["off"]["decode_tokens_per_s"],
+            "best": r["best"],
+            "speedup": r["runs"][r["best"]]["speedup"],
+        }
         for s in strategies:
             run = r["runs"].get(s)
-            cells.append(
-                f"{run['mean_accept_len']:5.2f}/{run['speedup']:5.2f}x" if run else f"{'-':>13}"
-            )
-        best = r["runs"][r["best"]]
-        lines.append(
-            f"{r['batch']:>5} {r['runs']['off']['decode_tokens_per_s']:>12.1f} "
-            + " ".join(f"{c:>13}" for c in cells)
-            + f" {r['best']:>8} {best['speedup']:>7.2f}x"
-        )
+            row[s] = f"{run['mean_accept_len']:.2f}/{run['speedup']:.2f}x" if run else None
+        rows.append(row)
+    columns = {"batch": "batch", "nospec": "nospec tok/s", **{s: s for s in strategies}}
+    columns.update(best="best", speedup="speedup")
+    table = format_table(rows, columns, {"nospec": ".1f", "speedup": "{:.2f}x"})
+    lines = ["per strategy: accept length / speedup", table]
     stop = res["sd_stops_paying_at_batch"]
     lines.append(
         f"SD stops paying at batch {stop}" if stop else "SD pays at every measured batch size"
@@ -287,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stage {name}: {time.perf_counter() - start:.0f} s", flush=True)
     res = measure(cfg, work)
     (work / "results.json").write_text(json.dumps(res, indent=2) + "\n")
-    print(format_table(res, cfg.strategies))
+    print(results_table(res, cfg.strategies))
     return 0
 
 

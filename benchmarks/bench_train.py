@@ -18,11 +18,15 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tltrun.train.launch import TrainConfig, check_inputs, run_train, task_for
-from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args, write_json
+from tltrun.train.config import TrainConfig
+from tltrun.train.launch import check_inputs, run_train, task_for
+from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.table import format_table
+from tltsim.errors import UsageError
+from tltsim.jsonio import write_json
 
 RUNS = (  # name, policy, spot training
     ("nospec", "nospec", False),
@@ -34,30 +38,55 @@ RUNS = (  # name, policy, spot training
 
 @dataclass(frozen=True)
 class BenchTrainConfig:
-    model_dir: str = "runs/bench_spec/target"
-    drafter_dir: str = "runs/bench_spec/drafter"
-    out: str = "runs/bench_train"
-    num_steps: int = 20  # the issue's example run
-    prompts_per_step: int = 4
-    group_size: int = 4
-    max_new_tokens: int = 192
-    lr: float = 1e-5
-    seed: int = 0
+    model_dir: str = field(
+        default="runs/bench_spec/target",
+        metadata={"help": "target checkpoint (bench_spec.py's)", "metavar": "DIR"},
+    )
+    drafter_dir: str = field(
+        default="runs/bench_spec/drafter",
+        metadata={"help": "drafter to start from (bench_spec.py's)", "metavar": "DIR"},
+    )
+    out: str = field(
+        default="runs/bench_train",
+        metadata={"help": "output directory of the runs", "metavar": "DIR"},
+    )
+    # the issue's example run
+    num_steps: int = field(default=20, metadata={"help": "RL steps per run"})
+    prompts_per_step: int = field(default=4, metadata={"help": "prompts per RL step"})
+    group_size: int = field(default=4, metadata={"help": "responses per prompt"})
+    max_new_tokens: int = field(default=192, metadata={"help": "token cap per response"})
+    lr: float = field(default=1e-5, metadata={"help": "actor (GRPO) learning rate"})
+    seed: int = field(default=0, metadata={"help": "seed of every run"})
     # TLTAdaptive on a CPU: chain strategies (TLT's GPU defaults verify 8..48-node trees per
     # request, compute-bound here — see tltrun/train/launch.py), longest chain at batch 1.
-    tlt_strategies: tuple[str, ...] = ("4_1_4", "3_1_3", "2_1_2", "1_1_1")
+    tlt_strategies: tuple[str, ...] = field(
+        default=("4_1_4", "3_1_3", "2_1_2", "1_1_1"),
+        metadata={"help": "TLTAdaptive strategies, one bucket each"},
+    )
     # TLT's switch threshold: 0 = the batch size where SD stops paying on this machine, read
     # from benchmarks/bench_spec.py's results (``crossover_batch``) instead of the GPU default
     # 32 (fastrl bs_threshold); > 0 sets it.
-    tlt_threshold: int = 0
-    spec_results: str = "runs/bench_spec/results.json"
+    tlt_threshold: int = field(
+        default=0, metadata={"help": "TLTAdaptive threshold (0: bench_spec.py's crossover batch)"}
+    )
+    spec_results: str = field(
+        default="runs/bench_spec/results.json",
+        metadata={"help": "bench_spec.py's results.json", "metavar": "PATH"},
+    )
     # Drafter evaluation after the runs: the spot run's final actor (the moved policy) generates
     # eval_prompts x group_size responses to prompts of steps after the run with a chain of
     # eval_strategy, once with the frozen drafter and once with the spot-trained one (same
     # target, same prompts, same seed), and the accept lengths are compared.
-    eval_prompts: int = 16
-    eval_strategy: str = "4_1_4"
-    reuse_runs: bool = False  # take finished runs' log.jsonl from --out instead of rerunning
+    eval_prompts: int = field(
+        default=16, metadata={"help": "prompts of the drafter evaluation after the runs"}
+    )
+    eval_strategy: str = field(
+        default="4_1_4", metadata={"help": "SD strategy of the drafter evaluation"}
+    )
+    reuse_runs: bool = field(
+        default=False,
+        metadata={"help": "take finished runs' log.jsonl from --out instead of rerunning"},
+    )
 
 
 def crossover_batch(spec_results: dict) -> int:
@@ -128,11 +157,11 @@ def drafter_eval(cfg: BenchTrainConfig) -> dict[str, float]:
     import torch
 
     from tltrun.model.drafter import load_drafter
+    from tltrun.model.tokenizer import CharTokenizer
+    from tltrun.model.transformer import load_hf
     from tltrun.rollout.engine import EngineConfig, RolloutEngine
     from tltrun.rollout.interface import Request, SamplingParams
     from tltrun.rollout.measured_trace import rollout_summary
-    from tltrun.model.transformer import load_hf
-    from tltrun.model.tokenizer import CharTokenizer
     from tltrun.train.worker import step_problems
     from tltsim.policy import make_policy
 
@@ -199,20 +228,29 @@ def summarise(results: dict) -> list[dict]:
     return table
 
 
+TABLE_COLUMNS = {
+    "run": "run",
+    "rollout_s_per_step": "rollout s",
+    "step_s": "step s",
+    "rollout_speedup": "rollout x",
+    "step_speedup": "step x",
+    "token_rate_speedup": "tok/s x",
+    "accept_len_last": "accept(last)",
+    "reward_mean_all": "reward(all)",
+    "reward_last": "reward(last)",
+    "drafter_train_s": "spot s",
+    "idle_worker_s": "idle s",
+}
+TABLE_FORMATS = {
+    "reward_mean_all": ".3f",
+    "reward_last": ".3f",
+    "drafter_train_s": ".1f",
+    "idle_worker_s": ".1f",
+}
+
+
 def print_table(table: list[dict]) -> None:
-    head = (
-        f"{'run':<12}{'rollout s':>10}{'step s':>9}{'rollout x':>10}{'step x':>8}{'tok/s x':>8}"
-        f"{'accept(last)':>13}{'reward(all)':>12}{'reward(last)':>13}{'spot s':>8}{'idle s':>8}"
-    )
-    print(head)
-    for t in table:
-        print(
-            f"{t['run']:<12}{t['rollout_s_per_step']:>10.2f}{t['step_s']:>9.2f}"
-            f"{t['rollout_speedup']:>10.2f}{t['step_speedup']:>8.2f}{t['token_rate_speedup']:>8.2f}"
-            f"{t['accept_len_last']:>13.2f}"
-            f"{t['reward_mean_all']:>12.3f}{t['reward_last']:>13.3f}"
-            f"{t['drafter_train_s']:>8.1f}{t['idle_worker_s']:>8.1f}"
-        )
+    print(format_table(table, TABLE_COLUMNS, TABLE_FORMATS, left=("run",)))
     print("accept length per step:")
     for t in table:
         print(f"  {t['run']:<12}" + " ".join(f"{a:.2f}" for a in t["accept_len_per_step"]))

@@ -119,9 +119,10 @@ class MeasuredRuns:
         block is its replay with the median rollout time, except ``rollout_s``: the profile's
         statistic (mean or median) of all replays' times (listed in ``rollout_s_replays``);
         then one GRPO update of the median replay's samples is timed (``train_s``)."""
+        from tltrun.profile.timing import CLOCKS
         from tltrun.rollout.measured_trace import hardware_name, measured_step
-        from tltrun.profile.measure import CLOCKS
-        from tltsim.trace.schema import Trace, save_trace
+        from tltsim.trace.files import save_trace
+        from tltsim.trace.schema import Trace
 
         cfg = self.cfg
         clock = backend_clock(cfg, self.backend)
@@ -161,9 +162,9 @@ class MeasuredRuns:
 
 def torch_engines(cfg: BenchFidelityConfig, target, drafter, steps) -> dict:
     """One engine per policy (NoSpec without a drafter, as ``tltrun bench``), warmed up."""
+    from tltrun.profile.timing import CLOCKS
     from tltrun.rollout.engine import EngineConfig, RolloutEngine
     from tltrun.rollout.interface import Request, SamplingParams
-    from tltrun.profile.measure import CLOCKS
     from tltsim.policy import NoSpec, StaticSpec
 
     max_len = max(len(r.prompt_token_ids) + r.max_new_tokens for _, reqs in steps for r in reqs)
@@ -188,8 +189,8 @@ def vllm_engines(
     through the dynamic-SD table (k = 0 everywhere), TLTAdaptive with ``control="switch"`` (its
     warm-up, bandit and switch re-prefill; tltrun.rollout.vllm_backend). ``min_model_len``: what the
     profile's grid needs. Returns (torch target, engines)."""
-    from tltrun.rollout.interface import Request, SamplingParams
     from tltrun.model.transformer import load_hf
+    from tltrun.rollout.interface import Request, SamplingParams
     from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig
     from tltsim.policy import NoSpec
 

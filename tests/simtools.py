@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.cost.roofline import RooflineCost
-from tltsim.policy import SpotTrainerPolicy, make_policy
-from tltsim.sim.simulator import PLACEMENTS, SimConfig, simulate
 from tltsim.cost.specs import get_hardware, get_model
+from tltsim.policy import SpotTrainerPolicy, make_policy
+from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.sim.simulator import PLACEMENTS, SimConfig, simulate
 from tltsim.trace.schema import Trace, trace_from_arrays
 
 

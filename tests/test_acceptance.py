@@ -8,6 +8,7 @@ Run: .venv/bin/python -m pytest tests/test_acceptance.py -q
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -16,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tltsim.policy import OFF, SpecDecision
 from tltsim.sim.acceptance import (
     DEFAULT_SIBLING_RATE,
     DrafterDynamics,
@@ -27,7 +29,6 @@ from tltsim.sim.acceptance import (
     rank_probs,
     sample_accept_lengths,
 )
-from tltsim.policy import SpecDecision
 
 MC_SAMPLES = 20_000
 
@@ -83,7 +84,7 @@ def test_chain_formula_matches_monte_carlo(accept_rate, draft_steps):
 @settings(max_examples=100, deadline=None)
 @given(a=st.floats(0, 1), k=st.integers(1, 12))
 def test_chain_formula_agrees_with_tree_model_and_pmf(a, k):
-    chain = SpecDecision(True, k, 1, k)
+    chain = SpecDecision(enabled=True, draft_steps=k, topk=1, verify_tokens=k)
     closed = chain_expected_accept_len(a, k)
     assert closed == pytest.approx(1 + sum(a**i for i in range(1, k + 1)), rel=1e-9)
     assert expected_accept_len(chain, a) == pytest.approx(closed, rel=1e-9)
@@ -109,7 +110,12 @@ def test_tree_model_matches_monte_carlo(strategy, accept_rate, sibling_rate):
 
 
 tree_shapes = st.tuples(st.integers(1, 8), st.integers(1, 6), st.integers(1, 64)).map(
-    lambda t: SpecDecision(True, t[0], t[1], min(t[2], sum(t[1] ** i for i in range(1, t[0] + 1))))
+    lambda t: SpecDecision(
+        enabled=True,
+        draft_steps=t[0],
+        topk=t[1],
+        verify_tokens=min(t[2], sum(t[1] ** i for i in range(1, t[0] + 1))),
+    )
 )
 
 
@@ -143,7 +149,7 @@ def test_more_verify_tokens_or_acceptance_never_lowers_expectation(decision, a, 
     b = a * frac
     base = expected_accept_len(decision, a, b)
     if decision.verify_tokens < sum(decision.topk**i for i in range(1, decision.draft_steps + 1)):
-        more = SpecDecision(True, decision.draft_steps, decision.topk, decision.verify_tokens + 1)
+        more = dataclasses.replace(decision, verify_tokens=decision.verify_tokens + 1)
         assert expected_accept_len(more, a, b) >= base - 1e-12
     assert expected_accept_len(decision, a + 0.01, b) >= base - 1e-12
     assert 1.0 <= base <= decision.draft_steps + 1
@@ -152,11 +158,11 @@ def test_more_verify_tokens_or_acceptance_never_lowers_expectation(decision, a, 
 def test_default_sibling_rate_puts_eagle2_default_tree_in_published_range():
     # EAGLE-2's reference tree: depth 6, top-10, 60 verified nodes; its reported accept lengths
     # are about 4-5.5 (see DEFAULT_SIBLING_RATE).
-    assert 4.0 <= expected_accept_len(SpecDecision(True, 6, 10, 60), 0.8) <= 5.5
+    assert 4.0 <= expected_accept_len(SpecDecision.parse("6_10_60"), 0.8) <= 5.5
 
 
 def test_trees_beat_chains_of_the_same_depth():
-    chain = expected_accept_len(SpecDecision(True, 8, 1, 8), 0.8)
+    chain = expected_accept_len(SpecDecision.parse("8_1_8"), 0.8)
     tree = expected_accept_len(SpecDecision.parse("8_4_48"), 0.8)
     assert chain < tree < 9
 
@@ -186,11 +192,11 @@ def test_sampler_mean_matches_model(strategy):
 
 
 def test_sampler_edge_cases_and_seeding():
-    chain = SpecDecision(True, 5, 1, 5)
+    chain = SpecDecision.parse("5_1_5")
     rng = np.random.default_rng(0)
     assert np.all(sample_accept_lengths(rng, 50, chain, 1.0) == 6)
     assert np.all(sample_accept_lengths(rng, 50, chain, 0.0) == 1)
-    assert np.all(sample_accept_lengths(rng, 50, SpecDecision(False), 0.9) == 1)
+    assert np.all(sample_accept_lengths(rng, 50, OFF, 0.9) == 1)
     tree = SpecDecision.parse("8_4_32")
     first = sample_accept_lengths(np.random.default_rng(3), 64, tree, 0.8)
     again = sample_accept_lengths(np.random.default_rng(3), 64, tree, 0.8)

@@ -17,7 +17,7 @@ from tltrun.cli.main import main
 from tltrun.model.drafter import EagleDrafter, export_vllm
 from tltrun.model.transformer import save_hf
 from tltsim.fidelity.measured_run import measured_run
-from tltsim.trace.schema import load_trace
+from tltsim.trace.files import load_trace
 
 ENGINE = ["--max-running-requests", "3", "--max-model-len", "64", "--temperature", "0"]
 
@@ -82,9 +82,7 @@ def test_generate_then_train_drafter(dirs, capsys):
     assert [r["id"] for r in rows] == [f"p{i}/{j}" for i in range(4) for j in range(2)]
     assert all(1 <= len(r["output_token_ids"]) <= 6 + 3 * int(r["id"][1]) for r in rows)
     trace = load_trace(out / "trace.json")
-    assert (
-        trace.steps[0].num_responses == 8 and trace.steps[0].measured["policy"]["name"] == "static"
-    )
+    assert trace.steps[0].num_responses == 8 and trace.steps[0].measured.policy.name == "static"
     cfg = json.loads((out / "config.json").read_text())
     assert (
         cfg["engine"]["max_running_requests"] == 3 and cfg["engine"]["sampling"]["temperature"] == 0
@@ -129,7 +127,7 @@ def test_bench_prints_side_by_side_table(dirs, capsys):
             "2_2_4",
             "--out",
             str(out),
-            "--no-is-progress-shown",
+            "--no-progress-shown",
             *ENGINE,
         ]
     )
@@ -164,6 +162,36 @@ def test_bench_prints_side_by_side_table(dirs, capsys):
     assert num_verifies > 0 and sum(static.acceptance.hists[0]["2_2_4"]) == num_verifies
 
 
+def test_engine_sizes_default_to_what_the_rollout_needs(dirs, capsys):
+    """Without --max-running-requests / --max-model-len: every request at once (4 prompts x 2)
+    and the longest prompt + max_new_tokens (prompt p3: 10 + 15 tokens)."""
+    out = dirs / "gen_defaults"
+    argv = ["--model", str(dirs / "model"), "--out", str(out), "--temperature", "0"]
+    rc = main(["generate", *argv, "--prompts", str(dirs / "prompts.jsonl"), "--group-size", "2"])
+    assert rc == 0, capsys.readouterr().err
+    engine = json.loads((out / "config.json").read_text())["engine"]
+    assert (engine["max_running_requests"], engine["max_model_len"]) == (8, 25)
+    assert len((out / "generations.jsonl").read_text().splitlines()) == 8
+    # bench: the step's 5 responses at once, the longest request 7 + 20 tokens
+    rc = main(["bench", *argv, "--trace", str(dirs / "trace.json"), "--policy", "nospec",
+               "--no-progress-shown"])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    engine = json.loads((out / "config.json").read_text())["engine"]
+    assert (engine["max_running_requests"], engine["max_model_len"]) == (5, 27)
+
+
+def test_engine_size_defaults_are_capped(dirs):
+    """At most DEFAULT_MAX_RUNNING_REQUESTS slots and the model's max_position_embeddings."""
+    from tltrun.cli.args import DEFAULT_MAX_RUNNING_REQUESTS, engine_defaults
+
+    big = engine_defaults(str(dirs / "model"), 10_000, 100_000)
+    assert big == {"max_running_requests": DEFAULT_MAX_RUNNING_REQUESTS, "max_model_len": 512}
+    assert engine_defaults(str(dirs / "model"), 3, 40) == {
+        "max_running_requests": 3,
+        "max_model_len": 40,
+    }
+
+
 def _cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "tltrun.cli.main", *argv], capture_output=True, text=True
@@ -174,12 +202,12 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
     "argv,message",
     [
         (
-            ["generate", "--model", "/nonexistent", "--prompts", "x", "--out", "y", *ENGINE],
+            ["generate", "--model", "/nonexistent", "--prompts", "P", "--out", "y", *ENGINE],
             "no config.json",
         ),
         (
-            ["generate", "--model", "M", "--prompts", "P", "--out", "y", "--temperature", "0"],
-            "missing required flag",
+            ["generate", "--model", "M", "--prompts", "P", "--out", "y", "--max-model-len", "1"],
+            "max_model_len >= 2",
         ),
         (
             ["generate", "--model", "M", "--prompts", "/nonexistent.jsonl", "--out", "y", *ENGINE],

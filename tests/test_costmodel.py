@@ -12,9 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tltsim.sim.acceptance import expected_accept_len
 from tltsim.cost.roofline import CostModel, RooflineCost, sum_max_linear
-from tltsim.policy import SpecDecision
 from tltsim.cost.specs import (
     HARDWARE_PRESETS,
     MODEL_PRESETS,
@@ -23,6 +21,8 @@ from tltsim.cost.specs import (
     get_hardware,
     get_model,
 )
+from tltsim.policy import SpecDecision
+from tltsim.sim.acceptance import expected_accept_len
 
 TLT_STRATEGIES = ("8_4_48", "8_4_32", "8_4_16", "8_4_8")
 
@@ -240,10 +240,12 @@ def test_crossover_exists_and_grows_as_verify_tokens_shrink(model_name, hardware
 
 def test_crossover_grows_with_fixed_accept_length():
     cost = fitting_cost("Qwen2.5-7B", "H100-SXM")
-    found = [cost.crossover_batch(SpecDecision(True, 8, 4, v), 4.0, 1024) for v in (48, 32, 16, 8)]
+    found = [
+        cost.crossover_batch(SpecDecision.parse(f"8_4_{v}"), 4.0, 1024) for v in (48, 32, 16, 8)
+    ]
     assert None not in found and found == sorted(found) and found[0] < found[-1]
     # Below the crossover SD is faster, at it slower.
-    d, b = SpecDecision(True, 8, 4, 48), found[0]
+    d, b = SpecDecision.parse("8_4_48"), found[0]
     assert 4.0 * cost.decode_iter_s(b - 1, (b - 1) * 1024) >= cost.sd_iter_s(
         b - 1, (b - 1) * 1024, d
     )

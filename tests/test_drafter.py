@@ -22,9 +22,9 @@ from tltrun.model.drafter import (
     load_drafter,
     tree_layout,
 )
-from tltrun.rollout.interface import SamplingParams
 from tltrun.model.kvcache import KVCache
 from tltrun.model.transformer import CausalContext, CheckpointError
+from tltrun.rollout.interface import SamplingParams
 from tltrun.rollout.speculative import logits_to_probs
 from tltsim.policy import SpecDecision
 
@@ -115,7 +115,7 @@ def test_every_expanded_node_children_are_the_naive_topk(strategy):
 def test_sampled_chain_returns_the_q_each_token_was_drawn_from():
     params = SamplingParams(temperature=0.8, top_k=20)
     gen = torch.Generator().manual_seed(0)
-    tree = run_draft(PROMPTS, SpecDecision(True, 3, 1, 3), params, gen)
+    tree = run_draft(PROMPTS, SpecDecision.parse("3_1_3"), params, gen)
     assert tree.is_chain and tree.draft_probs is not None
     q = tree.draft_probs
     assert torch.all(q[:, 0] == 0)

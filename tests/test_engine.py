@@ -17,6 +17,7 @@ import torch
 from tiny_models import VOCAB, tiny_model
 
 from tltrun.model.drafter import EagleDrafter
+from tltrun.model.transformer import CausalContext
 from tltrun.rollout.engine import EngineConfig, RolloutEngine
 from tltrun.rollout.interface import Request, SamplingParams
 from tltrun.rollout.measured_trace import (
@@ -25,9 +26,8 @@ from tltrun.rollout.measured_trace import (
     prompt_of,
     requests_from_step,
 )
-from tltrun.model.transformer import CausalContext
 from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord, train_drafter
-from tltsim.policy import NoSpec, SpecDecision, StaticSpec
+from tltsim.policy import NoSpec, SpecDecision, StaticSpec, update_accept_len_ema
 from tltsim.trace.schema import Prompt, Response, Step
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -184,7 +184,7 @@ def test_per_response_histograms_by_strategy_add_up():
     for name, hist in by_step.items():
         assert total[name][: len(hist)] == hist and not any(total[name][len(hist) :])
     step = measured_step(0, result)
-    table = step.measured["response_accept_hist_by_strategy"]
+    table = step.measured.to_dict()["response_accept_hist_by_strategy"]  # as JSON: lists
     for p in step.prompts:  # one entry per response, in the prompt's order
         outs = [o for o in result.outputs if prompt_of(o.id) == p.id]
         assert table.get(p.id, [{}] * len(outs)) == [o.accept_hist_by_strategy for o in outs]
@@ -207,7 +207,7 @@ def test_trace_replay_generates_exactly_the_trace_lengths():
         assert [p.id for p in measured.prompts] == ["p0", "p1"]
         assert measured.response_lengths() == step.response_lengths()
         assert [p.prompt_tokens for p in measured.prompts] == [5, 17]
-        assert measured.measured["rollout_s"] > 0
+        assert measured.measured.rollout_s > 0
         has_hist = all(
             r.accept_hist is not None for p in measured.prompts for r in p.responses if r.tokens > 1
         )
@@ -233,9 +233,39 @@ def test_engine_drives_the_policy_once_per_iteration_with_measured_time():
         assert fb.iteration_s > 0 and fb.iteration_s == rec.wall_s
         assert fb.accepted_tokens == rec.num_new_tokens and fb.decision.strategy == rec.strategy
         assert obs.mean_context_tokens > 0
+    # the shared estimate (tltsim.policy.update_accept_len_ema) over the SD iterations so far
+    ema = 0.0
+    for obs, rec in zip(decides, decode_records, strict=True):
+        assert obs.accept_len_ema == ema
+        if rec.strategy != "off":
+            ema = update_accept_len_ema(ema, rec.num_new_tokens / rec.num_active)
     assert any(o.accept_len_ema >= 1.0 for o in decides)  # after the first SD iteration
     # SD switched on for requests the drafter had not seen: a drafter re-prefill is recorded.
     assert any(i.is_drafter_prefill and i.is_prefill and i.wall_s > 0 for i in result.iterations)
+
+
+def test_step_by_step_rollout_equals_generate():
+    """start_rollout, step() until done, finish_rollout: the same outputs and iteration kinds
+    as generate (which runs exactly that), each step's records returned as it runs."""
+    reqs = make_requests(7, seed=3)
+    want = engine(DRAFTER, max_running_requests=3).generate(reqs, RecordingPolicy(SWITCHING))
+    eng = engine(DRAFTER, max_running_requests=3)
+    with pytest.raises(RuntimeError, match="no rollout in progress"):
+        eng.step()
+    eng.start_rollout(reqs, RecordingPolicy(SWITCHING))
+    records = []
+    while not eng.is_rollout_done:
+        assert len(eng.scheduler.running) <= 3
+        ran = eng.step()
+        assert sum(not r.is_prefill for r in ran) <= 1  # at most one decode iteration a step
+        records += ran
+    got = eng.finish_rollout()
+    assert [o.output_token_ids for o in got.outputs] == [o.output_token_ids for o in want.outputs]
+    assert got.iterations == records
+    kinds = [(i.is_prefill, i.strategy, i.num_active) for i in got.iterations]
+    assert kinds == [(i.is_prefill, i.strategy, i.num_active) for i in want.iterations]
+    with pytest.raises(RuntimeError):
+        eng.finish_rollout()
 
 
 def test_sampled_sd_is_reproducible_from_the_seed():
@@ -292,9 +322,7 @@ def test_bad_requests_and_missing_drafter_are_one_line_errors():
 
 
 def test_engine_import_pulls_in_no_simpy():
-    code = (
-        "import sys, tltrun.rollout.engine, tltrun.cli.main; assert 'simpy' not in sys.modules, 'simpy imported'"
-    )
+    code = "import sys, tltrun.rollout.engine, tltrun.cli.main; assert 'simpy' not in sys.modules, 'simpy imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -10,18 +10,21 @@ Run: .venv/bin/python -m pytest tests/test_fit.py -q
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
 from tltsim.cli.main import main
-from tltsim.cli.args import UsageError
+from tltsim.errors import UsageError
 from tltsim.fidelity.fit import FitConfig, estimate_accept_rate, fit_trace, load_dynamics
 from tltsim.fidelity.fit_dynamics import StepAcceptance, predict
 from tltsim.policy import SpecDecision
-from tltsim.trace.schema import Prompt, Response, Step, Trace, save_trace
+from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
+from tltsim.trace.files import save_trace
+from tltsim.trace.measured import MeasuredStep, PolicyRecord
+from tltsim.trace.schema import Prompt, Response, Step, Trace, trace_to_dict
 
 TRUE = DrafterDynamics(
     max_accept_rate=0.85,
@@ -60,9 +63,10 @@ def synthetic_trace(
                 tokens = int(hist @ np.arange(1, hist.size + 1))
                 responses.append(Response(tokens=tokens, accept_hist=tuple(int(h) for h in hist)))
             prompts.append(Prompt(f"p{p}", 100, tuple(responses)))
-        measured = {"drafter_trained_tokens": trained[i]}
-        if measured_strategy:
-            measured["policy"] = {"name": "static", "iterations_per_strategy": {strategy: 99}}
+        policy = PolicyRecord(name="static", iterations_per_strategy={strategy: 99})
+        measured = MeasuredStep(
+            drafter_trained_tokens=trained[i], policy=policy if measured_strategy else None
+        )
         steps.append(Step(i, tuple(prompts), measured))
     return Trace({"source": "synthetic"}, tuple(steps))
 
@@ -165,23 +169,21 @@ def test_cli_fit_writes_loadable_json(tmp_path: Path, capsys) -> None:
     assert abs(dyn.initial_accept_rate - TRUE.initial_accept_rate) < 0.03
 
 
-def _bad(tmp_path: Path, trace: Trace) -> Path:
+def _bad(tmp_path: Path, trace: Trace | dict) -> Path:
     path = tmp_path / "bad.json"
-    save_trace(trace, path)
+    if isinstance(trace, Trace):
+        save_trace(trace, path)
+    else:
+        path.write_text(json.dumps(trace))
     return path
 
 
-def _with_step(trace: Trace, index: int, **changes) -> Trace:
-    steps = list(trace.steps)
-    steps[index] = Step(
-        **{
-            "step": steps[index].step,
-            "prompts": steps[index].prompts,
-            "measured": steps[index].measured,
-            **changes,
-        }
-    )
-    return Trace(trace.meta, tuple(steps))
+def _with_step(trace: Trace, index: int, measured: dict) -> dict:
+    """The trace's JSON document with step ``index``'s measured block replaced by ``measured``
+    (JSON: the block may be one that fails to load)."""
+    doc = trace_to_dict(trace)
+    doc["steps"][index]["measured"] = measured
+    return doc
 
 
 @pytest.mark.parametrize(
@@ -243,3 +245,13 @@ def test_bad_config_and_dynamics_file(tmp_path: Path, capsys) -> None:
     )
     with pytest.raises(UsageError, match="dynamics.warp"):
         load_dynamics(bad)
+
+
+def test_fit_without_scipy_is_one_line_exit_2(tmp_path: Path, capsys, monkeypatch) -> None:
+    """scipy is the `fit` extra: without it `tltsim fit` says so in one error line."""
+    trace_path = tmp_path / "t.json"
+    save_trace(synthetic_trace(TRUE, [0, 0, 0], "3_1_3", num_prompts=2), trace_path)
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)  # import scipy.optimize fails
+    assert main(["fit", str(trace_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1 and "needs scipy" in err, err

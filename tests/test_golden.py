@@ -19,7 +19,8 @@ import pytest
 from tltsim.cost.presets import apply_preset
 from tltsim.sim.replay import RunSettings, run_settings
 from tltsim.sim.simulator import SimConfig
-from tltsim.trace.schema import Trace, load_trace
+from tltsim.trace.files import load_trace
+from tltsim.trace.schema import Trace
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden" / "replay_synth_h100x8.json"

@@ -10,8 +10,12 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from tiny_models import tiny_model
 
+from tltrun.model.batching import padded_groups
+from tltrun.model.transformer import CausalContext
 from tltrun.train.grpo import (
     GRPOConfig,
     Sample,
@@ -22,7 +26,6 @@ from tltrun.train.grpo import (
     surrogate_loss,
     token_logprobs,
 )
-from tltrun.model.transformer import CausalContext
 
 
 def test_group_advantages_hand_checked():
@@ -69,6 +72,20 @@ def test_token_level_aggregation_and_mask():
     logp = torch.zeros(2, 4)
     loss, _ = surrogate_loss(logp, logp, None, torch.tensor([1.0, -1.0]), mask, GRPOConfig(), 4)
     assert loss.item() == pytest.approx((-3 + 1) / 4)  # every token weighs 1/N, N = 4
+
+
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=30), st.integers(1, 100))
+def test_padded_groups_cover_in_order_within_the_cap(lengths, cap):
+    """The packing GRPO's micro-batches and the engine's prefill share: consecutive groups,
+    every index once, each within the cap unless one item alone is longer, greedy (the next
+    item would not have fit)."""
+    groups = padded_groups(lengths, cap)
+    assert [i for g in groups for i in g] == list(range(len(lengths)))
+    for g, nxt in zip(groups, groups[1:] + [None], strict=True):
+        padded = len(g) * max(lengths[i] for i in g)
+        assert padded <= cap or len(g) == 1
+        if nxt is not None:
+            assert (len(g) + 1) * max(lengths[i] for i in g + nxt[:1]) > cap
 
 
 def test_tiny_grpo_run_makes_rewarded_token_likelier():

@@ -18,8 +18,9 @@ import pytest
 from scipy import stats
 
 from tltsim.cli.main import main
+from tltsim.trace.files import load_trace
 from tltsim.trace.importers import ImportConfig, import_azure, import_servegen
-from tltsim.trace.schema import Trace, load_trace
+from tltsim.trace.schema import Trace
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("TLT_SHARED_TRACES", "/work/shared/traces"))

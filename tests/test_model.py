@@ -11,7 +11,14 @@ import json
 import pytest
 import torch
 
-from tltrun.model.transformer import CausalContext, CheckpointError, ModelConfig, load_hf, read_config, save_hf
+from tltrun.model.transformer import (
+    CausalContext,
+    CheckpointError,
+    ModelConfig,
+    load_hf,
+    read_config,
+    save_hf,
+)
 
 transformers = pytest.importorskip("transformers")
 

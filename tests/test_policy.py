@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tltsim.policy import (
+    ACCEPT_LEN_EMA_WEIGHT,
     NO_TRAINING,
     OFF,
     BegMab,
@@ -28,13 +29,29 @@ from tltsim.policy import (
     StaticSpec,
     TLTAdaptive,
     TLTConfig,
+    TrainDecision,
     make_policy,
     to_vllm_dynamic_table,
+    update_accept_len_ema,
 )
 
 
 def obs(num_active: int, instance: int = 0, now_s: float = 0.0, step: int = 0) -> DecodeObs:
     return DecodeObs(now_s=now_s, step=step, instance=instance, num_active=num_active)
+
+
+def feedback(
+    num_active: int, decision: SpecDecision, accepted: float, iteration_s: float, num_iters: int = 1
+) -> SpecFeedback:
+    return SpecFeedback(
+        step=0,
+        instance=0,
+        num_active=num_active,
+        decision=decision,
+        accepted_tokens=accepted,
+        iteration_s=iteration_s,
+        num_iters=num_iters,
+    )
 
 
 def test_policy_import_pulls_in_no_simpy_torch_or_numpy():
@@ -50,7 +67,7 @@ def test_strategy_names_round_trip():
         with pytest.raises(ValueError, match="DRAFTSTEPS_TOPK_VERIFYTOKENS"):
             SpecDecision.parse(bad)
     with pytest.raises(ValueError, match="exceeds the tree size"):
-        SpecDecision(True, 2, 2, 7)
+        SpecDecision(enabled=True, draft_steps=2, topk=2, verify_tokens=7)
 
 
 def test_all_policies_satisfy_the_protocol():
@@ -151,7 +168,7 @@ def test_span_driver_switches_on_the_same_iteration_as_per_iteration_driver(hold
             if d.enabled:
                 return it
             hold = min(hold_cap, policy.max_hold_iters(o, d) or hold_cap) if span_driver else 1
-            policy.observe(SpecFeedback(0, 0, 16, d, 16 * hold, 0.01 * hold, num_iters=hold))
+            policy.observe(feedback(16, d, 16.0 * hold, 0.01 * hold, num_iters=hold))
             it += hold
 
     assert switch_iteration(span_driver=True) == switch_iteration(span_driver=False) == 9
@@ -179,7 +196,7 @@ def drive_bandit(
     for _ in range(rounds):
         decision = policy.decide(obs(batch))
         tokens = max(0, round(ARM_MEANS[decision.strategy] + noise.gauss(0.0, 30.0)))
-        policy.observe(SpecFeedback(0, 0, batch, decision, accepted_tokens=tokens, iteration_s=1.0))
+        policy.observe(feedback(batch, decision, float(tokens), 1.0))
         chosen.append(decision.strategy)
     return chosen
 
@@ -216,7 +233,7 @@ def test_bandit_statistics_per_batch_group_and_window():
 
 def test_observe_ignores_plain_iterations():
     policy = TLTAdaptive(**ARMS_ONE_BUCKET)
-    policy.observe(SpecFeedback(0, 0, 8, OFF, accepted_tokens=8, iteration_s=0.01))
+    policy.observe(feedback(8, OFF, 8.0, 0.01))
     assert not policy._bandit(0).rewards
 
 
@@ -292,6 +309,45 @@ def test_vllm_table_defaults_and_fixed_policies():
     assert to_vllm_dynamic_table(StaticSpec(5, 1, 5), 64) == [[1, 64, 5]]
 
 
+def test_a_new_policy_gets_the_protocol_defaults():
+    """A SpecPolicy subclass needs only decide(): no span cap, no vLLM export (one clear
+    error, no isinstance chain to extend), no-op start_rollout / observe."""
+
+    class Always(SpecPolicy):
+        name = "always"
+
+        def decide(self, obs):
+            return SpecDecision.parse("3_1_3")
+
+    policy = Always()
+    assert isinstance(policy, SpecPolicy)
+    policy.start_rollout(0)
+    policy.observe(feedback(4, policy.decide(obs(4)), 6.0, 0.1))
+    assert policy.max_hold_iters(obs(4), policy.decide(obs(4))) is None
+    with pytest.raises(ValueError, match="no export for policy 'always'"):
+        to_vllm_dynamic_table(policy, 8)
+    with pytest.raises(ValueError, match="max_batch must be >= 1"):
+        to_vllm_dynamic_table(NoSpec(), 0)
+
+
+def test_accept_len_ema_starts_at_the_first_mean_and_a_span_is_its_iterations():
+    assert update_accept_len_ema(0.0, 3.0) == 3.0  # nothing known yet
+    assert update_accept_len_ema(3.0, 5.0) == pytest.approx(3.0 + ACCEPT_LEN_EMA_WEIGHT * 2.0)
+    one_by_one = 2.0
+    for _ in range(7):
+        one_by_one = update_accept_len_ema(one_by_one, 4.5)
+    assert update_accept_len_ema(2.0, 4.5, num_iters=7) == pytest.approx(one_by_one)
+
+
+def test_observations_and_decisions_are_keyword_only():
+    with pytest.raises(TypeError):
+        DecodeObs(0.0, 0, 0, 4)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        SpecDecision(True, 3, 1, 3)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        TrainDecision((0,), 5)  # type: ignore[misc]
+
+
 def test_make_policy():
     assert make_policy("static", strategy="8_4_16").decide(obs(4)).strategy == "8_4_16"
     assert make_policy("tlt", seed=3, threshold=16).config.threshold == 16
@@ -301,3 +357,47 @@ def test_make_policy():
         make_policy("tlt", thresh=3)
     with pytest.raises(ValueError, match="must enable SD"):
         make_policy("static", strategy="off")
+
+
+# --- checkpoints: state_dict ---------------------------------------------------------------------
+
+
+def test_tlt_state_dict_round_trip_reproduces_future_decisions():
+    """A TLTAdaptive rebuilt from its settings and restored from its JSON state_dict (after the
+    bandit learned, mid-rollout) decides exactly as the original from then on; a fresh one
+    with the same seed does not (the state is what carries the learning)."""
+    import json
+
+    settings = {"warmup_checks": 1, "epsilon": 0.3, "window": 50, **ARMS_ONE_BUCKET}
+    policy = make_policy("tlt", seed=4, **settings)
+    policy.start_rollout(0)
+    drive_bandit(policy, random.Random(1), 200)
+    for k in range(20):  # a second instance, in another reward group
+        decision = policy.decide(obs(3, instance=1))
+        policy.observe(
+            SpecFeedback(step=0, instance=1, num_active=3, decision=decision,
+                         accepted_tokens=2.5 + k % 3, iteration_s=0.5)
+        )  # fmt: skip
+    state = json.loads(json.dumps(policy.state_dict()))  # plain data: survives JSON exactly
+    restored = make_policy("tlt", seed=4, **settings)
+    restored.load_state_dict(state)
+    assert restored.state_dict() == policy.state_dict() and restored.switched_on(1)
+    fresh = make_policy("tlt", seed=4, **settings)
+    fresh.start_rollout(0)
+    after = [drive_bandit(p, random.Random(7), 300) for p in (policy, restored, fresh)]
+    assert after[0] == after[1] and after[0] != after[2]
+    assert restored.state_dict() == policy.state_dict()
+    with pytest.raises(ValueError, match="seed 4"):
+        make_policy("tlt", seed=5, **settings).load_state_dict(state)
+    with pytest.raises(ValueError, match="window=50"):
+        make_policy("tlt", seed=4, **{**settings, "window": 40}).load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    "policy", [NoSpec(), StaticSpec(strategy="4_1_4"), SpotTrainerPolicy(), NoDrafterTraining()]
+)
+def test_stateless_policies_checkpoint_nothing(policy):
+    assert policy.state_dict() == {}
+    policy.load_state_dict({})
+    with pytest.raises(ValueError, match="keeps no state"):
+        policy.load_state_dict({"bandits": []})

@@ -18,12 +18,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tltsim.cli.main import main
 from tltsim.cli.fidelity import cost_model_from_args, extrapolation_lines
-from tltsim.cli.args import UsageError
-from tltsim.cost.roofline import CostModel, RooflineCost
+from tltsim.cli.main import main
 from tltsim.cost.interp import Curve, maximum, measured_curve, minimum
-from tltsim.policy import SpecDecision
+from tltsim.cost.measured import (
+    ProfileCost,
+    ProfileExtrapolationWarning,
+    compare_to_roofline,
+    cost_seconds,
+    profile_from_cost,
+    summarize_comparison,
+)
 from tltsim.cost.profile import (
     COLUMNS,
     Profile,
@@ -34,15 +39,10 @@ from tltsim.cost.profile import (
     load_profile,
     write_profile,
 )
-from tltsim.cost.measured import (
-    ProfileCost,
-    ProfileExtrapolationWarning,
-    compare_to_roofline,
-    cost_seconds,
-    profile_from_cost,
-    summarize_comparison,
-)
+from tltsim.cost.roofline import CostModel, RooflineCost
 from tltsim.cost.specs import get_hardware, get_model
+from tltsim.errors import UsageError
+from tltsim.policy import SpecDecision
 
 META = {
     "hardware": "H100-SXM",

@@ -18,15 +18,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import tiny_model
 
+from tltrun.cli.main import main
 from tltrun.model.drafter import EagleDrafter, export_vllm
+from tltrun.model.transformer import save_hf
+from tltrun.profile.measure import ProfileRunConfig, run_profile
+from tltrun.profile.timing import Measure
+from tltrun.profile.torch_engine import EngineProbe, fill_engine
 from tltrun.rollout.engine import EngineConfig, RolloutEngine
 from tltrun.rollout.interface import SamplingParams
-from tltrun.model.transformer import save_hf
-from tltrun.profile.measure import Measure, ProfileRunConfig, main, run_profile
-from tltrun.profile.torch_engine import EngineProbe, fill_engine
-from tltsim.policy import NoSpec, SpecDecision, StaticSpec
-from tltsim.cost.profile import OPS, load_profile
 from tltsim.cost.measured import ProfileCost
+from tltsim.cost.profile import OPS, load_profile
+from tltsim.policy import NoSpec, SpecDecision, StaticSpec
 
 NOW = datetime.datetime(2026, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
 
@@ -113,13 +115,13 @@ def test_probe_rollback_restores_the_state(strategy):
         gen = torch.Generator().manual_seed(0)
         fill_engine(engine, 20, gen)
         probe = EngineProbe(engine, 3, 20, 16, gen)
-        probe.rollback()
+        probe.rollback(policy)
         lens = engine.cache.lens.clone()
         outputs = []
         for _ in range(3):
-            probe.iteration(policy)
+            probe.iteration()
             outputs.append([list(s.output) for s in probe.running])
-            probe.rollback()
+            probe.rollback(policy)
             assert torch.equal(engine.cache.lens, lens)
     assert outputs[0] == outputs[1] == outputs[2]
     assert all(len(o) >= 2 for o in outputs[0])  # the iteration emitted tokens
@@ -214,7 +216,7 @@ def test_hooks_run_between_series_and_rounds_untimed(monkeypatch):
     ],
 )
 def test_bad_input_is_one_line_exit_2(argv, expected, capsys):
-    assert main(argv) == 2
+    assert main(["profile", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "\n" not in err and expected in err
 
@@ -276,8 +278,8 @@ def test_vllm_profile_of_a_running_engine_interleaves_the_callers_rollouts(tmp_p
     """bench_fidelity's use: the caller's engine is profiled in rounds with the caller's own
     rollouts between them, and stays open and usable; an engine that cannot hold the grid is
     refused with what it lacks."""
-    from tltrun.rollout.interface import Request
     from tltrun.profile.vllm_engine import profile_vllm
+    from tltrun.rollout.interface import Request
     from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig
 
     target, drafter = _vllm_model(tmp_path)

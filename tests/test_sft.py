@@ -14,9 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tltrun.train.sft import SFTConfig, collate, example_tokens, length_batches, main, run_sft  # noqa: E402
-from tltrun.train.tasks import TaskConfig, make_examples  # noqa: E402
+from tltrun.cli.main import main  # noqa: E402
 from tltrun.model.tokenizer import CharTokenizer  # noqa: E402
+from tltrun.train.sft import SFTConfig, collate, example_tokens, length_batches, run_sft  # noqa: E402
+from tltrun.train.tasks import TaskConfig, make_examples  # noqa: E402
 
 TINY = dict(
     num_steps=12,
@@ -106,23 +107,31 @@ def test_labels_mask_the_prompt_and_batches_respect_the_token_budget():
 
 
 def test_bad_flags_exit_2_with_one_line(tmp_path, capsys):
-    assert main(["--out", str(tmp_path), "--num-steps", "-1"]) == 2
+    assert main(["sft", "--out", str(tmp_path), "--num-steps", "-1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "num_steps" in err and "\n" not in err
-    assert main(["--num-steps", "3"]) == 2
+    assert main(["sft", "--num-steps", "3"]) == 2
     assert "--out" in capsys.readouterr().err
-    assert main(["--out", str(tmp_path), "--task-max-ops", "99"]) == 2
+    assert main(["sft", "--out", str(tmp_path), "--task-max-ops", "99"]) == 2
     assert "max_ops" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:  # argparse's own errors also exit 2
-        main(["--out", str(tmp_path), "--num-steps", "many"])
+        main(["sft", "--out", str(tmp_path), "--num-steps", "many"])
     assert exc.value.code == 2
 
 
 def test_standalone_eval_reproduces_the_run(tiny_run, capsys):
-    from tltrun.train import sft_eval
-
     out, metrics = tiny_run
-    assert sft_eval.main([str(out)]) == 0
+    assert main(["sft-eval", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"greedy accuracy {metrics['greedy']['accuracy']:.3f}" in printed
-    assert sft_eval.main([str(out / "missing")]) == 2
+    assert main(["sft-eval", str(out / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "sft_config.json" in err and "\n" not in err
+
+
+def test_task_prints_samples_and_length_statistics(capsys):
+    assert main(["task", "--num-prompts", "2", "--group-size", "4", "--seed", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("answer: ") >= 2
+    assert "response chars over 32 prompts x 4 samples:" in printed
+    assert main(["task", "--num-prompts", "0"]) == 2

@@ -17,7 +17,8 @@ from simtools import clusters, make_trace, roofline, run, small_traces
 
 from tltsim.policy import NoSpec
 from tltsim.sim.simulator import SimConfig, place, simulate
-from tltsim.trace.schema import Trace, load_trace
+from tltsim.trace.files import load_trace
+from tltsim.trace.schema import Trace
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -106,9 +107,9 @@ def test_continuous_batching_admits_queued_requests_when_slots_free() -> None:
     result = run(trace, "nospec", num_gpus=1, max_running_requests=2)
     fin = result.finish_s[0]
     assert fin[0] < fin[2] < fin[1]
-    prefills = [seg for seg in result.timeline if seg[4] == "prefill"]
-    assert [seg[5] for seg in prefills] == [2, 2]  # batch after each admission
-    assert prefills[1][2] == pytest.approx(fin[0])  # admitted the moment a slot freed
+    prefills = [seg for seg in result.timeline if seg.phase == "prefill"]
+    assert [seg.num_active for seg in prefills] == [2, 2]  # batch after each admission
+    assert prefills[1].start_s == pytest.approx(fin[0])  # admitted the moment a slot freed
 
 
 def test_decode_time_is_the_closed_form_span() -> None:

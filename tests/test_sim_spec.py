@@ -13,12 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from simtools import clusters, make_trace, roofline, run, small_traces
 
+from tltsim.policy import OFF, SpecDecision, TrainDecision
 from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
 from tltsim.sim.batch import AcceptDist, sample_iterations
 from tltsim.sim.metrics import ideal_rollout_s
-from tltsim.policy import OFF, SpecDecision, TrainDecision
-from tltsim.sim.spot_schedule import SpotOutcome, spot_schedule
-from tltsim.trace.schema import Trace, load_trace
+from tltsim.sim.spot_schedule import SpotOutcome, TrainingSpan, spot_schedule
+from tltsim.trace.files import load_trace
+from tltsim.trace.schema import Trace
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -142,9 +143,14 @@ def test_spot_schedule_startup_cap_and_preemption() -> None:
     )
     assert out.trained_s.tolist() == pytest.approx([28.0, 18.0, 0.0])
     assert out.tokens == pytest.approx(100 * 46, abs=1)
-    assert [(w, a, b) for w, a, b in out.segments] == [(0, 12.0, 40.0), (1, 22.0, 40.0)]
+    assert [(g.instance, g.start_s, g.end_s) for g in out.segments] == [
+        (0, 12.0, 40.0),
+        (1, 22.0, 40.0),
+    ]
     # A cap of 5 updates x 10 tokens x 1 worker at 100 tokens/s: half a second of training.
-    capped = spot_schedule([(10.0, TrainDecision((0,), 5))], 1, 40.0, 2.0, 100.0, 10)
+    capped = spot_schedule(
+        [(10.0, TrainDecision(workers=(0,), max_updates=5))], 1, 40.0, 2.0, 100.0, 10
+    )
     assert capped.trained_s[0] == pytest.approx(0.5) and capped.tokens == 50
     none = spot_schedule([(10.0, TrainDecision())], 1, 40.0, 2.0, 100.0, 10)
     assert none.tokens == 0 and none.segments == []
@@ -161,15 +167,17 @@ def test_spot_schedule_matches_a_decision_by_decision_reference() -> None:
             if case % 3 == 1:  # some decisions drop workers
                 workers = tuple(w for w in workers if rng.random() < 0.7)
             updates = int(rng.integers(1, 400)) if case % 2 else 10**9  # binding caps or none
-            decisions.append((float(t), TrainDecision(workers, updates if workers else 0)))
+            decision = TrainDecision(workers=workers, max_updates=updates if workers else 0)
+            decisions.append((float(t), decision))
         args = (8, 40.0, 1.5, 200.0, 16)
         got, want = spot_schedule(decisions, *args), oracle_spot_schedule(decisions, *args)
         assert got.trained_s == pytest.approx(want.trained_s, abs=1e-9)
         assert got.tokens == pytest.approx(want.tokens, abs=2)
-        assert np.allclose(
-            np.array(sorted(got.segments)).reshape(-1, 3),
-            np.array(sorted(want.segments)).reshape(-1, 3),
+        got_spans, want_spans = (
+            np.array(sorted((g.instance, g.start_s, g.end_s) for g in o.segments)).reshape(-1, 3)
+            for o in (got, want)
         )
+        assert np.allclose(got_spans, want_spans)
 
 
 @pytest.mark.parametrize("rem", [3.0, 40.0, 100.0, 400.0, 5000.0])
@@ -263,4 +271,5 @@ def oracle_spot_schedule(
         seg_end[w] = a + durations[on]
     for i in np.flatnonzero(~np.isnan(seg_end)):
         segments.append((int(i), float(seg_start[i]), float(seg_end[i])))
-    return SpotOutcome(trained, segments, int(total))
+    spans = [TrainingSpan(instance=w, start_s=a, end_s=b) for w, a, b in segments]
+    return SpotOutcome(trained_s=trained, segments=spans, tokens=int(total))

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from tltsim.cli.main import main
-from tltsim.cli.args import UsageError
+from tltsim.errors import UsageError
 from tltsim.sim.sweep import load_spec, run_sweep, spec_points
 
 ROOT = Path(__file__).resolve().parents[1]

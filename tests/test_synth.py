@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tltsim.cli.main import build_parser, main
+from tltsim.trace.files import load_trace
+from tltsim.trace.schema import trace_from_dict, trace_to_dict
 from tltsim.trace.synth import GenConfig, generate, generate_arrays
-from tltsim.trace.schema import load_trace, trace_from_dict, trace_to_dict
 
 
 def _gen_cli(out: Path, *flags: str) -> bytes:

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tltrun.model.tokenizer import DEFAULT_CHARS, CharTokenizer
 from tltrun.train.tasks import (
     LABELS,
     TaskConfig,
@@ -25,7 +26,6 @@ from tltrun.train.tasks import (
     sample_problem,
     worked_solution,
 )
-from tltrun.model.tokenizer import DEFAULT_CHARS, CharTokenizer
 
 CFG = TaskConfig()
 

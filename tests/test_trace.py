@@ -5,6 +5,7 @@ Run: ``.venv/bin/python -m pytest tests/test_trace.py -q``
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 from pathlib import Path
@@ -15,6 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tltsim.cli.main import main
+from tltsim.trace.files import load_trace, save_trace
+from tltsim.trace.measured import UNRECORDED, MeasuredStep, PolicyRecord
 from tltsim.trace.schema import (
     Prompt,
     Response,
@@ -22,8 +25,6 @@ from tltsim.trace.schema import (
     Trace,
     TraceError,
     dumps_trace,
-    load_trace,
-    save_trace,
     trace_from_dict,
     trace_to_dict,
 )
@@ -36,6 +37,36 @@ CAP = 32768
 _ids = st.text(st.characters(blacklist_categories=("Cs", "Cc")), min_size=1, max_size=8)
 _meta_extra = st.dictionaries(
     st.sampled_from(["model", "source", "note"]), st.text(max_size=10), max_size=2
+)
+# The measured block of a 2-worker `tltrun train` step as written before MeasuredStep existed
+# (a free-form dict): it must load and save byte-identical.
+TRAIN_BLOCK = (
+    '{"rollout_s": 1.2345678901234, "prefill_s": 0.5, "drafter_prefill_s": 0.01, '
+    '"decode_s": 0.7083333333333333, "sd_s": 0.25, "num_iterations": 4, "num_sd_iterations": 2, '
+    '"decode_tokens": 13, "decode_tokens_per_s": 18.35294117647059, "total_tokens": 14, '
+    '"mean_accept_len": 2.25, "policy": {"name": "tlt", "iterations_per_strategy": '
+    '{"2_1_2": 1, "3_1_3": 1, "off": 2}, "config": {"strategies": ["2_1_2", "3_1_3"], '
+    '"threshold": 4}, "seed": 7}, "hardware": "cpu x", "backend": "torch", "share_prompts": true, '
+    '"prefix_block_tokens": 1, "accept_hist_by_strategy": {"2_1_2": [1, 0, 2], "3_1_3": [0, 1]}, '
+    '"response_accept_hist_by_strategy": {"p0": [{"2_1_2": [1, 0, 2]}, {}], "p1": '
+    '[{"3_1_3": [0, 1]}]}, "train_s": 0.75, "drafter_train_s": 0.0, "drafter_trained_tokens": '
+    '123, "worker_rollout_s": [1.2, 0.9], "instance_prompts": [["p0"], ["p1"]], '
+    '"max_running_requests": null}'
+)
+_seconds = st.floats(0, 1e6, allow_nan=False)
+_measured_blocks = st.one_of(
+    st.none(),
+    st.just(MeasuredStep(rollout_s=1.5, policy=PolicyRecord(name="tlt"))),
+    st.just(MeasuredStep.from_dict(json.loads(TRAIN_BLOCK))),
+    st.builds(
+        MeasuredStep,
+        rollout_s=_seconds,
+        train_s=st.one_of(st.none(), _seconds),
+        clock=st.sampled_from([None, "wall", "cpu"]),
+        worker_rollout_s=st.one_of(st.none(), st.lists(_seconds, max_size=3).map(tuple)),
+        max_running_requests=st.one_of(st.just(UNRECORDED), st.none(), st.integers(1, 64)),
+        strategy=st.one_of(st.none(), st.just("4_1_4")),
+    ),
 )
 
 
@@ -69,11 +100,7 @@ def traces(draw, is_tabular: bool = False) -> Trace:
                     id=pid, prompt_tokens=draw(st.integers(1, 10**6)), responses=tuple(responses)
                 )
             )
-        measured = (
-            None
-            if is_tabular
-            else draw(st.one_of(st.none(), st.just({"rollout_s": 1.5, "policy": {"name": "tlt"}})))
-        )
+        measured = None if is_tabular else draw(_measured_blocks)
         steps.append(Step(step=number, prompts=tuple(prompts), measured=measured))
     meta = draw(_meta_extra)
     if cap is not None:
@@ -162,12 +189,63 @@ def test_csv_is_pandas_friendly_and_refuses_json_only_fields(tmp_path: Path) -> 
     ]
     assert frame["response_tokens"].sum() == 218
     measured = Trace(
-        meta={}, steps=(Step(0, (Prompt("a", 1, (Response(2),)),), measured={"rollout_s": 1.0}),)
+        meta={},
+        steps=(Step(0, (Prompt("a", 1, (Response(2),)),), measured=MeasuredStep(rollout_s=1.0)),),
     )
     with pytest.raises(TraceError, match="measured"):
         save_trace(measured, tmp_path / "m.csv")
     save_trace(measured, tmp_path / "m.csv", allow_lossy=True)
     assert load_trace(tmp_path / "m.csv").steps[0].measured is None
+
+
+def test_measured_block_loads_typed_and_saves_byte_identical() -> None:
+    """A block written as a free-form dict loads as a MeasuredStep and dumps to the same text;
+    every field is JSON's key of the same name, in field order."""
+    doc = json.loads(json.dumps(GOOD))
+    doc["steps"][0]["measured"] = json.loads(TRAIN_BLOCK)
+    trace = trace_from_dict(doc, "mem")
+    m = trace.steps[0].measured
+    assert isinstance(m, MeasuredStep) and isinstance(m.policy, PolicyRecord)
+    assert (m.rollout_s, m.policy.name, m.policy.seed, m.drafter_trained_tokens) == (
+        1.2345678901234,
+        "tlt",
+        7,
+        123,
+    )
+    assert m.accept_hist_by_strategy == {"2_1_2": (1, 0, 2), "3_1_3": (0, 1)}
+    assert m.response_accept_hist_by_strategy["p0"] == ({"2_1_2": (1, 0, 2)}, {})
+    assert m.instance_prompts == (("p0",), ("p1",)) and m.worker_rollout_s == (1.2, 0.9)
+    assert m.max_running_requests is None  # null: each instance admitted its whole share
+    assert json.dumps(m.to_dict()) == TRAIN_BLOCK
+    assert list(m.to_dict()) == [
+        f.name for f in dataclasses.fields(MeasuredStep) if f.name in m.to_dict()
+    ]
+    text = dumps_trace(trace)
+    assert dumps_trace(trace_from_dict(json.loads(text), "mem")) == text
+    assert m.policy.sd_strategies() == ["2_1_2", "3_1_3"]
+
+
+def test_measured_block_absent_and_null_differ() -> None:
+    """Absent fields are None (UNRECORDED for the cap, whose null is a value) and stay absent."""
+    empty = MeasuredStep.from_dict({})
+    assert empty == MeasuredStep() and empty.to_dict() == {}
+    assert empty.max_running_requests is UNRECORDED and empty.rollout_s is None
+    full = MeasuredStep(**_FULL)  # every field recorded: every field round-trips through JSON
+    assert list(full.to_dict()) == [f.name for f in dataclasses.fields(MeasuredStep)]
+    assert MeasuredStep.from_dict(json.loads(json.dumps(full.to_dict()))) == full
+    with pytest.raises(TraceError, match=r"^f\.json: step 2: field 'measured.sd_s'"):
+        MeasuredStep.from_dict({"sd_s": -1.0}, where="f.json: step 2")
+
+
+# one valid value of every MeasuredStep field (as the dataclass holds it)
+_FULL = {
+    **vars(MeasuredStep.from_dict(json.loads(TRAIN_BLOCK))),
+    "policy": PolicyRecord(name="static", iterations_per_strategy={"4_1_4": 3}, config={}, seed=0),
+    "clock": "cpu",
+    "max_running_requests": 8,
+    "rollout_s_replays": (1.0, 1.5),
+    "strategy": "4_1_4",
+}
 
 
 def test_csv_rows_in_any_order(tmp_path: Path) -> None:
@@ -295,6 +373,52 @@ JSON_CASES = {
         ["meta", "'max_response_tokens'"],
     ),
     "meta not object": (lambda d: d.update(meta=[]), ["'meta'", "object"]),
+    "measured not object": (
+        lambda d: d["steps"][0].update(measured=[1.5]),
+        ["step 0", "'measured'", "an object"],
+    ),
+    "measured string seconds": (
+        lambda d: d["steps"][0].update(measured={"rollout_s": "1.5"}),
+        ["step 0", "'measured.rollout_s'", "seconds >= 0", "'1.5'"],
+    ),
+    "measured bool seconds": (
+        lambda d: d["steps"][0].update(measured={"train_s": True}),
+        ["step 0", "'measured.train_s'", "True"],
+    ),
+    "measured unknown field": (
+        lambda d: d["steps"][0].update(measured={"rolout_s": 1.0}),
+        ["step 0", "unknown field 'measured.rolout_s'"],
+    ),
+    "measured bad policy seed": (
+        lambda d: d["steps"][0].update(measured={"policy": {"name": "tlt", "seed": -1}}),
+        ["step 0", "'measured.policy.seed'", "-1"],
+    ),
+    "measured unknown policy field": (
+        lambda d: d["steps"][0].update(measured={"policy": {"nam": "tlt"}}),
+        ["step 0", "unknown field 'measured.policy.nam'"],
+    ),
+    "measured bad hist": (
+        lambda d: d["steps"][0].update(measured={"accept_hist_by_strategy": {"2_1_2": [1, -1]}}),
+        ["step 0", "'measured.accept_hist_by_strategy'"],
+    ),
+    "measured bad response hist": (
+        lambda d: d["steps"][0].update(
+            measured={"response_accept_hist_by_strategy": {"p0": [{"4_1_4": [-1]}, {}]}}
+        ),
+        ["step 0", "'measured.response_accept_hist_by_strategy'"],
+    ),
+    "measured bad clock": (
+        lambda d: d["steps"][0].update(measured={"clock": "gpu"}),
+        ["step 0", "'measured.clock'", "'wall' or 'cpu'", "'gpu'"],
+    ),
+    "measured zero cap": (
+        lambda d: d["steps"][0].update(measured={"max_running_requests": 0}),
+        ["step 0", "'measured.max_running_requests'", "integer >= 1 or null"],
+    ),
+    "measured null seconds": (
+        lambda d: d["steps"][0].update(measured={"rollout_s": None}),
+        ["step 0", "'measured.rollout_s'", "None"],
+    ),
 }
 
 

@@ -24,12 +24,13 @@ from pathlib import Path
 import pytest
 from tiny_models import tiny_model
 
-from tltrun.model.transformer import save_hf
-from tltrun.train.tasks import TaskConfig
 from tltrun.model.tokenizer import CharTokenizer
-from tltrun.train.launch import TrainConfig, run_train
+from tltrun.model.transformer import save_hf
+from tltrun.train.config import TrainConfig
+from tltrun.train.launch import run_train
+from tltrun.train.tasks import TaskConfig
 from tltsim.fidelity.measured_run import measured_run
-from tltsim.trace.schema import load_trace
+from tltsim.trace.files import load_trace
 
 TASK = TaskConfig(median_ops=2, max_ops=4)
 
@@ -99,7 +100,7 @@ def test_run_writes_logs_trace_checkpoints_and_spot_trains(reference_run):
     assert [r["step"] for r in log] == [0, 1, 2]
     trace = load_trace(reference_run / "trace.json")
     assert trace.num_steps == 3 and all(s.num_responses == 16 for s in trace.steps)
-    assert {"rollout_s", "train_s", "drafter_train_s"} <= set(trace.steps[0].measured)
+    assert {"rollout_s", "train_s", "drafter_train_s"} <= set(trace.steps[0].measured.to_dict())
     for step in (1, 2, 3):
         assert (reference_run / "ckpt" / f"step_{step:06d}" / "state.json").is_file()
     assert (reference_run / "final" / "actor" / "model.safetensors").is_file()
@@ -118,7 +119,7 @@ def test_run_writes_logs_trace_checkpoints_and_spot_trains(reference_run):
         # identical weights on both workers after the broadcast / data-parallel update
         assert len(set(row["drafter_sha1"])) == 1 and len(set(row["actor_sha1"])) == 1
     assert len({r["actor_sha1"][0] for r in log}) == 3  # the actor did move every step
-    assert trace.steps[1].measured["drafter_trained_tokens"] > 0
+    assert trace.steps[1].measured.drafter_trained_tokens > 0
     # TensorBoard scalars = the log's numbers
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -138,13 +139,13 @@ def test_resume_after_sigkill_matches_uninterrupted_run(model_dir, reference_run
     out = tmp_path / "killed"
     cfg = config(model_dir, out)
     flags = [
-        (f"--{'' if v else 'no-'}{k.replace('_', '-')}" if isinstance(v, bool)
+        (f"--{'' if v else 'no-'}{k.removeprefix('is_').replace('_', '-')}" if isinstance(v, bool)
          else f"--{k.replace('_', '-')}={v}")
         for k, v in asdict(cfg).items()
         if k not in ("prompt_split", "drafter_dir") and v != ()
     ]  # fmt: skip
     flags += ["--prompt-split=1,3"]
-    cmd = [sys.executable, "-m", "tltrun.train.launch", "train", *flags]
+    cmd = [sys.executable, "-m", "tltrun.cli.main", "train", *flags]
     proc = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.DEVNULL)
     marker = out / "ckpt" / "step_000001" / "state.json"
     deadline = time.monotonic() + 120
@@ -200,7 +201,7 @@ def test_sampled_tlt_matches_nospec_length_distribution(model_dir, reference_run
     ],
 )
 def test_bad_input_is_one_line_exit_2(model_dir, tmp_path, capsys, setup, expected):
-    from tltrun.train.launch import main
+    from tltrun.cli.main import main
 
     argv = ["train", "--out", str(tmp_path / "o")]
     if "config" in setup:

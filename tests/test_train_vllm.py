@@ -19,11 +19,12 @@ pytest.importorskip("vllm", reason="vLLM backend tests need vllm (pip install -e
 
 from tiny_models import tiny_model  # noqa: E402
 
-from tltrun.model.transformer import save_hf  # noqa: E402
-from tltrun.train.tasks import TaskConfig  # noqa: E402
 from tltrun.model.tokenizer import CharTokenizer  # noqa: E402
-from tltrun.train.launch import TrainConfig, run_train  # noqa: E402
-from tltsim.trace.schema import load_trace  # noqa: E402
+from tltrun.model.transformer import save_hf  # noqa: E402
+from tltrun.train.config import TrainConfig  # noqa: E402
+from tltrun.train.launch import run_train  # noqa: E402
+from tltrun.train.tasks import TaskConfig  # noqa: E402
+from tltsim.trace.files import load_trace  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -87,5 +88,5 @@ def test_vllm_train_matches_torch_greedy_and_spot_trains(model_dir, tmp_path):
     for row in vllm_log:
         assert len(set(row["drafter_sha1"])) == 1 and len(set(row["actor_sha1"])) == 1
     trace = load_trace(tmp_path / "vllm" / "trace.json")
-    assert {s.measured["backend"] for s in trace.steps} == {"vllm"}
+    assert {s.measured.backend for s in trace.steps} == {"vllm"}
     assert (tmp_path / "vllm" / "final" / "drafter" / "model.safetensors").is_file()

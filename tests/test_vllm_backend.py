@@ -16,12 +16,18 @@ pytest.importorskip("vllm", reason="vLLM backend tests need vllm (pip install -e
 from tiny_models import tiny_model  # noqa: E402
 
 from tltrun.model.drafter import EagleDrafter, export_vllm  # noqa: E402
+from tltrun.model.transformer import CausalContext, Transformer, save_hf  # noqa: E402
 from tltrun.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
 from tltrun.rollout.interface import Request, SamplingParams  # noqa: E402
 from tltrun.rollout.measured_trace import rollout_summary  # noqa: E402
-from tltrun.model.transformer import CausalContext, Transformer, save_hf  # noqa: E402
 from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig, engine_args  # noqa: E402
-from tltsim.policy import NoSpec, StaticSpec, TLTAdaptive, to_vllm_dynamic_table  # noqa: E402
+from tltsim.policy import (  # noqa: E402
+    NoSpec,
+    StaticSpec,
+    TLTAdaptive,
+    to_vllm_dynamic_table,
+    update_accept_len_ema,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -249,6 +255,13 @@ def test_iteration_control_runs_the_policy_s_own_decisions(fresh):
     assert [fb.accepted_tokens for fb in policy.feedback] == [
         it.num_new_tokens for it in result.iterations[1:]
     ]
+    # DecodeObs.accept_len_ema: the shared estimate over the steps that verified drafts so far
+    ema = 0.0
+    for (obs, _), it in zip(policy.decisions, result.iterations, strict=True):
+        assert obs.accept_len_ema == ema
+        if it.accept_lens:
+            ema = update_accept_len_ema(ema, 1.0 + sum(it.accept_lens) / len(it.accept_lens))
+    assert any(obs.accept_len_ema >= 1.0 for obs, _ in policy.decisions)
 
 
 def test_switch_mode_reprefills_once_and_stays_lossless(fresh):

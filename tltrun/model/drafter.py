@@ -45,7 +45,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tltrun.rollout.interface import SamplingParams
 from tltrun.model.kvcache import KVCache, masked_attention
 from tltrun.model.transformer import (
     CheckpointError,
@@ -55,6 +54,7 @@ from tltrun.model.transformer import (
     Transformer,
     gemm_layout,
 )
+from tltrun.rollout.interface import SamplingParams
 from tltrun.rollout.speculative import DraftTree, logits_to_probs, sample
 from tltsim.policy import SpecDecision
 

@@ -20,13 +20,13 @@ Encoding and decoding themselves are plain Python (no dependency at run time); t
 that AutoTokenizer gives the same ids. One known difference: the HF tokenizer also matches the
 literal strings ``<s>``, ``</s>``, ... inside text as special tokens; this one never does.
 
-Run ``python -m tltrun.model.tokenizer DIR`` to write the tokenizer files into DIR.
+``tltrun sft`` saves these files beside its checkpoint; ``CharTokenizer().save(dir)`` writes them
+anywhere else.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -121,17 +121,3 @@ class CharTokenizer:
         if any(len(ch) != 1 for ch in chars):
             raise ValueError(f"{path}: not a character tokenizer (multi-character tokens)")
         return cls("".join(chars))
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m tltrun.model.tokenizer DIR", file=sys.stderr)
-        return 2
-    CharTokenizer().save(args[0])
-    print(f"wrote the character tokenizer ({CharTokenizer().vocab_size} tokens) to {args[0]}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -31,11 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tltsim.errors import TLTError
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 ROPE_KINDS = ("default", "linear", "llama3")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(TLTError, ValueError):
     """Bad checkpoint directory or config. ``str(err)`` is one line naming file and field."""
 
 

@@ -25,8 +25,8 @@ predicts ``tltrun.rollout.engine.RolloutEngine`` and not an idealised forward pa
   cost does not depend on the values). The engine's attention is dense and padded to the
   longest context of the batch; the profile records that (``attention_context: padded``), so
   the simulator costs a run's mixed-length batch at batch x its longest context.
-* ``decode``: one full engine loop iteration with SD off — ``RolloutEngine._decode_iteration``
-  (observation, policy call, target forward, sampling, bookkeeping) plus ``_release`` — then a
+* ``decode``: one full engine loop iteration with SD off — ``RolloutEngine.step`` once nothing
+  waits (observation, policy call, target forward, sampling, bookkeeping, release) — then a
   rollback of the cache lengths and the sequences, so every repeat runs at the same context.
 * ``verify`` / ``drafter``: for each SD strategy of the grid, the same full iteration under
   ``StaticSpec(strategy)`` (T_it), and ``tltrun.model.drafter.draft`` alone (T_draft: the drafter's
@@ -36,72 +36,97 @@ predicts ``tltrun.rollout.engine.RolloutEngine`` and not an idealised forward pa
   an SD iteration costs beyond its draft steps. The simulator charges draft_steps x drafter +
   verify, which therefore reproduces every measured strategy's T_it exactly; strategies sharing
   verify_tokens must not be profiled together (one row per verify width).
-* ``sd_switch``: ``RolloutEngine._drafter_reprefill`` of all running sequences (the torch engine
+* ``sd_switch``: ``RolloutEngine.reprefill_drafter`` of all running sequences (the torch engine
   keeps the target's hidden states, so turning SD on re-prefills the drafter only).
-* ``prefill``: ``RolloutEngine._prefill`` of ``batch`` fresh prompts of the given length (grouped
+* ``prefill``: ``RolloutEngine.prefill`` of ``batch`` fresh prompts of the given length (grouped
   by ``max_prefill_tokens`` as the engine groups them; samples each first token).
 * ``train``: ``tltrun.train.grpo.grpo_update`` (forward, backward, AdamW step; the KL reference model
   as ``tltrun train`` uses it) of ``batch`` sequences of the given length, on a copy of the target.
 * ``drafter_train``: ``make_batch`` + ``drafter_train_step`` on a copy of the drafter.
 
 The rollout ops live in ``tltrun.profile.torch_engine`` (this backend) and ``tltrun.profile.vllm_engine``; the
-training ops are the same torch trainer for both backends and live here. Progress: one tqdm
-bar over the grid. Threads: ``--num-threads`` (default 1: the machine is shared, and the
-measured run must use the same count). ``python -m tltrun.profile.measure ...`` works too.
+training ops are the same torch trainer for both backends and live here; how a point is timed
+is ``tltrun.profile.timing``. Progress: one tqdm bar over the grid. Threads: ``--num-threads``
+(default 1: the machine is shared, and the measured run must use the same count). The command
+line is ``tltrun.cli.profile``.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import datetime
 import importlib.metadata
 import json
 import os
 import platform
-import sys
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
-from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args
-from tltsim.policy import SpecDecision
+from tltrun.profile.timing import CLOCKS, STATISTICS, Measure, Series
 from tltsim.cost.profile import ProfileRow, write_profile
+from tltsim.errors import UsageError
+from tltsim.policy import SpecDecision
 
 BACKENDS = ("torch", "vllm")
-STATISTICS = ("median", "mean")
-# "wall": elapsed seconds. "cpu": this process's CPU seconds, which on a machine shared with
-# other jobs leave out the time spent waiting for a core: with one torch thread it is what the
-# work takes on a core of its own. The run to predict must use the same clock (the torch engine
-# takes one: RolloutEngine(clock=...)); vLLM computes in a worker process, so wall only.
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 @dataclass(frozen=True)
 class ProfileRunConfig:
-    backend: str = "torch"  # torch | vllm
-    model: str = ""  # Hugging Face model directory (required)
-    drafter: str = ""  # exported drafter directory; without it no SD ops are measured
-    out: str = ""  # profile CSV to write (its sidecar JSON goes next to it) (required)
+    backend: str = field(
+        default="torch", metadata={"help": "engine to profile", "choices": BACKENDS}
+    )
+    model: str = field(
+        default="", metadata={"help": "Hugging Face model directory (required)", "metavar": "DIR"}
+    )
+    drafter: str = field(
+        default="",
+        metadata={
+            "help": "exported drafter directory; without it no SD ops are measured",
+            "metavar": "DIR",
+        },
+    )
+    out: str = field(
+        default="",
+        metadata={
+            "help": "profile CSV to write, its sidecar JSON next to it (required)",
+            "metavar": "PATH",
+        },
+    )
     # Grid. Doubling steps (tltsim.cost.profile.ProfileGrid explains why); a simulation outside it
     # extrapolates linearly with a warning, so cover the batches and lengths the run will see.
-    batches: tuple[int, ...] = (1, 2, 4, 8, 16)
-    context_per_seq: tuple[int, ...] = (32, 128, 512)
+    batches: tuple[int, ...] = field(
+        default=(1, 2, 4, 8, 16), metadata={"help": "batch sizes of the decode and SD ops"}
+    )
+    context_per_seq: tuple[int, ...] = field(
+        default=(32, 128, 512),
+        metadata={"help": "cached tokens per sequence of the decode and SD ops"},
+    )
     # SD strategies whose verify / drafter costs are measured: the chains that pay on a CPU
     # (benchmarks/bench_spec.py measured 2..6 draft steps as the best at batch 1..16).
-    strategies: tuple[str, ...] = ("2_1_2", "4_1_4", "6_1_6")
-    prefill_batches: tuple[int, ...] = (1, 4, 16)
-    prefill_tokens_per_seq: tuple[int, ...] = (16, 64, 256)
-    train_batches: tuple[int, ...] = (1, 4)
-    train_tokens_per_seq: tuple[int, ...] = (64, 256)
-    num_warmup: int = 2
-    num_repeats: int = 5
+    strategies: tuple[str, ...] = field(
+        default=("2_1_2", "4_1_4", "6_1_6"),
+        metadata={"help": "SD strategies to time, each with its own verify tokens"},
+    )
+    prefill_batches: tuple[int, ...] = field(
+        default=(1, 4, 16), metadata={"help": "batch sizes of the prefill op"}
+    )
+    prefill_tokens_per_seq: tuple[int, ...] = field(
+        default=(16, 64, 256), metadata={"help": "prompt tokens per sequence of the prefill op"}
+    )
+    train_batches: tuple[int, ...] = field(
+        default=(1, 4), metadata={"help": "batch sizes of the train and drafter_train ops"}
+    )
+    train_tokens_per_seq: tuple[int, ...] = field(
+        default=(64, 256),
+        metadata={"help": "tokens per sequence of the train and drafter_train ops"},
+    )
+    num_warmup: int = field(default=2, metadata={"help": "untimed calls before each timed one"})
+    num_repeats: int = field(default=5, metadata={"help": "timed samples per grid point"})
     # torch backend only (vLLM's profile times its engine steps one call each). Ops a rollout
     # runs back to back (decode, SD iterations, drafting) are timed as the
     # mean of this many consecutive calls per sample, after the warm-up: measured on this CPU
@@ -109,23 +134,44 @@ class ProfileRunConfig:
     # interleaved), the first call after one warm-up costs 7-17% more than calls 6-10 of the
     # same run, calls 2-4 still 3-10% more; at batch 64 1-3%. A rollout's iterations are that
     # steady state. Re-prefill and prefill run once per rollout and keep one call per sample.
-    back_to_back_calls: int = 8
+    back_to_back_calls: int = field(
+        default=8,
+        metadata={"help": "torch: consecutive calls averaged per sample of decode and SD ops"},
+    )
     # What a row's ``seconds`` is: the schema's median (robust to rare stalls on a quiet
     # machine), or the mean, the unbiased predictor of a SUM of iterations when the machine is
     # shared and the time per call is right-skewed (other jobs preempt some calls). The sidecar
     # records the choice.
-    statistic: str = "median"
-    clock: str = "wall"  # wall | cpu (CLOCKS)
+    statistic: str = field(
+        default="median",
+        metadata={"help": "what a row's seconds are, of its samples", "choices": STATISTICS},
+    )
+    # wall | cpu (CLOCKS)
+    clock: str = field(
+        default="wall",
+        metadata={"help": "wall seconds or this process's CPU seconds", "choices": tuple(CLOCKS)},
+    )
     # 1: a shared CPU (OpenMP spin-waiting makes more threads slower there, bench_spec.py).
-    num_threads: int = 1
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str = "float32"
-    attn_impl: str = "sdpa"
-    temperature: float = 1.0  # sampling of the run to predict (GRPO samples at 1.0)
-    max_prefill_tokens: int = 4096  # EngineConfig.max_prefill_tokens of the run to predict
-    vllm_kv_cache_bytes: int = 1 << 30  # vLLM only: KV cache of the profiling engine
-    is_progress_shown: bool = True
+    num_threads: int = field(
+        default=1, metadata={"help": "torch threads (the measured run must use the same)"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the random states and weights timed"})
+    device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
+    dtype: str = field(default="float32", metadata={"help": "dtype of weights and KV cache"})
+    attn_impl: str = field(
+        default="sdpa", metadata={"help": "attention implementation (EngineConfig.attn_impl)"}
+    )
+    # GRPO samples at 1.0
+    temperature: float = field(
+        default=1.0, metadata={"help": "sampling temperature of the run to predict"}
+    )
+    max_prefill_tokens: int = field(
+        default=4096, metadata={"help": "--max-prefill-tokens of the run to predict"}
+    )
+    vllm_kv_cache_bytes: int = field(
+        default=1 << 30, metadata={"help": "vllm only: KV cache bytes of the profiling engine"}
+    )
+    is_progress_shown: bool = field(default=True, metadata={"help": "show a progress bar"})
 
     def __post_init__(self) -> None:
         for name in ("model", "out"):
@@ -164,89 +210,6 @@ class ProfileRunConfig:
     @property
     def decisions(self) -> list[SpecDecision]:
         return [SpecDecision.parse(s) for s in self.strategies]
-
-
-# --- timing -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Series:
-    """One timed quantity: ``fn`` is timed; ``reset`` (untimed) follows every call so that each
-    starts from the same state; ``setup`` (untimed) prepares it whenever its turn comes."""
-
-    key: tuple
-    fn: Callable[[], Any]
-    reset: Callable[[], None] = lambda: None
-    setup: Callable[[], None] = lambda: None
-    is_warmed_each_round: bool = True  # False: warm-up calls in the first round only
-    # Timed calls per sample, back to back (``reset`` between them untimed); the sample is
-    # their mean. > 1 for ops a rollout runs back to back (``ProfileRunConfig.back_to_back_calls``).
-    num_calls: int = 1
-
-
-@dataclass(frozen=True)
-class Measure:
-    """How every point is timed and summarised (shared by the backends)."""
-
-    num_warmup: int
-    num_repeats: int
-    statistic: str
-    clock: str = "wall"
-
-    def samples(
-        self,
-        fn: Callable[[], Any],
-        reset: Callable[[], None] = lambda: None,
-        sync: Callable[[], None] = lambda: None,
-    ) -> np.ndarray:
-        """Seconds of ``num_repeats`` consecutive calls of ``fn`` after ``num_warmup`` untimed
-        ones, ``reset`` after each."""
-        return self.interleaved([Series((), fn, reset, is_warmed_each_round=False)], sync)[()]
-
-    def interleaved(
-        self,
-        series: list[Series],
-        sync: Callable[[], None] = lambda: None,
-        progress: Callable[[str], None] = lambda what: None,
-        between_rounds: Callable[[int], None] = lambda r: None,
-        between_series: Callable[[int, int, int], None] | None = None,
-    ) -> dict[tuple, np.ndarray]:
-        """``num_repeats`` rounds; in each, every series is set up, warmed up (``num_warmup``
-        untimed calls) and timed once. Rounds spread each point's samples over the whole
-        measurement, so a slow or fast spell of a shared machine (other jobs' load changes
-        over minutes) reaches every point alike instead of a few neighbours on the grid.
-        ``between_rounds(r)`` runs after round r, ``between_series(r, i, n)`` after series i
-        of the n in round r (a benchmark interleaves its measured run, coarse or fine)."""
-        clock = CLOCKS[self.clock]
-        out: dict[tuple, list[float]] = {s.key: [] for s in series}
-        for r in range(self.num_repeats):
-            progress(f"round {r + 1}/{self.num_repeats}")
-            for i, s in enumerate(series):
-                s.setup()
-                for _ in range(self.num_warmup if r == 0 or s.is_warmed_each_round else 0):
-                    s.fn()
-                    sync()
-                    s.reset()
-                total = 0.0
-                for _ in range(s.num_calls):
-                    start = clock()
-                    s.fn()
-                    sync()
-                    total += clock() - start
-                    s.reset()
-                out[s.key].append(total / s.num_calls)
-                if between_series is not None:
-                    between_series(r, i, len(series))
-            between_rounds(r)
-        return {key: np.asarray(v) for key, v in out.items()}
-
-    def row(self, op: str, batch: int, context: int, tokens_per_seq: int, samples) -> ProfileRow:
-        """The statistic and the 10th / 90th percentiles (numpy's linear interpolation) of
-        ``samples``; a mean outside [p10, p90] (a few extreme outliers) is clipped into it."""
-        s = np.asarray(samples, dtype=np.float64)
-        p10, p50, p90 = (max(float(v), 1e-9) for v in np.percentile(s, [10, 50, 90]))
-        value = p50 if self.statistic == "median" else min(max(float(s.mean()), p10), p90)
-        return ProfileRow(op, batch, context, tokens_per_seq, value, p10, p90, int(s.size))
 
 
 # --- training ops (the same torch trainer behind either rollout backend) ----------------------
@@ -386,15 +349,16 @@ def run_profile(
     (torch backend) after each of their series (Measure.interleaved).
     ``vllm_backend``: profile this running ``VLLMBackend`` (left open) instead of starting one
     (``tltrun.profile.vllm_engine.profile_vllm``)."""
-    from tltrun.cli.main import load_drafter_dir, load_target
+    from tltrun.model.drafter import load_drafter
+    from tltrun.model.transformer import load_hf
     from tltrun.rollout.engine import DTYPES
 
     if cfg.dtype not in DTYPES:
         raise UsageError(f"--dtype {cfg.dtype}: expected one of {', '.join(DTYPES)}")
     torch.set_num_threads(cfg.num_threads)
     measure = Measure(cfg.num_warmup, cfg.num_repeats, cfg.statistic, cfg.clock)
-    target = load_target(cfg.model, cfg.device, cfg.dtype)
-    drafter = load_drafter_dir(cfg.drafter, target) if cfg.drafter else None
+    target = load_hf(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
+    drafter = load_drafter(cfg.drafter, target) if cfg.drafter else None
     with tqdm(
         total=2 * cfg.num_repeats, desc="tltrun profile", disable=not cfg.is_progress_shown
     ) as bar:
@@ -419,41 +383,3 @@ def run_profile(
         rows += [measure.row(op, b, 0, seq, v) for (op, b, seq), v in timed.items()]
     write_profile(rows, cfg.out, profile_meta(cfg, now))
     return rows
-
-
-def cmd_profile(args: argparse.Namespace) -> int:
-    cfg = dataclass_from_args(ProfileRunConfig, args)
-    start = time.perf_counter()
-    rows = run_profile(cfg, datetime.datetime.now(datetime.UTC))
-    ops = sorted({r.op for r in rows})
-    print(
-        f"{len(rows)} points ({', '.join(ops)}) measured in {time.perf_counter() - start:.0f} s; "
-        f"wrote {cfg.out} and {Path(cfg.out).with_suffix('.json')}"
-    )
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``tltrun profile`` (``tltrun.cli.main.build_parser`` calls this)."""
-    p = subparsers.add_parser(
-        "profile",
-        help="measure the engine's per-iteration costs over a grid; write a tlt-profile CSV",
-        description=__doc__.split("\n\n")[0],
-    )
-    add_dataclass_args(p, ProfileRunConfig)
-    p.set_defaults(func=cmd_profile)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m tltrun.profile.measure ...``: the same as ``tltrun profile ...``."""
-    parser = argparse.ArgumentParser(prog="python -m tltrun.profile.measure")
-    add_dataclass_args(parser, ProfileRunConfig)
-    try:
-        return cmd_profile(parser.parse_args(argv))
-    except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

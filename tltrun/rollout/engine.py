@@ -2,11 +2,13 @@
 decoding (EAGLE drafter, chain or tree, one target forward per verify) switched per iteration
 by a ``tltsim.policy`` SpecPolicy — the same objects the simulator drives.
 
-One loop (``RolloutEngine.generate``):
+A rollout is ``start_rollout(requests, policy)``, then ``step()`` until ``is_rollout_done``,
+then ``finish_rollout()`` (``generate`` does exactly that). One ``step()``, as nano-vllm's
+``LLMEngine.step()`` glues its scheduler and model runner:
 
 1. admit waiting requests into free slots and prefill them (batched, mixed lengths, at most
    ``max_prefill_tokens`` padded tokens per forward unless one prompt alone is longer: there is
-   no chunked prefill); the prefill samples each first token;
+   no chunked prefill, ``tltrun.model.batching``); the prefill samples each first token;
 2. build a ``DecodeObs`` and ask the policy for a ``SpecDecision``;
 3. SD off: one plain decode iteration. SD on: re-prefill the drafter for requests it has not
    seen since SD was last on (recorded as its own ``is_drafter_prefill`` IterationRecord, TLT's
@@ -14,6 +16,9 @@ One loop (``RolloutEngine.generate``):
    accept via ``tltrun.rollout.speculative.verify``, compact the accepted path in the KV cache;
 4. ``policy.observe(SpecFeedback)`` with the measured wall seconds of the iteration and the
    tokens it emitted; finished requests (EOS unless ``ignore_eos``, or ``max_new_tokens``) leave.
+
+The pieces of a step are public too (``prefill``, ``draft``, ``reprefill_drafter``, ``sync``), so
+``tltrun.profile.torch_engine`` times the engine's own code without reaching into it.
 
 Invariant per running slot (see tltrun.model.kvcache): the target cache holds positions
 ``0..n-1``, ``tokens[slot, n]`` is the pending last token, ``hidden[slot, p]`` is the target's
@@ -35,13 +40,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tltrun.model.batching import padded_groups, right_pad
 from tltrun.model.drafter import EagleDrafter, draft, drafter_prefill, tree_layout
-from tltrun.rollout.interface import IterationRecord, Request, RolloutResult, SamplingParams
 from tltrun.model.kvcache import ATTN_IMPLS, KVCache
 from tltrun.model.transformer import Transformer
+from tltrun.rollout.interface import IterationRecord, Request, RolloutResult, SamplingParams
 from tltrun.rollout.scheduler import Scheduler, Sequence
-from tltrun.rollout.speculative import logits_to_probs, sample, verify
-from tltsim.policy import DecodeObs, SpecDecision, SpecFeedback, SpecPolicy
+from tltrun.rollout.speculative import DraftTree, logits_to_probs, sample, verify
+from tltsim.policy import (
+    DecodeObs,
+    SpecDecision,
+    SpecFeedback,
+    SpecPolicy,
+    update_accept_len_ema,
+)
 
 DTYPES = {
     "float32": torch.float32,
@@ -54,32 +66,62 @@ VERIFY_IMPLS = ("ref", "triton")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_running_requests: int  # KV slots; the KV cache is preallocated for all of them
-    max_model_len: int  # prompt + generated tokens per request
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str = "float32"
-    attn_impl: str = (
-        "sdpa"  # "sdpa" (masked torch SDPA) | "ref" | "triton" (kernels.tree_attention)
+    # KV slots; the KV cache is preallocated for all of them
+    max_running_requests: int = field(
+        metadata={
+            "help": "requests decoded together; KV cache is preallocated for all "
+            "(tltrun default: the rollout's requests, at most 256)"
+        }
     )
-    verify_impl: str = "ref"  # "ref" | "triton" (kernels.spec_verify, chains)
-    instance: int = 0  # engine instance id reported to the policy
+    # prompt + generated tokens per request
+    max_model_len: int = field(
+        metadata={
+            "help": "prompt + generated tokens per request, the KV slot length (tltrun default: "
+            "the longest request, at most the model's max_position_embeddings)"
+        }
+    )
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = field(default=0, metadata={"help": "seed of token sampling (and of the policy)"})
+    device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
+    dtype: str = field(
+        default="float32", metadata={"help": "weights and KV cache dtype", "choices": tuple(DTYPES)}
+    )
+    # "sdpa" (masked torch SDPA) | "ref" | "triton" (kernels.tree_attention)
+    attn_impl: str = field(
+        default="sdpa", metadata={"help": "attention implementation", "choices": ATTN_IMPLS}
+    )
+    # "ref" | "triton" (kernels.spec_verify, chains)
+    verify_impl: str = field(
+        default="ref",
+        metadata={
+            "help": "SD verify implementation (triton: chains only)",
+            "choices": VERIFY_IMPLS,
+        },
+    )
+    instance: int = field(default=0, metadata={"help": "engine instance id reported to the policy"})
     # vLLM 0.32's CPU default max_num_batched_tokens for offline (LLM-class) use.
-    max_prefill_tokens: int = 4096
+    max_prefill_tokens: int = field(
+        default=4096,
+        metadata={"help": "padded prompt tokens per prefill forward (a longer prompt runs alone)"},
+    )
     # KV slack for a draft tree past max_model_len; TLT's largest public strategy, 8_4_48,
     # verifies 48 drafted nodes + the root (mit-han-lab/fastrl fastrl_trainer.yaml).
-    max_verify_tokens: int = 64
-    # Smoothing of DecodeObs.accept_len_ema; the simulator uses the same weight
-    # (tltsim.sim.instance.ACCEPT_EMA_WEIGHT) so a policy sees the same signal in both.
-    accept_len_ema_weight: float = 0.1
-    is_harvesting: bool = False
+    max_verify_tokens: int = field(
+        default=64, metadata={"help": "KV slack past --max-model-len for one verified draft tree"}
+    )
+    is_harvesting: bool = field(
+        default=False,
+        metadata={"help": "keep finished requests' tokens and hidden states for drafter training"},
+    )
     # Requests with identical prompts (a GRPO group) prefill the prompt once: a follower copies
     # its leader's (or a running sibling's) KV cache, hidden states and drafter cache, then
     # computes only its last prompt token (``_prefill_followers``); a drafter re-prefill feeds a
     # group's shared prompt pairs once (``_share_drafter_prompts``). vLLM's automatic prefix
     # caching (on by default in V1) spares the same work, so both backends do it.
-    share_prompts: bool = True
+    share_prompts: bool = field(
+        default=True,
+        metadata={"help": "requests with identical prompts (a GRPO group) prefill it once"},
+    )
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_model_len < 2 or self.max_prefill_tokens < 1:
@@ -92,11 +134,11 @@ class EngineConfig:
             raise ValueError(f"attn_impl {self.attn_impl!r}: expected one of {ATTN_IMPLS}")
         if self.verify_impl not in VERIFY_IMPLS:
             raise ValueError(f"verify_impl {self.verify_impl!r}: expected one of {VERIFY_IMPLS}")
-        if self.max_verify_tokens < 1 or not 0 < self.accept_len_ema_weight <= 1:
-            raise ValueError("max_verify_tokens >= 1 and accept_len_ema_weight in (0, 1] required")
+        if self.max_verify_tokens < 1:
+            raise ValueError(f"max_verify_tokens must be >= 1, got {self.max_verify_tokens}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HarvestRecord:
     """One finished request, for drafter training: hidden[p] is the target's post-norm hidden
     state after reading token_ids[p] (so it predicts token_ids[p + 1])."""
@@ -105,6 +147,18 @@ class HarvestRecord:
     token_ids: torch.Tensor  # (T,) long, prompt then response
     num_prompt_tokens: int
     hidden: torch.Tensor  # (T-1, C)
+
+
+@dataclass
+class _Rollout:
+    """The rollout in progress: from ``start_rollout`` to ``finish_rollout``."""
+
+    scheduler: Scheduler
+    policy: SpecPolicy
+    step: int
+    t0: float  # engine clock at the start: records and finish times are relative to it
+    iterations: list[IterationRecord] = field(default_factory=list)
+    accept_len_ema: float = 0.0  # DecodeObs.accept_len_ema (tltsim.policy.update_accept_len_ema)
 
 
 class RolloutEngine:
@@ -144,7 +198,7 @@ class RolloutEngine:
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.harvest: list[HarvestRecord] = []
-        self._accept_len_ema = 0.0
+        self._rollout: _Rollout | None = None
 
     # -----------------------------------------------------------------------------------------
     # Public API
@@ -152,27 +206,65 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, requests: list[Request], policy: SpecPolicy, step: int = 0) -> RolloutResult:
+        """One whole rollout of ``requests`` under ``policy`` (``RolloutBackend``)."""
+        self.start_rollout(requests, policy, step)
+        while not self.is_rollout_done:
+            self.step()
+        return self.finish_rollout()
+
+    def start_rollout(self, requests: list[Request], policy: SpecPolicy, step: int = 0) -> None:
+        """Queue ``requests`` as RL step ``step``'s rollout under ``policy`` (which is told
+        ``start_rollout``); the clock of its records starts now. Replaces any rollout that
+        was not finished."""
         self._validate(requests)
         sched = Scheduler(requests, self.config.max_running_requests)
         policy.start_rollout(step)
-        self._accept_len_ema = 0.0
-        iterations: list[IterationRecord] = []
-        t0 = self.clock()
-        while not sched.is_done:
-            admitted = sched.admit()
-            if admitted:
-                iterations += self._prefill(admitted, sched.running, t0)
-                self._release(sched)
-            if sched.running:
-                iterations += self._decode_iteration(sched, policy, step, t0)
-                self._release(sched)
+        self._rollout = _Rollout(scheduler=sched, policy=policy, step=step, t0=self.clock())
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The rollout's sequences: waiting, running (slots 0..n-1) and finished."""
+        return self._current().scheduler
+
+    @property
+    def is_rollout_done(self) -> bool:
+        return self._current().scheduler.is_done
+
+    @torch.no_grad()
+    def step(self) -> list[IterationRecord]:
+        """One turn of the rollout loop: admit waiting requests and prefill them, then one
+        decode iteration of the running batch as the policy decides (plain, or the drafter's
+        re-prefill plus a speculative iteration), releasing finished requests after each.
+        Returns the iterations it ran (also kept for ``finish_rollout``)."""
+        rollout = self._current()
+        sched = rollout.scheduler
+        records: list[IterationRecord] = []
+        admitted = sched.admit()
+        if admitted:
+            records += self.prefill(admitted)
+            self._release(sched)
+        if sched.running:
+            records += self._decode_iteration(rollout)
+            self._release(sched)
+        rollout.iterations += records
+        return records
+
+    def finish_rollout(self) -> RolloutResult:
+        """The rollout's outputs and iteration records; the engine is free for the next one."""
+        rollout = self._current()
+        self._rollout = None
         return RolloutResult(
-            sched.outputs(),
-            iterations,
-            self.clock() - t0,
-            self.name,
-            self.config.share_prompts,
+            outputs=rollout.scheduler.outputs(),
+            iterations=rollout.iterations,
+            wall_s=self.clock() - rollout.t0,
+            backend=self.name,
+            shares_prompts=self.config.share_prompts,
         )
+
+    def sync(self) -> None:
+        """Wait for the device (a no-op on CPU): what a timer must call before reading."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def pop_harvest(self) -> list[HarvestRecord]:
         out, self.harvest = self.harvest, []
@@ -220,25 +312,13 @@ class RolloutEngine:
             if min(r.prompt_token_ids) < 0 or max(r.prompt_token_ids) >= vocab:
                 raise ValueError(f"{where}: prompt token ids must be in [0, {vocab})")
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def _current(self) -> _Rollout:
+        if self._rollout is None:
+            raise RuntimeError("no rollout in progress: call start_rollout first")
+        return self._rollout
 
     def _slots(self, seqs: list[Sequence]) -> torch.Tensor:
         return torch.tensor([s.slot for s in seqs], dtype=torch.long, device=self.device)
-
-    def _prefill_groups(self, lengths: list[int]) -> list[list[int]]:
-        """Consecutive index groups whose padded size stays within max_prefill_tokens."""
-        groups: list[list[int]] = []
-        width = 0
-        for i, n in enumerate(lengths):
-            if groups and max(width, n) * (len(groups[-1]) + 1) <= self.config.max_prefill_tokens:
-                groups[-1].append(i)
-                width = max(width, n)
-            else:
-                groups.append([i])
-                width = n
-        return groups
 
     def _prompt_sources(
         self, admitted: list[Sequence], running: list[Sequence]
@@ -263,25 +343,25 @@ class RolloutEngine:
                 leaders.append(s)
         return leaders, followers
 
-    def _prefill(
-        self, admitted: list[Sequence], running: list[Sequence], t0: float
-    ) -> list[IterationRecord]:
-        leaders, followers = self._prompt_sources(admitted, running)
+    @torch.no_grad()
+    def prefill(self, admitted: list[Sequence]) -> list[IterationRecord]:
+        """Prefill sequences the rollout's scheduler just admitted (each samples its first
+        token): leaders in padded groups of at most ``max_prefill_tokens``, followers of a
+        shared prompt from their source's cache (``share_prompts``)."""
+        t0 = self._current().t0
+        leaders, followers = self._prompt_sources(admitted, self._current().scheduler.running)
         records = []
-        for group in self._prefill_groups([s.num_prompt_tokens for s in leaders]):
+        lengths = [s.num_prompt_tokens for s in leaders]
+        for group in padded_groups(lengths, self.config.max_prefill_tokens):
             seqs = [leaders[i] for i in group]
             start = self.clock()
             slots = self._slots(seqs)
             self.cache.reset(slots)
             if self.draft_cache is not None:
                 self.draft_cache.reset(slots)
-            lens = torch.tensor([s.num_prompt_tokens for s in seqs], device=self.device)
-            width = int(lens.max())
-            ids = torch.zeros(len(seqs), width, dtype=torch.long, device=self.device)
-            for b, s in enumerate(seqs):
-                ids[b, : s.num_prompt_tokens] = torch.tensor(
-                    s.request.prompt_token_ids, device=self.device
-                )
+            ids, lens = right_pad([s.request.prompt_token_ids for s in seqs], 0, self.device)
+            width = ids.shape[1]
+            for s in seqs:
                 s.is_drafter_fresh = False
             self.tokens[slots, :width] = ids
             positions = torch.arange(width, device=self.device).expand(len(seqs), -1)
@@ -294,14 +374,20 @@ class RolloutEngine:
                 logits_to_probs(logits[:, 0], self.config.sampling), self.generator
             )  # (B,)
             self.tokens[slots, lens] = first
-            self._sync()
+            self.sync()
             now = self.clock()
             for s, tok in zip(seqs, first.tolist(), strict=True):
                 s.append([tok], self.eos_ids, now - t0)
             wall = self.clock() - start
             records.append(
                 IterationRecord(
-                    start - t0, wall, len(seqs), len(seqs), int(lens.sum()), True, "off"
+                    start_s=start - t0,
+                    wall_s=wall,
+                    num_active=len(seqs),
+                    num_new_tokens=len(seqs),
+                    context_tokens=int(lens.sum()),
+                    is_prefill=True,
+                    strategy="off",
                 )
             )
         if followers:
@@ -341,19 +427,24 @@ class RolloutEngine:
         cache.commit(dst, 1)
         first = sample(logits_to_probs(logits[:, 0], self.config.sampling), self.generator)
         self.tokens[dst, last + 1] = first
-        self._sync()
+        self.sync()
         now = self.clock()
         for s, tok in zip(seqs, first.tolist(), strict=True):
             s.is_drafter_fresh = False
             s.append([tok], self.eos_ids, now - t0)
         wall = self.clock() - start
         return IterationRecord(
-            start - t0, wall, len(seqs), len(seqs), int(last.sum()) + len(seqs), True, "off"
+            start_s=start - t0,
+            wall_s=wall,
+            num_active=len(seqs),
+            num_new_tokens=len(seqs),
+            context_tokens=int(last.sum()) + len(seqs),
+            is_prefill=True,
+            strategy="off",
         )
 
-    def _decode_iteration(
-        self, sched: Scheduler, policy: SpecPolicy, step: int, t0: float
-    ) -> list[IterationRecord]:
+    def _decode_iteration(self, rollout: _Rollout) -> list[IterationRecord]:
+        sched, policy, step, t0 = rollout.scheduler, rollout.policy, rollout.step, rollout.t0
         running = list(sched.running)
         cfg = self.config
         obs = DecodeObs(
@@ -363,7 +454,7 @@ class RolloutEngine:
             num_active=len(running),
             num_waiting=len(sched.waiting),
             mean_context_tokens=sum(s.num_tokens for s in running) / len(running),
-            accept_len_ema=self._accept_len_ema,
+            accept_len_ema=rollout.accept_len_ema,
         )
         decision = policy.decide(obs)
         records = []
@@ -378,7 +469,7 @@ class RolloutEngine:
                 )
             stale = [s for s in running if not s.is_drafter_fresh]
             if stale:
-                records.append(self._drafter_reprefill(stale, decision, t0))
+                records.append(self.reprefill_drafter(stale, decision))
         slots = self._slots(running)
         context_tokens = int(self.cache.lens[slots].sum())
         start = self.clock()
@@ -386,7 +477,7 @@ class RolloutEngine:
             new_tokens, accept_lens = self._spec_step(running, slots, decision)
         else:
             new_tokens, accept_lens = self._plain_step(running, slots), ()
-        self._sync()
+        self.sync()
         now = self.clock()
         num_kept = sum(
             s.append(toks, self.eos_ids, now - t0)
@@ -394,21 +485,29 @@ class RolloutEngine:
         )
         wall = self.clock() - start
         if decision.enabled:
-            mean_len = num_kept / len(running)
-            w = cfg.accept_len_ema_weight
-            ema = self._accept_len_ema
-            self._accept_len_ema = mean_len if ema == 0.0 else ema + w * (mean_len - ema)
-        policy.observe(SpecFeedback(step, cfg.instance, len(running), decision, num_kept, wall))
+            rollout.accept_len_ema = update_accept_len_ema(
+                rollout.accept_len_ema, num_kept / len(running)
+            )
+        policy.observe(
+            SpecFeedback(
+                step=step,
+                instance=cfg.instance,
+                num_active=len(running),
+                decision=decision,
+                accepted_tokens=float(num_kept),
+                iteration_s=wall,
+            )
+        )
         records.append(
             IterationRecord(
-                start - t0,
-                wall,
-                len(running),
-                num_kept,
-                context_tokens,
-                False,
-                decision.strategy,
-                accept_lens,
+                start_s=start - t0,
+                wall_s=wall,
+                num_active=len(running),
+                num_new_tokens=num_kept,
+                context_tokens=context_tokens,
+                is_prefill=False,
+                strategy=decision.strategy,
+                accept_lens=accept_lens,
             )
         )
         return records
@@ -439,26 +538,26 @@ class RolloutEngine:
         rows = slots[:, None]
         return self.tokens[rows, pos + 1], self.hidden[rows, pos]
 
-    def _drafter_reprefill(
-        self, stale: list[Sequence], decision: SpecDecision, t0: float
-    ) -> IterationRecord:
-        """Feed stale requests' pending pairs to the drafter, all but the newest (the drafting
-        catch-up feeds that one and drafts from it)."""
+    @torch.no_grad()
+    def reprefill_drafter(self, stale: list[Sequence], decision: SpecDecision) -> IterationRecord:
+        """Feed running sequences' pending pairs to the drafter, all but the newest (the
+        drafting catch-up feeds that one and drafts from it): TLT's cost of switching SD on."""
+        t0 = self._current().t0
         start = self.clock()
         fed = self._share_drafter_prompts(stale) if self.config.share_prompts else 0
         slots = self._slots(stale)
         num = self.cache.lens[slots] - self.draft_cache.lens[slots] - 1
         self._feed_drafter(slots, num)
-        self._sync()
+        self.sync()
         wall = self.clock() - start
         return IterationRecord(
-            start - t0,
-            wall,
-            len(stale),
-            0,
-            fed + int(num.clamp(min=0).sum()),
-            True,
-            decision.strategy,
+            start_s=start - t0,
+            wall_s=wall,
+            num_active=len(stale),
+            num_new_tokens=0,
+            context_tokens=fed + int(num.clamp(min=0).sum()),
+            is_prefill=True,
+            strategy=decision.strategy,
             is_drafter_prefill=True,
         )
 
@@ -466,7 +565,7 @@ class RolloutEngine:
         """drafter_prefill of ``num`` pending pairs per slot (none where num <= 0), in groups of
         at most max_prefill_tokens padded pairs."""
         todo = (num > 0).nonzero(as_tuple=True)[0].tolist()
-        for group in self._prefill_groups([int(num[i]) for i in todo]):
+        for group in padded_groups([int(num[i]) for i in todo], self.config.max_prefill_tokens):
             idx = torch.tensor([todo[i] for i in group], device=self.device)
             toks, hid = self._pending_pairs(slots[idx], num[idx])
             drafter_prefill(
@@ -502,14 +601,17 @@ class RolloutEngine:
         self.draft_cache.lens[dst] = self.draft_cache.lens[src]
         return int(num.sum())
 
-    def _spec_step(
-        self, running: list[Sequence], slots: torch.Tensor, decision: SpecDecision
-    ) -> tuple[list[list[int]], tuple[int, ...]]:
+    @torch.no_grad()
+    def draft(self, slots: torch.Tensor, decision: SpecDecision) -> DraftTree:
+        """The drafter's tree for running ``slots`` under ``decision`` (after feeding it the
+        pending pairs), exactly as a speculative iteration drafts it."""
+        return self._draft(slots, self.cache.lens[slots], decision)
+
+    def _draft(self, slots: torch.Tensor, lens: torch.Tensor, decision: SpecDecision) -> DraftTree:
         cfg = self.config
-        lens = self.cache.lens[slots]  # (B,) n: target cache length; tokens[n] is the root
         num = lens - self.draft_cache.lens[slots]  # >= 1 pending exact pairs per slot
         toks, hid = self._pending_pairs(slots, num)
-        tree = draft(
+        return draft(
             self.drafter,
             self.draft_cache,
             slots,
@@ -521,6 +623,13 @@ class RolloutEngine:
             self.generator,
             cfg.attn_impl,
         )
+
+    def _spec_step(
+        self, running: list[Sequence], slots: torch.Tensor, decision: SpecDecision
+    ) -> tuple[list[list[int]], tuple[int, ...]]:
+        cfg = self.config
+        lens = self.cache.lens[slots]  # (B,) n: target cache length; tokens[n] is the root
+        tree = self._draft(slots, lens, decision)
         num_nodes = tree.tokens.shape[1]
         depth, tree_mask = tree_layout(tree.parents, decision.draft_steps)
         positions = lens[:, None] + depth  # RoPE: root at n, node at n + depth
@@ -552,7 +661,12 @@ class RolloutEngine:
                 )
                 hidden = self.hidden[seq.slot, : n - 1].detach().cpu().clone()
                 self.harvest.append(
-                    HarvestRecord(seq.request.id, ids, seq.num_prompt_tokens, hidden)
+                    HarvestRecord(
+                        request_id=seq.request.id,
+                        token_ids=ids,
+                        num_prompt_tokens=seq.num_prompt_tokens,
+                        hidden=hidden,
+                    )
                 )
         if not released:  # admission fills the lowest free slots: still 0..n-1 in order
             return

@@ -2,7 +2,7 @@
 (tltrun.rollout.vllm_backend): requests in, per-request outputs and per-iteration records out.
 
 Both backends return exactly these types, so GRPO, ``tltrun bench`` and the measured-trace
-writer never care which backend ran.
+writer never care which backend ran. Outputs and records are keyword-only dataclasses.
 """
 
 from __future__ import annotations
@@ -17,9 +17,13 @@ from tltsim.policy import SpecPolicy
 class SamplingParams:
     """temperature 0 means greedy. top_k None / top_p 1.0 mean no truncation."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature; 0 = greedy"})
+    top_p: float = field(
+        default=1.0, metadata={"help": "nucleus sampling: keep the top tokens of this mass"}
+    )
+    top_k: int | None = field(
+        default=None, metadata={"help": "keep only the N likeliest tokens (default: all)"}
+    )
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -42,7 +46,7 @@ class Request:
     ignore_eos: bool = False  # trace replay: generate exactly max_new_tokens
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestOutput:
     id: str
     prompt_token_ids: tuple[int, ...]
@@ -57,7 +61,7 @@ class RequestOutput:
     accept_hist_by_strategy: dict[str, list[int]] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class IterationRecord:
     start_s: float  # seconds since the rollout started
     wall_s: float  # measured wall seconds of the iteration
@@ -72,7 +76,7 @@ class IterationRecord:
     is_drafter_prefill: bool = False
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RolloutResult:
     outputs: list[RequestOutput]
     iterations: list[IterationRecord]

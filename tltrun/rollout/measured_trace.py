@@ -5,21 +5,23 @@ simulated and a measured step can be put side by side (DESIGN.md, "Trace format"
   prompts of the recorded prompt lengths, ``ignore_eos``, ``max_new_tokens`` = the recorded
   response length). Request ids are ``"{prompt_id}/{response index}"``.
 * ``measured_step``: a ``RolloutResult`` -> ``tltsim.trace.schema.Step`` with one Response per output
-  (tokens, finish, accept_hist) grouped by prompt, plus the step's ``measured`` block:
-  ``rollout_s``, ``policy`` (name, iterations per strategy, and the ``config`` / ``seed`` the
-  policy object was built with when given), ``hardware``, ``backend``, decode/SD/re-prefill
-  seconds and tokens, mean accept length, ``accept_hist_by_strategy`` (the step's) and
-  ``response_accept_hist_by_strategy`` (each response's), ``share_prompts``. With the
-  ``max_running_requests`` (and, for several workers, ``instance_prompts``) the caller adds,
-  that is everything ``tltsim compare`` reads (``tltsim.fidelity.measured_run``).
+  (tokens, finish, accept_hist) grouped by prompt, plus the step's ``measured`` block, a
+  ``tltsim.trace.measured.MeasuredStep``: ``rollout_s``, ``policy`` (name, iterations per
+  strategy, and the ``config`` / ``seed`` the policy object was built with when given),
+  ``hardware``, ``backend``, decode/SD/re-prefill seconds and tokens, mean accept length,
+  ``accept_hist_by_strategy`` (the step's) and ``response_accept_hist_by_strategy`` (each
+  response's), ``share_prompts``. With the ``max_running_requests`` (and, for several workers,
+  ``instance_prompts``) the caller adds, that is everything ``tltsim compare`` reads
+  (``tltsim.fidelity.measured_run``).
 * ``accept_hist_by_strategy``: verify outcomes per strategy of a list of iterations.
 * ``hardware_name``: a one-line description of the device the engine ran on.
 
-Save with ``tltsim.trace.schema.save_trace(Trace(meta, steps), path)`` (JSON keeps everything).
+Save with ``tltsim.trace.files.save_trace(Trace(meta, steps), path)`` (JSON keeps everything).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 from collections import Counter
@@ -29,6 +31,7 @@ import torch
 
 from tltrun.rollout.interface import Request, RolloutResult
 from tltrun.rollout.scheduler import add_to_hist
+from tltsim.trace.measured import MeasuredStep, PolicyRecord
 from tltsim.trace.schema import Prompt, Response, Step
 
 
@@ -133,7 +136,9 @@ def measured_step(
 ) -> Step:
     """Group outputs by prompt (request ids ``prompt/i``, order of first appearance).
     ``policy_config`` / ``policy_seed``: the ``make_policy`` settings and seed of the policy
-    that ran (recorded so that ``tltsim compare`` rebuilds the same policy)."""
+    that ran (recorded so that ``tltsim compare`` rebuilds the same policy). ``extra``: more
+    ``MeasuredStep`` fields the caller measured (``train_s``, ``max_running_requests``, ...;
+    lists become tuples); a name that is no field raises TypeError."""
     groups: dict[str, list] = {}
     for out in result.outputs:
         groups.setdefault(prompt_of(out.id), []).append(out)
@@ -150,29 +155,39 @@ def measured_step(
         num_prompt = prompt_tokens[pid] if prompt_tokens else len(outs[0].prompt_token_ids)
         prompts.append(Prompt(id=pid, prompt_tokens=num_prompt, responses=responses))
     strategies = Counter(i.strategy for i in result.iterations if not i.is_prefill)
-    policy: dict[str, Any] = {
-        "name": policy_name,
-        "iterations_per_strategy": dict(sorted(strategies.items())),
-    }
-    if policy_config is not None:
-        policy["config"] = {k: list(v) if isinstance(v, tuple) else v
-                            for k, v in policy_config.items()}  # fmt: skip
-    if policy_seed is not None:
-        policy["seed"] = policy_seed
-    measured = {
+    config = None
+    if policy_config is not None:  # as JSON has it: tuples as lists
+        config = {k: list(v) if isinstance(v, tuple) else v for k, v in policy_config.items()}
+    policy = PolicyRecord(
+        name=policy_name,
+        iterations_per_strategy=dict(sorted(strategies.items())),
+        config=config,
+        seed=policy_seed,
+    )
+    measured = MeasuredStep(
         **rollout_summary(result),
-        "policy": policy,
-        "hardware": hardware,
-        "backend": result.backend,
-        "share_prompts": result.shares_prompts,
-        "prefix_block_tokens": result.prefix_block_tokens,
-        "accept_hist_by_strategy": accept_hist_by_strategy(result.iterations),
+        policy=policy,
+        hardware=hardware,
+        backend=result.backend,
+        share_prompts=result.shares_prompts,
+        prefix_block_tokens=result.prefix_block_tokens,
+        accept_hist_by_strategy=_frozen(accept_hist_by_strategy(result.iterations)),
         # per prompt, one {strategy: hist} per response in the order of its prompt's responses
-        "response_accept_hist_by_strategy": {
-            pid: [o.accept_hist_by_strategy for o in outs]
+        response_accept_hist_by_strategy={
+            pid: tuple(_frozen(o.accept_hist_by_strategy) for o in outs)
             for pid, outs in groups.items()
             if any(o.accept_hist_by_strategy for o in outs)
         },
-        **(extra or {}),
-    }
+    )
+    if extra:
+        measured = dataclasses.replace(measured, **{k: _frozen(v) for k, v in extra.items()})
     return Step(step=step, prompts=tuple(prompts), measured=measured)
+
+
+def _frozen(value: Any) -> Any:
+    """Lists (nested, also inside dicts) as tuples: MeasuredStep's sequence fields."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(x) for x in value)
+    if isinstance(value, dict):
+        return {k: _frozen(v) for k, v in value.items()}
+    return value

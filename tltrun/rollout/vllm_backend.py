@@ -54,7 +54,10 @@ Statistics: per request, vLLM's ``per_request_spec_decode_metrics="detailed"`` h
 accepted draft tokens per verify step (``RequestOutput.accept_hist``, k+1 bins; only steps that
 carried drafts; [] when none did); per step, ``SchedulerStats.spec_decoding_stats`` (drafts,
 draft tokens, accepted tokens, accepted per position) through a stat logger owned by this
-backend; cumulative Prometheus counters through ``spec_decode_metrics()``. Weight sync: see
+backend; cumulative Prometheus counters through ``spec_decode_metrics()``. The policy's
+``DecodeObs.accept_len_ema`` is ``tltsim.policy.update_accept_len_ema`` over the steps that
+verified drafts (1 + the mean accepted drafts of the requests verified in the step), as in the
+torch engine and the simulator. Weight sync: see
 ``tltrun.rollout.vllm_worker``; the prefix cache is reset after every update.
 
 Processes: with ``is_multiprocess=False`` the engine core (scheduler) runs in the caller's
@@ -81,8 +84,14 @@ from typing import Any
 
 import torch
 
-from tltrun.rollout.interface import IterationRecord, Request, RequestOutput, RolloutResult, SamplingParams
 from tltrun.model.transformer import read_config
+from tltrun.rollout.interface import (
+    IterationRecord,
+    Request,
+    RequestOutput,
+    RolloutResult,
+    SamplingParams,
+)
 from tltrun.rollout.scheduler import add_to_hist
 from tltrun.rollout.vllm_worker import stat_logger_factory
 from tltsim.policy import (
@@ -92,6 +101,7 @@ from tltsim.policy import (
     SpecFeedback,
     SpecPolicy,
     to_vllm_dynamic_table,
+    update_accept_len_ema,
 )
 
 CONTROLS = ("table", "iteration", "switch")
@@ -354,11 +364,12 @@ class VLLMBackend:
         iterations: list[IterationRecord] = []
         pending: SpecDecision | None = None  # decision whose drafts the next step verifies
         is_switched = False
+        accept_len_ema = 0.0  # DecodeObs.accept_len_ema, as the torch engine keeps it
         self._stats.clear()
         t0 = self.clock()
         while self._engine.has_unfinished_requests():
             unfinished = [lv for lv in lives if lv.finish is None]
-            decision = self._decide(policy, unfinished, step, t0)
+            decision = self._decide(policy, unfinished, step, t0, accept_len_ema)
             if self.config.control == "switch" and decision.enabled and not is_switched:
                 is_switched = True
                 by_engine_id = self._resubmit(unfinished, lives, step, by_engine_id)
@@ -369,30 +380,38 @@ class VLLMBackend:
             if record is None:
                 continue
             iterations.append(record)
+            if record.accept_lens:  # this step verified drafts: tokens per verify incl. bonus
+                mean_len = 1.0 + sum(record.accept_lens) / len(record.accept_lens)
+                accept_len_ema = update_accept_len_ema(accept_len_ema, mean_len)
             if pending is not None:
                 policy.observe(
                     SpecFeedback(
-                        step,
-                        self.config.instance,
-                        record.num_active,
-                        pending,
-                        record.num_new_tokens,
-                        record.wall_s,
+                        step=step,
+                        instance=self.config.instance,
+                        num_active=record.num_active,
+                        decision=pending,
+                        accepted_tokens=float(record.num_new_tokens),
+                        iteration_s=record.wall_s,
                     )
                 )
             pending = decision if self.config.control != "table" else None
         wall_s = self.clock() - t0
         return RolloutResult(
-            [self._output(lv) for lv in lives],
-            iterations,
-            wall_s,
-            self.name,
-            self.config.is_prefix_caching,
-            self.block_size,
+            outputs=[self._output(lv) for lv in lives],
+            iterations=iterations,
+            wall_s=wall_s,
+            backend=self.name,
+            shares_prompts=self.config.is_prefix_caching,
+            prefix_block_tokens=self.block_size,
         )
 
     def _decide(
-        self, policy: SpecPolicy, unfinished: list[_Live], step: int, t0: float
+        self,
+        policy: SpecPolicy,
+        unfinished: list[_Live],
+        step: int,
+        t0: float,
+        accept_len_ema: float,
     ) -> SpecDecision:
         """control iteration/switch: ask the policy and install its k for this step's drafts."""
         if self.config.control == "table" or not unfinished:
@@ -408,6 +427,7 @@ class VLLMBackend:
             num_active=num_active,
             num_waiting=len(unfinished) - num_active,
             mean_context_tokens=sum(context) / len(context),
+            accept_len_ema=accept_len_ema,
         )
         decision = policy.decide(obs)
         k = min(decision.draft_steps, self.config.max_draft_steps) if decision.enabled else 0

@@ -17,13 +17,13 @@ Data: ``TrainRecord``s (token ids, prompt length, target hidden states); the eng
 ``HarvestRecord`` has the same fields, and ``records_from_outputs`` recomputes hidden states
 for plain generations (e.g. the JSONL written by ``tltrun generate``).
 
-Run: ``tltrun train-drafter --model DIR --data generations.jsonl --out DIR`` (see tltrun.cli.main).
+Run: ``tltrun train-drafter --model DIR --data generations.jsonl --out DIR`` (see tltrun.cli.generate).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,17 +37,31 @@ from tltrun.model.transformer import CausalContext, Transformer
 class DrafterTrainConfig:
     # Defaults are EAGLE-1's published training configuration (SafeAILab/EAGLE
     # eagle/train/main.py train_config) unless said otherwise.
-    num_steps: int = 1000
-    batch_size: int = 4  # "bs"
-    lr: float = 3e-5  # "lr" (tuned there for 7B targets; small targets want far more)
-    beta1: float = 0.9  # "b1"
-    beta2: float = 0.95  # "b2"
-    grad_clip: float = 0.5  # "grad_clip" (clip by value)
-    regression_weight: float = 1.0  # "v_w"
-    classification_weight: float = 0.1  # "p_w"
-    feature_noise: float = 0.2  # "std" of the uniform noise
-    max_seq_len: int = 2048  # "max_len"
-    seed: int = 0
+    num_steps: int = field(default=1000, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=4, metadata={"help": "sequences per step"})  # "bs"
+    # "lr" (tuned there for 7B targets; small targets want far more)
+    lr: float = field(default=3e-5, metadata={"help": "AdamW learning rate"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})  # "b1"
+    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})  # "b2"
+    # "grad_clip" (clip by value)
+    grad_clip: float = field(default=0.5, metadata={"help": "clip each gradient value to +-X"})
+    # "v_w"
+    regression_weight: float = field(
+        default=1.0, metadata={"help": "loss weight of the hidden-feature regression"}
+    )
+    # "p_w"
+    classification_weight: float = field(
+        default=0.1, metadata={"help": "loss weight of the next-token cross-entropy"}
+    )
+    # "std" of the uniform noise
+    feature_noise: float = field(
+        default=0.2, metadata={"help": "width of the uniform noise added to input features"}
+    )
+    # "max_len"
+    max_seq_len: int = field(
+        default=2048, metadata={"help": "token pairs per sequence at most (longer ones cropped)"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of batch sampling and feature noise"})
 
     def __post_init__(self) -> None:
         if self.num_steps < 0 or self.batch_size < 1 or self.max_seq_len < 2:

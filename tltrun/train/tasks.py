@@ -24,19 +24,18 @@ longest solution is 10-25x its median: the long tail of RL rollouts that TLT tar
 The reward is 1.0 iff the last non-empty line of the response is ``answer: N`` with N the exact
 answer, else 0.0 (malformed or truncated responses get 0).
 
-Run ``python -m tltrun.train.tasks --num-prompts 4 --seed 0`` to print sample problems and the length
-statistics of a batch of reference solutions.
+Run ``tltrun task --num-prompts 4 --seed 0`` to print sample problems and the length statistics
+of a batch of reference solutions.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import random
 import re
 import statistics
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # One label character per operation; the alphabet size is the structural cap on chain length.
 LABELS = string.ascii_lowercase + string.ascii_uppercase
@@ -54,20 +53,28 @@ class TaskConfig:
     # production (ServeGen, /work/shared/traces: std of ln(output_tokens) = 1.02). The median
     # of 4 operations keeps a typical worked solution at tens of characters, which a CPU can
     # train and roll out in minutes (step line: 11 characters).
-    median_ops: float = 4.0
-    sigma_ops: float = 1.0
-    max_ops: int = len(LABELS)
-    modulus: int = 10  # single-digit arithmetic: 3 ops x 10 x 10 facts a small model can learn
+    median_ops: float = field(
+        default=4.0, metadata={"help": "median number of operations in a problem's chain"}
+    )
+    sigma_ops: float = field(default=1.0, metadata={"help": "log std. dev. of the chain length"})
+    max_ops: int = field(default=len(LABELS), metadata={"help": "longest chain (one label per op)"})
+    # single-digit arithmetic: 3 ops x 10 x 10 facts a small model can learn
+    modulus: int = field(default=10, metadata={"help": "arithmetic modulo N, in [2, 10]"})
     # Per-sample detours, calibrated to published RL traces: a prompt's samples differ by ~2x
     # at the median prompt and 5-20x at the worst; a step's longest response is 10-25x its
     # median (/work/shared/traces/README.md notes). A sample's check probability is uniform on
     # [0, max_check_prob] (a check line is 17 chars, a step line 11); recheck passes (geometric
     # with recheck_prob, at most max_rechecks) multiply the chain by up to 1 + max_rechecks.
-    # Measured over 30 steps of 32 prompts x 8 samples (``python -m tltrun.train.tasks``): per-prompt
+    # Measured over 30 steps of 32 prompts x 8 samples (``tltrun task``): per-prompt
     # longest/shortest median ~2.2x, worst ~4.5x (up to 7x); step max/median median ~11x.
-    max_check_prob: float = 0.5
-    recheck_prob: float = 0.1
-    max_rechecks: int = 3
+    max_check_prob: float = field(
+        default=0.5,
+        metadata={"help": "a sample checks each step with a probability uniform in [0, X]"},
+    )
+    recheck_prob: float = field(
+        default=0.1, metadata={"help": "probability of one more pass over the whole chain"}
+    )
+    max_rechecks: int = field(default=3, metadata={"help": "recheck passes per sample at most"})
 
     def __post_init__(self) -> None:
         if not self.median_ops >= 1:
@@ -264,25 +271,3 @@ def length_stats(lengths: list[int]) -> dict[str, float]:
         "max": ordered[-1],
         "max_over_median": ordered[-1] / median if median else math.inf,
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Print sample problems and length statistics.")
-    parser.add_argument("--num-prompts", type=int, default=4)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    cfg = TaskConfig()
-    rng = random.Random(args.seed)
-    for ex in make_examples(cfg, rng, args.num_prompts, num_solutions=1):
-        print(ex.prompt + ex.solutions[0])
-    batch = make_examples(cfg, rng, 32, num_solutions=args.group_size)
-    lengths = [len(s) for ex in batch for s in ex.solutions]
-    spreads = sorted(max(map(len, ex.solutions)) / min(map(len, ex.solutions)) for ex in batch)
-    print("response chars over 32 prompts x", args.group_size, "samples:", length_stats(lengths))
-    print(f"per-prompt max/min: median {statistics.median(spreads):.2f}, max {spreads[-1]:.2f}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

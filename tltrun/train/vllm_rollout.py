@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 
 from tltrun.model.drafter import EagleDrafter, export_vllm
+from tltrun.model.transformer import Transformer
 from tltrun.rollout.engine import HarvestRecord
 from tltrun.rollout.interface import Request, RolloutResult, SamplingParams
-from tltrun.model.transformer import Transformer
-from tltrun.train.drafter_training import records_from_outputs
 from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig
+from tltrun.train.drafter_training import records_from_outputs
 from tltsim.policy import SpecDecision, SpecPolicy, TLTConfig
 
 # vLLM allocates KV cache in blocks; on CPU its default block_size is 128 tokens
@@ -106,7 +106,12 @@ class VLLMTrainRollout:
         finished, self._finished = self._finished, []
         records = records_from_outputs(self.model, [(ids, n) for _, ids, n in finished])
         return [
-            HarvestRecord(rid, r.token_ids, r.num_prompt_tokens, r.hidden)
+            HarvestRecord(
+                request_id=rid,
+                token_ids=r.token_ids,
+                num_prompt_tokens=r.num_prompt_tokens,
+                hidden=r.hidden,
+            )
             for (rid, _, _), r in zip(finished, records, strict=True)
         ]
 

@@ -12,7 +12,6 @@ the actor into its engine with ``update_weights``; the reference model stays the
 from __future__ import annotations
 
 import hashlib
-import pickle
 import random
 import time
 from dataclasses import asdict
@@ -23,18 +22,18 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from tltrun.train import state as ts
 from tltrun.model.drafter import EagleDrafter, export_vllm, load_drafter
+from tltrun.model.tokenizer import CharTokenizer
+from tltrun.model.transformer import load_hf, save_hf
 from tltrun.rollout.engine import EngineConfig, HarvestRecord, RolloutEngine
-from tltrun.train.grpo import GRPOConfig, Sample, grpo_update, make_optimizer
 from tltrun.rollout.interface import Request, RolloutResult, SamplingParams
 from tltrun.rollout.measured_trace import hardware_name, instance_prompts, measured_step
-from tltrun.model.transformer import load_hf, save_hf
+from tltrun.train import state as ts
+from tltrun.train.config import TrainConfig
+from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord
+from tltrun.train.grpo import GRPOConfig, Sample, grpo_update, make_optimizer
 from tltrun.train.spot import SpotStats, SpotTrainer, SubsetGroups
 from tltrun.train.tasks import Problem, TaskConfig, reward, sample_problem
-from tltrun.model.tokenizer import CharTokenizer
-from tltrun.train.launch import TrainConfig
-from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord
 from tltsim.policy import SpotTrainerPolicy, make_policy
 from tltsim.trace.schema import Trace, trace_to_dict
 
@@ -90,8 +89,8 @@ class Worker:
         sampling = SamplingParams(cfg.temperature, cfg.top_p)
         engine_drafter = drafter if cfg.policy != "nospec" else None
         if cfg.backend == "vllm":
-            from tltrun.train.vllm_rollout import VLLMTrainRollout, kv_cache_bytes, max_draft_steps
             from tltrun.rollout.vllm_backend import VLLMBackendConfig
+            from tltrun.train.vllm_rollout import VLLMTrainRollout, kv_cache_bytes, max_draft_steps
 
             vcfg = VLLMBackendConfig(
                 control="iteration",
@@ -168,7 +167,7 @@ class Worker:
         torch.set_rng_state(state["torch"])
         if "engine_generator" in state:  # the vLLM backend's sampling seeds are stateless
             self.engine.generator.set_state(state["engine_generator"])
-        self.spec_policy = pickle.loads(state["spec_policy"])
+        ts.load_policy_state(ckpt, self.rank, self.spec_policy)
         if self.spot is not None and (ckpt / "drafter_optim.pt").is_file():
             saved = torch.load(ckpt / "drafter_optim.pt", weights_only=False)
             self.spot.optimizer.load_state_dict(saved["optimizer"])
@@ -187,7 +186,6 @@ class Worker:
             "python": random.getstate(),
             "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
-            "spec_policy": pickle.dumps(self.spec_policy),
         }
         if hasattr(self.engine, "generator"):  # torch engine; vLLM seeds per (step, request)
             state["engine_generator"] = self.engine.generator.get_state()
@@ -198,6 +196,7 @@ class Worker:
                 (r.token_ids, r.num_prompt_tokens, r.hidden) for r in self.spot.previous
             ]
         torch.save(state, tmp / f"rank{self.rank}.pt")
+        ts.save_policy_state(tmp, self.rank, self.spec_policy)
         dist.barrier()
         if self.rank == 0:
             save_hf(self.actor, tmp / "actor")
@@ -322,12 +321,12 @@ class Worker:
         rollout_s = max(finishes)
         first = gathered[0]["result"]
         merged = RolloutResult(
-            outputs,
-            iterations,
-            rollout_s,
-            first.backend,
-            first.shares_prompts,
-            first.prefix_block_tokens,
+            outputs=outputs,
+            iterations=iterations,
+            wall_s=rollout_s,
+            backend=first.backend,
+            shares_prompts=first.shares_prompts,
+            prefix_block_tokens=first.prefix_block_tokens,
         )
         spots = [g["spot"] for g in gathered]
         extra = {
@@ -370,7 +369,7 @@ class Worker:
             "drafter_updates": max(s["num_updates"] for s in spots),
             "drafter_trained_tokens": extra["drafter_trained_tokens"],
             "idle_worker_s": sum(rollout_s - f for f in finishes),
-            "accept_len": summary["mean_accept_len"],
+            "accept_len": summary.mean_accept_len,
             "sd_on_fraction": sum(it.strategy != "off" for it in decode) / max(len(decode), 1),
             "step_s": step_s,
             **{k: grpo[k] for k in ("loss", "kl", "clip_frac", "grad_norm", "num_tokens")},

@@ -1,23 +1,19 @@
-"""Helpers that map frozen config dataclasses 1:1 onto argparse flags, and the CLI error type.
+"""Helpers that map frozen config dataclasses 1:1 onto argparse flags (``tltsim`` and ``tltrun``).
 
 Every subcommand builds its flags from a config dataclass (STYLE.md: "CLI flags are generated
-from, or mapped 1:1 onto, those fields"), so a flag and its field can never drift apart.
+from, or mapped 1:1 onto, those fields"), so a flag and its field can never drift apart. Bad
+values become ``tltsim.errors.UsageError``, which each CLI's ``main`` prints as one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import sys
 import types
 import typing
-from pathlib import Path
 from typing import Any
 
-
-class UsageError(Exception):
-    """Bad user input. ``tltsim.cli.main.main`` prints ``str(err)`` on one line and exits 2."""
+from tltsim.errors import UsageError
 
 
 def _base_type(tp: Any) -> Any:
@@ -29,18 +25,44 @@ def _base_type(tp: Any) -> Any:
     return origin or tp
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
-    """Add ``--{prefix}{field-name}`` for every field of dataclass ``cls`` (default: unset)."""
+def flag_name(field: dataclasses.Field, prefix: str = "") -> str:
+    """``--{prefix}{field-name}``; a boolean field drops its ``is_`` (``is_spot_training`` ->
+    ``--spot-training/--no-spot-training``): the prefix names Python booleans, not options."""
+    name = field.name
+    if field.type in (bool, "bool") and name.startswith("is_"):
+        name = name.removeprefix("is_")
+    return "--" + prefix + name.replace("_", "-")
+
+
+def _metavar(field: dataclasses.Field, tp: Any) -> str:
+    """What ``--help`` shows as the flag's value: ``metadata["metavar"]``, the choices of
+    ``metadata["choices"]`` (shown only; ``__post_init__`` validates), else the type."""
+    if "metavar" in field.metadata:
+        return field.metadata["metavar"]
+    if "choices" in field.metadata:
+        return "{" + ",".join(map(str, field.metadata["choices"])) + "}"
+    return {int: "N", float: "X", tuple: "LIST", list: "LIST"}.get(tp, "NAME")
+
+
+def add_dataclass_args(
+    parser: argparse.ArgumentParser, cls: type, prefix: str = "", skip: tuple[str, ...] = ()
+) -> None:
+    """Add one flag per field of dataclass ``cls`` except ``skip`` (:func:`flag_name`; every
+    flag's default is None = not given). The help line is the field's ``metadata["help"]`` plus
+    its default; ``metadata["metavar"]`` / ``metadata["choices"]`` name the value (else N, X,
+    NAME or LIST by type). The flag's ``dest`` is ``prefix + field.name``."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
-        if f.name.startswith("_") or not f.init:
+        if f.name.startswith("_") or not f.init or f.name in skip:
             continue
-        flag = "--" + prefix + f.name.replace("_", "-")
+        flag = flag_name(f, prefix)
         tp = _base_type(hints[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
+        if isinstance(default, tuple):  # shown as typed; () shows none (the help says what)
+            default = ",".join(map(str, default))
         helptext = f.metadata.get("help", "") + (
-            f" (default: {default})" if default is not None else ""
+            f" (default: {default})" if default not in (None, "") else ""
         )
         if tp is bool:
             group.add_argument(
@@ -52,7 +74,11 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
             )
         elif tp in (tuple, list):
             group.add_argument(
-                flag, dest=prefix + f.name, default=None, help=helptext + " (comma-separated)"
+                flag,
+                dest=prefix + f.name,
+                default=None,
+                metavar=_metavar(f, tp),
+                help=helptext + " (comma-separated)",
             )
         else:
             group.add_argument(
@@ -60,6 +86,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
                 dest=prefix + f.name,
                 type=tp if tp in (int, float, str) else str,
                 default=None,
+                metavar=_metavar(f, tp),
                 help=helptext,
             )
 
@@ -67,8 +94,10 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
 def dataclass_from_args(
     cls: type, ns: argparse.Namespace, prefix: str = "", base: Any = None
 ) -> Any:
-    """Build ``cls`` from parsed flags; fields whose flag was not given keep ``base``'s value
-    (or the dataclass default). Validation errors from ``__post_init__`` become UsageError."""
+    """Build ``cls`` from flags parsed by :func:`add_dataclass_args` (dest ``prefix +
+    field.name``, so ``--no-spot-training`` lands on ``is_spot_training``); fields whose flag was
+    not given keep ``base``'s value (or the dataclass default). Validation errors from
+    ``__post_init__`` become UsageError."""
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
@@ -87,30 +116,10 @@ def dataclass_from_args(
                 raw = tuple(elem(x) for x in raw.split(",") if x != "")
             except ValueError:
                 raise UsageError(
-                    f"--{prefix}{f.name.replace('_', '-')}: expected comma-separated {elem.__name__} values, got {raw!r}"
+                    f"{flag_name(f, prefix)}: expected comma-separated {elem.__name__} values, got {raw!r}"
                 ) from None
         values[f.name] = raw
     try:
         return cls(**values)
     except (TypeError, ValueError) as err:
         raise UsageError(f"{cls.__name__}: {err}") from None
-
-
-def write_json(path: Path, obj: Any) -> None:
-    """Write ``obj`` (dataclasses allowed) as indented JSON."""
-
-    def default(o: Any) -> Any:
-        if dataclasses.is_dataclass(o):
-            return dataclasses.asdict(o)
-        if isinstance(o, Path):
-            return str(o)
-        if hasattr(o, "item"):
-            return o.item()
-        raise TypeError(f"not JSON serialisable: {type(o).__name__}")
-
-    path.write_text(json.dumps(obj, indent=2, default=default) + "\n")
-
-
-def fail(message: str) -> typing.NoReturn:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)

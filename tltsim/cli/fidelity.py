@@ -22,14 +22,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tltsim.sim.acceptance import DrafterDynamics
-from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args
-from tltsim.cost.roofline import CostModel, RooflineCost
-from tltsim.fidelity.fit import FitConfig, fit_trace, format_fit, load_dynamics, save_fit
+from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.table import format_table
+from tltsim.cost.measured import compare_to_roofline, summarize_comparison, with_profile
 from tltsim.cost.profile import OPS, Profile, load_profile
-from tltsim.cost.measured import ProfileCost, compare_to_roofline, summarize_comparison
+from tltsim.cost.roofline import CostModel, RooflineCost
 from tltsim.cost.specs import HARDWARE_PRESETS, MODEL_PRESETS, HardwareSpec, ModelSpec
-from tltsim.trace.schema import load_trace
+from tltsim.errors import UsageError
+from tltsim.fidelity.fit import FitConfig, FitResult, fit_trace, load_dynamics, save_fit
+from tltsim.fidelity.fit_dynamics import DYNAMICS_FIELDS
+from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.trace.files import load_trace
 
 # --- helpers for simulating subcommands -------------------------------------------------------
 
@@ -40,28 +43,16 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
         "--profile",
         type=Path,
         default=None,
+        metavar="PATH",
         help="measured cost profile CSV (tltrun profile); replaces the roofline, which still prices ops the profile lacks",
     )
     parser.add_argument(
         "--drafter-dynamics",
         type=Path,
         default=None,
+        metavar="PATH",
         help="drafter dynamics fitted by tltsim fit --out; --drafter-* flags override its fields",
     )
-
-
-def with_profile(path: Path | None, roofline: CostModel) -> CostModel:
-    """``roofline`` when ``path`` is None, else a ``ProfileCost`` of the profile at ``path``
-    that falls back to ``roofline`` for the ops it lacks."""
-    if path is None:
-        return roofline
-    profile = load_profile(path)
-    tp = getattr(roofline, "tp", None)
-    if tp is not None and profile.meta.get("tp") != tp:
-        raise UsageError(
-            f"{path}: measured with tp={profile.meta.get('tp')}, but the simulation runs tp={tp} (one profile describes one engine instance)"
-        )
-    return ProfileCost(profile, fallback=roofline)
 
 
 def cost_model_from_args(
@@ -90,6 +81,74 @@ def extrapolation_lines(cost: Any) -> list[str]:
 
 
 # --- tltsim fit ------------------------------------------------------------------------------------
+
+PARAMETER_COLUMNS = {"name": "parameter", "value": "value", "stderr": "stderr", "status": "status"}
+FIT_STEP_COLUMNS = {
+    "step": "step",
+    "num_verifies": "verifies",
+    "accept_rate": "accept",
+    "stderr": "stderr",
+    "predicted": "predicted",
+    "resid_over_se": "resid/se",
+    "trained_tokens": "trained",
+}
+FIT_STEP_FORMATS = {
+    "accept_rate": ".4f",
+    "stderr": ".4f",
+    "predicted": ".4f",
+    "resid_over_se": ".2f",
+}
+
+
+def format_fit(result: FitResult, source: str) -> str:
+    """The fit as printed by ``tltsim fit``: parameters, then the per-step table."""
+    fit, steps = result.fit, result.steps
+    observed = [s for s in steps if s.hists]
+    stderr = dict(fit.stderr)
+    if result.sibling_rate_se is not None:
+        stderr["sibling_rate"] = result.sibling_rate_se
+    parameters = [
+        {
+            "name": name,
+            "value": getattr(result.dynamics, name),
+            "stderr": stderr.get(name),
+            "status": "fitted"
+            if name in stderr
+            else "held: " + fit.held.get(name, "no tree verifies in the trace"),
+        }
+        for name in DYNAMICS_FIELDS + ("sibling_rate",)
+    ]
+    rows = []
+    for s, pred in zip(steps, fit.predicted, strict=True):
+        row = {
+            "step": s.step,
+            "num_verifies": 0,
+            "predicted": pred,
+            "trained_tokens": s.trained_tokens,
+        }
+        if s.hists:  # steps without SD verifies have no measured acceptance
+            resid = (s.accept_rate - pred) / s.stderr if s.stderr > 0 else 0.0
+            row.update(
+                num_verifies=s.num_verifies,
+                accept_rate=s.accept_rate,
+                stderr=s.stderr,
+                resid_over_se=resid,
+            )
+        rows.append(row)
+    return "\n".join(
+        [
+            f"{source}: {len(steps)} steps, {len(observed)} with SD verifies ({sum(s.num_verifies for s in observed):,} verifies), "
+            f"{sum(s.trained_tokens for s in steps):,} drafter tokens trained",
+            format_table(
+                parameters,
+                PARAMETER_COLUMNS,
+                {"value": ".6g", "stderr": ".3g"},
+                left=("name", "status"),
+            ),
+            f"chi2 per degree of freedom: {fit.chi2_per_dof:.3g} ({len(observed)} steps, {len(fit.fitted)} parameters)",
+            format_table(rows, FIT_STEP_COLUMNS, FIT_STEP_FORMATS),
+        ]
+    )
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
@@ -150,22 +209,31 @@ def _values(values: list[float]) -> str:
     return shown + (f", ... ({len(found)} values)" if len(found) > 8 else "")
 
 
-def grid_lines(profile: Profile) -> list[str]:
-    """Per op: how many points, and the values measured on each axis."""
-    lines = []
-    for op in OPS:
-        rows = profile.rows_of(op)
-        if not rows:
-            lines.append(f"  {op:<14} (not measured)")
-            continue
+GRID_COLUMNS = {
+    "op": "op",
+    "num_points": "points",
+    "batch": "batch",
+    "tokens_per_seq": "tokens_per_seq",
+    "context_per_seq": "context/seq",
+}
 
-        batch = _values([r.batch for r in rows])
-        per_seq = _values([r.tokens_per_seq for r in rows])
-        context = _values([r.context_tokens / r.batch for r in rows])
-        lines.append(
-            f"  {op:<14} {len(rows):>4} points; batch {batch}; tokens_per_seq {per_seq}; context/seq {context}"
-        )
-    return lines
+
+def grid_table(profile: Profile) -> str:
+    """Per op: how many points, and the values measured on each axis (``-``: not measured)."""
+    rows = []
+    for op in OPS:
+        points = profile.rows_of(op)
+        row: dict[str, Any] = {"op": op, "num_points": len(points)}
+        if points:
+            row.update(
+                batch=_values([r.batch for r in points]),
+                tokens_per_seq=_values([r.tokens_per_seq for r in points]),
+                context_per_seq=_values([r.context_tokens / r.batch for r in points]),
+            )
+        rows.append(row)
+    return format_table(
+        rows, GRID_COLUMNS, left=("op", "batch", "tokens_per_seq", "context_per_seq")
+    )
 
 
 def _cmd_profile_info(args: argparse.Namespace) -> int:
@@ -175,7 +243,7 @@ def _cmd_profile_info(args: argparse.Namespace) -> int:
         f"{profile.source}: {len(profile.rows)} measured points; "
         + "; ".join(f"{k}: {v}" for k, v in sorted(meta.items()))
     )
-    print("\n".join(grid_lines(profile)))
+    print(grid_table(profile))
     model, hardware = _model_spec(args.model, profile), _hardware_spec(args.hardware, profile)
     if model is None or hardware is None:
         print("(no roofline comparison: pass --model and --hardware, presets or files)")
@@ -187,7 +255,11 @@ def _cmd_profile_info(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     summary = summarize_comparison(compare_to_roofline(profile, roofline))
     print(f"measured / roofline ({model.name} on {hardware.name}, tp={tp}):")
-    print(summary.to_string(index=False, float_format=lambda x: f"{x:.3g}"))
+    print(
+        format_table(
+            summary.to_dict("records"), list(summary.columns), left=("op",), float_format=".3g"
+        )
+    )
     return 0
 
 
@@ -207,12 +279,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--out",
         type=Path,
         default=None,
+        metavar="PATH",
         help="write the fitted parameters as JSON (for --drafter-dynamics)",
     )
     fit.add_argument(
         "--base",
         type=Path,
         default=None,
+        metavar="PATH",
         help="drafter-dynamics JSON whose values the held parameters keep (default: DrafterDynamics defaults)",
     )
     add_dataclass_args(fit, FitConfig)
@@ -225,15 +299,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     info.add_argument("file", type=Path, help="profile CSV (its sidecar JSON next to it)")
     info.add_argument(
-        "--model", default=None, help="model preset or config.json (default: the sidecar's model)"
+        "--model",
+        default=None,
+        metavar="NAME|PATH",
+        help="model preset or config.json (default: the sidecar's model)",
     )
     info.add_argument(
         "--hardware",
         default=None,
+        metavar="NAME|PATH",
         help="GPU preset or JSON file of HardwareSpec fields (default: the sidecar's hardware, if a preset)",
     )
     info.add_argument(
-        "--tp", type=int, default=None, help="TP degree of the roofline (default: the sidecar's tp)"
+        "--tp",
+        type=int,
+        default=None,
+        metavar="N",
+        help="TP degree of the roofline (default: the sidecar's tp)",
     )
     info.set_defaults(func=_cmd_profile_info)
 
@@ -243,7 +325,6 @@ __all__ = [
     "cost_model_from_args",
     "dynamics_from_args",
     "extrapolation_lines",
-    "grid_lines",
+    "grid_table",
     "register",
-    "with_profile",
 ]

@@ -5,9 +5,10 @@
     tltsim report results/replay-synth_reasoning_rl                      # PNG figures
     tltsim gen --out my.json ; tltsim validate my.json                   # traces
 
-Each subcommand lives in the module that owns its subject and registers itself here through a
-``register(subparsers)`` function that sets ``func`` on its parser. Run ``tltsim --help``.
-Bad input ends with one ``error: ...`` line and exit code 2.
+Each subcommand family has a module in ``tltsim.cli`` (replay, sweep, compare, fidelity, trace)
+whose ``register(subparsers)`` adds its parsers and sets ``func``; the libraries they call hold
+no argument parsing and print nothing. Run ``tltsim --help``. Bad input (any
+``tltsim.errors.TLTError``) ends with one ``error: ...`` line and exit code 2.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from tltsim.cli.args import UsageError
-from tltsim.trace.schema import TraceError
+from tltsim.errors import TLTError, UsageError
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -33,23 +33,20 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tltsim.cli import fidelity as cli_fidelity
-    from tltsim.cli import trace as cli_trace
-    from tltsim.fidelity import compare
-    from tltsim.sim import replay, sweep
+    from tltsim.cli import compare, fidelity, replay, sweep, trace
 
     parser = argparse.ArgumentParser(
         prog="tltsim", description="Simulate long-tail RL rollouts and TLT policies."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     replay.register(sub)
-    cli_fidelity.register(sub)  # fit, profile-info
+    fidelity.register(sub)  # fit, profile-info
     compare.register(sub)  # compare: measured vs simulated
     sweep.register(sub)
     p = sub.add_parser("report", help="draw PNG figures from a replay or sweep output directory")
     p.add_argument("dir", type=Path, help="output directory of tltsim replay or tltsim sweep")
     p.set_defaults(func=_cmd_report)
-    cli_trace.register(sub)  # gen, validate, import
+    trace.register(sub)  # gen, validate, import
     return parser
 
 
@@ -58,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (UsageError, TraceError) as err:
+    except TLTError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

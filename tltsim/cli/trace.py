@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args
+from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.errors import UsageError
+from tltsim.trace.files import load_trace, save_trace
 from tltsim.trace.importers import KINDS, ImportConfig, import_trace
+from tltsim.trace.schema import SUFFIXES, Trace, TraceError
 from tltsim.trace.synth import GenConfig, generate
-from tltsim.trace.schema import SUFFIXES, Trace, TraceError, load_trace, save_trace
 
 
 def summary_line(trace: Trace, name: str) -> str:
@@ -74,7 +76,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Generate a synthetic reasoning-RL trace (model: tltsim/trace/synth.py docstring).",
     )
     add_dataclass_args(gen, GenConfig)
-    gen.add_argument("--out", type=Path, required=True, help=f"output file ({', '.join(SUFFIXES)})")
+    gen.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="PATH",
+        help=f"output file ({', '.join(SUFFIXES)})",
+    )
     gen.set_defaults(func=_cmd_gen)
 
     validate = subparsers.add_parser(
@@ -94,5 +102,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     imp.add_argument("kind", choices=KINDS, help="source format")
     imp.add_argument("src", type=Path, help="source file (see /work/shared/traces/README.md)")
     add_dataclass_args(imp, ImportConfig)
-    imp.add_argument("--out", type=Path, required=True, help=f"output file ({', '.join(SUFFIXES)})")
+    imp.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="PATH",
+        help=f"output file ({', '.join(SUFFIXES)})",
+    )
     imp.set_defaults(func=_cmd_import)

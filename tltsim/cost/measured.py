@@ -52,13 +52,22 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import pandas as pd
 
-from tltsim.cost.roofline import CostModel, crossover_batch, default_sd_iter_s
 from tltsim.cost.interp import ZERO, Curve, Table, maximum, measured_curve
+from tltsim.cost.profile import (
+    OPS,
+    REQUIRED_OPS,
+    Profile,
+    ProfileError,
+    ProfileRow,
+    load_profile,
+)
+from tltsim.cost.roofline import CostModel, crossover_batch, default_sd_iter_s
+from tltsim.errors import UsageError
 from tltsim.policy import SpecDecision
-from tltsim.cost.profile import OPS, REQUIRED_OPS, Profile, ProfileError, ProfileRow
 
 
 class ProfileExtrapolationWarning(UserWarning):
@@ -361,6 +370,20 @@ class ProfileCost:
         max_batch: int = 4096,
     ) -> int | None:
         return crossover_batch(self, decision, accept_len, context_per_seq, max_batch)
+
+
+def with_profile(path: Path | None, roofline: CostModel) -> CostModel:
+    """``roofline`` when ``path`` is None, else a ``ProfileCost`` of the profile at ``path``
+    that falls back to ``roofline`` for the ops it lacks (``--profile`` of replay and sweep)."""
+    if path is None:
+        return roofline
+    profile = load_profile(path)
+    tp = getattr(roofline, "tp", None)
+    if tp is not None and profile.meta.get("tp") != tp:
+        raise UsageError(
+            f"{path}: measured with tp={profile.meta.get('tp')}, but the simulation runs tp={tp} (one profile describes one engine instance)"
+        )
+    return ProfileCost(profile, fallback=roofline)
 
 
 def _check_batch(batch: int, tokens_per_seq: int) -> None:

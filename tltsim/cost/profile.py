@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tltsim.cli.args import UsageError
+from tltsim.errors import UsageError
 
 FORMAT = "tlt-profile"
 VERSION = 1

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol, runtime_checkable
 
-from tltsim.policy import SpecDecision
 from tltsim.cost.specs import DrafterSpec, HardwareSpec, ModelSpec
+from tltsim.policy import SpecDecision
 
 
 @runtime_checkable

@@ -27,7 +27,6 @@ the per-step errors, whole-run speedups), ``config.json``, ``parity.png``, ``ste
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -38,17 +37,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tltsim.sim.acceptance import DrafterDynamics
-from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args, write_json
-from tltsim.cost.roofline import RooflineCost
-from tltsim.fidelity.fit import load_dynamics
-from tltsim.fidelity.measured_run import MeasuredRun, measured_run
-from tltsim.policy import TLTConfig, make_policy
-from tltsim.cost.profile import Profile, load_profile
 from tltsim.cost.measured import ProfileCost
-from tltsim.sim.simulator import SimConfig, simulate
+from tltsim.cost.profile import Profile, load_profile
+from tltsim.cost.roofline import RooflineCost
 from tltsim.cost.specs import HARDWARE_PRESETS, ModelSpec
-from tltsim.trace.schema import load_trace
+from tltsim.errors import UsageError
+from tltsim.fidelity.measured_run import MeasuredRun, measured_run
+from tltsim.jsonio import write_json
+from tltsim.policy import TLTConfig, make_policy
+from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.sim.simulator import SimConfig, simulate
+from tltsim.trace.files import load_trace
 
 
 def _help(text: str) -> dict[str, str]:
@@ -59,9 +58,15 @@ def _help(text: str) -> dict[str, str]:
 class CompareConfig:
     """Settings of ``tltsim compare`` (one flag per field)."""
 
-    profile: str = field(default="", metadata=_help("measured cost profile CSV (required)"))
+    profile: str = field(
+        default="", metadata={"help": "measured cost profile CSV (required)", "metavar": "PATH"}
+    )
     out: str | None = field(
-        default=None, metadata=_help("output directory (default results/compare-<trace stem>)")
+        default=None,
+        metadata={
+            "help": "output directory (default results/compare-<trace stem>)",
+            "metavar": "DIR",
+        },
     )
     baseline: str = field(
         default="nospec", metadata=_help("policy the speedups are relative to (if compared)")
@@ -133,17 +138,17 @@ def _step_rows(run: MeasuredRun, per_instance: list[Any], cost: ProfileCost) -> 
                 "policy": run.policy,
                 "step": step.step,
                 "num_instances": n,
-                "measured_rollout_s": float(m["rollout_s"]),
+                "measured_rollout_s": float(m.rollout_s),
                 "sim_rollout_s": max(r.rollout_s for r in recs),
-                "measured_train_s": _number(m.get("train_s")),
+                "measured_train_s": _number(m.train_s),
                 "sim_train_s": train_s,
-                "measured_prefill_s": _number(m.get("prefill_s")),
+                "measured_prefill_s": _number(m.prefill_s),
                 "sim_prefill_s": busy - decode - reprefill,
-                "measured_sd_s": _number(m.get("sd_s")),
+                "measured_sd_s": _number(m.sd_s),
                 "sim_sd_s": sum(r.sd_instance_s for r in recs),
-                "measured_reprefill_s": _number(m.get("drafter_prefill_s")),
+                "measured_reprefill_s": _number(m.drafter_prefill_s),
                 "sim_reprefill_s": reprefill,
-                "measured_accept_len": _number(m.get("mean_accept_len")),
+                "measured_accept_len": _number(m.mean_accept_len),
                 "sim_accept_len": sd_tokens / verifies if verifies else 0.0,
                 "replayed_accept_rate": run.acceptance.rates[k],
             }
@@ -151,8 +156,9 @@ def _step_rows(run: MeasuredRun, per_instance: list[Any], cost: ProfileCost) -> 
     return rows
 
 
-def _number(value: Any) -> float:
-    return float(value) if type(value) in (int, float) else math.nan
+def _number(value: float | None) -> float:
+    """A recorded number as float; nan where the block did not record it."""
+    return math.nan if value is None else float(value)
 
 
 def simulate_run(
@@ -307,45 +313,6 @@ def compare(
     return steps, ups, summary, config
 
 
-def _fmt(value: Any, spec: str) -> str:
-    return (
-        "-"
-        if value is None or (isinstance(value, float) and math.isnan(value))
-        else format(value, spec)
-    )
-
-
-def format_report(steps: pd.DataFrame, ups: pd.DataFrame, summary: dict[str, Any]) -> str:
-    head = f"{'policy':<8}{'step':>6}{'rollout meas':>14}{'sim':>9}{'err%':>7}{'train meas':>12}{'sim':>9}{'err%':>7}{'accept meas':>13}{'sim':>6}"
-    lines = ["per step (seconds):", head, "-" * len(head)]
-    for _, r in steps.iterrows():
-        lines.append(
-            f"{r.policy:<8}{r.step:>6}{r.measured_rollout_s:>14.3f}{r.sim_rollout_s:>9.3f}{r.rollout_err_pct:>7.1f}"
-            f"{_fmt(r.measured_train_s, '>12.3f'):>12}{r.sim_train_s:>9.3f}{_fmt(r.train_err_pct, '>7.1f'):>7}"
-            f"{_fmt(r.measured_accept_len, '>13.2f'):>13}{r.sim_accept_len:>6.2f}"
-        )
-    if not ups.empty:
-        lines += ["", f"{'policy':<8}{'step':>6}{'speedup meas':>14}{'sim':>8}{'err%':>7}"]
-        for _, r in ups.iterrows():
-            lines.append(
-                f"{r.policy:<8}{r.step:>6}{r.measured_speedup:>14.3f}{r.sim_speedup:>8.3f}{r.speedup_err_pct:>7.1f}"
-            )
-    lines.append("")
-    for policy, s in summary["policies"].items():
-        ro, tr = s["rollout_err_pct"], s["train_err_pct"]
-        lines.append(
-            f"{policy}: rollout error median {_fmt(ro['median'], '.1f')}% p90 {_fmt(ro['p90'], '.1f')}% over {ro['num_steps']} steps; "
-            f"train error median {_fmt(tr['median'], '.1f')}% p90 {_fmt(tr['p90'], '.1f')}%"
-        )
-    for policy, s in summary["speedups"].items():
-        lines.append(
-            f"{policy} vs {s['baseline']}: rollout speedup measured {s['measured_speedup']:.3f}x, simulated {s['sim_speedup']:.3f}x "
-            f"(error {s['speedup_err_pct']:.1f}%; per step median {_fmt(s['per_step_err_pct']['median'], '.1f')}%)"
-        )
-    lines += ["profile extrapolation: " + line for line in summary["profile_extrapolation"]]
-    return "\n".join(lines)
-
-
 def write_outputs(
     out: Path, steps: pd.DataFrame, ups: pd.DataFrame, summary: dict[str, Any], config: dict
 ) -> list[Path]:
@@ -359,50 +326,9 @@ def write_outputs(
     return [parity_plot(steps, out / "parity.png"), steps_plot(steps, ups, out / "steps.png")]
 
 
-def cmd_compare(args: argparse.Namespace) -> int:
-    cfg = dataclass_from_args(CompareConfig, args)
-    is_tlt_given = any(
-        getattr(args, "tlt-" + f.name, None) is not None for f in dataclasses.fields(TLTConfig)
-    )
-    tlt = dataclass_from_args(TLTConfig, args, prefix="tlt-") if is_tlt_given else None
-    drafter = load_dynamics(args.drafter_dynamics) if args.drafter_dynamics else None
-    steps, ups, summary, config = compare(args.traces, cfg, tlt, drafter)
-    out = (
-        Path(cfg.out)
-        if cfg.out
-        else Path("results") / f"compare-{args.traces[0].name.split('.')[0]}"
-    )
-    plots = write_outputs(out, steps, ups, summary, config)
-    print(format_report(steps, ups, summary))
-    names = ["config.json", "steps.csv", "speedups.csv", "summary.json"] + [p.name for p in plots]
-    print(f"wrote {out}/: {' '.join(names)}")
-    return 0
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``tltsim compare`` (``tltsim.cli.main.build_parser`` calls this)."""
-    p = subparsers.add_parser(
-        "compare",
-        help="replay measured runs with a measured profile; simulated vs measured, with errors",
-        description=__doc__.split("\n\n")[0],
-    )
-    p.add_argument("traces", type=Path, nargs="+", help="measured tlt-traces, one per policy run")
-    p.add_argument(
-        "--drafter-dynamics",
-        type=Path,
-        default=None,
-        help="simulate acceptance with these fitted dynamics (tltsim fit --out) instead of replaying the measured per-step acceptance",
-    )
-    add_dataclass_args(p, CompareConfig)
-    add_dataclass_args(p, TLTConfig, prefix="tlt-")
-    p.set_defaults(func=cmd_compare)
-
-
 __all__ = [
     "CompareConfig",
     "compare",
-    "format_report",
-    "register",
     "simulate_run",
     "speedups",
     "summarize",

@@ -16,7 +16,8 @@ Two stages, both on the simulator's own model (``tltsim.sim.acceptance``):
    For trees the likelihood is ``accept_len_pmf`` and ``a`` is found numerically; the tree
    model's ``sibling_rate`` is fitted once for the whole run by profile likelihood.
 2. ``DrafterDynamics`` (initial, max and stale acceptance, drift per RL step, learn tokens) by
-   weighted least squares of the per-step ``a`` on the dynamics recursion the simulator runs:
+   weighted least squares (``tltsim.fidelity.fit_dynamics``: scipy, the ``fit`` extra) of the
+   per-step ``a`` on the dynamics recursion the simulator runs:
    the acceptance of step s's rollout, then training on that step's trained tokens, then one
    drift per RL update up to the next recorded step. Standard errors come from the Jacobian,
    scaled by the reduced chi^2 when it exceeds 1 (steps vary more than binomial noise).
@@ -43,16 +44,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
-from tltsim.cli.args import UsageError
+from tltsim.errors import UsageError
 from tltsim.fidelity.fit_dynamics import DYNAMICS_FIELDS, DynamicsFit, StepAcceptance, fit_dynamics
 from tltsim.policy import SpecDecision
+from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
+from tltsim.trace.measured import MeasuredStep
 from tltsim.trace.schema import Step, Trace
 
 FORMAT = "tlt-drafter-dynamics"
@@ -94,20 +97,18 @@ class FitConfig:
 # --- stage 0: per-step histograms from the trace ---------------------------------------------
 
 
-def _step_strategy(measured: dict[str, Any], default: str) -> str | None:
+def _step_strategy(measured: MeasuredStep | None, default: str) -> str | None:
     """The one SD strategy of a step's verifies (contract order), or None if none is named."""
-    policy = measured.get("policy")
-    counts = policy.get("iterations_per_strategy") if isinstance(policy, dict) else None
-    if isinstance(counts, dict):
-        used = sorted(name for name, n in counts.items() if name != "off" and n)
-        if len(used) > 1:
-            raise ValueError(
-                f"mixed strategies {', '.join(used)} in one step: measured.accept_hist_by_strategy is needed to tell their verifies apart"
-            )
-        if used:
-            return used[0]
-    explicit = measured.get("strategy")
-    return (explicit if isinstance(explicit, str) else None) or default or None
+    if measured is None:
+        return default or None
+    used = measured.policy.sd_strategies() if measured.policy is not None else []
+    if len(used) > 1:
+        raise ValueError(
+            f"mixed strategies {', '.join(used)} in one step: measured.accept_hist_by_strategy is needed to tell their verifies apart"
+        )
+    if used:
+        return used[0]
+    return measured.strategy or default or None
 
 
 def _summed_hist(step: Step) -> list[int]:
@@ -125,10 +126,9 @@ def _summed_hist(step: Step) -> list[int]:
 
 def _step_hists(step: Step, where: str, default_strategy: str) -> dict[str, list[int]]:
     """Strategy name -> verify histogram of one step (empty without SD verifies)."""
-    measured = step.measured or {}
-    by_strategy = measured.get("accept_hist_by_strategy")
-    if by_strategy is not None:
-        return hists_by_strategy(by_strategy, f"{where}: field 'measured.accept_hist_by_strategy'")
+    measured = step.measured
+    if measured is not None and measured.accept_hist_by_strategy is not None:
+        return hists_by_strategy(measured.accept_hist_by_strategy)
     total = _summed_hist(step)
     if not sum(total):
         return {}
@@ -143,14 +143,9 @@ def _step_hists(step: Step, where: str, default_strategy: str) -> dict[str, list
     return {strategy: total}
 
 
-def hists_by_strategy(by_strategy: Any, where: str) -> dict[str, list[int]]:
-    """A recorded ``{strategy: verify counts}`` checked for shape, without its empty entries."""
-    if type(by_strategy) is not dict or not all(
-        type(h) is list and all(type(c) is int and c >= 0 for c in h) for h in by_strategy.values()
-    ):
-        raise UsageError(
-            f"{where}: expected {{strategy: list of integers >= 0}}, got {by_strategy!r:.60}"
-        )
+def hists_by_strategy(by_strategy: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
+    """A recorded ``{strategy: verify counts}`` without its empty entries (the block's types
+    were checked when the trace loaded)."""
     return {k: list(v) for k, v in by_strategy.items() if sum(v)}
 
 
@@ -180,14 +175,10 @@ def collect_steps(trace: Trace, source: str, default_strategy: str = "") -> list
     steps = []
     for s in trace.steps:
         where = f"{source}: step {s.step}"
-        trained = (s.measured or {}).get("drafter_trained_tokens", 0)
-        if type(trained) is not int or trained < 0:
-            raise UsageError(
-                f"{where}: field 'measured.drafter_trained_tokens': expected an integer >= 0, got {trained!r}"
-            )
+        trained = s.measured.drafter_trained_tokens if s.measured is not None else None
         steps.append(
             StepAcceptance(
-                s.step, checked_hists(_step_hists(s, where, default_strategy), where), trained
+                s.step, checked_hists(_step_hists(s, where, default_strategy), where), trained or 0
             )
         )
     if not any(st.hists for st in steps):
@@ -352,48 +343,6 @@ def fit_trace(
     return FitResult(fit.dynamics, fit, sibling_se, steps)
 
 
-def format_fit(result: FitResult, source: str) -> str:
-    """The fit as printed by ``tltsim fit``: parameters, then the per-step table."""
-    fit, steps = result.fit, result.steps
-    observed = [s for s in steps if s.hists]
-    lines = [
-        f"{source}: {len(steps)} steps, {len(observed)} with SD verifies ({sum(s.num_verifies for s in observed):,} verifies), "
-        f"{sum(s.trained_tokens for s in steps):,} drafter tokens trained",
-        f"{'parameter':<22}{'value':>12}{'stderr':>12}  status",
-    ]
-    stderr = dict(fit.stderr)
-    if result.sibling_rate_se is not None:
-        stderr["sibling_rate"] = result.sibling_rate_se
-    for name in DYNAMICS_FIELDS + ("sibling_rate",):
-        value = getattr(result.dynamics, name)
-        se = stderr.get(name)
-        status = (
-            "fitted"
-            if name in stderr
-            else "held: " + fit.held.get(name, "no tree verifies in the trace")
-        )
-        lines.append(
-            f"{name:<22}{value:>12.6g}{(f'{se:.3g}' if se is not None else '-'):>12}  {status}"
-        )
-    lines.append(
-        f"chi2 per degree of freedom: {fit.chi2_per_dof:.3g} ({len(observed)} steps, {len(fit.fitted)} parameters)"
-    )
-    lines.append(
-        f"{'step':>6}{'verifies':>10}{'accept':>9}{'stderr':>9}{'predicted':>11}{'resid/se':>10}{'trained':>12}"
-    )
-    for s, pred in zip(steps, fit.predicted, strict=True):
-        if s.hists:
-            resid = (s.accept_rate - pred) / s.stderr if s.stderr > 0 else 0.0
-            lines.append(
-                f"{s.step:>6}{s.num_verifies:>10}{s.accept_rate:>9.4f}{s.stderr:>9.4f}{pred:>11.4f}{resid:>10.2f}{s.trained_tokens:>12}"
-            )
-        else:
-            lines.append(
-                f"{s.step:>6}{0:>10}{'-':>9}{'-':>9}{pred:>11.4f}{'-':>10}{s.trained_tokens:>12}"
-            )
-    return "\n".join(lines)
-
-
 def save_fit(
     result: FitResult, path: str | Path, source: str, config: FitConfig | None = None
 ) -> None:
@@ -444,7 +393,6 @@ __all__ = [
     "estimate_accept_rate",
     "fit_sibling_rate",
     "fit_trace",
-    "format_fit",
     "load_dynamics",
     "save_fit",
 ]

@@ -4,10 +4,12 @@
 The model is the simulator's own: ``predict`` runs ``DrafterDynamics.initial_state``,
 ``after_rl_step`` once per RL update between recorded steps, and ``after_training`` with each
 step's trained tokens after its rollout, exactly as ``tltsim.sim.simulator`` does. Free parameters are
-mapped to unconstrained coordinates (rates through a logistic, scaled so that initial and stale
-acceptance never exceed the maximum; learn_tokens through a logarithm), and a small
-Levenberg-Marquardt loop with numeric Jacobians, started from a few points, minimises
-``sum(((a_observed - a_predicted) / stderr)^2)``. Numpy only: tltsim does not depend on scipy.
+mapped to coordinates (rates through a logistic, scaled so that initial and stale acceptance
+never exceed the maximum; learn_tokens through a logarithm, bounded to 1 .. e^40 tokens), and
+``scipy.optimize.least_squares`` (trust-region reflective, bounded, numeric Jacobian), started
+from a few points, minimises ``sum(((a_observed - a_predicted) / stderr)^2)``. scipy is the
+``fit`` extra (``pip install -e .[fit]``): only ``tltsim fit`` needs it, and without it
+``fit_dynamics`` raises one ``UsageError`` line saying so.
 
     fit = fit_dynamics(steps, DrafterDynamics(), fixed=())
     fit.dynamics, fit.stderr, fit.held, fit.chi2_per_dof
@@ -22,8 +24,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.errors import UsageError
 from tltsim.policy import SpecDecision
+from tltsim.sim.acceptance import DrafterDynamics
 
 DYNAMICS_FIELDS = (
     "initial_accept_rate",
@@ -35,6 +38,8 @@ DYNAMICS_FIELDS = (
 # When the data cannot support every parameter, these are held first (least determined first).
 _DROP_ORDER = ("stale_accept_rate", "learn_tokens", "max_accept_rate", "drift_per_step")
 _MIN_STDERR = 1e-4  # floor of a step's standard error: one step never gets unbounded weight
+# log(learn_tokens) in [0, 40] (1 .. 2e17 tokens): a flat direction must not overflow the search
+_LOG_LEARN_BOUNDS = (0.0, 40.0)
 
 
 @dataclass
@@ -125,9 +130,15 @@ class _Model:
         if "drift_per_step" in v:
             t["drift_per_step"] = _sigmoid(v["drift_per_step"])
         if "learn_tokens" in v:
-            # e^0 .. e^40 (1 .. 2e17 tokens): a flat direction must not overflow the search
-            t["learn_tokens"] = math.exp(min(max(v["learn_tokens"], 0.0), 40.0))
+            t["learn_tokens"] = math.exp(v["learn_tokens"])  # within _LOG_LEARN_BOUNDS
         return t
+
+    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """(lower, upper) of the coordinates: only log(learn_tokens) is bounded (the logistic
+        coordinates map all of R into their ranges)."""
+        lo = [_LOG_LEARN_BOUNDS[0] if n == "learn_tokens" else -np.inf for n in self.free]
+        hi = [_LOG_LEARN_BOUNDS[1] if n == "learn_tokens" else np.inf for n in self.free]
+        return np.array(lo), np.array(hi)
 
     def p_of(self, t: dict[str, float]) -> np.ndarray:
         m = t["max_accept_rate"]
@@ -152,41 +163,15 @@ class _Model:
             return np.full(len(self.observed), 1e6)
 
 
-def _jacobian(f, x: np.ndarray, r0: np.ndarray) -> np.ndarray:
-    jac = np.empty((r0.size, x.size))
-    for k in range(x.size):
-        h = 1e-6 * max(1.0, abs(x[k]))
-        step = x.copy()
-        step[k] += h
-        jac[:, k] = (f(step) - r0) / h
-    return jac
-
-
-def levenberg_marquardt(f, x0: np.ndarray, max_iters: int = 200) -> tuple[np.ndarray, float]:
-    """Minimise ``sum(f(x)**2)`` from ``x0``; returns (x, cost)."""
-    x, r = x0.astype(float), f(x0)
-    cost, lam = float(r @ r), 1e-3
-    for _ in range(max_iters):
-        jac = _jacobian(f, x, r)
-        a, g = jac.T @ jac, jac.T @ r
-        improved = False
-        while lam < 1e12:
-            damped = a + lam * np.diag(np.maximum(np.diag(a), 1e-12))
-            try:
-                delta = -np.linalg.solve(damped, g)
-            except np.linalg.LinAlgError:
-                lam *= 10
-                continue
-            r_new = f(x + delta)
-            cost_new = float(r_new @ r_new)
-            if cost_new < cost:
-                improved = cost - cost_new > 1e-12 * (1 + cost)
-                x, r, cost, lam = x + delta, r_new, cost_new, max(lam / 3, 1e-12)
-                break
-            lam *= 4
-        if not improved:
-            break
-    return x, cost
+def _least_squares():
+    """``scipy.optimize.least_squares``, or one UsageError line when scipy is not installed."""
+    try:
+        from scipy.optimize import least_squares
+    except ImportError:
+        raise UsageError(
+            "tltsim fit needs scipy, which is not installed: pip install -e '.[fit]'"
+        ) from None
+    return least_squares
 
 
 def _choose_free(
@@ -275,11 +260,16 @@ def fit_dynamics(
     # Without training max_accept_rate does not act on the fit; 1.0 keeps initial/stale free.
     model = _Model(steps, base, free, 1.0 if no_training else base.max_accept_rate)
     if free:
+        least_squares = _least_squares()
+        lower, upper = model.bounds()
         best = min(
-            (levenberg_marquardt(model.residuals, p0) for p0 in _starts(model)),
-            key=lambda xc: xc[1],
+            (
+                least_squares(model.residuals, np.clip(p0, lower, upper), bounds=(lower, upper))
+                for p0 in _starts(model)
+            ),
+            key=lambda result: result.cost,
         )
-        t = model.theta(best[0])
+        t = model.theta(best.x)
     else:
         t = {n: getattr(base, n) for n in DYNAMICS_FIELDS}
     if no_training:
@@ -302,6 +292,5 @@ __all__ = [
     "DynamicsFit",
     "StepAcceptance",
     "fit_dynamics",
-    "levenberg_marquardt",
     "predict",
 ]

@@ -7,9 +7,10 @@ and the per-step drafter acceptance of a ``tltrun`` run, so the simulator can re
 
 Contract: the per-step ``measured`` block fields this module reads (tltrun writes them)
 ------------------------------------------------------------------------------------------
+Fields of ``tltsim.trace.measured.MeasuredStep``; their types are checked when the trace loads.
 * ``rollout_s`` (required): seconds of the step's rollout (slowest instance); ``train_s``
   (optional): the actor update; both compared with the simulation. ``clock`` (optional,
-  default ``"wall"``): ``"wall"`` or ``"cpu"`` seconds (``tltrun.profile.measure.CLOCKS``); it must be
+  default ``"wall"``): ``"wall"`` or ``"cpu"`` seconds (``tltrun.profile.timing.CLOCKS``); it must be
   the clock the profile was measured with.
 * ``policy.name`` (required): ``nospec`` | ``static`` | ``tlt`` (``tltsim.policy.make_policy``),
   the same in every step; ``policy.config`` (optional): the policy's settings, i.e.
@@ -41,7 +42,8 @@ Contract: the per-step ``measured`` block fields this module reads (tltrun write
   ``tltsim.fidelity.fit.estimate_accept_rate``). The comparison thus tests the cost model and the
   scheduling, not the drafter-dynamics model (``tltsim compare --drafter-dynamics`` does).
 
-Bad input raises ``UsageError`` naming the file, the step and the field.
+Bad input raises ``UsageError`` naming the file, the step and the field (a field of the wrong
+type already failed ``load_trace`` with a ``TraceError`` of the same form).
 """
 
 from __future__ import annotations
@@ -53,8 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from tltsim.sim.acceptance import DEFAULT_ACCEPT_RATE, DEFAULT_SIBLING_RATE, DrafterState
-from tltsim.cli.args import UsageError
+from tltsim.errors import UsageError
 from tltsim.fidelity.fit import (
     checked_hists,
     collect_steps,
@@ -63,6 +64,8 @@ from tltsim.fidelity.fit import (
     hists_by_strategy,
 )
 from tltsim.policy import POLICY_NAMES, SpecDecision, TLTConfig
+from tltsim.sim.acceptance import DEFAULT_ACCEPT_RATE, DEFAULT_SIBLING_RATE, DrafterState
+from tltsim.trace.measured import UNRECORDED, MeasuredStep, PolicyRecord
 from tltsim.trace.schema import Step, Trace
 
 
@@ -155,16 +158,16 @@ class MeasuredRun:
         return max(s.num_responses for s in trace.steps)
 
 
-def _measured(step: Step, source: str) -> dict[str, Any]:
-    if not isinstance(step.measured, dict):
+def _measured(step: Step, source: str) -> MeasuredStep:
+    """The step's block, which must hold the rollout seconds (the types were checked on load)."""
+    m = step.measured
+    if m is None:
         raise UsageError(
             f"{source}: step {step.step}: no 'measured' block (expected a trace written by tltrun)"
         )
-    m = step.measured
-    value = m.get("rollout_s")
-    if type(value) not in (int, float) or not value > 0:
+    if m.rollout_s is None or not m.rollout_s > 0:
         raise UsageError(
-            f"{source}: step {step.step}: field 'measured.rollout_s': expected seconds > 0, got {value!r}"
+            f"{source}: step {step.step}: field 'measured.rollout_s': expected seconds > 0, got {m.rollout_s!r}"
         )
     return m
 
@@ -173,25 +176,14 @@ def _policy(trace: Trace, source: str) -> tuple[str, dict[str, Any], int]:
     """Name, recorded settings and seed of the one policy every step ran."""
     names, configs, seeds = set(), [], set()
     for step in trace.steps:
-        policy = _measured(step, source).get("policy")
-        name = policy.get("name") if isinstance(policy, dict) else None
-        if name not in POLICY_NAMES:
+        policy = _measured(step, source).policy or PolicyRecord()
+        if policy.name not in POLICY_NAMES:
             raise UsageError(
-                f"{source}: step {step.step}: field 'measured.policy.name': expected one of {', '.join(POLICY_NAMES)}, got {name!r}"
+                f"{source}: step {step.step}: field 'measured.policy.name': expected one of {', '.join(POLICY_NAMES)}, got {policy.name!r}"
             )
-        names.add(name)
-        config = policy.get("config", {})
-        if not isinstance(config, dict):
-            raise UsageError(
-                f"{source}: step {step.step}: field 'measured.policy.config': expected an object, got {config!r}"
-            )
-        configs.append(config)
-        seed = policy.get("seed", 0)
-        if type(seed) is not int or seed < 0:
-            raise UsageError(
-                f"{source}: step {step.step}: field 'measured.policy.seed': expected an integer >= 0, got {seed!r}"
-            )
-        seeds.add(seed)
+        names.add(policy.name)
+        configs.append(policy.config if policy.config is not None else {})
+        seeds.add(policy.seed if policy.seed is not None else 0)
     if len(names) > 1 or len(seeds) > 1 or any(c != configs[0] for c in configs):
         raise UsageError(
             f"{source}: steps ran different policies or settings ({', '.join(sorted(names))}); compare one policy per trace"
@@ -208,8 +200,7 @@ def _settings(name: str, config: dict[str, Any], trace: Trace, source: str, tlt:
         if strategy is None:
             used = set()
             for step in trace.steps:
-                counts = step.measured.get("policy", {}).get("iterations_per_strategy", {})
-                used |= {s for s, n in counts.items() if s != "off" and n}
+                used |= set(step.measured.policy.sd_strategies())
             if len(used) != 1:
                 raise UsageError(
                     f"{source}: static policy without 'measured.policy.config.strategy' and {len(used)} strategies in 'policy.iterations_per_strategy' (expected exactly one)"
@@ -238,16 +229,16 @@ def _settings(name: str, config: dict[str, Any], trace: Trace, source: str, tlt:
 def _placement(step: Step, source: str) -> tuple[tuple[str, ...], ...]:
     m = step.measured
     ids = [p.id for p in step.prompts]
-    owners = m.get("instance_prompts")
+    owners = m.instance_prompts
     where = f"{source}: step {step.step}: field 'measured.instance_prompts'"
     if owners is None:
-        workers = m.get("worker_rollout_s")
-        if isinstance(workers, list) and len(workers) > 1:
+        workers = m.worker_rollout_s
+        if workers is not None and len(workers) > 1:
             raise UsageError(
                 f"{where}: missing, but {len(workers)} workers ran the step (expected one list of prompt ids per worker)"
             )
         return (tuple(ids),)
-    if not isinstance(owners, list) or not owners or not all(isinstance(o, list) for o in owners):
+    if not owners:
         raise UsageError(f"{where}: expected a non-empty list of lists of prompt ids")
     flat = [pid for o in owners for pid in o]
     if sorted(flat) != sorted(ids):
@@ -262,14 +253,10 @@ def _max_running(trace: Trace, source: str, given: int | None) -> int | None:
         return given
     values = set()
     for step in trace.steps:
-        if "max_running_requests" not in step.measured:
+        value = step.measured.max_running_requests
+        if value is UNRECORDED:
             raise UsageError(
                 f"{source}: step {step.step}: field 'measured.max_running_requests' is missing (record it, or pass --max-running-requests)"
-            )
-        value = step.measured["max_running_requests"]
-        if value is not None and (type(value) is not int or value < 1):
-            raise UsageError(
-                f"{source}: step {step.step}: field 'measured.max_running_requests': expected an integer >= 1 or null, got {value!r}"
             )
         values.add(value)
     if len(values) > 1:
@@ -279,10 +266,8 @@ def _max_running(trace: Trace, source: str, given: int | None) -> int | None:
 
 def _has_verifies(trace: Trace) -> bool:
     for step in trace.steps:
-        by_strategy = (step.measured or {}).get("accept_hist_by_strategy") or {}
-        if isinstance(by_strategy, dict) and any(
-            isinstance(h, list) and sum(h) for h in by_strategy.values()
-        ):
+        by_strategy = step.measured.accept_hist_by_strategy if step.measured else None
+        if by_strategy and any(sum(h) for h in by_strategy.values()):
             return True
         if any(r.accept_hist and sum(r.accept_hist) for p in step.prompts for r in p.responses):
             return True
@@ -313,25 +298,23 @@ def replayed_acceptance(trace: Trace, source: str, strategy: str = "") -> Measur
 def _response_rates(step: Step, source: str, sibling_rate: float) -> dict[str, tuple[float, ...]]:
     """Each response's maximum-likelihood acceptance rate from its own verifies by strategy
     (``measured.response_accept_hist_by_strategy``); nan for one that verified nothing."""
-    table = (step.measured or {}).get("response_accept_hist_by_strategy")
+    table = step.measured.response_accept_hist_by_strategy if step.measured else None
     if table is None:
         return {}
     where = f"{source}: step {step.step}: field 'measured.response_accept_hist_by_strategy'"
     prompts = {p.id: len(p.responses) for p in step.prompts}
-    if not isinstance(table, dict):
-        raise UsageError(f"{where}: expected {{prompt id: [{{strategy: hist}}, ...]}}")
     out = {}
     for pid, per_response in table.items():
         if pid not in prompts:
             raise UsageError(f"{where}: prompt {pid!r} is not in the step")
-        if not isinstance(per_response, list) or len(per_response) != prompts[pid]:
+        if len(per_response) != prompts[pid]:
             raise UsageError(
-                f"{where}.{pid}: expected one entry per response ({prompts[pid]}), got {per_response!r:.80}"
+                f"{where}.{pid}: expected one entry per response ({prompts[pid]}), got {len(per_response)}"
             )
         rates = []
         for i, by_strategy in enumerate(per_response):
             at = f"{where}.{pid}[{i}]"
-            hists = checked_hists(hists_by_strategy(by_strategy, at), at)
+            hists = checked_hists(hists_by_strategy(by_strategy), at)
             if not hists:
                 rates.append(math.nan)
                 continue
@@ -352,18 +335,19 @@ def measured_run(
     if len({len(p) for p in placement}) > 1:
         raise UsageError(f"{source}: the number of instances changes between steps")
     strategy = config.get("strategy", "") if name == "static" else ""
-    shares = {step.measured.get("share_prompts", False) for step in trace.steps}
-    if len(shares) > 1 or not shares <= {True, False} or not all(type(s) is bool for s in shares):
+    # absent: traces recorded before engines shared prompts / before the clock was recorded
+    shares = {bool(step.measured.share_prompts) for step in trace.steps}
+    if len(shares) > 1:
         raise UsageError(
             f"{source}: field 'measured.share_prompts': expected the same true or false in every step, got {sorted(map(str, shares))}"
         )
-    blocks = {step.measured.get("prefix_block_tokens", 1) for step in trace.steps}
-    if len(blocks) > 1 or not all(type(b) is int and b >= 1 for b in blocks):
+    blocks = {step.measured.prefix_block_tokens or 1 for step in trace.steps}
+    if len(blocks) > 1:
         raise UsageError(
             f"{source}: field 'measured.prefix_block_tokens': expected the same integer >= 1 in every step, got {sorted(map(str, blocks))}"
         )
-    clocks = {step.measured.get("clock", "wall") for step in trace.steps}
-    if len(clocks) > 1 or not clocks <= {"wall", "cpu"}:
+    clocks = {step.measured.clock or "wall" for step in trace.steps}
+    if len(clocks) > 1:
         raise UsageError(
             f"{source}: field 'measured.clock': expected one of wall, cpu in every step, got {sorted(map(str, clocks))}"
         )

@@ -14,13 +14,22 @@ Contract for drivers (simulator and engine alike), per engine instance:
 3. After the iteration: ``policy.observe(SpecFeedback(...))`` with what really happened
    (measured or simulated iteration seconds and accepted tokens).
 
-   A driver that asks once per span of iterations (tltsim's fast mode) honours an optional
+   A driver that asks once per span of iterations (tltsim's fast mode) honours
    ``policy.max_hold_iters(obs, decision)`` and reports the span with ``SpecFeedback.num_iters``.
+   A driver whose engine takes only a batch-size table (vLLM's dynamic SD) exports it with
+   ``to_vllm_dynamic_table(policy, max_batch)``. Both are ``SpecPolicy`` methods with defaults
+   (no cap; no export): a new policy subclasses ``SpecPolicy`` and overrides what it offers.
 
-Spot drafter training is driven the same way through ``SpotTrainerPolicy.decide(IdleObs)``.
+Every driver (the simulator, the torch engine, the vLLM backend) keeps
+``DecodeObs.accept_len_ema`` with ``update_accept_len_ema`` after each SD iteration (or span).
+Observations, decisions and feedback are keyword-only: fields are always named.
 
-Layout: ``spec`` (interface, NoSpec, StaticSpec), ``tlt`` (TLTAdaptive, BEG-MAB), ``spot``
-(spot trainer); this module adds the vLLM dynamic-SD export and ``make_policy``.
+Spot drafter training is driven the same way through ``SpotTrainerPolicy.decide(IdleObs)``;
+``IdleObs`` says what its buffer and update sizes count, which both drivers compute alike.
+
+Layout: ``spec`` (interface, NoSpec, StaticSpec, the accept-length estimate), ``tlt``
+(TLTAdaptive, BEG-MAB), ``training`` (spot trainer); this module adds the vLLM dynamic-SD
+export and ``make_policy``.
 
     from tltsim.policy import make_policy, to_vllm_dynamic_table
     policy = make_policy("tlt", seed=0)
@@ -32,6 +41,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from tltsim.policy.spec import (
+    ACCEPT_LEN_EMA_WEIGHT,
     OFF,
     DecodeObs,
     NoSpec,
@@ -39,7 +49,9 @@ from tltsim.policy.spec import (
     SpecFeedback,
     SpecPolicy,
     StaticSpec,
+    update_accept_len_ema,
 )
+from tltsim.policy.tlt import REWARD_GROUPS, BegMab, TLTAdaptive, TLTConfig, bucket_arms
 from tltsim.policy.training import (
     NO_TRAINING,
     DrafterTrainingPolicy,
@@ -49,7 +61,6 @@ from tltsim.policy.training import (
     SpotTrainerPolicy,
     TrainDecision,
 )
-from tltsim.policy.tlt import REWARD_GROUPS, BegMab, TLTAdaptive, TLTConfig, bucket_arms
 
 # ---------------------------------------------------------------------------------------------
 # vLLM dynamic-SD export and the policy factory
@@ -58,37 +69,12 @@ from tltsim.policy.tlt import REWARD_GROUPS, BegMab, TLTAdaptive, TLTConfig, buc
 
 def to_vllm_dynamic_table(policy: SpecPolicy, max_batch: int) -> list[list[int]]:
     """Rows [min_batch, max_batch, k] of vLLM's ``num_speculative_tokens_per_batch_size``
-    (k = 0: no speculation), contiguous and covering 1..max_batch, adjacent equal k merged.
-
-    TLTAdaptive maps to k = 0 above ``threshold`` and, below, k = draft_steps of each bucket's
-    first arm, since vLLM's EAGLE here drafts a chain. Lost in the export: the warm-up hysteresis
-    (vLLM switches per iteration on the batch size alone, without re-prefill), the tree shape
-    (topk, verify_tokens) and the bandit (one fixed arm per bucket)."""
+    (k = 0: no speculation), contiguous and covering 1..max_batch, adjacent equal k merged:
+    the policy's own ``vllm_dynamic_table`` (what each policy loses in the export is said
+    there; a policy without one raises ValueError)."""
     if max_batch < 1:
         raise ValueError(f"to_vllm_dynamic_table: max_batch must be >= 1, got {max_batch}")
-    if isinstance(policy, NoSpec):
-        return [[1, max_batch, 0]]
-    if isinstance(policy, StaticSpec):
-        return [[1, max_batch, policy.decision.draft_steps]]
-    if not isinstance(policy, TLTAdaptive):
-        raise ValueError(
-            f"to_vllm_dynamic_table: no export for policy {getattr(policy, 'name', type(policy).__name__)!r}"
-        )
-    cfg = policy.config
-    rows: list[list[int]] = []
-    for start, end, arms in cfg.buckets():
-        hi = min(end if end is not None else max_batch, cfg.threshold, max_batch)
-        if start <= hi:
-            rows.append([start, hi, arms[0].draft_steps])
-    if max_batch > cfg.threshold:
-        rows.append([cfg.threshold + 1, max_batch, 0])
-    merged: list[list[int]] = []
-    for row in rows:
-        if merged and merged[-1][2] == row[2]:
-            merged[-1][1] = row[1]
-        else:
-            merged.append(row)
-    return merged
+    return policy.vllm_dynamic_table(max_batch)
 
 
 POLICY_NAMES = ("nospec", "static", "tlt")
@@ -117,6 +103,7 @@ def make_policy(name: str, seed: int = 0, **settings) -> SpecPolicy:
 
 
 __all__ = [
+    "ACCEPT_LEN_EMA_WEIGHT",
     "BegMab",
     "DecodeObs",
     "DrafterTrainingPolicy",
@@ -139,4 +126,5 @@ __all__ = [
     "bucket_arms",
     "make_policy",
     "to_vllm_dynamic_table",
+    "update_accept_len_ema",
 ]

@@ -1,5 +1,6 @@
-"""Speculative-decoding policy interface: observations, decisions, feedback, and the two fixed
-policies (``NoSpec``, ``StaticSpec``). Standard library only. See ``tltsim.policy``.
+"""Speculative-decoding policy interface: observations, decisions, feedback, the accept-length
+estimate both drivers keep, and the two fixed policies (``NoSpec``, ``StaticSpec``). Standard
+library only. See ``tltsim.policy``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Protocol, runtime_checkable
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DecodeObs:
     """What an engine instance knows just before a decode iteration."""
 
@@ -22,10 +23,32 @@ class DecodeObs:
     num_active: int  # running requests in this instance's batch
     num_waiting: int = 0  # queued requests not yet admitted
     mean_context_tokens: float = 0.0  # mean (prompt + generated) tokens per running request
-    accept_len_ema: float = 0.0  # EMA of tokens emitted per verify (incl. bonus); 0 = unknown
+    # update_accept_len_ema over this rollout's SD iterations so far; 0 = none yet
+    accept_len_ema: float = 0.0
 
 
-@dataclass(frozen=True)
+# Weight of one SD iteration in DecodeObs.accept_len_ema: an effective memory of 1 / 0.1 = 10
+# iterations (half-life ln 0.5 / ln 0.9 = 6.6), the length of TLTAdaptive's warm-up
+# (warmup_checks = 10): it follows a change of strategy or batch size within about one warm-up,
+# while averaging the per-iteration spread of small batches (a batch of one emits 1..d+1 tokens).
+ACCEPT_LEN_EMA_WEIGHT = 0.1
+
+
+def update_accept_len_ema(prev: float, mean_len: float, num_iters: int = 1) -> float:
+    """The accept-length estimate every driver reports in ``DecodeObs.accept_len_ema``.
+
+    ``mean_len`` is the tokens emitted per request per verify (accepted drafts + the bonus or
+    correction token) over ``num_iters`` SD iterations; ``prev`` the estimate before them (0: no SD
+    iteration yet this rollout, then the estimate starts at ``mean_len``). A span of n iterations
+    of the same mean weighs as n single updates: 1 - (1 - w)^n."""
+    if prev == 0.0:
+        return mean_len
+    w = ACCEPT_LEN_EMA_WEIGHT
+    weight = w if num_iters == 1 else 1.0 - (1.0 - w) ** num_iters
+    return prev + weight * (mean_len - prev)
+
+
+@dataclass(frozen=True, kw_only=True)
 class SpecDecision:
     """How to run the next iteration. ``enabled=False`` is plain one-token decoding.
 
@@ -69,7 +92,7 @@ class SpecDecision:
 
     @classmethod
     def parse(cls, name: str) -> SpecDecision:
-        """``"8_4_48"`` -> SpecDecision(True, 8, 4, 48); ``"off"`` -> disabled."""
+        """``"8_4_48"`` -> 8 draft steps, topk 4, 48 verify tokens; ``"off"`` -> disabled."""
         if name == "off":
             return OFF
         parts = name.split("_")
@@ -78,13 +101,13 @@ class SpecDecision:
                 f"strategy {name!r}: expected 'DRAFTSTEPS_TOPK_VERIFYTOKENS' such as '8_4_48', or 'off'"
             )
         d, k, v = (int(p) for p in parts)
-        return cls(True, d, k, v)
+        return cls(enabled=True, draft_steps=d, topk=k, verify_tokens=v)
 
 
 OFF = SpecDecision(enabled=False)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SpecFeedback:
     """What happened in the iteration a decision was made for."""
 
@@ -92,7 +115,9 @@ class SpecFeedback:
     instance: int
     num_active: int  # batch size of the iteration
     decision: SpecDecision
-    accepted_tokens: int  # tokens emitted by the whole batch this iteration (incl. bonus tokens)
+    # tokens emitted by the whole batch this iteration (incl. bonus tokens); a float because a
+    # span's per-iteration mean is one (rounding it biased a bandit's reward at small batches)
+    accepted_tokens: float
     iteration_s: float  # seconds the iteration took (measured by tltrun, modelled by tltsim)
     # A driver may report a span of identical decisions at once (tltsim's fast mode); then
     # accepted_tokens and iteration_s are per-iteration means over the num_iters iterations.
@@ -101,16 +126,45 @@ class SpecFeedback:
 
 @runtime_checkable
 class SpecPolicy(Protocol):
+    """What every driver may call on a speculative-decoding policy (``tltsim.policy`` lists the
+    order). Subclass it to inherit the defaults: no-op ``start_rollout`` / ``observe``, no cap
+    on a decision's span, and no vLLM export."""
+
     name: str
 
-    def start_rollout(self, step: int) -> None: ...
+    def start_rollout(self, step: int) -> None:
+        """An RL step's rollout begins (every instance)."""
 
     def decide(self, obs: DecodeObs) -> SpecDecision: ...
 
-    def observe(self, feedback: SpecFeedback) -> None: ...
+    def observe(self, feedback: SpecFeedback) -> None:
+        """What the iteration (or span) decided for ``feedback.decision`` really did."""
+
+    def max_hold_iters(self, obs: DecodeObs, decision: SpecDecision) -> int | None:
+        """For drivers that ask once per span of iterations (tltsim's fast mode): at most how
+        many iterations ``decision`` may stand without asking again; None: until the batch
+        changes (a policy whose decision depends only on the observation)."""
+        return None
+
+    def vllm_dynamic_table(self, max_batch: int) -> list[list[int]]:
+        """Rows [min_batch, max_batch, k] of vLLM's ``num_speculative_tokens_per_batch_size``
+        (k = 0: no speculation), contiguous over 1..``max_batch``; called through
+        ``tltsim.policy.to_vllm_dynamic_table``, which checks ``max_batch``."""
+        raise ValueError(f"to_vllm_dynamic_table: no export for policy {self.name!r}")
+
+    def state_dict(self) -> dict:
+        """What the policy learned, as plain JSON-able data: a checkpoint holds data, not a
+        pickled object, so it survives a module move. The settings are not state: the run's
+        config rebuilds the policy, then ``load_state_dict`` restores this. Default: none."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()`` into a policy built with the same settings and seed."""
+        if state:
+            raise ValueError(f"policy {self.name!r} keeps no state, got fields {sorted(state)}")
 
 
-class NoSpec:
+class NoSpec(SpecPolicy):
     """The veRL baseline: never speculate."""
 
     name = "nospec"
@@ -121,11 +175,14 @@ class NoSpec:
     def decide(self, obs: DecodeObs) -> SpecDecision:
         return OFF
 
+    def vllm_dynamic_table(self, max_batch: int) -> list[list[int]]:
+        return [[1, max_batch, 0]]
+
     def observe(self, feedback: SpecFeedback) -> None:
         pass
 
 
-class StaticSpec:
+class StaticSpec(SpecPolicy):
     """SD always on with one fixed strategy ("TLT-Base" in the paper's ablation)."""
 
     name = "static"
@@ -140,7 +197,9 @@ class StaticSpec:
         self.decision = (
             SpecDecision.parse(strategy)
             if strategy
-            else SpecDecision(True, draft_steps, topk, verify_tokens)
+            else SpecDecision(
+                enabled=True, draft_steps=draft_steps, topk=topk, verify_tokens=verify_tokens
+            )
         )
         if not self.decision.enabled:
             raise ValueError("StaticSpec: the strategy must enable SD (use NoSpec for 'off')")
@@ -150,6 +209,10 @@ class StaticSpec:
 
     def decide(self, obs: DecodeObs) -> SpecDecision:
         return self.decision
+
+    def vllm_dynamic_table(self, max_batch: int) -> list[list[int]]:
+        """Exact for a chain; a tree ``d_k_v`` runs as vLLM's chain of ``d`` drafts."""
+        return [[1, max_batch, self.decision.draft_steps]]
 
     def observe(self, feedback: SpecFeedback) -> None:
         pass

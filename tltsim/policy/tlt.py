@@ -8,9 +8,9 @@ import bisect
 import random
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tltsim.policy.spec import OFF, DecodeObs, SpecDecision, SpecFeedback
+from tltsim.policy.spec import OFF, DecodeObs, SpecDecision, SpecFeedback, SpecPolicy
 
 # Reward statistics are kept per fine batch-size group, as fastrl's MABGroupManager does
 # (third-party/sglang/.../speculative/eagle_mab.py): 1..31, then steps of 8 to 120, then of 32 to 256.
@@ -22,14 +22,36 @@ class TLTConfig:
     """TLTAdaptive settings. Defaults are TLT's public configuration (mit-han-lab/fastrl:
     verl/trainer/config/fastrl_trainer.yaml and the patched SGLang it ships)."""
 
-    threshold: int = 32  # speculative.bs_threshold: SD stays off above this many active requests
-    # eagle_worker.py adaptive_spec_warmup_checks: consecutive checks at or below the threshold
-    warmup_checks: int = 10
+    # speculative.bs_threshold
+    threshold: int = field(
+        default=32, metadata={"help": "SD stays off while an instance has more active requests"}
+    )
+    # eagle_worker.py adaptive_spec_warmup_checks
+    warmup_checks: int = field(
+        default=10,
+        metadata={"help": "consecutive iterations at or below the threshold before SD turns on"},
+    )
     # spec_steps/topk/verify_tokens 8/4/48 plus mab_configs 8_4_32, 8_4_16, 8_4_8
-    strategies: tuple[str, ...] = ("8_4_48", "8_4_32", "8_4_16", "8_4_8")
-    bucket_starts: tuple[int, ...] = (1, 2, 5, 21)  # mab_bs_threshold
-    epsilon: float = 0.1  # EpsilonGreedyMAB / BucketedEpsilonGreedyMAB default
-    window: int = 300  # server_args speculative_mab_window_size: rewards kept per arm
+    strategies: tuple[str, ...] = field(
+        default=("8_4_48", "8_4_32", "8_4_16", "8_4_8"),
+        metadata={
+            "help": "bandit arms DRAFTSTEPS_TOPK_VERIFYTOKENS, one verify-tokens value per "
+            "bucket (the most verify tokens serve the smallest batches)"
+        },
+    )
+    # mab_bs_threshold
+    bucket_starts: tuple[int, ...] = field(
+        default=(1, 2, 5, 21),
+        metadata={"help": "smallest batch size of each bandit bucket (increasing, from 1)"},
+    )
+    # EpsilonGreedyMAB / BucketedEpsilonGreedyMAB default
+    epsilon: float = field(
+        default=0.1, metadata={"help": "probability of a random arm instead of the best one"}
+    )
+    # server_args speculative_mab_window_size
+    window: int = field(
+        default=300, metadata={"help": "rewards kept per arm and batch-size group (median window)"}
+    )
 
     def __post_init__(self) -> None:
         if self.threshold < 1 or self.warmup_checks < 1 or self.window < 1:
@@ -118,6 +140,27 @@ class BegMab:
         if arm in self.arms(batch):
             self._window(batch, arm).extend([reward] * min(num_iters, self.config.window))
 
+    def state_dict(self) -> dict:
+        """The reward windows and the random stream as plain data (``TLTAdaptive.state_dict``)."""
+        version, internal, gauss_next = self.rng.getstate()
+        return {
+            "rng": [version, list(internal), gauss_next],
+            "rewards": [
+                {"group": group, "strategy": arm.strategy, "rewards": list(window)}
+                for (group, arm), window in self.rewards.items()
+            ],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        version, internal, gauss_next = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss_next))
+        self.rewards = {
+            (e["group"], SpecDecision.parse(e["strategy"])): deque(
+                e["rewards"], maxlen=self.config.window
+            )
+            for e in state["rewards"]
+        }
+
 
 @dataclass
 class _InstanceSwitch:
@@ -128,7 +171,7 @@ class _InstanceSwitch:
     switch_s: float | None = None  # DecodeObs.now_s when SD switched on
 
 
-class TLTAdaptive:
+class TLTAdaptive(SpecPolicy):
     """TLT's adaptive rollout engine (arXiv 2511.16665; fastrl ``EAGLEWorker.should_enable_sd``).
 
     Per instance: SD is off while ``num_active > threshold``; once ``num_active <= threshold`` has
@@ -226,3 +269,58 @@ class TLTAdaptive:
     def default_decision(self, batch: int) -> SpecDecision:
         """The first arm of the bucket serving ``batch`` (what the vLLM table exports)."""
         return bucket_arms(self.config.buckets(), batch)[0]
+
+    def vllm_dynamic_table(self, max_batch: int) -> list[list[int]]:
+        """k = 0 above ``threshold`` and, below, k = draft_steps of each bucket's first arm,
+        since vLLM's EAGLE here drafts a chain; adjacent equal k merged. Lost in the export: the
+        warm-up hysteresis (vLLM switches per iteration on the batch size alone, without
+        re-prefill), the tree shape (topk, verify_tokens) and the bandit (one arm per bucket)."""
+        cfg = self.config
+        rows: list[list[int]] = []
+        for start, end, arms in cfg.buckets():
+            hi = min(end if end is not None else max_batch, cfg.threshold, max_batch)
+            if start <= hi:
+                rows.append([start, hi, arms[0].draft_steps])
+        if max_batch > cfg.threshold:
+            rows.append([cfg.threshold + 1, max_batch, 0])
+        merged: list[list[int]] = []
+        for row in rows:
+            if merged and merged[-1][2] == row[2]:
+                merged[-1][1] = row[1]
+            else:
+                merged.append(row)
+        return merged
+
+    def state_dict(self) -> dict:
+        """Every instance's bandit (reward windows, random stream) and SD switch, plus the
+        config and seed they were learned under, which ``load_state_dict`` checks."""
+        config = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(self.config).items()}
+        return {
+            "config": config,
+            "seed": self.seed,
+            "bandits": [
+                {"instance": i, "bandit": b.state_dict()} for i, b in self._bandits.items()
+            ],
+            "switches": [
+                {"instance": i, "checks": sw.checks, "is_on": sw.is_on, "switch_s": sw.switch_s}
+                for i, sw in self._switches.items()
+            ],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = TLTConfig(
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in state["config"].items()}
+        )
+        if saved != self.config or state["seed"] != self.seed:
+            raise ValueError(
+                f"TLTAdaptive.load_state_dict: the state was learned with seed {state['seed']} and {saved}, this policy has seed {self.seed} and {self.config}"
+            )
+        self._bandits = {}
+        for entry in state["bandits"]:
+            self._bandit(entry["instance"]).load_state_dict(entry["bandit"])
+        self._switches = {
+            e["instance"]: _InstanceSwitch(
+                checks=e["checks"], is_on=e["is_on"], switch_s=e["switch_s"]
+            )
+            for e in state["switches"]
+        }

@@ -30,7 +30,7 @@ Tree model (documented choice; ``DrafterDynamics`` holds its two parameters)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
@@ -217,21 +217,41 @@ class DrafterDynamics:
       ``stale_accept_rate``; a spot-trained one recovers between steps.
     """
 
-    max_accept_rate: float = (
-        DEFAULT_ACCEPT_RATE  # EAGLE's one-layer drafter, see DEFAULT_ACCEPT_RATE
+    # EAGLE's one-layer drafter, see DEFAULT_ACCEPT_RATE
+    max_accept_rate: float = field(
+        default=DEFAULT_ACCEPT_RATE,
+        metadata={"help": "per-token accept rate a fully trained drafter reaches, in [0, 1]"},
     )
     # Assumption: the drafter starts trained on the step-0 target (TLT trains one before RL).
-    initial_accept_rate: float = DEFAULT_ACCEPT_RATE
+    initial_accept_rate: float = field(
+        default=DEFAULT_ACCEPT_RATE,
+        metadata={"help": "per-token accept rate at RL step 0, in [0, max accept rate]"},
+    )
     # Assumption, NOT a verified number: a drafter far behind the policy still predicts formatting
     # and common words; we could not read TLT's (arXiv 2511.16665) frozen-drafter curve directly.
-    stale_accept_rate: float = 0.5
+    stale_accept_rate: float = field(
+        default=0.5, metadata={"help": "accept rate a never-retrained drafter decays toward"}
+    )
     # Assumption, NOT a verified number: margin lost per RL step (lr ~1e-6 updates change the
     # policy slowly); half-life ~23 steps. Fit it from a measured frozen-drafter run.
-    drift_per_step: float = 0.03
+    drift_per_step: float = field(
+        default=0.03,
+        metadata={"help": "fraction of the margin above the stale rate lost per RL step"},
+    )
     # Assumption, NOT a verified number: tokens that close 63% of the gap to max_accept_rate when
     # the drafter is fine-tuned on fresh rollouts (not trained from scratch).
-    learn_tokens: float = 1.0e6
-    sibling_rate: float = DEFAULT_SIBLING_RATE  # tree model's b, see DEFAULT_SIBLING_RATE
+    learn_tokens: float = field(
+        default=1.0e6,
+        metadata={"help": "training tokens that close 63%% (1 - 1/e) of the gap to the max rate"},
+    )
+    # tree model's b, see DEFAULT_SIBLING_RATE
+    sibling_rate: float = field(
+        default=DEFAULT_SIBLING_RATE,
+        metadata={
+            "help": "chance that the next-ranked draft candidate is the target's token when all "
+            "higher-ranked ones missed"
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in (

@@ -135,7 +135,6 @@ class FastBatch:
         self.tokens = 0.0  # generated, as the sum of per-span mean progress
         # Python scalars mirroring the array: the per-span path touches no numpy.
         self.num_active = 0
-        self.finished_tokens = 0  # prompt + response tokens of the requests finished so far
         self.next_finish = 0  # state[0, FINISH]
         self.rate_sum = 0.0  # tokens per iteration over the batch
         self.is_padded = is_context_padded(run.cost)
@@ -226,7 +225,6 @@ class FastBatch:
         done = state[:cnt, ID].astype(np.int64)
         # A finished request's context is its full length (prompt + response).
         self.context_tokens = max(0.0, self.context_tokens - full)
-        self.finished_tokens += int(full)
         self.rate_sum = max(0.0, self.rate_sum - rate)
         self.state = state[cnt:]
         self.num_active -= cnt
@@ -243,7 +241,6 @@ class ExactBatch:
         self.ids = np.empty(0, dtype=np.int64)
         self.context_tokens = 0
         self.tokens = 0
-        self.finished_tokens = 0  # prompt + response tokens of the requests finished so far
         self.full = np.empty(0, dtype=np.int64)
         self.is_padded = is_context_padded(run.cost)
 
@@ -297,6 +294,5 @@ class ExactBatch:
         finished = self.ids[done]
         full = int(self.full[done].sum())
         self.context_tokens -= full
-        self.finished_tokens += full
         self.rem, self.full, self.ids = self.rem[keep], self.full[keep], self.ids[keep]
         return finished

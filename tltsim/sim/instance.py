@@ -15,28 +15,36 @@ mode (``SimConfig.exact``) yields one timeout per iteration and asks the policy 
 Policy granularity in fast mode (a documented coarsening): the policy is asked once per span,
 since nothing it observes changes inside one except the slowly growing context, the clock and
 the accept-length EMA. A policy whose decision depends on how many iterations have passed
-(TLTAdaptive's warm-up count) caps a span with an optional ``max_hold_iters(obs, decision)``
-method; the feedback of a span carries its ``num_iters`` and per-iteration means, so a bandit's
-reward is the span's mean throughput.
+(TLTAdaptive's warm-up count) caps a span with its ``max_hold_iters(obs, decision)`` (a
+``SpecPolicy`` method); the feedback of a span carries its ``num_iters`` and per-iteration
+means (floats, unrounded), so a bandit's reward is the span's mean throughput.
+
+The timeline is a list of ``tltsim.sim.metrics.Segment`` records, one per stretch of an
+instance in one phase (exact mode extends the open one while iterations repeat).
+
+``StepRun`` is what the instances of one RL step share (clock, cost model, policy, timeline); the
+simulator builds one per step and hands it to each ``InstanceRollout``.
 
 Run: not standalone; see ``tltsim.sim.simulator.simulate``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from tltsim.sim.batch import ExactBatch, FastBatch
-from tltsim.policy import DecodeObs, SpecDecision
-
-if TYPE_CHECKING:
-    from tltsim.sim.simulator import StepRun
-
-# Weight of one iteration in the driver's accept-length EMA (DecodeObs.accept_len_ema); a span
-# of n iterations counts as n updates.
-ACCEPT_EMA_WEIGHT = 0.1
+from tltsim.policy import (
+    DecodeObs,
+    SpecDecision,
+    SpecFeedback,
+    TrainDecision,
+    update_accept_len_ema,
+)
+from tltsim.sim.acceptance import accept_len_pmf
+from tltsim.sim.batch import AcceptDist, ExactBatch, FastBatch
+from tltsim.sim.metrics import Segment
 
 
 class InstanceRollout:
@@ -97,14 +105,22 @@ class InstanceRollout:
             seg = run.open_segment[self.index]
             if (
                 seg is not None
-                and seg[3] == start_s
-                and seg[4] == phase
-                and seg[5] == num_active
-                and seg[6] is strategy
+                and seg.end_s == start_s
+                and seg.phase == phase
+                and seg.num_active == num_active
+                and seg.strategy is strategy
             ):
-                seg[3] = start_s + dt  # exact mode: merge consecutive identical iterations
+                seg.end_s = start_s + dt  # exact mode: merge consecutive identical iterations
             else:
-                seg = [run.step, self.index, start_s, start_s + dt, phase, num_active, strategy]
+                seg = Segment(
+                    step=run.step,
+                    instance=self.index,
+                    start_s=start_s,
+                    end_s=start_s + dt,
+                    phase=phase,
+                    num_active=num_active,
+                    strategy=strategy,
+                )
                 run.timeline.append(seg)
                 run.open_segment[self.index] = seg
 
@@ -185,11 +201,7 @@ class InstanceRollout:
         self.sd_tokens += emitted
         self.sd_verifies += b * num_iters
         mean_len = emitted / (b * num_iters)
-        if self.accept_len_ema == 0.0:
-            self.accept_len_ema = mean_len
-        else:
-            w = 1.0 - (1.0 - ACCEPT_EMA_WEIGHT) ** num_iters
-            self.accept_len_ema += w * (mean_len - self.accept_len_ema)
+        self.accept_len_ema = update_accept_len_ema(self.accept_len_ema, mean_len, num_iters)
 
     # -- the SimPy process ---------------------------------------------------------------------
 
@@ -220,23 +232,24 @@ class InstanceRollout:
             if b == 0:
                 break
             obs = DecodeObs(
-                now,
-                run.step,
-                self.index,
-                b,
-                num - next_queued,
-                batch.context_tokens / b,
-                self.accept_len_ema,
+                now_s=now,
+                step=run.step,
+                instance=self.index,
+                num_active=b,
+                num_waiting=num - next_queued,
+                mean_context_tokens=batch.context_tokens / b,
+                accept_len_ema=self.accept_len_ema,
             )
             decision = policy.decide(obs)
             if decision.enabled and not self.is_sd_on:
-                # SD switches on: rebuild the drafter's KV cache over the running requests.
+                # SD switches on: rebuild the drafter's KV cache over the running requests, then
+                # run the decided iteration (one decide() per iteration, as tltrun's engine).
                 self.is_sd_on = True
                 dt = run.reprefill_s(b, self._reprefill_context())
                 self.reprefill_s += dt
                 self._charge(now, dt, "reprefill", b)
                 pending += dt
-                continue  # ask again: the clock moved
+                now = env.now - run.t0 + pending
             dt, num_iters, emitted = batch.advance(decision, run.hold_iters(obs, decision))
             run.feedback(obs, decision, emitted, dt, num_iters)
             self.decode_s += dt
@@ -258,3 +271,104 @@ class InstanceRollout:
             )
         self.finish_s = env.now - run.t0
         run.instance_done(self)
+
+
+@dataclass
+class StepArrays:
+    """One trace step flattened: per response, in prompt-major order."""
+
+    step: int
+    prompt_tokens: np.ndarray
+    response_tokens: np.ndarray
+    prompt_index: np.ndarray  # the response's prompt (index in the step): its group
+
+
+class StepRun:
+    """Everything the instances of one RL step's rollout share (one per step, per simulation)."""
+
+    def __init__(self, sim: Any, arrays: StepArrays, t0: float, rates: np.ndarray | None = None):
+        # ``sim`` is tltsim.sim.simulator's _Simulation, typed Any: naming it here would make
+        # this module import its own caller.
+        self.sim = sim
+        self.request_rate = rates  # per response (nan: draws from accept_dist), or None
+        self.env = sim.env
+        self.config = sim.config
+        self.cost = sim.cost
+        self.policy = sim.spec_policy
+        self.rng = sim.rng
+        self.step = arrays.step
+        self.t0 = t0
+        self.timeline = sim.timeline
+        self.open_segment: list[Segment | None] = [None] * sim.config.num_instances
+        self.finish_s = np.full(arrays.response_tokens.size, np.nan)
+        self.prompt_index = arrays.prompt_index
+        self.strategies_used = sim.strategies_used
+        self.last_decision: SpecDecision | None = None
+        self.acceptance = sim.drafter_acceptance()
+        self._dist_cache: dict[Any, AcceptDist] = {}  # decision or (decision, rate)
+        self.done: list[InstanceRollout] = []
+        self.instances: list[InstanceRollout] = []
+        self.train_decisions: list[tuple[float, TrainDecision]] = []  # (rollout time, decision)
+        self.mean_seq_tokens = float(
+            arrays.prompt_tokens.sum() + arrays.response_tokens.sum()
+        ) / max(1, arrays.response_tokens.size)
+        # seconds of one data-parallel drafter update (per instance: drafter_update_tokens x tp)
+        self.update_s = sim.cost.drafter_train_s(
+            sim.config.drafter_update_tokens * sim.config.tp, self.mean_seq_tokens
+        )
+
+    def accept_dist(self, decision: SpecDecision) -> AcceptDist:
+        """Accept-length distribution of ``decision`` at this step's drafter acceptance."""
+        dist = self._dist_cache.get(decision)
+        if dist is None:
+            dist = self._dist_cache[decision] = self.sim.accept_dist(decision, self.acceptance)
+        return dist
+
+    def request_dists(
+        self, decision: SpecDecision, ids: np.ndarray
+    ) -> list[tuple[AcceptDist, np.ndarray | None]]:
+        """(distribution, positions in ``ids`` that draw from it; None: all) for SD under
+        ``decision``: ``accept_dist`` unless responses carry their own rates."""
+        if self.request_rate is None:
+            return [(self.accept_dist(decision), None)]
+        rates = self.request_rate[ids.astype(np.int64)]
+        out = []
+        unknown = np.isnan(rates)
+        if unknown.any():
+            out.append((self.accept_dist(decision), np.flatnonzero(unknown)))
+        for rate in np.unique(rates[~unknown]).tolist():
+            key = (decision, rate)
+            dist = self._dist_cache.get(key)
+            if dist is None:
+                pmf = accept_len_pmf(decision, rate, self.sim.drafter.sibling_rate)
+                dist = self._dist_cache[key] = AcceptDist.of(pmf)
+            out.append((dist, np.flatnonzero(rates == rate)))
+        return out
+
+    def hold_iters(self, obs: DecodeObs, decision: SpecDecision) -> int | None:
+        """How many iterations the policy lets a decision stand (None: until the batch changes)."""
+        return self.policy.max_hold_iters(obs, decision)
+
+    def feedback(
+        self, obs: DecodeObs, decision: SpecDecision, accepted: float, span_s: float, num_iters: int
+    ) -> None:
+        """Report a span to the policy: per-iteration means over its ``num_iters`` iterations."""
+        self.policy.observe(
+            SpecFeedback(
+                step=self.step,
+                instance=obs.instance,
+                num_active=obs.num_active,
+                decision=decision,
+                accepted_tokens=accepted / num_iters,
+                iteration_s=span_s / num_iters,
+                num_iters=num_iters,
+            )
+        )
+
+    def reprefill_s(self, num_active: int, context_tokens: float) -> float:
+        return self.sim.reprefill_s(num_active, context_tokens)
+
+    def instance_done(self, inst: InstanceRollout) -> None:
+        """An instance ran out of work: it is idle until the barrier, or a spot trainer."""
+        self.done.append(inst)
+        self.sim.instance_idle(self, inst)

@@ -1,7 +1,7 @@
 """What a simulation returns: per-step records, per-instance rows, timeline segments, summary.
 
 ``tltsim.sim.simulator.simulate`` fills a ``SimResult``; ``tltsim replay`` writes it as ``steps.csv``,
-``instances.csv``, ``timeline.csv`` and ``summary.json``; ``analysis/`` plots those files.
+``instances.csv``, ``timeline.parquet`` (``Segment`` rows) and ``summary.json``; ``analysis/`` plots those files.
 Also home of ``ideal_rollout_s``, the lower bound on rollout time every policy is compared with.
 
 Glossary: an *instance* is one engine (a TP group of ``tp`` GPUs); the *bubble* is GPU-seconds
@@ -29,7 +29,34 @@ PHASES = ("prefill", "decode", "sd", "reprefill", "spot_train", "idle", "checkpo
 TIMELINE_COLUMNS = ("step", "instance", "start_s", "end_s", "phase", "num_active", "strategy")
 
 
-@dataclass
+@dataclass(slots=True, kw_only=True)
+class Segment:
+    """One stretch of one instance's timeline: a row of ``timeline.parquet`` (TIMELINE_COLUMNS).
+    Mutable on purpose: exact mode extends ``end_s`` while identical iterations repeat."""
+
+    step: int
+    instance: int
+    start_s: float  # rollout-relative seconds
+    end_s: float
+    phase: str  # one of PHASES
+    num_active: int = 0  # requests in the batch (0 outside rollout work)
+    # the SD decision of an "sd" stretch (named when the timeline becomes a table), else ""
+    strategy: SpecDecision | str = ""
+
+    def as_tuple(self) -> tuple:
+        """The row in TIMELINE_COLUMNS order."""
+        return (
+            self.step,
+            self.instance,
+            self.start_s,
+            self.end_s,
+            self.phase,
+            self.num_active,
+            self.strategy,
+        )
+
+
+@dataclass(kw_only=True)
 class StepRecord:
     """One RL step. Times are seconds; ``*_gpu_s`` are GPU-seconds (instance-seconds x tp)."""
 
@@ -75,7 +102,7 @@ class StepRecord:
         return row
 
 
-@dataclass
+@dataclass(kw_only=True)
 class InstanceShare:
     """One instance's requests in one step: what the ideal bound needs."""
 
@@ -86,7 +113,7 @@ class InstanceShare:
     num_prefills: int  # prompts prefilled at least
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SimResult:
     policy: str
     config: Any  # SimConfig (kept as Any to avoid an import cycle)
@@ -94,7 +121,7 @@ class SimResult:
     instance_rows: list[
         tuple
     ]  # (step, instance, busy_s, tail_s, decode_s, sd_s, spot_train_s, idle_s, tokens)
-    timeline: list[list]  # rows of TIMELINE_COLUMNS
+    timeline: list[Segment]
     finish_s: list[np.ndarray]  # per step: each response's finish time since rollout start
     strategies_used: set[SpecDecision] = field(default_factory=set)
     shares: list[list[InstanceShare]] = field(default_factory=list)
@@ -118,7 +145,9 @@ class SimResult:
         return pd.DataFrame(self.instance_rows, columns=list(cols))
 
     def timeline_frame(self) -> pd.DataFrame:
-        frame = pd.DataFrame(self.timeline, columns=list(TIMELINE_COLUMNS))
+        frame = pd.DataFrame(
+            [seg.as_tuple() for seg in self.timeline], columns=list(TIMELINE_COLUMNS)
+        )
         names: dict[int, str] = {}  # a policy returns few distinct decision objects
         for s in frame["strategy"]:
             if not isinstance(s, str) and id(s) not in names:

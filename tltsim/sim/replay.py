@@ -1,23 +1,18 @@
-"""``tltsim replay``: simulate a trace under one or more policies and write the results.
+"""Replay a trace under one or more policies: build each policy's cost model and policy
+objects, simulate, and write the per-step, per-instance and per-response results.
 
-    tltsim replay traces/synth_reasoning_rl.json --preset h100x8-qwen7b
-    tltsim replay traces/servegen_r1_rl.json --num-gpus 64 --policy nospec,tlt --out results/r1
-    tltsim report results/r1
+    from tltsim.sim.replay import RunSettings, simulate_policies, write_outputs
+    results = simulate_policies(trace, ("nospec", "tlt"), RunSettings(sim=SimConfig(), policy="nospec"))
+    write_outputs(Path("results/r"), trace, results, SimConfig())
 
-Flags map 1:1 onto ``SimConfig`` (cluster), ``ReplayConfig`` (what to run), ``TLTConfig``
-(``--tlt-*``), ``DrafterDynamics`` (``--drafter-*``) and ``SpotTrainerConfig`` (``--spot-*``).
-``--profile FILE`` (``tltrun profile``) replaces the roofline by the measured profile, which the
-roofline still backs for ops the profile lacks; ``--drafter-dynamics FILE`` (``tltsim fit``)
-sets the ``--drafter-*`` defaults.
-``--preset`` fills the cluster fields first; explicit flags override it. The output directory
-(default ``results/replay-<trace stem>``) gets ``config.json`` (everything resolved),
-``summary.json``, ``steps.csv``, ``instances.csv``, ``timeline.parquet`` and
-``responses.parquet``; ``tltsim report DIR`` draws the figures.
+``tltsim replay`` (``tltsim.cli.replay``) is the command line; ``tltsim sweep`` runs one
+``RunSettings`` per sweep point. Outputs of ``write_outputs``: ``summary.json``, ``steps.csv``,
+``instances.csv``, ``timeline.parquet`` and ``responses.parquet``; ``tltsim report DIR`` draws
+the figures.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from dataclasses import dataclass, field
@@ -27,16 +22,12 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
-from tltsim.sim.acceptance import DrafterDynamics
-from tltsim.cli.fidelity import (
-    add_profile_args,
-    dynamics_from_args,
-    extrapolation_lines,
-    with_profile,
-)
-from tltsim.cli.args import UsageError, add_dataclass_args, dataclass_from_args, write_json
+from tltsim.cost.measured import with_profile
+from tltsim.cost.presets import CLUSTER_PRESETS
 from tltsim.cost.roofline import RooflineCost
-from tltsim.sim.metrics import SimResult, ideal_rollout_s
+from tltsim.cost.specs import get_hardware, get_model
+from tltsim.errors import UsageError
+from tltsim.jsonio import write_json
 from tltsim.policy import (
     POLICY_NAMES,
     SpecDecision,
@@ -45,10 +36,10 @@ from tltsim.policy import (
     TLTConfig,
     make_policy,
 )
-from tltsim.cost.presets import CLUSTER_PRESETS, apply_preset
+from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.sim.metrics import SimResult, ideal_rollout_s
 from tltsim.sim.simulator import SimConfig, simulate
-from tltsim.cost.specs import get_hardware, get_model
-from tltsim.trace.schema import Trace, load_trace
+from tltsim.trace.schema import Trace
 
 # Show a progress bar when a replay simulates at least this many responses (about a second).
 PROGRESS_MIN_RESPONSES = 50_000
@@ -63,13 +54,21 @@ class ReplayConfig:
     """What ``tltsim replay`` runs (the cluster is ``SimConfig``)."""
 
     policy: str = field(
-        default="all", metadata=_help("comma-separated of " + ", ".join(POLICY_NAMES) + ", or all")
+        default="all",
+        metadata={
+            "help": f"policies to simulate: comma-separated of {', '.join(POLICY_NAMES)}, or all",
+            "metavar": "LIST",
+        },
     )
     preset: str | None = field(
         default=None, metadata=_help("cluster preset: " + ", ".join(CLUSTER_PRESETS))
     )
     out: str | None = field(
-        default=None, metadata=_help("output directory (default results/replay-<trace stem>)")
+        default=None,
+        metadata={
+            "help": "output directory (default results/replay-<trace stem>)",
+            "metavar": "DIR",
+        },
     )
     max_steps: int | None = field(default=None, metadata=_help("replay only the first N steps"))
     is_spot_training: bool = field(
@@ -141,89 +140,10 @@ def run_settings(settings: RunSettings, trace: Trace, progress: Any = None) -> S
     return simulate(trace, sim, cost, policy, trainer, settings.drafter, progress=progress)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "replay",
-        help="simulate a trace under one or more policies",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("trace", type=Path, help="tlt-trace file (.json, .json.gz, .csv, .parquet)")
-    add_dataclass_args(p, ReplayConfig)
-    add_dataclass_args(p, SimConfig)
-    add_dataclass_args(p, TLTConfig, prefix="tlt-")
-    add_dataclass_args(p, DrafterDynamics, prefix="drafter-")
-    add_dataclass_args(p, SpotTrainerConfig, prefix="spot-")
-    add_profile_args(p)  # --profile, --drafter-dynamics
-    p.set_defaults(func=cmd_replay)
-
-
-def resolve(
-    args: argparse.Namespace,
-) -> tuple[ReplayConfig, SimConfig, TLTConfig, DrafterDynamics, SpotTrainerConfig]:
-    replay = dataclass_from_args(ReplayConfig, args)
-    base = apply_preset(SimConfig(), replay.preset) if replay.preset else SimConfig()
-    sim = dataclass_from_args(SimConfig, args, base=base)
-    tlt = dataclass_from_args(TLTConfig, args, prefix="tlt-")
-    drafter = dataclass_from_args(
-        DrafterDynamics, args, prefix="drafter-", base=dynamics_from_args(args)
-    )
-    spot = dataclass_from_args(SpotTrainerConfig, args, prefix="spot-")
-    return replay, sim, tlt, drafter, spot
-
-
-def cmd_replay(args: argparse.Namespace) -> int:
-    replay, sim, tlt, drafter, spot = resolve(args)
-    profile = getattr(args, "profile", None)
-    cost = with_profile(profile, cost_model(sim))
-    trace = load_trace(args.trace)
-    if replay.max_steps is not None:
-        trace = Trace(meta=trace.meta, steps=trace.steps[: replay.max_steps])
-    out = (
-        Path(replay.out)
-        if replay.out
-        else Path("results") / f"replay-{args.trace.name.split('.')[0]}"
-    )
-    out.mkdir(parents=True, exist_ok=True)
-    names = policy_names(replay.policy)
-    config = {
-        "kind": "replay",
-        "trace": str(args.trace),
-        "replay": replay,
-        "sim": sim,
-        "tlt": tlt,
-        "drafter": drafter,
-        "spot": spot,
-        "cost_model": {
-            "model": dataclasses.asdict(cost_model(sim).model),
-            "hardware": dataclasses.asdict(cost_model(sim).hardware),
-            "tp": sim.tp,
-            "profile": None if profile is None else str(profile),
-        },
-    }
-    write_json(out / "config.json", config)
-    results = _simulate_all(
-        trace,
-        names,
-        RunSettings(
-            sim,
-            names[0],
-            tlt,
-            replay.static_strategy,
-            drafter,
-            spot,
-            replay.is_spot_training,
-            profile,
-        ),
-    )
-    write_outputs(out, trace, results, sim, profile)
-    print_report(results, out, profile=profile)
-    for line in extrapolation_lines(cost):
-        print(line)
-    return 0
-
-
-def _simulate_all(trace: Trace, names: tuple[str, ...], base: RunSettings) -> dict[str, SimResult]:
+def simulate_policies(
+    trace: Trace, names: tuple[str, ...], base: RunSettings
+) -> dict[str, SimResult]:
+    """``base`` simulated under each policy of ``names`` (a progress bar for long replays)."""
     total = trace.num_steps * len(names)
     is_quiet = trace.num_responses * len(names) < PROGRESS_MIN_RESPONSES or not sys.stderr.isatty()
     results = {}
@@ -312,64 +232,3 @@ def write_outputs(
         )
     responses.to_parquet(out / "responses.parquet", index=False)
     return summary
-
-
-def _fmt(frame: pd.DataFrame) -> str:
-    return frame.to_string(index=False, float_format=lambda v: f"{v:,.2f}")
-
-
-def print_report(
-    results: dict[str, SimResult], out: Path, max_rows: int = 12, profile: Path | None = None
-) -> None:
-    """Per-step table (first and last steps when long) and the summary / side-by-side table."""
-    names = list(results)
-    first = results[names[0]]
-    if len(names) == 1:
-        f = first.steps_frame()
-        table = pd.DataFrame(
-            {
-                "step": f.step,
-                "rollout_s": f.rollout_s,
-                "train_s": f.train_s,
-                "step_s": f.step_s,
-                "rollout_%": 100 * f.rollout_s / f.step_s,
-                "bubble_%": 100 * f.bubble_gpu_s / (f.rollout_s * first.config.num_gpus),
-                "max_tail_s": f.max_tail_s,
-                "tokens": f.tokens_generated,
-            }
-        )
-    else:
-        table = pd.DataFrame({"step": first.steps_frame().step})
-        for name in names:
-            table[f"{name}_step_s"] = results[name].steps_frame().step_s
-    if len(table) > max_rows:
-        print(
-            f"per step ({len(table)} steps; first and last {max_rows // 2}; all in {out / 'steps.csv'}):"
-        )
-        table = pd.concat([table.head(max_rows // 2), table.tail(max_rows // 2)])
-    else:
-        print("per step:")
-    print(_fmt(table))
-    rows, mean_ideal = comparison(results, first.config, profile)
-    cols = {
-        "policy": "policy",
-        "mean_step_s": "step_s",
-        "mean_rollout_s": "rollout_s",
-        "rollout_share": "rollout_share",
-        "bubble_fraction": "bubble_frac",
-        "speedup_vs_nospec": "speedup",
-        "bubble_reclaimed_gpu_s": "reclaimed_gpu_s",
-        "drafter_train_gpu_s": "drafter_gpu_s",
-        "mean_accept_len": "accept_len",
-        "sd_on_fraction": "sd_on_frac",
-        "rollout_over_ideal": "rollout/ideal",
-    }
-    frame = pd.DataFrame(rows)
-    frame = frame[[c for c in cols if c in frame]].rename(columns=cols)
-    print(
-        f"\nsummary (ideal rollout, the work spread perfectly with no tail: {mean_ideal:,.2f} s per step):"
-    )
-    print(_fmt(frame))
-    print(
-        f"\nwrote {out}/: config.json summary.json steps.csv instances.csv timeline.parquet responses.parquet"
-    )

@@ -32,12 +32,19 @@ from typing import Any
 import numpy as np
 import simpy
 
+from tltsim.policy import IdleObs, SpecDecision
 from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
 from tltsim.sim.batch import AcceptDist
-from tltsim.sim.instance import InstanceRollout
-from tltsim.sim.metrics import InstanceShare, SimResult, StepRecord, ideal_rollout_s, step_outputs
-from tltsim.policy import DecodeObs, IdleObs, SpecDecision, SpecFeedback, TrainDecision
-from tltsim.sim.spot_schedule import SpotOutcome, spot_schedule
+from tltsim.sim.instance import InstanceRollout, StepArrays, StepRun
+from tltsim.sim.metrics import (
+    InstanceShare,
+    Segment,
+    SimResult,
+    StepRecord,
+    ideal_rollout_s,
+    step_outputs,
+)
+from tltsim.sim.spot_schedule import SpotOutcome, TrainingSpan, spot_schedule
 from tltsim.trace.schema import Step, Trace
 
 PLACEMENTS = ("round_robin", "chunked", "random")
@@ -55,7 +62,9 @@ class SimConfig:
     ``simulate()`` itself uses the cost model object it is handed.
     """
 
-    model: str = field(default="Qwen2.5-7B", metadata=_help("target model preset (tltsim.cost.specs)"))
+    model: str = field(
+        default="Qwen2.5-7B", metadata=_help("target model preset (tltsim.cost.specs)")
+    )
     hardware: str = field(default="H100-SXM", metadata=_help("GPU preset (tltsim.cost.specs)"))
     num_gpus: int = field(default=8, metadata=_help("GPUs in the cluster"))
     tp: int = field(default=1, metadata=_help("tensor-parallel degree of one engine instance"))
@@ -64,7 +73,8 @@ class SimConfig:
         default=1024, metadata=_help("continuous-batching cap per instance")
     )
     placement: str = field(
-        default="round_robin", metadata=_help("request placement: " + ", ".join(PLACEMENTS))
+        default="round_robin",
+        metadata={"help": "how requests are spread over instances", "choices": PLACEMENTS},
     )
     # 32: TLT's threshold for the long tail (arXiv 2511.16665, adaptive SD default).
     tail_threshold: int = field(
@@ -143,16 +153,6 @@ class SimConfig:
         return self.num_gpus // self.tp
 
 
-@dataclass
-class StepArrays:
-    """One trace step flattened: per response, in prompt-major order."""
-
-    step: int
-    prompt_tokens: np.ndarray
-    response_tokens: np.ndarray
-    prompt_index: np.ndarray  # the response's prompt (index in the step): its group
-
-
 def step_arrays(trace: Trace) -> list[StepArrays]:
     out = []
     for s in trace.steps:
@@ -185,98 +185,6 @@ def place(
     return [idx[owner == i] for i in range(num_instances)]
 
 
-class StepRun:
-    """Everything the instances of one RL step's rollout share (one per step, per simulation)."""
-
-    def __init__(
-        self, sim: _Simulation, arrays: StepArrays, t0: float, rates: np.ndarray | None = None
-    ):
-        self.sim = sim
-        self.request_rate = rates  # per response (nan: draws from accept_dist), or None
-        self.env = sim.env
-        self.config = sim.config
-        self.cost = sim.cost
-        self.policy = sim.spec_policy
-        self.rng = sim.rng
-        self.step = arrays.step
-        self.t0 = t0
-        self.timeline = sim.timeline
-        self.open_segment: list[list | None] = [None] * sim.config.num_instances
-        self.finish_s = np.full(arrays.response_tokens.size, np.nan)
-        self.prompt_index = arrays.prompt_index
-        self.strategies_used = sim.strategies_used
-        self.last_decision: SpecDecision | None = None
-        self._hold = getattr(self.policy, "max_hold_iters", None)  # optional in the protocol
-        self.acceptance = sim.drafter_acceptance()
-        self._dist_cache: dict[Any, AcceptDist] = {}  # decision or (decision, rate)
-        self.done: list[InstanceRollout] = []
-        self.instances: list[InstanceRollout] = []
-        self.train_decisions: list[tuple[float, TrainDecision]] = []  # (rollout time, decision)
-        self.mean_seq_tokens = float(
-            arrays.prompt_tokens.sum() + arrays.response_tokens.sum()
-        ) / max(1, arrays.response_tokens.size)
-        # seconds of one data-parallel drafter update (per instance: drafter_update_tokens x tp)
-        self.update_s = sim.cost.drafter_train_s(
-            sim.config.drafter_update_tokens * sim.config.tp, self.mean_seq_tokens
-        )
-
-    def accept_dist(self, decision: SpecDecision) -> AcceptDist:
-        """Accept-length distribution of ``decision`` at this step's drafter acceptance."""
-        dist = self._dist_cache.get(decision)
-        if dist is None:
-            dist = self._dist_cache[decision] = self.sim.accept_dist(decision, self.acceptance)
-        return dist
-
-    def request_dists(
-        self, decision: SpecDecision, ids: np.ndarray
-    ) -> list[tuple[AcceptDist, np.ndarray | None]]:
-        """(distribution, positions in ``ids`` that draw from it; None: all) for SD under
-        ``decision``: ``accept_dist`` unless responses carry their own rates."""
-        if self.request_rate is None:
-            return [(self.accept_dist(decision), None)]
-        rates = self.request_rate[ids.astype(np.int64)]
-        out = []
-        unknown = np.isnan(rates)
-        if unknown.any():
-            out.append((self.accept_dist(decision), np.flatnonzero(unknown)))
-        for rate in np.unique(rates[~unknown]).tolist():
-            key = (decision, rate)
-            dist = self._dist_cache.get(key)
-            if dist is None:
-                pmf = accept_len_pmf(decision, rate, self.sim.drafter.sibling_rate)
-                dist = self._dist_cache[key] = AcceptDist.of(pmf)
-            out.append((dist, np.flatnonzero(rates == rate)))
-        return out
-
-    def hold_iters(self, obs: DecodeObs, decision: SpecDecision) -> int | None:
-        """How many iterations the policy lets a decision stand (None: until the batch changes)."""
-        return None if self._hold is None else self._hold(obs, decision)
-
-    def feedback(
-        self, obs: DecodeObs, decision: SpecDecision, accepted: int, span_s: float, num_iters: int
-    ) -> None:
-        """Report a span to the policy: per-iteration means over its ``num_iters`` iterations."""
-        self.policy.observe(
-            SpecFeedback(
-                step=self.step,
-                instance=obs.instance,
-                num_active=obs.num_active,
-                decision=decision,
-                accepted_tokens=int(round(accepted / num_iters)),
-                iteration_s=span_s / num_iters,
-                num_iters=num_iters,
-            )
-        )
-
-    def reprefill_s(self, num_active: int, context_tokens: float) -> float:
-        return self.sim.reprefill_s(num_active, context_tokens)
-
-    def instance_done(self, inst: InstanceRollout) -> None:
-        """An instance ran out of work: it is idle until the barrier, or a spot trainer."""
-        self.done.append(inst)
-        self.sim.instance_idle(self, inst)
-
-
 class _Simulation:
     """One simulation: its own SimPy environment, RNG, policies and drafter state."""
 
@@ -304,12 +212,15 @@ class _Simulation:
         self.placement_rng = np.random.default_rng([config.seed, 0])
         self.arrays = step_arrays(trace)
         self.trace_steps = trace.steps
-        self.timeline: list[list] | None = [] if config.is_timeline_recorded else None
+        self.timeline: list[Segment] | None = [] if config.is_timeline_recorded else None
         self.strategies_used: set[SpecDecision] = set()
         self.records: list[StepRecord] = []
         self.instance_rows: list[tuple] = []
         self.finish_s: list[np.ndarray] = []
         self.shares: list[list[InstanceShare]] = []
+        # per instance: response tokens of its share of the previous step, which its spot
+        # trainer still trains on (IdleObs.buffer_tokens: this step's and the previous one's)
+        self.previous_harvest_tokens: dict[int, int] = {}
 
     # -- the SimPy process: RL steps one after another --------------------------------------
 
@@ -343,6 +254,7 @@ class _Simulation:
         yield env.all_of([env.process(inst.process()) for inst in instances])
         rollout_s = env.now - t0
         spot = self._spot_training(run, instances, rollout_s)
+        self.previous_harvest_tokens = {i.index: int(i.response_tokens.sum()) for i in instances}
         step_tokens = int(arrays.prompt_tokens.sum() + arrays.response_tokens.sum())
         train_s = self.cost.train_s(
             int(round(step_tokens / config.num_instances)), run.mean_seq_tokens
@@ -405,21 +317,22 @@ class _Simulation:
 
     def instance_idle(self, run: StepRun, inst: InstanceRollout) -> None:
         """Called (in simulated time) when ``inst`` runs out of rollout work: ask the trainer
-        policy which idle instances should train the drafter from now on."""
-        if self.trainer_policy is None:
+        policy which idle instances should train the drafter from now on. Not when the last
+        instance finishes: the rollout has ended (tltrun's last finisher asks nothing either)."""
+        if self.trainer_policy is None or len(run.done) == self.config.num_instances:
             return
-        idle = tuple(sorted(done.index for done in run.done))
-        per_instance = self.config.drafter_update_tokens * self.config.tp
-        obs = IdleObs(
+        previous = self.previous_harvest_tokens
+        obs = IdleObs.from_buffers(
             now_s=inst.finish_s,
             step=run.step,
-            idle_instances=idle,
+            # an idle instance has finished its whole share: all of it is harvested
+            buffer_tokens={
+                done.index: int(done.response_tokens.sum()) + previous.get(done.index, 0)
+                for done in run.done
+            },
             num_instances=self.config.num_instances,
-            num_rollout_active_instances=self.config.num_instances - len(idle),
-            # what the drafter can train on: the sequences (prompt + response) finished so far
-            buffer_tokens=sum(i.batch.finished_tokens for i in run.instances),
             update_s=run.update_s,
-            tokens_per_update=per_instance * len(idle),
+            instance_update_tokens=self.config.drafter_update_tokens * self.config.tp,
         )
         run.train_decisions.append((inst.finish_s, self.trainer_policy.decide(obs)))
 
@@ -450,7 +363,7 @@ class _Simulation:
         self,
         run: StepRun,
         instances: list[InstanceRollout],
-        spot: dict,
+        spot: SpotOutcome,
         rollout_s: float,
         checkpoint_s: float,
         train_s: float,
@@ -458,32 +371,39 @@ class _Simulation:
         """Idle / spot-training segments after each instance's last request, then the update."""
         if self.timeline is None:
             return
-        step = run.step
-        training: dict[int, list[tuple[float, float]]] = {}
-        for i, a, b in spot.segments:
-            training.setdefault(i, []).append((a, b))
+        timeline, step = self.timeline, run.step
+        training: dict[int, list[TrainingSpan]] = {}
+        for span in spot.segments:
+            training.setdefault(span.instance, []).append(span)
         for inst in instances:
             i, t = inst.index, inst.finish_s
-            for a, b in training.get(i, []):  # idle around the training stretches
-                if a > t:
-                    self.timeline.append([step, i, t, a, "idle", 0, ""])
-                self.timeline.append([step, i, a, b, "spot_train", 0, ""])
-                t = b
+            for span in training.get(i, []):  # idle around the training stretches
+                if span.start_s > t:
+                    timeline.append(
+                        Segment(step=step, instance=i, start_s=t, end_s=span.start_s, phase="idle")
+                    )
+                timeline.append(
+                    Segment(
+                        step=step,
+                        instance=i,
+                        start_s=span.start_s,
+                        end_s=span.end_s,
+                        phase="spot_train",
+                    )
+                )
+                t = span.end_s
             if t < rollout_s:
-                self.timeline.append([step, i, t, rollout_s, "idle", 0, ""])
+                timeline.append(
+                    Segment(step=step, instance=i, start_s=t, end_s=rollout_s, phase="idle")
+                )
+            end_s = rollout_s + checkpoint_s
             if checkpoint_s > 0:
                 phase = "checkpoint" if spot.trained_s[i] > 0 else "idle"
-                self.timeline.append([step, i, rollout_s, rollout_s + checkpoint_s, phase, 0, ""])
-            self.timeline.append(
-                [
-                    step,
-                    i,
-                    rollout_s + checkpoint_s,
-                    rollout_s + checkpoint_s + train_s,
-                    "train",
-                    0,
-                    "",
-                ]
+                timeline.append(
+                    Segment(step=step, instance=i, start_s=rollout_s, end_s=end_s, phase=phase)
+                )
+            timeline.append(
+                Segment(step=step, instance=i, start_s=end_s, end_s=end_s + train_s, phase="train")
             )
 
 

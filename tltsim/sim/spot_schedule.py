@@ -25,12 +25,19 @@ import numpy as np
 from tltsim.policy import TrainDecision
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
+class TrainingSpan:
+    """One worker's uninterrupted stretch of drafter training, rollout-relative seconds."""
+
+    instance: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(kw_only=True)
 class SpotOutcome:
     trained_s: np.ndarray  # per instance: seconds spent training the drafter
-    segments: list[
-        tuple[int, float, float]
-    ]  # (instance, start_s, end_s) of training, rollout-relative
+    segments: list[TrainingSpan]  # worker-major, in time order per worker
     tokens: int  # tokens the drafter trained on
 
 
@@ -52,7 +59,7 @@ def spot_schedule(
     decisions = [(t, d) for t, d in decisions if t < rollout_s]
     trained = np.zeros(num_instances)
     if not decisions or tokens_per_s <= 0:
-        return SpotOutcome(trained, [], 0)
+        return SpotOutcome(trained_s=trained, segments=[], tokens=0)
     times = np.array([t for t, _ in decisions])  # (K,)
     ends = np.append(times[1:], rollout_s)  # (K,)
     member = np.zeros((len(decisions), num_instances), dtype=bool)  # (K, N)
@@ -67,7 +74,11 @@ def spot_schedule(
     stop = np.minimum(ends, _cap_times(np.where(member, begin, np.inf), ends, caps, tokens_per_s))
     dur = np.where(member, np.clip(stop[:, None] - begin, 0.0, None), 0.0)  # (K, N)
     trained = dur.sum(axis=0)
-    return SpotOutcome(trained, _segments(begin, dur), int(tokens_per_s * float(trained.sum())))
+    return SpotOutcome(
+        trained_s=trained,
+        segments=_segments(begin, dur),
+        tokens=int(tokens_per_s * float(trained.sum())),
+    )
 
 
 def _cap_times(starts: np.ndarray, ends: np.ndarray, caps: np.ndarray, rate: float) -> np.ndarray:
@@ -87,7 +98,7 @@ def _cap_times(starts: np.ndarray, ends: np.ndarray, caps: np.ndarray, rate: flo
     return np.where(reached.any(axis=1), t_cap, np.inf)
 
 
-def _segments(begin: np.ndarray, dur: np.ndarray) -> list[tuple[int, float, float]]:
+def _segments(begin: np.ndarray, dur: np.ndarray) -> list[TrainingSpan]:
     """Training stretches per worker, joining a decision's stretch to the next decision's when
     it runs on without a break (worker-major order)."""
     b, d = begin.T, dur.T  # (N, K)
@@ -102,6 +113,6 @@ def _segments(begin: np.ndarray, dur: np.ndarray) -> list[tuple[int, float, floa
     np.maximum.at(seg_end, ids[keep], end.ravel()[keep])
     workers, decisions = np.nonzero(starts)
     return [
-        (int(w), float(b[w, k]), float(e))
+        TrainingSpan(instance=int(w), start_s=float(b[w, k]), end_s=float(e))
         for w, k, e in zip(workers, decisions, seg_end, strict=True)
     ]

@@ -4,8 +4,10 @@
     tltsim report results/sweep-sweep
 
 A spec (TOML) names a trace and the settings to vary. Setting names: ``policy``, ``preset``,
-``static_strategy``, ``is_spot_training``, any ``SimConfig`` field (``num_gpus``, ``tp``, ...),
+``static_strategy``, ``spot_training``, any ``SimConfig`` field (``num_gpus``, ``tp``, ...),
 ``tlt.<TLTConfig field>``, ``drafter.<DrafterDynamics field>``, ``spot.<SpotTrainerConfig field>``.
+Boolean settings are named as their flags (``spot_training``, ``timeline_recorded``); the
+Python field names (``is_spot_training``) are accepted too.
 
     trace = "../traces/synth_reasoning_rl.json"   # relative to the spec file
     seeds = [0, 1]
@@ -30,7 +32,6 @@ and never recomputed. Outputs: ``sweep.parquet`` and ``sweep.csv`` (one row per 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import itertools
@@ -47,18 +48,24 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
-from tltsim.sim.acceptance import DrafterDynamics
-from tltsim.cli.args import UsageError, write_json
-from tltsim.policy import SpotTrainerConfig, TLTConfig
 from tltsim.cost.presets import apply_preset
+from tltsim.errors import UsageError
+from tltsim.jsonio import write_json
+from tltsim.policy import SpotTrainerConfig, TLTConfig
+from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.replay import RunSettings, run_settings
 from tltsim.sim.simulator import SimConfig
-from tltsim.trace.schema import Trace, TraceError, load_trace
+from tltsim.trace.files import load_trace
+from tltsim.trace.schema import Trace, TraceError
 
 SECTIONS = {"tlt": TLTConfig, "drafter": DrafterDynamics, "spot": SpotTrainerConfig}
 TOP_KEYS = {"policy", "preset", "static_strategy", "is_spot_training"}
 # Settings that only matter when the policy speculates: a NoSpec baseline drops them.
 SPEC_ONLY = {"static_strategy", "is_spot_training"}
+# Boolean settings whose ``is_`` a spec may leave out, as their flags do (--spot-training).
+BOOL_KEYS = {"is_spot_training"} | {
+    f.name for f in dataclasses.fields(SimConfig) if f.name.startswith("is_")
+}
 RESULT_COLUMNS = (
     "mean_step_s",
     "mean_rollout_s",
@@ -89,7 +96,24 @@ class SweepSpec:
     out: str | None = None
 
 
+def canonical_key(key: str) -> str:
+    """The setting's field name: ``spot_training`` -> ``is_spot_training``. Points are stored
+    under it, so both spellings give the same point (and the same resume key)."""
+    return f"is_{key}" if f"is_{key}" in BOOL_KEYS else key
+
+
+def _canonical(table: dict[str, Any], source: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        name = canonical_key(key)
+        if name in out:
+            raise UsageError(f"{source}: {key!r} and {name!r} name the same setting")
+        out[name] = value
+    return out
+
+
 def _check_key(key: str, source: str) -> None:
+    key = canonical_key(key)
     section, _, name = key.partition(".")
     if name:
         cls = SECTIONS.get(section)
@@ -99,7 +123,7 @@ def _check_key(key: str, source: str) -> None:
             )
     elif key not in TOP_KEYS and key not in {f.name for f in dataclasses.fields(SimConfig)}:
         raise UsageError(
-            f"{source}: unknown setting {key!r} (expected policy, preset, static_strategy, is_spot_training or a SimConfig field)"
+            f"{source}: unknown setting {key!r} (expected policy, preset, static_strategy, spot_training or a SimConfig field)"
         )
 
 
@@ -151,9 +175,9 @@ def load_spec(path: Path) -> SweepSpec:
         trace,
         tuple(seeds),
         max_steps,
-        raw.get("fixed", {}),
-        raw.get("grid", {}),
-        rnd,
+        _canonical(raw.get("fixed", {}), f"{path} [fixed]"),
+        _canonical(raw.get("grid", {}), f"{path} [grid]"),
+        _canonical(rnd, f"{path} [random]"),
         raw.get("out"),
     )
 
@@ -389,40 +413,3 @@ def sweep_summary(table: pd.DataFrame, spec: SweepSpec) -> dict[str, Any]:
         "varying": varying,
         "best": best,
     }
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "sweep",
-        help="grid / random search over policy and cluster settings",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("spec", type=Path, help="sweep spec (TOML)")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="output directory (default: the spec's out, else results/sweep-<spec stem>)",
-    )
-    p.add_argument(
-        "--workers", type=int, default=None, help="worker processes (default: all cores)"
-    )
-    p.set_defaults(func=cmd_sweep)
-
-
-def cmd_sweep(args: argparse.Namespace) -> int:
-    if args.workers is not None and args.workers < 1:
-        raise UsageError(f"--workers must be >= 1, got {args.workers}")
-    outcome = run_sweep(args.spec, args.out, args.workers)
-    print(
-        f"{len(outcome.table)} rows (points x seeds): {outcome.num_computed} simulations run, {outcome.num_reused} reused from {outcome.out / 'points.jsonl'}"
-    )
-    summary = json.loads((outcome.out / "summary.json").read_text())
-    if summary["best"]:
-        print(
-            "best setting (mean speedup vs NoSpec over seeds): "
-            + ", ".join(f"{k}={v}" for k, v in summary["best"].items())
-        )
-    print(f"wrote {outcome.out}/: sweep.parquet sweep.csv summary.json config.json points.jsonl")
-    return 0

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from tltsim.trace.schema import Trace, TraceError, trace_from_arrays
 from tltsim.trace.synth import (
     DIFFICULTY_SIGMA,
     GROUP_SIGMA,
@@ -52,7 +53,6 @@ from tltsim.trace.synth import (
     latent_scores,
     lognormal_ints,
 )
-from tltsim.trace.schema import Trace, TraceError, trace_from_arrays
 
 SERVEGEN_COLUMNS = ("client_id", "window_start_s", "output_tokens")
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -80,7 +80,8 @@ class ImportConfig:
         ),
     )
     difficulty_sigma: float = field(
-        default=DIFFICULTY_SIGMA, metadata=_help("latent spread across prompts (see tltsim.trace.synth)")
+        default=DIFFICULTY_SIGMA,
+        metadata=_help("latent spread across prompts (see tltsim.trace.synth)"),
     )
     group_sigma: float = field(
         default=GROUP_SIGMA, metadata=_help("latent spread within a group at the median prompt")

@@ -1,28 +1,32 @@
-"""The ``tlt-trace`` v1 format: the dataclasses, validation, and load/save (JSON, CSV, Parquet).
+"""The ``tlt-trace`` v1 format: the dataclasses, validation, and JSON (de)serialisation.
 
 A trace is a list of RL steps; each step holds prompts; each prompt holds the lengths of its
 group's responses (DESIGN.md, "Trace format"; traces/README.md has the full description). Both
 tltsim (replay) and tltrun (measured runs) read and write this one format.
 
-    from tltsim.trace.schema import load_trace, save_trace
+    from tltsim.trace.files import load_trace, save_trace
     trace = load_trace("traces/synth_reasoning_rl.json")   # .json, .json.gz, .csv, .parquet
     trace.steps[0].response_lengths()                       # [812, 1290, ...] in prompt order
     save_trace(trace, "out/trace.csv")                       # the pandas-friendly twin
 
 ``tltsim validate FILE`` checks a file from the shell. Bad input raises ``TraceError`` whose text
 is one line: the file, the step and prompt where known, the field, what was expected, what was
-found. The tabular twin (CSV/Parquet, one row per response) lives in ``tltsim.trace.table``.
+found. The tabular twin (CSV/Parquet, one row per response) lives in ``tltsim.trace.table``;
+``tltsim.trace.files`` picks JSON or the twin by file suffix (it imports both, neither imports it).
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from tltsim.trace.errors import TraceError
+from tltsim.trace.errors import is_int as _is_int
+from tltsim.trace.errors import show as _show
+from tltsim.trace.measured import MeasuredStep
 
 FORMAT = "tlt-trace"
 VERSION = 1
@@ -32,10 +36,6 @@ _STEP_KEYS = frozenset({"step", "prompts", "measured"})
 _PROMPT_KEYS = frozenset({"id", "prompt_tokens", "responses"})
 _RESPONSE_KEYS = frozenset({"tokens", "finish", "accept_hist"})
 _TOP_KEYS = frozenset({"format", "version", "meta", "steps"})
-
-
-class TraceError(ValueError):
-    """Bad trace input. ``str(err)`` is one line naming file, step, prompt, field, expectation."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Prompt:
 class Step:
     step: int
     prompts: tuple[Prompt, ...]
-    measured: dict[str, Any] | None = None  # written by tltrun: rollout_s, train_s, ...
+    measured: MeasuredStep | None = None  # written by tltrun: rollout_s, train_s, ...
 
     @property
     def num_responses(self) -> int:
@@ -151,21 +151,9 @@ def inferred_finish(tokens: int, cap: int | None) -> str:
 # --- validation: dict (parsed JSON) -> Trace -------------------------------------------------
 
 
-def _show(value: Any) -> str:
-    """A short one-line rendering of a bad value for error messages."""
-    if isinstance(value, (dict, list)) and value:
-        return f"{'an object' if isinstance(value, dict) else 'a list'} of {len(value)} items"
-    text = json.dumps(value) if isinstance(value, (dict, list)) else repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def _fail(source: str, where: str, name: str, expected: str, got: Any) -> TraceError:
     place = f"{source}: {where}: " if where else f"{source}: "
     return TraceError(f"{place}field '{name}': expected {expected}, got {_show(got)}")
-
-
-def _is_int(value: Any) -> bool:
-    return type(value) is int  # bool is a subclass of int: reject it on purpose
 
 
 def _get(obj: dict, key: str, source: str, where: str, expected: str) -> Any:
@@ -253,8 +241,8 @@ def _step_from_dict(
     if type(raw_prompts) is not list or not raw_prompts:
         raise _fail(source, where, "prompts", "a non-empty list of prompts", raw_prompts)
     measured = raw.get("measured")
-    if measured is not None and type(measured) is not dict:
-        raise _fail(source, where, "measured", "an object", measured)
+    if measured is not None:
+        measured = MeasuredStep.from_dict(measured, f"{source}: {where}")
     prompts = []
     seen: set[str] = set()
     for j, raw_prompt in enumerate(raw_prompts):
@@ -351,7 +339,7 @@ def _prompt_to_dict(p: Prompt, cap: int | None) -> dict[str, Any]:
 def _step_to_dict(step: Step, cap: int | None) -> dict[str, Any]:
     obj: dict[str, Any] = {"step": step.step}
     if step.measured is not None:
-        obj["measured"] = step.measured
+        obj["measured"] = step.measured.to_dict()
     obj["prompts"] = [_prompt_to_dict(p, cap) for p in step.prompts]
     return obj
 
@@ -423,64 +411,3 @@ def trace_from_arrays(
             )
         steps.append(Step(step=s, prompts=tuple(prompts)))
     return Trace(meta=meta, steps=tuple(steps))
-
-
-# --- files -----------------------------------------------------------------------------------
-
-
-def _suffix(path: Path) -> str:
-    name = path.name.lower()
-    for suffix in sorted(SUFFIXES, key=len, reverse=True):
-        if name.endswith(suffix):
-            return suffix
-    raise TraceError(
-        f"{path}: unknown trace file type: expected a name ending in {', '.join(SUFFIXES)}"
-    )
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        data = path.read_bytes()
-        if path.name.lower().endswith(".gz"):
-            data = gzip.decompress(data)
-        return json.loads(data)
-    except FileNotFoundError:
-        raise TraceError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise TraceError(f"{path}: is a directory, expected a trace file") from None
-    except json.JSONDecodeError as err:
-        raise TraceError(
-            f"{path}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno}); truncated file?"
-        ) from None
-    except (OSError, EOFError, UnicodeDecodeError) as err:  # gzip.BadGzipFile is an OSError
-        raise TraceError(
-            f"{path}: cannot read: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
-        ) from None
-
-
-def load_trace(path: str | Path) -> Trace:
-    """Load and validate a trace; the format follows the suffix (.json, .json.gz, .csv, .parquet)."""
-    path = Path(path)
-    suffix = _suffix(path)
-    if suffix in (".csv", ".parquet"):
-        from tltsim.trace import table as trace_table
-
-        return trace_table.read_table(path, suffix)
-    return trace_from_dict(_read_json(path), str(path))
-
-
-def save_trace(trace: Trace, path: str | Path, allow_lossy: bool = False) -> None:
-    """Write ``trace``; the format follows the suffix. The tabular twins (CSV, Parquet) cannot hold
-    ``accept_hist`` or ``measured``: they refuse such a trace unless ``allow_lossy`` is set."""
-    path = Path(path)
-    suffix = _suffix(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if suffix in (".csv", ".parquet"):
-        from tltsim.trace import table as trace_table
-
-        trace_table.write_table(trace, path, suffix, allow_lossy)
-        return
-    data = dumps_trace(trace).encode()
-    if suffix == ".json.gz":
-        data = gzip.compress(data, mtime=0)  # mtime=0: same trace, same bytes
-    path.write_bytes(data)

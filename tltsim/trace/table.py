@@ -6,7 +6,7 @@ Columns ``step,prompt_id,prompt_tokens,response_tokens`` plus an optional ``fini
 ``# tlt-trace v1 meta: {...}`` (read it with ``pd.read_csv(path, comment="#")``), and in the
 Parquet schema metadata under the key ``tlt-trace``. A CSV without that line is accepted (its meta
 is then ``{"source": <file name>}``). Per-response ``accept_hist`` and per-step ``measured`` are
-JSON-only. Use through ``tltsim.trace.schema.load_trace`` / ``save_trace``.
+JSON-only. Use through ``tltsim.trace.files.load_trace`` / ``save_trace``.
 
 Rows may come in any order: steps are sorted by number, prompts keep their first appearance
 within the step, responses keep row order. Bad rows raise one-line ``TraceError`` naming the

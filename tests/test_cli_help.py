@@ -1,0 +1,116 @@
+"""Every option of every ``tltsim`` / ``tltrun`` subcommand reads as documentation: a help line,
+a metavar that names the value (N, X, PATH, LIST, the choices) rather than a field path, and
+booleans as options (``--spot-training/--no-spot-training``, never ``--is-...``).
+
+Run: ``python -m pytest tests/test_cli_help.py -q``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from collections.abc import Iterator
+
+import pytest
+
+from tltrun.cli.main import build_parser as tltrun_parser
+from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.main import build_parser as tltsim_parser
+
+# What add_dataclass_args appends to a help line; a line of only these says nothing.
+GENERATED = re.compile(r"\((default: .*?|comma-separated|required)\)")
+
+
+def subparsers(
+    parser: argparse.ArgumentParser, path: str
+) -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from subparsers(sub, f"{path} {name}")
+
+
+PARSERS = [
+    *subparsers(tltsim_parser(), "tltsim"),
+    *subparsers(tltrun_parser(), "tltrun"),
+]
+
+
+def test_both_clis_have_their_subcommands():
+    names = {path for path, _ in PARSERS}
+    for cmd in ("replay", "sweep", "fit", "compare", "gen", "import", "validate", "report"):
+        assert f"tltsim {cmd}" in names
+    for cmd in ("generate", "train-drafter", "bench", "sft", "train", "profile", "report"):
+        assert f"tltrun {cmd}" in names
+
+
+@pytest.mark.parametrize("path,parser", PARSERS, ids=[path for path, _ in PARSERS])
+def test_every_option_is_documented(path, parser):
+    parser.format_help()  # a stray % in a help line fails here, as `--help` would
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        text = GENERATED.sub("", action.help or "").strip()
+        assert text, f"{path} {name}: no help line"
+        for flag in action.option_strings:
+            assert not flag.startswith("--is-") and "-is-" not in flag, f"{path} {flag}"
+        if not action.option_strings or action.nargs == 0:
+            continue  # positionals show their name; switches take no value
+        metavar = action.metavar if action.metavar is not None else action.choices
+        assert metavar, f"{path} {name}: no metavar (argparse would show {action.dest.upper()})"
+        assert "." not in str(metavar), f"{path} {name}: metavar {metavar!r}"
+        assert str(metavar) not in (action.dest.upper(), action.dest.upper().replace("_", "-"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Example:
+    is_spot_training: bool = dataclasses.field(default=True, metadata={"help": "train"})
+    threshold: int = dataclasses.field(default=32, metadata={"help": "batch"})
+    rate: float = dataclasses.field(default=0.5, metadata={"help": "rate"})
+    name: str = dataclasses.field(default="a", metadata={"help": "name", "choices": ("a", "b")})
+    path: str = dataclasses.field(default="", metadata={"help": "file", "metavar": "PATH"})
+    starts: tuple[int, ...] = dataclasses.field(default=(1, 2), metadata={"help": "starts"})
+
+
+def test_boolean_flags_drop_is_and_map_back_to_the_field():
+    parser = argparse.ArgumentParser()
+    add_dataclass_args(parser, _Example, prefix="x-")
+    flags = {s for a in parser._actions for s in a.option_strings}
+    assert {"--x-spot-training", "--no-x-spot-training"} <= flags
+    assert not any("is-" in f for f in flags)
+    args = parser.parse_args(["--no-x-spot-training", "--x-threshold", "8", "--x-starts", "1,4"])
+    cfg = dataclass_from_args(_Example, args, prefix="x-")
+    assert cfg == _Example(is_spot_training=False, threshold=8, starts=(1, 4))
+    assert dataclass_from_args(_Example, parser.parse_args([]), prefix="x-") == _Example()
+    metavars = {a.dest: a.metavar for a in parser._actions if a.option_strings and a.nargs != 0}
+    assert metavars == {
+        "x-threshold": "N",
+        "x-rate": "X",
+        "x-name": "{a,b}",
+        "x-path": "PATH",
+        "x-starts": "LIST",
+    }
+
+
+def test_sweep_specs_name_booleans_as_their_flags(tmp_path):
+    """``spot_training`` (as --spot-training) is the documented key; ``is_spot_training`` still
+    works and gives the same point; both at once is an error."""
+    from tltsim.errors import UsageError
+    from tltsim.sim.sweep import load_spec, point_key, settings_of, spec_points
+
+    def spec(fixed: str):
+        path = tmp_path / "spec.toml"
+        path.write_text(f'trace = "t.json"\n[fixed]\npolicy = "tlt"\n{fixed}\n')
+        return load_spec(path)
+
+    new = spec("spot_training = false\ntimeline_recorded = false")
+    old = spec("is_spot_training = false\nis_timeline_recorded = false")
+    assert spec_points(new) == spec_points(old)
+    assert [point_key(p) for p in spec_points(new)] == [point_key(p) for p in spec_points(old)]
+    settings = settings_of(spec_points(new)[0], seed=0)
+    assert not settings.is_spot_training and not settings.sim.is_timeline_recorded
+    with pytest.raises(UsageError, match="name the same setting"):
+        spec("spot_training = false\nis_spot_training = true")

@@ -1,0 +1,74 @@
+"""Flags shared by ``tltrun`` subcommands that run the torch engine (``generate``, ``bench``).
+
+``add_engine_args`` adds one flag per ``EngineConfig`` field (all but ``sampling``, which
+``SamplingParams``' flags ``--temperature --top-p --top-k`` build); ``engine_config_from_args``
+builds the config back, with ``engine_defaults`` for the sizes a user need not pass by hand.
+``config_dict`` is what every output directory's ``config.json`` holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from tltrun.rollout.engine import EngineConfig
+from tltrun.rollout.interface import SamplingParams
+from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.errors import UsageError
+
+ENGINE_SKIP = ("sampling",)
+# The most requests `generate` and `bench` decode together when --max-running-requests is not
+# given: vLLM's own default max_num_seqs (as tltrun.rollout.vllm_backend.VLLMBackendConfig).
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    add_dataclass_args(parser, SamplingParams)
+    add_dataclass_args(parser, EngineConfig, skip=ENGINE_SKIP)
+
+
+def engine_defaults(model_dir: str, num_requests: int, max_request_tokens: int) -> dict[str, int]:
+    """``max_running_requests`` and ``max_model_len`` for a rollout of ``num_requests`` requests,
+    the longest ``max_request_tokens`` (prompt + max new tokens) long: all of them at once up to
+    DEFAULT_MAX_RUNNING_REQUESTS, and the longest request up to the model's
+    max_position_embeddings (config.json). The KV cache is preallocated for both, so neither is
+    larger than the rollout needs; a request longer than the model's context then fails with
+    the engine's max_model_len error, which --max-model-len overrides."""
+    from tltrun.model.transformer import CheckpointError, read_config
+
+    try:
+        max_positions = read_config(model_dir).max_position_embeddings
+    except CheckpointError as err:
+        raise UsageError(str(err)) from None
+    return {
+        "max_running_requests": max(1, min(num_requests, DEFAULT_MAX_RUNNING_REQUESTS)),
+        "max_model_len": max(2, min(max_request_tokens, max_positions)),
+    }
+
+
+def engine_config_from_args(
+    args: argparse.Namespace, defaults: dict[str, Any] | None = None, **fixed: Any
+) -> EngineConfig:
+    """EngineConfig from the flags; ``defaults`` fill fields whose flag was not given (and that
+    the dataclass cannot default: ``engine_defaults``), ``fixed`` overrides the flags."""
+    values = dict(defaults or {})
+    values.update(
+        (f.name, getattr(args, f.name))
+        for f in dataclasses.fields(EngineConfig)
+        if f.name not in ENGINE_SKIP and getattr(args, f.name, None) is not None
+    )
+    values.update(fixed)
+    try:
+        return EngineConfig(sampling=dataclass_from_args(SamplingParams, args), **values)
+    except TypeError as err:
+        missing = str(err).split("argument")[-1].strip(": ")
+        raise UsageError(
+            f"EngineConfig: missing required flag(s) {missing.replace('_', '-')}"
+        ) from None
+    except ValueError as err:
+        raise UsageError(f"EngineConfig: {err}") from None
+
+
+def config_dict(**configs: Any) -> dict[str, Any]:
+    return {name: dataclasses.asdict(c) for name, c in configs.items()}

@@ -1,0 +1,148 @@
+"""``tltrun sft``, ``tltrun sft-eval`` and ``tltrun task``: the built-in task's starting policy.
+
+    tltrun sft --out runs/sft                   # train, save the checkpoint, evaluate
+    tltrun sft-eval runs/sft                    # re-run only the held-out evaluation
+    tltrun task --num-prompts 4 --seed 0        # sample problems and the length statistics
+
+What SFT trains and writes: ``tltrun.train.sft``'s docstring; the task: ``tltrun.train.tasks``.
+Flags of ``sft`` map 1:1 onto ``SFTConfig`` and, as ``--task-*``, ``TaskConfig``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+from tltrun.train import sft
+from tltrun.train.tasks import TaskConfig, length_stats, make_examples
+from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.table import format_table
+from tltsim.errors import UsageError
+
+LENGTH_COLUMNS = {
+    "name": "response tokens",
+    "num": "num",
+    "median": "median",
+    "p99": "p99",
+    "max": "max",
+    "max_over_median": "max/med",
+    "truncated": "truncated",
+}
+LENGTH_FORMATS = {"median": ".0f", "max_over_median": ".1f"}
+
+
+def eval_table(result: dict[str, Any]) -> str:
+    """The evaluation as printed by ``tltrun sft``: accuracy per bucket, length statistics."""
+    greedy = result["greedy"]
+    lines = [
+        f"greedy accuracy {greedy['accuracy']:.3f} over {greedy['num_prompts']} held-out prompts",
+        format_table(
+            greedy["by_difficulty"],
+            {"ops": "ops", "num_prompts": "prompts", "accuracy": "accuracy"},
+            {"accuracy": ".3f"},
+        ),
+        f"sampled (temperature 1) accuracy {result['sampled']['accuracy']:.3f}",
+    ]
+    rows = []
+    for name in ("reference", "greedy", "reference_grouped", "sampled"):
+        s = result["response_tokens"][name]
+        if s is not None:
+            truncated = result[name]["num_truncated"] if name in ("greedy", "sampled") else 0
+            rows.append({"name": name, **s, "truncated": truncated})
+    lines.append(format_table(rows, LENGTH_COLUMNS, LENGTH_FORMATS, left=("name",)))
+    sampled = result["sampled"]
+    if sampled["group_max_over_min_median"] is not None:
+        lines.append(
+            f"per-prompt longest/shortest of {sampled['group_size']} samples: median "
+            f"{sampled['group_max_over_min_median']:.2f} (reference "
+            f"{sampled['reference_group_max_over_min_median']:.2f}), max "
+            f"{sampled['group_max_over_min_max']:.2f} (reference "
+            f"{sampled['reference_group_max_over_min_max']:.2f})"
+        )
+    return "\n".join(lines)
+
+
+def summary_table(metrics: dict[str, Any]) -> str:
+    head = (
+        f"params {metrics['num_params']:,}  train {metrics['train_s']:.0f} s  eval "
+        f"{metrics['eval_s']:.0f} s  loss {metrics['first_loss']:.3f} -> {metrics['final_loss']:.3f}"
+    )
+    return "\n".join([head, eval_table(metrics)])
+
+
+def _cmd_sft(args: argparse.Namespace) -> int:
+    cfg = dataclass_from_args(sft.SFTConfig, args)
+    task = dataclass_from_args(TaskConfig, args, prefix="task-")
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise UsageError(f"--out {cfg.out}: exists and is not a directory")
+    metrics = sft.run_sft(cfg, task)
+    print(summary_table(metrics))
+    print(f"checkpoint and metrics.json written to {cfg.out}")
+    return 0
+
+
+def _cmd_sft_eval(args: argparse.Namespace) -> int:
+    print(eval_table(sft.evaluate_checkpoint(args.checkpoint)))
+    return 0
+
+
+def _cmd_task(args: argparse.Namespace) -> int:
+    if min(args.num_prompts, args.group_size) < 1:
+        raise UsageError("--num-prompts and --group-size must be >= 1")
+    cfg = TaskConfig()
+    rng = random.Random(args.seed)
+    for ex in make_examples(cfg, rng, args.num_prompts, num_solutions=1):
+        print(ex.prompt + ex.solutions[0])
+    batch = make_examples(cfg, rng, 32, num_solutions=args.group_size)
+    lengths = [len(s) for ex in batch for s in ex.solutions]
+    spreads = sorted(max(map(len, ex.solutions)) / min(map(len, ex.solutions)) for ex in batch)
+    print("response chars over 32 prompts x", args.group_size, "samples:", length_stats(lengths))
+    print(f"per-prompt max/min: median {statistics.median(spreads):.2f}, max {spreads[-1]:.2f}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``sft`` (flags = SFTConfig fields, ``--task-*`` = TaskConfig), ``sft-eval``, ``task``."""
+    parser = subparsers.add_parser(
+        "sft",
+        help="train a small model on the built-in task's worked solutions",
+        description=sft.__doc__.split("\n\n")[0],
+    )
+    add_dataclass_args(parser, sft.SFTConfig)
+    add_dataclass_args(parser, TaskConfig, prefix="task-")
+    parser.set_defaults(func=_cmd_sft)
+
+    again = subparsers.add_parser(
+        "sft-eval",
+        help="re-run the held-out evaluation of a tltrun sft checkpoint",
+        description="Greedy accuracy per difficulty bucket and response-length statistics of a "
+        "checkpoint, with the task, eval settings and seed of its sft_config.json.",
+    )
+    again.add_argument("checkpoint", metavar="DIR", help="output directory of tltrun sft")
+    again.set_defaults(func=_cmd_sft_eval)
+
+    task = subparsers.add_parser(
+        "task",
+        help="print sample problems of the built-in task and its length statistics",
+        description="Print sample problems with worked solutions, then the response-length "
+        "statistics of 32 prompts x GROUP_SIZE reference solutions (default TaskConfig).",
+    )
+    task.add_argument(
+        "--num-prompts",
+        type=int,
+        default=4,
+        metavar="N",
+        help="sample problems to print (default: 4)",
+    )
+    task.add_argument(
+        "--group-size",
+        type=int,
+        default=8,
+        metavar="N",
+        help="solutions per prompt in the statistics (default: 8)",
+    )
+    task.add_argument("--seed", type=int, default=0, metavar="N", help="random seed (default: 0)")
+    task.set_defaults(func=_cmd_task)

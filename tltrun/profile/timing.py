@@ -1,0 +1,105 @@
+"""How ``tltrun profile`` times a point: ``Series`` (one timed quantity) and ``Measure`` (warm-up,
+interleaved rounds, and the row's statistic), shared by both rollout backends and the trainer ops.
+
+The profile's ops and grid are ``tltrun.profile.measure``'s; the torch and vLLM rollout ops
+(``tltrun.profile.torch_engine``, ``tltrun.profile.vllm_engine``) build ``Series`` and hand them
+to ``Measure.interleaved``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tltsim.cost.profile import ProfileRow
+
+STATISTICS = ("median", "mean")
+# "wall": elapsed seconds. "cpu": this process's CPU seconds, which on a machine shared with
+# other jobs leave out the time spent waiting for a core: with one torch thread it is what the
+# work takes on a core of its own. The run to predict must use the same clock (the torch engine
+# takes one: RolloutEngine(clock=...)); vLLM computes in a worker process, so wall only.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+@dataclass
+class Series:
+    """One timed quantity: ``fn`` is timed; ``reset`` (untimed) follows every call so that each
+    starts from the same state; ``setup`` (untimed) prepares it whenever its turn comes."""
+
+    key: tuple
+    fn: Callable[[], Any]
+    reset: Callable[[], None] = lambda: None
+    setup: Callable[[], None] = lambda: None
+    is_warmed_each_round: bool = True  # False: warm-up calls in the first round only
+    # Timed calls per sample, back to back (``reset`` between them untimed); the sample is
+    # their mean. > 1 for ops a rollout runs back to back (``ProfileRunConfig.back_to_back_calls``).
+    num_calls: int = 1
+
+
+@dataclass(frozen=True)
+class Measure:
+    """How every point is timed and summarised (shared by the backends)."""
+
+    num_warmup: int
+    num_repeats: int
+    statistic: str
+    clock: str = "wall"
+
+    def samples(
+        self,
+        fn: Callable[[], Any],
+        reset: Callable[[], None] = lambda: None,
+        sync: Callable[[], None] = lambda: None,
+    ) -> np.ndarray:
+        """Seconds of ``num_repeats`` consecutive calls of ``fn`` after ``num_warmup`` untimed
+        ones, ``reset`` after each."""
+        return self.interleaved([Series((), fn, reset, is_warmed_each_round=False)], sync)[()]
+
+    def interleaved(
+        self,
+        series: list[Series],
+        sync: Callable[[], None] = lambda: None,
+        progress: Callable[[str], None] = lambda what: None,
+        between_rounds: Callable[[int], None] = lambda r: None,
+        between_series: Callable[[int, int, int], None] | None = None,
+    ) -> dict[tuple, np.ndarray]:
+        """``num_repeats`` rounds; in each, every series is set up, warmed up (``num_warmup``
+        untimed calls) and timed once. Rounds spread each point's samples over the whole
+        measurement, so a slow or fast spell of a shared machine (other jobs' load changes
+        over minutes) reaches every point alike instead of a few neighbours on the grid.
+        ``between_rounds(r)`` runs after round r, ``between_series(r, i, n)`` after series i
+        of the n in round r (a benchmark interleaves its measured run, coarse or fine)."""
+        clock = CLOCKS[self.clock]
+        out: dict[tuple, list[float]] = {s.key: [] for s in series}
+        for r in range(self.num_repeats):
+            progress(f"round {r + 1}/{self.num_repeats}")
+            for i, s in enumerate(series):
+                s.setup()
+                for _ in range(self.num_warmup if r == 0 or s.is_warmed_each_round else 0):
+                    s.fn()
+                    sync()
+                    s.reset()
+                total = 0.0
+                for _ in range(s.num_calls):
+                    start = clock()
+                    s.fn()
+                    sync()
+                    total += clock() - start
+                    s.reset()
+                out[s.key].append(total / s.num_calls)
+                if between_series is not None:
+                    between_series(r, i, len(series))
+            between_rounds(r)
+        return {key: np.asarray(v) for key, v in out.items()}
+
+    def row(self, op: str, batch: int, context: int, tokens_per_seq: int, samples) -> ProfileRow:
+        """The statistic and the 10th / 90th percentiles (numpy's linear interpolation) of
+        ``samples``; a mean outside [p10, p90] (a few extreme outliers) is clipped into it."""
+        s = np.asarray(samples, dtype=np.float64)
+        p10, p50, p90 = (max(float(v), 1e-9) for v in np.percentile(s, [10, 50, 90]))
+        value = p50 if self.statistic == "median" else min(max(float(s.mean()), p10), p90)
+        return ProfileRow(op, batch, context, tokens_per_seq, value, p10, p90, int(s.size))

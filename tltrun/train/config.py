@@ -1,0 +1,164 @@
+"""``TrainConfig``: the resolved settings of one ``tltrun train`` run, and their validation.
+
+One frozen dataclass shared by the launcher (``tltrun.train.launch``), each worker process
+(``tltrun.train.worker``) and the command line (``tltrun.cli.train``: one flag per field), so
+the workers import their settings from here rather than from the module that spawns them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tltsim.policy import POLICY_NAMES, TLTConfig
+
+BACKENDS = ("torch", "vllm")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model_dir: str = field(
+        default="",
+        metadata={"help": "Hugging Face checkpoint from `tltrun sft` (required)", "metavar": "DIR"},
+    )
+    out: str = field(default="", metadata={"help": "output directory (required)", "metavar": "DIR"})
+    drafter_dir: str | None = field(
+        default=None,
+        metadata={"help": "EAGLE drafter to start from (default: a fresh one)", "metavar": "DIR"},
+    )
+    num_workers: int = field(default=2, metadata={"help": "rollout worker processes"})
+    num_steps: int = field(default=20, metadata={"help": "RL steps"})
+    prompts_per_step: int = field(default=8, metadata={"help": "prompts per RL step"})
+    # G; TLT's runs use 8-16 (sft.py's note), DeepSeekMath 64
+    group_size: int = field(default=8, metadata={"help": "responses per prompt (GRPO group)"})
+    # Cap per response: the default task's reference solutions reach 738 tokens at p99 and
+    # 0.24% exceed 1024 (``tltrun task``), so 1024 truncates only the extreme tail.
+    max_new_tokens: int = field(default=1024, metadata={"help": "token cap per response"})
+    # GRPO samples from the policy itself (DeepSeekMath Sec. 4.1)
+    temperature: float = field(default=1.0, metadata={"help": "rollout sampling temperature"})
+    top_p: float = field(default=1.0, metadata={"help": "rollout nucleus sampling mass"})
+    policy: str = field(
+        default="tlt", metadata={"help": "SD policy of the rollouts", "choices": POLICY_NAMES}
+    )
+    static_strategy: str = field(
+        default="4_1_4",
+        metadata={"help": "the static policy's strategy DRAFTSTEPS_TOPK_VERIFYTOKENS"},
+    )
+    # TLTAdaptive's strategies (TLTConfig.strategies, one bucket each, buckets starting at
+    # tlt_bucket_starts); () keeps TLT's public GPU defaults 8_4_48..8_4_8. On a CPU, verifying
+    # a 48-node tree per request is compute-bound and costs more than it saves, so CPU runs
+    # pass chain strategies (e.g. 4_1_4,3_1_3,2_1_2,1_1_1) — see benchmarks/bench_train.py.
+    tlt_strategies: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "tlt policy's strategies, one bucket each (default: TLTConfig's)"},
+    )
+    tlt_bucket_starts: tuple[int, ...] = field(
+        default=(),
+        metadata={"help": "smallest batch size of each tlt bucket (default: TLTConfig's)"},
+    )
+    # TLTConfig.threshold (fastrl bs_threshold)
+    tlt_threshold: int = field(
+        default=32, metadata={"help": "tlt: SD stays off while a worker has more active requests"}
+    )
+    is_spot_training: bool = field(
+        default=True, metadata={"help": "idle workers train the drafter until the rollout ends"}
+    )
+    # SpotTrainerConfig.max_epochs (fastrl max_epochs)
+    spot_max_epochs: int = field(
+        default=10, metadata={"help": "passes over the harvested tokens per RL step at most"}
+    )
+    # EAGLE uses 3e-5 for 7B targets; small drafters need more
+    drafter_lr: float = field(default=1e-3, metadata={"help": "drafter AdamW learning rate"})
+    # EAGLE-1's bs
+    drafter_batch_size: int = field(default=4, metadata={"help": "sequences per drafter update"})
+    lr: float = field(default=1e-6, metadata={"help": "actor (GRPO) learning rate"})
+    kl_coef: float = field(default=0.04, metadata={"help": "GRPO KL penalty coefficient"})
+    num_epochs: int = field(default=1, metadata={"help": "GRPO passes over each step's rollouts"})
+    checkpoint_every: int = field(default=5, metadata={"help": "write a checkpoint every N steps"})
+    tensorboard: bool = field(
+        default=False,
+        metadata={"help": "also write log.jsonl's numbers as TensorBoard scalars (rank 0)"},
+    )
+    seed: int = field(default=0, metadata={"help": "seed of prompts, sampling, drafter and policy"})
+    backend: str = field(
+        default="torch", metadata={"help": "rollout backend of each worker", "choices": BACKENDS}
+    )
+    max_running_requests: int | None = field(
+        default=None,
+        metadata={"help": "requests a worker decodes together (default: its whole share)"},
+    )
+    prompt_split: tuple[int, ...] = field(
+        default=(), metadata={"help": "prompts per worker (default: as even as possible)"}
+    )
+    # W workers on W cores
+    num_threads: int = field(default=1, metadata={"help": "torch threads per worker"})
+    poll_s: float = field(
+        default=0.01,
+        metadata={"help": "seconds between idle workers' checks for the rollout's end"},
+    )
+    dtype: str = field(default="float32", metadata={"help": "dtype of weights and KV cache"})
+    device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
+
+    def policy_settings(self) -> dict:
+        """``tltsim.policy.make_policy`` keyword arguments of this run's policy."""
+        if self.policy == "static":
+            return {"strategy": self.static_strategy}
+        if self.policy != "tlt":
+            return {}
+        settings: dict = {"threshold": self.tlt_threshold}
+        if self.tlt_strategies:
+            settings["strategies"] = tuple(self.tlt_strategies)
+        if self.tlt_bucket_starts:
+            settings["bucket_starts"] = tuple(self.tlt_bucket_starts)
+        return settings
+
+    def __post_init__(self) -> None:
+        if not self.model_dir or not self.out:
+            raise ValueError("model_dir and out are required")
+        for name in (
+            "num_workers",
+            "prompts_per_step",
+            "group_size",
+            "max_new_tokens",
+            "spot_max_epochs",
+            "drafter_batch_size",
+            "num_epochs",
+            "checkpoint_every",
+            "num_threads",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_steps < 0:
+            raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
+        if self.policy == "tlt":  # the policy validates its own settings (one-line ValueError)
+            TLTConfig(**self.policy_settings())
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.prompts_per_step < self.num_workers and not self.prompt_split:
+            raise ValueError("prompts_per_step must be >= num_workers (every worker rolls out)")
+        if self.prompt_split and (
+            len(self.prompt_split) != self.num_workers
+            or sum(self.prompt_split) != self.prompts_per_step
+            or min(self.prompt_split) < 1
+        ):
+            raise ValueError(
+                f"prompt_split {self.prompt_split}: need {self.num_workers} counts >= 1 "
+                f"summing to prompts_per_step={self.prompts_per_step}"
+            )
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1 or None")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.poll_s <= 0:
+            raise ValueError("temperature >= 0, top_p in (0, 1] and poll_s > 0 required")
+        if not self.lr > 0 or not self.drafter_lr > 0 or self.kl_coef < 0:
+            raise ValueError("lr > 0, drafter_lr > 0 and kl_coef >= 0 required")
+
+    def shares(self) -> list[tuple[int, int]]:
+        """(first prompt index, number of prompts) of each worker."""
+        counts = list(self.prompt_split) or [
+            self.prompts_per_step // self.num_workers
+            + (r < self.prompts_per_step % self.num_workers)
+            for r in range(self.num_workers)
+        ]
+        starts = [sum(counts[:r]) for r in range(self.num_workers)]
+        return list(zip(starts, counts, strict=True))

@@ -1,0 +1,198 @@
+"""``tltsim replay``: simulate a trace under one or more policies and write the results.
+
+    tltsim replay traces/synth_reasoning_rl.json --preset h100x8-qwen7b
+    tltsim replay traces/servegen_r1_rl.json --num-gpus 64 --policy nospec,tlt --out results/r1
+    tltsim report results/r1
+
+Flags map 1:1 onto ``SimConfig`` (cluster), ``ReplayConfig`` (what to run), ``TLTConfig``
+(``--tlt-*``), ``DrafterDynamics`` (``--drafter-*``) and ``SpotTrainerConfig`` (``--spot-*``).
+``--profile FILE`` (``tltrun profile``) replaces the roofline by the measured profile, which the
+roofline still backs for ops the profile lacks; ``--drafter-dynamics FILE`` (``tltsim fit``)
+sets the ``--drafter-*`` defaults.
+``--preset`` fills the cluster fields first; explicit flags override it. The output directory
+(default ``results/replay-<trace stem>``) gets ``config.json`` (everything resolved),
+``summary.json``, ``steps.csv``, ``instances.csv``, ``timeline.parquet`` and
+``responses.parquet``; ``tltsim report DIR`` draws the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.fidelity import add_profile_args, dynamics_from_args, extrapolation_lines
+from tltsim.cli.table import format_table
+from tltsim.cost.measured import with_profile
+from tltsim.cost.presets import apply_preset
+from tltsim.jsonio import write_json
+from tltsim.policy import SpotTrainerConfig, TLTConfig
+from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.sim.metrics import SimResult
+from tltsim.sim.replay import (
+    ReplayConfig,
+    RunSettings,
+    cost_model,
+    policy_names,
+    simulate_policies,
+    write_outputs,
+)
+from tltsim.sim.simulator import SimConfig
+from tltsim.trace.files import load_trace
+from tltsim.trace.schema import Trace
+
+# Summary columns: result key -> printed title.
+SUMMARY_COLUMNS = {
+    "policy": "policy",
+    "mean_step_s": "step_s",
+    "mean_rollout_s": "rollout_s",
+    "rollout_share": "rollout_share",
+    "bubble_fraction": "bubble_frac",
+    "speedup_vs_nospec": "speedup",
+    "bubble_reclaimed_gpu_s": "reclaimed_gpu_s",
+    "drafter_train_gpu_s": "drafter_gpu_s",
+    "mean_accept_len": "accept_len",
+    "sd_on_fraction": "sd_on_frac",
+    "rollout_over_ideal": "rollout/ideal",
+}
+OUTPUT_FILES = "config.json summary.json steps.csv instances.csv timeline.parquet responses.parquet"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``tltsim replay``."""
+    p = sub.add_parser(
+        "replay",
+        help="simulate a trace under one or more policies",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("trace", type=Path, help="tlt-trace file (.json, .json.gz, .csv, .parquet)")
+    add_dataclass_args(p, ReplayConfig)
+    add_dataclass_args(p, SimConfig)
+    add_dataclass_args(p, TLTConfig, prefix="tlt-")
+    add_dataclass_args(p, DrafterDynamics, prefix="drafter-")
+    add_dataclass_args(p, SpotTrainerConfig, prefix="spot-")
+    add_profile_args(p)  # --profile, --drafter-dynamics
+    p.set_defaults(func=cmd_replay)
+
+
+def resolve(
+    args: argparse.Namespace,
+) -> tuple[ReplayConfig, SimConfig, TLTConfig, DrafterDynamics, SpotTrainerConfig]:
+    replay = dataclass_from_args(ReplayConfig, args)
+    base = apply_preset(SimConfig(), replay.preset) if replay.preset else SimConfig()
+    sim = dataclass_from_args(SimConfig, args, base=base)
+    tlt = dataclass_from_args(TLTConfig, args, prefix="tlt-")
+    drafter = dataclass_from_args(
+        DrafterDynamics, args, prefix="drafter-", base=dynamics_from_args(args)
+    )
+    spot = dataclass_from_args(SpotTrainerConfig, args, prefix="spot-")
+    return replay, sim, tlt, drafter, spot
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    replay, sim, tlt, drafter, spot = resolve(args)
+    profile = getattr(args, "profile", None)
+    cost = with_profile(profile, cost_model(sim))
+    trace = load_trace(args.trace)
+    if replay.max_steps is not None:
+        trace = Trace(meta=trace.meta, steps=trace.steps[: replay.max_steps])
+    out = (
+        Path(replay.out)
+        if replay.out
+        else Path("results") / f"replay-{args.trace.name.split('.')[0]}"
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    names = policy_names(replay.policy)
+    config = {
+        "kind": "replay",
+        "trace": str(args.trace),
+        "replay": replay,
+        "sim": sim,
+        "tlt": tlt,
+        "drafter": drafter,
+        "spot": spot,
+        "cost_model": {
+            "model": dataclasses.asdict(cost_model(sim).model),
+            "hardware": dataclasses.asdict(cost_model(sim).hardware),
+            "tp": sim.tp,
+            "profile": None if profile is None else str(profile),
+        },
+    }
+    write_json(out / "config.json", config)
+    results = simulate_policies(
+        trace,
+        names,
+        RunSettings(
+            sim,
+            names[0],
+            tlt,
+            replay.static_strategy,
+            drafter,
+            spot,
+            replay.is_spot_training,
+            profile,
+        ),
+    )
+    summary = write_outputs(out, trace, results, sim, profile)
+    print(format_report(results, summary, out))
+    for line in extrapolation_lines(cost):
+        print(line)
+    return 0
+
+
+def step_rows(results: dict[str, SimResult]) -> list[dict[str, Any]]:
+    """Per-step rows: one policy's time breakdown, or several policies' step times side by side."""
+    names = list(results)
+    first = results[names[0]]
+    f = first.steps_frame()
+    if len(names) == 1:
+        table = pd.DataFrame(
+            {
+                "step": f.step,
+                "rollout_s": f.rollout_s,
+                "train_s": f.train_s,
+                "step_s": f.step_s,
+                "rollout_%": 100 * f.rollout_s / f.step_s,
+                "bubble_%": 100 * f.bubble_gpu_s / (f.rollout_s * first.config.num_gpus),
+                "max_tail_s": f.max_tail_s,
+                "tokens": f.tokens_generated,
+            }
+        )
+    else:
+        table = pd.DataFrame({"step": f.step})
+        for name in names:
+            table[f"{name}_step_s"] = results[name].steps_frame().step_s
+    return table.to_dict("records")
+
+
+def format_report(
+    results: dict[str, SimResult], summary: dict[str, Any], out: Path, max_rows: int = 12
+) -> str:
+    """Per-step table (first and last steps when long) and the summary / side-by-side table of
+    ``summary`` (``tltsim.sim.replay.write_outputs``' return value)."""
+    rows = step_rows(results)
+    if len(rows) > max_rows:
+        half = max_rows // 2
+        title = f"per step ({len(rows)} steps; first and last {half}; all in {out / 'steps.csv'}):"
+        rows = rows[:half] + rows[-half:]
+    else:
+        title = "per step:"
+    policies = summary["policies"]
+    columns = {k: v for k, v in SUMMARY_COLUMNS.items() if any(k in row for row in policies)}
+    return "\n".join(
+        [
+            title,
+            format_table(rows, list(rows[0]) if rows else ["step"], float_format=",.2f"),
+            "",
+            "summary (ideal rollout, the work spread perfectly with no tail: "
+            f"{summary['mean_ideal_rollout_s']:,.2f} s per step):",
+            format_table(policies, columns, left=("policy",), float_format=",.2f"),
+            "",
+            f"wrote {out}/: {OUTPUT_FILES}",
+        ]
+    )

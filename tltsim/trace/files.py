@@ -1,0 +1,80 @@
+"""Load and save ``tlt-trace`` files; the format follows the file suffix.
+
+    from tltsim.trace.files import load_trace, save_trace
+    trace = load_trace("traces/synth_reasoning_rl.json")   # .json, .json.gz, .csv, .parquet
+    save_trace(trace, "out/trace.csv")                       # the pandas-friendly twin
+
+JSON (optionally gzipped) is ``tltsim.trace.schema``'s format; CSV and Parquet are the tabular
+twin in ``tltsim.trace.table``. This module sits above both, so neither imports the other's
+caller. Bad input raises a one-line ``TraceError``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+from tltsim.trace.schema import SUFFIXES, Trace, TraceError, dumps_trace, trace_from_dict
+
+TABULAR_SUFFIXES = (".csv", ".parquet")
+
+
+def trace_suffix(path: Path) -> str:
+    """The suffix of ``path`` that names its format (``.json.gz`` before ``.json``)."""
+    name = path.name.lower()
+    for suffix in sorted(SUFFIXES, key=len, reverse=True):
+        if name.endswith(suffix):
+            return suffix
+    raise TraceError(
+        f"{path}: unknown trace file type: expected a name ending in {', '.join(SUFFIXES)}"
+    )
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        data = path.read_bytes()
+        if path.name.lower().endswith(".gz"):
+            data = gzip.decompress(data)
+        return json.loads(data)
+    except FileNotFoundError:
+        raise TraceError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise TraceError(f"{path}: is a directory, expected a trace file") from None
+    except json.JSONDecodeError as err:
+        raise TraceError(
+            f"{path}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno}); truncated file?"
+        ) from None
+    except (OSError, EOFError, UnicodeDecodeError) as err:  # gzip.BadGzipFile is an OSError
+        raise TraceError(
+            f"{path}: cannot read: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+        ) from None
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Load and validate a trace; the format follows the suffix (.json, .json.gz, .csv, .parquet)."""
+    path = Path(path)
+    suffix = trace_suffix(path)
+    if suffix in TABULAR_SUFFIXES:
+        from tltsim.trace import table  # pandas is only needed for the tabular twin
+
+        return table.read_table(path, suffix)
+    return trace_from_dict(_read_json(path), str(path))
+
+
+def save_trace(trace: Trace, path: str | Path, allow_lossy: bool = False) -> None:
+    """Write ``trace``; the format follows the suffix. The tabular twins (CSV, Parquet) cannot hold
+    ``accept_hist`` or ``measured``: they refuse such a trace unless ``allow_lossy`` is set."""
+    path = Path(path)
+    suffix = trace_suffix(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if suffix in TABULAR_SUFFIXES:
+        from tltsim.trace import table
+
+        table.write_table(trace, path, suffix, allow_lossy)
+        return
+    data = dumps_trace(trace).encode()
+    if suffix == ".json.gz":
+        data = gzip.compress(data, mtime=0)  # mtime=0: same trace, same bytes
+    path.write_bytes(data)
