@@ -3,13 +3,15 @@
     python -c "from analysis.replay_plots import draw_all; draw_all('results/replay-x')"
     (or: tltsim report results/replay-x)
 
-Reads ``steps.csv``, ``timeline.parquet`` and ``responses.parquet``; writes to ``DIR/plots/``:
-length_cdf, gantt_slowest_step, active_requests, step_breakdown, step_time_per_policy,
-accept_length.
+Reads ``steps.csv``, ``timeline.parquet``, ``responses.parquet`` and ``summary.json`` (speedups
+and their intervals); writes to ``DIR/plots/``: length_cdf, gantt_slowest_step,
+active_requests, step_breakdown, step_time_per_policy (with each policy's speedup and its
+interval as an error bar), accept_length.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import matplotlib
@@ -205,8 +207,18 @@ def step_breakdown(steps: pd.DataFrame, path: Path) -> Path:
     return _save(fig, path)
 
 
-def step_time_per_policy(steps: pd.DataFrame, path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+def step_time_per_policy(steps: pd.DataFrame, path: Path, summary: dict | None = None) -> Path:
+    """Step time per RL step of each policy with the ideal rollout; beside it, when ``summary``
+    (``summary.json``) has speedups vs NoSpec, each policy's speedup with its interval as an
+    error bar."""
+    policies = summary["policies"] if summary else []
+    has_speedup = any("speedup_vs_nospec" in row for row in policies)
+    if has_speedup:
+        fig, (ax, right) = plt.subplots(
+            1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 1]}
+        )
+    else:
+        fig, ax = plt.subplots(figsize=(9, 4.5))
     for policy in dict.fromkeys(steps.policy):
         s = steps[steps.policy == policy]
         ax.plot(
@@ -223,14 +235,35 @@ def step_time_per_policy(steps: pd.DataFrame, path: Path) -> Path:
         ideal.values,
         color="black",
         ls=":",
-        label="ideal rollout (no tail, lower bound)",
+        label="ideal rollout (lower bound: max(work bound, critical path))",
     )
     ax.set_xlabel("RL step")
     ax.set_ylabel("step time (seconds)")
     ax.set_title("Step time per policy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    if has_speedup:
+        speedup_bars(right, policies, summary.get("speedup_interval"))
     return _save(fig, path)
+
+
+def speedup_bars(ax: plt.Axes, policies: list[dict], interval: dict | None) -> None:
+    """Each policy's mean step-time speedup vs NoSpec, its interval as an error bar."""
+    rows = [r for r in policies if "speedup_vs_nospec" in r]
+    x = np.arange(len(rows))
+    values = np.array([r["speedup_vs_nospec"] for r in rows])
+    low = np.array([r.get("speedup_vs_nospec_low", r["speedup_vs_nospec"]) for r in rows])
+    high = np.array([r.get("speedup_vs_nospec_high", r["speedup_vs_nospec"]) for r in rows])
+    ax.bar(x, values, color=[POLICY_COLORS.get(r["policy"], "#7f7f7f") for r in rows])
+    ax.errorbar(
+        x, values, yerr=[values - low, high - values], fmt="none", ecolor="black", capsize=4
+    )
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(x, [r["policy"] for r in rows])
+    ax.set_ylabel("step-time speedup vs NoSpec")
+    sources = ",\n".join(interval["sources"]) if interval and interval["sources"] else "none"
+    ax.set_title(f"Speedup vs NoSpec, min-max over\n{sources}", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
 
 
 def accept_length(steps: pd.DataFrame, path: Path) -> Path:
@@ -284,7 +317,9 @@ def draw_all(out_dir: str | Path) -> list[Path]:
         step = slowest_step(steps)
         written.append(gantt(timeline, step, plots / "gantt_slowest_step.png"))
         written.append(active_requests(timeline, step, plots / "active_requests.png"))
-    written.append(step_time_per_policy(steps, plots / "step_time_per_policy.png"))
+    summary_path = out_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    written.append(step_time_per_policy(steps, plots / "step_time_per_policy.png", summary))
     if steps.sd_verifies.sum() > 0:
         written.append(accept_length(steps, plots / "accept_length.png"))
     return written

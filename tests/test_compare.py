@@ -258,6 +258,22 @@ def _measured_trace(**measured) -> dict:
         (_measured_trace(prefix_block_tokens=0), [], "measured.prefix_block_tokens"),
         (_measured_trace(), ["--profile", "/nonexistent.csv"], "/nonexistent.csv"),
         (_measured_trace(), ["--hardware", "TPU"], "hardware"),
+        # the simulator has no history-drafter acceptance model yet (issue #20)
+        (
+            _measured_trace(policy={"name": "tltbase"}),
+            [],
+            "cannot replay history-drafter decisions",
+        ),
+        (
+            _measured_trace(policy={"name": "tlt", "config": {"drafters": ["eagle", "history"]}}),
+            [],
+            "cannot replay history-drafter decisions",
+        ),
+        (
+            _measured_trace(accept_hist_by_strategy={"history:3_1_3": [1, 2]}),
+            [],
+            "step 0: field 'measured': verifies of the history drafter",
+        ),
     ],
 )
 def test_bad_input_is_one_line_exit_2(trace, extra, expected, profile_path, tmp_path, capsys):

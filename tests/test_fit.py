@@ -9,6 +9,7 @@ Run: .venv/bin/python -m pytest tests/test_fit.py -q
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -225,6 +226,50 @@ def test_bad_measured_trace_is_one_line_exit_2(
     assert main(["fit", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(path) in err and expected in err, err
+
+
+def _with_history_arm(trace: Trace, strategy: str, history: dict[str, list[int]] | None) -> Trace:
+    """The trace with each step's verifies recorded by strategy: its responses' summed
+    histogram under ``strategy``, plus ``history`` (history-drafter arms) when given."""
+    steps = []
+    for s in trace.steps:
+        total = [0] * max(len(r.accept_hist) for p in s.prompts for r in p.responses)
+        for p in s.prompts:
+            for r in p.responses:
+                total = [
+                    t + (r.accept_hist[i] if i < len(r.accept_hist) else 0)
+                    for i, t in enumerate(total)
+                ]
+        by_strategy = {strategy: tuple(total), **{k: tuple(h) for k, h in (history or {}).items()}}
+        measured = dataclasses.replace(s.measured, accept_hist_by_strategy=by_strategy)
+        steps.append(dataclasses.replace(s, measured=measured))
+    return dataclasses.replace(trace, steps=tuple(steps))
+
+
+def test_history_arms_are_left_out_of_the_eagle_fit_with_one_warning(tmp_path: Path, capsys):
+    """A history arm that accepts everything would pull every step's rate up: the fit ignores
+    it (same result as without it), says so in one warning line, and a trace with history
+    verifies only is one error line."""
+    from tltsim.fidelity.fit import SkippedArmWarning
+
+    base = synthetic_trace(TRUE, [0] * 6, "3_1_3", num_prompts=4)
+    plain = _with_history_arm(base, "3_1_3", None)
+    mixed = _with_history_arm(base, "3_1_3", {"history:6_1_6": [0, 0, 0, 0, 0, 0, 500]})
+    want = fit_trace(plain, FitConfig(), "plain")
+    with pytest.warns(SkippedArmWarning, match=r"left out 3000 verifies of history:6_1_6"):
+        got = fit_trace(mixed, FitConfig(), "mixed")
+    assert [s.accept_rate for s in got.steps] == [s.accept_rate for s in want.steps]
+    assert got.dynamics == want.dynamics
+    path = tmp_path / "mixed.json"
+    save_trace(mixed, path)
+    assert main(["fit", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "history:6_1_6" in err, err
+    only = _with_history_arm(base, "history:3_1_3", None)
+    path = _bad(tmp_path, only)
+    assert main(["fit", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no EAGLE-drafter verifies recorded" in err, err
 
 
 def test_bad_config_and_dynamics_file(tmp_path: Path, capsys) -> None:

@@ -15,7 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from simtools import clusters, make_trace, roofline, run, small_traces
 
-from tltsim.policy import NoSpec
+from tltsim.policy import DEFAULT_POLICY_NAMES, OFF, NoSpec
+from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.sim.metrics import critical_path_s, ideal_bound, response_frontier
 from tltsim.sim.simulator import SimConfig, place, simulate
 from tltsim.trace.files import load_trace
 from tltsim.trace.schema import Trace
@@ -237,3 +239,78 @@ def test_shared_prompts_reuse_whole_blocks_only() -> None:
     assert _prefill_s(none) == pytest.approx(cost.prefill_s(800, 0.0, 4))
     with pytest.raises(ValueError, match="prefix_block_tokens"):
         SimConfig(prefix_block_tokens=0)
+
+
+# -- the ideal bound: max(work bound, critical path) --------------------------------------------
+
+PERFECT = DrafterDynamics(max_accept_rate=1.0, initial_accept_rate=1.0, stale_accept_rate=1.0)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    trace=small_traces(),
+    cluster=clusters(),
+    policy=st.sampled_from(DEFAULT_POLICY_NAMES),
+    is_perfect=st.booleans(),
+    exact=st.booleans(),
+)
+def test_rollout_never_beats_the_ideal_bound(
+    trace: Trace, cluster: dict, policy: str, is_perfect: bool, exact: bool
+) -> None:
+    result = run(trace, policy, drafter=PERFECT if is_perfect else None, exact=exact, **cluster)
+    for rec in result.steps:
+        assert rec.ideal_rollout_s == max(rec.ideal_work_s, rec.ideal_critical_path_s)
+        assert rec.ideal_critical_path_s > 0 and rec.ideal_work_s > 0
+        assert rec.rollout_s >= rec.ideal_rollout_s * (1 - 1e-9)  # rounding of the clock
+
+
+def test_one_long_response_makes_the_critical_path_dominate() -> None:
+    # 63 short responses and one of 30k tokens on 8 GPUs: the work is small, the tail is not
+    lengths = [[[100] * 8] * 7 + [[100] * 7 + [30_000]]]
+    rec = run(make_trace(lengths), "nospec", num_gpus=8).steps[0]
+    assert rec.ideal_critical_path_s > 10 * rec.ideal_work_s
+    assert rec.ideal_rollout_s == rec.ideal_critical_path_s
+    # the old work-only ratio suggested >10x headroom; against the honest bound there is little
+    assert rec.rollout_s / rec.ideal_work_s > 10
+    assert 1.0 <= rec.rollout_s / rec.ideal_rollout_s < 1.05
+
+
+def test_many_equal_responses_make_the_work_bound_dominate() -> None:
+    # 2048 responses of 500 tokens on one GPU: compute-bound batches of 1024 take far longer
+    # than one response alone
+    rec = run(make_trace([[[500] * 16] * 128]), "nospec", num_gpus=1).steps[0]
+    assert rec.ideal_work_s > 2 * rec.ideal_critical_path_s
+    assert rec.ideal_rollout_s == rec.ideal_work_s
+
+
+@pytest.mark.parametrize("policy", ["nospec", "static"])
+def test_critical_path_is_tight_for_one_response_alone(policy: str) -> None:
+    # one response on one GPU, every draft accepted: the rollout is its critical path, plus the
+    # SD switch's re-prefill and what the bound's chunked context leaves out
+    result = run(make_trace([[[8000]]]), policy, num_gpus=1, drafter=PERFECT)
+    rec = result.steps[0]
+    assert rec.ideal_critical_path_s <= rec.rollout_s <= 1.03 * rec.ideal_critical_path_s
+    shares = result.shares[0]
+    assert critical_path_s(200, 8000, roofline(), []) == pytest.approx(
+        ideal_bound(shares, roofline(), 1024, [OFF]).critical_path_s
+    )
+
+
+def test_response_frontier_keeps_only_undominated_pairs() -> None:
+    prompts = np.array([10, 20, 20, 5, 30, 1])
+    responses = np.array([900, 50, 800, 1000, 10, 1000])
+    assert response_frontier(prompts, responses) == ((30, 10), (20, 800), (10, 900), (5, 1000))
+
+
+def test_simulator_refuses_history_drafter_decisions() -> None:
+    """No acceptance model for the history drafter yet (#20 item 3): an error, not EAGLE's."""
+    from tltsim.errors import UsageError
+
+    trace = make_trace([[[40] * 4, [300] * 4]])
+    with pytest.raises(UsageError, match="history"):
+        run(trace, "tltbase", num_gpus=1, tp=1)
+    with pytest.raises(ValueError, match="tltbase runs in tltrun only"):
+        from tltsim.sim.replay import policy_names
+
+        policy_names("nospec,tltbase")
+    assert policy_names("all") == ("nospec", "static", "tlt")

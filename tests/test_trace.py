@@ -225,6 +225,42 @@ def test_measured_block_loads_typed_and_saves_byte_identical() -> None:
     assert m.policy.sd_strategies() == ["2_1_2", "3_1_3"]
 
 
+def test_history_arms_make_version_2_and_both_versions_load(tmp_path: Path) -> None:
+    """A measured block naming the history drafter's arm is written as version 2 (JSON and the
+    one-prompt-per-line text alike) and loads back equal; without one a trace stays version 1
+    and byte-identical; a reader takes 1 and 2 (the stated version is not checked against the
+    content) and refuses 3."""
+    from tltsim.trace.schema import version_of
+
+    block = {
+        "accept_hist_by_strategy": {"4_1_4": [1, 2], "history:6_1_6": [0, 1, 0, 0, 0, 0, 3]},
+        "policy": {"name": "tlt", "iterations_per_strategy": {"history:6_1_6": 4, "off": 2}},
+        "response_accept_hist_by_strategy": {"a": [{"history:6_1_6": [0, 1]}, {}]},
+    }
+    plain = _example()
+    arms = dataclasses.replace(
+        plain,
+        steps=(dataclasses.replace(plain.steps[0], measured=MeasuredStep.from_dict(block)),)
+        + plain.steps[1:],
+    )
+    assert arms.steps[0].measured.arm_drafters() == {"eagle", "history"}
+    assert (version_of(plain), version_of(arms)) == (1, 2)
+    assert trace_to_dict(arms)["version"] == 2 and trace_to_dict(plain)["version"] == 1
+    assert json.loads(dumps_trace(arms))["version"] == 2
+    path = tmp_path / "v2.json"
+    save_trace(arms, path)
+    assert load_trace(path) == arms
+    doc = trace_to_dict(arms)
+    doc["version"] = 1  # e.g. tltrun train's step log rebuilt under a version-1 header
+    assert trace_from_dict(doc, "mem") == arms
+    doc = trace_to_dict(plain)
+    doc["version"] = 2
+    assert trace_from_dict(doc, "mem") == plain and trace_to_dict(plain)["version"] == 1
+    doc["version"] = 3
+    with pytest.raises(TraceError, match="'version': expected 1 or 2"):
+        trace_from_dict(doc, "mem")
+
+
 def test_measured_block_absent_and_null_differ() -> None:
     """Absent fields are None (UNRECORDED for the cap, whose null is a value) and stay absent."""
     empty = MeasuredStep.from_dict({})
@@ -332,7 +368,7 @@ JSON_CASES = {
     ),
     "int id": (lambda d: _prompt(d).update(id=3), ["step 0 prompts[0]", "'id'", "string"]),
     "wrong format": (lambda d: d.update(format="tlt-trac"), ["'format'", "'tlt-trace'"]),
-    "wrong version": (lambda d: d.update(version=2), ["'version'", "got 2"]),
+    "wrong version": (lambda d: d.update(version=3), ["'version'", "got 3"]),
     "string version": (lambda d: d.update(version="1"), ["'version'", "got '1'"]),
     "empty steps": (lambda d: d.update(steps=[]), ["'steps'", "non-empty"]),
     "empty prompts": (
@@ -406,6 +442,16 @@ JSON_CASES = {
             measured={"response_accept_hist_by_strategy": {"p0": [{"4_1_4": [-1]}, {}]}}
         ),
         ["step 0", "'measured.response_accept_hist_by_strategy'"],
+    ),
+    "measured unknown drafter arm": (
+        lambda d: d["steps"][0].update(measured={"accept_hist_by_strategy": {"medusa:2_1_2": [1]}}),
+        ["step 0", "'measured.accept_hist_by_strategy'", "DRAFTER:strategy", "history"],
+    ),
+    "measured eagle arm": (  # EAGLE's keys stay plain strategies: one key form per drafter
+        lambda d: d["steps"][0].update(
+            measured={"policy": {"iterations_per_strategy": {"eagle:2_1_2": 1}}}
+        ),
+        ["step 0", "'measured.policy.iterations_per_strategy'"],
     ),
     "measured bad clock": (
         lambda d: d["steps"][0].update(measured={"clock": "gpu"}),
@@ -494,8 +540,8 @@ FILE_CASES = {
     "csv empty": ("t.csv", lambda: "", ["empty CSV"]),
     "csv wrong version": (
         "t.csv",
-        lambda: "# tlt-trace v2 meta: {}\nstep,prompt_id,prompt_tokens,response_tokens\n0,a,3,5\n",
-        ["'version'", "got 2"],
+        lambda: "# tlt-trace v3 meta: {}\nstep,prompt_id,prompt_tokens,response_tokens\n0,a,3,5\n",
+        ["'version'", "got 3"],
     ),
     "csv over cap": (
         "t.csv",

@@ -175,6 +175,32 @@ def test_greedy_tlt_rollouts_equal_greedy_nospec(model_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_greedy_tltbase_rollouts_equal_greedy_nospec_and_record_history_arms(model_dir, tmp_path):
+    """--policy tltbase gets the TLT settings (threshold) and drafts from the history (issue
+    #20): lossless, and the trace keys its verifies by arm, so it is written as version 2."""
+    from tltsim.errors import UsageError
+
+    logs = {}
+    for policy in ("nospec", "tltbase"):
+        out = tmp_path / policy
+        cfg = config(model_dir, out, policy=policy, temperature=0.0, num_steps=2, tlt_threshold=2)
+        run_train(cfg, TASK)
+        logs[policy] = rows(out)
+    assert [r["rollout_sha1"] for r in logs["tltbase"]] == [
+        r["rollout_sha1"] for r in logs["nospec"]
+    ]
+    assert all(r["sd_on_fraction"] > 0 for r in logs["tltbase"])  # SD really ran
+    path = tmp_path / "tltbase" / "trace.json"
+    assert json.loads(path.read_text())["version"] == 2
+    trace = load_trace(path)
+    for step in trace.steps:
+        assert step.measured.policy.config["threshold"] == 2
+        assert set(step.measured.accept_hist_by_strategy) == {"history:6_1_6"}
+    with pytest.raises(UsageError, match="cannot replay history-drafter decisions"):
+        measured_run(trace, str(path))
+
+
+@pytest.mark.slow
 def test_sampled_tlt_matches_nospec_length_distribution(model_dir, reference_run, tmp_path):
     out = tmp_path / "tlt"
     run_train(config(model_dir, out, policy="tlt"), TASK)

@@ -363,3 +363,76 @@ def test_sampling_a_batch_of_long_prompts_on_cpu(fresh):
     again = sampled.generate(reqs, NoSpec(), step=3)
     assert [len(t) for t in tokens(first)] == [8] * 8
     assert tokens(first) == tokens(again)  # seeded per (step, request): reproducible
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"drafter": "medusa"}, "drafter must be one of"),
+        ({"drafter": "history"}, "needs control 'iteration' or 'switch'"),
+        ({"control": "iteration", "ngram_min": 3, "ngram_max": 2}, "ngram_min <= ngram_max"),
+    ],
+)
+def test_config_rejects_bad_history_settings(fields, message):
+    with pytest.raises(ValueError, match=message):
+        VLLMBackendConfig(**fields)
+
+
+def test_engine_args_for_the_history_drafter_are_vllm_ngram(ckpt):
+    config = VLLMBackendConfig(
+        control="iteration", drafter="history", max_draft_steps=3, ngram_min=2, ngram_max=4
+    )
+    spec = engine_args(str(ckpt["root"] / "target"), None, config).create_engine_config()
+    spec = spec.speculative_config
+    assert (spec.method, spec.num_speculative_tokens) == ("ngram", 3)
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (2, 4)
+    with pytest.raises(ValueError, match="takes no drafter checkpoint"):
+        engine_args(str(ckpt["root"] / "target"), str(ckpt["root"] / "drafter"), config)
+
+
+def test_history_drafter_as_vllm_ngram_is_lossless_and_refused_on_eagle(fresh, ckpt):
+    """vLLM's ngram prompt lookup runs history decisions (StaticSpec history:3_1_3, TLTBase):
+    greedy output equals plain greedy decoding, drafts were accepted, records name the drafter.
+    The module's EAGLE engine refuses a history decision (one method per engine) and is left
+    clean for the next rollout."""
+    from tltsim.policy import TLTBase
+
+    history = StaticSpec(strategy="history:3_1_3")
+    with pytest.raises(ValueError, match="one speculative method per engine"):
+        fresh.generate(requests(), history)
+    assert tokens(fresh.generate(requests(), NoSpec())) == tokens(
+        torch_engine(ckpt["target"], None).generate(requests(), NoSpec())
+    )
+    config = VLLMBackendConfig(
+        control="iteration",
+        drafter="history",
+        max_draft_steps=MAX_DRAFT_STEPS,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_model_len=256,
+        kv_cache_bytes=128 << 20,
+        max_num_batched_tokens=PROMPT_BUDGET,
+        ngram_min=1,
+        ngram_max=3,
+    )
+    engine = VLLMBackend(str(ckpt["root"] / "target"), None, config, GREEDY)
+    try:
+        # a bigram target: greedy output enters a cycle, which prompt lookup then drafts
+        target, _ = bigram_pair(layer_scale=0.0, fc_noise=0.0)
+        engine.update_weights(target.state_dict())
+        lengths = (16, 32, 48, 64)
+        greedy = torch_engine(target, None).generate(requests(lengths), NoSpec())
+        tail = TLTBase(threshold=2, warmup_checks=1, strategies=("3_1_3",), bucket_starts=(1,))
+        for policy in (history, tail):
+            result = engine.generate(requests(lengths), policy)
+            assert tokens(result) == tokens(greedy)
+            sd = [it for it in result.iterations if it.drafter is not None]
+            assert sd and {it.drafter for it in sd} == {"history"}
+            assert sum(sum(it.accept_lens) for it in sd) >= 3  # drafts were accepted: teeth
+            keys = {k for o in result.outputs for k in o.accept_hist_by_strategy}
+            assert keys == {"history:3_1_3"}
+        with pytest.raises(ValueError, match="one speculative method per engine"):
+            engine.generate(requests(), CHAIN3)
+        with pytest.raises(ValueError, match="without an EAGLE drafter"):
+            engine.update_drafter(ckpt["drafter"].state_dict())
+    finally:
+        engine.close()

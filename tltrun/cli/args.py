@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Any
 
 from tltrun.rollout.engine import EngineConfig
@@ -68,6 +69,43 @@ def engine_config_from_args(
         ) from None
     except ValueError as err:
         raise UsageError(f"EngineConfig: {err}") from None
+
+
+def check_kv_cache_fits(model_dir: str, engine_cfg: EngineConfig) -> None:
+    """Refuse sizes whose preallocated KV cache (K and V: layers x max_running_requests x KV
+    heads x max_model_len x head_dim) exceeds the device's memory, before allocating it:
+    ``--max-running-requests 10^12`` was an allocator traceback, and on Linux a size just
+    below the limit can be granted lazily and then kill the machine's other processes."""
+    import torch
+
+    from tltrun.model.transformer import CheckpointError, read_config
+    from tltrun.rollout.engine import DTYPES
+
+    try:
+        model = read_config(model_dir)
+    except CheckpointError as err:
+        raise UsageError(str(err)) from None
+    element_bytes = torch.empty((), dtype=DTYPES[engine_cfg.dtype]).element_size()
+    need = (
+        2
+        * model.num_hidden_layers
+        * engine_cfg.max_running_requests
+        * model.num_key_value_heads
+        * engine_cfg.max_model_len
+        * model.head_dim
+        * element_bytes
+    )
+    device = torch.device(engine_cfg.device)
+    if device.type == "cuda":
+        have = torch.cuda.mem_get_info(device)[1]
+    else:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > have:
+        raise UsageError(
+            f"--max-running-requests {engine_cfg.max_running_requests} x --max-model-len "
+            f"{engine_cfg.max_model_len}: the KV cache needs {need / 2**30:,.1f} GiB, more than "
+            f"the {have / 2**30:,.1f} GiB of {device.type} memory"
+        )
 
 
 def config_dict(**configs: Any) -> dict[str, Any]:

@@ -15,9 +15,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tltrun.cli.args import add_engine_args, config_dict, engine_config_from_args, engine_defaults
+from tltrun.cli.args import (
+    add_engine_args,
+    check_kv_cache_fits,
+    config_dict,
+    engine_config_from_args,
+    engine_defaults,
+)
 from tltrun.rollout.bench import BenchConfig, load_bench_trace, run_bench, select_steps
-from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.cli.table import format_table
 from tltsim.jsonio import write_json
 
@@ -49,12 +55,14 @@ def format_results(results: dict[str, Any]) -> str:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(BenchConfig, args)
+    check_out_dir(cfg.out)
     trace = load_bench_trace(cfg)
     steps = select_steps(trace, cfg, max_model_len=None)
     # Defaults sized to the replay: the most responses of one step, the longest scaled request.
     widest = max(sum(len(p.responses) for p in s.prompts) for s in steps)
     longest = max(p.prompt_tokens + r.tokens for s in steps for p in s.prompts for r in p.responses)
     engine_cfg = engine_config_from_args(args, defaults=engine_defaults(cfg.model, widest, longest))
+    check_kv_cache_fits(cfg.model, engine_cfg)
     results = run_bench(cfg, engine_cfg, trace)
     out = Path(cfg.out)
     write_json(out / "config.json", config_dict(bench=cfg, engine=engine_cfg))

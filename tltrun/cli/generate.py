@@ -17,17 +17,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tltrun.cli.args import add_engine_args, config_dict, engine_config_from_args, engine_defaults
+from tltrun.cli.args import (
+    add_engine_args,
+    check_kv_cache_fits,
+    config_dict,
+    engine_config_from_args,
+    engine_defaults,
+)
+from tltrun.model.transformer import check_device
 from tltrun.rollout.engine import DTYPES
 from tltrun.rollout.interface import Request
-from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.errors import UsageError
-from tltsim.jsonio import write_json
+from tltsim.jsonio import parse_json, read_text, write_json
 from tltsim.policy import POLICY_NAMES
+from tltsim.trace.schema import MAX_COUNT
+
+# Most requests (prompt lines x group size) one ``generate`` builds: vLLM's max_num_seqs default
+# (256) times 4096 waves; --group-size 10^9 spent minutes building request objects, never ran.
+MAX_REQUESTS = 2**20
+
+
+class PromptWarning(UserWarning):
+    """A legal but suspicious prompt (empty, or characters the tokenizer maps to <unk>)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +82,10 @@ class GenerateConfig:
                 raise ValueError(f"--{name} is required")
         if self.group_size < 1 or (self.max_new_tokens is not None and self.max_new_tokens < 1):
             raise ValueError("group_size and max_new_tokens must be >= 1")
+        if self.group_size > MAX_REQUESTS:
+            raise ValueError(f"group_size must be <= {MAX_REQUESTS}, got {self.group_size}")
+        if not 0 <= self.step <= MAX_COUNT:  # the trace format's bound on step numbers
+            raise ValueError(f"step must be in [0, {MAX_COUNT}], got {self.step}")
 
 
 @dataclass(frozen=True)
@@ -97,41 +118,66 @@ class TrainDrafterConfig:
         for name in ("model", "data", "out"):
             if not getattr(self, name):
                 raise ValueError(f"--{name} is required")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        check_device(self.device)
 
 
 def read_prompts(path: str, model_dir: str, cfg: GenerateConfig) -> tuple[list[Request], Any]:
-    """Requests (``group_size`` per prompt line) and the tokenizer if text prompts were used."""
-    file = Path(path)
-    if not file.is_file():
-        raise UsageError(f"--prompts {path}: no such file")
+    """Requests (``group_size`` per prompt line) and the tokenizer if text prompts were used.
+    A legal but suspicious text prompt (empty, or with characters the tokenizer maps to
+    ``<unk>``) is generated anyway, with one ``PromptWarning`` counting them all."""
     tokenizer = None
     requests = []
-    for lineno, line in enumerate(file.read_text().splitlines(), start=1):
+    num_empty = num_with_unk = num_unk_chars = 0
+    for lineno, line in enumerate(read_text(path, "prompt file").splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path} line {lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UsageError(f"{where}: not valid JSON ({err.msg})") from None
+        obj = parse_json(line, where)
         if not isinstance(obj, dict) or "id" not in obj:
             raise UsageError(f"{where}: expected an object with an 'id' field")
+        if not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
+            raise UsageError(f"{where}: 'id' must be a string or an integer, got {obj['id']!r}")
         if "prompt_token_ids" in obj:
             ids = obj["prompt_token_ids"]
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+            if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
                 raise UsageError(f"{where}: 'prompt_token_ids' must be a non-empty list of ints")
         elif "prompt" in obj:
+            text = obj["prompt"]
+            if not isinstance(text, str):  # str(123) or str(["x"]) was generated silently
+                raise UsageError(
+                    f"{where}: 'prompt' must be a string, got {type(text).__name__} {text!r:.40}"
+                )
             tokenizer = tokenizer or _load_tokenizer(model_dir)
-            ids = tokenizer.encode(str(obj["prompt"]), add_bos=True)
+            ids = tokenizer.encode(text, add_bos=True)
+            num_unk = ids.count(tokenizer.unk_id)
+            num_empty += not text
+            num_with_unk += num_unk > 0
+            num_unk_chars += num_unk
         else:
             raise UsageError(f"{where}: needs 'prompt_token_ids' or 'prompt'")
         max_new = obj.get("max_new_tokens", cfg.max_new_tokens)
-        if not isinstance(max_new, int) or max_new < 1:
+        if type(max_new) is not int or max_new < 1:
             raise UsageError(f"{where}: no valid 'max_new_tokens' (and no --max-new-tokens given)")
+        if (len(requests) + cfg.group_size) > MAX_REQUESTS:
+            raise UsageError(
+                f"--prompts {path}: more than {MAX_REQUESTS} requests (prompts x --group-size)"
+            )
         for i in range(cfg.group_size):
-            requests.append(Request(f"{obj['id']}/{i}", tuple(ids), max_new))
+            # the prompts file's id keys the history drafter's index (issue #20)
+            requests.append(
+                Request(f"{obj['id']}/{i}", tuple(ids), max_new, prompt_id=str(obj["id"]))
+            )
     if not requests:
         raise UsageError(f"--prompts {path}: no prompts")
+    if num_empty or num_with_unk:
+        warnings.warn(
+            f"--prompts {path}: {num_empty} empty prompt(s); {num_with_unk} prompt(s) with "
+            f"{num_unk_chars} character(s) outside the tokenizer's alphabet, encoded as <unk>",
+            PromptWarning,
+            stacklevel=2,
+        )
     return requests, tokenizer
 
 
@@ -154,11 +200,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tltsim.trace.schema import Trace
 
     cfg = dataclass_from_args(GenerateConfig, args)
+    check_out_dir(cfg.out)
     requests, tokenizer = read_prompts(cfg.prompts, cfg.model, cfg)
     longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
     engine_cfg = engine_config_from_args(
         args, defaults=engine_defaults(cfg.model, len(requests), longest)
     )
+    check_kv_cache_fits(cfg.model, engine_cfg)
     target = load_hf(cfg.model, dtype=DTYPES[engine_cfg.dtype], device=engine_cfg.device)
     drafter = load_drafter(cfg.drafter, target) if cfg.drafter else None
     settings = {"strategy": cfg.strategy} if cfg.policy == "static" else {}
@@ -216,6 +264,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
     cfg = dataclass_from_args(TrainDrafterConfig, args)
     train_cfg = dataclass_from_args(DrafterTrainConfig, args, prefix="train-")
+    check_out_dir(cfg.out)
     target = load_hf(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
     drafter = (
         load_drafter(cfg.init, target)
@@ -247,20 +296,23 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 
 def _read_generations(path: str, vocab_size: int) -> list[tuple[list[int], int]]:
-    file = Path(path)
-    if not file.is_file():
-        raise UsageError(f"--data {path}: no such file")
     out = []
-    for lineno, line in enumerate(file.read_text().splitlines(), start=1):
+    for lineno, line in enumerate(read_text(path, "generations file").splitlines(), start=1):
         if not line.strip():
             continue
+        obj = parse_json(line, f"{path} line {lineno}")
         try:
-            obj = json.loads(line)
             prompt, output = obj["prompt_token_ids"], obj["output_token_ids"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (KeyError, TypeError):
             raise UsageError(
                 f"{path} line {lineno}: expected JSON with 'prompt_token_ids' and 'output_token_ids'"
             ) from None
+        if not all(
+            isinstance(x, list) and all(type(t) is int for t in x) for x in (prompt, output)
+        ):
+            raise UsageError(
+                f"{path} line {lineno}: 'prompt_token_ids' and 'output_token_ids' must be lists of ints"
+            )
         ids = list(prompt) + list(output)
         if len(ids) < 3 or min(ids) < 0 or max(ids) >= vocab_size:
             raise UsageError(f"{path} line {lineno}: need >= 3 tokens, all in [0, {vocab_size})")

@@ -12,22 +12,22 @@ whose ``register(subparsers)`` adds its parsers; flags map 1:1 onto config datac
 output directory gets the resolved ``config.json``. The libraries they call hold no argument
 parsing and print nothing.
 
-Bad input (missing file, bad model directory, missing field: any ``tltsim.errors.TLTError``)
-prints one ``error:`` line and exits 2.
+Bad input (missing file, bad model directory, missing field, bad flag: any
+``tltsim.errors.TLTError``) prints one ``error:`` line and exits 2
+(``tltsim.cli.args.run_command``).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
-from tltsim.errors import TLTError
+from tltsim.cli.args import OneLineParser, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
     from tltrun.cli import bench, generate, profile, sft, train
 
-    parser = argparse.ArgumentParser(prog="tltrun", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="tltrun", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     generate.register(sub)  # generate, train-drafter
     bench.register(sub)
@@ -39,11 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except TLTError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_command(args.func, args, "tltrun")
 
 
 if __name__ == "__main__":

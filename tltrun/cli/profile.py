@@ -15,11 +15,12 @@ import time
 from pathlib import Path
 
 from tltrun.profile import measure
-from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.args import add_dataclass_args, check_out_file, dataclass_from_args
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(measure.ProfileRunConfig, args)
+    check_out_file(cfg.out)
     start = time.perf_counter()
     rows = measure.run_profile(cfg, datetime.datetime.now(datetime.UTC))
     ops = sorted({r.op for r in rows})

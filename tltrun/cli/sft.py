@@ -89,9 +89,14 @@ def _cmd_sft_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_TASK_SAMPLES = 100_000
+
+
 def _cmd_task(args: argparse.Namespace) -> int:
-    if min(args.num_prompts, args.group_size) < 1:
-        raise UsageError("--num-prompts and --group-size must be >= 1")
+    # Sample problems for reading and 32 x group-size solutions for statistics: 10^5 of either
+    # is already minutes of output; 10^12 never finished.
+    if not (1 <= args.num_prompts <= MAX_TASK_SAMPLES and 1 <= args.group_size <= MAX_TASK_SAMPLES):
+        raise UsageError(f"--num-prompts and --group-size must be in [1, {MAX_TASK_SAMPLES}]")
     cfg = TaskConfig()
     rng = random.Random(args.seed)
     for ex in make_examples(cfg, rng, args.num_prompts, num_solutions=1):

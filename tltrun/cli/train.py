@@ -13,33 +13,38 @@ What one RL step does and what ``--out`` gets: ``tltrun.train.launch``'s docstri
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import tomllib
+import warnings
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
 from tltrun.train import launch
+from tltrun.train import state as train_state
 from tltrun.train.config import TrainConfig
 from tltrun.train.tasks import TaskConfig
 from tltsim.cli.args import add_dataclass_args, dataclass_from_args
 from tltsim.errors import UsageError
+from tltsim.jsonio import parse_json, read_text
 
 
 def load_config_file(path: str) -> dict[str, Any]:
     file = Path(path)
-    if not file.is_file():
-        raise UsageError(f"--config {path}: no such file")
-    try:
-        raw = (
-            tomllib.loads(file.read_text())
-            if file.suffix == ".toml"
-            else json.loads(file.read_text())
-        )
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+    text = read_text(file, "config file")
+    if file.suffix == ".toml":
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            raise UsageError(f"--config {path}: not valid TOML ({err})") from None
+    else:
+        raw = parse_json(text, f"--config {path}")
+    if not isinstance(raw, dict):
         raise UsageError(
-            f"--config {path}: not valid {file.suffix[1:] or 'JSON'} ({err})"
-        ) from None
+            f"--config {path}: expected a table of TrainConfig fields, got {type(raw).__name__}"
+        )
+    if not isinstance(raw.get("task", {}), dict):
+        raise UsageError(f"--config {path}: [task] must be a table of TaskConfig fields")
     # TOML / JSON arrays -> tuples (the frozen dataclass's tuple fields)
     raw = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
     known = {f.name for f in fields(TrainConfig)}
@@ -59,7 +64,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--config", metavar="PATH", help="TOML or JSON file of TrainConfig fields (+ [task])"
     )
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest intact checkpoint, with the run's settings (config.json)",
+    )
+    parser.add_argument(
+        "--override-config",
+        action="store_true",
+        help="with --resume: accept flags that change the run (recorded in config_history.jsonl)",
+    )
     add_dataclass_args(parser, TrainConfig)
     add_dataclass_args(parser, TaskConfig, prefix="task-")
     parser.set_defaults(func=_cmd_train)
@@ -78,21 +92,62 @@ def _cmd_train(args: argparse.Namespace) -> int:
         base = TrainConfig(**{**{"model_dir": "?", "out": "?"}, **raw})
     except (TypeError, ValueError) as err:
         raise UsageError(f"--config {args.config}: {err}") from None
-    if args.resume and not args.model_dir and not raw.get("model_dir"):
-        previous = Path(args.out or raw.get("out", "")) / "config.json"
-        if previous.is_file():
-            base = TrainConfig(**{**json.loads(previous.read_text())["train"], **raw})
+    if args.override_config and not args.resume:
+        raise UsageError("--override-config applies to --resume only")
+    # A resume starts from the run's own settings; flags and --config change them (and
+    # tltrun.train.launch refuses changes that alter the run unless --override-config).
+    stored = None
+    if args.resume and (args.out or raw.get("out")):
+        stored = train_state.effective_config(Path(args.out or raw["out"]))
+    if stored is not None:
+        try:
+            base = TrainConfig(**{**_tuples(stored["train"]), **raw})
+        except (KeyError, TypeError, ValueError) as err:
+            raise UsageError(f"{args.out or raw['out']}/config.json: {err}") from None
     cfg = dataclass_from_args(TrainConfig, args, base=base)
     if "?" in (cfg.model_dir, cfg.out):
         raise UsageError("--model-dir and --out are required")
     try:
-        task_base = TaskConfig(**{**asdict(launch.task_for(cfg.model_dir)), **task_raw})
-    except (TypeError, ValueError) as err:
+        stored_task = _tuples(stored["task"]) if stored else asdict(launch.task_for(cfg.model_dir))
+        task_base = TaskConfig(**{**stored_task, **task_raw})
+    except (KeyError, TypeError, ValueError) as err:
         raise UsageError(f"[task] section: {err}") from None
     task = dataclass_from_args(TaskConfig, args, prefix="task-", base=task_base)
-    out = launch.run_train(cfg, task, is_resume=args.resume)
+    _check_inputs(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", train_state.RunDirWarning)
+        warnings.showwarning = _show_warning
+        out = launch.run_train(
+            cfg, task, is_resume=args.resume, is_override_config=args.override_config
+        )
     print(f"log.jsonl, trace.json, checkpoints and final/ written to {out}")
     return 0
+
+
+def _check_inputs(cfg: TrainConfig) -> None:
+    """Validate the model and drafter checkpoints' files before any worker starts: a truncated
+    or garbage safetensors file is one error line here instead of a traceback per worker."""
+    from tltrun.model.transformer import check_checkpoint, safetensors_shapes
+
+    check_checkpoint(cfg.model_dir)
+    if cfg.drafter_dir is not None:
+        safetensors_shapes(Path(cfg.drafter_dir) / "model.safetensors")
+
+
+def _tuples(section: dict[str, Any]) -> dict[str, Any]:
+    """config.json's lists back into the frozen dataclasses' tuples."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in section.items()}
+
+
+_default_showwarning = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A run-directory warning as one ``warning:`` line; any other as Python prints it."""
+    if issubclass(category, train_state.RunDirWarning):
+        print(f"warning: {message}", file=sys.stderr)
+    else:
+        _default_showwarning(message, category, filename, lineno, file, line)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

@@ -356,9 +356,7 @@ def export_vllm(drafter: EagleDrafter, out_dir: str | Path, meta: dict | None = 
 def load_drafter(in_dir: str | Path, target: Transformer) -> EagleDrafter:
     """Load an exported drafter (ours, or any EAGLE-1 checkpoint in vLLM's layout without an
     fc bias) and bind it to ``target``; sizes must match the target's."""
-    from safetensors.torch import load_file
-
-    from tltrun.model.transformer import read_config
+    from tltrun.model.transformer import load_safetensors, read_config
 
     root = Path(in_dir)
     cfg = read_config(root)
@@ -375,7 +373,7 @@ def load_drafter(in_dir: str | Path, target: Transformer) -> EagleDrafter:
             )
     if not (root / "model.safetensors").is_file():
         raise CheckpointError(f"{root}: no model.safetensors")
-    tensors = load_file(root / "model.safetensors")
+    tensors = load_safetensors(root / "model.safetensors")
     for shared in ("embed_tokens.weight", "lm_head.weight"):
         tensors.pop(shared, None)  # we always use the target's own
     drafter = EagleDrafter(target.config)
@@ -385,6 +383,12 @@ def load_drafter(in_dir: str | Path, target: Transformer) -> EagleDrafter:
         raise CheckpointError(
             f"{root / 'model.safetensors'}: unexpected tensors {extra[:3]}, missing {missing[:3]}"
         )
+    for name, tensor in drafter.state_dict().items():
+        if tuple(tensors[name].shape) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{root / 'model.safetensors'}: tensor {name!r} has shape "
+                f"{tuple(tensors[name].shape)}, the target implies {tuple(tensor.shape)}"
+            )
     drafter.load_state_dict(tensors)
     weight = target.lm_head.weight
     drafter.to(dtype=weight.dtype, device=weight.device).eval()

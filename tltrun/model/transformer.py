@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tltsim.errors import TLTError
+from tltsim.errors import TLTError, UsageError
+from tltsim.jsonio import read_json
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 ROPE_KINDS = ("default", "linear", "llama3")
@@ -97,9 +98,11 @@ class ModelConfig:
             "num_attention_heads",
             "num_key_value_heads",
             "head_dim",
+            "max_position_embeddings",
         ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            # int32 bound: torch sizes are int64 and a product of two larger ones overflowed
+            if not 1 <= getattr(self, name) < 2**31:
+                raise ValueError(f"{name} must be in [1, 2^31), got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -447,57 +450,159 @@ def read_config(model_dir: str | Path) -> ModelConfig:
         raise CheckpointError(
             f"{model_dir}: no config.json (expected a Hugging Face model directory)"
         )
+    raw = read_json(path, "model config.json", CheckpointError)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
-    return ModelConfig.from_hf_dict(raw, source=str(path))
+        return ModelConfig.from_hf_dict(raw, source=str(path))
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, OverflowError) as err:  # int("x"), int(None), int(inf)
+        raise CheckpointError(f"{path}: {err}") from None
+
+
+def check_device(device: str | torch.device) -> None:
+    """Raise a one-line ValueError unless ``device`` names a torch device this machine has
+    (``--device cuda`` without CUDA was an AssertionError traceback deep in torch). The config
+    dataclasses that hold a device call it in ``__post_init__``."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(
+            f"device {device!r}: not a torch device ({str(err).splitlines()[0]})"
+        ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    elif dev.type not in ("cpu", "meta"):
+        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N")
+
+
+def load_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file; a truncated or garbage file, or one holding NaN or
+    inf, is one CheckpointError naming it (not a SafetensorError traceback, not a silent run)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(file)
+    except (SafetensorError, OSError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(
+            f"{file}: not a readable safetensors file ({reason}); truncated or corrupted?"
+        ) from None
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{file}: tensor {name!r} holds NaN or inf values; corrupted?")
+    return tensors
 
 
 def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of ``model.safetensors`` or of the shards listed in the index file."""
-    from safetensors.torch import load_file
-
     root = Path(model_dir)
     single, index = root / "model.safetensors", root / "model.safetensors.index.json"
     if single.is_file():
-        return load_file(single)
+        return load_safetensors(single)
     if not index.is_file():
         raise CheckpointError(
             f"{root}: neither model.safetensors nor model.safetensors.index.json found"
         )
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError):
+        weight_map = read_json(index, "safetensors index", CheckpointError)["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (KeyError, TypeError, AttributeError):
         raise CheckpointError(f"{index}: expected JSON with a 'weight_map' field") from None
     tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(weight_map.values())):
-        if not (root / shard).is_file():
+    for shard in shards:
+        if not isinstance(shard, str) or not (root / shard).is_file():
             raise CheckpointError(f"{index}: shard {shard!r} listed but missing")
-        tensors.update(load_file(root / shard))
+        tensors.update(load_safetensors(root / shard))
     return tensors
+
+
+def safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes from a safetensors header, reading no weights; a missing,
+    truncated or garbage file is one CheckpointError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(
+            f"{file}: not a readable safetensors file ({reason}); truncated or corrupted?"
+        ) from None
+
+
+def check_checkpoint(model_dir: str | Path) -> ModelConfig:
+    """Validate a model directory without loading its weights: config.json, and every
+    safetensors file's header (a truncated or garbage file fails here) with the tensors' names
+    and shapes against the config. ``tltrun train`` runs it before starting its workers, so a
+    damaged checkpoint is one error line, not a traceback per worker."""
+    root = Path(model_dir)
+    cfg = read_config(root)
+    index = root / "model.safetensors.index.json"
+    if (root / "model.safetensors").is_file():
+        files = [root / "model.safetensors"]
+    elif index.is_file():
+        weight_map = read_json(index, "safetensors index", CheckpointError)
+        if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
+            raise CheckpointError(f"{index}: expected JSON with a 'weight_map' field")
+        files = [root / str(s) for s in sorted(set(map(str, weight_map["weight_map"].values())))]
+    else:
+        raise CheckpointError(
+            f"{root}: neither model.safetensors nor model.safetensors.index.json found"
+        )
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Transformer(cfg).state_dict().items()}
+    found: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        found.update(safetensors_shapes(file))
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    for name, want in shapes.items():
+        if name not in found:
+            raise CheckpointError(f"{root}: missing tensor {name!r}")
+        if found[name] != want:
+            raise CheckpointError(
+                f"{root}: tensor {name!r} has shape {found[name]}, config implies {want}"
+            )
+    return cfg
 
 
 def load_hf(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> Transformer:
+    try:
+        check_device(device)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     cfg = read_config(model_dir)
     tensors = read_safetensors(model_dir)
-    model = Transformer(cfg)
+    # Shapes from a model on the meta device (no memory): a config whose sizes do not match
+    # the weights (e.g. a corrupted vocab_size of 10^21) is reported, never allocated.
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Transformer(cfg).state_dict().items()}
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some tied checkpoints store a duplicate
-    expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    expected = set(shapes) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
     missing = sorted(expected - set(tensors))
     if missing:
         raise CheckpointError(
             f"{model_dir}: missing tensor {missing[0]!r} ({len(missing)} missing in all)"
         )
     for name in expected:
-        want = tuple(model.state_dict()[name].shape)
+        want = shapes[name]
         if tuple(tensors[name].shape) != want:
             raise CheckpointError(
                 f"{model_dir}: tensor {name!r} has shape {tuple(tensors[name].shape)}, config implies {want}"
             )
+    model = Transformer(cfg)
     model.load_state_dict(tensors, strict=False)  # unknown extras (e.g. rotary buffers) ignored
     return model.to(device=device, dtype=dtype).eval()
 

@@ -31,7 +31,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tltsim.errors import UsageError
-from tltsim.policy import POLICY_NAMES
+from tltsim.policy import DEFAULT_POLICY_NAMES, POLICY_NAMES
 from tltsim.trace.schema import Prompt, Response, Step, Trace, TraceError
 
 BACKENDS = ("torch", "vllm")
@@ -51,7 +51,7 @@ class BenchConfig:
         metadata={"help": "exported drafter directory (SD policies need it)", "metavar": "DIR"},
     )
     policy: tuple[str, ...] = field(
-        default=POLICY_NAMES,
+        default=DEFAULT_POLICY_NAMES,
         metadata={"help": "policies compared left to right; speedups are over the first"},
     )
     backend: tuple[str, ...] = field(

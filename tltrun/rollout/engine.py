@@ -13,7 +13,10 @@ then ``finish_rollout()`` (``generate`` does exactly that). One ``step()``, as n
 3. SD off: one plain decode iteration. SD on: re-prefill the drafter for requests it has not
    seen since SD was last on (recorded as its own ``is_drafter_prefill`` IterationRecord, TLT's
    switching cost), then draft, verify the tree in ONE target forward with the tree mask,
-   accept via ``tltrun.rollout.speculative.verify``, compact the accepted path in the KV cache;
+   accept via ``tltrun.rollout.speculative.verify``, compact the accepted path in the KV cache.
+   A decision with ``drafter="history"`` drafts from the model-free history drafter instead
+   (``history_draft``, issue #20: no EAGLE forward, no drafter re-prefill, no drafter needed);
+   its index of the rollouts' tokens is kept across rollouts under ``Request.prompt_id``;
 4. ``policy.observe(SpecFeedback)`` with the measured wall seconds of the iteration and the
    tokens it emitted; finished requests (EOS unless ``ignore_eos``, or ``max_new_tokens``) leave.
 
@@ -42,8 +45,9 @@ import torch
 
 from tltrun.model.batching import padded_groups, right_pad
 from tltrun.model.drafter import EagleDrafter, draft, drafter_prefill, tree_layout
+from tltrun.model.history_drafter import HistoryConfig, HistoryDrafter, tree_nodes
 from tltrun.model.kvcache import ATTN_IMPLS, KVCache
-from tltrun.model.transformer import Transformer
+from tltrun.model.transformer import Transformer, check_device
 from tltrun.rollout.interface import IterationRecord, Request, RolloutResult, SamplingParams
 from tltrun.rollout.scheduler import Scheduler, Sequence
 from tltrun.rollout.speculative import DraftTree, logits_to_probs, sample, verify
@@ -122,6 +126,23 @@ class EngineConfig:
         default=True,
         metadata={"help": "requests with identical prompts (a GRPO group) prefill it once"},
     )
+    # The history drafter (issue #20, tltrun.model.history_drafter), used by SpecDecisions
+    # with drafter="history"; defaults are HistoryConfig's.
+    ngram_min: int = field(
+        default=HistoryConfig.ngram_min,
+        metadata={"help": "shortest context (tokens) a history draft may match"},
+    )
+    ngram_max: int = field(
+        default=HistoryConfig.ngram_max,
+        metadata={"help": "longest context (tokens) a history draft matches"},
+    )
+    history_max_tokens: int = field(
+        default=HistoryConfig.max_history_tokens,
+        metadata={
+            "help": "tokens the history drafter's index keeps across rollouts "
+            "(oldest finished responses evicted first)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_model_len < 2 or self.max_prefill_tokens < 1:
@@ -130,12 +151,23 @@ class EngineConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
+        check_device(self.device)  # cuda without CUDA: one line, not torch's AssertionError
+        if not 0 <= self.seed < 2**63:  # torch.manual_seed's int64 range
+            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
         if self.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl {self.attn_impl!r}: expected one of {ATTN_IMPLS}")
         if self.verify_impl not in VERIFY_IMPLS:
             raise ValueError(f"verify_impl {self.verify_impl!r}: expected one of {VERIFY_IMPLS}")
         if self.max_verify_tokens < 1:
             raise ValueError(f"max_verify_tokens must be >= 1, got {self.max_verify_tokens}")
+        self.history_config()  # validates ngram_min, ngram_max, history_max_tokens
+
+    def history_config(self) -> HistoryConfig:
+        return HistoryConfig(
+            ngram_min=self.ngram_min,
+            ngram_max=self.ngram_max,
+            max_history_tokens=self.history_max_tokens,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +191,13 @@ class _Rollout:
     t0: float  # engine clock at the start: records and finish times are relative to it
     iterations: list[IterationRecord] = field(default_factory=list)
     accept_len_ema: float = 0.0  # DecodeObs.accept_len_ema (tltsim.policy.update_accept_len_ema)
+    number: int = 0  # rollouts this engine started before this one: history keys are unique
+    # The history drafter's index catches up lazily (_sync_history): admission is FIFO, so
+    # the admitted sequences are scheduler.sequences[:n]; the first history_cursor of them are
+    # indexed, history_open those still unfinished (by Sequence.index).
+    history_cursor: int = 0
+    history_open: dict[int, Sequence] = field(default_factory=dict)
+    history_groups: set[tuple] = field(default_factory=set)
 
 
 class RolloutEngine:
@@ -199,6 +238,11 @@ class RolloutEngine:
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.harvest: list[HarvestRecord] = []
         self._rollout: _Rollout | None = None
+        # Model-free drafter (issue #20), kept across rollouts. Indexed lazily: nothing is
+        # indexed until a policy first asks for a history draft, then every rollout is kept.
+        self.history = HistoryDrafter(config.history_config())
+        self._is_history_used = False
+        self._num_rollouts = 0
 
     # -----------------------------------------------------------------------------------------
     # Public API
@@ -217,9 +261,14 @@ class RolloutEngine:
         ``start_rollout``); the clock of its records starts now. Replaces any rollout that
         was not finished."""
         self._validate(requests)
+        if self._rollout is not None:
+            self._close_history(self._rollout)
         sched = Scheduler(requests, self.config.max_running_requests)
         policy.start_rollout(step)
-        self._rollout = _Rollout(scheduler=sched, policy=policy, step=step, t0=self.clock())
+        self._rollout = _Rollout(
+            scheduler=sched, policy=policy, step=step, t0=self.clock(), number=self._num_rollouts
+        )
+        self._num_rollouts += 1
 
     @property
     def scheduler(self) -> Scheduler:
@@ -253,6 +302,7 @@ class RolloutEngine:
         """The rollout's outputs and iteration records; the engine is free for the next one."""
         rollout = self._current()
         self._rollout = None
+        self._close_history(rollout)
         return RolloutResult(
             outputs=rollout.scheduler.outputs(),
             iterations=rollout.iterations,
@@ -458,8 +508,9 @@ class RolloutEngine:
         )
         decision = policy.decide(obs)
         records = []
+        is_eagle = decision.enabled and decision.drafter == "eagle"
         if decision.enabled:
-            if self.drafter is None:
+            if is_eagle and self.drafter is None:
                 raise ValueError(
                     f"policy {policy.name!r} turned SD on ({decision.strategy}) but the engine has no drafter"
                 )
@@ -467,6 +518,7 @@ class RolloutEngine:
                 raise ValueError(
                     f"strategy {decision.strategy}: verify_tokens exceeds max_verify_tokens={cfg.max_verify_tokens}"
                 )
+        if is_eagle:
             stale = [s for s in running if not s.is_drafter_fresh]
             if stale:
                 records.append(self.reprefill_drafter(stale, decision))
@@ -508,6 +560,7 @@ class RolloutEngine:
                 is_prefill=False,
                 strategy=decision.strategy,
                 accept_lens=accept_lens,
+                drafter=decision.drafter if decision.enabled else None,
             )
         )
         return records
@@ -629,7 +682,10 @@ class RolloutEngine:
     ) -> tuple[list[list[int]], tuple[int, ...]]:
         cfg = self.config
         lens = self.cache.lens[slots]  # (B,) n: target cache length; tokens[n] is the root
-        tree = self._draft(slots, lens, decision)
+        if decision.drafter == "history":
+            tree = self.history_draft(running, slots, decision)
+        else:
+            tree = self._draft(slots, lens, decision)
         num_nodes = tree.tokens.shape[1]
         depth, tree_mask = tree_layout(tree.parents, decision.draft_steps)
         positions = lens[:, None] + depth  # RoPE: root at n, node at n + depth
@@ -641,15 +697,110 @@ class RolloutEngine:
         path = result.accepted_nodes  # (B,D+1)
         pos = lens[:, None] + torch.arange(path.shape[1], device=self.device)[None]  # (B,D+1)
         rows = slots[:, None]
-        self.hidden[rows, pos] = hidden.gather(1, path[..., None].expand(-1, -1, hidden.shape[-1]))
+        if self.hidden is not None:
+            self.hidden[rows, pos] = hidden.gather(
+                1, path[..., None].expand(-1, -1, hidden.shape[-1])
+            )
         self.tokens[rows, pos + 1] = result.out_tokens
         self.cache.compact(slots, path, result.num_accepted)
         accepted = result.num_accepted.tolist()
         out = result.out_tokens.tolist()
+        # After a history iteration the EAGLE drafter has not seen these pairs: its next
+        # iteration re-prefills it (recorded as TLT's switching cost).
+        is_eagle = decision.drafter == "eagle"
         for s, n in zip(running, accepted, strict=True):
-            s.is_drafter_fresh = True
-            s.record_accept(n, decision.strategy)
+            s.is_drafter_fresh = is_eagle
+            s.record_accept(n, decision.arm)
         return [row[: n + 1] for row, n in zip(out, accepted, strict=True)], tuple(accepted)
+
+    # -----------------------------------------------------------------------------------------
+    # History drafter (issue #20)
+    # -----------------------------------------------------------------------------------------
+
+    def _history_key(self, rollout: _Rollout, seq: Sequence) -> tuple:
+        return (rollout.number, seq.request.id)
+
+    @staticmethod
+    def _history_group(rollout: _Rollout, seq: Sequence) -> tuple:
+        """A prompt id groups across rollouts; without one, the prompt tokens group this
+        rollout's siblings only."""
+        r = seq.request
+        if r.prompt_id is not None:
+            return ("prompt_id", r.prompt_id)
+        return ("rollout", rollout.number, r.prompt_token_ids)
+
+    def _sync_history(self, rollout: _Rollout) -> None:
+        """Catch the index up on the committed tokens of the rollout's admitted sequences: new
+        ones are added, unfinished ones extended by what they emitted since, finished ones
+        marked evictable and not visited again. Cost: O(new tokens + unfinished sequences)."""
+        history = self.history
+        seqs = rollout.scheduler.sequences
+        while rollout.history_cursor < len(seqs) and seqs[rollout.history_cursor].slot is not None:
+            seq = seqs[rollout.history_cursor]
+            group = self._history_group(rollout, seq)
+            history.add(self._history_key(rollout, seq), group, seq.request.prompt_token_ids)
+            rollout.history_groups.add(group)
+            rollout.history_open[seq.index] = seq
+            rollout.history_cursor += 1
+        for seq in list(rollout.history_open.values()):
+            key = self._history_key(rollout, seq)
+            num_indexed = len(history.tokens(key)) - seq.num_prompt_tokens
+            if num_indexed < len(seq.output):
+                history.extend(key, seq.output[num_indexed:])
+            if seq.finish:
+                history.finish(key)  # evictable from now on: never touched again
+                del rollout.history_open[seq.index]
+
+    def _close_history(self, rollout: _Rollout) -> None:
+        """A rollout ends: once the history drafter has been used, keep its sequences (those
+        with a prompt id) as history of later rollouts; drop its rollout-local groups."""
+        if not self._is_history_used:
+            return
+        self._sync_history(rollout)
+        for seq in rollout.history_open.values():  # unfinished: a replaced rollout
+            self.history.finish(self._history_key(rollout, seq))
+        for group in rollout.history_groups:
+            if group[0] == "rollout":
+                self.history.drop_group(group)
+
+    @torch.no_grad()
+    def history_draft(
+        self, running: list[Sequence], slots: torch.Tensor, decision: SpecDecision
+    ) -> DraftTree:
+        """The history drafter's tree for ``running`` (in ``slots``) under ``decision``: a chain
+        of verify_tokens tokens (topk 1; a chain's verify_tokens is its draft_steps), else up to topk continuations with distinct first
+        tokens, verify_tokens nodes of them in (depth, branch) order. Point-mass drafts
+        (``draft_probs`` None): ``verify`` accepts x with probability p(x). Where the history
+        offers fewer tokens the draft is padded (a chain with its last token, a tree with
+        copies of the root's first child, which are rejected once that child is): any
+        deterministic draft is lossless, padding only costs verify work."""
+        rollout = self._current()
+        self._is_history_used = True
+        self._sync_history(rollout)
+        lens = self.cache.lens[slots]
+        roots = self.tokens[slots, lens].tolist()  # (B,) pending last tokens
+        num_drafted = decision.verify_tokens  # a chain's verify_tokens <= draft_steps
+        tokens, parents = [], []
+        for seq, root in zip(running, roots, strict=True):
+            key = self._history_key(rollout, seq)
+            if decision.is_chain:
+                toks = self.history.propose(key, num_drafted)
+                pad = toks[-1] if toks else root
+                toks = toks + [pad] * (num_drafted - len(toks))
+                pars = list(range(num_drafted))  # node i's parent is i - 1
+            else:
+                branches = self.history.propose_tree(key, decision.draft_steps, decision.topk)
+                toks, pars = tree_nodes(branches, num_drafted)
+                pad = toks[0] if toks else root
+                pars += [0] * (num_drafted - len(toks))
+                toks += [pad] * (num_drafted - len(toks))
+            tokens.append([root] + toks)
+            parents.append([0] + pars)
+        device = self.device
+        return DraftTree(
+            torch.tensor(tokens, dtype=torch.long, device=device),
+            torch.tensor(parents, dtype=torch.long, device=device),
+        )
 
     def _release(self, sched: Scheduler) -> None:
         released = sched.release_finished()

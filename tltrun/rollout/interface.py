@@ -7,6 +7,7 @@ writer never care which backend ran. Outputs and records are keyword-only datacl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,8 +27,9 @@ class SamplingParams:
     )
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        # not (0 <= nan): a NaN temperature sampled token 0 every time, silently
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
@@ -44,6 +46,10 @@ class Request:
     prompt_token_ids: tuple[int, ...]
     max_new_tokens: int
     ignore_eos: bool = False  # trace replay: generate exactly max_new_tokens
+    # The prompt's id in the dataset (GRPO group), kept across rollouts: the torch engine's
+    # history drafter (issue #20) keeps a prompt's earlier responses under it. None: the
+    # request's group is its prompt tokens, for this rollout only.
+    prompt_id: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -74,6 +80,9 @@ class IterationRecord:
     # Drafter re-prefill (is_prefill too): catching the drafter up on requests it has not seen
     # since SD was last on — TLT's cost of switching SD on. Not part of any decode iteration.
     is_drafter_prefill: bool = False
+    # SpecDecision.drafter of an SD iteration ("eagle" | "history"); None for plain decoding
+    # and prefills (a drafter re-prefill is always EAGLE's)
+    drafter: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -86,6 +95,20 @@ class RolloutResult:
     # prefix caching); recorded in a measured trace so the simulator replays the same
     shares_prompts: bool = False
     prefix_block_tokens: int = 1  # ... in whole blocks of this many tokens (vLLM's KV blocks)
+
+    def accept_hist_by_drafter(self) -> dict[str, list[int]]:
+        """Per drafter: hist[i] = request-verifies with i draft tokens accepted, over the SD
+        iterations of this rollout (issue #20: the learned and the history drafter apart)."""
+        hists: dict[str, list[int]] = {}
+        for it in self.iterations:
+            if it.drafter is None or it.is_prefill:
+                continue
+            hist = hists.setdefault(it.drafter, [])
+            for n in it.accept_lens:
+                if len(hist) <= n:
+                    hist.extend([0] * (n + 1 - len(hist)))
+                hist[n] += 1
+        return hists
 
 
 class RolloutBackend(Protocol):

@@ -14,6 +14,12 @@ simulated and a measured step can be put side by side (DESIGN.md, "Trace format"
   ``instance_prompts``) the caller adds, that is everything ``tltsim compare`` reads
   (``tltsim.fidelity.measured_run``).
 * ``accept_hist_by_strategy``: verify outcomes per strategy of a list of iterations.
+
+Strategy keys name the drafter (issue #20): an EAGLE iteration's key is its strategy
+(``"6_1_6"``), a history-drafter iteration's its arm (``"history:6_1_6"``,
+``iteration_arm``), in ``accept_hist_by_strategy``, ``policy.iterations_per_strategy`` and each
+response's histograms alike, so a trace keeps the drafters apart (and is then version 2,
+``tltsim.trace.schema.version_of``). A response's ``accept_hist`` counts all its verifies.
 * ``hardware_name``: a one-line description of the device the engine ran on.
 
 Save with ``tltsim.trace.files.save_trace(Trace(meta, steps), path)`` (JSON keeps everything).
@@ -50,7 +56,11 @@ def requests_from_step(
 ) -> list[Request]:
     """Replay requests for one trace step. Prompt tokens are drawn (seeded, same prompt for
     every response of a group) from ``[first_token, vocab_size)`` — lengths are what a trace
-    records, so lengths are what a replay reproduces."""
+    records, so lengths are what a replay reproduces. ``Request.prompt_id``, the history
+    drafter's key (issue #20), is ``"step{N}/{prompt id}"``: the replay draws new prompt tokens
+    for every step, and traces name prompts by position (``p0``, ``p1``, ... in every step of a
+    ``tltrun train`` trace), so an id shared across steps is not the same prompt and must not
+    pool the history of unrelated rollouts."""
     if not 0 <= first_token < vocab_size:
         raise ValueError(f"first_token must be in [0, {vocab_size}), got {first_token}")
     gen = torch.Generator().manual_seed(seed)
@@ -60,7 +70,15 @@ def requests_from_step(
             torch.randint(first_token, vocab_size, (p.prompt_tokens,), generator=gen).tolist()
         )
         for i, r in enumerate(p.responses):
-            requests.append(Request(request_id(p.id, i), prompt, r.tokens, ignore_eos=True))
+            requests.append(
+                Request(
+                    request_id(p.id, i),
+                    prompt,
+                    r.tokens,
+                    ignore_eos=True,
+                    prompt_id=f"step{step.step}/{p.id}",
+                )
+            )
     return requests
 
 
@@ -109,13 +127,22 @@ def rollout_summary(result: RolloutResult) -> dict[str, Any]:
     }
 
 
+def iteration_arm(it) -> str:
+    """An IterationRecord's strategy key: its strategy, with a drafter other than EAGLE in
+    front (``"history:6_1_6"``, as ``tltsim.policy.SpecDecision.arm`` names it)."""
+    if it.drafter is None or it.drafter == "eagle":
+        return it.strategy
+    return f"{it.drafter}:{it.strategy}"
+
+
 def accept_hist_by_strategy(iterations) -> dict[str, list[int]]:
-    """{strategy: [number of verifies that accepted 0, 1, 2, ... drafts]} over ``iterations``
-    (the fit contract's field, ``tltsim.fidelity.fit``; TLT mixes strategies within a step)."""
+    """{strategy or arm: [number of verifies that accepted 0, 1, 2, ... drafts]} over
+    ``iterations`` (the fit contract's field, ``tltsim.fidelity.fit``; TLT mixes strategies
+    within a step)."""
     hist: dict[str, list[int]] = {}
     for it in iterations:
         for n in it.accept_lens:
-            add_to_hist(hist.setdefault(it.strategy, []), n)
+            add_to_hist(hist.setdefault(iteration_arm(it), []), n)
     return hist
 
 
@@ -154,7 +181,7 @@ def measured_step(
         )
         num_prompt = prompt_tokens[pid] if prompt_tokens else len(outs[0].prompt_token_ids)
         prompts.append(Prompt(id=pid, prompt_tokens=num_prompt, responses=responses))
-    strategies = Counter(i.strategy for i in result.iterations if not i.is_prefill)
+    strategies = Counter(iteration_arm(i) for i in result.iterations if not i.is_prefill)
     config = None
     if policy_config is not None:  # as JSON has it: tuples as lists
         config = {k: list(v) if isinstance(v, tuple) else v for k, v in policy_config.items()}

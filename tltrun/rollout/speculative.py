@@ -21,7 +21,10 @@ Notation: p is a target probability, q a draft probability, x a drafted token, u
   q_c = one_hot(x): accept x with probability p(x); on rejection p <- norm(p with x's mass
   removed). This is sequential inversion of p ("is it x1? else is it x2? ..."), so it is
   lossless too, and with a greedy target (p one-hot at the argmax) it reduces to "accept while
-  the draft equals the argmax".
+  the draft equals the argmax". The history drafter (tltrun.model.history_drafter, issue #20)
+  drafts this way: its drafts are a deterministic function of committed tokens. Passing the
+  one-hot q explicitly gives the same result bit for bit (p(x)/1, and max(p - one_hot, 0) is p
+  with x removed; no 0/0 arises), which tests/test_history_drafter.py checks.
 
 Greedy decoding is temperature 0: p is the one-hot argmax, so the same code path applies.
 

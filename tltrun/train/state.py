@@ -12,29 +12,61 @@ Checkpoint ``OUT/ckpt/step_NNNNNN`` (NNNNNN = completed steps = the next step to
 * ``policy_rank{r}.json``: worker r's ``SpecPolicy.state_dict()`` (TLTAdaptive's bandit learns),
   plain JSON, restored into the policy the run's config rebuilds (no pickled object: it
   survives a module move);
-* ``state.json``: ``{"next_step": N}``, written last.
+* ``state.json``: ``{"next_step": N}``;
+* ``manifest.json``: sha256 and size of every other file, written last (temporary name, fsync,
+  ``os.replace``).
 
 Atomicity: everything is written into ``ckpt/.tmp_step_NNNNNN`` and renamed in one
 ``os.rename`` by rank 0 after all ranks wrote their files (barriers). A kill at any moment
 leaves either the previous checkpoints or the new complete one; leftover ``.tmp_*``
-directories are deleted on resume. Log rows of steps at or after the resumed step (written by
-the killed run after its last checkpoint) are dropped, so no step is lost or repeated.
+directories are deleted on resume.
+
+Resume (``select_checkpoint``, ``prepare_logs``): the newest checkpoint whose files all match
+its manifest is used; newer damaged ones (a flipped byte, a truncated or missing file, a
+missing or garbled manifest) are skipped with a ``RunDirWarning`` naming each file and how it
+differs, and none intact is a ``CheckpointError`` saying the same. Log rows of steps at or after
+the resumed step (written after that checkpoint, or by steps it redoes) are dropped, so no step
+is lost or repeated; a torn last line (a kill mid-append) is dropped with a warning, and a log
+that stops before the checkpoint's step is an error. ``RunLock`` keeps a second launcher out of
+a running run's directory; ``config_diff`` and ``config_history.jsonl`` keep a resumed run's
+settings those of its first run unless the user overrides them (tltrun.train.launch).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
+from tltsim.errors import TLTError, UsageError
 from tltsim.trace.files import save_trace
 from tltsim.trace.schema import trace_from_dict
 
 CKPT_RE = re.compile(r"^step_(\d{6})$")
 LOGS = ("log.jsonl", "trace_steps.jsonl")
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "tlt-checkpoint-manifest"
+CONFIG_HISTORY = "config_history.jsonl"
+LOCK = "run.lock"
+
+
+class RunDirWarning(UserWarning):
+    """Resume skipped a damaged checkpoint or dropped a torn log line (one line; the CLI prints
+    it as ``warning: ...``)."""
+
+
+def _checkpoint_error(message: str) -> TLTError:
+    # CheckpointError lives beside the model loader, which imports torch; state.py's manifest
+    # and log checks stay importable (and unit-testable) without it.
+    from tltrun.model.transformer import CheckpointError
+
+    return CheckpointError(message)
 
 
 def checkpoint_dir(out: Path, next_step: int) -> Path:
@@ -45,29 +77,285 @@ def tmp_checkpoint_dir(out: Path, next_step: int) -> Path:
     return out / "ckpt" / f".tmp_step_{next_step:06d}"
 
 
-def latest_checkpoint(out: Path) -> Path | None:
+def read_next_step(ckpt: Path) -> int:
+    return int(json.loads((ckpt / "state.json").read_text())["next_step"])
+
+
+def reset_logs(out: Path) -> None:
+    """A fresh run in ``out``: no rows and no config history of an earlier run."""
+    for name in (*LOGS, CONFIG_HISTORY):
+        (out / name).unlink(missing_ok=True)
+
+
+# ---- the run's lock and settings ------------------------------------------------------------
+
+
+class RunLock:
+    """An advisory ``fcntl.flock`` on ``OUT/run.lock``, held by the launcher for the run's life
+    (``with RunLock(out):``): a second launcher on the same directory gets a UsageError instead
+    of interleaving logs and checkpoints. The kernel releases it when the holder dies, however
+    it dies, so a killed run never leaves a stale lock behind."""
+
+    def __init__(self, out: Path):
+        self.path = out / LOCK
+        self._file = None
+
+    def __enter__(self) -> RunLock:
+        f = self.path.open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise UsageError(
+                f"{self.path.parent}: another tltrun train is running in this directory "
+                f"({holder} holds {self.path}); wait for it or use another --out"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}\n")
+        f.flush()
+        self._file = f
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list]:
+    """``{field: [old, new]}`` of the fields both have whose values differ (JSON values: a
+    tuple and the list it was saved as are equal). A field only one has was added or removed
+    by a code change since the run started, not by the user, so it is not a difference."""
+    old, new = json.loads(json.dumps(old)), json.loads(json.dumps(new))
+    return {k: [old[k], new[k]] for k in sorted(set(old) & set(new)) if old[k] != new[k]}
+
+
+def effective_config(out: Path) -> dict[str, Any] | None:
+    """The run's settings now: the first run's ``config.json`` with every override of
+    ``config_history.jsonl`` applied in order (None: no config.json). Keys of the diffs are
+    ``section.field`` (``train.lr``)."""
+    path = out / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_bytes().decode())
+        for line in _history_lines(out):
+            for key, (_, new) in line["diff"].items():
+                section, _, name = key.partition(".")
+                config[section][name] = new
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        raise _checkpoint_error(
+            f"{out}: config.json or {CONFIG_HISTORY} is not what tltrun train wrote ({err!r})"
+        ) from None
+    return config
+
+
+def _history_lines(out: Path) -> list[dict[str, Any]]:
+    path = out / CONFIG_HISTORY
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_bytes().decode().splitlines() if line.strip()]
+
+
+def append_config_history(out: Path, step: int, time_utc: str, diff: dict[str, list]) -> None:
+    """One row ``{"step", "time", "diff": {"section.field": [old, new]}}`` of a resume that
+    overrode the run's settings (``config.json`` stays the first run's)."""
+    append_jsonl(out / CONFIG_HISTORY, {"step": step, "time": time_utc, "diff": diff})
+
+
+# ---- manifest -------------------------------------------------------------------------------
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(ckpt_dir: Path) -> None:
+    """``manifest.json`` of every file under ``ckpt_dir`` (relative path -> sha256, size), after
+    fsyncing each: written last, so a manifest that verifies means every file it names was on
+    disk whole when it was written."""
+    files = {}
+    for path in sorted(p for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST):
+        with path.open("rb") as f:
+            os.fsync(f.fileno())
+        rel = path.relative_to(ckpt_dir).as_posix()
+        files[rel] = {"sha256": file_sha256(path), "size_bytes": path.stat().st_size}
+    manifest = {"format": MANIFEST_FORMAT, "version": 1, "files": files}
+    tmp = ckpt_dir / (MANIFEST + ".tmp")
+    with tmp.open("w") as f:
+        f.write(json.dumps(manifest, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ckpt_dir / MANIFEST)
+    _fsync_dir(ckpt_dir)
+
+
+def _read_manifest(ckpt_dir: Path) -> tuple[dict[str, dict] | None, str]:
+    """(files, "") or (None, what is wrong with the manifest)."""
+    path = ckpt_dir / MANIFEST
+    if not path.is_file():
+        return None, f"{MANIFEST}: missing"
+    try:
+        manifest = json.loads(path.read_bytes().decode())
+    except (UnicodeDecodeError, ValueError) as err:
+        return None, f"{MANIFEST}: not valid JSON ({err})"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != MANIFEST_FORMAT
+        or not isinstance(files, dict)
+        or not all(
+            isinstance(e, dict)
+            and isinstance(e.get("sha256"), str)
+            and type(e.get("size_bytes")) is int
+            for e in files.values()
+        )
+    ):
+        return (
+            None,
+            f"{MANIFEST}: not a {MANIFEST_FORMAT} (format, files: {{path: sha256, size_bytes}})",
+        )
+    return files, ""
+
+
+def verify_checkpoint(ckpt_dir: Path, num_workers: int) -> list[str]:
+    """What is damaged in ``ckpt_dir`` (empty: intact), one ``FILE: how`` entry per file: the
+    manifest missing or garbled, a file it names missing, of another size or another sha256,
+    a file every checkpoint has missing from it, or ``state.json`` naming another step."""
+    files, problem = _read_manifest(ckpt_dir)
+    if files is None:
+        return [problem]
+    required = ["state.json", "actor_optim.pt"]
+    required += [f"rank{r}.pt" for r in range(num_workers)]
+    required += [f"policy_rank{r}.json" for r in range(num_workers)]
+    problems = [f"{name}: not in the manifest" for name in required if name not in files]
+    for rel, entry in files.items():
+        path = ckpt_dir / rel
+        if not path.is_file():
+            problems.append(f"{rel}: missing")
+            continue
+        size = path.stat().st_size
+        if size != entry["size_bytes"]:
+            how = "truncated" if size < entry["size_bytes"] else "grown"
+            problems.append(f"{rel}: {size} bytes, manifest says {entry['size_bytes']} ({how})")
+        elif file_sha256(path) != entry["sha256"]:
+            problems.append(f"{rel}: sha256 differs from the manifest (same size: bytes changed)")
+    if not problems:
+        match = CKPT_RE.match(ckpt_dir.name)
+        try:
+            next_step = read_next_step(ckpt_dir)
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+            return [f"state.json: no next_step ({err})"]
+        if match and next_step != int(match.group(1)):
+            problems.append(
+                f"state.json: next_step {next_step}, the directory says {int(match.group(1))}"
+            )
+    return problems
+
+
+def select_checkpoint(out: Path, num_workers: int) -> Path | None:
+    """The newest intact checkpoint of run ``out`` (None: there is none at all). Damaged newer
+    ones are skipped with a RunDirWarning each; if every checkpoint is damaged, CheckpointError
+    names each one's damage. Leftover ``.tmp_*`` directories (a kill mid-write) are deleted."""
     root = out / "ckpt"
     if not root.is_dir():
         return None
     for leftover in root.glob(".tmp_*"):
         shutil.rmtree(leftover, ignore_errors=True)
-    done = [p for p in root.iterdir() if CKPT_RE.match(p.name) and (p / "state.json").is_file()]
-    return max(done, key=lambda p: p.name) if done else None
+    found = sorted((p for p in root.iterdir() if CKPT_RE.match(p.name)), reverse=True)
+    damaged = []
+    for ckpt in found:
+        problems = verify_checkpoint(ckpt, num_workers)
+        if not problems:
+            for bad, its_problems in damaged:
+                warnings.warn(
+                    f"checkpoint {bad} is damaged ({'; '.join(its_problems)}); "
+                    f"resuming from {ckpt.name} instead, its later steps are redone",
+                    RunDirWarning,
+                    stacklevel=2,
+                )
+            return ckpt
+        damaged.append((ckpt, problems))
+    if damaged:
+        detail = "; ".join(f"{p.name}: {', '.join(problems)}" for p, problems in damaged)
+        raise _checkpoint_error(f"{root}: no intact checkpoint to resume from ({detail})")
+    return None
 
 
-def read_next_step(ckpt: Path) -> int:
-    return int(json.loads((ckpt / "state.json").read_text())["next_step"])
+# ---- logs -----------------------------------------------------------------------------------
 
 
-def truncate_logs(out: Path, start_step: int) -> None:
-    """Keep only rows of steps < start_step (a fresh run: none)."""
+def _log_rows(path: Path) -> list[str]:
+    """The complete JSON lines of ``path``, each an object with an int ``step``; a torn last
+    line (no newline: a kill mid-append) is dropped with a RunDirWarning; any other bad line is
+    a CheckpointError."""
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    rows = []
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode())
+        except (UnicodeDecodeError, ValueError) as err:
+            raise _checkpoint_error(f"{path}: line {number} is not valid JSON ({err})") from None
+        if not isinstance(row, dict) or type(row.get("step")) is not int:
+            raise _checkpoint_error(f"{path}: line {number} has no integer 'step'")
+        rows.append(raw.decode())
+    if tail.strip():
+        try:
+            row = json.loads(tail.decode())
+            is_whole = isinstance(row, dict) and type(row.get("step")) is int
+        except (UnicodeDecodeError, ValueError):
+            is_whole = False
+        if is_whole:  # the row is whole, only its newline was lost
+            rows.append(tail.decode())
+        else:
+            warnings.warn(
+                f"{path}: dropped a torn last line ({len(tail)} bytes without a newline: "
+                "the run was killed while appending it)",
+                RunDirWarning,
+                stacklevel=3,
+            )
+    return rows
+
+
+def prepare_logs(out: Path, start_step: int) -> None:
+    """Validate ``log.jsonl`` and ``trace_steps.jsonl`` of a run resumed at ``start_step`` and
+    keep exactly their rows of steps ``0 .. start_step - 1``: later rows belong to steps the
+    resumed run redoes. A log without one of those steps (a ``next_step`` beyond the log) or
+    with steps out of order is a CheckpointError."""
     for name in LOGS:
         path = out / name
-        if not path.is_file():
-            continue
-        rows = [line for line in path.read_text().splitlines() if line.strip()]
-        kept = [line for line in rows if json.loads(line)["step"] < start_step]
-        _write_atomic(path, "".join(line + "\n" for line in kept))
+        rows = _log_rows(path) if path.is_file() else []
+        steps = [json.loads(row)["step"] for row in rows]
+        kept = rows[:start_step]
+        if steps[:start_step] != list(range(min(start_step, len(steps)))):
+            raise _checkpoint_error(f"{path}: steps {_span(steps)}, expected 0, 1, 2, ... in order")
+        if len(kept) < start_step:
+            raise _checkpoint_error(
+                f"{path}: has steps {_span(steps)} but the checkpoint's next_step is "
+                f"{start_step} (next_step beyond the log)"
+            )
+        if kept != rows or (path.is_file() and not path.read_bytes().endswith(b"\n")):
+            _write_atomic(path, "".join(row + "\n" for row in kept))
+
+
+def _span(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    if steps == list(range(steps[0], steps[-1] + 1)):
+        return f"{steps[0]}..{steps[-1]}"
+    return ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
@@ -118,17 +406,30 @@ def load_policy_state(ckpt_dir: Path, rank: int, policy) -> None:
 
 
 def write_state(tmp_dir: Path, next_step: int) -> None:
+    """``state.json``, then the manifest of the whole directory (which fsyncs every file)."""
     (tmp_dir / "state.json").write_text(json.dumps({"next_step": next_step}) + "\n")
-    for path in tmp_dir.rglob("*"):
-        if path.is_file():
-            with path.open("rb") as f:
-                os.fsync(f.fileno())
+    write_manifest(tmp_dir)
 
 
 def commit(tmp_dir: Path, final_dir: Path) -> None:
+    """Rename the finished ``tmp_dir`` into place. A checkpoint of the same step (a redone step)
+    is first renamed to a ``.tmp_`` name, so a kill in between leaves a leftover that resume
+    deletes, never a half-deleted checkpoint under a valid name."""
     if final_dir.exists():
-        shutil.rmtree(final_dir)
+        old = final_dir.with_name(".tmp_old_" + final_dir.name)
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final_dir, old)
+        shutil.rmtree(old)
     os.rename(tmp_dir, final_dir)
+    _fsync_dir(final_dir.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def copy_tokenizer(model_dir: str | Path, dest: Path) -> None:

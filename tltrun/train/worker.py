@@ -11,10 +11,15 @@ the actor into its engine with ``update_weights``; the reference model stays the
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import os
 import random
+import signal
+import sys
+import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +40,16 @@ from tltrun.train.grpo import GRPOConfig, Sample, grpo_update, make_optimizer
 from tltrun.train.spot import SpotStats, SpotTrainer, SubsetGroups
 from tltrun.train.tasks import Problem, TaskConfig, reward, sample_problem
 from tltsim.policy import SpotTrainerPolicy, make_policy
+from tltsim.policy.spec import SpecDecision, SpecFeedback, SpecPolicy
 from tltsim.trace.schema import Trace, trace_to_dict
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+# Deterministic mode's iteration cost, in target-forward overheads (a rough CPU proxy, not
+# calibrated): a drafter forward is one layer against the tiny target's few, and 32 token
+# positions of a forward cost about its fixed overhead.
+DRAFT_FORWARD_COST = 0.25
+TOKEN_COST = 1 / 32
 
 
 def step_problems(task: TaskConfig, seed: int, step: int, num_prompts: int) -> list[Problem]:
@@ -45,7 +59,86 @@ def step_problems(task: TaskConfig, seed: int, step: int, num_prompts: int) -> l
     return [sample_problem(task, rng) for _ in range(num_prompts)]
 
 
-def worker_main(rank: int, cfg: TrainConfig, task: TaskConfig, store_path: str, resume: str | None):
+def modelled_iteration_s(num_active: int, decision: SpecDecision) -> float:
+    """A clock-free iteration cost: one target forward over (verify_tokens + 1) positions per
+    request, plus draft_steps drafter forwards over topk positions per request."""
+    if not decision.enabled:
+        return 1 + TOKEN_COST * num_active
+    drafts = decision.draft_steps * DRAFT_FORWARD_COST
+    positions = decision.verify_tokens + 1 + drafts * decision.topk
+    return 1 + drafts + TOKEN_COST * num_active * positions
+
+
+class ModelledFeedback(SpecPolicy):
+    """Wraps the run's SpecPolicy in deterministic mode: ``observe`` gets
+    ``modelled_iteration_s`` instead of the measured seconds. TLTAdaptive's bandit rewards
+    accepted tokens per second, so measured seconds made its strategy choices (and, through
+    speculative sampling's random draws, the sampled tokens) depend on timing. Everything else
+    is the wrapped policy's, state and checkpoints included."""
+
+    def __init__(self, inner: SpecPolicy):
+        self.inner = inner
+        self.name = inner.name
+
+    def start_rollout(self, step: int) -> None:
+        self.inner.start_rollout(step)
+
+    def decide(self, obs):
+        return self.inner.decide(obs)
+
+    def observe(self, feedback: SpecFeedback) -> None:
+        modelled = modelled_iteration_s(feedback.num_active, feedback.decision)
+        self.inner.observe(replace(feedback, iteration_s=modelled))
+
+    def max_hold_iters(self, obs, decision):
+        return self.inner.max_hold_iters(obs, decision)
+
+    def vllm_dynamic_table(self, max_batch: int) -> list[list[int]]:
+        return self.inner.vllm_dynamic_table(max_batch)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+    def __getattr__(self, name: str):  # switched_on, switch_time_s, ... of the wrapped policy
+        if name == "inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+def die_with_launcher(launcher_pid: int) -> None:
+    """Make this worker end when its launcher does, however the launcher ends (kill -9 too).
+
+    Linux's PR_SET_PDEATHSIG has the kernel SIGKILL this process when its parent dies (torch's
+    spawn wrapper sets SIGINT, which a worker blocked in a collective or catching
+    KeyboardInterrupt can outlive); elsewhere a daemon thread polls the parent pid. Either only
+    covers deaths from now on, and a worker spends its first seconds importing torch before it
+    gets here: if the launcher died meanwhile, the worker has been re-parented and exits now,
+    before it touches the run directory or joins the other workers."""
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+    if libc is None or libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        threading.Thread(target=_exit_when_orphaned, args=(launcher_pid,), daemon=True).start()
+    if os.getppid() != launcher_pid:
+        os._exit(1)
+
+
+def _exit_when_orphaned(launcher_pid: int) -> None:
+    while os.getppid() == launcher_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def worker_main(
+    rank: int,
+    cfg: TrainConfig,
+    task: TaskConfig,
+    store_path: str,
+    resume: str | None,
+    launcher_pid: int,
+):
+    die_with_launcher(launcher_pid)  # first: nothing of the run happens in an orphan
     torch.set_num_threads(cfg.num_threads)
     store = dist.FileStore(store_path, cfg.num_workers)
     backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
@@ -125,6 +218,8 @@ class Worker:
                 clock=self.clock,
             )
         self.spec_policy = make_policy(cfg.policy, seed=cfg.seed, **cfg.policy_settings())
+        if cfg.is_deterministic:
+            self.spec_policy = ModelledFeedback(self.spec_policy)
         self.spot = None
         if is_harvesting:
             groups = SubsetGroups(cfg.num_workers)
@@ -249,19 +344,27 @@ class Worker:
         requests, answers = [], {}
         for i, problem in enumerate(problems[start : start + count], start=start):
             ids = tuple(self.tok.encode(problem.prompt))
+            # The history drafter's key for this prompt's earlier rollouts (issue #20): problems
+            # are drawn afresh each step (step_problems), so no dataset index is stable; the
+            # prompt text is — a prompt that recurs in a later step gets the same id.
+            prompt_id = "task-" + hashlib.sha1(problem.prompt.encode()).hexdigest()[:16]
             for g in range(cfg.group_size):
-                requests.append(Request(f"p{i}/{g}", ids, cfg.max_new_tokens))
+                requests.append(Request(f"p{i}/{g}", ids, cfg.max_new_tokens, prompt_id=prompt_id))
             answers[f"p{i}"] = problem.answer
         dist.barrier()  # a common start: rollout times are comparable across workers
         t0 = self.clock()
         result = self.engine.generate(requests, self.spec_policy, step)
+        _test_rollout_delay(self.rank)
         finish_s = self.clock() - t0
         spot = SpotStats()
         if self.spot is not None:
             records = [_record(h) for h in self.engine.pop_harvest()]
             order = self.spot.announce_done(step)
-            spot = self.spot.run_idle(step, order, records, t0)
-            self.spot.sync_end_of_step()
+            if cfg.is_deterministic:
+                spot = self.spot.run_budget(step, records)
+            else:
+                spot = self.spot.run_idle(step, order, records, t0)
+            self.spot.sync_end_of_step(spot.num_updates, cfg.is_deterministic)
             if self.engine.drafter is not None:
                 self.engine.update_drafter(self.spot.drafter.state_dict())
             if self.rank == 0:  # the drafter after preemption, for vLLM / the next run
@@ -369,6 +472,9 @@ class Worker:
             "drafter_updates": max(s["num_updates"] for s in spots),
             "drafter_trained_tokens": extra["drafter_trained_tokens"],
             "idle_worker_s": sum(rollout_s - f for f in finishes),
+            # from the last rollout's end to the end of spot training and the drafter sync:
+            # deterministic mode's wait for the spot budgets (otherwise one update at most)
+            "spot_wait_s": max(g["rollout_end_s"] for g in gathered) - rollout_s,
             "accept_len": summary.mean_accept_len,
             "sd_on_fraction": sum(it.strategy != "off" for it in decode) / max(len(decode), 1),
             "step_s": step_s,
@@ -394,6 +500,17 @@ class Worker:
             "max_response_tokens": self.cfg.max_new_tokens,
             "group_size": self.cfg.group_size,
         }
+
+
+def _test_rollout_delay(rank: int) -> None:
+    """Test hook: ``TLTRUN_TEST_ROLLOUT_DELAY="RANK:SECONDS"`` makes worker RANK finish its
+    rollouts that much later (tests/test_deterministic.py: a slow worker changes the spot
+    updates of a run, not those of a --deterministic one). Not for use outside tests."""
+    spec = os.environ.get("TLTRUN_TEST_ROLLOUT_DELAY")
+    if spec:
+        delayed, _, seconds = spec.partition(":")
+        if int(delayed) == rank:
+            time.sleep(float(seconds))
 
 
 def _record(h: HarvestRecord) -> TrainRecord:

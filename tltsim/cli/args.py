@@ -3,17 +3,113 @@
 Every subcommand builds its flags from a config dataclass (STYLE.md: "CLI flags are generated
 from, or mapped 1:1 onto, those fields"), so a flag and its field can never drift apart. Bad
 values become ``tltsim.errors.UsageError``, which each CLI's ``main`` prints as one line.
+
+Both CLIs' ``main`` also share ``OneLineParser`` (an argparse usage error is one ``error:``
+line, not a usage block) and ``run_command`` (the one place that turns exceptions into exit
+codes: ``TLTError`` and OS errors on a named file -> one ``error:`` line and 2, Ctrl-C -> 130,
+anything else -> one ``error: internal error`` line, exit 1, traceback in a file).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
+import tempfile
+import traceback
 import types
 import typing
+import warnings
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from tltsim.errors import UsageError
+from tltsim.errors import TLTError, UsageError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one ``error:`` line (exit 2) like every other
+    input error of the CLIs; ``--help`` still prints the full usage."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def run_command(
+    func: Callable[[argparse.Namespace], Any], args: argparse.Namespace, prog: str
+) -> int:
+    """Run a subcommand; every failure ends as one ``error:`` line on stderr. Input errors
+    (``TLTError``; ``OSError`` naming a file, e.g. disk full or permission denied while writing
+    results) exit 2; Ctrl-C exits 130; any other exception is a bug: exit 1 and its traceback
+    goes to a file named in the line, so the terminal never shows a traceback."""
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return int(func(args) or 0)
+    except TLTError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return getattr(err, "exit_code", 2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except OSError as err:
+        if err.filename is None:
+            return _internal_error(err, prog)
+        print(f"error: {err.filename}: {err.strerror or err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # noqa: BLE001 - the last line of defence, reported as a bug
+        return _internal_error(err, prog)
+
+
+def check_out_dir(path: str | Path, flag: str = "--out") -> Path:
+    """Create the output directory ``path`` up front, so that a run never fails after its work
+    when it comes to write: an existing file, a parent that is a file or an unwritable place is
+    one UsageError naming the flag."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {path}: exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"{flag} {path}: cannot create the directory ({err.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: directory is not writable")
+    return path
+
+
+def check_out_file(path: str | Path, flag: str = "--out") -> Path:
+    """Like ``check_out_dir`` for an output file: not a directory, its directory writable."""
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory, expected a file name")
+    check_out_dir(path.parent, flag=f"{flag} {path}: directory")
+    return path
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning of tltsim or tltrun (a legal but suspicious input) as one ``warning:`` line;
+    a third-party warning as Python prints it."""
+    if category.__module__.partition(".")[0] in ("tltsim", "tltrun"):
+        print(f"warning: {message}", file=sys.stderr)
+    else:
+        _PYTHON_SHOWWARNING(message, category, filename, lineno, file, line)
+
+
+_PYTHON_SHOWWARNING = warnings.showwarning
+
+
+def _internal_error(err: BaseException, prog: str) -> int:
+    with tempfile.NamedTemporaryFile(
+        "w", prefix=f"{prog}-traceback-", suffix=".txt", delete=False
+    ) as f:
+        traceback.print_exception(err, file=f)
+    first = str(err).splitlines()[0] if str(err) else ""
+    print(
+        f"error: internal error: {type(err).__name__}: {first} (full traceback in {f.name})",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _base_type(tp: Any) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pandas as pd
 
-from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.cli.table import format_cell, format_table
 from tltsim.fidelity import compare
 from tltsim.fidelity.fit import load_dynamics
@@ -91,7 +91,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if cfg.out
         else Path("results") / f"compare-{args.traces[0].name.split('.')[0]}"
     )
-    plots = compare.write_outputs(out, steps, ups, summary, config)
+    plots = compare.write_outputs(check_out_dir(out), steps, ups, summary, config)
     print(format_report(steps, ups, summary))
     names = ["config.json", "steps.csv", "speedups.csv", "summary.json"] + [p.name for p in plots]
     print(f"wrote {out}/: {' '.join(names)}")

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.args import add_dataclass_args, check_out_file, dataclass_from_args
 from tltsim.cli.table import format_table
 from tltsim.cost.measured import compare_to_roofline, summarize_comparison, with_profile
 from tltsim.cost.profile import OPS, Profile, load_profile
@@ -153,6 +153,8 @@ def format_fit(result: FitResult, source: str) -> str:
 
 def _cmd_fit(args: argparse.Namespace) -> int:
     config = dataclass_from_args(FitConfig, args)
+    if args.out is not None:
+        check_out_file(args.out)
     trace = load_trace(args.trace)
     base = load_dynamics(args.base) if args.base is not None else None
     result = fit_trace(trace, config, str(args.trace), base)
@@ -195,9 +197,9 @@ def _hardware_spec(arg: str | None, profile: Profile) -> HardwareSpec | None:
         return None
     path = Path(arg)
     try:
-        fields = json.loads(path.read_text())
+        fields = json.loads(path.read_text(encoding="utf-8"))
         return HardwareSpec(**fields)
-    except (OSError, json.JSONDecodeError, TypeError, ValueError) as err:
+    except (OSError, TypeError, ValueError, RecursionError) as err:  # JSON/Unicode errors too
         raise UsageError(
             f"--hardware {arg}: not a preset ({', '.join(HARDWARE_PRESETS)}) nor a JSON file of HardwareSpec fields ({err})"
         ) from None

@@ -8,16 +8,17 @@
 Each subcommand family has a module in ``tltsim.cli`` (replay, sweep, compare, fidelity, trace)
 whose ``register(subparsers)`` adds its parsers and sets ``func``; the libraries they call hold
 no argument parsing and print nothing. Run ``tltsim --help``. Bad input (any
-``tltsim.errors.TLTError``) ends with one ``error: ...`` line and exit code 2.
+``tltsim.errors.TLTError``, a bad flag) ends with one ``error: ...`` line and exit code 2
+(``tltsim.cli.args.run_command``).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from tltsim.errors import TLTError, UsageError
+from tltsim.cli.args import OneLineParser, run_command
+from tltsim.errors import UsageError
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -35,7 +36,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from tltsim.cli import compare, fidelity, replay, sweep, trace
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="tltsim", description="Simulate long-tail RL rollouts and TLT policies."
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,14 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except TLTError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return run_command(args.func, args, "tltsim")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,14 @@ roofline still backs for ops the profile lacks; ``--drafter-dynamics FILE`` (``t
 sets the ``--drafter-*`` defaults.
 ``--preset`` fills the cluster fields first; explicit flags override it. The output directory
 (default ``results/replay-<trace stem>``) gets ``config.json`` (everything resolved),
-``summary.json``, ``steps.csv``, ``instances.csv``, ``timeline.parquet`` and
+``summary.json`` and ``summary.csv``, ``steps.csv``, ``instances.csv``, ``timeline.parquet`` and
 ``responses.parquet``; ``tltsim report DIR`` draws the figures.
+
+Each speedup vs NoSpec comes with an interval (``tltsim.sim.intervals``), min-max over what
+was asked for: ``--seeds 0,1,2`` / ``--num-seeds N`` (a replay per seed),
+``--accept-rate-range 0.9,1.1`` or ``fit`` (replays at both ends of the acceptance model's
+uncertainty) and ``--cost-error 0.1`` (SD iteration seconds -/+ 10%, on by default: it needs no
+extra simulation). Printed as ``1.84x [1.71-1.95]``.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Any
 
 import pandas as pd
 
-from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.cli.fidelity import add_profile_args, dynamics_from_args, extrapolation_lines
 from tltsim.cli.table import format_table
 from tltsim.cost.measured import with_profile
@@ -32,12 +38,15 @@ from tltsim.cost.presets import apply_preset
 from tltsim.jsonio import write_json
 from tltsim.policy import SpotTrainerConfig, TLTConfig
 from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.sim.intervals import describe
 from tltsim.sim.metrics import SimResult
 from tltsim.sim.replay import (
     ReplayConfig,
     RunSettings,
     cost_model,
+    interval_spec,
     policy_names,
+    replay_intervals,
     simulate_policies,
     write_outputs,
 )
@@ -59,7 +68,10 @@ SUMMARY_COLUMNS = {
     "sd_on_fraction": "sd_on_frac",
     "rollout_over_ideal": "rollout/ideal",
 }
-OUTPUT_FILES = "config.json summary.json steps.csv instances.csv timeline.parquet responses.parquet"
+OUTPUT_FILES = (
+    "config.json summary.json summary.csv steps.csv instances.csv timeline.parquet "
+    "responses.parquet"
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -106,8 +118,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         if replay.out
         else Path("results") / f"replay-{args.trace.name.split('.')[0]}"
     )
-    out.mkdir(parents=True, exist_ok=True)
+    check_out_dir(out)
     names = policy_names(replay.policy)
+    spec = interval_spec(replay, sim, drafter, getattr(args, "drafter_dynamics", None))
+    sim = dataclasses.replace(sim, seed=spec.seeds[0])  # the point estimate's seed
     config = {
         "kind": "replay",
         "trace": str(args.trace),
@@ -122,23 +136,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
             "tp": sim.tp,
             "profile": None if profile is None else str(profile),
         },
+        "speedup_interval": describe(spec),
     }
     write_json(out / "config.json", config)
-    results = simulate_policies(
-        trace,
-        names,
-        RunSettings(
-            sim,
-            names[0],
-            tlt,
-            replay.static_strategy,
-            drafter,
-            spot,
-            replay.is_spot_training,
-            profile,
-        ),
+    settings = RunSettings(
+        sim,
+        names[0],
+        tlt,
+        replay.static_strategy,
+        drafter,
+        spot,
+        replay.is_spot_training,
+        profile,
     )
-    summary = write_outputs(out, trace, results, sim, profile)
+    results = simulate_policies(trace, names, settings)
+    intervals = replay_intervals(trace, names, settings, spec, results)
+    summary = write_outputs(out, trace, results, sim, profile, intervals, spec)
     print(format_report(results, summary, out))
     for line in extrapolation_lines(cost):
         print(line)
@@ -182,17 +195,46 @@ def format_report(
         rows = rows[:half] + rows[-half:]
     else:
         title = "per step:"
-    policies = summary["policies"]
+    policies = [with_speedup_text(row) for row in summary["policies"]]
     columns = {k: v for k, v in SUMMARY_COLUMNS.items() if any(k in row for row in policies)}
     return "\n".join(
         [
             title,
             format_table(rows, list(rows[0]) if rows else ["step"], float_format=",.2f"),
             "",
-            "summary (ideal rollout, the work spread perfectly with no tail: "
-            f"{summary['mean_ideal_rollout_s']:,.2f} s per step):",
+            "summary (ideal rollout, per step the larger of the work spread perfectly and the "
+            f"longest response alone: {summary['mean_ideal_rollout_s']:,.2f} s per step; work "
+            f"bound {summary['mean_ideal_work_s']:,.2f} s, critical path "
+            f"{summary['mean_ideal_critical_path_s']:,.2f} s):",
             format_table(policies, columns, left=("policy",), float_format=",.2f"),
+            *interval_lines(summary.get("speedup_interval")),
             "",
             f"wrote {out}/: {OUTPUT_FILES}",
         ]
     )
+
+
+def with_speedup_text(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with its speedup as text, ``1.84x [1.71-1.95]`` when it has an interval."""
+    if "speedup_vs_nospec" not in row:
+        return row
+    text = f"{row['speedup_vs_nospec']:.2f}x"
+    if "speedup_vs_nospec_low" in row:
+        text += f" [{row['speedup_vs_nospec_low']:.2f}-{row['speedup_vs_nospec_high']:.2f}]"
+    return row | {"speedup_vs_nospec": text}
+
+
+def interval_lines(described: dict[str, Any] | None) -> list[str]:
+    """What the speedup intervals include (``tltsim.sim.intervals.describe``)."""
+    if not described:
+        return []
+    parts = []
+    if "seeds" in described["sources"]:
+        parts.append(f"seeds {','.join(map(str, described['seeds']))}")
+    if "accept_rate" in described["sources"]:
+        parts.append(f"accept rates {described['accept_rate_range']}")
+    if "cost_error" in described["sources"]:
+        parts.append(f"SD iteration cost +/-{100 * described['cost_error']:g}%")
+    if not parts:
+        return []
+    return [f"speedup interval: min-max over {'; '.join(parts)}"]

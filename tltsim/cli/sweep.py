@@ -12,6 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
+from tltsim.cli.args import check_out_dir
 from tltsim.errors import UsageError
 from tltsim.sim import sweep
 
@@ -45,6 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_sweep(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
+    if args.out is not None:
+        check_out_dir(args.out)
     outcome = sweep.run_sweep(args.spec, args.out, args.workers)
     print(
         f"{len(outcome.table)} rows (points x seeds): {outcome.num_computed} simulations run, {outcome.num_reused} reused from {outcome.out / 'points.jsonl'}"

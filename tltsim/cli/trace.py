@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.args import add_dataclass_args, check_out_file, dataclass_from_args
 from tltsim.errors import UsageError
 from tltsim.trace.files import load_trace, save_trace
 from tltsim.trace.importers import KINDS, ImportConfig, import_trace
@@ -37,6 +37,7 @@ def summary_line(trace: Trace, name: str) -> str:
 def _check_out(path: Path) -> None:
     if not path.name.lower().endswith(SUFFIXES):
         raise UsageError(f"--out {path}: expected a file name ending in {', '.join(SUFFIXES)}")
+    check_out_file(path)
 
 
 def _cmd_gen(args: argparse.Namespace) -> int:

@@ -85,6 +85,8 @@ COLUMNS = (
 OPS = ("decode", "verify", "drafter", "prefill", "sd_switch", "train", "drafter_train")
 REQUIRED_OPS = ("decode", "verify", "drafter", "prefill", "train", "drafter_train")
 META_KEYS = ("hardware", "backend", "tp", "model", "software", "date")
+# Largest integer cell (batch, context, tokens, repeats): int32, as the trace format's bound.
+MAX_INT = 2**31 - 1
 ATTENTION_CONTEXTS = ("summed", "padded")  # optional sidecar key attention_context (docstring)
 
 
@@ -242,9 +244,13 @@ def load_profile(path: str | Path) -> Profile:
     path = Path(path)
     source = str(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ProfileError(f"{source}: cannot read the profile ({err.strerror or err})") from None
+    except UnicodeDecodeError as err:
+        raise ProfileError(
+            f"{source}: not a text CSV profile (byte {err.start} is not UTF-8; binary or corrupted?)"
+        ) from None
     lines = text.splitlines()
     if not lines or not lines[0].strip():
         raise ProfileError(f"{source}: empty file (expected the header {','.join(COLUMNS)})")
@@ -288,9 +294,12 @@ def _parse_row(cells: dict[str, str], source: str, line_no: int) -> ProfileRow:
 
     def integer(column: str) -> int:
         try:
-            return int(cells[column])
+            value = int(cells[column])
         except ValueError:
             raise bad(column, "an integer") from None
+        if abs(value) > MAX_INT:  # a corrupted cell, not a batch or context length
+            raise bad(column, f"an integer <= {MAX_INT}")
+        return value
 
     def number(column: str) -> float:
         try:
@@ -363,13 +372,15 @@ def _check_duplicates(rows: list[ProfileRow], source: str) -> None:
 def _load_meta(path: Path) -> dict[str, Any]:
     side = sidecar_path(path)
     try:
-        meta = json.loads(side.read_text())
+        meta = json.loads(side.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ProfileError(
             f"{side}: missing sidecar of {path.name} (expected hardware/software JSON written by tltrun profile)"
         ) from None
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ProfileError(f"{side}: cannot read the sidecar JSON ({err})") from None
+    except RecursionError:
+        raise ProfileError(f"{side}: sidecar JSON nested too deeply to parse") from None
     if type(meta) is not dict:
         raise ProfileError(f"{side}: expected a JSON object, got {type(meta).__name__}")
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:

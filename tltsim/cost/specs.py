@@ -133,8 +133,10 @@ class ModelSpec:
             if key not in cfg:
                 raise ValueError(f"config.json: missing field {key!r} (expected an integer)")
             value = cfg[key]
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"config.json: field {key!r} must be an integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**31:
+                raise ValueError(
+                    f"config.json: field {key!r} must be an integer in [1, 2^31), got {value!r}"
+                )
             return value
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
@@ -159,9 +161,13 @@ class ModelSpec:
     def from_hf_config_file(cls, path: str | Path, name: str | None = None) -> ModelSpec:
         path = Path(path)
         try:
-            config = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"{path}: cannot read a JSON config ({err})") from None
+        except RecursionError:
+            raise ValueError(f"{path}: JSON config nested too deeply to parse") from None
+        if not isinstance(config, Mapping):
+            raise ValueError(f"{path}: expected a JSON object (a Hugging Face config.json)")
         try:
             return cls.from_hf_config(config, name=name or path.parent.name)
         except ValueError as err:

@@ -32,6 +32,9 @@ Contract: what a measured trace must record (``tltrun`` writes it)
   when one step mixed strategies, e.g. TLTAdaptive's bandit), ``policy.iterations_per_strategy``
   with exactly one strategy other than "off" (``tltrun.rollout.measured_trace``), ``strategy``; else
   ``FitConfig.strategy`` (``--strategy``). Strategies are ``SpecDecision`` names ("4_1_4").
+* the fit models the learned (EAGLE) drafter: verifies recorded under another drafter's arm
+  (``"history:6_1_6"``, a version-2 trace; ``tltsim.trace.measured``) are left out, with one
+  ``SkippedArmWarning`` (``tltsim fit`` prints it as a ``warning:`` line) counting them.
 * per step ``measured.drafter_trained_tokens``: tokens the drafter was trained on during that
   step (the simulator's step record has the same field); absent = 0 (a frozen drafter).
 
@@ -44,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,9 +57,10 @@ import numpy as np
 
 from tltsim.errors import UsageError
 from tltsim.fidelity.fit_dynamics import DYNAMICS_FIELDS, DynamicsFit, StepAcceptance, fit_dynamics
+from tltsim.jsonio import read_json
 from tltsim.policy import SpecDecision
 from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
-from tltsim.trace.measured import MeasuredStep
+from tltsim.trace.measured import MeasuredStep, arm_drafter
 from tltsim.trace.schema import Step, Trace
 
 FORMAT = "tlt-drafter-dynamics"
@@ -64,6 +69,10 @@ VERSION = 1
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
+
+
+class SkippedArmWarning(UserWarning):
+    """Verifies of a drafter other than EAGLE (a history arm) left out of the EAGLE fit."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +167,10 @@ def checked_hists(hists: dict[str, list[int]], where: str) -> dict[SpecDecision,
             decision = SpecDecision.parse(name)
         except ValueError as err:
             raise UsageError(f"{where}: {err}") from None
+        if decision.drafter != "eagle":  # callers drop these first (collect_steps)
+            raise UsageError(
+                f"{where}: arm {name}: the acceptance model fits the EAGLE drafter only, not the {decision.drafter} drafter"
+            )
         if not decision.enabled:
             raise UsageError(f"{where}: verifies recorded under strategy 'off'")
         while len(hist) > decision.draft_steps + 1 and hist[-1] == 0:
@@ -170,20 +183,38 @@ def checked_hists(hists: dict[str, list[int]], where: str) -> dict[SpecDecision,
     return checked
 
 
+def eagle_hists(hists: dict[str, list[int]]) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """(the EAGLE drafter's histograms, {other drafter's arm: verifies}) of one step's."""
+    eagle = {k: h for k, h in hists.items() if arm_drafter(k) == "eagle"}
+    return eagle, {k: sum(h) for k, h in hists.items() if k not in eagle}
+
+
 def collect_steps(trace: Trace, source: str, default_strategy: str = "") -> list[StepAcceptance]:
-    """Per step: verify histograms by strategy and drafter tokens trained (see the contract)."""
+    """Per step: verify histograms by strategy and drafter tokens trained (see the contract);
+    other drafters' arms are left out with one ``SkippedArmWarning``."""
     steps = []
+    skipped: dict[str, int] = {}
     for s in trace.steps:
         where = f"{source}: step {s.step}"
         trained = s.measured.drafter_trained_tokens if s.measured is not None else None
-        steps.append(
-            StepAcceptance(
-                s.step, checked_hists(_step_hists(s, where, default_strategy), where), trained or 0
-            )
+        hists, other = eagle_hists(_step_hists(s, where, default_strategy))
+        for arm, n in other.items():
+            skipped[arm] = skipped.get(arm, 0) + n
+        steps.append(StepAcceptance(s.step, checked_hists(hists, where), trained or 0))
+    if not any(st.hists for st in steps) and skipped:
+        raise UsageError(
+            f"{source}: no EAGLE-drafter verifies recorded, only {', '.join(sorted(skipped))} (the fit models the EAGLE drafter only; issue #20)"
         )
     if not any(st.hists for st in steps):
         raise UsageError(
             f"{source}: no SD verifies recorded (expected per-response accept_hist or measured.accept_hist_by_strategy)"
+        )
+    if skipped:
+        warnings.warn(
+            f"{source}: left out {sum(skipped.values())} verifies of {', '.join(sorted(skipped))}: "
+            "the acceptance fit models the EAGLE drafter only (no history-drafter model yet, issue #20)",
+            SkippedArmWarning,
+            stacklevel=2,
         )
     return steps
 
@@ -355,10 +386,7 @@ def save_fit(
 def load_dynamics(path: str | Path) -> DrafterDynamics:
     """A ``DrafterDynamics`` from ``tltsim fit --out`` JSON; bad input is one UsageError line."""
     path = Path(path)
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise UsageError(f"{path}: cannot read drafter-dynamics JSON ({err})") from None
+    obj = read_json(path, "drafter-dynamics JSON file")
     if type(obj) is not dict or obj.get("format") != FORMAT or obj.get("version") != VERSION:
         raise UsageError(
             f"{path}: expected a '{FORMAT}' version {VERSION} file (written by tltsim fit --out)"
@@ -389,6 +417,7 @@ __all__ = [
     "FORMAT",
     "FitConfig",
     "FitResult",
+    "SkippedArmWarning",
     "collect_steps",
     "estimate_accept_rate",
     "fit_sibling_rate",

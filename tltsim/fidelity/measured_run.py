@@ -42,6 +42,11 @@ Fields of ``tltsim.trace.measured.MeasuredStep``; their types are checked when t
   ``tltsim.fidelity.fit.estimate_accept_rate``). The comparison thus tests the cost model and the
   scheduling, not the drafter-dynamics model (``tltsim compare --drafter-dynamics`` does).
 
+* The EAGLE drafter only: the simulator has no acceptance model for the history drafter yet
+  (issue #20), so a run that could draft from it (policy ``tltbase``, a ``tlt`` config whose
+  ``drafters`` list it) or did (an arm ``"history:6_1_6"`` in the block's strategy keys, a
+  version-2 trace) is refused with one ``UsageError`` line.
+
 Bad input raises ``UsageError`` naming the file, the step and the field (a field of the wrong
 type already failed ``load_trace`` with a ``TraceError`` of the same form).
 """
@@ -226,6 +231,23 @@ def _settings(name: str, config: dict[str, Any], trace: Trace, source: str, tlt:
         raise UsageError(f"{source}: field 'measured.policy.config': {err}") from None
 
 
+def _refuse_other_drafters(trace: Trace, source: str, name: str, config: dict[str, Any]) -> None:
+    """One error line for a run the simulator cannot replay: one that drafted, or whose policy
+    could draft, with a drafter other than EAGLE (module docstring)."""
+    why = "the simulator cannot replay history-drafter decisions yet (issue #20); compare runs that draft with EAGLE"
+    drafters = config.get("drafters", ())
+    if name == "tltbase" or (isinstance(drafters, list) and set(drafters) - {"eagle"}):
+        raise UsageError(
+            f"{source}: field 'measured.policy': policy {name!r} drafts with {', '.join(drafters) or 'history'}; {why}"
+        )
+    for step in trace.steps:
+        other = sorted(step.measured.arm_drafters() - {"eagle"})
+        if other:
+            raise UsageError(
+                f"{source}: step {step.step}: field 'measured': verifies of the {', '.join(other)} drafter; {why}"
+            )
+
+
 def _placement(step: Step, source: str) -> tuple[tuple[str, ...], ...]:
     m = step.measured
     ids = [p.id for p in step.prompts]
@@ -331,6 +353,7 @@ def measured_run(
 ) -> MeasuredRun:
     """Read everything the simulation of ``trace`` needs (see the module docstring)."""
     name, config, seed = _policy(trace, source)
+    _refuse_other_drafters(trace, source, name, config)
     placement = tuple(_placement(step, source) for step in trace.steps)
     if len({len(p) for p in placement}) > 1:
         raise UsageError(f"{source}: the number of instances changes between steps")

@@ -28,7 +28,7 @@ Spot drafter training is driven the same way through ``SpotTrainerPolicy.decide(
 ``IdleObs`` says what its buffer and update sizes count, which both drivers compute alike.
 
 Layout: ``spec`` (interface, NoSpec, StaticSpec, the accept-length estimate), ``tlt``
-(TLTAdaptive, BEG-MAB), ``training`` (spot trainer); this module adds the vLLM dynamic-SD
+(TLTAdaptive, BEG-MAB, TLTBase), ``training`` (spot trainer); this module adds the vLLM dynamic-SD
 export and ``make_policy``.
 
     from tltsim.policy import make_policy, to_vllm_dynamic_table
@@ -42,6 +42,7 @@ from dataclasses import fields
 
 from tltsim.policy.spec import (
     ACCEPT_LEN_EMA_WEIGHT,
+    DRAFTERS,
     OFF,
     DecodeObs,
     NoSpec,
@@ -51,7 +52,7 @@ from tltsim.policy.spec import (
     StaticSpec,
     update_accept_len_ema,
 )
-from tltsim.policy.tlt import REWARD_GROUPS, BegMab, TLTAdaptive, TLTConfig, bucket_arms
+from tltsim.policy.tlt import REWARD_GROUPS, BegMab, TLTAdaptive, TLTBase, TLTConfig, bucket_arms
 from tltsim.policy.training import (
     NO_TRAINING,
     DrafterTrainingPolicy,
@@ -77,18 +78,24 @@ def to_vllm_dynamic_table(policy: SpecPolicy, max_batch: int) -> list[list[int]]
     return policy.vllm_dynamic_table(max_batch)
 
 
-POLICY_NAMES = ("nospec", "static", "tlt")
+POLICY_NAMES = ("nospec", "static", "tlt", "tltbase")
+# What "--policy all" and default policy lists run: the policies both halves model. TLTBase
+# drafts from the rollout history, which the simulator cannot model yet (issue #20, item 3)
+# and vLLM's dynamic-SD table cannot express, so it runs only where named explicitly.
+DEFAULT_POLICY_NAMES = ("nospec", "static", "tlt")
 
 
 def make_policy(name: str, seed: int = 0, **settings) -> SpecPolicy:
-    """ "nospec" | "static" (draft_steps, topk, verify_tokens or strategy="8_4_32") | "tlt"
-    (TLTConfig fields). Bad names or settings raise one ValueError naming them."""
+    """ "nospec" | "static" (draft_steps, topk, verify_tokens or strategy="8_4_32", or
+    "history:6_1_6" for the history drafter) | "tlt" (TLTConfig fields) | "tltbase" (TLTConfig
+    fields; history drafter only). Bad names or settings raise one ValueError naming them."""
     if name not in POLICY_NAMES:
         raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")
     allowed = {
         "nospec": set(),
         "static": {"draft_steps", "topk", "verify_tokens", "strategy"},
         "tlt": {f.name for f in fields(TLTConfig)},
+        "tltbase": {f.name for f in fields(TLTConfig)},
     }[name]
     unknown = sorted(set(settings) - allowed)
     if unknown:
@@ -99,12 +106,15 @@ def make_policy(name: str, seed: int = 0, **settings) -> SpecPolicy:
         return NoSpec()
     if name == "static":
         return StaticSpec(**settings)
+    if name == "tltbase":
+        return TLTBase(seed=seed, **settings)
     return TLTAdaptive(seed=seed, **settings)
 
 
 __all__ = [
     "ACCEPT_LEN_EMA_WEIGHT",
     "BegMab",
+    "DRAFTERS",
     "DecodeObs",
     "DrafterTrainingPolicy",
     "IdleObs",
@@ -112,6 +122,7 @@ __all__ = [
     "NoDrafterTraining",
     "NoSpec",
     "OFF",
+    "DEFAULT_POLICY_NAMES",
     "POLICY_NAMES",
     "REWARD_GROUPS",
     "SpecDecision",
@@ -121,6 +132,7 @@ __all__ = [
     "SpotTrainerPolicy",
     "StaticSpec",
     "TLTAdaptive",
+    "TLTBase",
     "TLTConfig",
     "TrainDecision",
     "bucket_arms",

@@ -69,8 +69,17 @@ class SpecDecision:
     draft_steps: int = 0
     topk: int = 1
     verify_tokens: int = 0
+    # Which drafter proposes (issue #20): "eagle", the learned drafter, or "history", the
+    # model-free n-gram/suffix drafter (tltrun.model.history_drafter), whose tree is at most
+    # topk distinct continuations of draft_steps tokens, verify_tokens nodes of them. The
+    # strategy name does not include it: records carry the drafter beside the strategy.
+    drafter: str = "eagle"
 
     def __post_init__(self) -> None:
+        if self.drafter not in DRAFTERS:
+            raise ValueError(
+                f"SpecDecision: drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}"
+            )
         if self.enabled:
             if self.draft_steps < 1 or self.topk < 1 or self.verify_tokens < 1:
                 raise ValueError(
@@ -90,20 +99,33 @@ class SpecDecision:
     def is_chain(self) -> bool:
         return self.topk == 1
 
+    @property
+    def arm(self) -> str:
+        """The strategy with a non-default drafter in front (``"history:6_1_6"``): a bandit
+        arm's name; ``parse`` reads it back. Equals ``strategy`` for the EAGLE drafter."""
+        if self.enabled and self.drafter != "eagle":
+            return f"{self.drafter}:{self.strategy}"
+        return self.strategy
+
     @classmethod
-    def parse(cls, name: str) -> SpecDecision:
-        """``"8_4_48"`` -> 8 draft steps, topk 4, 48 verify tokens; ``"off"`` -> disabled."""
+    def parse(cls, name: str, drafter: str = "eagle") -> SpecDecision:
+        """``"8_4_48"`` -> 8 draft steps, topk 4, 48 verify tokens; ``"off"`` -> disabled;
+        ``"history:6_1_6"`` (an ``arm`` name) -> the history drafter's 6_1_6."""
         if name == "off":
             return OFF
+        if ":" in name:
+            drafter, name = name.split(":", 1)
         parts = name.split("_")
         if len(parts) != 3 or not all(p.isdigit() for p in parts):
             raise ValueError(
                 f"strategy {name!r}: expected 'DRAFTSTEPS_TOPK_VERIFYTOKENS' such as '8_4_48', or 'off'"
             )
         d, k, v = (int(p) for p in parts)
-        return cls(enabled=True, draft_steps=d, topk=k, verify_tokens=v)
+        return cls(enabled=True, draft_steps=d, topk=k, verify_tokens=v, drafter=drafter)
 
 
+# The drafters a SpecDecision may name (issue #20).
+DRAFTERS = ("eagle", "history")
 OFF = SpecDecision(enabled=False)
 
 
@@ -211,7 +233,13 @@ class StaticSpec(SpecPolicy):
         return self.decision
 
     def vllm_dynamic_table(self, max_batch: int) -> list[list[int]]:
-        """Exact for a chain; a tree ``d_k_v`` runs as vLLM's chain of ``d`` drafts."""
+        """Exact for a chain; a tree ``d_k_v`` runs as vLLM's chain of ``d`` drafts. vLLM's
+        dynamic table drives its EAGLE drafter only, so a history decision has no export."""
+        if self.decision.drafter != "eagle":
+            raise ValueError(
+                f"to_vllm_dynamic_table: the {self.decision.drafter} drafter ({self.decision.arm}) "
+                "has no vLLM dynamic-table export (the table drives vLLM's EAGLE drafter only)"
+            )
         return [[1, max_batch, self.decision.draft_steps]]
 
     def observe(self, feedback: SpecFeedback) -> None:

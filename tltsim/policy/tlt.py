@@ -1,5 +1,7 @@
 """``TLTAdaptive``: SD only in the long tail of a rollout, with the strategy per batch-size
-bucket chosen by the BEG-MAB bandit (TLT, arXiv 2511.16665). Standard library only.
+bucket chosen by the BEG-MAB bandit (TLT, arXiv 2511.16665); its arms may pair strategies with
+the learned or the history drafter (``TLTConfig.drafters``, issue #20). ``TLTBase``: the same
+switch with the history drafter only. Standard library only.
 """
 
 from __future__ import annotations
@@ -8,9 +10,9 @@ import bisect
 import random
 import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from tltsim.policy.spec import OFF, DecodeObs, SpecDecision, SpecFeedback, SpecPolicy
+from tltsim.policy.spec import DRAFTERS, OFF, DecodeObs, SpecDecision, SpecFeedback, SpecPolicy
 
 # Reward statistics are kept per fine batch-size group, as fastrl's MABGroupManager does
 # (third-party/sglang/.../speculative/eagle_mab.py): 1..31, then steps of 8 to 120, then of 32 to 256.
@@ -52,6 +54,15 @@ class TLTConfig:
     window: int = field(
         default=300, metadata={"help": "rewards kept per arm and batch-size group (median window)"}
     )
+    # issue #20: the bandit's arms are (drafter, strategy) pairs, every strategy of a bucket with
+    # every drafter listed here (the first drafter's first strategy is the bucket default)
+    drafters: tuple[str, ...] = field(
+        default=("eagle",),
+        metadata={
+            "help": "drafters the bandit chooses between per bucket: eagle (learned), "
+            "history (model-free n-gram/suffix)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.threshold < 1 or self.warmup_checks < 1 or self.window < 1:
@@ -69,9 +80,18 @@ class TLTConfig:
             raise ValueError(
                 f"TLTConfig: bucket_starts must be increasing and start at 1, got {starts}"
             )
+        bad = [d for d in self.drafters if d not in DRAFTERS]
+        if bad or not self.drafters or len(set(self.drafters)) != len(self.drafters):
+            raise ValueError(
+                f"TLTConfig: drafters must be distinct names among {', '.join(DRAFTERS)}, got {self.drafters}"
+            )
         decisions = [SpecDecision.parse(s) for s in self.strategies]
         if not all(d.enabled for d in decisions):
             raise ValueError("TLTConfig: every strategy must enable SD ('off' is not an arm)")
+        if any(":" in s for s in self.strategies):
+            raise ValueError(
+                f"TLTConfig: strategies name no drafter (got {self.strategies}); list drafters in 'drafters'"
+            )
         if len({d.verify_tokens for d in decisions}) != len(starts):
             raise ValueError(
                 f"TLTConfig: {len(starts)} buckets need as many distinct verify_tokens values among the strategies, got {self.strategies}"
@@ -80,12 +100,22 @@ class TLTConfig:
     def buckets(self) -> tuple[tuple[int, int | None, tuple[SpecDecision, ...]], ...]:
         """(min_batch, max_batch or None for no cap, arms). As in fastrl's BEG: strategies are
         grouped by verify_tokens, the group with the most verify tokens serving the smallest
-        batches; arms keep the order given in ``strategies`` (the first is the bucket default)."""
+        batches; arms keep the order given in ``strategies`` (the first is the bucket default),
+        each strategy with every drafter in ``drafters`` order (drafter-major)."""
         decisions = [SpecDecision.parse(s) for s in self.strategies]
         tokens = sorted({d.verify_tokens for d in decisions}, reverse=True)
         ends = [s - 1 for s in self.bucket_starts[1:]] + [None]
         return tuple(
-            (start, end, tuple(d for d in decisions if d.verify_tokens == v))
+            (
+                start,
+                end,
+                tuple(
+                    replace(d, drafter=drafter)
+                    for drafter in self.drafters
+                    for d in decisions
+                    if d.verify_tokens == v
+                ),
+            )
             for start, end, v in zip(self.bucket_starts, ends, tokens, strict=True)
         )
 
@@ -146,7 +176,7 @@ class BegMab:
         return {
             "rng": [version, list(internal), gauss_next],
             "rewards": [
-                {"group": group, "strategy": arm.strategy, "rewards": list(window)}
+                {"group": group, "strategy": arm.arm, "rewards": list(window)}
                 for (group, arm), window in self.rewards.items()
             ],
         }
@@ -267,20 +297,28 @@ class TLTAdaptive(SpecPolicy):
         return sw.switch_s if sw is not None else None
 
     def default_decision(self, batch: int) -> SpecDecision:
-        """The first arm of the bucket serving ``batch`` (what the vLLM table exports)."""
+        """The first arm of the bucket serving ``batch``."""
         return bucket_arms(self.config.buckets(), batch)[0]
 
     def vllm_dynamic_table(self, max_batch: int) -> list[list[int]]:
-        """k = 0 above ``threshold`` and, below, k = draft_steps of each bucket's first arm,
-        since vLLM's EAGLE here drafts a chain; adjacent equal k merged. Lost in the export: the
-        warm-up hysteresis (vLLM switches per iteration on the batch size alone, without
-        re-prefill), the tree shape (topk, verify_tokens) and the bandit (one arm per bucket)."""
+        """k = 0 above ``threshold`` and, below, k = draft_steps of each bucket's first EAGLE
+        arm, since vLLM's EAGLE here drafts a chain; adjacent equal k merged. Lost in the export:
+        the warm-up hysteresis (vLLM switches per iteration on the batch size alone, without
+        re-prefill), the tree shape (topk, verify_tokens), the bandit (one arm per bucket) and
+        the history-drafter arms (the table drives vLLM's EAGLE drafter only; a policy without
+        EAGLE arms raises ValueError)."""
         cfg = self.config
+        if "eagle" not in cfg.drafters:
+            raise ValueError(
+                f"to_vllm_dynamic_table: policy {self.name!r} drafts with {', '.join(cfg.drafters)} "
+                "only; vLLM's dynamic table drives its EAGLE drafter"
+            )
         rows: list[list[int]] = []
         for start, end, arms in cfg.buckets():
             hi = min(end if end is not None else max_batch, cfg.threshold, max_batch)
+            eagle = next(a for a in arms if a.drafter == "eagle")
             if start <= hi:
-                rows.append([start, hi, arms[0].draft_steps])
+                rows.append([start, hi, eagle.draft_steps])
         if max_batch > cfg.threshold:
             rows.append([cfg.threshold + 1, max_batch, 0])
         merged: list[list[int]] = []
@@ -324,3 +362,30 @@ class TLTAdaptive(SpecPolicy):
             )
             for e in state["switches"]
         }
+
+
+class TLTBase(TLTAdaptive):
+    """The paper's ablation baseline "TLT-Base" (issue #20): the model-free history drafter only
+    (``tltrun.model.history_drafter``), switched on by TLTAdaptive's threshold and warm-up, with
+    one fixed chain strategy by default: 6_1_6, the strategy of ``benchmarks/bench_spec.py``'s
+    best batch-1 result (with EAGLE; README), until a history-drafter benchmark picks its own.
+    Any TLTConfig field may be overridden; drafters must stay ("history",). No vLLM
+    dynamic-table export (that table drives EAGLE only)."""
+
+    name = "tltbase"
+    DEFAULTS = {"strategies": ("6_1_6",), "bucket_starts": (1,), "drafters": ("history",)}
+
+    def __init__(
+        self,
+        seed: int = 0,
+        rng: random.Random | None = None,
+        config: TLTConfig | None = None,
+        **settings,
+    ):
+        if config is None:
+            config = TLTConfig(**{**self.DEFAULTS, **settings})
+        elif settings:
+            raise ValueError("TLTBase: pass either a TLTConfig or its fields, not both")
+        if config.drafters != ("history",):
+            raise ValueError(f"TLTBase: drafters must be ('history',), got {config.drafters}")
+        super().__init__(seed=seed, rng=rng, config=config)

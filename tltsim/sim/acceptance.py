@@ -134,6 +134,7 @@ def expected_accept_len(
     decision: SpecDecision, accept_rate: float, sibling_rate: float = DEFAULT_SIBLING_RATE
 ) -> float:
     """Expected tokens per request per iteration (incl. bonus); 1.0 with SD off."""
+    # EAGLE decisions only: the simulator refuses history-drafter ones (tltsim.sim.instance).
     if not decision.enabled:
         return 1.0
     if decision.is_chain:

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from tltsim.errors import UsageError
 from tltsim.policy import (
     DecodeObs,
     SpecDecision,
@@ -241,6 +242,13 @@ class InstanceRollout:
                 accept_len_ema=self.accept_len_ema,
             )
             decision = policy.decide(obs)
+            if decision.enabled and decision.drafter != "eagle":
+                # Refuse rather than cost a history-drafter iteration with the EAGLE
+                # acceptance model (a silently wrong answer): its own model is #20 item 3.
+                raise UsageError(
+                    f"the simulator has no acceptance model for the {decision.drafter!r} "
+                    "drafter yet (issue #20); simulate policies that draft with EAGLE"
+                )
             if decision.enabled and not self.is_sd_on:
                 # SD switches on: rebuild the drafter's KV cache over the running requests, then
                 # run the decided iteration (one decide() per iteration, as tltrun's engine).

@@ -2,7 +2,8 @@
 
 ``tltsim.sim.simulator.simulate`` fills a ``SimResult``; ``tltsim replay`` writes it as ``steps.csv``,
 ``instances.csv``, ``timeline.parquet`` (``Segment`` rows) and ``summary.json``; ``analysis/`` plots those files.
-Also home of ``ideal_rollout_s``, the lower bound on rollout time every policy is compared with.
+Also home of ``ideal_bound`` / ``ideal_rollout_s``, the lower bound on rollout time every policy is
+compared with: max(work bound, critical path).
 
 Glossary: an *instance* is one engine (a TP group of ``tp`` GPUs); the *bubble* is GPU-seconds
 an instance sits idle during rollout because its share finished before the slowest one; the
@@ -84,7 +85,9 @@ class StepRecord:
     drafter_train_gpu_s: float  # GPU-seconds spot trainers spent training the drafter
     idle_gpu_s: float  # bubble GPU-seconds left idle after spot training (incl. start-up)
     drafter_trained_tokens: int  # tokens the drafter trained on during this step
-    ideal_rollout_s: float  # lower bound: see ideal_rollout_s()
+    ideal_rollout_s: float  # lower bound: max of the two below, see ideal_bound()
+    ideal_work_s: float = 0.0  # the work bound (work spread evenly, cheapest iterations)
+    ideal_critical_path_s: float = 0.0  # the longest response decoded alone, drafts all accepted
 
     @property
     def sd_on_fraction(self) -> float:
@@ -111,6 +114,9 @@ class InstanceShare:
     decode_tokens: int  # response tokens after the first (which prefill emits)
     min_prompt_tokens: int
     num_prefills: int  # prompts prefilled at least
+    # (prompt_tokens, response_tokens) of the requests no other request of the share dominates
+    # (longer prompt and longer response): the critical path's candidates (response_frontier)
+    frontier: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(kw_only=True)
@@ -186,6 +192,10 @@ class SimResult:
             "sd_on_fraction": sum(s.sd_instance_s for s in steps) / decode if decode > 0 else 0.0,
             "mean_accept_len": sum(s.sd_tokens for s in steps) / verifies if verifies else 0.0,
             "mean_ideal_rollout_s": sum(s.ideal_rollout_s for s in steps) / num if num else 0.0,
+            "mean_ideal_work_s": sum(s.ideal_work_s for s in steps) / num if num else 0.0,
+            "mean_ideal_critical_path_s": (
+                sum(s.ideal_critical_path_s for s in steps) / num if num else 0.0
+            ),
             "strategies_used": sorted(d.strategy for d in self.strategies_used),
             "wall_s": self.wall_s,
         }
@@ -232,6 +242,7 @@ def step_outputs(
                 decode_tokens=int(inst.response_tokens.sum()) - num,
                 min_prompt_tokens=int(inst.prompt_tokens.min()) if num else 0,
                 num_prefills=int(prompts.size),
+                frontier=response_frontier(inst.prompt_tokens, inst.response_tokens),
             )
         )
     bubble = sum(rollout_s - inst.finish_s for inst in instances)
@@ -291,18 +302,16 @@ def min_cost_per_token(
     return out
 
 
-def ideal_rollout_s(
+def work_bound_s(
     shares: Sequence[InstanceShare],
     cost: Any,
     max_running_requests: int,
     strategies: Sequence[SpecDecision] = (),
 ) -> float:
-    """Lower bound on one step's rollout time under ANY policy using ``strategies``.
-
-    Each instance's own requests at the cheapest per-token iteration it could ever run (batch
-    at most min(max_running_requests, its requests), see min_cost_per_token), one prefill of all
-    its prompts (each group's once when prompts are shared), and that work spread evenly over
-    the instances (no tail):
+    """The work bound: each instance's own requests at the cheapest per-token iteration it could
+    ever run (batch at most min(max_running_requests, its requests), see min_cost_per_token),
+    one prefill of all its prompts (each group's once when prompts are shared), and that work
+    spread evenly over the instances (no tail):
     rollout >= max_i busy_i >= mean_i busy_i >= mean_i bound_i.
     """
     if not shares:
@@ -324,3 +333,109 @@ def ideal_rollout_s(
             + s.decode_tokens * per_token[batch]
         )
     return total / len(shares)
+
+
+def response_frontier(
+    prompt_tokens: np.ndarray, response_tokens: np.ndarray
+) -> tuple[tuple[int, int], ...]:
+    """The (prompt, response) pairs no other pair dominates (both at least as long): the
+    critical path grows with both, so its maximum over responses is reached on one of these."""
+    pairs = sorted(
+        set(zip(prompt_tokens.tolist(), response_tokens.tolist(), strict=True)), reverse=True
+    )
+    out, longest = [], 0
+    for prompt, response in pairs:  # prompts descending: keep responses above all seen so far
+        if response > longest:
+            out.append((int(prompt), int(response)))
+            longest = response
+    return tuple(out)
+
+
+# Chunks of a response's decode tokens that share one context in critical_path_s: the bound
+# loses at most 1/NUM_PATH_CHUNKS of the context growth's cost (about 0.5% for 32k tokens).
+NUM_PATH_CHUNKS = 32
+
+
+def critical_path_s(
+    prompt_tokens: int,
+    response_tokens: int,
+    cost: Any,
+    strategies: Sequence[SpecDecision] = (),
+) -> float:
+    """Lower bound on the time from a rollout's start until a response of ``response_tokens``
+    on a prompt of ``prompt_tokens`` has finished, under any policy using ``strategies``.
+
+    Proof. The response's instance runs one thing at a time. (1) Before its first token, a
+    prefill holding its prompt ran on that instance (its own, or its group leader's when prompts
+    are shared, which is no shorter): at least ``prefill_s(prompt_tokens, 0, 1)``, a prefill of
+    more tokens and sequences costing no less. (2) Its other ``response_tokens - 1`` tokens come
+    in order, one iteration after another; an iteration with strategy s emits at most
+    ``k_s = min(draft_steps, verify_tokens) + 1`` of them (all drafts accepted plus the bonus
+    token; 1 without SD) and costs at least its batch-1 cost ``c_s(1, ctx)`` at this response's
+    context ctx (iteration cost does not fall with batch or with context, which the batch's
+    summed or padded context only adds to). Charge each token ``c_s(1, ctx) / k_s`` of its
+    iteration's cost: that is at least ``rate(ctx) = min_s c_s(1, ctx) / k_s``. An iteration
+    emitting decode token j started at context >= prompt + 1 + j - k_max, so a token of a chunk
+    starting at decode token j0 is charged at least ``rate(prompt + 1 + max(0, j0 - k_max))``
+    (rate does not fall with context). Summing (1) and the chunks gives the bound; the
+    rollout, which ends after every response, is at least its maximum over responses.
+    """
+    num_decode = response_tokens - 1
+    time_s = cost.prefill_s(prompt_tokens, 0.0, 1) if prompt_tokens > 0 else 0.0
+    if num_decode <= 0:
+        return time_s
+    options = [(d, min(d.draft_steps, d.verify_tokens) + 1) for d in strategies if d.enabled]
+    max_tokens = max([k for _, k in options], default=1)
+    chunk = math.ceil(num_decode / NUM_PATH_CHUNKS)
+    for first in range(0, num_decode, chunk):
+        ctx = float(prompt_tokens + 1 + max(0, first - max_tokens))
+        rate = cost.decode_iter_s(1, ctx, 1)
+        for decision, k in options:
+            rate = min(rate, cost.sd_iter_s(1, ctx, decision) / k)
+        time_s += min(chunk, num_decode - first) * rate
+    return time_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdealBound:
+    """One step's lower bound on rollout time and its two terms (seconds)."""
+
+    work_s: float  # work_bound_s: all work at the cheapest iterations, spread evenly
+    critical_path_s: float  # the slowest response alone at batch 1, every draft accepted
+
+    @property
+    def rollout_s(self) -> float:
+        return max(self.work_s, self.critical_path_s)
+
+
+def ideal_bound(
+    shares: Sequence[InstanceShare],
+    cost: Any,
+    max_running_requests: int,
+    strategies: Sequence[SpecDecision] = (),
+) -> IdealBound:
+    """Lower bound on one step's rollout time under ANY policy using ``strategies``: the
+    rollout lasts at least as long as the work bound (``work_bound_s``) and at least as long as
+    any one response's critical path (``critical_path_s``), so at least their maximum."""
+    pairs = [pair for s in shares for pair in s.frontier]
+    frontier = response_frontier(
+        np.array([p for p, _ in pairs], dtype=np.int64),
+        np.array([r for _, r in pairs], dtype=np.int64),
+    )
+    path = max(
+        (critical_path_s(prompt, response, cost, strategies) for prompt, response in frontier),
+        default=0.0,
+    )
+    return IdealBound(
+        work_s=work_bound_s(shares, cost, max_running_requests, strategies), critical_path_s=path
+    )
+
+
+def ideal_rollout_s(
+    shares: Sequence[InstanceShare],
+    cost: Any,
+    max_running_requests: int,
+    strategies: Sequence[SpecDecision] = (),
+) -> float:
+    """``ideal_bound(...).rollout_s``: max(work bound, critical path)."""
+    return ideal_bound(shares, cost, max_running_requests, strategies).rollout_s

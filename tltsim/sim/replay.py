@@ -6,7 +6,8 @@ objects, simulate, and write the per-step, per-instance and per-response results
     write_outputs(Path("results/r"), trace, results, SimConfig())
 
 ``tltsim replay`` (``tltsim.cli.replay``) is the command line; ``tltsim sweep`` runs one
-``RunSettings`` per sweep point. Outputs of ``write_outputs``: ``summary.json``, ``steps.csv``,
+``RunSettings`` per sweep point. Outputs of ``write_outputs``: ``summary.json`` and
+``summary.csv`` (one row per policy, speedup intervals included), ``steps.csv``,
 ``instances.csv``, ``timeline.parquet`` and ``responses.parquet``; ``tltsim report DIR`` draws
 the figures.
 """
@@ -14,6 +15,7 @@ the figures.
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +31,7 @@ from tltsim.cost.specs import get_hardware, get_model
 from tltsim.errors import UsageError
 from tltsim.jsonio import write_json
 from tltsim.policy import (
-    POLICY_NAMES,
+    DEFAULT_POLICY_NAMES,
     SpecDecision,
     SpotTrainerConfig,
     SpotTrainerPolicy,
@@ -37,7 +39,17 @@ from tltsim.policy import (
     make_policy,
 )
 from tltsim.sim.acceptance import DrafterDynamics
-from tltsim.sim.metrics import SimResult, ideal_rollout_s
+from tltsim.sim.intervals import (
+    DEFAULT_COST_ERROR,
+    IntervalSpec,
+    SpeedupInterval,
+    accept_band,
+    describe,
+    parse_range,
+    parse_seeds,
+    speedup_intervals,
+)
+from tltsim.sim.metrics import SimResult, ideal_bound
 from tltsim.sim.simulator import SimConfig, simulate
 from tltsim.trace.schema import Trace
 
@@ -56,7 +68,7 @@ class ReplayConfig:
     policy: str = field(
         default="all",
         metadata={
-            "help": f"policies to simulate: comma-separated of {', '.join(POLICY_NAMES)}, or all",
+            "help": f"policies to simulate: comma-separated of {', '.join(DEFAULT_POLICY_NAMES)}, or all",
             "metavar": "LIST",
         },
     )
@@ -78,9 +90,50 @@ class ReplayConfig:
     static_strategy: str = field(
         default="8_4_32", metadata=_help("StaticSpec strategy DRAFTSTEPS_TOPK_VERIFYTOKENS")
     )
+    # The speedup interval (tltsim.sim.intervals). Seeds and the acceptance band cost extra
+    # simulations, so they are off unless asked for; the cost band is computed from each run's
+    # own timeline (no extra simulation), so it is on by default.
+    seeds: str | None = field(
+        default=None,
+        metadata={
+            "help": "seeds to replay for the speedup interval, comma-separated; the first one's "
+            "run is the point estimate (default: --seed only)",
+            "metavar": "LIST",
+        },
+    )
+    num_seeds: int = field(
+        default=1,
+        metadata=_help(
+            "replay seeds --seed .. --seed+N-1 for the speedup interval (not with --seeds)"
+        ),
+    )
+    accept_rate_range: str | None = field(
+        default=None,
+        metadata={
+            "help": "LOW,HIGH: factors on the drafter's accept rates whose replays bound the "
+            "speedup interval (e.g. 0.9,1.1); 'fit': the --drafter-dynamics fit's rates "
+            "-/+ 1.96 standard errors (default: not included)",
+            "metavar": "LOW,HIGH|fit",
+        },
+    )
+    cost_error: float = field(
+        default=DEFAULT_COST_ERROR,
+        metadata=_help(
+            "relative error of SD iteration seconds vs plain decoding in the speedup interval "
+            "(0: not included; default from the measured fidelity errors, README)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         policy_names(self.policy)
+        if type(self.num_seeds) is not int or self.num_seeds < 1:
+            raise ValueError(f"num_seeds must be a positive integer, got {self.num_seeds!r}")
+        if self.seeds is not None:
+            parse_seeds(self.seeds, 1, 0)
+        if self.accept_rate_range is not None and self.accept_rate_range.strip() != "fit":
+            parse_range(self.accept_rate_range)
+        if not 0.0 <= self.cost_error < 1.0:
+            raise ValueError(f"cost_error must be in [0, 1), got {self.cost_error}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.preset is not None and self.preset not in CLUSTER_PRESETS:
@@ -93,12 +146,20 @@ class ReplayConfig:
 
 def policy_names(spec: str) -> tuple[str, ...]:
     names = (
-        POLICY_NAMES if spec == "all" else tuple(n.strip() for n in spec.split(",") if n.strip())
+        DEFAULT_POLICY_NAMES
+        if spec == "all"
+        else tuple(n.strip() for n in spec.split(",") if n.strip())
     )
-    bad = [n for n in names if n not in POLICY_NAMES]
+    bad = [n for n in names if n not in DEFAULT_POLICY_NAMES]
     if bad or not names:
+        # tltbase drafts from the rollout history, which the simulator cannot model yet (#20).
         raise ValueError(
-            f"policy: expected a comma-separated list of {', '.join(POLICY_NAMES)} or 'all', got {spec!r}"
+            f"policy: expected a comma-separated list of {', '.join(DEFAULT_POLICY_NAMES)} or 'all', got {spec!r}"
+            + (
+                " (tltbase runs in tltrun only until the simulator models the history drafter)"
+                if "tltbase" in bad
+                else ""
+            )
         )
     return tuple(dict.fromkeys(names))
 
@@ -159,24 +220,65 @@ def simulate_policies(
 # -- outputs ----------------------------------------------------------------------------------------
 
 
+def interval_spec(
+    replay: ReplayConfig, sim: SimConfig, drafter: DrafterDynamics, fit_path: Path | None = None
+) -> IntervalSpec:
+    """What ``replay``'s speedup interval includes; its first seed is the point estimate's, so a
+    caller simulates the point at ``seeds[0]`` (``--seeds`` overrides ``--seed``)."""
+    try:
+        return IntervalSpec(
+            seeds=parse_seeds(replay.seeds, replay.num_seeds, sim.seed),
+            accept=accept_band(drafter, replay.accept_rate_range, fit_path),
+            cost_error=replay.cost_error,
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def replay_intervals(
+    trace: Trace,
+    names: tuple[str, ...],
+    base: RunSettings,
+    spec: IntervalSpec,
+    point: dict[str, SimResult],
+) -> dict[str, SpeedupInterval]:
+    """Speedup intervals around ``point`` (``simulate_policies(trace, names, base)``); the extra
+    simulations (other seeds, acceptance ends) record no timeline."""
+
+    def simulate_one(name: str, seed: int, drafter: DrafterDynamics) -> SimResult:
+        sim = dataclasses.replace(base.sim, seed=seed, is_timeline_recorded=False)
+        return run_settings(dataclasses.replace(base, policy=name, sim=sim, drafter=drafter), trace)
+
+    return speedup_intervals(names, spec, base.drafter, point, simulate_one)
+
+
 def comparison(
-    results: dict[str, SimResult], sim: SimConfig, profile: Path | None = None
-) -> tuple[list[dict[str, Any]], float]:
-    """Per-policy summary rows (speedup vs NoSpec when it ran) and the mean ideal rollout time
-    over the strategies every policy used (one lower bound for all of them)."""
+    results: dict[str, SimResult],
+    sim: SimConfig,
+    profile: Path | None = None,
+    intervals: dict[str, SpeedupInterval] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Per-policy summary rows (speedup vs NoSpec when it ran, with its interval when
+    ``intervals`` has one) and the mean ideal rollout time with its two terms (work bound,
+    critical path) over the strategies every policy used (one lower bound for all of them)."""
     cost = with_profile(profile, cost_model(sim))
     strategies = sorted(
         set().union(*(r.strategies_used for r in results.values())), key=lambda d: d.strategy
     )
     first = next(iter(results.values()))
-    ideal = [
-        ideal_rollout_s(shares, cost, sim.max_running_requests, strategies)
-        for shares in first.shares
+    bounds = [
+        ideal_bound(shares, cost, sim.max_running_requests, strategies) for shares in first.shares
     ]
-    mean_ideal = sum(ideal) / len(ideal) if ideal else 0.0
+    num = max(len(bounds), 1)
+    ideal = {
+        "mean_ideal_rollout_s": sum(b.rollout_s for b in bounds) / num,
+        "mean_ideal_work_s": sum(b.work_s for b in bounds) / num,
+        "mean_ideal_critical_path_s": sum(b.critical_path_s for b in bounds) / num,
+    }
+    mean_ideal = ideal["mean_ideal_rollout_s"]
     base = results.get("nospec")
     rows = []
-    for result in results.values():
+    for name, result in results.items():
         row = result.summary()
         if base is not None:
             b = base.summary()
@@ -187,9 +289,14 @@ def comparison(
                 b["mean_rollout_s"] / row["mean_rollout_s"] if row["mean_rollout_s"] > 0 else 0.0
             )
             row["bubble_reclaimed_gpu_s"] = b["idle_gpu_s"] - row["idle_gpu_s"]
+        if intervals and name in intervals:
+            band = intervals[name]
+            row["speedup_vs_nospec_low"] = band.low
+            row["speedup_vs_nospec_high"] = band.high
+            row["speedup_interval_by_source"] = {k: list(v) for k, v in band.by_source.items()}
         row["rollout_over_ideal"] = row["mean_rollout_s"] / mean_ideal if mean_ideal > 0 else 0.0
         rows.append(row)
-    return rows, mean_ideal
+    return rows, ideal
 
 
 def write_outputs(
@@ -198,15 +305,25 @@ def write_outputs(
     results: dict[str, SimResult],
     sim: SimConfig,
     profile: Path | None = None,
+    intervals: dict[str, SpeedupInterval] | None = None,
+    spec: IntervalSpec | None = None,
 ) -> dict[str, Any]:
-    rows, mean_ideal = comparison(results, sim, profile)
+    """Write the replay's files (module docstring) and return the summary. ``intervals`` and
+    the ``spec`` they were computed under add each policy's speedup interval."""
+    rows, ideal = comparison(results, sim, profile, intervals)
     summary = {
         "kind": "replay",
         "trace": trace.summary(),
-        "mean_ideal_rollout_s": mean_ideal,
+        **ideal,
+        "speedup_interval": describe(spec) if spec is not None and intervals else None,
         "policies": rows,
     }
     write_json(out / "summary.json", summary)
+    table = pd.DataFrame(rows)
+    for column in ("strategies_used", "speedup_interval_by_source"):
+        if column in table:
+            table[column] = [json.dumps(v) for v in table[column]]
+    table.to_csv(out / "summary.csv", index=False)
     frames = {"steps": [], "instances": [], "timeline": []}
     for name, result in results.items():
         frames["steps"].append(result.steps_frame().assign(policy=name))

@@ -41,7 +41,7 @@ from tltsim.sim.metrics import (
     Segment,
     SimResult,
     StepRecord,
-    ideal_rollout_s,
+    ideal_bound,
     step_outputs,
 )
 from tltsim.sim.spot_schedule import SpotOutcome, TrainingSpan, spot_schedule
@@ -52,6 +52,12 @@ PLACEMENTS = ("round_robin", "chunked", "random")
 
 def _help(text: str) -> dict[str, str]:
     return {"help": text}
+
+
+# Most engine instances (num_gpus / tp) one simulation may model (SimConfig.__post_init__).
+MAX_NUM_INSTANCES = 4096
+# Seeds reach numpy and the policies as C int64 (a larger one overflowed inside a run).
+MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,14 @@ class SimConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_gpus % self.tp:
             raise ValueError(f"num_gpus={self.num_gpus} is not a multiple of tp={self.tp}")
+        # The spot-trainer accounting (instance_idle) is quadratic in instances: 4096 instances
+        # take about a minute per simulated step on one core, 10^8 would never finish. 4096 is
+        # 64x the largest preset, beyond the rollout clusters of published RL systems.
+        if self.num_instances > MAX_NUM_INSTANCES:
+            raise ValueError(
+                f"num_gpus / tp = {self.num_instances} instances: at most {MAX_NUM_INSTANCES} "
+                "are supported (the simulation's cost grows with the square of the instances)"
+            )
         if self.placement not in PLACEMENTS:
             raise ValueError(
                 f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
@@ -145,8 +159,8 @@ class SimConfig:
                 raise ValueError(
                     f"{name} must be a finite number >= 0, got {getattr(self, name)!r}"
                 )
-        if type(self.seed) is not int or self.seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if type(self.seed) is not int or not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be an integer in [0, 2^63 - 1], got {self.seed!r}")
 
     @property
     def num_instances(self) -> int:
@@ -438,8 +452,10 @@ def simulate(
     sim.env.run()
     strategies = sorted(sim.strategies_used, key=lambda d: d.strategy)
     for record, shares in zip(sim.records, sim.shares, strict=True):
-        bound = ideal_rollout_s(shares, cost_model, config.max_running_requests, strategies)
-        record.ideal_rollout_s = float(bound)
+        bound = ideal_bound(shares, cost_model, config.max_running_requests, strategies)
+        record.ideal_rollout_s = float(bound.rollout_s)
+        record.ideal_work_s = float(bound.work_s)
+        record.ideal_critical_path_s = float(bound.critical_path_s)
     return SimResult(
         policy=getattr(spec_policy, "name", type(spec_policy).__name__),
         config=config,

@@ -27,7 +27,8 @@ Every point runs once per seed, on all cores (multiprocessing). For each specula
 NoSpec baseline with the same cluster settings is added, so the table has ``speedup_vs_nospec``.
 Resumable: each finished (point, seed) is appended to ``points.jsonl`` in the output directory
 and never recomputed. Outputs: ``sweep.parquet`` and ``sweep.csv`` (one row per point x seed),
-``config.json`` (the resolved spec), ``summary.json`` (best setting).
+``config.json`` (the resolved spec), ``summary.json`` (best setting, runner-up, and whether their
+speedup intervals over seeds overlap).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -50,14 +52,17 @@ from tqdm import tqdm
 
 from tltsim.cost.presets import apply_preset
 from tltsim.errors import UsageError
-from tltsim.jsonio import write_json
-from tltsim.policy import SpotTrainerConfig, TLTConfig
+from tltsim.jsonio import read_text, write_json
+from tltsim.policy import POLICY_NAMES, SpotTrainerConfig, TLTConfig, make_policy
 from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.replay import RunSettings, run_settings
-from tltsim.sim.simulator import SimConfig
+from tltsim.sim.simulator import MAX_SEED, SimConfig
 from tltsim.trace.files import load_trace
 from tltsim.trace.schema import Trace, TraceError
 
+# Most simulations (points x seeds) one sweep may ask for: at ~1 s per simulation on one core,
+# 100,000 is a day of a 32-core machine; more is a typo (num_points = 1e9 hung building points).
+MAX_SWEEP_POINTS = 100_000
 SECTIONS = {"tlt": TLTConfig, "drafter": DrafterDynamics, "spot": SpotTrainerConfig}
 TOP_KEYS = {"policy", "preset", "static_strategy", "is_spot_training"}
 # Settings that only matter when the policy speculates: a NoSpec baseline drops them.
@@ -79,6 +84,8 @@ RESULT_COLUMNS = (
     "sd_on_fraction",
     "mean_accept_len",
     "mean_ideal_rollout_s",
+    "mean_ideal_work_s",
+    "mean_ideal_critical_path_s",
     "wall_s",
 )
 
@@ -129,8 +136,8 @@ def _check_key(key: str, source: str) -> None:
 
 def load_spec(path: Path) -> SweepSpec:
     try:
-        raw = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as err:
+        raw = tomllib.loads(read_text(path, "sweep spec"))
+    except tomllib.TOMLDecodeError as err:
         raise UsageError(f"{path}: cannot read the sweep spec ({err})") from None
     allowed = {"trace", "seeds", "max_steps", "fixed", "grid", "random", "out"}
     unknown = sorted(set(raw) - allowed)
@@ -145,12 +152,14 @@ def load_spec(path: Path) -> SweepSpec:
     if (
         not isinstance(seeds, list)
         or not seeds
-        or not all(isinstance(s, int) and s >= 0 for s in seeds)
+        or not all(type(s) is int and 0 <= s <= MAX_SEED for s in seeds)
     ):
-        raise UsageError(f"{path}: 'seeds' must be a non-empty list of integers >= 0")
+        raise UsageError(f"{path}: 'seeds' must be a non-empty list of integers in [0, 2^63 - 1]")
     for name in ("fixed", "grid", "random"):
         if not isinstance(raw.get(name, {}), dict):
             raise UsageError(f"{path}: [{name}] must be a table")
+    if "grid" in raw and not raw["grid"]:
+        raise UsageError(f"{path}: [grid] is empty (name at least one setting, or drop the table)")
     for key, values in raw.get("grid", {}).items():
         _check_key(key, f"{path} [grid]")
         if not isinstance(values, list) or not values:
@@ -166,8 +175,21 @@ def load_spec(path: Path) -> SweepSpec:
             raise UsageError(
                 f"{path} [random]: {key!r} must be {{low = .., high = ..}} or {{choices = [..]}}"
             )
-    if rnd and not (isinstance(rnd.get("num_points"), int) and rnd["num_points"] >= 1):
-        raise UsageError(f"{path} [random]: num_points must be an integer >= 1")
+        _check_dist(dist, f"{path} [random]: {key!r}")
+    if rnd and not (
+        type(rnd.get("num_points")) is int and 1 <= rnd["num_points"] <= MAX_SWEEP_POINTS
+    ):
+        raise UsageError(
+            f"{path} [random]: num_points must be an integer in [1, {MAX_SWEEP_POINTS}]"
+        )
+    if "seed" in rnd and not (type(rnd["seed"]) is int and 0 <= rnd["seed"] <= MAX_SEED):
+        raise UsageError(f"{path} [random]: seed must be an integer in [0, 2^63 - 1]")
+    num_grid = math.prod(len(v) for v in raw.get("grid", {}).values())
+    if num_grid * len(seeds) > MAX_SWEEP_POINTS:
+        raise UsageError(
+            f"{path} [grid]: {num_grid} points x {len(seeds)} seeds: at most {MAX_SWEEP_POINTS} "
+            "simulations per sweep"
+        )
     max_steps = raw.get("max_steps")
     if max_steps is not None and not (isinstance(max_steps, int) and max_steps >= 1):
         raise UsageError(f"{path}: max_steps must be an integer >= 1")
@@ -180,6 +202,20 @@ def load_spec(path: Path) -> SweepSpec:
         _canonical(rnd, f"{path} [random]"),
         raw.get("out"),
     )
+
+
+def _check_dist(dist: dict[str, Any], where: str) -> None:
+    """A [random] distribution draws from a non-empty set: choices non-empty, low <= high."""
+    if "choices" in dist:
+        if not isinstance(dist["choices"], list) or not dist["choices"]:
+            raise UsageError(f"{where}: choices must be a non-empty list")
+        return
+    low, high = dist["low"], dist["high"]
+    for end in (low, high):
+        if type(end) not in (int, float) or not math.isfinite(end):
+            raise UsageError(f"{where}: low and high must be finite numbers, got {end!r}")
+    if low > high:
+        raise UsageError(f"{where}: empty range: low = {low} > high = {high}")
 
 
 def spec_points(spec: SweepSpec) -> list[dict[str, Any]]:
@@ -241,8 +277,8 @@ def point_key(point: dict[str, Any], seed: int | None = None) -> str:
 
 
 def settings_of(point: dict[str, Any], seed: int) -> RunSettings:
-    """RunSettings of one point; bad values raise UsageError naming the setting."""
-    sim = apply_preset(SimConfig(), point["preset"]) if "preset" in point else SimConfig()
+    """RunSettings of one point; bad values (an unknown preset, policy or strategy too) raise
+    UsageError naming the setting."""
     sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     top: dict[str, Any] = {}
     for key, value in point.items():
@@ -254,10 +290,18 @@ def settings_of(point: dict[str, Any], seed: int) -> RunSettings:
         else:
             top.setdefault("sim", {})[key] = value
     try:
+        sim = apply_preset(SimConfig(), point["preset"]) if "preset" in point else SimConfig()
         sim = dataclasses.replace(sim, **top.get("sim", {}), seed=seed)
+        policy = top.get("policy", "tlt")
+        if policy not in POLICY_NAMES:
+            raise ValueError(
+                f"unknown policy {policy!r}; expected one of {', '.join(POLICY_NAMES)}"
+            )
+        if policy == "static":  # the policy validates its strategy (a one-line ValueError)
+            make_policy("static", strategy=top.get("static_strategy", "8_4_32"))
         return RunSettings(
             sim=sim,
-            policy=top.get("policy", "tlt"),
+            policy=policy,
             tlt=TLTConfig(**sections["tlt"]),
             static_strategy=top.get("static_strategy", "8_4_32"),
             drafter=DrafterDynamics(**sections["drafter"]),
@@ -391,20 +435,46 @@ def varying_settings(table: pd.DataFrame) -> list[str]:
     return [c for c in table.columns if c not in skip and spec[c].nunique(dropna=False) > 1]
 
 
+def _setting_values(row: pd.Series) -> dict[str, Any]:
+    """A grouped row as plain values; settings columns turn float when NoSpec rows lack them,
+    so integers are given back."""
+    out = {k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}
+    return {
+        k: int(v) if k != "speedup_vs_nospec" and isinstance(v, float) and v.is_integer() else v
+        for k, v in out.items()
+    }
+
+
 def sweep_summary(table: pd.DataFrame, spec: SweepSpec) -> dict[str, Any]:
+    """The best setting (highest mean speedup vs NoSpec over seeds), the runner-up, each one's
+    min-max interval over seeds, and whether the best is distinguishable from the runner-up:
+    True when the two intervals do not overlap, False when they do, None when there is no
+    runner-up or only one seed (no interval to judge by)."""
     varying = varying_settings(table)
     spec_rows = table[table.policy != "nospec"]
     best: dict[str, Any] = {}
+    runner_up: dict[str, Any] = {}
+    intervals: dict[str, list[float]] = {}
+    is_distinguishable = None
     if len(spec_rows):
         group = ["policy", *varying]
-        means = spec_rows.groupby(group, dropna=False)["speedup_vs_nospec"].mean().reset_index()
-        top = means.loc[means["speedup_vs_nospec"].idxmax()]
-        best = {k: (v.item() if hasattr(v, "item") else v) for k, v in top.items()}
-        # settings columns turn float when NoSpec rows lack them: give integers back
-        best = {
-            k: int(v) if k != "speedup_vs_nospec" and isinstance(v, float) and v.is_integer() else v
-            for k, v in best.items()
-        }
+        stats = (
+            spec_rows.groupby(group, dropna=False)["speedup_vs_nospec"]
+            .agg(["mean", "min", "max", "count"])
+            .reset_index()
+            .sort_values("mean", ascending=False, kind="stable")
+        )
+        ranked = [
+            (_setting_values(row[group]) | {"speedup_vs_nospec": float(row["mean"])}, row)
+            for _, row in stats.iterrows()
+        ]
+        best = ranked[0][0]
+        intervals["best"] = [float(ranked[0][1]["min"]), float(ranked[0][1]["max"])]
+        if len(ranked) > 1:
+            runner_up = ranked[1][0]
+            intervals["runner_up"] = [float(ranked[1][1]["min"]), float(ranked[1][1]["max"])]
+            if min(ranked[0][1]["count"], ranked[1][1]["count"]) > 1:
+                is_distinguishable = bool(intervals["best"][0] > intervals["runner_up"][1])
     return {
         "kind": "sweep",
         "trace": spec.trace,
@@ -412,4 +482,7 @@ def sweep_summary(table: pd.DataFrame, spec: SweepSpec) -> dict[str, Any]:
         "seeds": list(spec.seeds),
         "varying": varying,
         "best": best,
+        "runner_up": runner_up,
+        "speedup_interval_over_seeds": intervals,  # min-max of speedup_vs_nospec over seeds
+        "is_best_distinguishable": is_distinguishable,
     }

@@ -46,6 +46,8 @@ def _read_json(path: Path) -> Any:
         raise TraceError(
             f"{path}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno}); truncated file?"
         ) from None
+    except RecursionError:
+        raise TraceError(f"{path}: JSON nested too deeply to be a trace") from None
     except (OSError, EOFError, UnicodeDecodeError) as err:  # gzip.BadGzipFile is an OSError
         raise TraceError(
             f"{path}: cannot read: {str(err).splitlines()[0] if str(err) else type(err).__name__}"

@@ -13,6 +13,13 @@ still loads, and a loaded trace saves byte-identical. The one field whose JSON `
 value is ``max_running_requests`` (null: each instance admitted its whole share); absent, it
 is ``UNRECORDED``. What each reader needs of the block: ``tltsim.fidelity.measured_run``
 (``tltsim compare``) and ``tltsim.fidelity.fit`` (``tltsim fit``) list their contracts.
+
+Strategy keys (of ``accept_hist_by_strategy``, ``response_accept_hist_by_strategy``,
+``policy.iterations_per_strategy``, ``strategy``) name what drafted: a plain strategy
+(``"6_1_6"``, ``"off"``) is the learned EAGLE drafter's, as in every trace written before
+issue #20; another drafter's verifies are keyed by its arm, ``"DRAFTER:STRATEGY"``
+(``tltsim.policy.SpecDecision.arm``, e.g. ``"history:6_1_6"``). A block naming such an arm
+makes its trace version 2 (``tltsim.trace.schema.version_of``; traces/README.md).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+from tltsim.policy.spec import DRAFTERS
 from tltsim.trace.errors import TraceError, is_int, is_number, show
 
 Hist = tuple[int, ...]  # hist[i] = verifies that accepted i draft tokens
@@ -37,12 +45,29 @@ UNRECORDED = Unrecorded.UNRECORDED
 CLOCKS = ("wall", "cpu")  # tltrun.profile.timing.CLOCKS: what the block's seconds are
 
 
+def arm_drafter(key: str) -> str:
+    """The drafter a strategy key names: ``"history:6_1_6"`` -> ``"history"``; a plain
+    strategy (``"6_1_6"``, ``"off"``) -> ``"eagle"`` (module docstring)."""
+    drafter, sep, _ = key.partition(":")
+    return drafter if sep else "eagle"
+
+
+def _is_arm(key: Any) -> bool:
+    """A plain strategy, or ``DRAFTER:STRATEGY`` for a drafter other than EAGLE (whose keys
+    stay plain, so that one drafter has one key form)."""
+    if type(key) is not str:
+        return False
+    drafter, sep, strategy = key.partition(":")
+    return not sep or (drafter in DRAFTERS and drafter != "eagle" and bool(strategy))
+
+
 @dataclass(frozen=True, kw_only=True)
 class PolicyRecord:
     """The SD policy that ran the step (``measured.policy``)."""
 
-    name: str | None = None  # tltsim.policy.make_policy name: "nospec" | "static" | "tlt"
-    # decode iterations per strategy ("off" = plain decode), sorted by strategy
+    name: str | None = None  # tltsim.policy.make_policy name: "nospec" | "static" | "tlt" | ...
+    # decode iterations per strategy ("off" = plain decode; a non-EAGLE drafter's arm,
+    # "history:6_1_6"), sorted by key
     iterations_per_strategy: dict[str, int] | None = None
     # make_policy keyword settings the policy was built with, as JSON (tuples as lists); their
     # schema is the named policy's (TLTConfig fields for "tlt"), checked by whoever rebuilds it
@@ -94,7 +119,7 @@ class MeasuredStep:
     backend: str | None = None  # "torch" | "vllm"
     share_prompts: bool | None = None  # requests with identical prompts shared their prefill
     prefix_block_tokens: int | None = None  # ... in whole blocks of this many tokens
-    accept_hist_by_strategy: dict[str, Hist] | None = None  # the step's verifies by strategy
+    accept_hist_by_strategy: dict[str, Hist] | None = None  # the step's verifies by strategy/arm
     # {prompt id: one {strategy: hist} per response, in the prompt's order}: each response's own
     response_accept_hist_by_strategy: dict[str, tuple[dict[str, Hist], ...]] | None = None
     # -- what the caller adds --
@@ -108,6 +133,18 @@ class MeasuredStep:
     max_running_requests: int | None | Unrecorded = UNRECORDED
     rollout_s_replays: tuple[float, ...] | None = None  # every replay's seconds (bench_fidelity)
     strategy: str | None = None  # the step's one SD strategy (tltsim.fidelity.fit's contract)
+
+    def arm_drafters(self) -> set[str]:
+        """Every drafter the block's strategy keys name (``arm_drafter``); empty if none."""
+        keys = set(self.accept_hist_by_strategy or ())
+        for per_response in (self.response_accept_hist_by_strategy or {}).values():
+            for hists in per_response:
+                keys |= set(hists)
+        if self.policy is not None:
+            keys |= set(self.policy.iterations_per_strategy or ())
+        if self.strategy is not None:
+            keys.add(self.strategy)
+        return {arm_drafter(k) for k in keys}
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object: keys in field order, fields not recorded (None, or UNRECORDED
@@ -170,7 +207,7 @@ def _is_hist(v: Any) -> bool:
 
 
 def _is_hists(v: Any) -> bool:
-    return type(v) is dict and all(_is_hist(h) for h in v.values())
+    return type(v) is dict and all(_is_arm(k) and _is_hist(h) for k, h in v.items())
 
 
 def _is_list_of(v: Any, item: Callable[[Any], bool]) -> bool:
@@ -198,6 +235,9 @@ def _same(v: Any) -> Any:
 _SECONDS = (_is_seconds, "seconds >= 0", _same)
 _COUNT = (_is_count, "an integer >= 0", _same)
 _STRING = (lambda v: type(v) is str, "a string", _same)
+_ARM = "strategy or DRAFTER:strategy with DRAFTER among " + ", ".join(
+    d for d in DRAFTERS if d != "eagle"
+)
 # field -> (is valid JSON, what was expected, JSON -> field value); in MeasuredStep's order
 _CHECKS: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = {
     "rollout_s": _SECONDS,
@@ -216,10 +256,10 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = {
     "backend": _STRING,
     "share_prompts": (lambda v: type(v) is bool, "true or false", _same),
     "prefix_block_tokens": (lambda v: is_int(v) and v >= 1, "an integer >= 1", _same),
-    "accept_hist_by_strategy": (_is_hists, "{strategy: list of integers >= 0}", _hists),
+    "accept_hist_by_strategy": (_is_hists, "{" + _ARM + ": list of integers >= 0}", _hists),
     "response_accept_hist_by_strategy": (
         lambda v: type(v) is dict and all(_is_list_of(r, _is_hists) for r in v.values()),
-        "{prompt id: [{strategy: list of integers >= 0} per response]}",
+        "{prompt id: [{" + _ARM + ": list of integers >= 0} per response]}",
         lambda v: {pid: tuple(_hists(h) for h in per) for pid, per in v.items()},
     ),
     "clock": (lambda v: v in CLOCKS, " or ".join(f"'{c}'" for c in CLOCKS), _same),
@@ -238,16 +278,24 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = {
         _same,
     ),
     "rollout_s_replays": (lambda v: _is_list_of(v, _is_seconds), "a list of seconds >= 0", tuple),
-    "strategy": _STRING,
+    "strategy": (_is_arm, _ARM, _same),
 }
 _POLICY_CHECKS: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = {
     "name": _STRING,
     "iterations_per_strategy": (
-        lambda v: type(v) is dict and all(_is_count(n) for n in v.values()),
-        "{strategy: integer >= 0}",
+        lambda v: type(v) is dict and all(_is_arm(k) and _is_count(n) for k, n in v.items()),
+        "{" + _ARM + ": integer >= 0}",
         _same,
     ),
     "config": (lambda v: type(v) is dict, "an object", _same),
     "seed": _COUNT,
 }
-__all__ = ["CLOCKS", "UNRECORDED", "Hist", "MeasuredStep", "PolicyRecord", "Unrecorded"]
+__all__ = [
+    "CLOCKS",
+    "UNRECORDED",
+    "Hist",
+    "MeasuredStep",
+    "PolicyRecord",
+    "Unrecorded",
+    "arm_drafter",
+]

@@ -1,4 +1,5 @@
-"""The ``tlt-trace`` v1 format: the dataclasses, validation, and JSON (de)serialisation.
+"""The ``tlt-trace`` format (versions 1 and 2): the dataclasses, validation, and JSON
+(de)serialisation.
 
 A trace is a list of RL steps; each step holds prompts; each prompt holds the lengths of its
 group's responses (DESIGN.md, "Trace format"; traces/README.md has the full description). Both
@@ -13,6 +14,12 @@ tltsim (replay) and tltrun (measured runs) read and write this one format.
 is one line: the file, the step and prompt where known, the field, what was expected, what was
 found. The tabular twin (CSV/Parquet, one row per response) lives in ``tltsim.trace.table``;
 ``tltsim.trace.files`` picks JSON or the twin by file suffix (it imports both, neither imports it).
+
+Versions (traces/README.md): 2 adds one thing, measured blocks whose strategy keys name a
+drafter other than EAGLE (``"history:6_1_6"``, issue #20; ``tltsim.trace.measured``). A trace is
+written as the lowest version that holds it (``version_of``): 1 unless such an arm is present,
+so traces without one stay byte-identical and readable by a version-1 reader, which refuses one
+with an arm by its version instead of mistaking the arm for an EAGLE strategy. Both load.
 """
 
 from __future__ import annotations
@@ -29,13 +36,20 @@ from tltsim.trace.errors import show as _show
 from tltsim.trace.measured import MeasuredStep
 
 FORMAT = "tlt-trace"
-VERSION = 1
+VERSION = 1  # what a trace without drafter arms is written as (and the tabular twin's header)
+VERSIONS = (1, 2)  # what this tltsim reads; 2: measured blocks may name drafter arms
 FINISH_REASONS = ("stop", "length")
 SUFFIXES = (".json", ".json.gz", ".csv", ".parquet")
 _STEP_KEYS = frozenset({"step", "prompts", "measured"})
 _PROMPT_KEYS = frozenset({"id", "prompt_tokens", "responses"})
 _RESPONSE_KEYS = frozenset({"tokens", "finish", "accept_hist"})
 _TOP_KEYS = frozenset({"format", "version", "meta", "steps"})
+# Largest token count, step number or count a trace may hold: int32, the token-position range
+# of the engines (torch, vLLM), 200x the longest context of any released model (10M tokens).
+# A larger value is a corrupted file, not a long response (10^30 tokens overflowed int64 and a
+# few 2^63 - 1 responses summed to a negative total); sums of such counts fit int64.
+MAX_COUNT = 2**31 - 1
+_BOUND = f" <= {MAX_COUNT}"
 
 
 @dataclass(frozen=True)
@@ -176,8 +190,8 @@ def _meta_from_dict(meta: Any, source: str) -> dict[str, Any]:
     if type(meta) is not dict:
         raise _fail(source, "", "meta", "an object", meta)
     for key in ("max_response_tokens", "group_size"):
-        if key in meta and not (_is_int(meta[key]) and meta[key] >= 1):
-            raise _fail(source, "meta", key, "a positive integer", meta[key])
+        if key in meta and not (_is_int(meta[key]) and 1 <= meta[key] <= MAX_COUNT):
+            raise _fail(source, "meta", key, "a positive integer" + _BOUND, meta[key])
     for key in ("source", "model"):
         if key in meta and not isinstance(meta[key], str):
             raise _fail(source, "meta", key, "a string", meta[key])
@@ -193,11 +207,10 @@ def check_header(obj: Any, source: str) -> dict[str, Any]:
     fmt = _get(obj, "format", source, "", f"'{FORMAT}'")
     if fmt != FORMAT:
         raise _fail(source, "", "format", f"'{FORMAT}'", fmt)
-    version = _get(obj, "version", source, "", str(VERSION))
-    if not _is_int(version) or version != VERSION:
-        raise _fail(
-            source, "", "version", f"{VERSION} (the only version this tltsim reads)", version
-        )
+    expected = " or ".join(map(str, VERSIONS))
+    version = _get(obj, "version", source, "", expected)
+    if not _is_int(version) or version not in VERSIONS:
+        raise _fail(source, "", "version", f"{expected} (the versions this tltsim reads)", version)
     return _meta_from_dict(_get(obj, "meta", source, "", "an object"), source)
 
 
@@ -233,8 +246,8 @@ def _step_from_dict(
     if type(raw) is not dict:
         raise TraceError(f"{source}: {where}: expected a step object, got {_show(raw)}")
     number = _get(raw, "step", source, where, "a step number >= 0")
-    if not _is_int(number) or number < 0:
-        raise _fail(source, where, "step", "an integer >= 0", number)
+    if not _is_int(number) or not 0 <= number <= MAX_COUNT:
+        raise _fail(source, where, "step", "an integer >= 0 and" + _BOUND, number)
     where = f"step {number}"
     _check_keys(raw, _STEP_KEYS, source, where)
     raw_prompts = _get(raw, "prompts", source, where, "a non-empty list of prompts")
@@ -270,14 +283,14 @@ def _prompt_from_dict(raw: Any, where: str, source: str, cap: int | None, cache:
     where = f"{where.rsplit(' ', 1)[0]} prompt {pid!r}"
     _check_keys(raw, _PROMPT_KEYS, source, where)
     prompt_tokens = _get(raw, "prompt_tokens", source, where, "a positive integer")
-    if not _is_int(prompt_tokens) or prompt_tokens < 1:
-        raise _fail(source, where, "prompt_tokens", "a positive integer", prompt_tokens)
+    if not _is_int(prompt_tokens) or not 1 <= prompt_tokens <= MAX_COUNT:
+        raise _fail(source, where, "prompt_tokens", "a positive integer" + _BOUND, prompt_tokens)
     raw_responses = _get(raw, "responses", source, where, "a non-empty list of responses")
     if type(raw_responses) is not list or not raw_responses:
         raise _fail(source, where, "responses", "a non-empty list of responses", raw_responses)
-    limit = cap if cap is not None else float("inf")
+    limit = cap if cap is not None else MAX_COUNT
     expected = "a positive integer" + (
-        f" <= max_response_tokens ({cap})" if cap is not None else ""
+        f" <= max_response_tokens ({cap})" if cap is not None else _BOUND
     )
     responses = []
     for k, r in enumerate(raw_responses):
@@ -302,7 +315,7 @@ def _response_from_dict(
 ) -> Response:
     _check_keys(raw, _RESPONSE_KEYS, source, where)
     tokens = _get(raw, "tokens", source, where, expected)
-    if not _is_int(tokens) or tokens < 1 or (cap is not None and tokens > cap):
+    if not _is_int(tokens) or not 1 <= tokens <= (MAX_COUNT if cap is None else cap):
         raise _fail(source, where, "tokens", expected, tokens)
     finish = raw.get("finish", inferred_finish(tokens, cap))
     if finish not in FINISH_REASONS:
@@ -314,8 +327,8 @@ def _response_from_dict(
         if resp is None:
             resp = cache[key] = Response(tokens=tokens, finish=finish)
         return resp
-    if type(hist) is not list or not all(_is_int(c) and c >= 0 for c in hist):
-        raise _fail(source, where, "accept_hist", "a list of integers >= 0", hist)
+    if type(hist) is not list or not all(_is_int(c) and 0 <= c <= MAX_COUNT for c in hist):
+        raise _fail(source, where, "accept_hist", "a list of integers >= 0 and" + _BOUND, hist)
     return Response(tokens=tokens, finish=finish, accept_hist=tuple(hist))
 
 
@@ -344,12 +357,21 @@ def _step_to_dict(step: Step, cap: int | None) -> dict[str, Any]:
     return obj
 
 
+def version_of(trace: Trace) -> int:
+    """The version ``trace`` is written as: 2 if a measured block names a drafter other than
+    EAGLE (an arm ``"history:6_1_6"``), else 1 (module docstring)."""
+    for step in trace.steps:
+        if step.measured is not None and step.measured.arm_drafters() - {"eagle"}:
+            return 2
+    return VERSION
+
+
 def trace_to_dict(trace: Trace) -> dict[str, Any]:
     """The JSON document of ``trace`` (plain dicts, lists, ints and strings)."""
     cap = trace.max_response_tokens
     return {
         "format": FORMAT,
-        "version": VERSION,
+        "version": version_of(trace),
         "meta": trace.meta,
         "steps": [_step_to_dict(s, cap) for s in trace.steps],
     }
@@ -359,7 +381,7 @@ def dumps_trace(trace: Trace) -> str:
     """JSON text with one prompt per line: diff-friendly, compact, byte-identical for equal traces."""
     cap = trace.max_response_tokens
     lines = [
-        f'{{"format": "{FORMAT}", "version": {VERSION},',
+        f'{{"format": "{FORMAT}", "version": {version_of(trace)},',
         f' "meta": {json.dumps(trace.meta)},',
         ' "steps": [',
     ]

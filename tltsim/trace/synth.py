@@ -27,13 +27,16 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from tltsim.trace.schema import Trace, trace_from_arrays
+from tltsim.trace.schema import MAX_COUNT, Trace, trace_from_arrays
 
 # Group model, fitted to the published facts on reasoning-RL steps quoted in
 # /work/shared/traces/README.md: a step's longest response is 10-25x its median; a prompt's 8
 # samples differ by 2x at the median prompt and 5-20x at the worst. With 64 prompts x 8 these
 # values give (median over seeds) step max/median ~17x, median-prompt spread ~2.0x, worst-group
 # spread ~8x (10th-90th percentile 5-19x); tests/test_synth.py re-checks this.
+# Most responses one generated trace may hold (steps x prompts x group size): the generator
+# keeps float64 arrays of all of them, 10^7 responses is ~0.5 GB of JSON; 10^9 ran out of memory.
+MAX_GEN_RESPONSES = 10_000_000
 DIFFICULTY_SIGMA = 0.8
 GROUP_SIGMA = 0.25
 GROUP_SIGMA_GROWTH = 0.4
@@ -94,16 +97,22 @@ class GenConfig:
     def __post_init__(self) -> None:
         for name in ("num_steps", "prompts_per_step", "group_size", "max_response_tokens"):
             value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if type(value) is not int or not 1 <= value <= MAX_COUNT:
+                raise ValueError(f"{name} must be an integer in [1, {MAX_COUNT}], got {value!r}")
+        num_responses = self.num_steps * self.prompts_per_step * self.group_size
+        if num_responses > MAX_GEN_RESPONSES:
+            raise ValueError(
+                f"num_steps x prompts_per_step x group_size = {num_responses} responses: at most "
+                f"{MAX_GEN_RESPONSES} (the generator holds them all in memory)"
+            )
         for name in ("median_response_tokens", "median_prompt_tokens"):
-            if not getattr(self, name) >= 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+            if not 1 <= getattr(self, name) <= MAX_COUNT:
+                raise ValueError(f"{name} must be in [1, {MAX_COUNT}], got {getattr(self, name)!r}")
         for name in ("difficulty_sigma", "group_sigma", "prompt_tokens_sigma"):
             if not 0 <= getattr(self, name) < 10:
                 raise ValueError(f"{name} must be in [0, 10), got {getattr(self, name)!r}")
-        if type(self.seed) is not int or self.seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if type(self.seed) is not int or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2^63 - 1], got {self.seed!r}")
         for name in ("group_sigma_growth", "drift_per_step"):
             if not abs(getattr(self, name)) < 10:
                 raise ValueError(

@@ -27,6 +27,7 @@ import pandas as pd
 from tltsim.trace.schema import (
     FINISH_REASONS,
     FORMAT,
+    MAX_COUNT,
     VERSION,
     Prompt,
     Response,
@@ -137,11 +138,11 @@ def _int_column(
         raise TraceError(
             f"{source}: column '{name}': expected integers, got a column of {values.dtype}"
         )
-    bad = np.flatnonzero(ints < minimum)
+    bad = np.flatnonzero((ints < minimum) | (ints > MAX_COUNT))  # the JSON format's bound
     if bad.size:
         i = int(bad[0])
         raise TraceError(
-            f"{source}: {row(i)}: column '{name}': expected {expected}, got {int(ints[i])}"
+            f"{source}: {row(i)}: column '{name}': expected {expected} <= {MAX_COUNT}, got {int(ints[i])}"
         )
     return ints
 

@@ -1,0 +1,546 @@
+"""Hostile inputs against both command lines (issue #17): every failure of input ends as exactly
+one ``error:`` line on stderr and exit code 2 — never a traceback, an ``internal error`` or a
+hang — and a legal but suspicious input runs with one ``warning:`` line that counts it.
+
+A table of named cases per entry point (the kinds of the issue: integers beyond int64 or
+physically absurd, pathologically nested JSON, binary garbage, ``--out`` that cannot be
+written, bad sweep specs, damaged safetensors, devices this machine lacks, values that used to
+run silently wrong), then hypothesis fuzzing of trace files and of numeric flags. The CLIs run
+in-process (``main(argv)``, output through capsys): a case that lets an exception escape fails
+with that exception.
+
+Run: ``python -m pytest tests/test_hostile.py -q``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny_models import tiny_model
+
+from tltrun.cli.main import main as tltrun_main
+from tltrun.model.drafter import EagleDrafter, export_vllm
+from tltrun.model.tokenizer import CharTokenizer
+from tltrun.model.transformer import save_hf
+from tltrun.train.tasks import TaskConfig
+from tltsim.cli.main import main as tltsim_main
+from tltsim.cost.profile import COLUMNS as PROFILE_COLUMNS
+
+MAINS = {"tltsim": tltsim_main, "tltrun": tltrun_main}
+GARBAGE = bytes(range(256)) * 8  # not UTF-8 (0x80 cannot start a character), not JSON
+DEEP = "[" * 100_000 + "]" * 100_000  # deeper than any recursion limit
+
+
+def trace_json(responses=(3, 4), prompt_tokens=7, meta=None) -> str:
+    return json.dumps(
+        {
+            "format": "tlt-trace",
+            "version": 1,
+            "meta": {"source": "test", **(meta or {})},
+            "steps": [
+                {
+                    "step": 0,
+                    "prompts": [
+                        {"id": "a", "prompt_tokens": prompt_tokens, "responses": list(responses)},
+                        {"id": "b", "prompt_tokens": 4, "responses": [9, 2]},
+                    ],
+                }
+            ],
+        }
+    )
+
+
+def _copy_with(src: Path, dst: Path, name: str, data: bytes) -> Path:
+    shutil.copytree(src, dst)
+    (dst / name).write_bytes(data)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    """Every input the cases name, built once: good ones and their damaged twins."""
+    root = tmp_path_factory.mktemp("hostile")
+    f: dict[str, Path] = {"root": root}
+
+    def write(name: str, data: str | bytes) -> Path:
+        path = root / name
+        path.write_bytes(data if isinstance(data, bytes) else data.encode())
+        return path
+
+    # a tiny target with the character tokenizer (text prompts, tltrun train) and a drafter
+    tok = CharTokenizer()
+    model = tiny_model(seed=0, vocab_size=tok.vocab_size, eos_token_ids=(tok.eos_id,))
+    f["model"] = root / "model"
+    save_hf(model, f["model"])
+    tok.save(f["model"])
+    (f["model"] / "sft_config.json").write_text(json.dumps({"task": asdict(TaskConfig())}))
+    f["drafter"] = root / "drafter"
+    export_vllm(EagleDrafter.for_target(model, seed=1), f["drafter"])
+    weights = (f["model"] / "model.safetensors").read_bytes()
+    f["model_trunc"] = _copy_with(
+        f["model"], root / "model_trunc", "model.safetensors", weights[: len(weights) // 2]
+    )
+    f["model_garbage"] = _copy_with(
+        f["model"], root / "model_garbage", "model.safetensors", GARBAGE
+    )
+    f["model_cfg_garbage"] = _copy_with(f["model"], root / "model_cfg_bin", "config.json", GARBAGE)
+    f["model_cfg_deep"] = _copy_with(
+        f["model"], root / "model_cfg_deep", "config.json", DEEP.encode()
+    )
+    cfg = json.loads((f["model"] / "config.json").read_text())
+    f["model_vocab_huge"] = _copy_with(
+        f["model"],
+        root / "model_vocab",
+        "config.json",
+        json.dumps({**cfg, "vocab_size": 10**21}).encode(),
+    )
+    drafter_weights = (f["drafter"] / "model.safetensors").read_bytes()
+    f["drafter_trunc"] = _copy_with(
+        f["drafter"], root / "drafter_trunc", "model.safetensors", drafter_weights[:100]
+    )
+
+    f["trace"] = write("trace.json", trace_json())
+    f["garbage_json"] = write("garbage.json", GARBAGE)
+    f["garbage_gz"] = write("garbage.json.gz", GARBAGE)
+    f["garbage_csv"] = write("garbage.csv", GARBAGE)
+    f["garbage_parquet"] = write("garbage.parquet", GARBAGE)
+    f["garbage_toml"] = write("garbage.toml", GARBAGE)
+    f["garbage_jsonl"] = write("garbage.jsonl", GARBAGE)
+    f["deep_json"] = write("deep.json", DEEP)
+    f["deep_jsonl"] = write("deep.jsonl", DEEP + "\n")
+    f["deep_gz"] = write("deep.json.gz", gzip.compress(DEEP.encode()))
+    f["list_json"] = write("list.json", "[1, 2]")
+    f["huge_response"] = write("huge_response.json", trace_json(responses=(10**30,)))
+    f["int64_sum"] = write("int64_sum.json", trace_json(responses=(2**63 - 1, 2**63 - 1)))
+    f["huge_prompt"] = write("huge_prompt.json", trace_json(prompt_tokens=10**30))
+    f["huge_cap"] = write("huge_cap.json", trace_json(meta={"max_response_tokens": 10**30}))
+    f["huge_csv"] = write(
+        "huge.csv", "step,prompt_id,prompt_tokens,response_tokens\n0,a,7,999999999999999\n"
+    )
+    row = ["decode", str(10**30), "0", "1", "0.1", "0.1", "0.1", "3"]
+    f["huge_profile"] = write(
+        "huge_profile.csv",
+        ",".join(PROFILE_COLUMNS) + "\n" + ",".join(row[: len(PROFILE_COLUMNS)]) + "\n",
+    )
+    f["file"] = write("a_file", "x")
+    f["dir_json"] = root / "dir.json"
+    f["dir_json"].mkdir()
+
+    def spec(name: str, body: str, seeds: str = "[0]") -> Path:
+        return write(name, f'trace = "{f["trace"]}"\nseeds = {seeds}\n{body}')
+
+    f["spec_ok"] = spec("ok.toml", '[grid]\npolicy = ["nospec"]\n')
+    f["spec_preset"] = spec("preset.toml", '[fixed]\npreset = "nope"\n[grid]\npolicy = ["tlt"]\n')
+    f["spec_policy"] = spec("policy.toml", '[grid]\npolicy = ["nope"]\n')
+    f["spec_strategy"] = spec(
+        "strategy.toml", '[grid]\npolicy = ["static"]\nstatic_strategy = ["zz"]\n'
+    )
+    f["spec_empty_grid"] = spec("empty_grid.toml", "[grid]\n")
+    rnd = "[random]\nnum_points = 2\nseed = 0\n"
+    f["spec_reversed"] = spec("reversed.toml", rnd + '"tlt.epsilon" = {low = 0.3, high = 0.0}\n')
+    f["spec_reversed_int"] = spec("reversed_int.toml", rnd + "num_gpus = {low = 16, high = 8}\n")
+    f["spec_no_choices"] = spec("no_choices.toml", rnd + "num_gpus = {choices = []}\n")
+    f["spec_points"] = spec(
+        "points.toml", "[random]\nnum_points = 1000000000\nnum_gpus = {choices = [8]}\n"
+    )
+    f["spec_gpus"] = spec("gpus.toml", '[grid]\nnum_gpus = [100000000]\npolicy = ["nospec"]\n')
+    f["spec_seeds"] = spec("seeds.toml", '[grid]\npolicy = ["nospec"]\n', seeds=f"[{2**70}]")
+    f["spec_deep_trace"] = write(
+        "deep_trace.toml", f'trace = "{f["deep_json"]}"\n[grid]\npolicy = ["nospec"]\n'
+    )
+
+    def jsonl(name: str, *rows: str) -> Path:
+        return write(name, "".join(r + "\n" for r in rows))
+
+    f["prompts"] = jsonl("prompts.jsonl", '{"id": "a", "prompt": "1+2=", "max_new_tokens": 3}')
+    f["prompt_int"] = jsonl("p_int.jsonl", '{"id": "a", "prompt": 123, "max_new_tokens": 3}')
+    f["prompt_list"] = jsonl("p_list.jsonl", '{"id": "a", "prompt": ["x"], "max_new_tokens": 3}')
+    f["prompt_id_dict"] = jsonl(
+        "p_id.jsonl", '{"id": {"a": 1}, "prompt_token_ids": [5, 6], "max_new_tokens": 3}'
+    )
+    f["prompt_bool_ids"] = jsonl(
+        "p_bool.jsonl", '{"id": "a", "prompt_token_ids": [true, 6], "max_new_tokens": 3}'
+    )
+    f["prompt_bool_max"] = jsonl(
+        "p_max.jsonl", '{"id": "a", "prompt_token_ids": [5, 6], "max_new_tokens": true}'
+    )
+    f["prompt_suspicious"] = jsonl(
+        "p_warn.jsonl",
+        '{"id": "a", "prompt": "", "max_new_tokens": 2}',
+        '{"id": "b", "prompt": "\\u00e9\\u00e9 1+1", "max_new_tokens": 2}',
+        '{"id": "c", "prompt": "\\u4e2d", "max_new_tokens": 2}',
+    )
+    f["data"] = jsonl("data.jsonl", '{"prompt_token_ids": [5, 6], "output_token_ids": [7, 8, 9]}')
+    f["data_float"] = jsonl(
+        "data_float.jsonl", '{"prompt_token_ids": [1.5, 6], "output_token_ids": [7, 8, 9]}'
+    )
+    f["data_str"] = jsonl(
+        "data_str.jsonl", '{"prompt_token_ids": "abc", "output_token_ids": [7, 8, 9]}'
+    )
+    f["config_list"] = write("config_list.json", "[1]")
+    f["config_task"] = write("config_task.json", '{"task": 3}')
+    return {k: str(v) for k, v in f.items()}
+
+
+def run(prog: str, argv: list[str], capsys) -> tuple[int, str, str]:
+    capsys.readouterr()  # drop what earlier examples printed
+    try:
+        rc = MAINS[prog](argv)
+    except SystemExit as exc:  # argparse: --help, or a bad flag
+        rc = exc.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_error_line(rc: int, out: str, err: str) -> None:
+    lines = err.splitlines()
+    assert rc == 2, f"exit {rc}; stderr: {err[-800:]}"
+    assert len(lines) == 1 and lines[0].startswith("error: "), err[-800:]
+    assert "internal error" not in err, err
+    assert "Traceback" not in out + err
+
+
+BIG = {"e8": 10**8, "e9": 10**9, "e12": 10**12, "e30": 10**30, "p64": 2**64, "p70": 2**70}
+
+
+def fill(argv: str, files: dict[str, str], tmp_path: Path) -> list[str]:
+    """The words of ``argv`` with ``{name}`` -> a path of ``files`` (or a number of ``BIG``)
+    and ``{tmp}`` -> this test's own empty directory."""
+    return argv.format(tmp=tmp_path, **files, **BIG).split()
+
+
+# --- tltsim -----------------------------------------------------------------------------------
+
+TLTSIM_CASES = {
+    # integers beyond int64 or physically absurd
+    "int: response of 10^30 tokens": "validate {huge_response}",
+    "int: 2^63-1 responses overflowing the sum": "validate {int64_sum}",
+    "int: prompt of 10^30 tokens": "validate {huge_prompt}",
+    "int: max_response_tokens 10^30": "validate {huge_cap}",
+    "int: CSV response of 10^15 tokens": "validate {huge_csv}",
+    "int: replay response of 10^30 tokens": "replay {huge_response} --out {tmp}/o",
+    "int: replay --num-gpus 10^8": "replay {trace} --num-gpus {e8} --out {tmp}/o",
+    "int: replay --num-gpus 10^30": "replay {trace} --num-gpus {e30} --out {tmp}/o",
+    "int: replay --seed 2^64": "replay {trace} --seed {p64} --out {tmp}/o",
+    "int: gen --num-steps 10^30": "gen --num-steps {e30} --out {tmp}/t.json",
+    "int: gen --group-size 10^9": "gen --group-size {e9} --out {tmp}/t.json",
+    "int: gen --prompts-per-step 10^9": "gen --prompts-per-step {e9} --out {tmp}/t.json",
+    "int: profile batch 10^30": "profile-info {huge_profile}",
+    "int: sweep seeds 2^70": "sweep {spec_seeds} --out {tmp}/s",
+    "int: sweep num_gpus 10^8": "sweep {spec_gpus} --out {tmp}/s --workers 1",
+    "int: sweep num_points 10^9": "sweep {spec_points} --out {tmp}/s --workers 1",
+    # pathologically nested JSON
+    "nest: validate": "validate {deep_json}",
+    "nest: validate gzipped": "validate {deep_gz}",
+    "nest: replay --drafter-dynamics": "replay {trace} --drafter-dynamics {deep_json} --out {tmp}/o",
+    "nest: fit": "fit {deep_json}",
+    "nest: sweep trace": "sweep {spec_deep_trace} --out {tmp}/s",
+    "nest: profile-info --model": "profile-info {huge_profile} --model {deep_json}",
+    # binary garbage
+    "bin: validate .json": "validate {garbage_json}",
+    "bin: validate .json.gz": "validate {garbage_gz}",
+    "bin: validate .csv": "validate {garbage_csv}",
+    "bin: validate .parquet": "validate {garbage_parquet}",
+    "bin: replay trace": "replay {garbage_json} --out {tmp}/o",
+    "bin: replay --profile": "replay {trace} --profile {garbage_csv} --out {tmp}/o",
+    "bin: replay --drafter-dynamics": "replay {trace} --drafter-dynamics {garbage_json} --out {tmp}/o",
+    "bin: replay --drafter-dynamics not an object": "replay {trace} --drafter-dynamics {list_json} --out {tmp}/o",
+    "bin: profile-info": "profile-info {garbage_csv}",
+    "bin: sweep spec": "sweep {garbage_toml}",
+    "bin: import servegen": "import servegen {garbage_csv} --out {tmp}/t.json",
+    "bin: fit": "fit {garbage_json}",
+    "bin: compare": "compare {garbage_json} --profile {garbage_csv}",
+    "bin: profile-info --hardware": "profile-info {huge_profile} --hardware {garbage_json}",
+    # --out that cannot be written
+    "out: replay --out an existing file": "replay {trace} --out {file}",
+    "out: replay --out under a file": "replay {trace} --out {file}/sub",
+    "out: replay --out under /proc": "replay {trace} --out /proc/tlt-hostile",
+    "out: gen --out an existing directory": "gen --out {dir_json}",
+    "out: gen --out under a file": "gen --out {file}/t.json",
+    "out: import --out under a file": "import servegen {garbage_csv} --out {file}/t.json",
+    "out: sweep --out an existing file": "sweep {spec_ok} --out {file}",
+    "out: fit --out under a file": "fit {trace} --out {file}/f.json",
+    # sweep specs
+    "sweep: unknown preset": "sweep {spec_preset} --out {tmp}/s",
+    "sweep: unknown policy": "sweep {spec_policy} --out {tmp}/s",
+    "sweep: bad static strategy": "sweep {spec_strategy} --out {tmp}/s",
+    "sweep: empty [grid]": "sweep {spec_empty_grid} --out {tmp}/s",
+    "sweep: reversed [random] range": "sweep {spec_reversed} --out {tmp}/s",
+    "sweep: reversed [random] integer range": "sweep {spec_reversed_int} --out {tmp}/s",
+    "sweep: empty [random] choices": "sweep {spec_no_choices} --out {tmp}/s",
+    # flags
+    "flag: --tlt-epsilon nan": "replay {trace} --tlt-epsilon nan --out {tmp}/o",
+    "flag: --drafter-max-accept-rate inf": "replay {trace} --drafter-max-accept-rate inf --out {tmp}/o",
+    "flag: --num-gpus nan (argparse)": "replay {trace} --num-gpus nan",
+    "flag: unknown flag (argparse)": "replay {trace} --no-such-flag",
+    "flag: unknown subcommand (argparse)": "no-such-command",
+}
+
+
+@pytest.mark.parametrize("argv", TLTSIM_CASES.values(), ids=TLTSIM_CASES.keys())
+def test_tltsim_hostile_input_is_one_error_line(argv, files, tmp_path, capsys):
+    assert_one_error_line(*run("tltsim", fill(argv, files, tmp_path), capsys))
+
+
+# --- tltrun -----------------------------------------------------------------------------------
+
+ENGINE = "--max-running-requests 2 --max-model-len 32"
+GEN = f"generate --model {{model}} --prompts {{prompts}} --out {{tmp}}/g {ENGINE}"
+TRAIN = "train --model-dir {model} --out {tmp}/r --num-steps 1"
+TRAIN_DRAFTER = "train-drafter --model {model} --data {data} --out {tmp}/d"
+BENCH = "bench --trace {trace} --model {model} --out {tmp}/b --policy nospec"
+SFT = "sft --out {tmp}/s"
+
+
+def swap(argv: str, *extra: str, **values: str) -> str:
+    """``argv`` with the values of some flags swapped (``model="{model_trunc}"``) and ``extra``
+    words appended."""
+    words = argv.split()
+    for flag, value in values.items():
+        words[words.index("--" + flag.replace("_", "-")) + 1] = value
+    return " ".join(words + list(extra))
+
+
+TLTRUN_CASES = {
+    # damaged safetensors, found before any work (tltrun train: before its workers start)
+    "safetensors: generate truncated model": swap(GEN, model="{model_trunc}"),
+    "safetensors: generate garbage model": swap(GEN, model="{model_garbage}"),
+    "safetensors: generate truncated drafter": swap(
+        GEN, "--drafter {drafter_trunc} --policy static --strategy 2_1_2"
+    ),
+    "safetensors: bench truncated model": swap(BENCH, model="{model_trunc}"),
+    "safetensors: train-drafter --init truncated": swap(TRAIN_DRAFTER, "--init {drafter_trunc}"),
+    "safetensors: train truncated model": swap(TRAIN, model_dir="{model_trunc}"),
+    "safetensors: train truncated drafter": swap(TRAIN, "--drafter-dir {drafter_trunc}"),
+    "safetensors: profile truncated model": "profile --model {model_trunc} --out {tmp}/p.csv",
+    # binary garbage
+    "bin: model config.json": swap(GEN, model="{model_cfg_garbage}"),
+    "bin: prompts": swap(GEN, prompts="{garbage_jsonl}"),
+    "bin: train-drafter --data": swap(TRAIN_DRAFTER, data="{garbage_jsonl}"),
+    "bin: train --config toml": "train --config {garbage_toml}",
+    "bin: train --config json": "train --config {garbage_json}",
+    "bin: train --config not an object": "train --config {config_list}",
+    "bin: train --config task not a table": "train --config {config_task}",
+    "bin: bench trace": swap(BENCH, trace="{garbage_json}"),
+    # pathologically nested JSON
+    "nest: model config.json": swap(GEN, model="{model_cfg_deep}"),
+    "nest: prompts": swap(GEN, prompts="{deep_jsonl}"),
+    "nest: train-drafter --data": swap(TRAIN_DRAFTER, data="{deep_jsonl}"),
+    "nest: train --config": "train --config {deep_json}",
+    "nest: bench trace": swap(BENCH, trace="{deep_json}"),
+    # integers beyond int64 or absurd: answered at once
+    "int: config.json vocab_size 10^21": swap(GEN, model="{model_vocab_huge}"),
+    "int: --max-running-requests 10^12 (KV cache)": swap(GEN, max_running_requests="{e12}"),
+    "int: --max-model-len 10^12 (KV cache)": swap(GEN, max_model_len="{e12}"),
+    "int: generate --group-size 10^9": swap(GEN, "--group-size {e9}"),
+    "int: generate --step 10^30": swap(GEN, "--step {e30}"),
+    "int: train --num-threads 10^8": swap(TRAIN, "--num-threads {e8}"),
+    "int: train --num-workers 10^8": swap(TRAIN, "--num-workers {e8} --prompts-per-step {e8}"),
+    "int: train --seed 2^70": swap(TRAIN, "--seed {p70}"),
+    "int: train-drafter --train-num-steps 10^30": swap(TRAIN_DRAFTER, "--train-num-steps {e30}"),
+    "int: sft --num-steps 10^30": swap(SFT, "--num-steps {e30}"),
+    "int: sft --num-layers 10^9": swap(SFT, "--num-layers {e9}"),
+    "int: sft --hidden-size 10^12": swap(SFT, "--hidden-size {e12}"),
+    "int: sft --num-threads 10^8": swap(SFT, "--num-threads {e8}"),
+    "int: task --num-prompts 10^12": "task --num-prompts {e12}",
+    # values that used to run silently wrong
+    "silent: generate --temperature nan": swap(GEN, "--temperature nan"),
+    "silent: generate --temperature inf": swap(GEN, "--temperature inf"),
+    "silent: generate --temperature -1": swap(GEN, "--temperature -1"),
+    "silent: bench --temperature nan": swap(BENCH, "--temperature nan"),
+    "silent: train --temperature nan": swap(TRAIN, "--temperature nan"),
+    "silent: train --lr inf": swap(TRAIN, "--lr inf"),
+    "silent: train --kl-coef nan": swap(TRAIN, "--kl-coef nan"),
+    "silent: train --group-size 1 (GRPO)": swap(TRAIN, "--group-size 1"),
+    "silent: train-drafter --train-lr nan": swap(TRAIN_DRAFTER, "--train-lr nan"),
+    "silent: sft --lr inf": swap(SFT, "--lr inf"),
+    "silent: prompt that is an int": swap(GEN, prompts="{prompt_int}"),
+    "silent: prompt that is a list": swap(GEN, prompts="{prompt_list}"),
+    "silent: prompt id that is an object": swap(GEN, prompts="{prompt_id_dict}"),
+    "silent: prompt token ids with a bool": swap(GEN, prompts="{prompt_bool_ids}"),
+    "silent: max_new_tokens true": swap(GEN, prompts="{prompt_bool_max}"),
+    "silent: train-drafter float token ids": swap(TRAIN_DRAFTER, data="{data_float}"),
+    "silent: train-drafter string token ids": swap(TRAIN_DRAFTER, data="{data_str}"),
+    # what generate rejects, train rejects too (before its workers)
+    "same: train --dtype float8": swap(TRAIN, "--dtype float8"),
+    "same: train-drafter --dtype float8": swap(TRAIN_DRAFTER, "--dtype float8"),
+    "same: train --static-strategy zz": swap(TRAIN, "--policy static --static-strategy zz"),
+    "same: train --tlt-strategies zz": swap(TRAIN, "--tlt-strategies zz"),
+    "same: generate --dtype float8": swap(GEN, "--dtype float8"),
+    "same: generate --strategy zz": swap(GEN, "--policy static --strategy zz --drafter {drafter}"),
+    # devices this machine lacks
+    "device: generate --device nope": swap(GEN, "--device nope"),
+    "device: train --device nope": swap(TRAIN, "--device nope"),
+    "device: generate --device cuda:99": swap(GEN, "--device cuda:99"),
+    "device: train --device cuda:99": swap(TRAIN, "--device cuda:99"),
+    "device: train-drafter --device cuda:99": swap(TRAIN_DRAFTER, "--device cuda:99"),
+    "device: bench --device cuda:99": swap(BENCH, "--device cuda:99"),
+    "device: profile --device cuda:99": "profile --model {model} --out {tmp}/p.csv --device cuda:99",
+    # --out that cannot be written
+    "out: generate --out an existing file": swap(GEN, out="{file}"),
+    "out: generate --out under /proc": swap(GEN, out="/proc/tlt-hostile"),
+    "out: bench --out an existing file": swap(BENCH, out="{file}"),
+    "out: profile --out under a file": "profile --model {model} --out {file}/p.csv",
+    "out: train-drafter --out an existing file": swap(TRAIN_DRAFTER, out="{file}"),
+    "out: train --out an existing file": swap(TRAIN, out="{file}"),
+    "out: sft --out an existing file": swap(SFT, out="{file}"),
+}
+
+
+@pytest.mark.parametrize("argv", TLTRUN_CASES.values(), ids=TLTRUN_CASES.keys())
+def test_tltrun_hostile_input_is_one_error_line(argv, files, tmp_path, capsys):
+    if "cuda:99" in argv and torch.cuda.device_count() >= 100:
+        pytest.skip("this machine has a CUDA device 99")
+    assert_one_error_line(*run("tltrun", fill(argv, files, tmp_path), capsys))
+
+
+def test_device_cuda_without_cuda_is_one_error_line(files, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    for argv in (swap(GEN, "--device cuda"), swap(TRAIN, "--device cuda")):
+        rc, out, err = run("tltrun", fill(argv, files, tmp_path), capsys)
+        assert_one_error_line(rc, out, err)
+        assert "CUDA is not available" in err
+
+
+def test_grpo_group_size_one_names_the_reason(files, tmp_path, capsys):
+    rc, out, err = run("tltrun", fill(swap(TRAIN, "--group-size 1"), files, tmp_path), capsys)
+    assert_one_error_line(rc, out, err)
+    assert "zero advantage" in err
+
+
+def test_suspicious_prompts_warn_once_with_counts(files, tmp_path, capsys):
+    """An empty prompt and characters outside the tokenizer's alphabet are legal: the rollout
+    runs, and one warning line counts them (1 empty; 2 prompts with 3 <unk> characters)."""
+    argv = fill(swap(GEN, prompts="{prompt_suspicious}"), files, tmp_path)
+    rc, out, err = run("tltrun", argv, capsys)
+    assert rc == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, err
+    assert "1 empty prompt(s); 2 prompt(s) with 3 character(s)" in warnings[0]
+    assert "Traceback" not in out + err
+
+
+def test_internal_error_is_one_line_with_the_traceback_in_a_file(monkeypatch, capsys):
+    """The last line of defence: a bug (not an input error) is one line naming the traceback
+    file, exit 1."""
+    from tltsim.cli import trace as trace_cli
+
+    def broken(_args):
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(trace_cli, "_cmd_validate", broken)
+    rc, out, err = run("tltsim", ["validate", "x.json"], capsys)
+    assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("error: internal error: ZeroDivisionError: boom (full traceback in ")
+    path = Path(err.rsplit("full traceback in ", 1)[1].rstrip(")\n"))
+    assert "ZeroDivisionError" in path.read_text()
+    path.unlink()
+
+
+# --- fuzzing ----------------------------------------------------------------------------------
+
+JSON_LEAVES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.sampled_from([0, 1, -1, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 10**30]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+)
+JSON_VALUES = st.recursive(
+    JSON_LEAVES,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+FUZZ = settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+def _replace_at(doc: object, path: list[int], value: object) -> object:
+    """``doc`` with the node reached by following ``path`` (indices modulo each container's
+    size) replaced by ``value``: hostile values anywhere inside a valid trace."""
+    if not path or not isinstance(doc, (list, dict)) or not doc:
+        return value
+    if isinstance(doc, list):
+        i = path[0] % len(doc)
+        return [_replace_at(v, path[1:], value) if j == i else v for j, v in enumerate(doc)]
+    key = list(doc)[path[0] % len(doc)]
+    return {k: _replace_at(v, path[1:], value) if k == key else v for k, v in doc.items()}
+
+
+def _assert_ok_or_one_error(rc: int, out: str, err: str) -> None:
+    assert rc in (0, 2), f"exit {rc}: {err[-800:]}"
+    assert "Traceback" not in out + err and "internal error" not in err, err[-800:]
+    if rc == 2:
+        assert_one_error_line(rc, out, err)
+
+
+@FUZZ
+@given(path=st.lists(st.integers(0, 7), max_size=8), value=JSON_VALUES)
+def test_fuzz_trace_values(path, value, tmp_path, capsys):
+    doc = _replace_at(json.loads(trace_json()), path, value)
+    file = tmp_path / "fuzz.json"
+    file.write_text(json.dumps(doc))  # NaN / Infinity are written as JSON's non-standard tokens
+    _assert_ok_or_one_error(*run("tltsim", ["validate", str(file)], capsys))
+
+
+@FUZZ
+@given(
+    data=st.one_of(
+        st.binary(max_size=300),
+        st.builds(lambda n, b: b"[" * n + b, st.integers(0, 5000), st.binary(max_size=20)),
+        st.builds(lambda n: b'{"a":' * n, st.integers(900, 20_000)),
+    ),
+    suffix=st.sampled_from([".json", ".json.gz", ".csv", ".parquet"]),
+)
+def test_fuzz_trace_bytes(data, suffix, tmp_path, capsys):
+    file = tmp_path / f"fuzz{suffix}"
+    file.write_bytes(gzip.compress(data) if suffix == ".json.gz" and data[:1] == b"[" else data)
+    _assert_ok_or_one_error(*run("tltsim", ["validate", str(file)], capsys))
+
+
+REPLAY_NUMERIC_FLAGS = (
+    "--num-gpus",
+    "--tp",
+    "--max-running-requests",
+    "--tail-threshold",
+    "--seed",
+    "--max-steps",
+    "--tlt-threshold",
+    "--tlt-epsilon",
+    "--drafter-max-accept-rate",
+    "--spot-max-epochs",
+    "--spot-startup-s",
+)
+HOSTILE_NUMBERS = st.one_of(
+    st.sampled_from(
+        ["nan", "inf", "-inf", "-1", "0", "1e309", str(2**63), str(2**63 - 1), str(10**30), "", "x"]
+    ),
+    st.integers(-3, 16).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+)
+
+
+@FUZZ
+@given(
+    flags=st.lists(st.tuples(st.sampled_from(REPLAY_NUMERIC_FLAGS), HOSTILE_NUMBERS), max_size=3)
+)
+def test_fuzz_replay_numeric_flags(flags, files, tmp_path, capsys):
+    argv = ["replay", files["trace"], "--policy", "nospec,tlt", "--out", str(tmp_path / "o")]
+    for flag, value in flags:
+        argv += [f"{flag}={value}"]  # = keeps a value like -1 from reading as a flag
+    _assert_ok_or_one_error(*run("tltsim", argv, capsys))

@@ -1,0 +1,166 @@
+"""Speedup intervals of ``tltsim replay`` (seeds, acceptance band, cost error), their outputs and
+plot, and a sweep's best-vs-runner-up distinguishability.
+
+.venv/bin/python -m pytest tests/test_replay_intervals.py -q
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from simtools import make_trace
+
+from tltsim.cli.main import main
+from tltsim.errors import UsageError
+from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.sim.intervals import (
+    IntervalSpec,
+    accept_band,
+    mean_step_s_scaled,
+    parse_seeds,
+    scaled_dynamics,
+)
+from tltsim.sim.replay import RunSettings, replay_intervals, simulate_policies
+from tltsim.sim.simulator import SimConfig
+from tltsim.sim.sweep import SweepSpec, sweep_summary
+
+NAMES = ("nospec", "static", "tlt")
+DRAFTER = DrafterDynamics()
+
+
+def long_tail_trace():
+    # 2 steps x 8 prompts x 4 responses: mostly short, one long tail per step
+    step = [[300, 500, 800, 400]] * 7 + [[300, 600, 900, 6000]]
+    return make_trace([step, step])
+
+
+@pytest.fixture(scope="module")
+def point():
+    base = RunSettings(sim=SimConfig(num_gpus=4, seed=0), policy="nospec")
+    trace = long_tail_trace()
+    return trace, base, simulate_policies(trace, NAMES, base)
+
+
+def intervals(point, **spec):
+    trace, base, results = point
+    return replay_intervals(trace, NAMES, base, IntervalSpec(**spec), results)
+
+
+def test_intervals_contain_the_point_estimate(point) -> None:
+    band = accept_band(DRAFTER, "0.9,1.1")
+    got = intervals(point, seeds=(0, 1, 2), accept=band, cost_error=0.1)
+    results = point[2]
+    nospec = results["nospec"].summary()["mean_step_s"]
+    assert got["nospec"].low == got["nospec"].high == got["nospec"].speedup == 1.0
+    for name in ("static", "tlt"):
+        iv = got[name]
+        assert iv.speedup == nospec / results[name].summary()["mean_step_s"]
+        assert iv.low < iv.speedup < iv.high
+        assert set(iv.by_source) == {"seeds", "accept_rate", "cost_error"}
+        for low, high in iv.by_source.values():
+            assert iv.low <= low <= iv.speedup <= high <= iv.high
+
+
+def test_intervals_widen_with_the_error_band(point) -> None:
+    narrow = intervals(point, seeds=(0,), cost_error=0.05)["static"]
+    wide = intervals(point, seeds=(0,), cost_error=0.2)["static"]
+    assert wide.low < narrow.low < narrow.speedup < narrow.high < wide.high
+    assert narrow.speedup == wide.speedup
+    none = intervals(point, seeds=(0,), cost_error=0.0)["static"]
+    assert none.low == none.speedup == none.high and none.by_source == {}
+    close = intervals(point, seeds=(0,), accept=accept_band(DRAFTER, "0.97,1.03"))["static"]
+    far = intervals(point, seeds=(0,), accept=accept_band(DRAFTER, "0.7,1.2"))["static"]
+    assert far.low < close.low <= close.high < far.high
+
+
+def test_seeds_change_results(point) -> None:
+    got = intervals(point, seeds=(0, 1, 2))
+    for name in ("static", "tlt"):
+        low, high = got[name].by_source["seeds"]
+        assert low < high, f"{name}: every seed gave the same speedup"
+
+
+def test_cost_scaling_moves_only_sd_seconds(point) -> None:
+    results = point[2]
+    nospec, static = results["nospec"], results["static"]
+    assert mean_step_s_scaled(nospec, 1.3) == pytest.approx(nospec.summary()["mean_step_s"])
+    assert mean_step_s_scaled(static, 1.0) == static.summary()["mean_step_s"]
+    slower = mean_step_s_scaled(static, 1.3) - static.summary()["mean_step_s"]
+    # at most every SD second of the slowest instance 30% longer, at least something
+    assert 0 < slower <= 0.3 * max(s.sd_instance_s for s in static.steps)
+
+
+def test_accept_band_and_seed_parsing(tmp_path: Path) -> None:
+    band = accept_band(DRAFTER, "0.9,1.1")
+    assert band.low == scaled_dynamics(DRAFTER, 0.9)
+    assert band.high.max_accept_rate == min(1.0, DRAFTER.max_accept_rate * 1.1)
+    assert accept_band(DRAFTER, None) is None
+    with pytest.raises(ValueError, match="LOW <= 1 <= HIGH"):
+        accept_band(DRAFTER, "1.1,0.9")
+    with pytest.raises(UsageError, match="needs --drafter-dynamics"):
+        accept_band(DRAFTER, "fit")
+    fit = tmp_path / "fit.json"
+    fit.write_text(json.dumps({"fit": {"stderr": {"max_accept_rate": 0.01, "drift_per_step": 1}}}))
+    fitted = dataclasses.replace(DRAFTER, max_accept_rate=0.7, initial_accept_rate=0.7)
+    band = accept_band(fitted, "fit", fit)
+    assert band.low.max_accept_rate == pytest.approx(0.7 - 1.96 * 0.01, abs=1e-4)
+    assert band.high.max_accept_rate == pytest.approx(0.7 + 1.96 * 0.01, abs=1e-4)
+    assert band.low.initial_accept_rate <= band.low.max_accept_rate  # kept valid
+    fit.write_text(json.dumps({"fit": {"stderr": {"max_accept_rate": None}}}))
+    with pytest.raises(UsageError, match="no finite standard error"):
+        accept_band(fitted, "fit", fit)
+    assert parse_seeds(None, 3, 5) == (5, 6, 7)
+    assert parse_seeds("4,1", 1, 0) == (4, 1)
+    with pytest.raises(ValueError, match="distinct"):
+        parse_seeds("1,1", 1, 0)
+
+
+def test_replay_writes_and_prints_intervals(tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "t.json"
+    main(["gen", "--num-steps", "2", "--prompts-per-step", "8", "--seed", "1", "--out", str(trace)])
+    out = tmp_path / "r"
+    argv = ["replay", str(trace), "--num-gpus", "2", "--policy", "nospec,static", "--out", str(out)]
+    assert main([*argv, "--seeds", "3,4", "--accept-rate-range", "0.9,1.1"]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["speedup_interval"]["sources"] == ["seeds", "accept_rate", "cost_error"]
+    assert summary["speedup_interval"]["seeds"] == [3, 4]
+    assert json.loads((out / "config.json").read_text())["sim"]["seed"] == 3
+    static = summary["policies"][1]
+    assert static["speedup_vs_nospec_low"] <= static["speedup_vs_nospec"]
+    assert static["speedup_vs_nospec"] <= static["speedup_vs_nospec_high"]
+    # per step the larger of the two terms: on average at least either, at most both
+    work, path = summary["mean_ideal_work_s"], summary["mean_ideal_critical_path_s"]
+    assert max(work, path) <= summary["mean_ideal_rollout_s"] <= work + path
+    text = f"{static['speedup_vs_nospec']:.2f}x [{static['speedup_vs_nospec_low']:.2f}-"
+    assert text in printed and "speedup interval: min-max over seeds 3,4" in printed
+    table = pd.read_csv(out / "summary.csv")
+    assert list(table.policy) == ["nospec", "static"]
+    assert {"speedup_vs_nospec_low", "mean_ideal_critical_path_s"} <= set(table.columns)
+    from analysis.replay_plots import draw_all
+
+    assert (out / "plots" / "step_time_per_policy.png") in draw_all(out)
+
+
+def test_sweep_says_whether_the_best_is_distinguishable() -> None:
+    def table(best: list[float], runner: list[float]) -> pd.DataFrame:
+        rows = [
+            {"policy": "tlt", "tlt.threshold": t, "seed": s, "speedup_vs_nospec": v}
+            for t, values in ((16, best), (32, runner))
+            for s, v in enumerate(values)
+        ]
+        return pd.DataFrame(rows)
+
+    spec = SweepSpec(trace="t.json", seeds=(0, 1, 2))
+    apart = sweep_summary(table([1.9, 2.0, 2.1], [1.5, 1.6, 1.7]), spec)
+    assert apart["best"]["tlt.threshold"] == 16 and apart["runner_up"]["tlt.threshold"] == 32
+    assert apart["speedup_interval_over_seeds"] == {"best": [1.9, 2.1], "runner_up": [1.5, 1.7]}
+    assert apart["is_best_distinguishable"] is True
+    overlap = sweep_summary(table([1.6, 2.0, 2.1], [1.5, 1.6, 1.8]), spec)
+    assert overlap["best"]["tlt.threshold"] == 16 and overlap["is_best_distinguishable"] is False
+    one_seed = sweep_summary(table([2.0], [1.5]), SweepSpec(trace="t.json"))
+    assert one_seed["is_best_distinguishable"] is None

@@ -1,0 +1,576 @@
+"""Run-directory integrity of ``tltrun train`` (tltrun.train.state, tltrun.train.launch): every
+checkpoint carries a sha256 manifest that ``--resume`` verifies, falling back to the newest
+intact checkpoint with a warning naming the damaged file (or one ``error:`` line when none is
+intact); torn and short logs; resumes that change the run's settings; the run directory's lock;
+and no orphans: a launcher killed at any moment of start-up or mid-run leaves no worker behind.
+
+Fast tests work on fake checkpoints (files of random bytes plus a real manifest) and on the CLI
+up to the point where workers would start; the slow ones resume real 3-step runs of a tiny
+model. Run: ``python -m pytest tests/test_run_integrity.py -q`` (about a minute; ``-m "not slow"``:
+seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+from tiny_models import tiny_model
+
+from tltrun.model.tokenizer import CharTokenizer
+from tltrun.model.transformer import CheckpointError, save_hf
+from tltrun.train import state as ts
+from tltrun.train.config import TrainConfig
+from tltrun.train.launch import prepare_run_dir, run_train
+from tltrun.train.tasks import TaskConfig
+from tltsim.errors import UsageError
+
+TASK = TaskConfig(median_ops=2, max_ops=4)
+NUM_WORKERS = 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    tok = CharTokenizer()
+    save_hf(tiny_model(seed=0, vocab_size=tok.vocab_size, eos_token_ids=(tok.eos_id,)), out)
+    tok.save(out)
+    (out / "sft_config.json").write_text(json.dumps({"task": asdict(TASK)}))
+    return out
+
+
+def config(model_dir: Path, out: Path, **overrides) -> TrainConfig:
+    """tests/test_train.py's tiny run: 2 workers, 3 steps, a checkpoint after every step."""
+    fields = dict(
+        model_dir=str(model_dir),
+        out=str(out),
+        num_workers=NUM_WORKERS,
+        num_steps=3,
+        prompts_per_step=4,
+        group_size=4,
+        max_new_tokens=32,
+        prompt_split=(1, 3),
+        max_running_requests=2,
+        policy="nospec",
+        lr=1e-2,
+        checkpoint_every=1,
+        seed=0,
+    )
+    fields.update(overrides)
+    return TrainConfig(**fields)
+
+
+# ---- fake run directories -------------------------------------------------------------------
+
+
+def fake_checkpoint(out: Path, next_step: int) -> Path:
+    """A checkpoint directory with every file a real one has (random bytes) and its manifest."""
+    ckpt = ts.checkpoint_dir(out, next_step)
+    files = {
+        "actor/model.safetensors": 4096,
+        "actor/config.json": 100,
+        "actor_optim.pt": 2048,
+        "drafter/model.safetensors": 1024,
+        "drafter_optim.pt": 512,
+        **{f"rank{r}.pt": 256 for r in range(NUM_WORKERS)},
+        **{f"policy_rank{r}.json": 10 for r in range(NUM_WORKERS)},
+    }
+    for rel, size in files.items():
+        (ckpt / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ckpt / rel).write_bytes(os.urandom(size))
+    ts.write_state(ckpt, next_step)
+    return ckpt
+
+
+def fake_logs(out: Path, num_steps: int) -> None:
+    for name in ts.LOGS:
+        (out / name).write_text("".join(json.dumps({"step": s}) + "\n" for s in range(num_steps)))
+
+
+def flip_bytes(path: Path, num_bytes: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    for i in range(middle, middle + num_bytes):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def delete_drafter(ckpt: Path) -> None:
+    shutil.rmtree(ckpt / "drafter")
+
+
+def garble_manifest(ckpt: Path) -> None:
+    (ckpt / ts.MANIFEST).write_bytes(b'{"format": "tlt-checkpoint-manif\x00\xff')
+
+
+# Each kind of damage: (what it does to a checkpoint, the file a warning must name, how)
+DAMAGE = {
+    "flipped actor": (lambda c: flip_bytes(c / "actor/model.safetensors"),
+                      "actor/model.safetensors", "sha256 differs"),
+    "truncated optimizer": (lambda c: truncate(c / "actor_optim.pt"),
+                            "actor_optim.pt", "truncated"),
+    "deleted drafter": (delete_drafter, "drafter/model.safetensors", "missing"),
+    "garbage manifest": (garble_manifest, "manifest.json", "not valid JSON"),
+    "missing manifest": (lambda c: (c / ts.MANIFEST).unlink(), "manifest.json", "missing"),
+    "rank file grown": (lambda c: (c / "rank1.pt").write_bytes(b"x" * 300), "rank1.pt", "grown"),
+}  # fmt: skip
+
+
+# ---- manifest and checkpoint choice (pure functions on files) --------------------------------
+
+
+def test_manifest_lists_every_file_and_verifies(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 2)
+    manifest = json.loads((ckpt / ts.MANIFEST).read_text())
+    on_disk = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()}
+    assert set(manifest["files"]) == on_disk - {ts.MANIFEST}
+    assert manifest["files"]["actor_optim.pt"]["size_bytes"] == 2048
+    assert ts.verify_checkpoint(ckpt, NUM_WORKERS) == []
+    assert not list(ckpt.glob("*.tmp"))  # the manifest's temporary name is gone
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_each_kind_of_damage_is_named(tmp_path, kind):
+    damage, name, how = DAMAGE[kind]
+    ckpt = fake_checkpoint(tmp_path, 2)
+    damage(ckpt)
+    problems = ts.verify_checkpoint(ckpt, NUM_WORKERS)
+    assert len(problems) == 1 and problems[0].startswith(name + ":") and how in problems[0]
+
+
+def test_manifest_missing_a_required_file_or_naming_another_step(tmp_path):
+    ckpt = fake_checkpoint(tmp_path, 2)
+    (ckpt / "rank1.pt").unlink()
+    ts.write_manifest(ckpt)  # a manifest of an incomplete directory
+    assert ts.verify_checkpoint(ckpt, NUM_WORKERS) == ["rank1.pt: not in the manifest"]
+    other = fake_checkpoint(tmp_path, 3)
+    ts.write_state(other, 4)
+    assert ts.verify_checkpoint(other, NUM_WORKERS) == [
+        "state.json: next_step 4, the directory says 3"
+    ]
+
+
+def test_resume_falls_back_to_newest_intact_checkpoint_with_a_warning(tmp_path):
+    for step in (1, 2, 3):
+        fake_checkpoint(tmp_path, step)
+    flip_bytes(ts.checkpoint_dir(tmp_path, 3) / "actor/model.safetensors")
+    truncate(ts.checkpoint_dir(tmp_path, 2) / "actor_optim.pt")
+    (tmp_path / "ckpt" / ".tmp_step_000004").mkdir()  # a kill mid-write
+    with pytest.warns(ts.RunDirWarning) as caught:
+        assert ts.select_checkpoint(tmp_path, NUM_WORKERS) == ts.checkpoint_dir(tmp_path, 1)
+    messages = sorted(str(w.message) for w in caught)
+    assert len(messages) == 2
+    assert "step_000002" in messages[0] and "actor_optim.pt" in messages[0]
+    assert "step_000003" in messages[1] and "actor/model.safetensors: sha256" in messages[1]
+    assert all("resuming from step_000001" in m for m in messages)
+    assert not (tmp_path / "ckpt" / ".tmp_step_000004").exists()
+
+
+def test_no_intact_checkpoint_is_one_error_naming_each_damage(tmp_path):
+    for step, kind in ((1, "deleted drafter"), (2, "garbage manifest")):
+        DAMAGE[kind][0](fake_checkpoint(tmp_path, step))
+    with pytest.raises(CheckpointError) as err:
+        ts.select_checkpoint(tmp_path, NUM_WORKERS)
+    message = str(err.value)
+    assert "\n" not in message and "no intact checkpoint" in message
+    assert "step_000001: drafter/model.safetensors: missing" in message
+    assert "step_000002: manifest.json: not valid JSON" in message
+    assert ts.select_checkpoint(tmp_path / "fresh", NUM_WORKERS) is None  # nothing to resume
+
+
+def test_commit_replaces_a_checkpoint_of_the_same_step(tmp_path):
+    old = fake_checkpoint(tmp_path, 1)
+    tmp = ts.tmp_checkpoint_dir(tmp_path, 1)
+    tmp.mkdir()
+    (tmp / "new").write_text("x")
+    ts.commit(tmp, old)
+    assert [p.name for p in old.iterdir()] == ["new"]
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step_000001"]
+
+
+# ---- logs ------------------------------------------------------------------------------------
+
+
+def test_torn_last_log_line_is_dropped_with_a_warning(tmp_path):
+    fake_logs(tmp_path, 3)
+    with (tmp_path / "log.jsonl").open("a") as f:
+        f.write('{"step": 3, "reward_me')  # killed mid-append
+    with pytest.warns(ts.RunDirWarning, match="log.jsonl: dropped a torn last line"):
+        ts.prepare_logs(tmp_path, 2)
+    for name in ts.LOGS:  # rows of the steps the resumed run redoes are gone too
+        assert (tmp_path / name).read_text() == '{"step": 0}\n{"step": 1}\n'
+
+
+def test_whole_last_row_without_newline_is_kept(tmp_path):
+    fake_logs(tmp_path, 3)
+    (tmp_path / "log.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"step": 2}')
+    ts.prepare_logs(tmp_path, 3)
+    assert (tmp_path / "log.jsonl").read_text().endswith('{"step": 2}\n')
+
+
+@pytest.mark.parametrize(
+    "log, expected",
+    [
+        ('{"step": 0}\n{"step": 1}\n', "has steps 0..1 but the checkpoint's next_step is 3"),
+        ('{"step": 0}\n{"step": 2}\n{"step": 1}\n', "expected 0, 1, 2, ... in order"),
+        ('{"step": 0}\nnot json\n{"step": 2}\n', "line 2 is not valid JSON"),
+        ('{"step": 0}\n{"loss": 1.0}\n{"step": 2}\n', "line 2 has no integer 'step'"),
+    ],
+)
+def test_bad_logs_are_errors(tmp_path, log, expected):
+    fake_logs(tmp_path, 3)
+    (tmp_path / "log.jsonl").write_text(log)
+    with pytest.raises(CheckpointError, match="log.jsonl: ") as err:
+        ts.prepare_logs(tmp_path, 3)
+    assert expected in str(err.value)
+    assert (tmp_path / "log.jsonl").read_text() == log  # nothing rewritten
+
+
+# ---- settings of a resumed run, without workers -----------------------------------------------
+
+
+def make_fake_run(model_dir: Path, out: Path, num_steps: int = 3) -> None:
+    out.mkdir(exist_ok=True)
+    prepare_run_dir(config(model_dir, out), TASK, is_resume=False, is_override_config=False)
+    for step in range(1, num_steps + 1):
+        fake_checkpoint(out, step)
+    fake_logs(out, num_steps)
+
+
+def test_resume_that_changes_the_run_is_refused_with_the_diff(model_dir, tmp_path):
+    make_fake_run(model_dir, tmp_path)
+    first = (tmp_path / "config.json").read_bytes()
+    changed = config(model_dir, tmp_path, lr=2e-2, policy="tlt", num_steps=5, tensorboard=True)
+    with pytest.raises(UsageError) as err:
+        prepare_run_dir(changed, TASK, is_resume=True, is_override_config=False)
+    message = str(err.value)
+    # num_steps and tensorboard do not change what a step computes: not listed
+    assert "lr: 0.01 -> 0.02; policy: 'nospec' -> 'tlt'" in message
+    assert "num_steps" not in message and "--override-config" in message
+    task = TaskConfig(median_ops=3, max_ops=4)
+    with pytest.raises(UsageError, match="task.median_ops: 2 -> 3"):
+        prepare_run_dir(config(model_dir, tmp_path), task, is_resume=True, is_override_config=False)
+    with pytest.raises(UsageError, match="cannot change num_workers"):
+        prepare_run_dir(
+            config(model_dir, tmp_path, num_workers=4, prompt_split=(1, 1, 1, 1)),
+            TASK,
+            is_resume=True,
+            is_override_config=True,
+        )
+    assert not (tmp_path / ts.CONFIG_HISTORY).exists()
+    assert (tmp_path / "config.json").read_bytes() == first
+
+
+def test_override_config_is_recorded_and_config_json_kept(model_dir, tmp_path):
+    make_fake_run(model_dir, tmp_path)
+    first = (tmp_path / "config.json").read_bytes()
+    changed = config(model_dir, tmp_path, lr=2e-2)
+    resume = prepare_run_dir(changed, TASK, is_resume=True, is_override_config=True)
+    assert resume == ts.checkpoint_dir(tmp_path, 3)
+    history = [json.loads(line) for line in (tmp_path / ts.CONFIG_HISTORY).read_text().splitlines()]
+    assert len(history) == 1 and history[0]["step"] == 3 and history[0]["time"].endswith("+00:00")
+    assert history[0]["diff"] == {"train.lr": [0.01, 0.02]}
+    assert (tmp_path / "config.json").read_bytes() == first
+    # the override is now the run's setting: resuming with it again needs no override
+    assert ts.effective_config(tmp_path)["train"]["lr"] == 0.02
+    prepare_run_dir(changed, TASK, is_resume=True, is_override_config=False)
+    with pytest.raises(UsageError, match="lr: 0.02 -> 0.01"):
+        prepare_run_dir(config(model_dir, tmp_path), TASK, is_resume=True, is_override_config=False)
+
+
+def cli(argv: list[str], capsys) -> tuple[int, str]:
+    from tltrun.cli.main import main
+
+    code = main(argv)
+    return code, capsys.readouterr().err.strip()
+
+
+def test_cli_errors_are_one_line_before_any_worker(model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    make_fake_run(model_dir, out)
+    code, err = cli(["train", "--out", str(out), "--resume", "--lr", "0.5"], capsys)
+    assert code == 2 and err == (
+        f"error: {out}: --resume with settings that change the run (lr: 0.01 -> 0.5); pass "
+        "--override-config to resume with them (recorded in config_history.jsonl)"
+    )
+    (out / "log.jsonl").write_text('{"step": 0}\n')  # next_step 3 beyond the log
+    code, err = cli(["train", "--out", str(out), "--resume"], capsys)
+    assert code == 2 and err.startswith("error: ") and "\n" not in err
+    assert "next_step beyond the log" in err
+    fake_logs(out, 3)
+    for step in (1, 2, 3):
+        flip_bytes(ts.checkpoint_dir(out, step) / "rank0.pt")
+    code, err = cli(["train", "--out", str(out), "--resume"], capsys)
+    assert code == 2 and "\n" not in err and "Traceback" not in err
+    assert err.startswith(f"error: {out / 'ckpt'}: no intact checkpoint to resume from")
+    assert err.count("rank0.pt: sha256 differs") == 3
+    code, err = cli(["train", "--out", str(out), "--override-config"], capsys)
+    assert code == 2 and err == "error: --override-config applies to --resume only"
+
+
+# ---- the lock --------------------------------------------------------------------------------
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from tltrun.train.state import RunLock
+with RunLock(Path(sys.argv[1])):
+    print("locked", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_second_process_on_the_same_out_is_refused(model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    make_fake_run(model_dir, out)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(out)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        code, err = cli(["train", "--out", str(out), "--resume"], capsys)
+        assert code == 2 and "\n" not in err
+        assert err.startswith(f"error: {out}: another tltrun train is running in this directory")
+        assert f"pid {holder.pid}" in err
+        # also within one process: flock is per open file
+        with pytest.raises(UsageError), ts.RunLock(out):
+            pass
+        assert (out / "log.jsonl").read_text() == "".join(
+            json.dumps({"step": s}) + "\n" for s in range(3)
+        )  # the refused run touched nothing
+    finally:
+        holder.kill()  # SIGKILL: the kernel drops the lock with the process
+        holder.wait()
+    with ts.RunLock(out):
+        assert (out / ts.LOCK).read_text() == f"pid {os.getpid()}\n"
+
+
+# ---- real runs -------------------------------------------------------------------------------
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def deterministic(row: dict) -> dict:
+    keys = ("step", "reward_mean", "loss", "num_tokens", "actor_sha1", "rollout_sha1")
+    return {k: row[k] for k in keys}
+
+
+@pytest.fixture(scope="module")
+def reference_run(model_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ref") / "run"
+    run_train(config(model_dir, out), TASK)
+    return out
+
+
+@pytest.mark.slow
+def test_real_checkpoints_verify(reference_run):
+    for step in (1, 2, 3):
+        ckpt = ts.checkpoint_dir(reference_run, step)
+        assert ts.verify_checkpoint(ckpt, NUM_WORKERS) == []
+        listed = json.loads((ckpt / ts.MANIFEST).read_text())["files"]
+        assert {"actor/model.safetensors", "drafter/model.safetensors", "drafter_optim.pt"} <= set(
+            listed
+        )
+
+
+@pytest.mark.slow
+def test_damaged_checkpoints_and_torn_log_resume_like_the_uninterrupted_run(
+    model_dir, reference_run, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    shutil.copytree(reference_run, out)
+    shutil.rmtree(out / "final")
+    flip_bytes(ts.checkpoint_dir(out, 3) / "actor/model.safetensors")
+    truncate(ts.checkpoint_dir(out, 2) / "actor_optim.pt")
+    with (out / "log.jsonl").open("a") as f:
+        f.write('{"step": 3, "rew')
+    code, err = cli(["train", "--out", str(out), "--resume"], capsys)
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 3, err
+    assert any("step_000003" in w and "actor/model.safetensors: sha256" in w for w in warnings)
+    assert any("step_000002" in w and "actor_optim.pt" in w and "truncated" in w for w in warnings)
+    assert any("log.jsonl: dropped a torn last line" in w for w in warnings)
+    # resumed from step 1: steps 1 and 2 were redone, exactly as the first time
+    assert [deterministic(r) for r in rows(out)] == [deterministic(r) for r in rows(reference_run)]
+    for step in (2, 3):
+        assert ts.verify_checkpoint(ts.checkpoint_dir(out, step), NUM_WORKERS) == []
+    actor = "final/actor/model.safetensors"
+    assert (out / actor).read_bytes() == (reference_run / actor).read_bytes()
+
+
+@pytest.mark.slow
+def test_override_config_resume_runs_with_the_new_setting(
+    model_dir, reference_run, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    shutil.copytree(reference_run, out)
+    first = (out / "config.json").read_bytes()
+    argv = ["train", "--out", str(out), "--resume", "--num-steps", "4", "--lr", "0.02"]
+    code, err = cli(argv, capsys)
+    assert code == 2 and "lr: 0.01 -> 0.02" in err
+    code, err = cli(argv + ["--override-config"], capsys)
+    assert code == 0, err
+    assert [r["step"] for r in rows(out)] == [0, 1, 2, 3]
+    history = [json.loads(line) for line in (out / ts.CONFIG_HISTORY).read_text().splitlines()]
+    assert [(h["step"], h["diff"]) for h in history] == [(3, {"train.lr": [0.01, 0.02]})]
+    assert (out / "config.json").read_bytes() == first
+    assert ts.verify_checkpoint(ts.checkpoint_dir(out, 4), NUM_WORKERS) == []
+
+
+@pytest.mark.slow
+def test_second_launcher_refused_while_a_real_run_holds_the_lock(model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tltrun.cli.main", "train", "--model-dir", str(model_dir),
+           "--out", str(out), "--num-workers", "2", "--num-steps", "50", "--prompts-per-step", "2",
+           "--group-size", "2", "--max-new-tokens", "16", "--policy", "nospec"]  # fmt: skip
+    first = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "log.jsonl").is_file() and time.monotonic() < deadline:
+            assert first.poll() is None, f"the first run ended (exit {first.returncode})"
+            time.sleep(0.1)
+        code, err = cli(["train", "--out", str(out), "--resume"], capsys)
+        assert code == 2 and "another tltrun train is running in this directory" in err
+        code, err = cli(cmd[3:], capsys)  # a fresh run on the same --out: refused too
+        assert code == 2 and "another tltrun train is running in this directory" in err
+        assert first.poll() is None  # the first run goes on
+    finally:
+        os.killpg(first.pid, 9)
+        first.wait()
+
+
+# ---- no orphans ------------------------------------------------------------------------------
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (non-zombie) processes of session ``sid`` (the launcher's, started in its own)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        # after "pid (comm)": state, ppid, pgrp, session
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def wait_for(condition, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert condition(), "timed out"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize(
+    "moment, delay_s",
+    [
+        ("launch", 0.0),  # before any worker exists
+        ("launch", 1.0),
+        ("workers spawned", 0.0),  # workers importing torch, before any of our code runs
+        ("workers spawned", 1.0),
+        ("first step logged", 0.0),  # mid-run
+    ],
+)
+def test_killing_the_launcher_ends_every_worker(model_dir, tmp_path, moment, delay_s):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tltrun.cli.main", "train", "--model-dir", str(model_dir),
+           "--out", str(out), "--num-workers", "2", "--num-steps", "100000", "--prompts-per-step",
+           "2", "--group-size", "2", "--max-new-tokens", "16", "--policy", "nospec"]  # fmt: skip
+    launcher = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.DEVNULL)
+    try:
+        if moment == "workers spawned":  # the launcher, the resource tracker, 2 workers
+            wait_for(lambda: len(session_pids(launcher.pid)) >= 4)
+        elif moment == "first step logged":
+            wait_for(lambda: (out / "log.jsonl").is_file())
+            assert len(session_pids(launcher.pid)) >= 3  # the launcher and both workers
+        time.sleep(delay_s)
+        assert launcher.poll() is None, "the run ended before the kill"
+        launcher.kill()  # SIGKILL to the launcher alone: it cleans nothing up
+        launcher.wait()
+        # A worker still starting (importing torch) notices the loss of its launcher when it
+        # gets to its first statement; give it the time to get there.
+        wait_for(lambda: session_pids(launcher.pid) == [], timeout_s=60)
+    finally:
+        for pid in session_pids(launcher.pid):
+            os.kill(pid, 9)
+
+
+def test_fresh_run_into_a_directory_with_checkpoints_is_refused(model_dir, tmp_path):
+    """A fresh run would leave the earlier run's checkpoints where --resume looks for them."""
+    make_fake_run(model_dir, tmp_path)
+    first = (tmp_path / "config.json").read_bytes()
+    with pytest.raises(UsageError, match=r"earlier run \(step_000003\); pass --resume"):
+        prepare_run_dir(
+            config(model_dir, tmp_path), TASK, is_resume=False, is_override_config=False
+        )
+    assert (tmp_path / "config.json").read_bytes() == first  # nothing touched
+
+
+# ---- a worker's failure reaches the user as one line ------------------------------------------
+
+
+def test_worker_errors_are_one_line_naming_the_rank(tmp_path):
+    from tltrun.train.launch import worker_error
+
+    report = (
+        "\n\n-- Process 1 terminated with the following error:\nTraceback (most recent call "
+        'last):\n  File "x.py", line 3, in f\n    raise CheckpointError(...)\n'
+        "tltrun.model.transformer.CheckpointError: m/model.safetensors: truncated\n"
+    )
+    err = worker_error(tmp_path, 1, report)
+    assert str(err) == (
+        f"worker rank 1: m/model.safetensors: truncated (full traceback in "
+        f"{tmp_path / 'worker_errors.log'})"
+    )
+    assert err.exit_code == 2  # the worker's own error was input a user can fix
+    bug = worker_error(tmp_path, 0, "Traceback ...\nZeroDivisionError: division by zero\n")
+    assert "worker rank 0: ZeroDivisionError: division by zero" in str(bug)
+    assert bug.exit_code == 1
+    log = (tmp_path / "worker_errors.log").read_text()
+    assert "raise CheckpointError" in log and "ZeroDivisionError" in log  # both, appended
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
+def test_a_killed_worker_ends_the_run_with_one_line(model_dir, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tltrun.cli.main", "train", "--model-dir", str(model_dir),
+           "--out", str(out), "--num-workers", "2", "--num-steps", "100000", "--prompts-per-step",
+           "2", "--group-size", "2", "--max-new-tokens", "16", "--policy", "nospec"]  # fmt: skip
+    launcher = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (out / "log.jsonl").is_file())
+        workers = [
+            pid
+            for pid in session_pids(launcher.pid)
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        assert len(workers) == 2
+        os.kill(workers[-1], 9)
+        _, stderr = launcher.communicate(timeout=120)
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert launcher.returncode == 1 and "Traceback" not in stderr, stderr
+        assert len(errors) == 1 and errors[0].startswith("error: worker rank "), stderr
+        assert "was killed by SIGKILL" in errors[0] and "--resume" in errors[0]
+        wait_for(lambda: session_pids(launcher.pid) == [], timeout_s=60)
+    finally:
+        for pid in session_pids(launcher.pid):
+            os.kill(pid, 9)

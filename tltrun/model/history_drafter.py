@@ -1,0 +1,335 @@
+"""Model-free history drafter (issue #20): draft chains and trees by matching a sequence's last
+n tokens against the rollout history of its prompt — its own prompt and output, its running and
+finished siblings (the same prompt id in this rollout), and earlier rollouts of the same prompt
+id, kept across steps up to ``max_history_tokens`` (oldest finished sequences evicted first).
+Pure Python, no torch: ``tltrun.rollout.engine`` turns proposals into a ``DraftTree``.
+
+Index: one generalized suffix automaton (Blumer et al. 1985; the on-line generalized
+construction, which handles several strings grown in any interleaving) per prompt group, over
+token ids. Every stored string (a sequence: prompt then output) keeps its automaton state
+``last``, whose longest member is the whole string; appending a token is the usual amortized
+O(1) extension. Each state records ``first_end``, the (string, position) where its members
+first ended; a clone inherits its original's, which is also an end of the clone's members. So
+the tokens after ``first_end`` are a continuation of any context the state matches.
+
+Proposal (``propose`` / ``propose_tree``): walk the automaton with the sequence's last
+``ngram_max`` tokens from the root (matching statistics: on a missing transition follow suffix
+links), giving the longest suffix of the context that occurs in the index (the context always
+occurs: the sequence itself is indexed, so this is the length-ngram_max suffix unless the
+sequence is shorter). A match that nothing follows anywhere (its only occurrences are tails:
+the sequence's own, running siblings') falls back along suffix links to a shorter context, down
+to ``ngram_min`` tokens, else nothing is proposed. The draft then walks d transitions, taking at
+each state the token after its first end (where that is a string's tail, its first
+transition): the first occurrence's continuation, carried on from another occurrence where that
+string stops. The cost is a walk of at most ngram_max + d tokens: independent of the history's
+length (``benchmarks/bench_history.py``). A tree's branches are the matched state's outgoing
+transitions (distinct next tokens, the chain's first), each continued by the same walk.
+
+Eviction rebuilds the automaton of the group that lost a sequence (suffix automata do not
+delete); it runs when a sequence is finished, never in a proposal.
+
+A history draft is deterministic given the committed tokens, so its draft distribution is a
+point mass and ``tltrun.rollout.speculative.verify`` with ``draft_probs=None`` keeps decoding
+lossless (accept x with probability p(x), else resample from p with x removed).
+
+Run the tests: ``python -m pytest tests/test_history_drafter.py -q``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class HistoryConfig:
+    """History drafter settings (mapped 1:1 onto ``EngineConfig`` fields)."""
+
+    ngram_min: int = field(
+        default=2, metadata={"help": "shortest context (tokens) a history draft may match"}
+    )
+    ngram_max: int = field(
+        default=8, metadata={"help": "longest context (tokens) a history draft matches"}
+    )
+    # CPython holds about 0.5 KB per indexed token (1.35 automaton states per token on
+    # bench_history's synthetic responses): the default bounds the index at about 0.5 GB.
+    max_history_tokens: int = field(
+        default=1_000_000,
+        metadata={"help": "tokens the history index keeps (oldest finished sequences evicted)"},
+    )
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"HistoryConfig: need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
+            )
+        if self.max_history_tokens < 1:
+            raise ValueError(
+                f"HistoryConfig: max_history_tokens must be >= 1, got {self.max_history_tokens}"
+            )
+
+
+class SuffixAutomaton:
+    """Generalized suffix automaton over token ids, strings appended to in any interleaving.
+
+    State 0 is the root. Per state: ``length`` (its longest member), ``link`` (suffix link, -1
+    at the root), ``trans`` (token -> state, in creation order), ``first_end`` ((string,
+    position) of the first end of its members; the root's is (-1, -1))."""
+
+    def __init__(self) -> None:
+        self.length: list[int] = [0]
+        self.link: list[int] = [-1]
+        self.trans: list[dict[int, int]] = [{}]
+        self.first_end: list[tuple[int, int]] = [(-1, -1)]
+        self.strings: list[list[int]] = []
+        self.last: list[int] = []  # per string: the state whose longest member is the string
+
+    @property
+    def num_states(self) -> int:
+        return len(self.length)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s) for s in self.strings)
+
+    def add_string(self, tokens: Iterable[int] = ()) -> int:
+        """A new (empty) string, then ``extend`` it by ``tokens``; returns its index."""
+        self.strings.append([])
+        self.last.append(0)
+        sid = len(self.strings) - 1
+        self.extend(sid, tokens)
+        return sid
+
+    def extend(self, sid: int, tokens: Iterable[int]) -> None:
+        for tok in tokens:
+            self._extend_one(sid, int(tok))
+
+    def _new_state(
+        self, length: int, link: int, trans: dict[int, int], end: tuple[int, int]
+    ) -> int:
+        self.length.append(length)
+        self.link.append(link)
+        self.trans.append(trans)
+        self.first_end.append(end)
+        return len(self.length) - 1
+
+    def _clone(self, p: int, q: int, tok: int) -> int:
+        """Split q: a clone of length(p) + 1 takes q's shorter members; redirect p's suffix
+        path from q to the clone. The clone's ends include q's, so it inherits q's first end."""
+        clone = self._new_state(
+            self.length[p] + 1, self.link[q], dict(self.trans[q]), self.first_end[q]
+        )
+        while p != -1 and self.trans[p].get(tok) == q:
+            self.trans[p][tok] = clone
+            p = self.link[p]
+        self.link[q] = clone
+        return clone
+
+    def _extend_one(self, sid: int, tok: int) -> None:
+        string = self.strings[sid]
+        last = self.last[sid]
+        string.append(tok)
+        q = self.trans[last].get(tok)
+        if q is not None:  # the extended string already occurs (another string, or a repeat)
+            self.last[sid] = (
+                q if self.length[q] == self.length[last] + 1 else self._clone(last, q, tok)
+            )
+            return
+        cur = self._new_state(self.length[last] + 1, 0, {}, (sid, len(string) - 1))
+        p = last
+        while p != -1 and tok not in self.trans[p]:
+            self.trans[p][tok] = cur
+            p = self.link[p]
+        if p != -1:
+            q = self.trans[p][tok]
+            self.link[cur] = q if self.length[q] == self.length[p] + 1 else self._clone(p, q, tok)
+        self.last[sid] = cur
+
+    def match(self, context: list[int]) -> tuple[int, int]:
+        """(state, length): the longest suffix of ``context`` that occurs in the index, as the
+        automaton state holding it and its length (O(len(context)) amortized)."""
+        state, matched = 0, 0
+        for tok in context:
+            while state != 0 and tok not in self.trans[state]:
+                state = self.link[state]
+                matched = self.length[state]
+            nxt = self.trans[state].get(tok)
+            if nxt is None:
+                state, matched = 0, 0
+            else:
+                state, matched = nxt, matched + 1
+        return state, matched
+
+    def next_token(self, state: int) -> int | None:
+        """The token that follows ``state``'s members where they first ended, else (that end
+        is a string's tail) the first token that follows them anywhere, else None."""
+        sid, pos = self.first_end[state]
+        if sid >= 0 and pos + 1 < len(self.strings[sid]):
+            return self.strings[sid][pos + 1]
+        return next(iter(self.trans[state]), None)
+
+    def continuation(self, state: int, num_tokens: int) -> list[int]:
+        """Up to ``num_tokens`` tokens continuing ``state``'s members: a walk along
+        transitions choosing ``next_token`` at each state (O(num_tokens)). It reads the first
+        occurrence's continuation and, where that string ends (a running sequence's tail),
+        carries on from another occurrence of the context read so far."""
+        out: list[int] = []
+        while len(out) < num_tokens:
+            tok = self.next_token(state)
+            if tok is None:
+                break
+            out.append(tok)
+            state = self.trans[state][tok]
+        return out
+
+
+@dataclass
+class _Stored:
+    """A sequence in the index: its group, its string in the group's automaton, and whether it
+    may be evicted (finished)."""
+
+    group: Hashable
+    sid: int
+    is_finished: bool = False
+
+
+class HistoryDrafter:
+    """The history index of one engine, kept across rollouts.
+
+    Sequences are registered with ``add(key, group, tokens)`` (the prompt), grown with
+    ``extend`` as tokens are committed, and ``finish``-ed when done (they stay as history of
+    their group until evicted, or until ``drop_group``). ``group`` is the prompt id: every
+    sequence of a group, running or finished, this rollout or an earlier one, is history for
+    every other."""
+
+    def __init__(self, config: HistoryConfig | None = None):
+        self.config = config or HistoryConfig()
+        self.automata: dict[Hashable, SuffixAutomaton] = {}
+        self.sequences: dict[Hashable, _Stored] = {}  # insertion order = age (eviction order)
+        self.num_tokens = 0
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.sequences
+
+    def add(self, key: Hashable, group: Hashable, tokens: Iterable[int]) -> None:
+        if key in self.sequences:
+            raise ValueError(f"history drafter: sequence {key!r} is already indexed")
+        sam = self.automata.setdefault(group, SuffixAutomaton())
+        tokens = list(tokens)
+        self.sequences[key] = _Stored(group=group, sid=sam.add_string(tokens))
+        self.num_tokens += len(tokens)
+        self._evict()
+
+    def extend(self, key: Hashable, tokens: list[int]) -> None:
+        stored = self.sequences[key]
+        self.automata[stored.group].extend(stored.sid, tokens)
+        self.num_tokens += len(tokens)
+
+    def finish(self, key: Hashable) -> None:
+        """``key`` is done: it stays as history and may now be evicted (a no-op if it was
+        finished or evicted already)."""
+        stored = self.sequences.get(key)
+        if stored is not None and not stored.is_finished:
+            stored.is_finished = True
+            self._evict()
+
+    def drop_group(self, group: Hashable) -> None:
+        """Forget a group (a rollout-local one whose rollout ended)."""
+        sam = self.automata.pop(group, None)
+        if sam is None:
+            return
+        self.num_tokens -= sam.num_tokens
+        self.sequences = {k: s for k, s in self.sequences.items() if s.group != group}
+
+    def tokens(self, key: Hashable) -> list[int]:
+        stored = self.sequences[key]
+        return self.automata[stored.group].strings[stored.sid]
+
+    def _match(self, key: Hashable) -> tuple[SuffixAutomaton, int, int]:
+        """(automaton, state, context length) of ``key``'s longest usable match, or state -1."""
+        cfg = self.config
+        sam = self.automata[self.sequences[key].group]
+        own = self.tokens(key)
+        state, matched = sam.match(own[-cfg.ngram_max :])
+        # Fall back to shorter contexts while nothing follows the match anywhere (its only
+        # occurrences are tails: the sequence's own, running siblings').
+        while matched >= cfg.ngram_min and not sam.trans[state]:
+            state = sam.link[state]
+            matched = sam.length[state]
+        return sam, (state if matched >= cfg.ngram_min else -1), matched
+
+    def propose(self, key: Hashable, num_tokens: int) -> list[int]:
+        """A draft chain of at most ``num_tokens`` tokens for sequence ``key`` (may be empty)."""
+        sam, state, _ = self._match(key)
+        return sam.continuation(state, num_tokens) if state >= 0 else []
+
+    def propose_tree(self, key: Hashable, num_tokens: int, max_branches: int) -> list[list[int]]:
+        """At most ``max_branches`` continuations of at most ``num_tokens`` tokens each, with
+        distinct first tokens; the first is ``propose``'s chain."""
+        sam, state, _ = self._match(key)
+        if state < 0 or num_tokens < 1:
+            return []
+        first = sam.continuation(state, num_tokens)
+        branches = [first]
+        for tok, child in sam.trans[state].items():
+            if len(branches) >= max_branches:
+                break
+            if tok != first[0]:
+                branches.append([tok] + sam.continuation(child, num_tokens - 1))
+        return branches
+
+    def _evict(self) -> None:
+        """Drop the oldest finished sequences while the index holds more than
+        max_history_tokens, then rebuild the automata that lost one."""
+        excess = self.num_tokens - self.config.max_history_tokens
+        if excess <= 0:
+            return
+        dropped: set[Hashable] = set()
+        for key, stored in list(self.sequences.items()):
+            if excess <= 0:
+                break
+            if stored.is_finished:
+                n = len(self.automata[stored.group].strings[stored.sid])
+                del self.sequences[key]
+                excess -= n
+                self.num_tokens -= n
+                dropped.add(stored.group)
+        for group in dropped:
+            self._rebuild(group)
+
+    def _rebuild(self, group: Hashable) -> None:
+        old = self.automata[group]
+        members = [(k, s) for k, s in self.sequences.items() if s.group == group]
+        if not members:
+            del self.automata[group]
+            return
+        sam = SuffixAutomaton()
+        for _, stored in members:
+            stored.sid = sam.add_string(old.strings[stored.sid])
+        self.automata[group] = sam
+
+
+def tree_nodes(branches: list[list[int]], max_nodes: int) -> tuple[list[int], list[int]]:
+    """Draft-tree nodes of ``branches`` (distinct first tokens, so siblings are distinct): node
+    tokens and parent indices, nodes 1.. in (depth, branch) order — ancestor-closed, parents
+    before children — at most ``max_nodes`` drafted nodes. Node 0 (the root) is the caller's;
+    returned lists cover nodes 1.. only, parents index the full node list."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    last_node = [0] * len(branches)  # per branch: its deepest node so far
+    depth = 0
+    while len(tokens) < max_nodes:
+        grew = False
+        for b, branch in enumerate(branches):
+            if depth < len(branch) and len(tokens) < max_nodes:
+                tokens.append(branch[depth])
+                parents.append(last_node[b])
+                last_node[b] = len(tokens)  # node index (the root is 0)
+                grew = True
+        if not grew:
+            break
+        depth += 1
+    return tokens, parents
+
+
+__all__ = ["HistoryConfig", "HistoryDrafter", "SuffixAutomaton", "tree_nodes"]
