@@ -22,10 +22,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from tiny_models import tiny_model
+from tiny_models import save_train_model
 
-from tltrun.model.tokenizer import CharTokenizer
-from tltrun.model.transformer import save_hf
 from tltrun.train.config import TrainConfig
 from tltrun.train.launch import run_train
 from tltrun.train.tasks import TaskConfig
@@ -37,12 +35,7 @@ TASK = TaskConfig(median_ops=2, max_ops=4)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    tok = CharTokenizer()
-    save_hf(tiny_model(seed=0, vocab_size=tok.vocab_size, eos_token_ids=(tok.eos_id,)), out)
-    tok.save(out)
-    (out / "sft_config.json").write_text(json.dumps({"task": asdict(TASK)}))
-    return out
+    return save_train_model(tmp_path_factory.mktemp("tiny"), TASK)
 
 
 def config(model_dir: Path, out: Path, **overrides) -> TrainConfig:

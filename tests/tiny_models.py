@@ -3,9 +3,12 @@ a 2-core CPU, yet every code path (GQA, RoPE, tree masks, drafter) is exercised.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from tltrun.model.transformer import ModelConfig, Transformer
+from tltrun.train.tasks import TaskConfig
 
 VOCAB = 97
 EOS = 3
@@ -44,3 +47,19 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -
                 # drawn in logical order: the same values whatever the layout (gemm_layout)
                 p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0, 0.3))
     return model.to(dtype).eval()
+
+
+def save_train_model(out: Path, task: TaskConfig) -> Path:
+    """The tiny model directory the `tltrun train` tests run on: weights, the built-in task's
+    char tokenizer and the task settings (``sft_config.json``), as ``tltrun sft`` writes them."""
+    import json
+    from dataclasses import asdict
+
+    from tltrun.model.tokenizer import CharTokenizer
+    from tltrun.model.transformer import save_hf
+
+    tok = CharTokenizer()
+    save_hf(tiny_model(seed=0, vocab_size=tok.vocab_size, eos_token_ids=(tok.eos_id,)), out)
+    tok.save(out)
+    (out / "sft_config.json").write_text(json.dumps({"task": asdict(task)}))
+    return out
