@@ -299,3 +299,23 @@ def test_bad_prompt_line_names_file_and_line(dirs, tmp_path):
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
     assert f"{bad} line 2: needs 'prompt_token_ids' or 'prompt'" in proc.stderr
+
+
+def test_bench_runs_tltbase_without_an_eagle_drafter(dirs, capsys):
+    """TLT-Base drafts from the rollout history: no --drafter needed, same tokens as NoSpec."""
+    out = dirs / "bench_tltbase"
+    argv = ["bench", "--trace", str(dirs / "trace.json"), "--model", str(dirs / "model"),
+            "--out", str(out), "--no-progress-shown", *ENGINE]  # fmt: skip
+    assert main([*argv, "--policy", "nospec,tltbase"]) == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert list(results) == ["torch/nospec", "torch/tltbase"]
+    for name in results:
+        replay = load_trace(out / f"trace_{name.replace('/', '_')}.json")
+        assert replay.steps[0].response_lengths() == [12, 3, 20, 9, 9]
+    history = load_trace(out / "trace_torch_tltbase.json").steps[0].measured
+    assert history.accept_hist_by_strategy and all(  # it did speculate, from the history
+        key.startswith("history:") for key in history.accept_hist_by_strategy
+    )
+    capsys.readouterr()
+    assert main([*argv, "--policy", "nospec,tlt"]) == 2  # EAGLE policies still need one
+    assert "need --drafter" in capsys.readouterr().err

@@ -232,3 +232,17 @@ def test_bad_input_is_one_line_exit_2(model_dir, tmp_path, capsys, setup, expect
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert expected in err and "\n" not in err and "Traceback" not in err
+
+
+def test_tlt_drafters_reach_the_policy_and_are_checked(model_dir, tmp_path):
+    """--tlt-drafters eagle,history: TLTAdaptive's bandit gets both drafters' arms."""
+    from tltsim.policy import make_policy
+
+    cfg = config(model_dir, tmp_path, policy="tlt", tlt_drafters=("eagle", "history"))
+    policy = make_policy(cfg.policy, seed=cfg.seed, **cfg.policy_settings())
+    assert policy.config.drafters == ("eagle", "history") and cfg.is_history_drafting
+    assert "drafters" not in config(model_dir, tmp_path, policy="tlt").policy_settings()
+    with pytest.raises(ValueError, match="drafters"):
+        config(model_dir, tmp_path, policy="tlt", tlt_drafters=("eagle", "ngram"))
+    with pytest.raises(ValueError, match="torch backend only"):
+        config(model_dir, tmp_path, policy="tltbase", backend="vllm")

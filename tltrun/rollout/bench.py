@@ -35,6 +35,8 @@ from tltsim.policy import DEFAULT_POLICY_NAMES, POLICY_NAMES
 from tltsim.trace.schema import Prompt, Response, Step, Trace, TraceError
 
 BACKENDS = ("torch", "vllm")
+# Policies that need no EAGLE drafter: the baseline and TLT-Base (history drafter only).
+MODEL_FREE_POLICIES = ("nospec", "tltbase")
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,10 @@ def run_bench(cfg: BenchConfig, engine_cfg, trace: Trace) -> dict[str, Any]:
     steps = select_steps(trace, cfg, engine_cfg.max_model_len)
     target = load_hf(cfg.model, dtype=DTYPES[engine_cfg.dtype], device=engine_cfg.device)
     drafter = load_drafter(cfg.drafter, target) if cfg.drafter else None
-    if drafter is None and any(p != "nospec" for p in cfg.policy):
-        raise UsageError(f"--policy {','.join(cfg.policy)}: SD policies need --drafter")
+    if drafter is None and any(p not in MODEL_FREE_POLICIES for p in cfg.policy):
+        raise UsageError(
+            f"--policy {','.join(cfg.policy)}: policies drafting with EAGLE need --drafter"
+        )
     hardware = hardware_name(engine_cfg.device)
     vocab = target.config.vocab_size
     results: dict[str, Any] = {}
@@ -198,7 +202,8 @@ def _make_backend(backend: str, policy: str, cfg: BenchConfig, engine_cfg, targe
     from tltrun.rollout.engine import RolloutEngine
 
     if backend == "torch":
-        return RolloutEngine(target, drafter if policy != "nospec" else None, engine_cfg)
+        uses_eagle = policy not in MODEL_FREE_POLICIES
+        return RolloutEngine(target, drafter if uses_eagle else None, engine_cfg)
     try:
         from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig
     except ImportError as err:
@@ -215,8 +220,12 @@ def _make_backend(backend: str, policy: str, cfg: BenchConfig, engine_cfg, targe
         max_model_len=engine_cfg.max_model_len,
         dtype=engine_cfg.dtype,
         seed=engine_cfg.seed,
+        # tltbase drafts from the history: vLLM's ngram prompt lookup (README: what it loses)
+        drafter="history" if policy == "tltbase" else "eagle",
+        ngram_min=engine_cfg.ngram_min,
+        ngram_max=engine_cfg.ngram_max,
     )
-    drafter_dir = cfg.drafter if policy != "nospec" else None
+    drafter_dir = cfg.drafter if policy not in MODEL_FREE_POLICIES else None
     return VLLMBackend(cfg.model, drafter_dir, vcfg, sampling=engine_cfg.sampling)
 
 

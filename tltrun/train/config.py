@@ -77,6 +77,13 @@ class TrainConfig:
         default=(),
         metadata={"help": "smallest batch size of each tlt/tltbase bucket (default: the policy's)"},
     )
+    # TLTConfig.drafters: the drafters tlt's bandit may pick per bucket (issue #20)
+    tlt_drafters: tuple[str, ...] = field(
+        default=("eagle",),
+        metadata={
+            "help": "tlt: drafters its bandit chooses between per batch bucket (eagle, history)"
+        },
+    )
     # TLTConfig.threshold (fastrl bs_threshold)
     tlt_threshold: int = field(
         default=32,
@@ -141,7 +148,14 @@ class TrainConfig:
             settings["strategies"] = tuple(self.tlt_strategies)
         if self.tlt_bucket_starts:
             settings["bucket_starts"] = tuple(self.tlt_bucket_starts)
+        if self.policy == "tlt" and tuple(self.tlt_drafters) != ("eagle",):
+            settings["drafters"] = tuple(self.tlt_drafters)
         return settings
+
+    @property
+    def is_history_drafting(self) -> bool:
+        """Whether the policy may draft from the rollout history (issue #20)."""
+        return self.policy == "tltbase" or (self.policy == "tlt" and "history" in self.tlt_drafters)
 
     def __post_init__(self) -> None:
         if not self.model_dir or not self.out:
@@ -196,6 +210,12 @@ class TrainConfig:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         # vLLM schedules and samples in its own engine: nothing makes its rollouts repeatable
+        if self.backend == "vllm" and self.is_history_drafting:
+            # a vLLM engine runs one speculative method (EAGLE for the spot-trained drafter)
+            raise ValueError(
+                "backend vllm: the history drafter (policy tltbase or tlt_drafters with history) "
+                "runs on the torch backend only in tltrun train"
+            )
         if self.is_deterministic and self.backend != "torch":
             raise ValueError("deterministic: only the torch backend's rollouts are repeatable")
         if self.prompts_per_step < self.num_workers and not self.prompt_split:
