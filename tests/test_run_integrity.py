@@ -21,43 +21,21 @@ import time
 from pathlib import Path
 
 import pytest
+from test_train import TASK, config
 from tiny_models import save_train_model
 
 from tltrun.model.transformer import CheckpointError
 from tltrun.train import state as ts
-from tltrun.train.config import TrainConfig
 from tltrun.train.launch import prepare_run_dir, run_train
 from tltrun.train.tasks import TaskConfig
 from tltsim.errors import UsageError
 
-TASK = TaskConfig(median_ops=2, max_ops=4)
-NUM_WORKERS = 2
+NUM_WORKERS = 2  # test_train's config: 2 workers, 3 steps, a checkpoint after every step
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     return save_train_model(tmp_path_factory.mktemp("tiny"), TASK)
-
-
-def config(model_dir: Path, out: Path, **overrides) -> TrainConfig:
-    """tests/test_train.py's tiny run: 2 workers, 3 steps, a checkpoint after every step."""
-    fields = dict(
-        model_dir=str(model_dir),
-        out=str(out),
-        num_workers=NUM_WORKERS,
-        num_steps=3,
-        prompts_per_step=4,
-        group_size=4,
-        max_new_tokens=32,
-        prompt_split=(1, 3),
-        max_running_requests=2,
-        policy="nospec",
-        lr=1e-2,
-        checkpoint_every=1,
-        seed=0,
-    )
-    fields.update(overrides)
-    return TrainConfig(**fields)
 
 
 # ---- fake run directories -------------------------------------------------------------------
