@@ -1,6 +1,7 @@
 """Figures of ``tltrun train`` runs (each run directory holds log.jsonl and config.json):
 
-* ``reward.png``: mean reward per RL step, one line per run;
+* ``reward.png``: mean reward per RL step, one line per run, and dashed the held-out
+  evaluation's mean reward where the run evaluated (``--eval-every``);
 * ``accept_len.png``: mean accept length per step (tokens per verify incl. the bonus token),
   one line per run whose rollouts used SD; a spot-trained and a frozen-drafter run of the same
   policy side by side show what spot training buys once the policy moves;
@@ -41,10 +42,25 @@ def load_run(run: str | Path) -> tuple[str, list[dict]]:
 
 def _reward(runs, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for label, rows in runs:
+    for i, (label, rows) in enumerate(runs):
+        color = f"C{i}"
         ax.plot(
-            [r["step"] for r in rows], [r["reward_mean"] for r in rows], marker="o", label=label
+            [r["step"] for r in rows],
+            [r["reward_mean"] for r in rows],
+            marker="o",
+            color=color,
+            label=f"{label}: rollouts",
         )
+        evals = [r for r in rows if "eval_reward_mean" in r]
+        if evals:  # the held-out set, after the step's update (--eval-every)
+            ax.plot(
+                [r["step"] for r in evals],
+                [r["eval_reward_mean"] for r in evals],
+                marker="s",
+                linestyle="--",
+                color=color,
+                label=f"{label}: eval",
+            )
     ax.set_xlabel("RL step")
     ax.set_ylabel("mean reward")
     ax.legend(fontsize=7)

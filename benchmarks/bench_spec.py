@@ -49,6 +49,12 @@ class BenchSpecConfig:
         metadata={"help": "cache and output directory of the stages", "metavar": "DIR"},
     )
     seed: int = field(default=0, metadata={"help": "seed of the model, data and sampling"})
+    # issue #16: a reasoning-gym task instead of the built-in one (problems from the seed)
+    task: str = field(
+        default="builtin",
+        metadata={"help": "builtin, or reasoning-gym:<task>[?key=value&...] (e.g. "
+                  "'reasoning-gym:tower_of_hanoi?max_disks=4&max_pegs=3')"},
+    )  # fmt: skip
     # Intra-op threads. 1: on a CPU shared with other jobs, OpenMP spin-waiting makes 2 threads
     # slower than 1 for these small matmuls (measured here: ~20x slower under load).
     num_threads: int = field(default=1, metadata={"help": "torch intra-op threads"})
@@ -107,7 +113,12 @@ class BenchSpecConfig:
             raise ValueError("batch sizes, max_new_tokens, num_threads and repeats must be >= 1")
 
 
-def task_prompts(num: int, seed: int) -> list[str]:
+def task_prompts(num: int, seed: int, task: str = "builtin") -> list[str]:
+    if task != "builtin":  # reasoning-gym problems of this seed (the questions)
+        from tltrun.data.dataset import DataSpec, load_rows
+
+        rows = load_rows(DataSpec(path=task, prompt_key="question", num_rows=num, seed=seed)).rows
+        return [row.prompt for row in rows]
     from tltrun.train.tasks import TaskConfig, make_examples
 
     return [ex.prompt for ex in make_examples(TaskConfig(), random.Random(seed), num)]
@@ -115,7 +126,7 @@ def task_prompts(num: int, seed: int) -> list[str]:
 
 def stage_target(cfg: BenchSpecConfig, out: Path) -> None:
     from tltrun.model.tokenizer import CharTokenizer
-    from tltrun.train.sft import SFTConfig, build_model, train
+    from tltrun.train.sft import SFTConfig, build_model, data_pairs, save_checkpoint, train
     from tltrun.train.tasks import TaskConfig
 
     sft = SFTConfig(
@@ -130,12 +141,18 @@ def stage_target(cfg: BenchSpecConfig, out: Path) -> None:
         lr=cfg.sft_lr,
         batch_tokens=cfg.sft_batch_tokens,
         warmup_steps=min(30, cfg.sft_steps // 5),
+        data=None if cfg.task == "builtin" else cfg.task,
+        response_key="answer",
     )
     tok, task = CharTokenizer(), TaskConfig()
-    model = build_model(sft, task, tok, cfg.seed)
-    log = train(sft, task, model, tok, random.Random(cfg.seed + 1))
-    model.save_pretrained(out)
-    tok.save(out, model_max_length=model.config.max_position_embeddings)
+    pairs = None
+    max_tokens = None
+    if sft.data is not None:  # the same problems tltrun train --data <task> --seed S draws
+        pairs = data_pairs(sft, seed=cfg.seed, num_rows=sft.data_num_rows)
+        max_tokens = 2 + max(len(p) + len(r) for p, r in pairs) + cfg.train_max_new_tokens
+    model = build_model(sft, task, tok, cfg.seed, max_tokens)
+    log = train(sft, task, model, tok, random.Random(cfg.seed + 1), pairs=pairs)
+    save_checkpoint(model, tok, out)
     write_json(out / "sft_log.json", {"sft": asdict(sft), "log": log})
 
 
@@ -147,7 +164,7 @@ def run_cli(argv: list[str]) -> None:
 
 
 def stage_drafter_data(cfg: BenchSpecConfig, work: Path) -> None:
-    prompts = task_prompts(cfg.num_train_prompts, cfg.seed + 2)
+    prompts = task_prompts(cfg.num_train_prompts, cfg.seed + 2, cfg.task)
     path = work / "train_prompts.jsonl"
     path.write_text(
         "".join(json.dumps({"id": f"t{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts))
@@ -206,7 +223,7 @@ def measure(cfg: BenchSpecConfig, work: Path) -> dict:
     target = load_hf(work / "target")
     drafter = load_drafter(work / "drafter", target)
     tok = CharTokenizer.load(work / "target")
-    prompts = task_prompts(max(cfg.batch_sizes), cfg.seed + 3)
+    prompts = task_prompts(max(cfg.batch_sizes), cfg.seed + 3, cfg.task)
     held_out = [tok.encode(p, add_bos=True) for p in prompts]
     rows = [measure_batch(cfg, target, drafter, held_out[:batch]) for batch in cfg.batch_sizes]
     stops = next((r["batch"] for r in rows if r["runs"][r["best"]]["speedup"] < 1.0), None)

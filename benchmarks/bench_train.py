@@ -8,7 +8,10 @@ Starting point: the fine-tuned target and offline-trained drafter of
 starts from the same weights and seed, so the runs see the same prompts.
 
 Run: ``python benchmarks/bench_train.py`` (about 15 minutes on 2 otherwise idle CPU cores; run
-nothing beside it, the runs are timed in wall seconds). Prints the table and writes
+nothing beside it, the runs are timed in wall seconds). A reasoning-gym task instead of the
+built-in one (issue #16): ``python benchmarks/bench_spec.py --task T --work-dir W`` first, then
+``python benchmarks/bench_train.py --task T --model-dir W/target --drafter-dir W/drafter
+--spec-results W/results.json``. Prints the table and writes
 ``results.json`` + ``config.json`` into ``--out``.
 """
 
@@ -49,6 +52,13 @@ class BenchTrainConfig:
     out: str = field(
         default="runs/bench_train",
         metadata={"help": "output directory of the runs", "metavar": "DIR"},
+    )
+    # issue #16: a reasoning-gym task (prompts and scorer from the library) instead of the
+    # built-in task; the target and drafter must come from bench_spec.py --task with the same
+    # task (its stages SFT the target on that task's problems of the same seed)
+    task: str = field(
+        default="builtin",
+        metadata={"help": "builtin, or reasoning-gym:<task>[?key=value&...]"},
     )
     # the issue's example run
     num_steps: int = field(default=20, metadata={"help": "RL steps per run"})
@@ -119,6 +129,15 @@ def tlt_threshold(cfg: BenchTrainConfig) -> int:
     return crossover_batch(results)
 
 
+def task_fields(cfg: BenchTrainConfig) -> dict:
+    """TrainConfig fields of the benchmark's task: none for the built-in task; for a
+    reasoning-gym task its data path (the reward defaults to the task's own scorer) and a
+    prompt cap that fits its questions."""
+    if cfg.task == "builtin":
+        return {}
+    return {"data": cfg.task, "max_prompt_tokens": 2048}
+
+
 def run_all(cfg: BenchTrainConfig) -> dict:
     threshold = tlt_threshold(cfg)
     print(f"TLT threshold: {threshold} (SD pays on this machine up to this batch size)")
@@ -140,8 +159,9 @@ def run_all(cfg: BenchTrainConfig) -> dict:
             lr=cfg.lr,
             seed=cfg.seed,
             checkpoint_every=cfg.num_steps,
+            **task_fields(cfg),
         )
-        check_inputs(train)
+        check_inputs(train, task_for(cfg.model_dir))
         is_done = (Path(train.out) / "final" / "actor").is_dir()
         if not (cfg.reuse_runs and is_done):
             print(f"run {name} ...", file=sys.stderr)
@@ -151,36 +171,46 @@ def run_all(cfg: BenchTrainConfig) -> dict:
     return results
 
 
+def results_config(cfg: BenchTrainConfig) -> dict:
+    """The tlt-spot run's TrainConfig fields (its config.json)."""
+    train = json.loads((Path(cfg.out) / "tlt-spot" / "config.json").read_text())["train"]
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in train.items()}
+
+
 def drafter_eval(cfg: BenchTrainConfig) -> dict[str, float]:
     """Mean accept length (tokens per verify, bonus included) of the frozen and of the
     spot-trained drafter on the same moved target (the spot run's final actor)."""
     import torch
 
+    from tltrun.data.tokenizer import load_tokenizer
     from tltrun.model.drafter import load_drafter
-    from tltrun.model.tokenizer import CharTokenizer
     from tltrun.model.transformer import load_hf
     from tltrun.rollout.engine import EngineConfig, RolloutEngine
     from tltrun.rollout.interface import Request, SamplingParams
     from tltrun.rollout.measured_trace import rollout_summary
-    from tltrun.train.worker import step_problems
+    from tltrun.train.prompts import load_run_data
     from tltsim.policy import make_policy
 
     torch.set_num_threads(1)
     spot_dir = Path(cfg.out) / "tlt-spot" / "final"
     target = load_hf(spot_dir / "actor")
-    tok = CharTokenizer.load(spot_dir / "actor")
+    tok = load_tokenizer(spot_dir / "actor")
+    train = TrainConfig(**{**results_config(cfg), "eval_every": 0})
     task = task_for(cfg.model_dir)
-    problems = step_problems(task, cfg.seed, cfg.num_steps, cfg.eval_prompts)
+    data = load_run_data(train, task, lambda row: len(tok.encode_prompt(row.prompt)))
+    rows = data.step_rows(cfg.num_steps, cfg.eval_prompts)  # prompts of a step after the runs
+    prompts = [tuple(tok.encode_prompt(row.prompt)) for row in rows]
     requests = [
-        Request(f"e{i}/{g}", tuple(tok.encode(p.prompt)), cfg.max_new_tokens)
-        for i, p in enumerate(problems)
+        Request(f"e{i}/{g}", ids, cfg.max_new_tokens)
+        for i, ids in enumerate(prompts)
         for g in range(cfg.group_size)
     ]
     engine_cfg = EngineConfig(
         max_running_requests=len(requests),
-        max_model_len=task.max_prompt_chars + 1 + cfg.max_new_tokens,
+        max_model_len=max(map(len, prompts)) + cfg.max_new_tokens,
         sampling=SamplingParams(1.0),
         seed=cfg.seed,
+        eos_token_ids=tok.eos_ids,
     )
     accept = {}
     for name, drafter_dir in (("frozen", cfg.drafter_dir), ("spot", spot_dir / "drafter")):
@@ -281,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         out / "results.json",
         {"config": asdict(cfg), "table": table, "drafter_eval": accept, "runs": results},
     )
+    from analysis.train_plots import report
+
+    for path in report([str(out / name) for name, _, _ in RUNS], str(out)):
+        print(f"figure: {path}")  # reward.png: the runs' reward curves side by side
     return 0
 
 

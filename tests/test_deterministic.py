@@ -27,6 +27,8 @@ TIMING = {
     "idle_worker_s",
     "step_s",
     "spot_wait_s",
+    "reward_s",
+    "eval_s",
 }
 
 

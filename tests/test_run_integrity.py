@@ -441,6 +441,13 @@ def session_pids(sid: int) -> list[int]:
     return found
 
 
+def parent_pid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError):
+        return None
+
+
 def wait_for(condition, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition() and time.monotonic() < deadline:
@@ -529,10 +536,12 @@ def test_a_killed_worker_ends_the_run_with_one_line(model_dir, tmp_path):
     launcher = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: (out / "log.jsonl").is_file())
+        # the launcher's own spawned children (each worker spawns reward processes too)
         workers = [
             pid
             for pid in session_pids(launcher.pid)
             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            and parent_pid(pid) == launcher.pid
         ]
         assert len(workers) == 2
         os.kill(workers[-1], 9)

@@ -135,7 +135,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(model_dir, reference_run
         (f"--{'' if v else 'no-'}{k.removeprefix('is_').replace('_', '-')}" if isinstance(v, bool)
          else f"--{k.replace('_', '-')}={v}")
         for k, v in asdict(cfg).items()
-        if k not in ("prompt_split", "drafter_dir") and v != ()
+        if k not in ("prompt_split", "drafter_dir") and v not in ((), None, "")
     ]  # fmt: skip
     flags += ["--prompt-split=1,3"]
     cmd = [sys.executable, "-m", "tltrun.cli.main", "train", *flags]

@@ -37,6 +37,18 @@ LENGTH_FORMATS = {"median": ".0f", "max_over_median": ".1f"}
 def eval_table(result: dict[str, Any]) -> str:
     """The evaluation as printed by ``tltrun sft``: accuracy per bucket, length statistics."""
     greedy = result["greedy"]
+    if "by_difficulty" not in greedy:  # --data: accuracy by the task's reward, lengths
+        if greedy["accuracy"] is None:
+            return "no held-out prompts evaluated"
+        rows = [{"name": k, **v, "truncated": greedy["num_truncated"] if k == "greedy" else 0}
+                for k, v in result["response_tokens"].items()]  # fmt: skip
+        return "\n".join(
+            [
+                f"greedy accuracy {greedy['accuracy']:.3f} over {greedy['num_prompts']} "
+                f"held-out prompts (reward errors: {greedy['num_reward_errors']})",
+                format_table(rows, LENGTH_COLUMNS, LENGTH_FORMATS, left=("name",)),
+            ]
+        )
     lines = [
         f"greedy accuracy {greedy['accuracy']:.3f} over {greedy['num_prompts']} held-out prompts",
         format_table(

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from tltsim.errors import TLTError, UsageError
@@ -418,6 +419,10 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         gemm_layout(self)
+        # Activation checkpointing (``tltrun train --gradient-checkpointing``): in training mode
+        # each decoder layer keeps only its input and recomputes its activations in the backward
+        # pass — layer activations no longer grow with depth, for one more forward of compute.
+        self.is_gradient_checkpointing = False
 
     def forward(
         self,
@@ -428,8 +433,15 @@ class Transformer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.model.embed_tokens(input_ids)  # (B,T,C)
         cos, sin = self.rotary(positions, x.dtype)
+        is_recomputing = (
+            self.is_gradient_checkpointing and self.training and torch.is_grad_enabled()
+        )
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
+            if is_recomputing:
+                # non-reentrant: works with inputs that need no grad and with autocast
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, ctx, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, ctx)
         hidden = self.model.norm(x)  # (B,T,C): post-norm, the EAGLE feature
         picked = (
             hidden

@@ -143,6 +143,12 @@ class EngineConfig:
             "(oldest finished responses evicted first)"
         },
     )
+    # generation_config.json may list stop ids config.json does not (Qwen2.5-Instruct: both
+    # <|im_end|> and <|endoftext|>); tltrun.data.tokenizer gathers them
+    eos_token_ids: tuple[int, ...] = field(
+        default=(),
+        metadata={"help": "stop token ids besides the model config's EOS"},
+    )
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_model_len < 2 or self.max_prefill_tokens < 1:
@@ -235,7 +241,7 @@ class RolloutEngine:
             )
         self.tokens = torch.zeros(slots, self.max_tokens, dtype=torch.long, device=self.device)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.eos_ids = frozenset(cfg.eos_token_ids)
+        self.eos_ids = frozenset(cfg.eos_token_ids) | frozenset(config.eos_token_ids)
         self.harvest: list[HarvestRecord] = []
         self._rollout: _Rollout | None = None
         # Model-free drafter (issue #20), kept across rollouts. Indexed lazily: nothing is

@@ -29,6 +29,13 @@ RESUME_NEUTRAL_FIELDS = (
     "tensorboard",
     "num_threads",
     "poll_s",
+    # out of the training path: reward parallelism, the rollout dump and evaluation (which
+    # restores the engine's RNG and discards its harvest, tltrun.train.worker.Worker.evaluate)
+    "reward_processes",
+    "dump_rollouts",
+    "eval_every",
+    "eval_max_prompts",
+    "eval_num_samples",
 )
 # Fields no resume may change: the checkpoint holds one RNG/policy state file per worker.
 RESUME_FIXED_FIELDS = ("num_workers",)
@@ -134,8 +141,109 @@ class TrainConfig:
         default=0.01,
         metadata={"help": "seconds between idle workers' checks for the rollout's end"},
     )
-    dtype: str = field(default="float32", metadata={"help": "dtype of weights and KV cache"})
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "rollout weights/KV dtype; bfloat16 on CUDA also trains the actor in bf16 "
+            "autocast over fp32 master weights and optimizer state (CPU trains in fp32)"
+        },
+    )
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
+    # ---- your data, reward and evaluation (issue #16; tltrun.data) ----------------------------
+    data: str | None = field(
+        default=None,
+        metadata={
+            "help": "prompts: a .jsonl/.json/.parquet/.csv file, a `datasets` directory, or "
+            "reasoning-gym:<task> (default: the built-in task)",
+            "metavar": "PATH",
+        },
+    )
+    prompt_key: str = field(
+        default="prompt",
+        metadata={"help": "--data column holding the prompt (a string or chat messages)"},
+    )
+    answer_key: str = field(
+        default="answer", metadata={"help": "--data column the reward compares against"}
+    )
+    # reasoning-gym:<task> generates this many problems from the seed (no download)
+    data_num_rows: int = field(
+        default=10_000, metadata={"help": "reasoning-gym: problems generated from --seed"}
+    )
+    skip_bad_rows: bool = field(
+        default=False,
+        metadata={"help": "skip (and count) bad --data rows instead of stopping at the first"},
+    )
+    chat_template: bool = field(
+        default=False,
+        metadata={"help": "wrap plain-text prompts as a user message in the model's chat template"},
+    )
+    # Prompts longer than this are bad rows; the built-in task's are bounded by its chain length.
+    max_prompt_tokens: int = field(
+        default=1024, metadata={"help": "longest prompt in tokens (longer rows are bad rows)"}
+    )
+    reward: str = field(
+        default="",
+        metadata={
+            "help": "builtin | math | exact | regex:PATTERN | reasoning-gym:<task> | "
+            "file.py:function (default: builtin, or reasoning-gym:<task> for such --data)"
+        },
+    )
+    reward_timeout_s: float = field(
+        default=10.0, metadata={"help": "seconds one reward call may take (then it scores 0)"}
+    )
+    reward_errors: str = field(
+        default="zero",
+        metadata={
+            "help": "a reward that raises or times out: zero (log it, score 0) or raise (stop)",
+            "choices": ("zero", "raise"),
+        },
+    )
+    reward_processes: int = field(
+        default=1, metadata={"help": "reward processes per worker (rewards run out of process)"}
+    )
+    # DAPO's overlong reward shaping (arXiv 2503.14476, Sec. 3.4); 0 = off
+    overlong_buffer_tokens: int = field(
+        default=0,
+        metadata={"help": "penalise responses within this many tokens of the cap (DAPO; 0: off)"},
+    )
+    overlong_penalty: float = field(
+        default=1.0, metadata={"help": "reward subtracted at the cap, linear over the buffer"}
+    )
+    format_penalty: float = field(
+        default=0.0,
+        metadata={"help": "subtracted when a response lacks the reward's answer form (0: off)"},
+    )
+    eval_data: str | None = field(
+        default=None,
+        metadata={"help": "held-out prompts (same formats as --data)", "metavar": "PATH"},
+    )
+    eval_split: float = field(
+        default=0.0,
+        metadata={"help": "hold out this fraction of --data for evaluation instead"},
+    )
+    eval_every: int = field(
+        default=0, metadata={"help": "evaluate every N steps and after the last (0: never)"}
+    )
+    eval_max_prompts: int = field(
+        default=64, metadata={"help": "evaluation prompts per evaluation at most"}
+    )
+    eval_num_samples: int = field(
+        default=1,
+        metadata={"help": "responses per eval prompt: 1 = greedy, more = sampled at temperature"},
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "recompute activations in the backward pass (less memory, ~1.3x compute)"
+        },
+    )
+    max_tokens_per_microbatch: int = field(
+        default=8192,
+        metadata={"help": "padded tokens per GRPO forward/backward (gradients accumulate)"},
+    )
+    dump_rollouts: bool = field(
+        default=True, metadata={"help": "write every step's responses to rollouts/step_N.jsonl"}
+    )
 
     def policy_settings(self) -> dict:
         """``tltsim.policy.make_policy`` keyword arguments of this run's policy."""
@@ -229,6 +337,47 @@ class TrainConfig:
                 f"prompt_split {self.prompt_split}: need {self.num_workers} counts >= 1 "
                 f"summing to prompts_per_step={self.prompts_per_step}"
             )
+        for name in ("data_num_rows", "reward_processes", "eval_max_prompts", "eval_num_samples",
+                     "max_prompt_tokens", "max_tokens_per_microbatch"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0 or self.overlong_buffer_tokens < 0:
+            raise ValueError("eval_every and overlong_buffer_tokens must be >= 0")
+        if self.overlong_buffer_tokens >= self.max_new_tokens:
+            raise ValueError(
+                f"overlong_buffer_tokens {self.overlong_buffer_tokens} must be < max_new_tokens "
+                f"{self.max_new_tokens}"
+            )
+        if not 0 <= self.format_penalty < math.inf:
+            raise ValueError(f"format_penalty must be finite and >= 0, got {self.format_penalty}")
+        if not (0 < self.reward_timeout_s < math.inf and 0 <= self.overlong_penalty < math.inf):
+            raise ValueError(
+                "finite reward_timeout_s > 0 and overlong_penalty >= 0 required, got "
+                f"{self.reward_timeout_s}, {self.overlong_penalty}"
+            )
+        if self.reward_errors not in ("zero", "raise"):
+            raise ValueError(f"reward_errors must be zero or raise, got {self.reward_errors!r}")
+        if not 0 <= self.eval_split < 1:
+            raise ValueError(f"eval_split must be in [0, 1), got {self.eval_split}")
+        if self.eval_split and self.eval_data:
+            raise ValueError("eval_split and eval_data exclude each other")
+        if self.eval_split and not self.data:
+            raise ValueError(
+                "eval_split splits --data; the built-in task evaluates on fresh problems"
+            )
+        if self.data is None and self.reward not in ("", "builtin"):
+            raise ValueError(
+                f"reward {self.reward!r}: the built-in task has its own reward (builtin)"
+            )
+        if (
+            self.data
+            and not self.data.startswith("reasoning-gym:")
+            and self.reward in ("", "builtin")
+        ):
+            raise ValueError(
+                f"data {self.data}: name its reward with --reward (math, exact, regex:PATTERN, "
+                "reasoning-gym:<task> or file.py:function)"
+            )
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1 or None")
         # not (...) forms: NaN fails every comparison, so it is refused (a NaN temperature
@@ -247,6 +396,19 @@ class TrainConfig:
                 f"finite lr > 0, drafter_lr > 0 and kl_coef >= 0 required, got {self.lr}, "
                 f"{self.drafter_lr}, {self.kl_coef}"
             )
+
+    @property
+    def reward_name(self) -> str:
+        """The reward spec, defaults resolved (see the ``reward`` field)."""
+        if self.reward:
+            return self.reward
+        if self.data and self.data.startswith("reasoning-gym:"):
+            return "reasoning-gym:" + self.data.removeprefix("reasoning-gym:").split("?")[0]
+        return "builtin"
+
+    @property
+    def is_builtin_task(self) -> bool:
+        return self.data is None
 
     def shares(self) -> list[tuple[int, int]]:
         """(first prompt index, number of prompts) of each worker."""

@@ -39,6 +39,7 @@ Run the tests: ``python -m pytest tests/test_grpo.py -q``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -150,16 +151,25 @@ def grpo_update(
     temperature: float,
     pad_id: int,
     all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+    autocast_dtype: torch.dtype | None = None,
 ) -> dict[str, float]:
     """``cfg.num_epochs`` optimiser steps on ``samples``. ``all_reduce_sum`` sums a tensor over
     the data-parallel workers in place (identity for one process): used for the token count,
-    the gradients and the logged statistics, so all workers take identical steps."""
+    the gradients and the logged statistics, so all workers take identical steps.
+
+    ``autocast_dtype`` (e.g. bfloat16 on CUDA): forwards and backwards run under
+    ``torch.autocast`` in that dtype while the parameters, their gradients and the optimiser
+    state stay in the actor's own dtype (fp32 master weights: mixed precision as in
+    Micikevicius et al. 2018, which bf16's fp32-sized exponent lets run without loss scaling).
+    Log-probabilities and the loss are computed in fp32 (``token_logprobs`` upcasts)."""
     temp = temperature if temperature > 0 else 1.0
-    advantages = torch.tensor(group_advantages(samples, cfg.adv_eps), dtype=torch.float32)
+    device = next(actor.parameters()).device
+    advantages = torch.tensor(
+        group_advantages(samples, cfg.adv_eps), dtype=torch.float32, device=device
+    )
     local_tokens = sum(len(s.response_ids) for s in samples)
     num_tokens = int(all_reduce_sum(torch.tensor([float(local_tokens)]))[0])
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-    batches = padded_groups(lengths, cfg.max_batch_tokens)  # micro-batches
+    batches = microbatches(samples, cfg.max_batch_tokens)
     params = [p for p in actor.parameters() if p.requires_grad]
     old: list[torch.Tensor] = []
     refs: list[torch.Tensor | None] = []
@@ -170,10 +180,12 @@ def grpo_update(
         totals.zero_()
         for k, idx in enumerate(batches):
             ids, mask = pack([samples[i] for i in idx], pad_id)
-            logp = token_logprobs(actor, ids, temp)
+            ids, mask = ids.to(device), mask.to(device)
+            with _autocast(device, autocast_dtype):
+                logp = token_logprobs(actor, ids, temp)
             if epoch == 0:  # the rollout's policy: current weights before any step
                 old.append(logp.detach())
-                with torch.no_grad():
+                with torch.no_grad(), _autocast(device, autocast_dtype):
                     refs.append(token_logprobs(ref, ids, temp) if ref is not None else None)
             loss, stats = surrogate_loss(
                 logp, old[k], refs[k], advantages[idx], mask, cfg, max(num_tokens, 1)
@@ -181,7 +193,7 @@ def grpo_update(
             loss.backward()
             totals += torch.tensor([loss.item(), stats["kl_sum"], stats["clipped_sum"], 0.0])
         reduce_grads(params, all_reduce_sum)  # sum of per-worker (loss / global N) gradients
-        totals[3] = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        totals[3] = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
         optimizer.step()
     actor.eval()
     summed = all_reduce_sum(totals[:3].clone())
@@ -192,6 +204,25 @@ def grpo_update(
         "grad_norm": float(totals[3]),
         "num_tokens": num_tokens,
     }
+
+
+def microbatches(samples: list[Sample], max_tokens: int) -> list[list[int]]:
+    """Index groups of ``samples`` for one forward/backward each: sorted by length, then cut
+    so that members x longest member stays within ``max_tokens`` padded tokens. Sorting first
+    puts sequences of similar length together, so a micro-batch pads to its own longest
+    member rather than the rollout's (a long-tail batch otherwise pays for its longest
+    response in every micro-batch); gradients accumulate over the micro-batches, so the step
+    is the same up to float summation order."""
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+    order = sorted(range(len(samples)), key=lambda i: lengths[i])
+    groups = padded_groups([lengths[i] for i in order], max_tokens)
+    return [[order[j] for j in group] for group in groups]
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def make_optimizer(actor: Transformer, cfg: GRPOConfig) -> torch.optim.Optimizer:

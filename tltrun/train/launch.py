@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import warnings
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
@@ -58,10 +59,12 @@ def task_for(model_dir: str | Path) -> TaskConfig:
         raise UsageError(f"{path}: no valid 'task' section ({err})") from None
 
 
-def check_inputs(cfg: TrainConfig) -> None:
-    """Bad user input as one UsageError line, before any worker starts."""
-    from tltrun.model.tokenizer import CharTokenizer
+def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
+    """Bad user input as one UsageError line, before any worker starts. Returns the data's
+    summary (``config.json``'s "data" section: a resume refuses data that changed)."""
+    from tltrun.data.tokenizer import load_tokenizer
     from tltrun.model.transformer import CheckpointError, read_config
+    from tltrun.train.prompts import load_run_data, reward_spec
     from tltrun.train.spot import MAX_WORKERS
 
     if cfg.backend == "vllm":
@@ -83,11 +86,11 @@ def check_inputs(cfg: TrainConfig) -> None:
         raise UsageError(f"num_workers {cfg.num_workers}: spot training supports <= {MAX_WORKERS}")
     try:
         model_cfg = read_config(cfg.model_dir)
-        tok = CharTokenizer.load(cfg.model_dir)
         if cfg.drafter_dir is not None:
             read_config(cfg.drafter_dir)
     except (CheckpointError, ValueError) as err:
         raise UsageError(str(err)) from None
+    tok = load_tokenizer(cfg.model_dir, is_chat_template=cfg.chat_template)
     if (
         cfg.backend == "vllm"
         and cfg.device == "cpu"
@@ -97,11 +100,23 @@ def check_inputs(cfg: TrainConfig) -> None:
             f"{cfg.model_dir}: head_dim {model_cfg.head_dim}: vLLM's CPU attention supports "
             f"head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))} (use backend 'torch')"
         )
-    if tok.vocab_size > model_cfg.vocab_size or tok.eos_id not in model_cfg.eos_token_ids:
+    if tok.vocab_size > model_cfg.vocab_size or max(tok.eos_ids) >= model_cfg.vocab_size:
         raise UsageError(
-            f"{cfg.model_dir}: tokenizer ({tok.vocab_size} tokens, EOS {tok.eos_id}) does not "
-            f"match the model (vocab {model_cfg.vocab_size}, EOS {model_cfg.eos_token_ids})"
+            f"{cfg.model_dir}: tokenizer ({tok.vocab_size} tokens, EOS {list(tok.eos_ids)}) does "
+            f"not match the model (vocab {model_cfg.vocab_size})"
         )
+    reward_spec(cfg)  # a bad --reward (unknown kind, missing file or function): one line now
+    data = load_run_data(cfg, task, lambda row: len(tok.encode_prompt(row.prompt)))
+    if cfg.eval_every and not data.eval_rows:
+        raise UsageError(
+            "--eval-every: no evaluation prompts (give --eval-data or --eval-split with --data)"
+        )
+    return {
+        "fingerprint": data.fingerprint,
+        "num_train_rows": data.num_train_rows,
+        "num_eval_rows": len(data.eval_rows),
+        "num_skipped_rows": data.num_skipped,
+    }
 
 
 def run_train(
@@ -114,11 +129,19 @@ def run_train(
     from tltrun.train import state as train_state
     from tltrun.train.worker import worker_main
 
-    check_inputs(cfg)
+    data = check_inputs(cfg, task)
+    if data["num_skipped_rows"]:
+        from tltrun.train.state import RunDirWarning
+
+        warnings.warn(
+            f"--skip-bad-rows: skipped {data['num_skipped_rows']} bad rows",
+            RunDirWarning,
+            stacklevel=2,
+        )
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     with train_state.RunLock(out):
-        resume_dir = prepare_run_dir(cfg, task, is_resume, is_override_config)
+        resume_dir = prepare_run_dir(cfg, task, is_resume, is_override_config, data)
         with tempfile.TemporaryDirectory(prefix="tlt-store-") as tmp:
             store_path = str(Path(tmp) / "store")
             try:
@@ -166,7 +189,11 @@ def worker_error(out: Path, rank: int, report: str) -> WorkerError:
 
 
 def prepare_run_dir(
-    cfg: TrainConfig, task: TaskConfig, is_resume: bool, is_override_config: bool
+    cfg: TrainConfig,
+    task: TaskConfig,
+    is_resume: bool,
+    is_override_config: bool,
+    data: dict | None = None,
 ) -> Path | None:
     """Ready ``cfg.out`` for the workers; returns the checkpoint to resume from (None: step 0).
 
@@ -179,7 +206,7 @@ def prepare_run_dir(
     from tltrun.train import state as train_state
 
     out = Path(cfg.out)
-    new = {"train": asdict(cfg), "task": asdict(task)}
+    new = {"train": asdict(cfg), "task": asdict(task), "data": data or {}}
     if not is_resume:
         earlier = sorted((out / "ckpt").glob("step_*")) if (out / "ckpt").is_dir() else []
         if earlier:
@@ -194,6 +221,12 @@ def prepare_run_dir(
         return None
     old = train_state.effective_config(out)
     diff = {}
+    old_print = (old or {}).get("data", {}).get("fingerprint")
+    if old_print and data and old_print != data["fingerprint"]:
+        raise UsageError(
+            f"{out}: --resume with different data than the run trained on (rows of --data / "
+            "--eval-data changed); restore the data, or start a new run in another --out"
+        )
     if old is not None:
         for section in ("train", "task"):
             changed = train_state.config_diff(old.get(section, {}), new[section])

@@ -1,11 +1,13 @@
 """``tltrun sft``: supervised fine-tuning of a small Llama-style model on the built-in task's
 worked solutions — the starting policy for GRPO (issue #5).
 
-The model is ``transformers.LlamaForCausalLM`` built from a config (RMSNorm, RoPE, SwiGLU, GQA),
-trained with next-token cross-entropy on the response tokens (prompt tokens are masked), and
-saved with ``save_pretrained``: ``config.json`` (``LlamaForCausalLM``, model_type llama) +
-``model.safetensors`` + ``generation_config.json`` + the character tokenizer's files. That
-directory loads in ``tltrun.model.transformer.load_hf``, ``transformers.AutoModelForCausalLM`` and vLLM.
+The model is the project's own Llama-shaped ``tltrun.model.transformer.Transformer`` (RMSNorm,
+RoPE, SwiGLU, GQA) — the implementation ``tltrun train`` trains with GRPO — initialised as
+Hugging Face initialises Llama, trained with next-token cross-entropy on the response tokens
+(prompt tokens are masked), and saved in the Hugging Face layout: ``config.json``
+(``LlamaForCausalLM``, model_type llama) + ``model.safetensors`` + ``generation_config.json`` +
+the character tokenizer's files. That directory loads in ``tltrun.model.transformer.load_hf``,
+``transformers.AutoModelForCausalLM`` (which the held-out evaluation generates with) and vLLM.
 
 Next to the checkpoint: ``sft_config.json`` (the resolved SFT and task configs), ``metrics.json``
 (loss curve, held-out accuracy per difficulty bucket, response-length statistics of the model's
@@ -39,12 +41,15 @@ import torch
 from tqdm import tqdm
 
 from tltrun.model.tokenizer import CharTokenizer
+from tltrun.model.transformer import CausalContext, ModelConfig, Transformer, save_hf
 from tltrun.train.sft_eval import evaluate
-from tltrun.train.tasks import Example, TaskConfig, make_examples
+from tltrun.train.tasks import Example, TaskConfig, length_stats, make_examples
 from tltsim.errors import UsageError
 from tltsim.jsonio import write_json
 
 IGNORE_INDEX = -100  # torch cross_entropy's ignore_index: prompt and padding positions
+# LlamaConfig.initializer_range's default (transformers), used by its _init_weights
+INIT_STD = 0.02
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,24 @@ class SFTConfig:
     max_new_tokens: int = field(
         default=2048, metadata={"help": "token cap of an evaluation response"}
     )
+    # Your data instead of the built-in task (issue #16): reasoning-gym problems generated from
+    # the seed (question -> the entry's answer) or a local file of prompt/response rows.
+    data: str | None = field(
+        default=None,
+        metadata={
+            "help": "reasoning-gym:<task>[?key=value] or a .jsonl/.json/.parquet/.csv of "
+            "prompt/response rows (default: the built-in task)",
+            "metavar": "PATH",
+        },
+    )
+    prompt_key: str = field(default="prompt", metadata={"help": "--data column of the prompt"})
+    response_key: str = field(
+        default="response",
+        metadata={"help": "--data column of the target response (reasoning-gym: its answer)"},
+    )
+    data_num_rows: int = field(
+        default=10_000, metadata={"help": "reasoning-gym: training problems generated"}
+    )
     # On a shared machine 1 thread was 3x faster than 2 oversubscribed ones (measured here).
     num_threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads (default: torch's, one per core)"}
@@ -119,6 +142,7 @@ class SFTConfig:
             "eval_batch_size",
             "max_new_tokens",
             "group_size",
+            "data_num_rows",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -169,31 +193,59 @@ class SFTConfig:
             )
 
 
-def build_model(cfg: SFTConfig, task: TaskConfig, tok: CharTokenizer, seed: int) -> Any:
-    """A freshly initialised LlamaForCausalLM; weights drawn from ``seed`` without touching
-    the caller's global torch RNG state."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def build_model(
+    cfg: SFTConfig, task: TaskConfig, tok: CharTokenizer, seed: int, max_tokens: int | None = None
+) -> Transformer:
+    """A freshly initialised Llama-shaped ``tltrun.model.transformer.Transformer`` — the model
+    ``tltrun train`` trains with GRPO, so SFT and RL train one implementation (issue #16).
+    Weights drawn from ``seed`` without touching the caller's global torch RNG state.
+    ``max_tokens``: the longest sequence it must position (default: the built-in task's)."""
     # Positions needed: BOS + longest prompt + longest reference solution + EOS, rounded up to
     # a power of two (RoPE has no learned positions; vLLM sizes its KV cache from this).
-    max_tokens = 2 + task.max_prompt_chars + task.max_response_chars
-    config = LlamaConfig(
+    if max_tokens is None:
+        max_tokens = 2 + task.max_prompt_chars + task.max_response_chars
+    config = ModelConfig(
+        model_type="llama",
         vocab_size=tok.vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads,
         max_position_embeddings=1 << (max_tokens - 1).bit_length(),
-        pad_token_id=tok.pad_id,
         bos_token_id=tok.bos_id,
-        eos_token_id=tok.eos_id,
+        eos_token_ids=(tok.eos_id,),
         tie_word_embeddings=False,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+    model = Transformer(config)
+    init_weights(model, torch.Generator().manual_seed(seed))
     return model
+
+
+def init_weights(model: Transformer, generator: torch.Generator, std: float = INIT_STD) -> None:
+    """Hugging Face Llama's initialisation (``LlamaPreTrainedModel._init_weights``): every
+    matrix and embedding ~ N(0, std), RMSNorm gains 1, biases 0; drawn in parameter-name
+    order from ``generator``."""
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if p.ndim >= 2:
+                p.copy_(torch.empty(p.shape, dtype=p.dtype).normal_(0, std, generator=generator))
+            elif "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.zero_()
+
+
+def save_checkpoint(model: Transformer, tok: CharTokenizer, out: Path) -> None:
+    """config.json + model.safetensors (``save_hf``), generation_config.json and the tokenizer:
+    a directory ``tltrun train``, transformers and vLLM all load."""
+    save_hf(model, out)
+    write_json(
+        out / "generation_config.json",
+        {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id},
+    )
+    tok.save(out, model_max_length=model.config.max_position_embeddings)
 
 
 def example_tokens(ex: Example, solution: str, tok: CharTokenizer) -> tuple[list[int], list[int]]:
@@ -242,6 +294,47 @@ def batch_stream(task: TaskConfig, tok: CharTokenizer, batch_tokens: int, rng: r
         yield from length_batches(seqs, batch_tokens, rng)
 
 
+def data_pairs(cfg: SFTConfig, *, seed: int, num_rows: int) -> list[tuple[str, str]]:
+    """(prompt, response) pairs of ``cfg.data``: reasoning-gym problems generated from ``seed``,
+    or the file's rows (``seed`` and ``num_rows`` then unused: a file holds what it holds)."""
+    from tltrun.data.dataset import DataError, DataSpec, load_rows
+    from tltrun.data.rows import GYM_PREFIX
+
+    assert cfg.data is not None
+    spec = DataSpec(
+        path=cfg.data,
+        prompt_key="question" if cfg.data.startswith(GYM_PREFIX) else cfg.prompt_key,
+        answer_key=cfg.response_key,
+        num_rows=num_rows if cfg.data.startswith(GYM_PREFIX) else None,
+        seed=seed,
+    )
+    pairs = []
+    for row in load_rows(spec).rows:
+        if not isinstance(row.prompt, str) or row.answer is None:
+            raise DataError(
+                f"{row.source}: tltrun sft trains the character tokenizer on plain-text prompts "
+                "with a response (no chat messages, no missing response)"
+            )
+        pairs.append((row.prompt, row.answer))
+    return pairs
+
+
+def pair_tokens(prompt: str, response: str, tok: CharTokenizer) -> tuple[list[int], list[int]]:
+    """(input ids, labels) of a data pair, as ``example_tokens``: BOS prompt response EOS."""
+    prompt_ids = tok.encode(prompt, add_bos=True)
+    response_ids = tok.encode(response, add_bos=False, add_eos=True)
+    return prompt_ids + response_ids, [IGNORE_INDEX] * len(prompt_ids) + response_ids
+
+
+def pair_stream(
+    pairs: list[tuple[str, str]], tok: CharTokenizer, batch_tokens: int, rng: random.Random
+):
+    """Endless length-sorted batches over the pairs, reshuffled every epoch."""
+    seqs = [pair_tokens(p, r, tok) for p, r in pairs]
+    while True:
+        yield from length_batches(seqs, batch_tokens, rng)
+
+
 def lr_at(step: int, cfg: SFTConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -249,11 +342,12 @@ def lr_at(step: int, cfg: SFTConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def response_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token cross-entropy over the response tokens of the batch."""
-    logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-    ).logits  # (B, T, V)
+def response_loss(model: Transformer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross-entropy over the response tokens of the batch. Right padding
+    needs no attention mask: causal attention never lets a real token see a later pad."""
+    ids = batch["input_ids"]
+    positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+    logits, _ = model(ids, positions, CausalContext())  # (B, T, V)
     targets = batch["labels"][:, 1:]  # token t+1 is predicted at position t
     return torch.nn.functional.cross_entropy(
         logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
@@ -263,12 +357,14 @@ def response_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def train(
     cfg: SFTConfig,
     task: TaskConfig,
-    model: Any,
+    model: Transformer,
     tok: CharTokenizer,
     rng: random.Random,
     show_progress: bool = True,
+    pairs: list[tuple[str, str]] | None = None,
 ) -> list[dict[str, float]]:
-    """Run ``cfg.num_steps`` optimiser steps; returns the per-step log."""
+    """Run ``cfg.num_steps`` optimiser steps (on ``pairs`` when given, else on fresh built-in
+    task examples); returns the per-step log."""
     decay = [p for p in model.parameters() if p.ndim >= 2]  # matrices and embeddings
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # RMSNorm gains: no decay
     optimizer = torch.optim.AdamW(
@@ -280,7 +376,11 @@ def train(
         betas=(0.9, 0.95),
     )
     model.train()
-    stream = batch_stream(task, tok, cfg.batch_tokens, rng)
+    stream = (
+        pair_stream(pairs, tok, cfg.batch_tokens, rng)
+        if pairs is not None
+        else batch_stream(task, tok, cfg.batch_tokens, rng)
+    )
     log = []
     bar = tqdm(range(cfg.num_steps), desc="sft", unit="step", disable=not show_progress)
     for step in bar:
@@ -325,15 +425,30 @@ def _run_sft(cfg: SFTConfig, task: TaskConfig, show_progress: bool) -> dict[str,
     write_json(out / "sft_config.json", {"sft": asdict(cfg), "task": asdict(task)})
     tok = CharTokenizer()
     init_seed, data_seed, eval_seed = stream_seeds(cfg.seed)
-    model = build_model(cfg, task, tok, init_seed)
+    pairs = eval_pairs = None
+    max_tokens = None
+    if cfg.data is not None:
+        # the run's --seed generates reasoning-gym problems, as tltrun train --data does
+        pairs = data_pairs(cfg, seed=cfg.seed, num_rows=cfg.data_num_rows)
+        eval_pairs = _held_out_pairs(cfg, pairs)
+        max_tokens = 2 + max(len(p) + len(r) for p, r in pairs + eval_pairs)
+    model = build_model(cfg, task, tok, init_seed, max_tokens)
     num_params = sum(p.numel() for p in model.parameters())
     start_s = time.perf_counter()
-    log = train(cfg, task, model, tok, random.Random(data_seed), show_progress)
+    log = train(cfg, task, model, tok, random.Random(data_seed), show_progress, pairs)
     train_s = time.perf_counter() - start_s
-    model.save_pretrained(out)
-    tok.save(out, model_max_length=model.config.max_position_embeddings)
+    save_checkpoint(model, tok, out)
     eval_start_s = time.perf_counter()
-    evaluation = evaluate(model, tok, task, cfg, eval_seed, show_progress)
+    if eval_pairs is not None:
+        evaluation = evaluate_pairs(model, tok, cfg, eval_pairs, show_progress)
+    else:
+        # Evaluation generates with transformers from the saved files: it checks the
+        # checkpoint the way every other consumer will load it.
+        from transformers import AutoModelForCausalLM
+
+        evaluation = evaluate(
+            AutoModelForCausalLM.from_pretrained(out), tok, task, cfg, eval_seed, show_progress
+        )
     metrics = {
         "num_params": num_params,
         "train_s": train_s,
@@ -345,6 +460,94 @@ def _run_sft(cfg: SFTConfig, task: TaskConfig, show_progress: bool) -> dict[str,
     }
     write_json(out / "metrics.json", metrics)
     return metrics
+
+
+def _held_out_pairs(cfg: SFTConfig, pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Evaluation pairs: reasoning-gym problems of a seed training never uses, minus any that
+    also occur in training (small tasks repeat problems); a file's last rows are not held out
+    (it is the user's training set), so its evaluation reads the training rows."""
+    from tltrun.data.rows import GYM_PREFIX
+
+    if not cfg.data.startswith(GYM_PREFIX) or not cfg.num_eval_prompts:
+        return pairs[: cfg.num_eval_prompts]
+    seen = {p for p, _ in pairs}
+    fresh = data_pairs(cfg, seed=cfg.seed + 1_000_003, num_rows=4 * cfg.num_eval_prompts)
+    unseen = [pair for pair in fresh if pair[0] not in seen]
+    return (unseen or fresh)[: cfg.num_eval_prompts]
+
+
+def evaluate_pairs(
+    model: Transformer,
+    tok: CharTokenizer,
+    cfg: SFTConfig,
+    pairs: list[tuple[str, str]],
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Greedy responses to the held-out prompts (the rollout engine, no SD), scored by the
+    task's own reward: reasoning-gym's scorer, or an exact match for a file's responses."""
+    from tltrun.data.rewards import RewardItem, RewardPool, parse_reward
+    from tltrun.data.rows import GYM_PREFIX
+    from tltrun.rollout.engine import EngineConfig, RolloutEngine
+    from tltrun.rollout.interface import Request, SamplingParams
+    from tltsim.policy import make_policy
+
+    if not pairs:
+        return {"greedy": {"accuracy": None, "num_prompts": 0}}
+    gym = cfg.data.startswith(GYM_PREFIX)
+    spec = parse_reward(
+        GYM_PREFIX + cfg.data.removeprefix(GYM_PREFIX).split("?")[0] if gym else "exact"
+    )
+    max_new = min(cfg.max_new_tokens, 2 * max(len(r) for _, r in pairs) + 1)
+    prompts = [tuple(tok.encode(p, add_bos=True)) for p, _ in pairs]
+    engine = RolloutEngine(
+        model,
+        None,
+        EngineConfig(
+            max_running_requests=min(cfg.eval_batch_size, len(pairs)),
+            max_model_len=max(map(len, prompts)) + max_new,
+            sampling=SamplingParams(0.0),
+        ),
+    )
+    requests = [Request(f"e{i}", ids, max_new) for i, ids in enumerate(prompts)]
+    result = engine.generate(requests, make_policy("nospec"))
+    outputs = {o.id: o for o in result.outputs}
+    texts = [tok.decode(outputs[r.id].output_token_ids) for r in requests]
+    gym_rows = []
+    if gym:  # the scorer needs each entry's metadata: regenerate the eval rows
+        from tltrun.data.dataset import DataSpec, load_rows
+
+        spec_rows = DataSpec(path=cfg.data, prompt_key="question", answer_key=cfg.response_key,
+                             num_rows=4 * cfg.num_eval_prompts, seed=cfg.seed + 1_000_003)  # fmt: skip
+        by_prompt = {row.prompt: row for row in load_rows(spec_rows).rows}
+        gym_rows = [by_prompt.get(p) for p, _ in pairs]
+    items = [
+        RewardItem(
+            sample_id=f"eval{i}",
+            prompt=p,
+            response=text,
+            answer=answer,
+            meta=(gym_rows[i].meta if gym and gym_rows[i] is not None else {}),
+        )
+        for i, ((p, answer), text) in enumerate(zip(pairs, texts, strict=True))
+    ]
+    with RewardPool(spec, timeout_s=30.0) as pool:
+        outcomes = pool.score(items)
+    lengths = [len(outputs[r.id].output_token_ids) for r in requests]
+    return {
+        "greedy": {
+            "accuracy": sum(o.reward for o in outcomes) / len(outcomes),
+            "num_prompts": len(pairs),
+            "num_truncated": sum(outputs[r.id].finish == "length" for r in requests),
+            "num_reward_errors": sum(o.error is not None for o in outcomes),
+        },
+        "response_tokens": {
+            "greedy": length_stats(lengths),
+            "reference": length_stats([len(r) + 1 for _, r in pairs]),
+        },
+        "examples": [
+            {"prompt": p, "response": t} for (p, _), t in list(zip(pairs, texts, strict=True))[:3]
+        ],
+    }
 
 
 def stream_seeds(seed: int) -> tuple[int, int, int]:
@@ -363,6 +566,14 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, show_progress: bool = True) 
         raise UsageError(f"{checkpoint_dir}: no sft_config.json (not a checkpoint of tltrun sft)")
     resolved = json.loads(config_path.read_text())
     cfg, task = SFTConfig(**resolved["sft"]), TaskConfig(**resolved["task"])
+    if cfg.data is not None:
+        from tltrun.model.transformer import load_hf
+
+        pairs = data_pairs(cfg, seed=cfg.seed, num_rows=cfg.data_num_rows)
+        tok = CharTokenizer.load(checkpoint_dir)
+        return evaluate_pairs(
+            load_hf(checkpoint_dir), tok, cfg, _held_out_pairs(cfg, pairs), show_progress
+        )
     model = AutoModelForCausalLM.from_pretrained(checkpoint_dir)
     tok = CharTokenizer.load(checkpoint_dir)
     return evaluate(model, tok, task, cfg, stream_seeds(cfg.seed)[2], show_progress)

@@ -83,8 +83,9 @@ def read_next_step(ckpt: Path) -> int:
 
 def reset_logs(out: Path) -> None:
     """A fresh run in ``out``: no rows and no config history of an earlier run."""
-    for name in (*LOGS, CONFIG_HISTORY):
+    for name in (*LOGS, CONFIG_HISTORY, "reward_errors.log"):
         (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / "rollouts", ignore_errors=True)
 
 
 # ---- the run's lock and settings ------------------------------------------------------------
@@ -348,6 +349,10 @@ def prepare_logs(out: Path, start_step: int) -> None:
             )
         if kept != rows or (path.is_file() and not path.read_bytes().endswith(b"\n")):
             _write_atomic(path, "".join(row + "\n" for row in kept))
+    # the rollout dumps of steps the resumed run redoes (rewritten as it redoes them)
+    for dump in sorted((out / "rollouts").glob("step_*.jsonl")):
+        if int(dump.stem.removeprefix("step_")) >= start_step:
+            dump.unlink()
 
 
 def _span(steps: list[int]) -> str:
@@ -369,6 +374,13 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_jsonl_atomic(path: Path, rows: list[dict[str, Any]]) -> None:
+    """``path`` holding one JSON line per row, replaced whole (a kill leaves the old file or
+    the new one, never a torn one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
 def write_trace(out: Path, meta: dict[str, Any]) -> None:
@@ -433,10 +445,17 @@ def _fsync_dir(path: Path) -> None:
 
 
 def copy_tokenizer(model_dir: str | Path, dest: Path) -> None:
+    # every file of a Hugging Face tokenizer (transformers 5 keeps the chat template in
+    # chat_template.jinja; byte-level BPEs may ship vocab.json + merges.txt)
     for name in (
         "tokenizer.json",
         "tokenizer_config.json",
         "special_tokens_map.json",
+        "added_tokens.json",
+        "vocab.json",
+        "merges.txt",
+        "chat_template.jinja",
+        "chat_template.json",
         "generation_config.json",
         "sft_config.json",
     ):

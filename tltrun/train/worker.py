@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from tltrun.data.rewards import RewardItem, RewardPool, Shaping, apply_shaping
+from tltrun.data.tokenizer import load_tokenizer
 from tltrun.model.drafter import EagleDrafter, export_vllm, load_drafter
-from tltrun.model.tokenizer import CharTokenizer
 from tltrun.model.transformer import load_hf, save_hf
 from tltrun.rollout.engine import EngineConfig, HarvestRecord, RolloutEngine
 from tltrun.rollout.interface import Request, RolloutResult, SamplingParams
@@ -36,9 +37,10 @@ from tltrun.rollout.measured_trace import hardware_name, instance_prompts, measu
 from tltrun.train import state as ts
 from tltrun.train.config import TrainConfig
 from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord
-from tltrun.train.grpo import GRPOConfig, Sample, grpo_update, make_optimizer
+from tltrun.train.grpo import GRPOConfig, Sample, group_advantages, grpo_update, make_optimizer
+from tltrun.train.prompts import load_run_data, reward_spec
 from tltrun.train.spot import SpotStats, SpotTrainer, SubsetGroups
-from tltrun.train.tasks import Problem, TaskConfig, reward, sample_problem
+from tltrun.train.tasks import TaskConfig
 from tltsim.policy import SpotTrainerPolicy, make_policy
 from tltsim.policy.spec import SpecDecision, SpecFeedback, SpecPolicy
 from tltsim.trace.schema import Trace, trace_to_dict
@@ -50,13 +52,6 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # positions of a forward cost about its fixed overhead.
 DRAFT_FORWARD_COST = 0.25
 TOKEN_COST = 1 / 32
-
-
-def step_problems(task: TaskConfig, seed: int, step: int, num_prompts: int) -> list[Problem]:
-    """The prompts of RL step ``step``: a pure function of (seed, step) — the data position of
-    a checkpoint is just the step number."""
-    rng = random.Random(seed * 1_000_003 + step)
-    return [sample_problem(task, rng) for _ in range(num_prompts)]
 
 
 def modelled_iteration_s(num_active: int, decision: SpecDecision) -> float:
@@ -150,6 +145,8 @@ def worker_main(
     finally:
         if worker is not None and worker.tensorboard is not None:
             worker.tensorboard.close()
+        if worker is not None:
+            worker.rewards.close()
         if worker is not None and hasattr(worker.engine, "close"):
             worker.engine.close()  # the vLLM engine's worker process
         if dist.is_initialized():  # (vLLM's shutdown may already have torn it down)
@@ -160,12 +157,38 @@ class Worker:
     def __init__(self, rank, cfg: TrainConfig, task: TaskConfig, store, resume: str | None):
         self.rank, self.cfg, self.task, self.clock = rank, cfg, task, time.monotonic
         self.out = Path(cfg.out)
-        self.tok = CharTokenizer.load(cfg.model_dir)
+        self.tok = load_tokenizer(cfg.model_dir, is_chat_template=cfg.chat_template)
+        self.data = load_run_data(cfg, task, lambda row: len(self.tok.encode_prompt(row.prompt)))
+        self.rewards = RewardPool(
+            reward_spec(cfg),
+            num_processes=cfg.reward_processes,
+            timeout_s=cfg.reward_timeout_s,
+            on_error=cfg.reward_errors,
+        )
+        self.shaping = Shaping(
+            overlong_buffer_tokens=cfg.overlong_buffer_tokens,
+            overlong_penalty=cfg.overlong_penalty,
+            format_penalty=cfg.format_penalty,
+        )
         ckpt = Path(resume) if resume else None
         actor_dir = ckpt / "actor" if ckpt else Path(cfg.model_dir)
-        self.actor = load_hf(actor_dir).train()
-        self.ref = load_hf(cfg.model_dir) if cfg.kl_coef > 0 else None
-        self.gcfg = GRPOConfig(lr=cfg.lr, kl_coef=cfg.kl_coef, num_epochs=cfg.num_epochs)
+        # fp32 master weights and optimizer state; bf16 compute under autocast on CUDA only
+        # (CPU trains in fp32: its bf16 matmuls are slower, not faster)
+        self.actor = load_hf(actor_dir, device=cfg.device).train()
+        self.actor.is_gradient_checkpointing = cfg.gradient_checkpointing
+        self.autocast_dtype = (
+            torch.bfloat16 if cfg.dtype == "bfloat16" and cfg.device.startswith("cuda") else None
+        )
+        self.ref = None
+        if cfg.kl_coef > 0:
+            ref_dtype = self.autocast_dtype or torch.float32  # frozen: no master copy needed
+            self.ref = load_hf(cfg.model_dir, device=cfg.device, dtype=ref_dtype).eval()
+        self.gcfg = GRPOConfig(
+            lr=cfg.lr,
+            kl_coef=cfg.kl_coef,
+            num_epochs=cfg.num_epochs,
+            max_batch_tokens=cfg.max_tokens_per_microbatch,
+        )
         self.optimizer = make_optimizer(self.actor, self.gcfg)
         target = load_hf(actor_dir)
         is_harvesting = cfg.is_spot_training and cfg.num_workers > 1
@@ -178,7 +201,8 @@ class Worker:
         start, count = cfg.shares()[rank]
         self.share = (start, count)
         max_running = cfg.max_running_requests or count * cfg.group_size
-        max_model_len = task.max_prompt_chars + 1 + cfg.max_new_tokens
+        max_prompt = task.max_prompt_chars + 1 if cfg.is_builtin_task else cfg.max_prompt_tokens
+        max_model_len = max_prompt + cfg.max_new_tokens
         sampling = SamplingParams(cfg.temperature, cfg.top_p)
         engine_drafter = drafter if cfg.policy != "nospec" else None
         if cfg.backend == "vllm":
@@ -200,6 +224,10 @@ class Worker:
             self.engine = VLLMTrainRollout(
                 actor_dir, target, engine_drafter, vcfg, sampling, is_harvesting, self.clock
             )
+            # generation_config.json's stop ids too, as the torch engine (EngineConfig)
+            self.engine.backend.eos_token_ids = tuple(
+                dict.fromkeys((*self.engine.backend.eos_token_ids, *self.tok.eos_ids))
+            )
             torch.set_num_threads(cfg.num_threads)  # vLLM's start-up changes it
         else:
             self.engine = RolloutEngine(
@@ -214,6 +242,7 @@ class Worker:
                     dtype=cfg.dtype,
                     instance=rank,
                     is_harvesting=is_harvesting,
+                    eos_token_ids=self.tok.eos_ids,
                 ),
                 clock=self.clock,
             )
@@ -340,17 +369,16 @@ class Worker:
     def step(self, step: int) -> dict:
         cfg = self.cfg
         start, count = self.share
-        problems = step_problems(self.task, cfg.seed, step, cfg.prompts_per_step)
-        requests, answers = [], {}
-        for i, problem in enumerate(problems[start : start + count], start=start):
-            ids = tuple(self.tok.encode(problem.prompt))
-            # The history drafter's key for this prompt's earlier rollouts (issue #20): problems
-            # are drawn afresh each step (step_problems), so no dataset index is stable; the
-            # prompt text is — a prompt that recurs in a later step gets the same id.
-            prompt_id = "task-" + hashlib.sha1(problem.prompt.encode()).hexdigest()[:16]
+        rows = self.data.step_rows(step, cfg.prompts_per_step)
+        requests, by_group = [], {}
+        for i, row in enumerate(rows[start : start + count], start=start):
+            ids = tuple(self.tok.encode_prompt(row.prompt))
+            # prompt_id: the history drafter's key for this prompt's earlier rollouts (#20)
             for g in range(cfg.group_size):
-                requests.append(Request(f"p{i}/{g}", ids, cfg.max_new_tokens, prompt_id=prompt_id))
-            answers[f"p{i}"] = problem.answer
+                requests.append(
+                    Request(f"p{i}/{g}", ids, cfg.max_new_tokens, prompt_id=row.prompt_id)
+                )
+            by_group[f"p{i}"] = row
         dist.barrier()  # a common start: rollout times are comparable across workers
         t0 = self.clock()
         result = self.engine.generate(requests, self.spec_policy, step)
@@ -372,20 +400,16 @@ class Worker:
         else:
             dist.barrier()
         rollout_end_s = self.clock() - t0
-        samples = []
+        t_reward = self.clock()
         by_id = {o.id: o for o in result.outputs}
-        for r in requests:
-            out = by_id[r.id]
-            text = self.tok.decode(out.output_token_ids)
-            group = r.id.rpartition("/")[0]
-            samples.append(
-                Sample(
-                    group,
-                    r.prompt_token_ids,
-                    tuple(out.output_token_ids),
-                    reward(text, answers[group]),
-                )
-            )
+        outputs = [by_id[r.id] for r in requests]
+        scored = self._score(step, requests, outputs, by_group)
+        reward_s = self.clock() - t_reward
+        samples = [
+            Sample(r.id.rpartition("/")[0], r.prompt_token_ids, tuple(o.output_token_ids), reward)
+            for r, o, (reward, _, _) in zip(requests, outputs, scored, strict=True)
+        ]
+        dump = self._dump_rows(step, requests, outputs, scored, samples, by_group)
         t1 = self.clock()
         grpo = grpo_update(
             self.actor,
@@ -396,15 +420,24 @@ class Worker:
             cfg.temperature,
             self.tok.pad_id,
             all_reduce_sum=_all_reduce_sum,
+            autocast_dtype=self.autocast_dtype,
         )
         self.engine.update_weights(self.actor.state_dict())
         train_s = self.clock() - t1
+        t_eval = self.clock()
+        evaluation = self.evaluate(step) if self.is_eval_step(step) else None
+        eval_s = self.clock() - t_eval
         report = {
             "actor_sha1": _sha1(self.engine.model.state_dict()),
             "drafter_sha1": _sha1(self._drafter().state_dict()) if self._drafter() else "",
             "rollout_sha1": _sha1({o.id: torch.tensor(o.output_token_ids) for o in result.outputs}),
             "result": result,
             "rewards": [s.reward for s in samples],
+            "reward_errors": [e for _, _, e in scored if e],
+            "reward_s": reward_s,
+            "dump": dump,
+            "eval": evaluation,
+            "eval_s": eval_s,
             "finish_s": finish_s,
             "rollout_end_s": rollout_end_s,
             "train_s": train_s,
@@ -416,6 +449,124 @@ class Worker:
             return {}
         row = self._log(step, gathered, grpo, self.clock() - t0)
         return row
+
+    # ---- rewards, the rollout dump and evaluation ---------------------------------------------
+
+    def _score(self, step: int, requests, outputs, by_group) -> list[tuple[float, float, str]]:
+        """(shaped reward, raw reward, error or "") per response, rewards run in the pool."""
+        items = []
+        for r, o in zip(requests, outputs, strict=True):
+            row = by_group[r.id.rpartition("/")[0]]
+            items.append(
+                RewardItem(
+                    sample_id=f"step{step}/{r.id}",
+                    prompt=self.tok.prompt_text(row.prompt),
+                    response=self.tok.decode(o.output_token_ids),
+                    answer=row.answer,
+                    meta=row.meta,
+                )
+            )
+        self._items = items  # the dump reads the texts back
+        scored = []
+        for item, o, outcome in zip(items, outputs, self.rewards.score(items), strict=True):
+            shaped = apply_shaping(
+                outcome.reward,
+                num_response_tokens=len(o.output_token_ids),
+                max_response_tokens=self.cfg.max_new_tokens,
+                shaping=self.shaping,
+                is_format_ok=outcome.is_format_ok,
+            )
+            source = by_group[o.id.rpartition("/")[0]].source
+            error = f"{item.sample_id} ({source}): {outcome.error}" if outcome.error else ""
+            scored.append((shaped, outcome.reward, error))
+        return scored
+
+    def _dump_rows(self, step, requests, outputs, scored, samples, by_group) -> list[dict]:
+        """This worker's rows of ``rollouts/step_<n>.jsonl`` (rank 0 writes them all)."""
+        if not self.cfg.dump_rollouts:
+            return []
+        advantages = group_advantages(samples, self.gcfg.adv_eps)
+        rows = []
+        for r, o, item, (reward, raw, error), adv in zip(
+            requests, outputs, self._items, scored, advantages, strict=True
+        ):
+            row = by_group[r.id.rpartition("/")[0]]
+            strategies = {k: sum(v) for k, v in o.accept_hist_by_strategy.items() if sum(v)}
+            rows.append(
+                {
+                    "step": step,
+                    "id": r.id,
+                    "prompt_id": row.prompt_id,
+                    "source": row.source,
+                    "prompt": item.prompt,
+                    "response": item.response,
+                    "answer": row.answer,
+                    "num_prompt_tokens": len(r.prompt_token_ids),
+                    "num_response_tokens": len(o.output_token_ids),
+                    "finish": o.finish,
+                    "reward": reward,
+                    **({"raw_reward": raw} if raw != reward else {}),
+                    **({"reward_error": error} if error else {}),
+                    "advantage": adv,
+                    # SD verify iterations per strategy ("off": decoded without SD throughout)
+                    "sd_strategies": strategies or {"off": 0},
+                }
+            )
+        return rows
+
+    def is_eval_step(self, step: int) -> bool:
+        every = self.cfg.eval_every
+        return bool(every and self.data.eval_rows) and (
+            (step + 1) % every == 0 or step + 1 == self.cfg.num_steps
+        )
+
+    def evaluate(self, step: int) -> dict:
+        """Greedy (``eval_num_samples`` 1) or sampled responses to this worker's share of the
+        evaluation rows, scored by the run's reward. Training is left exactly as it was: the
+        engine's sampling generator is restored, eval requests carry no prompt id (the history
+        drafter forgets them), their harvest is discarded, and the run's SD policy is not
+        consulted (plain decoding: SD is lossless, the responses are the same)."""
+        cfg = self.cfg
+        share = self.data.eval_rows[self.rank :: cfg.num_workers]
+        num = cfg.eval_num_samples
+        sampling = SamplingParams(0.0) if num == 1 else SamplingParams(cfg.temperature, cfg.top_p)
+        requests, by_group = [], {}
+        for i, row in enumerate(share):
+            ids = tuple(self.tok.encode_prompt(row.prompt))
+            requests += [Request(f"e{i}/{g}", ids, cfg.max_new_tokens) for g in range(num)]
+            by_group[f"e{i}"] = row
+        gen_state = getattr(self.engine, "generator", None)
+        gen_state = gen_state.get_state() if gen_state is not None else None
+        if hasattr(self.engine, "backend"):  # vLLM: seeds per (step, request), no generator
+            saved, self.engine.backend.sampling = self.engine.backend.sampling, sampling
+        else:
+            saved, self.engine.config = (
+                self.engine.config,
+                replace(self.engine.config, sampling=sampling),
+            )
+        try:
+            result = (
+                self.engine.generate(requests, make_policy("nospec"), step) if requests else None
+            )
+        finally:
+            if hasattr(self.engine, "backend"):
+                self.engine.backend.sampling = saved
+            else:
+                self.engine.config = saved
+            if gen_state is not None:
+                self.engine.generator.set_state(gen_state)
+            self.engine.pop_harvest()
+        outputs = (
+            [] if result is None else [{o.id: o for o in result.outputs}[r.id] for r in requests]
+        )
+        scored = self._score(step, requests, outputs, by_group) if requests else []
+        return {
+            "rewards": [raw for _, raw, _ in scored],
+            "lengths": [len(o.output_token_ids) for o in outputs],
+            "truncated": sum(o.finish == "length" for o in outputs),
+            "num_prompts": len(share),
+            "errors": [e for _, _, e in scored if e],
+        }
 
     def _log(self, step: int, gathered: list[dict], grpo: dict, step_s: float) -> dict:
         outputs = [o for g in gathered for o in g["result"].outputs]
@@ -485,11 +636,39 @@ class Worker:
             "drafter_sha1": [g["drafter_sha1"] for g in gathered],
             "rollout_sha1": [g["rollout_sha1"] for g in gathered],
         }
+        errors = [e for g in gathered for e in g["reward_errors"]]
+        row["reward_s"] = max(g["reward_s"] for g in gathered)
+        row["reward_errors"] = len(errors)
+        row["data_position"] = self.data.position(step, self.cfg.prompts_per_step)
+        evals = [g["eval"] for g in gathered if g["eval"] is not None]
+        if evals:
+            rewards_e = [r for e in evals for r in e["rewards"]]
+            lengths_e = [n for e in evals for n in e["lengths"]]
+            errors += [err for e in evals for err in e["errors"]]
+            row.update(
+                {
+                    "eval_reward_mean": float(np.mean(rewards_e)) if rewards_e else 0.0,
+                    "eval_response_tokens_mean": float(np.mean(lengths_e)) if lengths_e else 0.0,
+                    "eval_truncated_fraction": sum(e["truncated"] for e in evals)
+                    / max(len(lengths_e), 1),
+                    "eval_num_prompts": sum(e["num_prompts"] for e in evals),
+                    "eval_s": max(g["eval_s"] for g in gathered),
+                }
+            )
+        if errors:  # each one with its sample id; the log row counts them
+            with (self.out / "reward_errors.log").open("a") as fh:
+                fh.writelines(f"step {step}: {e}\n" for e in errors)
+        if self.cfg.dump_rollouts:
+            ts.write_jsonl_atomic(
+                self.out / "rollouts" / f"step_{step:06d}.jsonl",
+                [r for g in gathered for r in g["dump"]],
+            )
         ts.append_jsonl(self.out / "log.jsonl", row)
         if self.tensorboard is not None:
             for key, value in row.items():
                 if key != "step" and type(value) in (int, float):
-                    self.tensorboard.add_scalar(f"train/{key}", value, step)
+                    group = "eval" if key.startswith("eval_") else "train"
+                    self.tensorboard.add_scalar(f"{group}/{key}", value, step)
             self.tensorboard.flush()
         return row
 

@@ -1,0 +1,293 @@
+"""Prompt datasets (tltrun.data.dataset, tltrun.data.gym): every format read from files written
+here, chat-message prompts, each kind of bad row as one line with file, line and key,
+--skip-bad-rows counts, the eval split, and the per-epoch prompt stream (pure in (seed, step),
+epoch-straddling, each row once per epoch). CPU only, no network."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from tltrun.data.dataset import (
+    DataError,
+    DataSpec,
+    PromptRow,
+    PromptStream,
+    load_rows,
+    split_eval,
+)
+from tltrun.data.gym import gym_rows, gym_sft_examples, parse_gym_path
+from tltsim.errors import UsageError
+
+RECORDS = [
+    {"prompt": "What is 1 + 2?", "answer": "3", "level": 1},
+    {
+        "prompt": [{"role": "user", "content": "What is 3/4 as a decimal?"}],
+        "answer": 0.75,
+        "level": 2,
+    },
+    {"prompt": "Name the capital of France.", "answer": "Paris", "level": 3},
+]
+PLAIN = [r for r in RECORDS if isinstance(r["prompt"], str)]
+
+
+def write_jsonl(path, records, extra_lines=()):
+    lines = [json.dumps(r) for r in records] + list(extra_lines)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _check_plain(rows):
+    assert [r.prompt for r in rows] == [r["prompt"] for r in PLAIN]
+    assert [r.answer for r in rows] == ["3", "Paris"]
+
+
+def test_jsonl_with_chat_messages(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", RECORDS, extra_lines=[""])
+    loaded = load_rows(DataSpec(path=str(path)))
+    assert loaded.num_skipped == 0 and len(loaded.rows) == 3
+    first, chat, _ = loaded.rows
+    assert first == PromptRow(
+        prompt_id="train.jsonl:0",
+        prompt="What is 1 + 2?",
+        answer="3",
+        meta={"level": 1},
+        source=f"{path}:1",
+    )
+    assert chat.prompt == ({"role": "user", "content": "What is 3/4 as a decimal?"},)
+    assert chat.answer == "0.75" and chat.prompt_text == "user: What is 3/4 as a decimal?"
+
+
+def test_json_list_parquet_csv_and_datasets_directory(tmp_path):
+    import datasets
+    import pandas as pd
+
+    (tmp_path / "train.json").write_text(json.dumps(RECORDS))
+    loaded = load_rows(DataSpec(path=str(tmp_path / "train.json")))
+    assert len(loaded.rows) == 3 and loaded.rows[2].source.endswith("train.json:row 3")
+
+    # Parquet keeps chat messages as a list of structs.
+    pd.DataFrame(RECORDS[1:2] * 2).to_parquet(tmp_path / "chat.parquet")
+    rows = load_rows(DataSpec(path=str(tmp_path / "chat.parquet"))).rows
+    assert [r.prompt for r in rows] == [tuple(RECORDS[1]["prompt"])] * 2
+    assert rows[1].prompt_id == "chat.parquet:1" and rows[0].meta == {"level": 2}
+
+    pd.DataFrame(PLAIN).to_parquet(tmp_path / "plain.parquet")
+    _check_plain(load_rows(DataSpec(path=str(tmp_path / "plain.parquet"))).rows)
+
+    # CSV: every value a string; a quoted field with a newline moves the next record's line.
+    csv_path = tmp_path / "train.csv"
+    csv_path.write_text('prompt,answer,level\n"two\nlines",3,1\nNext one?,Paris,3\n')
+    rows = load_rows(DataSpec(path=str(csv_path))).rows
+    assert [r.prompt for r in rows] == ["two\nlines", "Next one?"]
+    assert [r.source for r in rows] == [f"{csv_path}:2", f"{csv_path}:4"]
+    assert rows[0].meta == {"level": "1"}
+
+    datasets.Dataset.from_list(PLAIN).save_to_disk(str(tmp_path / "ds"))
+    _check_plain(load_rows(DataSpec(path=str(tmp_path / "ds"))).rows)
+    splits = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(PLAIN), "test": datasets.Dataset.from_list(PLAIN[:1])}
+    )
+    splits.save_to_disk(str(tmp_path / "dd"))
+    _check_plain(load_rows(DataSpec(path=str(tmp_path / "dd"))).rows)
+
+
+def test_keys_answerless_rows_and_num_rows(tmp_path):
+    path = write_jsonl(
+        tmp_path / "q.jsonl", [{"question": "a?", "sol": 1}, {"question": "b?", "sol": 2}]
+    )
+    rows = load_rows(DataSpec(path=str(path), prompt_key="question", answer_key=None)).rows
+    assert [(r.prompt, r.answer, r.meta) for r in rows] == [
+        ("a?", None, {"sol": 1}),
+        ("b?", None, {"sol": 2}),
+    ]
+    rows = load_rows(
+        DataSpec(path=str(path), prompt_key="question", answer_key="sol", num_rows=1)
+    ).rows
+    assert [(r.prompt, r.answer) for r in rows] == [("a?", "1")]
+
+
+BAD_ROWS = [
+    ({"answer": "1"}, "key 'prompt': missing (columns: answer)"),
+    ({"prompt": "x"}, "key 'answer': missing (columns: prompt)"),
+    (
+        {"prompt": 7, "answer": "1"},
+        "key 'prompt': expected a string or a list of chat messages, got int",
+    ),
+    ({"prompt": "   ", "answer": "1"}, "key 'prompt': empty prompt"),
+    ({"prompt": [], "answer": "1"}, "key 'prompt': empty prompt (no chat messages)"),
+    (
+        {"prompt": [{"role": "user"}], "answer": "1"},
+        "key 'prompt': message 0: 'content': expected a string, got nothing",
+    ),
+    (
+        {"prompt": ["hi"], "answer": "1"},
+        "key 'prompt': message 0: expected an object with 'role' and 'content', got string",
+    ),
+    ({"prompt": "x", "answer": None}, "key 'answer': expected a string or a number, got null"),
+    ({"prompt": "x", "answer": [1]}, "key 'answer': expected a string or a number, got list"),
+]
+
+
+@pytest.mark.parametrize(("record", "reason"), BAD_ROWS)
+def test_each_bad_row_is_one_line_with_file_line_and_key(tmp_path, record, reason):
+    path = write_jsonl(tmp_path / "bad.jsonl", [PLAIN[0], record])
+    with pytest.raises(DataError) as err:
+        load_rows(DataSpec(path=str(path)))
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"{path}:2: {reason}"), message
+    loaded = load_rows(DataSpec(path=str(path), is_skip_bad_rows=True))
+    assert [r.prompt_id for r in loaded.rows] == ["bad.jsonl:0"]
+    assert loaded.num_skipped == 1 and loaded.skipped == (f"{path}:2: {reason}",)
+
+
+def test_skip_counts_bad_json_and_long_prompts(tmp_path):
+    path = write_jsonl(
+        tmp_path / "mix.jsonl",
+        [PLAIN[0], {"prompt": "a much longer prompt than the cap", "answer": "1"}, PLAIN[1]],
+        extra_lines=["{not json", "[1, 2]"],
+    )
+    spec = DataSpec(path=str(path), is_skip_bad_rows=True)
+
+    def num_words(row: PromptRow) -> int:
+        return len(row.prompt_text.split())
+
+    loaded = load_rows(spec, prompt_tokens=num_words, max_prompt_tokens=5)
+    assert [r.prompt_id for r in loaded.rows] == ["mix.jsonl:0", "mix.jsonl:2"]
+    assert loaded.num_skipped == 3
+    assert loaded.skipped[0] == (
+        f"{path}:2: key 'prompt': prompt of 7 tokens is longer than the max prompt length (5 tokens)"
+    )
+    assert loaded.skipped[1].startswith(f"{path}:4: bad JSON")
+    assert loaded.skipped[2] == f"{path}:5: expected a JSON object, got list"
+    with pytest.raises(DataError, match=r"mix.jsonl:2: key 'prompt': prompt of 7 tokens"):
+        load_rows(DataSpec(path=str(path)), prompt_tokens=num_words, max_prompt_tokens=5)
+
+
+def test_bad_sources_are_one_line_errors(tmp_path):
+    cases = {
+        "missing.jsonl": (None, "no such file or directory"),
+        "data.txt": ("hello", "unknown data format '.txt'"),
+        "obj.json": ('{"prompt": "x"}', "expected a JSON list of objects, got object"),
+        "broken.json": ("[{", "not a JSON file"),
+        "broken.parquet": ("not parquet", "not a readable Parquet file"),
+        "empty.csv": ("", "empty CSV file"),
+    }
+    for name, (text, expected) in cases.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        with pytest.raises(DataError) as err:
+            load_rows(DataSpec(path=str(tmp_path / name)))
+        assert expected in str(err.value) and "\n" not in str(err.value), (name, str(err.value))
+    (tmp_path / "notds").mkdir()
+    with pytest.raises(DataError, match="not a directory written by datasets' save_to_disk"):
+        load_rows(DataSpec(path=str(tmp_path / "notds")))
+    # Nothing usable left after skipping is an error too, naming the first reason.
+    path = write_jsonl(tmp_path / "allbad.jsonl", [{"prompt": ""}])
+    with pytest.raises(
+        DataError, match=r"no usable rows; 1 bad rows skipped, first: .*allbad.jsonl:1"
+    ):
+        load_rows(DataSpec(path=str(path), is_skip_bad_rows=True))
+    with pytest.raises(DataError, match="--prompt-key"):
+        DataSpec(path="x.jsonl", prompt_key="")
+
+
+def _rows(n: int) -> list[PromptRow]:
+    return [PromptRow(prompt_id=f"r:{i}", prompt=f"p{i}", answer=str(i)) for i in range(n)]
+
+
+def test_prompt_stream_is_pure_straddles_epochs_and_covers_each_epoch():
+    rows = _rows(10)
+    stream = PromptStream(rows, seed=3)
+    batches = [stream.batch(step, 4) for step in range(10)]  # 40 positions = 4 epochs exactly
+    flat = [r.prompt_id for b in batches for r in b]
+    for epoch in range(4):
+        chunk = flat[epoch * 10 : (epoch + 1) * 10]
+        assert sorted(chunk) == sorted(r.prompt_id for r in rows), epoch
+    # Epochs are fresh permutations, not one order repeated.
+    assert flat[:10] != flat[10:20]
+    # Step 2 covers positions 8..11: the end of epoch 0 and the start of epoch 1.
+    assert [r.prompt_id for r in batches[2]] == flat[8:12]
+    assert stream.position(2, 4) == {"epoch": 0, "index": 8}
+    assert stream.position(3, 4) == {"epoch": 1, "index": 2}
+    # Pure: a fresh stream asked out of order (a resumed run) gives the same batches.
+    fresh = PromptStream(rows, seed=3)
+    for step in (7, 2, 9, 0):
+        assert fresh.batch(step, 4) == batches[step]
+    assert PromptStream(rows, seed=4).batch(0, 10) != batches[0] + batches[1][:6]
+    # A batch larger than the dataset spans epochs and still holds every row per epoch.
+    big = PromptStream(rows, seed=0).batch(0, 25)
+    assert Counter(r.prompt_id for r in big[:20]) == Counter({r.prompt_id: 2 for r in rows})
+
+
+def test_split_eval_is_deterministic_and_disjoint():
+    rows = _rows(40)
+    train, held_out = split_eval(rows, 0.1, seed=1)
+    assert len(held_out) == 4 and len(train) == 36
+    assert {r.prompt_id for r in train} | {r.prompt_id for r in held_out} == {
+        r.prompt_id for r in rows
+    }
+    assert not {r.prompt_id for r in train} & {r.prompt_id for r in held_out}
+    assert split_eval(rows, 0.1, seed=1) == (train, held_out)
+    assert split_eval(rows, 0.1, seed=2)[1] != held_out
+    assert list(train) == sorted(train, key=lambda r: int(r.prompt_id.split(":")[1]))
+    assert len(split_eval(_rows(3), 0.01, seed=0)[1]) == 1
+    for bad in (0.0, 1.0, -0.5):
+        with pytest.raises(DataError, match="--eval-split"):
+            split_eval(rows, bad, seed=0)
+
+
+def test_reasoning_gym_rows_are_reproducible_and_carry_their_coordinates():
+    spec = DataSpec(
+        path="reasoning-gym:basic_arithmetic?min_terms=2&max_terms=3", num_rows=5, seed=7
+    )
+    rows = load_rows(spec).rows
+    assert [r.prompt_id for r in rows] == [f"gym:basic_arithmetic:7:{i}" for i in range(5)]
+    assert load_rows(spec).rows == rows
+    assert load_rows(DataSpec(path=spec.path, num_rows=5, seed=8)).rows != rows
+    import reasoning_gym
+
+    direct = reasoning_gym.create_dataset(
+        "basic_arithmetic", seed=7, size=5, min_terms=2, max_terms=3
+    )
+    for i, row in enumerate(rows):
+        assert row.prompt == direct[i]["question"] and row.answer == direct[i]["answer"]
+        assert row.meta["reasoning_gym"] == {
+            "task": "basic_arithmetic",
+            "seed": 7,
+            "size": 5,
+            "config": {"min_terms": 2, "max_terms": 3},
+            "index": i,
+        }
+        json.dumps(row.meta)  # JSON-serialisable
+    chat = gym_rows("basic_arithmetic", seed=7, num_rows=1, config={}, system_prompt="default")
+    assert [m["role"] for m in chat[0].prompt] == ["system", "user"]
+    assert "<answer>" in chat[0].prompt[0]["content"]
+    pairs = gym_sft_examples(
+        "basic_arithmetic", seed=7, num_rows=2, config={"min_terms": 2, "max_terms": 3}
+    )
+    assert pairs == tuple((r.prompt, r.answer) for r in rows[:2])
+
+
+def test_reasoning_gym_bad_input_is_one_line():
+    assert parse_gym_path("reasoning-gym:chain_sum?min_terms=3&x=abc&system_prompt=default") == (
+        "chain_sum",
+        {"min_terms": 3, "x": "abc"},
+        "default",
+    )
+    cases = {
+        "reasoning-gym:basic_arithmetc": "unknown; ",
+        "reasoning-gym:basic_arithmetic?no_such_key=1": "bad config",
+        "reasoning-gym:basic_arithmetic?seed=1": "config key 'seed' is set by --seed",
+        "reasoning-gym:basic_arithmetic?system_prompt=nope": "system_prompt='nope': unknown",
+        "reasoning-gym:": "expected reasoning-gym:<task>",
+    }
+    for path, expected in cases.items():
+        with pytest.raises(UsageError) as err:
+            load_rows(DataSpec(path=path, num_rows=2))
+        assert expected in str(err.value) and "\n" not in str(err.value), str(err.value)
+    with pytest.raises(UsageError, match="basic_arithmetic"):
+        load_rows(DataSpec(path="reasoning-gym:basic_arithmetc", num_rows=2))

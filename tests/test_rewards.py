@@ -1,0 +1,305 @@
+"""Rewards (tltrun.data.rewards, tltrun.data.scoring): each kind on right and wrong responses
+(math-verify on ``\\boxed{3/4}`` vs ``0.75``, exact, regex, a reasoning-gym task, a user module
+written here, the built-in task), --reward parsing errors as one line, the process pool (order
+kept, a raising and a sleeping reward under the timeout scored 0 with the error and the pool
+still working after, on_error="raise"), and DAPO's overlong shaping. CPU only.
+
+Run: ``python -m pytest tests/test_rewards.py -q`` (~10 s: the pool tests spawn processes).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tltrun.data.dataset import DataSpec, load_rows
+from tltrun.data.rewards import (
+    RewardError,
+    RewardItem,
+    RewardOutcome,
+    RewardPool,
+    RewardSpec,
+    Shaping,
+    apply_shaping,
+    parse_reward,
+)
+from tltrun.data.scoring import final_answer, last_boxed, normalize, score_in_process
+from tltrun.train.tasks import TaskConfig, make_examples
+from tltsim.errors import UsageError
+
+USER_MODULE = '''
+import os
+import time
+
+def contains(prompt, response, answer, **meta):
+    """1 if the answer appears in the response; meta's weight scales it."""
+    return float(answer in response) * meta.get("weight", 1.0)
+
+def boom(prompt, response, answer, **meta):
+    raise ValueError("boom on " + prompt)
+
+def sleepy(prompt, response, answer, **meta):
+    if response == "sleep":
+        time.sleep(60)
+    return 0.5
+
+def not_a_float(prompt, response, answer, **meta):
+    return "1.0"
+
+def nan(prompt, response, answer, **meta):
+    return float("nan")
+
+def crash(prompt, response, answer, **meta):
+    os._exit(7)
+'''
+
+
+def item(response: str, answer: str | None, sample_id: str = "s0", **meta) -> RewardItem:
+    return RewardItem(sample_id=sample_id, prompt="q?", response=response, answer=answer, meta=meta)
+
+
+def rewards(spec_text: str, pairs: list[tuple[str, str | None]]) -> list[float]:
+    outcomes = score_in_process(parse_reward(spec_text), [item(r, a) for r, a in pairs])
+    assert all(o.error is None for o in outcomes), outcomes
+    return [o.reward for o in outcomes]
+
+
+@pytest.fixture
+def user_module(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(USER_MODULE)
+    return path
+
+
+def test_math_reward_uses_math_verify():
+    assert rewards(
+        "math",
+        [
+            ("So the answer is \\boxed{3/4}.", "0.75"),
+            ("So the answer is \\boxed{2/3}.", "0.75"),
+            ("We get \\boxed{\\frac{1}{2}}", "0.5"),
+            ("First \\boxed{5}, corrected: \\boxed{4}", "4"),  # the last box counts
+            ("First \\boxed{4}, corrected: \\boxed{5}", "4"),
+            ("48 + 24 = 72 clips in total.", "She sold 48/2 = 24 in May.\n#### 72"),  # GSM8K gold
+            ("The final answer is 71", "#### 72"),
+            ("no number here", "3"),
+        ],
+    ) == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+
+
+def test_exact_and_regex_rewards():
+    assert normalize("  Hello \n  World.. ") == "hello world"
+    assert last_boxed("a \\boxed{x^{2}} b \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
+    assert last_boxed("unclosed \\boxed{x") is None
+    assert final_answer("work\n\nParis.\n\n") == "Paris."
+    assert rewards(
+        "exact",
+        [
+            ("thinking...\nParis.", "paris"),
+            ("The capital is \\boxed{ PARIS }, as\nwe know", "Paris"),
+            ("Paris\nis my guess", "Paris"),  # the last line is what counts
+            ("London", "Paris"),
+        ],
+    ) == [1.0, 1.0, 0.0, 0.0]
+    assert rewards(
+        r"regex:Answer:\s*(?P<answer>\w+)",
+        [
+            ("Answer: 3 ... no wait. Answer: 5", "5"),
+            ("Answer: 3 ... no wait. Answer: 5", "3"),  # the last match counts
+            ("I don't know", "3"),
+        ],
+    ) == [1.0, 0.0, 0.0]
+    outcome = score_in_process(parse_reward("exact"), [item("x", None)])[0]
+    assert outcome.reward == 0.0 and "needs an answer field" in outcome.error
+
+
+def test_builtin_reward_is_the_tasks_reward():
+    import random
+
+    (example,) = make_examples(TaskConfig(), random.Random(0), num_prompts=1)
+    answer = str(example.answer)
+    wrong = str((example.answer + 1) % 10)
+    right = example.solutions[0]
+    assert rewards("builtin", [(right, answer), (right, wrong), ("garbage", answer)]) == [
+        1.0,
+        0.0,
+        0.0,
+    ]
+
+
+def test_reasoning_gym_reward_uses_the_librarys_scorer():
+    rows = load_rows(DataSpec(path="reasoning-gym:basic_arithmetic", num_rows=4, seed=3)).rows
+    spec = parse_reward("reasoning-gym:basic_arithmetic")
+    right = [
+        RewardItem(
+            sample_id=r.prompt_id,
+            prompt=r.prompt_text,
+            response=f"Thinking.\n<answer>{r.answer}</answer>",
+            answer=r.answer,
+            meta=r.meta,
+        )
+        for r in rows
+    ]
+    bare = [
+        RewardItem(
+            sample_id=r.prompt_id,
+            prompt=r.prompt_text,
+            response=f" {r.answer}\n",
+            answer=r.answer,
+            meta=r.meta,
+        )
+        for r in rows
+    ]
+    wrong = [
+        RewardItem(
+            sample_id=r.prompt_id,
+            prompt=r.prompt_text,
+            response=f"<answer>{r.answer}1</answer>",
+            answer=r.answer,
+            meta=r.meta,
+        )
+        for r in rows
+    ]
+    outcomes = score_in_process(spec, right + bare + wrong)
+    assert [o.reward for o in outcomes[:8]] == [1.0] * 8
+    assert all(o.reward < 1.0 for o in outcomes[8:])
+    assert [o.is_format_ok for o in outcomes] == [True] * 4 + [False] * 4 + [True] * 4
+    # Without the generation coordinates (a file with a question/answer column), the entry
+    # is rebuilt from the row and scored the same way.
+    stripped = [
+        RewardItem(
+            sample_id=i.sample_id, prompt=i.prompt, response=i.response, answer=i.answer, meta={}
+        )
+        for i in right + wrong
+    ]
+    assert [o.reward for o in score_in_process(spec, stripped)] == [
+        o.reward for o in outcomes[:4] + outcomes[8:]
+    ]
+
+
+def test_user_module_reward(user_module):
+    spec = parse_reward(f"{user_module}:contains")
+    assert spec == RewardSpec(kind="python", arg=f"{user_module.resolve()}:contains")
+    outcomes = score_in_process(
+        spec,
+        [
+            item("it is 42", "42"),
+            item("it is 41", "42"),
+            item("it is 42", "42", weight=0.5, answer_len=2),
+        ],
+    )
+    assert [o.reward for o in outcomes] == [1.0, 0.0, 0.5]
+    # A meta column named like an argument is not passed twice.
+    assert score_in_process(spec, [item("42", "42", prompt="dup")])[0].reward == 1.0
+    bad = score_in_process(
+        parse_reward(f"{user_module}:not_a_float"), [item("x", "1")]
+    ) + score_in_process(parse_reward(f"{user_module}:nan"), [item("x", "1")])
+    assert [o.reward for o in bad] == [0.0, 0.0]
+    assert bad[0].error == "TypeError: the reward function returned str, expected a float"
+    assert bad[1].error == "ValueError: the reward function returned nan, expected a finite float"
+
+
+def test_bad_reward_flags_are_one_line(tmp_path, user_module):
+    (tmp_path / "broken.py").write_text("import no_such_module_xyz\n")
+    cases = {
+        "nonsense": "expected builtin, math, exact",
+        "regex:no group": "expected a named group (?P<answer>...)",
+        "regex:(": "not a regular expression",
+        "reasoning-gym:basic_arithmetc": "unknown; ",
+        f"{tmp_path}/missing.py:f": "no such file",
+        f"{user_module}:nope": "has no function 'nope'",
+        f"{tmp_path}/broken.py:f": "importing broken.py failed: ModuleNotFoundError",
+    }
+    for text, expected in cases.items():
+        with pytest.raises(UsageError) as err:
+            parse_reward(text)
+        assert expected in str(err.value) and "\n" not in str(err.value), (text, str(err.value))
+    with pytest.raises(UsageError, match="--reward-timeout-s"):
+        RewardPool(parse_reward("exact"), timeout_s=0)
+    with pytest.raises(UsageError, match="--reward-errors"):
+        RewardPool(parse_reward("exact"), on_error="ignore")
+
+
+def test_pool_keeps_order_and_survives_raising_and_hanging_rewards(user_module):
+    items = [item(f"it is {i}", str(i % 3), sample_id=f"s{i}") for i in range(7)]
+    with RewardPool(parse_reward(f"{user_module}:contains"), num_processes=2) as pool:
+        assert [o.reward for o in pool.score(items)] == [
+            float(str(i % 3) in f"it is {i}") for i in range(7)
+        ]
+        assert pool.score([]) == []
+    with RewardPool(parse_reward(f"{user_module}:boom"), num_processes=1) as pool:
+        (outcome,) = pool.score([item("x", "1")])
+        assert outcome == RewardOutcome(
+            reward=0.0, error="ValueError: boom on q?", is_format_ok=False
+        )
+    with RewardPool(parse_reward(f"{user_module}:sleepy"), num_processes=2, timeout_s=1.0) as pool:
+        start = time.monotonic()
+        outcomes = pool.score([item("sleep", "1", "a"), item("ok", "1", "b"), item("ok", "1", "c")])
+        elapsed = time.monotonic() - start
+        assert [o.reward for o in outcomes] == [0.0, 0.5, 0.5]
+        assert outcomes[0].error == "timeout after 1 s" and outcomes[1].error is None
+        assert elapsed < 20, elapsed  # the hung call was killed, not waited for (60 s)
+        # The hung process was replaced: the pool scores the next batch, hangs included.
+        outcomes = pool.score([item("ok", "1"), item("sleep", "1"), item("ok", "1")])
+        assert [o.error for o in outcomes] == [None, "timeout after 1 s", None]
+        assert pool.num_errors == 2
+    with RewardPool(parse_reward(f"{user_module}:crash"), num_processes=1) as pool:
+        outcomes = pool.score([item("x", "1"), item("y", "1")])
+        assert [o.error for o in outcomes] == ["reward process died (exit code 7)"] * 2
+
+
+def test_pool_on_error_raise_names_the_sample(user_module):
+    with RewardPool(parse_reward(f"{user_module}:sleepy"), timeout_s=1.0, on_error="raise") as pool:
+        with pytest.raises(RewardError) as err:
+            pool.score([item("ok", "1", "p0:0"), item("sleep", "1", "p3:1")])
+        message = str(err.value)
+        assert "sample p3:1: timeout after 1 s" in message and "\n" not in message
+        assert [o.reward for o in pool.score([item("ok", "1")])] == [0.5]
+
+
+def test_pool_with_math_and_reasoning_gym_in_processes():
+    with RewardPool(parse_reward("math"), num_processes=2) as pool:
+        outcomes = pool.score([item("\\boxed{3/4}", "0.75"), item("\\boxed{1/4}", "0.75")])
+    assert [(o.reward, o.error) for o in outcomes] == [(1.0, None), (0.0, None)]
+    rows = load_rows(DataSpec(path="reasoning-gym:chain_sum", num_rows=3, seed=5)).rows
+    items = [item(f"<answer>{r.answer}</answer>", r.answer, r.prompt_id, **r.meta) for r in rows]
+    items += [item("<answer>nonsense</answer>", r.answer, r.prompt_id, **r.meta) for r in rows]
+    with RewardPool(parse_reward("reasoning-gym:chain_sum"), num_processes=2) as pool:
+        outcomes = pool.score(items)
+    assert [o.reward for o in outcomes[:3]] == [1.0] * 3
+    assert all(o.reward < 1.0 and o.error is None for o in outcomes[3:])
+
+
+def test_overlong_shaping_follows_dapo_eq_13():
+    # L_max = 100, L_cache = 20: no penalty up to 80 tokens, linear to -1 at 100, -1 beyond.
+    shaping = Shaping(overlong_buffer_tokens=20)
+
+    def shaped(num_tokens: int, reward: float = 1.0, **kw) -> float:
+        return apply_shaping(
+            reward,
+            num_response_tokens=num_tokens,
+            max_response_tokens=100,
+            shaping=kw.pop("s", shaping),
+            **kw,
+        )
+
+    assert [shaped(n) for n in (10, 80, 85, 90, 100, 120)] == [1.0, 1.0, 0.75, 0.5, 0.0, 0.0]
+    assert shaped(90, reward=0.0) == -0.5
+    assert shaped(90, s=Shaping(overlong_buffer_tokens=20, overlong_penalty=0.5)) == 0.75
+    # Off by default: the identity whatever the length or format.
+    assert (
+        apply_shaping(
+            0.3,
+            num_response_tokens=100,
+            max_response_tokens=100,
+            shaping=Shaping(),
+            is_format_ok=False,
+        )
+        == 0.3
+    )
+    assert shaped(10, s=Shaping(format_penalty=0.2), is_format_ok=False) == 0.8
+    with pytest.raises(UsageError, match="larger than the max response length"):
+        apply_shaping(1.0, num_response_tokens=1, max_response_tokens=10, shaping=shaping)
+    with pytest.raises(UsageError, match="--format-penalty"):
+        Shaping(format_penalty=float("nan"))

@@ -1,0 +1,274 @@
+"""The reward functions behind ``--reward`` (what each kind computes: ``rewards.py``'s
+docstring), and the types that cross into the reward processes: ``RewardSpec`` (which reward),
+``RewardItem`` (one response), ``RewardOutcome`` (its reward, or the error that zeroed it).
+``Scorer`` loads one reward once per process; ``rewards.RewardPool`` runs it with a timeout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import numbers
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tltsim.errors import UsageError
+
+REWARD_KINDS = ("builtin", "math", "exact", "regex", "reasoning-gym", "python")
+# Keys of a row's meta that cannot be passed as **meta to a user reward (its own arguments).
+_RESERVED_ARGS = ("prompt", "response", "answer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardSpec:
+    """What ``--reward`` names: a kind of REWARD_KINDS and its argument (the regex pattern, the
+    reasoning-gym task, or ``/abs/path/module.py:function``). Picklable: it travels to the
+    reward processes, which rebuild the function from it."""
+
+    kind: str
+    arg: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in REWARD_KINDS:
+            raise UsageError(
+                f"--reward: unknown kind {self.kind!r}; expected one of {REWARD_KINDS}"
+            )
+
+    def __str__(self) -> str:
+        if self.kind == "python":
+            return self.arg
+        return f"{self.kind}:{self.arg}" if self.arg else self.kind
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardItem:
+    """One response to score."""
+
+    sample_id: str
+    prompt: str
+    response: str
+    answer: str | None
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardOutcome:
+    """A response's reward; ``error`` (one line) when the reward failed and 0 was given instead.
+    ``is_format_ok``: the response has the form its reward looks for (``rewards.py`` docstring),
+    what ``Shaping.format_penalty`` keys on."""
+
+    reward: float
+    error: str | None = None
+    is_format_ok: bool = True
+
+
+def compile_answer_pattern(pattern: str) -> re.Pattern[str]:
+    try:
+        compiled = re.compile(pattern)
+    except re.error as err:
+        raise UsageError(f"--reward regex:{pattern}: not a regular expression ({err})") from None
+    if "answer" not in compiled.groupindex:
+        raise UsageError(
+            f"--reward regex:{pattern}: expected a named group (?P<answer>...) in the pattern"
+        )
+    return compiled
+
+
+def load_user_function(arg: str) -> Callable[..., Any]:
+    path_text, _, name = arg.rpartition(":")
+    path = Path(path_text)
+    if not path.is_file():
+        raise UsageError(f"--reward {arg}: no such file {path}")
+    if not name.isidentifier():
+        raise UsageError(f"--reward {arg}: expected module.py:function, got function {name!r}")
+    # A module name of our own so two reward files named alike do not collide in sys.modules.
+    module_name = f"tlt_user_reward_{abs(hash(str(path)))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise UsageError(f"--reward {arg}: cannot import {path}")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as err:  # the user's module: any failure is theirs to fix
+        raise UsageError(f"--reward {arg}: importing {path.name} failed: {one_line(err)}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise UsageError(f"--reward {arg}: {path.name} has no function {name!r}")
+    return function
+
+
+def one_line(err: BaseException) -> str:
+    message = " ".join(str(err).split())
+    return f"{type(err).__name__}: {message}"[:300] if message else type(err).__name__
+
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces
+    balanced; None if there is none or it is unclosed."""
+    matches = list(_BOXED.finditer(text))
+    if not matches:
+        return None
+    start = matches[-1].end()
+    depth = 1
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start:i]
+    return None
+
+
+def final_answer(response: str) -> str:
+    """The response's final answer for ``exact``: the last ``\\boxed{}`` content if present,
+    else its last non-empty line."""
+    boxed = last_boxed(response)
+    if boxed is not None:
+        return boxed
+    lines = [line for line in response.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def normalize(text: str) -> str:
+    """Stripped, whitespace runs as one space, casefolded, trailing periods removed."""
+    return " ".join(text.split()).casefold().rstrip(".").rstrip()
+
+
+def _need_answer(item: RewardItem, kind: str) -> str:
+    if item.answer is None:
+        raise ValueError(f"reward {kind!r} needs an answer field; this row has none (--answer-key)")
+    return item.answer
+
+
+class Scorer:
+    """One reward function, loaded once per process: ``score(item) -> (reward, is_format_ok)``."""
+
+    def __init__(self, spec: RewardSpec) -> None:
+        self.spec = spec
+        self._pattern: re.Pattern[str] | None = None
+        self._user_function: Callable[..., Any] | None = None
+        self._gym_datasets: dict[str, Any] = {}
+        if spec.kind == "regex":
+            self._pattern = compile_answer_pattern(spec.arg)
+        elif spec.kind == "python":
+            self._user_function = load_user_function(spec.arg)
+        elif spec.kind == "math":
+            import math_verify  # noqa: F401  (loaded before the first timed call)
+        elif spec.kind == "reasoning-gym":
+            from tltrun.data.gym import create
+
+            self._gym_default = create(spec.arg, seed=0, num_rows=1, config={})
+
+    def score(self, item: RewardItem) -> tuple[float, bool]:
+        kind = self.spec.kind
+        if kind == "builtin":
+            from tltrun.train.tasks import parse_answer, reward
+
+            answer = _need_answer(item, kind)
+            return reward(item.response, int(answer)), parse_answer(item.response) is not None
+        if kind == "math":
+            return self._math(item)
+        if kind == "exact":
+            answer = _need_answer(item, kind)
+            matched = normalize(final_answer(item.response)) == normalize(answer)
+            return float(matched), last_boxed(item.response) is not None
+        if kind == "regex":
+            answer = _need_answer(item, kind)
+            assert self._pattern is not None
+            matches = list(self._pattern.finditer(item.response))
+            if not matches:
+                return 0.0, False
+            found = matches[-1].group("answer") or ""
+            return float(normalize(found) == normalize(answer)), True
+        if kind == "reasoning-gym":
+            return self._gym(item)
+        return self._python(item)
+
+    def _math(self, item: RewardItem) -> tuple[float, bool]:
+        from math_verify import parse, verify
+
+        answer = _need_answer(item, "math")
+        gold_text = answer.rsplit("####", 1)[-1].strip() if "####" in answer else answer
+        gold = parse(gold_text)
+        if not gold:
+            gold = parse(f"${gold_text}$")
+        if not gold:
+            raise ValueError(f"math-verify cannot parse the answer field {gold_text[:80]!r}")
+        boxed = last_boxed(item.response)
+        predicted = parse(f"\\boxed{{{boxed}}}" if boxed is not None else item.response)
+        if not predicted:
+            return 0.0, boxed is not None
+        return float(verify(gold, predicted)), boxed is not None
+
+    def _gym(self, item: RewardItem) -> tuple[float, bool]:
+        from reasoning_gym.utils import extract_answer
+
+        answer_tag = extract_answer(item.response)
+        extracted = answer_tag if answer_tag is not None else item.response.strip()
+        dataset, entry = self._gym_entry(item)
+        score = dataset.score_answer(extracted, entry)
+        return _check_number(score, "the reasoning-gym scorer"), answer_tag is not None
+
+    def _gym_entry(self, item: RewardItem) -> tuple[Any, dict[str, Any]]:
+        coords = item.meta.get("reasoning_gym")
+        if isinstance(coords, dict) and coords.get("task") == self.spec.arg:
+            from tltrun.data.gym import create
+
+            key = repr(sorted((k, repr(v)) for k, v in coords.items() if k != "index"))
+            if key not in self._gym_datasets:
+                self._gym_datasets[key] = create(
+                    coords["task"],
+                    seed=int(coords["seed"]),
+                    num_rows=int(coords["size"]),
+                    config=dict(coords.get("config") or {}),
+                )
+            dataset = self._gym_datasets[key]
+            entry = dataset[int(coords["index"])]
+            # The regenerated entry must be the row's; a mismatch means the row's coordinates
+            # are not the ones it was generated from, and the JSON copy is all there is.
+            if item.answer is None or str(entry.get("answer")) == item.answer:
+                return dataset, entry
+        entry = {
+            "question": item.meta.get("question", item.prompt),
+            "answer": item.answer,
+            "metadata": item.meta.get("metadata", {}),
+        }
+        return self._gym_default, entry
+
+    def _python(self, item: RewardItem) -> tuple[float, bool]:
+        assert self._user_function is not None
+        meta = {k: v for k, v in item.meta.items() if k not in _RESERVED_ARGS}
+        value = self._user_function(item.prompt, item.response, item.answer, **meta)
+        return _check_number(value, "the reward function"), True
+
+
+def _check_number(value: Any, what: str) -> float:
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} returned {type(value).__name__}, expected a float")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{what} returned {out}, expected a finite float")
+    return out
+
+
+def score_one(scorer: Scorer, item: RewardItem) -> RewardOutcome:
+    """One item scored in this process; an exception becomes a 0 with the error's line."""
+    try:
+        reward, is_format_ok = scorer.score(item)
+    except Exception as err:  # a reward's failure is data, reported per sample
+        return RewardOutcome(reward=0.0, error=one_line(err), is_format_ok=False)
+    return RewardOutcome(reward=reward, error=None, is_format_ok=is_format_ok)
+
+
+def score_in_process(spec: RewardSpec, items: Sequence[RewardItem]) -> list[RewardOutcome]:
+    """The same rewards without a pool or a timeout, in this process: for tests and for tools
+    that score a handful of responses (``tltrun`` itself always uses a RewardPool)."""
+    scorer = Scorer(spec)
+    return [score_one(scorer, item) for item in items]

@@ -1,0 +1,158 @@
+"""The tokenizer of a model directory, as ``tltrun train`` and ``tltrun sft`` use it: Hugging Face
+files read with ``transformers.AutoTokenizer`` from local files only (no hub, no network), the
+model's chat template applied to chat-message prompts, and the stop/pad ids gathered from the
+tokenizer, ``config.json`` and ``generation_config.json``.
+
+    tok = load_tokenizer("Qwen2.5-0.5B-Instruct")
+    ids = tok.encode_prompt([{"role": "user", "content": "What is 3/4 as a decimal?"}])
+    text = tok.decode(response_ids)
+
+Prompts:
+
+* a list of chat messages (``{"role": ..., "content": ...}``) always goes through the model's
+  chat template with the generation prompt appended (``add_generation_prompt=True``), the way
+  veRL and TRL build RL prompts from chat datasets; a model without a template is an error;
+* a plain string is encoded as it is (with the tokenizer's own special tokens, e.g. the BOS the
+  built-in task's character tokenizer prepends), or wrapped as one user message and templated
+  when ``is_chat_template`` is on (``--chat-template``).
+
+Stop ids are the union of ``generation_config.json``'s ``eos_token_id`` (Qwen2.5-Instruct lists
+both ``<|im_end|>`` and ``<|endoftext|>`` there), ``config.json``'s and the tokenizer's EOS:
+generation stops at any of them, as ``transformers.generate`` and vLLM do. The pad id is the
+tokenizer's pad token, else its EOS (padding is masked out; its value never matters).
+
+The built-in task's character tokenizer (``tltrun.model.tokenizer.CharTokenizer``) is saved in
+the same layout and loads through here too; AutoTokenizer gives the same ids (its tests).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tltsim.errors import UsageError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+Prompt = str | Sequence[dict[str, str]]
+
+
+class TokenizerError(UsageError):
+    """A model directory whose tokenizer cannot be used; one line naming the file."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerInfo:
+    """What the runtime needs besides encode/decode, in one place (logged into config.json)."""
+
+    vocab_size: int
+    pad_id: int
+    eos_ids: tuple[int, ...]
+    has_chat_template: bool
+
+
+class TextTokenizer:
+    """A Hugging Face tokenizer with the prompt rules above. Not constructed directly: use
+    ``load_tokenizer``."""
+
+    def __init__(self, hf: Any, eos_ids: tuple[int, ...], is_chat_template: bool, source: str):
+        self.hf = hf
+        self.source = source
+        self.eos_ids = eos_ids
+        self.is_chat_template = is_chat_template
+        pad = hf.pad_token_id if hf.pad_token_id is not None else eos_ids[0]
+        self.pad_id = int(pad)
+
+    @property
+    def info(self) -> TokenizerInfo:
+        return TokenizerInfo(
+            vocab_size=len(self.hf),
+            pad_id=self.pad_id,
+            eos_ids=self.eos_ids,
+            has_chat_template=bool(getattr(self.hf, "chat_template", None)),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def prompt_text(self, prompt: Prompt) -> str:
+        """The prompt as the model sees it (after the chat template, if one applies)."""
+        if isinstance(prompt, str) and not self.is_chat_template:
+            return prompt
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not getattr(self.hf, "chat_template", None):
+            raise TokenizerError(
+                f"{self.source}/tokenizer_config.json: no 'chat_template', needed for chat-message "
+                "prompts and --chat-template (use plain-text prompts, or a model with a template)"
+            )
+        return self.hf.apply_chat_template(
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+        )
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: a templated prompt carries its own special tokens, a plain one
+        gets the tokenizer's (BOS for the character tokenizer)."""
+        text = self.prompt_text(prompt)
+        is_templated = not (isinstance(prompt, str) and not self.is_chat_template)
+        return list(self.hf(text, add_special_tokens=not is_templated)["input_ids"])
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Response text without special tokens (what rewards read)."""
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+
+def _eos_from_json(path: Path) -> list[int]:
+    if not path.is_file():
+        return []
+    try:
+        value = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as err:
+        raise TokenizerError(f"{path}: not readable JSON ({err})") from None
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise TokenizerError(f"{path}: field 'eos_token_id' must be an id or a list of ids")
+    return list(values)
+
+
+def load_tokenizer(model_dir: str | Path, *, is_chat_template: bool = False) -> TextTokenizer:
+    """The tokenizer saved in ``model_dir`` (``tokenizer.json`` + ``tokenizer_config.json``)."""
+    directory = Path(model_dir)
+    for name in TOKENIZER_FILES:
+        if not (directory / name).is_file():
+            raise TokenizerError(
+                f"{directory}: missing {name} (a model directory needs the Hugging Face "
+                "tokenizer files tokenizer.json and tokenizer_config.json beside config.json)"
+            )
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UsageError(
+            "loading a model's tokenizer needs transformers (pip install -e '.[run]')"
+        ) from None
+    try:
+        hf = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as err:  # transformers raises many types for a broken file
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise TokenizerError(f"{directory}/tokenizer.json: cannot be loaded ({first})") from None
+    eos: list[int] = []
+    for source in (
+        _eos_from_json(directory / "generation_config.json"),
+        _eos_from_json(directory / "config.json"),
+        [hf.eos_token_id] if hf.eos_token_id is not None else [],
+    ):
+        eos.extend(i for i in source if i not in eos)
+    if not eos:
+        raise TokenizerError(
+            f"{directory}: no EOS id in generation_config.json, config.json or the tokenizer "
+            "(responses could never stop before the token cap)"
+        )
+    return TextTokenizer(hf, tuple(eos), is_chat_template, str(directory))

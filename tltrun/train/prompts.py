@@ -1,0 +1,148 @@
+"""The prompts and rewards of one ``tltrun train`` run: the built-in task, or the user's data
+(``--data``) and reward (``--reward``), and the held-out evaluation set (issue #16).
+
+* Built-in task (no ``--data``): each step draws fresh problems from a stream seeded by
+  (seed, step) (``builtin_rows``), scored by ``tltrun.train.tasks.reward``; the evaluation set
+  is ``eval_max_prompts`` problems from a stream of its own.
+* ``--data``: ``tltrun.data.dataset.load_rows`` reads the rows once (bad rows stop the run, or
+  are counted with ``--skip-bad-rows``); ``PromptStream`` deals each step's prompts, a pure
+  function of (seed, step) that shuffles every epoch afresh, so the checkpoint's data position
+  is its step number (``RunData.position`` says which epoch and index, for the log). The
+  evaluation set is ``--eval-data``, or ``--eval-split`` of ``--data`` held out from training.
+
+``fingerprint`` hashes every row the run trains and evaluates on: the launcher records it in
+``config.json`` and refuses to resume a run whose data changed underneath it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tltrun.data.dataset import DataSpec, PromptRow, PromptStream, load_rows, split_eval
+from tltrun.data.rewards import RewardSpec, parse_reward
+from tltrun.train.config import TrainConfig
+from tltrun.train.tasks import TaskConfig, sample_problem
+
+# The evaluation stream of the built-in task: a seed offset no training step uses (training
+# streams are seeded seed * 1_000_003 + step with step >= 0).
+_EVAL_STREAM = -1
+
+
+def builtin_rows(task: TaskConfig, seed: int, step: int, num_prompts: int) -> list[PromptRow]:
+    """The built-in task's prompts of stream ``step``: a pure function of (seed, step). A
+    problem's id is its prompt text's hash, so a prompt that recurs in a later step keeps its
+    id (the history drafter's key for its earlier rollouts, issue #20)."""
+    rng = random.Random(seed * 1_000_003 + step)
+    rows = []
+    for _ in range(num_prompts):
+        problem = sample_problem(task, rng)
+        digest = hashlib.sha1(problem.prompt.encode()).hexdigest()[:16]
+        rows.append(
+            PromptRow(
+                prompt_id=f"task-{digest}",
+                prompt=problem.prompt,
+                answer=str(problem.answer),
+                meta={},
+                source=f"built-in task, stream {step}",
+            )
+        )
+    return rows
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunData:
+    """What a worker needs to deal prompts: the training stream (None: the built-in task) and
+    the evaluation rows."""
+
+    stream: PromptStream | None
+    eval_rows: tuple[PromptRow, ...]
+    num_train_rows: int
+    num_skipped: int
+    fingerprint: str
+    task: TaskConfig
+    seed: int
+
+    def step_rows(self, step: int, num_prompts: int) -> list[PromptRow]:
+        if self.stream is None:
+            return builtin_rows(self.task, self.seed, step, num_prompts)
+        return self.stream.batch(step, num_prompts)
+
+    def position(self, step: int, num_prompts: int) -> dict:
+        """Where step ``step`` starts in the data (for the log and checkpoints)."""
+        if self.stream is None:
+            return {"stream": step}
+        return self.stream.position(step, num_prompts)
+
+
+# --eval-data reasoning-gym:<task> generates its problems from seed + this offset, so they are
+# not the training problems (the same seed would regenerate exactly those)
+EVAL_GYM_SEED_OFFSET = 1_000_003
+
+
+def _spec(cfg: TrainConfig, path: str, is_eval: bool = False) -> DataSpec:
+    return DataSpec(
+        path=path,
+        prompt_key=cfg.prompt_key,
+        answer_key=cfg.answer_key,
+        is_skip_bad_rows=cfg.skip_bad_rows,
+        num_rows=cfg.data_num_rows if not is_eval else cfg.eval_max_prompts,
+        seed=cfg.seed + (EVAL_GYM_SEED_OFFSET if is_eval else 0),
+    )
+
+
+def load_run_data(
+    cfg: TrainConfig, task: TaskConfig, prompt_tokens: Callable[[PromptRow], int]
+) -> RunData:
+    """The run's data; raises DataError (one line: file, line, key) on a bad row."""
+    if cfg.data is None:
+        eval_rows = (
+            tuple(builtin_rows(task, cfg.seed, _EVAL_STREAM, cfg.eval_max_prompts))
+            if cfg.eval_every
+            else ()
+        )
+        return RunData(
+            stream=None,
+            eval_rows=eval_rows,
+            num_train_rows=0,
+            num_skipped=0,
+            fingerprint="builtin",
+            task=task,
+            seed=cfg.seed,
+        )
+    loaded = load_rows(
+        _spec(cfg, cfg.data), prompt_tokens=prompt_tokens, max_prompt_tokens=cfg.max_prompt_tokens
+    )
+    rows, num_skipped = loaded.rows, loaded.num_skipped
+    eval_rows: tuple[PromptRow, ...] = ()
+    if cfg.eval_split:
+        rows, eval_rows = split_eval(rows, cfg.eval_split, cfg.seed)
+    elif cfg.eval_data:
+        held = load_rows(
+            _spec(cfg, cfg.eval_data, is_eval=True),
+            prompt_tokens=prompt_tokens,
+            max_prompt_tokens=cfg.max_prompt_tokens,
+        )
+        eval_rows, num_skipped = held.rows, num_skipped + held.num_skipped
+    eval_rows = eval_rows[: cfg.eval_max_prompts]
+    digest = hashlib.sha1()
+    for row in (*rows, *eval_rows):
+        digest.update(json.dumps([row.prompt_id, row.prompt, row.answer], default=str).encode())
+    return RunData(
+        stream=PromptStream(rows, cfg.seed),
+        eval_rows=tuple(eval_rows),
+        num_train_rows=len(rows),
+        num_skipped=num_skipped,
+        fingerprint=digest.hexdigest(),
+        task=task,
+        seed=cfg.seed,
+    )
+
+
+def reward_spec(cfg: TrainConfig) -> RewardSpec:
+    """The run's reward (``TrainConfig.reward_name``), checked: a user module is imported once
+    here so a missing file or function is one error line before any worker starts."""
+    return parse_reward(cfg.reward_name)
