@@ -31,12 +31,18 @@ from tltsim.cli.table import format_table
 from tltsim.errors import UsageError
 from tltsim.jsonio import write_json
 
-RUNS = (  # name, policy, spot training
-    ("nospec", "nospec", False),
-    ("static", "static", False),
-    ("tlt-frozen", "tlt", False),
-    ("tlt-spot", "tlt", True),
-)
+# name -> (policy, spot training, drafters TLT's bandit may pick per bucket)
+RUN_SPECS = {
+    "nospec": ("nospec", False, ("eagle",)),
+    "static": ("static", False, ("eagle",)),
+    "tlt-frozen": ("tlt", False, ("eagle",)),
+    "tlt-spot": ("tlt", True, ("eagle",)),
+    # issue #20: the history drafter alone (TLT-Base), and TLT's bandit choosing per bucket
+    # between the spot-trained EAGLE drafter and the history drafter
+    "tltbase": ("tltbase", False, ("eagle",)),
+    "tlt-mix": ("tlt", True, ("eagle", "history")),
+}
+DEFAULT_RUNS = ("nospec", "static", "tlt-frozen", "tlt-spot")
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,12 @@ class BenchTrainConfig:
     out: str = field(
         default="runs/bench_train",
         metadata={"help": "output directory of the runs", "metavar": "DIR"},
+    )
+    runs: tuple[str, ...] = field(
+        default=DEFAULT_RUNS,
+        metadata={
+            "help": f"runs to compare, nospec and tlt-spot included ({', '.join(RUN_SPECS)})"
+        },
     )
     # issue #16: a reasoning-gym task (prompts and scorer from the library) instead of the
     # built-in task; the target and drafter must come from bench_spec.py --task with the same
@@ -98,6 +110,14 @@ class BenchTrainConfig:
         metadata={"help": "take finished runs' log.jsonl from --out instead of rerunning"},
     )
 
+    def __post_init__(self) -> None:
+        unknown = [name for name in self.runs if name not in RUN_SPECS]
+        if unknown or not {"nospec", "tlt-spot"} <= set(self.runs):
+            raise UsageError(
+                f"--runs {','.join(self.runs)}: expected names from {', '.join(RUN_SPECS)}, "
+                "nospec (the baseline) and tlt-spot (the drafter evaluation) included"
+            )
+
 
 def crossover_batch(spec_results: dict) -> int:
     """The largest batch size at which SD still pays, from bench_spec's rows (per batch size,
@@ -142,7 +162,8 @@ def run_all(cfg: BenchTrainConfig) -> dict:
     threshold = tlt_threshold(cfg)
     print(f"TLT threshold: {threshold} (SD pays on this machine up to this batch size)")
     results = {}
-    for name, policy, is_spot in RUNS:
+    for name in cfg.runs:
+        policy, is_spot, drafters = RUN_SPECS[name]
         train = TrainConfig(
             model_dir=cfg.model_dir,
             out=str(Path(cfg.out) / name),
@@ -156,6 +177,7 @@ def run_all(cfg: BenchTrainConfig) -> dict:
             tlt_strategies=cfg.tlt_strategies,
             tlt_threshold=threshold,
             is_spot_training=is_spot,
+            tlt_drafters=drafters,
             lr=cfg.lr,
             seed=cfg.seed,
             checkpoint_every=cfg.num_steps,
@@ -313,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from analysis.train_plots import report
 
-    for path in report([str(out / name) for name, _, _ in RUNS], str(out)):
+    for path in report([str(out / name) for name in cfg.runs], str(out)):
         print(f"figure: {path}")  # reward.png: the runs' reward curves side by side
     return 0
 

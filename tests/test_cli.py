@@ -58,7 +58,7 @@ def test_replay_writes_every_result_file(replay_dir: Path) -> None:
     summary = json.loads((replay_dir / "summary.json").read_text())
     assert summary["kind"] == "replay"
     rows = {r["policy"]: r for r in summary["policies"]}
-    assert set(rows) == {"nospec", "static", "tlt"}
+    assert set(rows) == {"nospec", "static", "tlt", "tltbase"}  # every policy, the history one too
     assert rows["nospec"]["speedup_vs_nospec"] == pytest.approx(1.0)
     assert rows["tlt"]["speedup_vs_nospec"] > 1.0
     for row in rows.values():

@@ -40,7 +40,19 @@ PARSERS = [
 
 def test_both_clis_have_their_subcommands():
     names = {path for path, _ in PARSERS}
-    for cmd in ("replay", "sweep", "fit", "compare", "gen", "import", "validate", "report"):
+    for cmd in (
+        "replay",
+        "sweep",
+        "fit",
+        "compare",
+        "gen",
+        "import",
+        "validate",
+        "report",
+        "profile-info",
+        "calibrate",
+        "advise",
+    ):
         assert f"tltsim {cmd}" in names
     for cmd in ("generate", "train-drafter", "bench", "sft", "train", "profile", "report"):
         assert f"tltrun {cmd}" in names

@@ -258,21 +258,22 @@ def _measured_trace(**measured) -> dict:
         (_measured_trace(prefix_block_tokens=0), [], "measured.prefix_block_tokens"),
         (_measured_trace(), ["--profile", "/nonexistent.csv"], "/nonexistent.csv"),
         (_measured_trace(), ["--hardware", "TPU"], "hardware"),
-        # the simulator has no history-drafter acceptance model yet (issue #20)
+        # history-drafter runs are replayed (issue #20; tests/test_history_sim.py), but a
+        # tltbase config that is not TLTConfig's is still refused
         (
-            _measured_trace(policy={"name": "tltbase"}),
+            _measured_trace(policy={"name": "tltbase", "config": {"speed": 1}}),
             [],
-            "cannot replay history-drafter decisions",
+            "policy.config.speed",
         ),
         (
-            _measured_trace(policy={"name": "tlt", "config": {"drafters": ["eagle", "history"]}}),
+            _measured_trace(
+                response_accept_hist_by_strategy={
+                    "p0": [{"history:2_1_2": [0, 0, 0, 4]}, {}],
+                    "p1": [{}],
+                }
+            ),
             [],
-            "cannot replay history-drafter decisions",
-        ),
-        (
-            _measured_trace(accept_hist_by_strategy={"history:3_1_3": [1, 2]}),
-            [],
-            "step 0: field 'measured': verifies of the history drafter",
+            "drafts at most 2",
         ),
     ],
 )

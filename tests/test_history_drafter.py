@@ -520,3 +520,14 @@ def test_callers_key_requests_by_a_stable_prompt_id(tmp_path):
         ("s0p1/0", "step3/s0p1"),
         ("s0p1/1", "step3/s0p1"),
     ]
+
+
+def test_tltbase_with_own_strategies_takes_tlts_default_buckets():
+    """--policy tltbase --tlt-strategies with four chains (as for tlt) gets TLTConfig's four
+    default buckets instead of failing on TLTBase's one-bucket default."""
+    from tltsim.policy import TLTConfig, make_policy
+
+    policy = make_policy("tltbase", strategies=("4_1_4", "3_1_3", "2_1_2", "1_1_1"))
+    assert policy.config.bucket_starts == TLTConfig().bucket_starts
+    assert policy.config.drafters == ("history",)
+    assert make_policy("tltbase").config.bucket_starts == (1,)  # the default stays one bucket

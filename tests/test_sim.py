@@ -302,15 +302,14 @@ def test_response_frontier_keeps_only_undominated_pairs() -> None:
     assert response_frontier(prompts, responses) == ((30, 10), (20, 800), (10, 900), (5, 1000))
 
 
-def test_simulator_refuses_history_drafter_decisions() -> None:
-    """No acceptance model for the history drafter yet (#20 item 3): an error, not EAGLE's."""
-    from tltsim.errors import UsageError
+def test_simulator_runs_history_drafter_decisions() -> None:
+    """The history drafter has its own acceptance model (#20 item 3; tests/test_history_sim.py):
+    TLTBase simulates, every response finishes at its trace length, and replay lists it."""
+    from tltsim.sim.replay import policy_names
 
     trace = make_trace([[[40] * 4, [300] * 4]])
-    with pytest.raises(UsageError, match="history"):
-        run(trace, "tltbase", num_gpus=1, tp=1)
-    with pytest.raises(ValueError, match="tltbase runs in tltrun only"):
-        from tltsim.sim.replay import policy_names
-
-        policy_names("nospec,tltbase")
-    assert policy_names("all") == ("nospec", "static", "tlt")
+    result = run(trace, "tltbase", num_gpus=1, tp=1)
+    assert result.steps[0].num_responses == 8
+    assert {d.drafter for d in result.strategies_used} == {"history"}
+    assert policy_names("nospec,tltbase") == ("nospec", "tltbase")
+    assert policy_names("all") == ("nospec", "static", "tlt", "tltbase")

@@ -24,14 +24,29 @@ from typing import Any
 
 from tltsim.cli.args import add_dataclass_args, check_out_file, dataclass_from_args
 from tltsim.cli.table import format_table
+from tltsim.cost.calibrated import (
+    CALIBRATIONS,
+    PRESET_FORMAT,
+    CalibratedCost,
+    CalibrationParams,
+    load_hardware_preset,
+)
 from tltsim.cost.measured import compare_to_roofline, summarize_comparison, with_profile
 from tltsim.cost.profile import OPS, Profile, load_profile
 from tltsim.cost.roofline import CostModel, RooflineCost
 from tltsim.cost.specs import HARDWARE_PRESETS, MODEL_PRESETS, HardwareSpec, ModelSpec
 from tltsim.errors import UsageError
-from tltsim.fidelity.fit import FitConfig, FitResult, fit_trace, load_dynamics, save_fit
+from tltsim.fidelity.fit import (
+    FitConfig,
+    FitResult,
+    fit_trace,
+    load_dynamics,
+    load_history,
+    save_fit,
+)
 from tltsim.fidelity.fit_dynamics import DYNAMICS_FIELDS
-from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.fidelity.fit_history import LOGITS, HistoryFit
+from tltsim.sim.acceptance import DrafterDynamics, HistoryModel
 from tltsim.trace.files import load_trace
 
 # --- helpers for simulating subcommands -------------------------------------------------------
@@ -72,6 +87,13 @@ def dynamics_from_args(args: argparse.Namespace) -> DrafterDynamics | None:
     return load_dynamics(path) if path is not None else None
 
 
+def history_from_args(args: argparse.Namespace) -> HistoryModel | None:
+    """The history drafter's model fitted beside the dynamics in ``--drafter-dynamics``, or
+    None (HistoryModel defaults apply)."""
+    path = getattr(args, "drafter_dynamics", None)
+    return load_history(path) if path is not None else None
+
+
 def extrapolation_lines(cost: Any) -> list[str]:
     """Lines saying where a ``ProfileCost`` left its measured grid (none for the roofline)."""
     report = getattr(cost, "extrapolation_report", None)
@@ -101,7 +123,41 @@ FIT_STEP_FORMATS = {
 
 
 def format_fit(result: FitResult, source: str) -> str:
-    """The fit as printed by ``tltsim fit``: parameters, then the per-step table."""
+    """The fit as printed by ``tltsim fit``: parameters, the per-step table, then the history
+    drafter's model when the trace drafted from the history."""
+    parts = [] if result.fit is None else [_format_dynamics(result, source)]
+    if result.fit is None:
+        parts.append(
+            f"{source}: no EAGLE-drafter verifies: DrafterDynamics kept at its base values"
+        )
+    if result.history is not None:
+        parts.append(format_history_fit(result.history))
+    return "\n".join(parts)
+
+
+def format_history_fit(fit: HistoryFit) -> str:
+    """The history drafter's fitted ``HistoryModel`` (``tltsim.fidelity.fit_history``)."""
+    rows = [
+        {
+            "name": name,
+            "value": getattr(fit.model, name),
+            "stderr": fit.stderr.get(name),
+            "status": "fitted" if name in fit.stderr else "held: " + fit.held.get(name, ""),
+        }
+        for name in LOGITS + ("sibling_rate",)
+    ]
+    return "\n".join(
+        [
+            f"history drafter: {fit.num_responses:,} responses, {fit.num_verifies:,} verifies; "
+            f"accept length measured {fit.mean_accept_len:.3f}, fitted model {fit.predicted_accept_len:.3f}",
+            format_table(
+                rows, PARAMETER_COLUMNS, {"value": ".6g", "stderr": ".3g"}, left=("name", "status")
+            ),
+        ]
+    )
+
+
+def _format_dynamics(result: FitResult, source: str) -> str:
     fit, steps = result.fit, result.steps
     observed = [s for s in steps if s.hists]
     stderr = dict(fit.stderr)
@@ -157,7 +213,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         check_out_file(args.out)
     trace = load_trace(args.trace)
     base = load_dynamics(args.base) if args.base is not None else None
-    result = fit_trace(trace, config, str(args.trace), base)
+    history_base = load_history(args.base) if args.base is not None else None
+    result = fit_trace(trace, config, str(args.trace), base, history_base)
     print(format_fit(result, str(args.trace)))
     if args.out is not None:
         save_fit(result, args.out, str(args.trace), config)
@@ -190,15 +247,25 @@ def _model_spec(arg: str | None, profile: Profile) -> ModelSpec | None:
 
 
 def _hardware_spec(arg: str | None, profile: Profile) -> HardwareSpec | None:
+    return _hardware_and_calibration(arg, profile)[0]
+
+
+def _hardware_and_calibration(
+    arg: str | None, profile: Profile
+) -> tuple[HardwareSpec | None, CalibrationParams | None]:
+    """The GPU (a preset, a JSON file of HardwareSpec fields or a ``tltsim calibrate`` preset
+    file) and its calibration (the preset file's, else the shipped one, else None)."""
     source = arg if arg is not None else profile.meta.get("hardware")
     if source in HARDWARE_PRESETS:
-        return HARDWARE_PRESETS[source]
+        return HARDWARE_PRESETS[source], CALIBRATIONS.get(source)
     if arg is None:
-        return None
+        return None, None
     path = Path(arg)
     try:
         fields = json.loads(path.read_text(encoding="utf-8"))
-        return HardwareSpec(**fields)
+        if isinstance(fields, dict) and fields.get("format") == PRESET_FORMAT:
+            return load_hardware_preset(path)
+        return HardwareSpec(**fields), None
     except (OSError, TypeError, ValueError, RecursionError) as err:  # JSON/Unicode errors too
         raise UsageError(
             f"--hardware {arg}: not a preset ({', '.join(HARDWARE_PRESETS)}) nor a JSON file of HardwareSpec fields ({err})"
@@ -246,13 +313,19 @@ def _cmd_profile_info(args: argparse.Namespace) -> int:
         + "; ".join(f"{k}: {v}" for k, v in sorted(meta.items()))
     )
     print(grid_table(profile))
-    model, hardware = _model_spec(args.model, profile), _hardware_spec(args.hardware, profile)
+    model = _model_spec(args.model, profile)
+    hardware, calibration = _hardware_and_calibration(args.hardware, profile)
     if model is None or hardware is None:
         print("(no roofline comparison: pass --model and --hardware, presets or files)")
         return 0
     tp = args.tp or int(profile.meta.get("tp", 1))
     try:
         roofline = RooflineCost(model, hardware, tp=tp)
+        calibrated = (
+            CalibratedCost(model, hardware, params=calibration, tp=tp)
+            if calibration is not None
+            else None
+        )
     except ValueError as err:
         raise UsageError(str(err)) from None
     summary = summarize_comparison(compare_to_roofline(profile, roofline))
@@ -262,7 +335,62 @@ def _cmd_profile_info(args: argparse.Namespace) -> int:
             summary.to_dict("records"), list(summary.columns), left=("op",), float_format=".3g"
         )
     )
+    if calibrated is None:
+        print(
+            f"(no calibrated comparison: {hardware.name} has no calibration; tltsim calibrate makes one)"
+        )
+        return 0
+    print(f"roofline vs calibrated vs measured, median seconds per op ({calibration.source}):")
+    print(
+        format_table(
+            three_way_rows(profile, roofline, calibrated),
+            THREE_WAY_COLUMNS,
+            left=("op",),
+            float_format=".4g",
+        )
+    )
     return 0
+
+
+THREE_WAY_COLUMNS = {
+    "op": "op",
+    "num_points": "points",
+    "measured_s": "measured_s",
+    "roofline_s": "roofline_s",
+    "calibrated_s": "calibrated_s",
+    "roofline_ratio": "measured/roofline",
+    "calibrated_ratio": "measured/calibrated",
+    "calibrated_max_error": "calibrated max |err|",
+}
+
+
+def three_way_rows(
+    profile: Profile, roofline: CostModel, calibrated: CostModel
+) -> list[dict[str, Any]]:
+    """Per op: median measured, roofline and calibrated seconds, the median measured / model
+    ratios, and the calibrated model's largest relative error on that op."""
+    frame = compare_to_roofline(profile, roofline).rename(columns={"ratio": "roofline_ratio"})
+    other = compare_to_roofline(profile, calibrated)
+    frame["calibrated_s"] = other["roofline_s"]
+    frame["calibrated_ratio"] = other["ratio"]
+    frame["calibrated_error"] = (frame["calibrated_s"] / frame["seconds"] - 1).abs()
+    rows = []
+    for op in OPS:
+        part = frame[frame.op == op]
+        if len(part):
+            rows.append(
+                {
+                    "op": op,
+                    "num_points": len(part),
+                    "measured_s": part.seconds.median(),
+                    "roofline_s": part.roofline_s.median(),
+                    "calibrated_s": part.calibrated_s.median(),
+                    "roofline_ratio": part.roofline_ratio.median(),
+                    "calibrated_ratio": part.calibrated_ratio.median(),
+                    "calibrated_max_error": f"{100 * part.calibrated_error.max():.1f}%",
+                }
+            )
+    return rows
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -270,7 +398,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit = subparsers.add_parser(
         "fit",
         help="fit drafter-dynamics parameters to a measured trace",
-        description="Fit DrafterDynamics (acceptance vs drafter training tokens, drift per RL step) to a measured run's accept histograms; method and trace contract: tltsim/fidelity/fit.py docstring.",
+        description="Fit DrafterDynamics (acceptance vs drafter training tokens, drift per RL step) and, from history-drafter arms, the HistoryModel to a measured run's accept histograms; method and trace contract: tltsim/fidelity/fit.py and fit_history.py docstrings.",
     )
     fit.add_argument(
         "trace",
@@ -296,8 +424,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     info = subparsers.add_parser(
         "profile-info",
-        help="print a measured profile's grid and how far the roofline is from it",
-        description="Load and validate a profile CSV (schema: tltsim/cost/profile.py docstring); print its grid and, per op, measured / roofline seconds.",
+        help="print a measured profile's grid and how far the roofline and calibrated models are from it",
+        description="Load and validate a profile CSV (schema: tltsim/cost/profile.py docstring); print its grid and, per op, measured / roofline seconds, then roofline vs calibrated vs measured seconds when the GPU has a calibration (shipped, or a tltsim calibrate preset file given as --hardware).",
     )
     info.add_argument("file", type=Path, help="profile CSV (its sidecar JSON next to it)")
     info.add_argument(
@@ -310,7 +438,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--hardware",
         default=None,
         metavar="NAME|PATH",
-        help="GPU preset or JSON file of HardwareSpec fields (default: the sidecar's hardware, if a preset)",
+        help="GPU preset, JSON file of HardwareSpec fields, or tltsim calibrate preset file (default: the sidecar's hardware, if a preset)",
     )
     info.add_argument(
         "--tp",

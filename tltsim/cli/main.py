@@ -1,9 +1,11 @@
-"""``tltsim`` command line: replay / sweep / report / gen / validate / import.
+"""``tltsim`` command line: replay / sweep / report / gen / validate / import / calibrate / advise.
 
     tltsim replay traces/synth_reasoning_rl.json --preset h100x8-qwen7b   # simulate, compare policies
     tltsim sweep sweep.toml                                              # grid / random search
     tltsim report results/replay-synth_reasoning_rl                      # PNG figures
     tltsim gen --out my.json ; tltsim validate my.json                   # traces
+    tltsim calibrate profile.csv --hardware H100-SXM --model Qwen2.5-7B --out h100.json
+    tltsim advise traces/synth_reasoning_rl.json --preset h100x8-qwen7b  # recommend settings
 
 Each subcommand family has a module in ``tltsim.cli`` (replay, sweep, compare, fidelity, trace)
 whose ``register(subparsers)`` adds its parsers and sets ``func``; the libraries they call hold
@@ -34,7 +36,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tltsim.cli import compare, fidelity, replay, sweep, trace
+    from tltsim.cli import advise, calibrate, compare, fidelity, replay, sweep, trace
 
     parser = OneLineParser(
         prog="tltsim", description="Simulate long-tail RL rollouts and TLT policies."
@@ -44,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     fidelity.register(sub)  # fit, profile-info
     compare.register(sub)  # compare: measured vs simulated
     sweep.register(sub)
+    calibrate.register(sub)  # calibrate: fit the GPU cost model to a profile
+    advise.register(sub)  # advise: sweep, recommend, config blocks
     p = sub.add_parser("report", help="draw PNG figures from a replay or sweep output directory")
     p.add_argument("dir", type=Path, help="output directory of tltsim replay or tltsim sweep")
     p.set_defaults(func=_cmd_report)

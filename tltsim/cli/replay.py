@@ -31,13 +31,20 @@ from typing import Any
 import pandas as pd
 
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
-from tltsim.cli.fidelity import add_profile_args, dynamics_from_args, extrapolation_lines
+from tltsim.cli.fidelity import (
+    add_profile_args,
+    dynamics_from_args,
+    extrapolation_lines,
+    history_from_args,
+)
 from tltsim.cli.table import format_table
+from tltsim.cost.calibrated import is_preset_file, load_hardware_preset
 from tltsim.cost.measured import with_profile
 from tltsim.cost.presets import apply_preset
+from tltsim.errors import UsageError
 from tltsim.jsonio import write_json
 from tltsim.policy import SpotTrainerConfig, TLTConfig
-from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.sim.acceptance import DrafterDynamics, HistoryModel
 from tltsim.sim.intervals import describe
 from tltsim.sim.metrics import SimResult
 from tltsim.sim.replay import (
@@ -87,8 +94,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_dataclass_args(p, SimConfig)
     add_dataclass_args(p, TLTConfig, prefix="tlt-")
     add_dataclass_args(p, DrafterDynamics, prefix="drafter-")
+    add_dataclass_args(p, HistoryModel, prefix="history-")  # the history drafter (#20)
     add_dataclass_args(p, SpotTrainerConfig, prefix="spot-")
     add_profile_args(p)  # --profile, --drafter-dynamics
+    p.add_argument(
+        "--hardware-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="hardware preset file (tltsim calibrate --out): the calibrated GPU replaces --hardware",
+    )
     p.set_defaults(func=cmd_replay)
 
 
@@ -108,6 +123,8 @@ def resolve(
 
 def cmd_replay(args: argparse.Namespace) -> int:
     replay, sim, tlt, drafter, spot = resolve(args)
+    if getattr(args, "hardware_file", None) is not None:
+        sim = dataclasses.replace(sim, hardware=hardware_file_name(args.hardware_file))
     profile = getattr(args, "profile", None)
     cost = with_profile(profile, cost_model(sim))
     trace = load_trace(args.trace)
@@ -120,6 +137,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     )
     check_out_dir(out)
     names = policy_names(replay.policy)
+    history = dataclass_from_args(
+        HistoryModel, args, prefix="history-", base=history_from_args(args)
+    )
     spec = interval_spec(replay, sim, drafter, getattr(args, "drafter_dynamics", None))
     sim = dataclasses.replace(sim, seed=spec.seeds[0])  # the point estimate's seed
     config = {
@@ -129,6 +149,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "sim": sim,
         "tlt": tlt,
         "drafter": drafter,
+        "history": history,
         "spot": spot,
         "cost_model": {
             "model": dataclasses.asdict(cost_model(sim).model),
@@ -148,6 +169,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         spot,
         replay.is_spot_training,
         profile,
+        history=history,
     )
     results = simulate_policies(trace, names, settings)
     intervals = replay_intervals(trace, names, settings, spec, results)
@@ -156,6 +178,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
     for line in extrapolation_lines(cost):
         print(line)
     return 0
+
+
+def hardware_file_name(path: Path) -> str:
+    """``path`` checked as a hardware preset file (one-line error if not), as the ``hardware``
+    name SimConfig carries to ``tltsim.cost.calibrated.preset_cost``."""
+    if not is_preset_file(str(path)):
+        raise UsageError(
+            f"--hardware-file {path}: expected a .json hardware preset (tltsim calibrate --out)"
+        )
+    load_hardware_preset(path)
+    return str(path)
 
 
 def step_rows(results: dict[str, SimResult]) -> list[dict[str, Any]]:

@@ -58,5 +58,28 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             "best setting (mean speedup vs NoSpec over seeds): "
             + ", ".join(f"{k}={v}" for k, v in summary["best"].items())
         )
+        print(distinguishable_line(summary))
     print(f"wrote {outcome.out}/: sweep.parquet sweep.csv summary.json config.json points.jsonl")
     return 0
+
+
+def distinguishable_line(summary: dict) -> str:
+    """Whether the best setting beats the runner-up beyond the seeds' spread
+    (``tltsim.sim.sweep.sweep_summary``: min-max intervals over seeds overlap or not)."""
+    intervals = summary.get("speedup_interval_over_seeds", {})
+    if not summary.get("runner_up"):
+        return "  no runner-up: one speculating setting only"
+    runner = ", ".join(
+        f"{k}={v}" for k, v in summary["runner_up"].items() if k != "speedup_vs_nospec"
+    )
+    speedup = summary["runner_up"]["speedup_vs_nospec"]
+    verdict = {
+        True: "distinguishable: the speedup intervals over seeds do not overlap",
+        False: "NOT distinguishable: the speedup intervals over seeds overlap",
+        None: "not judged: one seed gives no interval (add seeds)",
+    }[summary.get("is_best_distinguishable")]
+    line = f"  runner-up {runner} ({speedup:.3f}x); best vs runner-up {verdict}"
+    if intervals.get("best") and intervals.get("runner_up"):
+        (b0, b1), (r0, r1) = intervals["best"], intervals["runner_up"]
+        line += f" [{b0:.3f}-{b1:.3f}] vs [{r0:.3f}-{r1:.3f}]"
+    return line

@@ -32,9 +32,14 @@ Contract: what a measured trace must record (``tltrun`` writes it)
   when one step mixed strategies, e.g. TLTAdaptive's bandit), ``policy.iterations_per_strategy``
   with exactly one strategy other than "off" (``tltrun.rollout.measured_trace``), ``strategy``; else
   ``FitConfig.strategy`` (``--strategy``). Strategies are ``SpecDecision`` names ("4_1_4").
-* the fit models the learned (EAGLE) drafter: verifies recorded under another drafter's arm
-  (``"history:6_1_6"``, a version-2 trace; ``tltsim.trace.measured``) are left out, with one
-  ``SkippedArmWarning`` (``tltsim fit`` prints it as a ``warning:`` line) counting them.
+* the dynamics fit models the learned (EAGLE) drafter; verifies recorded under the history
+  drafter's arms (``"history:6_1_6"``, a version-2 trace; ``tltsim.trace.measured``) fit its
+  own ``HistoryModel`` (``tltsim.fidelity.fit_history``, from each response's
+  ``measured.response_accept_hist_by_strategy``), written beside the dynamics in the same file
+  (``"history"``; ``load_history`` reads it). A trace with history arms only fits the history
+  model and keeps the dynamics at their base values. Callers that replay EAGLE acceptance
+  only (``collect_steps(..., is_history_fitted=False)``) leave history arms out with one
+  ``SkippedArmWarning``.
 * per step ``measured.drafter_trained_tokens``: tokens the drafter was trained on during that
   step (the simulator's step record has the same field); absent = 0 (a frozen drafter).
 
@@ -57,9 +62,10 @@ import numpy as np
 
 from tltsim.errors import UsageError
 from tltsim.fidelity.fit_dynamics import DYNAMICS_FIELDS, DynamicsFit, StepAcceptance, fit_dynamics
+from tltsim.fidelity.fit_history import LOGITS, HistoryFit, fit_history, history_observations
 from tltsim.jsonio import read_json
 from tltsim.policy import SpecDecision
-from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
+from tltsim.sim.acceptance import DrafterDynamics, HistoryModel, accept_len_pmf
 from tltsim.trace.measured import MeasuredStep, arm_drafter
 from tltsim.trace.schema import Step, Trace
 
@@ -86,8 +92,8 @@ class FitConfig:
     fixed: tuple[str, ...] = field(
         default=(),
         metadata=_help(
-            "DrafterDynamics fields held at their base values: "
-            + ", ".join(DYNAMICS_FIELDS + ("sibling_rate",))
+            "DrafterDynamics and HistoryModel fields held at their base values: "
+            + ", ".join(DYNAMICS_FIELDS + ("sibling_rate",) + LOGITS)
         ),
     )
 
@@ -96,10 +102,11 @@ class FitConfig:
             decision = SpecDecision.parse(self.strategy)  # ValueError names the expected form
             if not decision.enabled:
                 raise ValueError("strategy must enable SD ('off' produces no verifies)")
-        unknown = sorted(set(self.fixed) - set(DYNAMICS_FIELDS + ("sibling_rate",)))
+        known = DYNAMICS_FIELDS + ("sibling_rate",) + LOGITS
+        unknown = sorted(set(self.fixed) - set(known))
         if unknown:
             raise ValueError(
-                f"fixed: unknown field(s) {', '.join(unknown)}; expected some of {', '.join(DYNAMICS_FIELDS)}, sibling_rate"
+                f"fixed: unknown field(s) {', '.join(unknown)}; expected some of {', '.join(known)}"
             )
 
 
@@ -189,9 +196,17 @@ def eagle_hists(hists: dict[str, list[int]]) -> tuple[dict[str, list[int]], dict
     return eagle, {k: sum(h) for k, h in hists.items() if k not in eagle}
 
 
-def collect_steps(trace: Trace, source: str, default_strategy: str = "") -> list[StepAcceptance]:
-    """Per step: verify histograms by strategy and drafter tokens trained (see the contract);
-    other drafters' arms are left out with one ``SkippedArmWarning``."""
+def collect_steps(
+    trace: Trace,
+    source: str,
+    default_strategy: str = "",
+    is_history_fitted: bool = False,
+    is_eagle_required: bool = True,
+) -> list[StepAcceptance]:
+    """Per step: EAGLE verify histograms by strategy and drafter tokens trained (see the
+    contract); other drafters' arms are left out, with one ``SkippedArmWarning`` unless their
+    own model is fitted (``is_history_fitted``). Without ``is_eagle_required`` a trace with no
+    EAGLE verifies gives steps without histograms instead of an error."""
     steps = []
     skipped: dict[str, int] = {}
     for s in trace.steps:
@@ -201,18 +216,21 @@ def collect_steps(trace: Trace, source: str, default_strategy: str = "") -> list
         for arm, n in other.items():
             skipped[arm] = skipped.get(arm, 0) + n
         steps.append(StepAcceptance(s.step, checked_hists(hists, where), trained or 0))
+    if not any(st.hists for st in steps) and not is_eagle_required:
+        return steps
     if not any(st.hists for st in steps) and skipped:
         raise UsageError(
-            f"{source}: no EAGLE-drafter verifies recorded, only {', '.join(sorted(skipped))} (the fit models the EAGLE drafter only; issue #20)"
+            f"{source}: no EAGLE-drafter verifies recorded, only {', '.join(sorted(skipped))} (the history model needs each response's histograms: measured.response_accept_hist_by_strategy)"
         )
     if not any(st.hists for st in steps):
         raise UsageError(
             f"{source}: no SD verifies recorded (expected per-response accept_hist or measured.accept_hist_by_strategy)"
         )
-    if skipped:
+    if skipped and not is_history_fitted:
         warnings.warn(
             f"{source}: left out {sum(skipped.values())} verifies of {', '.join(sorted(skipped))}: "
-            "the acceptance fit models the EAGLE drafter only (no history-drafter model yet, issue #20)",
+            "the EAGLE fit leaves history arms out, and the history model needs each response's "
+            "histograms (measured.response_accept_hist_by_strategy)",
             SkippedArmWarning,
             stacklevel=2,
         )
@@ -322,46 +340,72 @@ def fit_sibling_rate(steps: list[StepAcceptance]) -> tuple[float, float]:
 @dataclass
 class FitResult:
     dynamics: DrafterDynamics
-    fit: DynamicsFit
+    fit: DynamicsFit | None  # None: no EAGLE verifies (dynamics = the base values)
     sibling_rate_se: float | None  # None: not fitted (no tree verifies, or fixed)
     steps: list[StepAcceptance]
+    history: HistoryFit | None = None  # None: no history-drafter verifies
 
     def to_json(self, source: str) -> dict[str, Any]:
+        out = {
+            "format": FORMAT,
+            "version": VERSION,
+            "dynamics": dataclasses.asdict(self.dynamics),
+            "fit": self._dynamics_json(source) if self.fit is not None else None,
+        }
+        if self.history is not None:
+            out["history"] = self.history.to_json()
+        return out
+
+    def _dynamics_json(self, source: str) -> dict[str, Any]:
         stderr = dict(self.fit.stderr)
         if self.sibling_rate_se is not None:
             stderr["sibling_rate"] = self.sibling_rate_se
         return {
-            "format": FORMAT,
-            "version": VERSION,
-            "dynamics": dataclasses.asdict(self.dynamics),
-            "fit": {
-                "source": source,
-                "fitted": list(self.fit.fitted)
-                + (["sibling_rate"] if self.sibling_rate_se is not None else []),
-                "held": self.fit.held,
-                "stderr": {k: (v if math.isfinite(v) else None) for k, v in stderr.items()},
-                "chi2_per_dof": self.fit.chi2_per_dof,
-                "steps": [
-                    {
-                        "step": s.step,
-                        "num_verifies": s.num_verifies,
-                        "accept_rate": s.accept_rate,
-                        "stderr": s.stderr,
-                        "predicted": p,
-                        "drafter_trained_tokens": s.trained_tokens,
-                    }
-                    for s, p in zip(self.steps, self.fit.predicted, strict=True)
-                ],
-            },
+            "source": source,
+            "fitted": list(self.fit.fitted)
+            + (["sibling_rate"] if self.sibling_rate_se is not None else []),
+            "held": self.fit.held,
+            "stderr": {k: (v if math.isfinite(v) else None) for k, v in stderr.items()},
+            "chi2_per_dof": self.fit.chi2_per_dof,
+            "steps": [
+                {
+                    "step": s.step,
+                    "num_verifies": s.num_verifies,
+                    "accept_rate": s.accept_rate,
+                    "stderr": s.stderr,
+                    "predicted": p,
+                    "drafter_trained_tokens": s.trained_tokens,
+                }
+                for s, p in zip(self.steps, self.fit.predicted, strict=True)
+            ],
         }
 
 
 def fit_trace(
-    trace: Trace, config: FitConfig, source: str = "<trace>", base: DrafterDynamics | None = None
+    trace: Trace,
+    config: FitConfig,
+    source: str = "<trace>",
+    base: DrafterDynamics | None = None,
+    history_base: HistoryModel | None = None,
 ) -> FitResult:
-    """Both stages on one measured trace; ``base`` supplies the held parameters."""
+    """Both stages on one measured trace, and the history model from its history arms;
+    ``base`` (and ``history_base``) supply the held parameters."""
     base = base or DrafterDynamics()
-    steps = collect_steps(trace, source, config.strategy)
+    observations = history_observations(trace, source)
+    history = None
+    if observations:
+        history = fit_history(
+            observations, history_base, tuple(f for f in config.fixed if f in LOGITS)
+        )
+    steps = collect_steps(
+        trace,
+        source,
+        config.strategy,
+        is_history_fitted=history is not None,
+        is_eagle_required=history is None,
+    )
+    if not any(s.hists for s in steps):  # history arms only: the dynamics stay at the base
+        return FitResult(base, None, None, steps, history)
     has_trees = any(not d.is_chain for s in steps for d in s.hists)
     sibling_rate, sibling_se = base.sibling_rate, None
     if has_trees and "sibling_rate" not in config.fixed:
@@ -371,7 +415,7 @@ def fit_trace(
             s.accept_rate, s.stderr, _ = estimate_accept_rate(s.hists, sibling_rate)
     base = dataclasses.replace(base, sibling_rate=sibling_rate)
     fit = fit_dynamics(steps, base, tuple(f for f in config.fixed if f != "sibling_rate"))
-    return FitResult(fit.dynamics, fit, sibling_se, steps)
+    return FitResult(fit.dynamics, fit, sibling_se, steps, history)
 
 
 def save_fit(
@@ -381,6 +425,30 @@ def save_fit(
     obj = result.to_json(source)
     obj["config"] = dataclasses.asdict(config or FitConfig())
     Path(path).write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def load_history(path: str | Path) -> HistoryModel | None:
+    """The ``HistoryModel`` a ``tltsim fit --out`` file holds beside the dynamics (None: the
+    fitted trace had no history-drafter verifies); bad input is one UsageError line."""
+    path = Path(path)
+    obj = read_json(path, "drafter-dynamics JSON file")
+    if type(obj) is not dict or obj.get("format") != FORMAT or obj.get("version") != VERSION:
+        raise UsageError(
+            f"{path}: expected a '{FORMAT}' version {VERSION} file (written by tltsim fit --out)"
+        )
+    entry = obj.get("history")
+    if entry is None:
+        return None
+    params = entry.get("model") if type(entry) is dict else None
+    names = {f.name for f in dataclasses.fields(HistoryModel)}
+    if type(params) is not dict or set(params) - names:
+        raise UsageError(
+            f"{path}: field 'history.model': expected an object of {', '.join(sorted(names))}"
+        )
+    try:
+        return HistoryModel(**params)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"{path}: field 'history.model': {err}") from None
 
 
 def load_dynamics(path: str | Path) -> DrafterDynamics:
@@ -423,5 +491,6 @@ __all__ = [
     "fit_sibling_rate",
     "fit_trace",
     "load_dynamics",
+    "load_history",
     "save_fit",
 ]

@@ -42,10 +42,14 @@ Fields of ``tltsim.trace.measured.MeasuredStep``; their types are checked when t
   ``tltsim.fidelity.fit.estimate_accept_rate``). The comparison thus tests the cost model and the
   scheduling, not the drafter-dynamics model (``tltsim compare --drafter-dynamics`` does).
 
-* The EAGLE drafter only: the simulator has no acceptance model for the history drafter yet
-  (issue #20), so a run that could draft from it (policy ``tltbase``, a ``tlt`` config whose
-  ``drafters`` list it) or did (an arm ``"history:6_1_6"`` in the block's strategy keys, a
-  version-2 trace) is refused with one ``UsageError`` line.
+* The history drafter (issue #20; policy ``tltbase``, or a ``tlt`` config whose ``drafters``
+  list it; arms ``"history:6_1_6"`` in the block's strategy keys, a version-2 trace): its
+  verifies are replayed through ``HistoryModel`` fitted on the trace itself
+  (``tltsim.fidelity.fit_history``: acceptance by group progress and history), each response
+  that verified under a history arm at its own maximum-likelihood rate
+  (``MeasuredAcceptance.request_history_rates``), as for EAGLE. A run without per-response
+  histograms uses the ``HistoryModel`` defaults, or the model ``tltsim compare
+  --drafter-dynamics`` names.
 
 Bad input raises ``UsageError`` naming the file, the step and the field (a field of the wrong
 type already failed ``load_trace`` with a ``TraceError`` of the same form).
@@ -62,14 +66,28 @@ import numpy as np
 
 from tltsim.errors import UsageError
 from tltsim.fidelity.fit import (
+    _argmax,
     checked_hists,
     collect_steps,
+    eagle_hists,
     estimate_accept_rate,
     fit_sibling_rate,
     hists_by_strategy,
 )
-from tltsim.policy import POLICY_NAMES, SpecDecision, TLTConfig
-from tltsim.sim.acceptance import DEFAULT_ACCEPT_RATE, DEFAULT_SIBLING_RATE, DrafterState
+from tltsim.fidelity.fit_history import (
+    HistoryObservation,
+    fit_history,
+    history_observations,
+    prompt_ids_name_prompts,
+)
+from tltsim.policy import POLICY_NAMES, SpecDecision, TLTBase, TLTConfig
+from tltsim.sim.acceptance import (
+    DEFAULT_ACCEPT_RATE,
+    DEFAULT_SIBLING_RATE,
+    DrafterState,
+    HistoryModel,
+    history_accept_len_pmf,
+)
 from tltsim.trace.measured import UNRECORDED, MeasuredStep, PolicyRecord
 from tltsim.trace.schema import Step, Trace
 
@@ -90,6 +108,13 @@ class MeasuredAcceptance:
     hists: tuple[dict[str, tuple[int, ...]], ...] = ()
     # per step: {prompt id: each response's own acceptance rate (nan: it verified nothing)}
     response_rates: tuple[dict[str, tuple[float, ...]], ...] = ()
+    # the history drafter: the model fitted on the run (None: the simulator's default) and,
+    # per step, each response's own history-arm rate, like ``response_rates``
+    history: HistoryModel | None = None
+    history_response_rates: tuple[dict[str, tuple[float, ...]], ...] = ()
+    # whether a prompt id recurring in a later step is the same prompt (the simulator's
+    # history flag; ``tltsim.fidelity.fit_history.prompt_ids_name_prompts``)
+    prompt_ids_recur: bool = True
 
     def initial_state(self) -> DrafterState:
         return DrafterState(self.rates[0])
@@ -110,6 +135,18 @@ class MeasuredAcceptance:
         if state.num_rl_steps >= len(self.response_rates):
             return None
         table = self.response_rates[state.num_rl_steps]
+        out = []
+        for p in step.prompts:
+            own = table.get(p.id, ())
+            out += [own[i] if i < len(own) else math.nan for i in range(len(p.responses))]
+        return np.asarray(out, dtype=np.float64)
+
+    def request_history_rates(self, state: DrafterState, step: Step) -> np.ndarray | None:
+        """Per response of ``step``: the history drafter's per-token match rate its own
+        history-arm verifies measured, nan where it had none (those draw from ``history``)."""
+        if state.num_rl_steps >= len(self.history_response_rates):
+            return None
+        table = self.history_response_rates[state.num_rl_steps]
         out = []
         for p in step.prompts:
             own = table.get(p.id, ())
@@ -216,7 +253,10 @@ def _settings(name: str, config: dict[str, Any], trace: Trace, source: str, tlt:
         except ValueError as err:
             raise UsageError(f"{source}: field 'measured.policy.config.strategy': {err}") from None
         return {"strategy": strategy}
-    if tlt is not None:
+    if tlt is not None and name == "tltbase":  # TLT's switch; strategies stay TLTBase's
+        switch = ("threshold", "warmup_checks", "epsilon", "window")
+        config = {**config, **{k: getattr(tlt, k) for k in switch}}
+    elif tlt is not None:
         return dataclasses.asdict(tlt)
     names = {f.name for f in dataclasses.fields(TLTConfig)}
     unknown = sorted(set(config) - names)
@@ -225,27 +265,12 @@ def _settings(name: str, config: dict[str, Any], trace: Trace, source: str, tlt:
             f"{source}: field 'measured.policy.config.{unknown[0]}': not a TLTConfig field ({', '.join(sorted(names))})"
         )
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}
+    if name == "tltbase":
+        values = {**TLTBase.DEFAULTS, **values}
     try:
         return dataclasses.asdict(TLTConfig(**values))
     except (TypeError, ValueError) as err:
         raise UsageError(f"{source}: field 'measured.policy.config': {err}") from None
-
-
-def _refuse_other_drafters(trace: Trace, source: str, name: str, config: dict[str, Any]) -> None:
-    """One error line for a run the simulator cannot replay: one that drafted, or whose policy
-    could draft, with a drafter other than EAGLE (module docstring)."""
-    why = "the simulator cannot replay history-drafter decisions yet (issue #20); compare runs that draft with EAGLE"
-    drafters = config.get("drafters", ())
-    if name == "tltbase" or (isinstance(drafters, list) and set(drafters) - {"eagle"}):
-        raise UsageError(
-            f"{source}: field 'measured.policy': policy {name!r} drafts with {', '.join(drafters) or 'history'}; {why}"
-        )
-    for step in trace.steps:
-        other = sorted(step.measured.arm_drafters() - {"eagle"})
-        if other:
-            raise UsageError(
-                f"{source}: step {step.step}: field 'measured': verifies of the {', '.join(other)} drafter; {why}"
-            )
 
 
 def _placement(step: Step, source: str) -> tuple[tuple[str, ...], ...]:
@@ -299,9 +324,20 @@ def _has_verifies(trace: Trace) -> bool:
 def replayed_acceptance(trace: Trace, source: str, strategy: str = "") -> MeasuredAcceptance:
     """Per-step maximum-likelihood acceptance of the trace's verifies (steps without verifies
     get the run's pooled estimate; a run without any gets ``DEFAULT_ACCEPT_RATE``)."""
-    if not _has_verifies(trace):
-        return MeasuredAcceptance((DEFAULT_ACCEPT_RATE,) * len(trace.steps))
-    steps = collect_steps(trace, source, strategy)
+    history, history_rates = replayed_history(trace, source)
+    steps = []
+    if _has_verifies(trace):
+        steps = collect_steps(
+            trace, source, strategy, is_history_fitted=history is not None, is_eagle_required=False
+        )
+    if not any(s.hists for s in steps):
+        rates = (DEFAULT_ACCEPT_RATE,) * len(trace.steps)
+        return MeasuredAcceptance(
+            rates,
+            history=history,
+            history_response_rates=history_rates,
+            prompt_ids_recur=prompt_ids_name_prompts(trace),
+        )
     is_tree = any(not d.is_chain for s in steps for d in s.hists)
     sibling = fit_sibling_rate(steps)[0] if is_tree else DEFAULT_SIBLING_RATE
     pooled: dict[SpecDecision, np.ndarray] = {}
@@ -314,7 +350,57 @@ def replayed_acceptance(trace: Trace, source: str, strategy: str = "") -> Measur
     rates = tuple(estimate_accept_rate(s.hists, sibling)[0] if s.hists else overall for s in steps)
     hists = tuple({d.strategy: tuple(int(c) for c in h) for d, h in s.hists.items()} for s in steps)
     per_response = tuple(_response_rates(step, source, sibling) for step in trace.steps)
-    return MeasuredAcceptance(rates, sibling, hists, per_response)
+    return MeasuredAcceptance(
+        rates,
+        sibling,
+        hists,
+        per_response,
+        history,
+        history_rates,
+        prompt_ids_name_prompts(trace),
+    )
+
+
+def replayed_history(
+    trace: Trace, source: str
+) -> tuple[HistoryModel | None, tuple[dict[str, tuple[float, ...]], ...]]:
+    """The history drafter's model fitted on the trace (None: no per-response history arms)
+    and, per step, each response's own maximum-likelihood history rate (nan: none)."""
+    observations = history_observations(trace, source)
+    if not observations:
+        return None, ()
+    model = fit_history(observations).model
+    own: dict[tuple[int, str, int], list[HistoryObservation]] = {}
+    for o in observations:
+        own.setdefault((o.step, o.prompt_id, o.response), []).append(o)
+    out = []
+    for step in trace.steps:
+        table = {}
+        for p in step.prompts:
+            rates = [
+                _history_rate(model, own.get((step.step, p.id, i), []))
+                for i in range(len(p.responses))
+            ]
+            if any(math.isfinite(r) for r in rates):
+                table[p.id] = tuple(rates)
+        out.append(table)
+    return model, tuple(out)
+
+
+def _history_rate(model: HistoryModel, observations: list[HistoryObservation]) -> float:
+    """Maximum-likelihood per-token rate of one response's history verifies (all its history
+    arms); nan without any."""
+    if not observations:
+        return math.nan
+
+    def loglik(a: float) -> float:
+        total = 0.0
+        for o in observations:
+            pmf = history_accept_len_pmf(o.decision, a, model.sibling_rate)[: o.hist.size]
+            total += float(o.hist @ np.log(np.maximum(pmf, 1e-300)))
+        return total
+
+    return float(_argmax(loglik, 1e-6, 1 - 1e-6))
 
 
 def _response_rates(step: Step, source: str, sibling_rate: float) -> dict[str, tuple[float, ...]]:
@@ -336,7 +422,7 @@ def _response_rates(step: Step, source: str, sibling_rate: float) -> dict[str, t
         rates = []
         for i, by_strategy in enumerate(per_response):
             at = f"{where}.{pid}[{i}]"
-            hists = checked_hists(hists_by_strategy(by_strategy), at)
+            hists = checked_hists(eagle_hists(hists_by_strategy(by_strategy))[0], at)
             if not hists:
                 rates.append(math.nan)
                 continue
@@ -353,7 +439,6 @@ def measured_run(
 ) -> MeasuredRun:
     """Read everything the simulation of ``trace`` needs (see the module docstring)."""
     name, config, seed = _policy(trace, source)
-    _refuse_other_drafters(trace, source, name, config)
     placement = tuple(_placement(step, source) for step in trace.steps)
     if len({len(p) for p in placement}) > 1:
         raise UsageError(f"{source}: the number of instances changes between steps")

@@ -79,9 +79,11 @@ def to_vllm_dynamic_table(policy: SpecPolicy, max_batch: int) -> list[list[int]]
 
 
 POLICY_NAMES = ("nospec", "static", "tlt", "tltbase")
-# What "--policy all" and default policy lists run: the policies both halves model. TLTBase
-# drafts from the rollout history, which the simulator cannot model yet (issue #20, item 3)
-# and vLLM's dynamic-SD table cannot express, so it runs only where named explicitly.
+# What default policy lists of the runtime (tltrun bench) run: the policies every backend
+# expresses. TLTBase drafts from the rollout history, which vLLM's dynamic-SD table cannot
+# express (vLLM's ngram engine approximates it, README), so it runs there only where named.
+# tltsim's "--policy all" runs every name of POLICY_NAMES (the simulator models the history
+# drafter, tltsim.sim.acceptance.HistoryModel).
 DEFAULT_POLICY_NAMES = ("nospec", "static", "tlt")
 
 

@@ -383,7 +383,12 @@ class TLTBase(TLTAdaptive):
         **settings,
     ):
         if config is None:
-            config = TLTConfig(**{**self.DEFAULTS, **settings})
+            defaults = dict(self.DEFAULTS)
+            if "strategies" in settings and "bucket_starts" not in settings:
+                # own strategies without buckets: TLTConfig's default buckets, as tlt gets
+                # (the one-bucket default fits only the one default strategy)
+                del defaults["bucket_starts"]
+            config = TLTConfig(**{**defaults, **settings})
         elif settings:
             raise ValueError("TLTBase: pass either a TLTConfig or its fields, not both")
         if config.drafters != ("history",):

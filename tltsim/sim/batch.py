@@ -22,6 +22,14 @@ cost model of an engine whose attention pads the batch to its longest sequence
 the latter over a span at the longest request's mean rate (one token per iteration when SD is
 off); ExactBatch recomputes it every iteration.
 
+History-drafter decisions (``SpecDecision.drafter == "history"``, issue #20) cost the target's
+verify alone (``verify_span_s``: no drafter forward) plus the drafter's host work per sequence
+and emitted token (``tltsim.sim.acceptance.HistoryModel``), and each request's accept lengths
+depend on its group's progress: FastBatch keeps every request's history key (finished-sibling
+fraction and history flag, ``StepRun.history_keys``) and re-samples the requests whose key
+changed (a sibling finished) at the next span, as it does for all requests when the decision
+changes.
+
 Completion iterations (``sample_iterations``): exact first-passage draws (accept lengths summed
 until they reach the remaining tokens) when a request needs at most ``MAX_EXACT_PASSAGE_ITERS``
 iterations on average; beyond that the renewal-theory normal law
@@ -72,6 +80,32 @@ class AcceptDist:
         return np.minimum(lengths, self.pmf.size)
 
 
+def verify_span_s(
+    cost: Any, batch: int, context_tokens: float, verify_tokens: int, num_iters: int, growth: float
+) -> float:
+    """Seconds of ``num_iters`` target verifies of ``verify_tokens`` drafted nodes (plus the
+    root) per request, no drafter forward, context growing by ``growth`` per iteration. The
+    ``CostModel`` protocol has no verify-only span, but its SD iteration is ``draft_steps``
+    drafter forwards plus one verify (``default_sd_iter_s``; ``RooflineCost`` and
+    ``ProfileCost.sd_span_s`` alike), linear in draft_steps: two chains verifying the same v
+    nodes with v and v + 1 draft steps differ by exactly one drafter span, so
+    verify = (v + 1) S(v) - v S(v + 1)."""
+    v = verify_tokens
+    chain = SpecDecision(enabled=True, draft_steps=v, topk=1, verify_tokens=v)
+    longer = SpecDecision(enabled=True, draft_steps=v + 1, topk=1, verify_tokens=v)
+    span = cost.sd_span_s(batch, context_tokens, chain, num_iters, growth)
+    longer_span = cost.sd_span_s(batch, context_tokens, longer, num_iters, growth)
+    return max((v + 1) * span - v * longer_span, 0.0)
+
+
+def iteration_s(cost: Any, batch: int, context_tokens: float, decision: SpecDecision) -> float:
+    """One iteration's device seconds under ``decision``: ``cost.sd_iter_s``, or for a
+    history-drafter decision the verify alone (the drafter's host work is not included)."""
+    if decision.enabled and decision.drafter == "history":
+        return cost.decode_iter_s(batch, context_tokens, decision.verify_tokens + 1)
+    return cost.sd_iter_s(batch, context_tokens, decision)
+
+
 def sample_iterations(rng: np.random.Generator, rem: np.ndarray, dist: AcceptDist) -> np.ndarray:
     """Iterations each request needs to emit ``rem`` (> 0, float) tokens at accept lengths drawn
     i.i.d. from ``dist`` (see the module docstring); int64, each >= 1."""
@@ -116,20 +150,22 @@ def _first_passage(rng: np.random.Generator, rem: np.ndarray, dist: AcceptDist) 
     return need
 
 
-# Columns of FastBatch.state (one float64 row per running request; integers are exact).
-FINISH, RATE, FULL, ID = range(4)
+# Columns of FastBatch.state (one float64 row per running request; integers are exact). KEY:
+# the history key the request's FINISH was sampled under (0 unless the decision drafts history).
+FINISH, RATE, FULL, ID, KEY = range(5)
 
 
 class FastBatch:
     """Requests sorted by the iteration (of this instance's counter ``iters``) at which they
-    finish; each advances ``rate`` tokens per iteration on average until then. One (n, 4)
-    array holds the batch (columns FINISH, RATE, FULL = prompt + response tokens, ID), so a
-    sort, an admission or a retirement is one numpy operation."""
+    finish; each advances ``rate`` tokens per iteration on average until then. One (n, 5)
+    array holds the batch (columns FINISH, RATE, FULL = prompt + response tokens, ID, KEY), so
+    a sort, an admission or a retirement is one numpy operation."""
 
-    def __init__(self, run: Any):
+    def __init__(self, run: Any, instance: int = 0):
         self.run = run
+        self.instance = instance  # the engine instance (whose history index a request sees)
         self.iters = 0  # iterations this instance has run in this rollout
-        self.state = np.empty((0, 4))
+        self.state = np.empty((0, 5))
         self.decision: SpecDecision = OFF  # what FINISH was sampled under
         self.context_tokens = 0.0
         self.tokens = 0.0  # generated, as the sum of per-span mean progress
@@ -158,7 +194,7 @@ class FastBatch:
         to go."""
         if decision.enabled:
             n = np.zeros(rem.size, dtype=np.int64)
-            for dist, rows in self.run.request_dists(decision, ids):
+            for dist, rows in self.run.request_dists(decision, ids, self.instance):
                 rows = np.flatnonzero(rem > 0) if rows is None else rows[rem[rows] > 0]
                 # (responses of one token finished at prefill: 0 iterations)
                 n[rows] = sample_iterations(self.run.rng, rem[rows], dist)
@@ -176,11 +212,18 @@ class FastBatch:
     def admit(self, prompt: np.ndarray, response: np.ndarray, ids: np.ndarray) -> None:
         """Prefilled requests join; prefill already emitted each one's first token."""
         finish, rate = self._schedule((response - 1).astype(np.float64), self.decision, ids)
-        rows = np.column_stack((finish, rate, prompt + response, ids))
+        rows = np.column_stack((finish, rate, prompt + response, ids, self._keys(ids)))
         self.state = np.concatenate((self.state, rows))
         self._sort()
         self.context_tokens += float(prompt.sum() + prompt.size)
         self.tokens += prompt.size
+
+    def _keys(self, ids: np.ndarray) -> np.ndarray:
+        """History keys of requests ``ids`` under the current decision (0 unless it drafts
+        from the history)."""
+        if not (self.decision.enabled and self.decision.drafter == "history"):
+            return np.zeros(ids.size)
+        return self.run.history_keys(ids, self.instance)
 
     def remaining(self) -> np.ndarray:
         return (self.state[:, FINISH] - self.iters) * self.state[:, RATE]
@@ -188,9 +231,21 @@ class FastBatch:
     def advance(self, decision: SpecDecision, hold: int | None) -> tuple[float, int, float]:
         """Run until the next completion (or ``hold`` iterations): (seconds, iterations, tokens)."""
         if decision is not self.decision and decision != self.decision:
+            self.decision = decision
             finish, rate = self._schedule(self.remaining(), decision, self.state[:, ID])
-            self.state[:, FINISH], self.state[:, RATE], self.decision = finish, rate, decision
+            self.state[:, FINISH], self.state[:, RATE] = finish, rate
+            self.state[:, KEY] = self._keys(self.state[:, ID])
             self._sort()
+        elif decision.enabled and decision.drafter == "history" and self.num_active:
+            # A sibling finished since these requests were scheduled: their acceptance changed.
+            keys = self._keys(self.state[:, ID])
+            moved = np.flatnonzero(keys != self.state[:, KEY])
+            if moved.size:
+                rem = self.remaining()[moved]
+                finish, rate = self._schedule(rem, decision, self.state[moved, ID])
+                self.state[moved, FINISH], self.state[moved, RATE] = finish, rate
+                self.state[moved, KEY] = keys[moved]
+                self._sort()
         n = self.next_finish - self.iters
         if hold is not None:
             n = min(n, hold)
@@ -198,7 +253,10 @@ class FastBatch:
         growth = self.rate_sum
         cost, b = self.run.cost, self.num_active
         context, context_growth = self.cost_context()
-        if decision.enabled:
+        if decision.enabled and decision.drafter == "history":
+            dt = verify_span_s(cost, b, context, decision.verify_tokens, n, context_growth)
+            dt += self.run.history_host_s(b * n, n * growth)
+        elif decision.enabled:
             dt = cost.sd_span_s(b, context, decision, n, context_growth)
         elif n == 1:  # warm-up checks and other one-iteration holds
             dt = cost.decode_iter_s(b, context, 1)
@@ -235,8 +293,9 @@ class FastBatch:
 class ExactBatch:
     """Integer remaining tokens per request; one iteration per ``advance``."""
 
-    def __init__(self, run: Any):
+    def __init__(self, run: Any, instance: int = 0):
         self.run = run
+        self.instance = instance  # the engine instance (whose history index a request sees)
         self.rem = np.empty(0, dtype=np.int64)
         self.ids = np.empty(0, dtype=np.int64)
         self.context_tokens = 0
@@ -265,9 +324,9 @@ class ExactBatch:
         cost, b = self.run.cost, self.num_active
         context = self.cost_context()[0]
         if decision.enabled:
-            dt = cost.sd_iter_s(b, context, decision)
+            dt = iteration_s(cost, b, context, decision)
             adv = np.empty(b, dtype=self.rem.dtype)
-            for dist, rows in self.run.request_dists(decision, self.ids):
+            for dist, rows in self.run.request_dists(decision, self.ids, self.instance):
                 if rows is None:
                     adv[:] = dist.sample(self.run.rng, b)
                 else:
@@ -275,6 +334,8 @@ class ExactBatch:
             adv = np.minimum(adv, self.rem)
             emitted = int(adv.sum())
             self.rem -= adv
+            if decision.drafter == "history":
+                dt += self.run.history_host_s(b, emitted)
         else:
             dt = cost.decode_iter_s(b, context, 1)
             emitted = b

@@ -19,6 +19,12 @@ the accept-length EMA. A policy whose decision depends on how many iterations ha
 ``SpecPolicy`` method); the feedback of a span carries its ``num_iters`` and per-iteration
 means (floats, unrounded), so a bandit's reward is the span's mean throughput.
 
+History-drafter decisions (issue #20): the instance's batch draws each request's accept lengths
+from ``tltsim.sim.acceptance.HistoryModel`` at its own key, the fraction of its siblings that
+finished where its drafter can see them and whether earlier rollouts of its prompt are indexed
+(``StepRun.history_keys``); such iterations run no drafter forward and never re-prefill a
+drafter (tltrun's engine builds no EAGLE cache for them).
+
 The timeline is a list of ``tltsim.sim.metrics.Segment`` records, one per stretch of an
 instance in one phase (exact mode extends the open one while iterations repeat).
 
@@ -30,12 +36,12 @@ Run: not standalone; see ``tltsim.sim.simulator.simulate``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from tltsim.errors import UsageError
 from tltsim.policy import (
     DecodeObs,
     SpecDecision,
@@ -43,7 +49,7 @@ from tltsim.policy import (
     TrainDecision,
     update_accept_len_ema,
 )
-from tltsim.sim.acceptance import accept_len_pmf
+from tltsim.sim.acceptance import accept_len_pmf, history_accept_len_pmf
 from tltsim.sim.batch import AcceptDist, ExactBatch, FastBatch
 from tltsim.sim.metrics import Segment
 
@@ -68,7 +74,7 @@ class InstanceRollout:
         self.groups = groups  # each response's prompt index: responses of a group share it
         self.active_groups: dict[int, int] = {}  # prompt index -> running responses
         self.group_prompt = dict(zip(groups.tolist(), prompt_tokens.tolist(), strict=True))
-        self.batch = ExactBatch(run) if run.config.exact else FastBatch(run)
+        self.batch = ExactBatch(run, index) if run.config.exact else FastBatch(run, index)
         self.busy_s = 0.0
         self.tail_s = 0.0
         self.decode_s = 0.0
@@ -78,7 +84,8 @@ class InstanceRollout:
         self.sd_verifies = 0
         self.num_finished = 0
         self.finish_s = 0.0  # rollout-relative time the last request finished
-        self.is_sd_on = False  # drafter cache built (re-prefill paid) in this rollout
+        self.is_sd_on = False  # EAGLE drafter cache built (re-prefill paid) in this rollout
+        self.history_tokens = 0.0  # emitted by history iterations since EAGLE's last one
         self.accept_len_ema = 0.0
 
     @property
@@ -129,6 +136,8 @@ class InstanceRollout:
         done = self.batch.retire()
         if done.size:
             self.run.finish_s[done] = now_s
+            self.run.finish_instance[done] = self.index
+            self.run.num_done += int(done.size)
             self.num_finished += int(done.size)
             for g in self.run.prompt_index[done].tolist():
                 left = self.active_groups[g] - 1
@@ -242,23 +251,31 @@ class InstanceRollout:
                 accept_len_ema=self.accept_len_ema,
             )
             decision = policy.decide(obs)
-            if decision.enabled and decision.drafter != "eagle":
-                # Refuse rather than cost a history-drafter iteration with the EAGLE
-                # acceptance model (a silently wrong answer): its own model is #20 item 3.
-                raise UsageError(
-                    f"the simulator has no acceptance model for the {decision.drafter!r} "
-                    "drafter yet (issue #20); simulate policies that draft with EAGLE"
-                )
-            if decision.enabled and not self.is_sd_on:
+            if decision.enabled and decision.drafter == "eagle" and not self.is_sd_on:
                 # SD switches on: rebuild the drafter's KV cache over the running requests, then
                 # run the decided iteration (one decide() per iteration, as tltrun's engine).
+                # The history drafter needs no such cache; tltrun's engine re-prefills EAGLE's
+                # when a first EAGLE decision comes after history ones, as here.
                 self.is_sd_on = True
+                self.history_tokens = 0.0
                 dt = run.reprefill_s(b, self._reprefill_context())
                 self.reprefill_s += dt
                 self._charge(now, dt, "reprefill", b)
                 pending += dt
                 now = env.now - run.t0 + pending
+            elif decision.enabled and decision.drafter == "eagle" and self.history_tokens > 0:
+                # The EAGLE drafter catches up on the pairs history iterations emitted (tltrun's
+                # engine feeds them before drafting): one drafter forward over them.
+                per_seq = max(1, int(math.ceil(self.history_tokens / b)))
+                dt = run.cost.drafter_iter_s(b, batch.cost_context()[0], per_seq)
+                self.history_tokens = 0.0
+                self.reprefill_s += dt
+                self._charge(now, dt, "reprefill", b)
+                pending += dt
+                now = env.now - run.t0 + pending
             dt, num_iters, emitted = batch.advance(decision, run.hold_iters(obs, decision))
+            if decision.enabled and decision.drafter == "history" and self.is_sd_on:
+                self.history_tokens += emitted
             run.feedback(obs, decision, emitted, dt, num_iters)
             self.decode_s += dt
             if decision.enabled:
@@ -289,6 +306,7 @@ class StepArrays:
     prompt_tokens: np.ndarray
     response_tokens: np.ndarray
     prompt_index: np.ndarray  # the response's prompt (index in the step): its group
+    prompt_ids: tuple[str, ...] = ()  # per prompt of the step: its trace id
 
 
 class StepRun:
@@ -313,7 +331,18 @@ class StepRun:
         self.strategies_used = sim.strategies_used
         self.last_decision: SpecDecision | None = None
         self.acceptance = sim.drafter_acceptance()
-        self._dist_cache: dict[Any, AcceptDist] = {}  # decision or (decision, rate)
+        self._dist_cache: dict[Any, AcceptDist] = {}  # decision or (decision, rate or key)
+        # History drafter (HistoryModel): per prompt, its responses in the step; per instance
+        # (scope "instance") or for the cluster (key -1), finished responses per prompt and
+        # whether earlier rollouts of the prompt are indexed (built on first use).
+        self.history = sim.history
+        self.history_rate = sim.request_history_rates(arrays)  # per response, or None
+        self.group_sizes = np.bincount(arrays.prompt_index) if arrays.prompt_index.size else None
+        self.prompt_ids = arrays.prompt_ids
+        self.finish_instance = np.full(arrays.response_tokens.size, -1)  # who finished each
+        self.num_done = 0
+        self._finished: dict[int, tuple[int, np.ndarray]] = {}  # scope -> (num_done, counts)
+        self._has_history: dict[int, np.ndarray] = {}
         self.done: list[InstanceRollout] = []
         self.instances: list[InstanceRollout] = []
         self.train_decisions: list[tuple[float, TrainDecision]] = []  # (rollout time, decision)
@@ -332,11 +361,71 @@ class StepRun:
             dist = self._dist_cache[decision] = self.sim.accept_dist(decision, self.acceptance)
         return dist
 
+    # -- the history drafter's view of the step ------------------------------------------------
+
+    def _scope(self, instance: int) -> int:
+        return instance if self.history.scope == "instance" else -1
+
+    def _finished_counts(self, scope: int) -> np.ndarray:
+        """Finished responses per prompt that the history index of ``scope`` holds (-1: every
+        instance's), recounted only after a completion."""
+        cached = self._finished.get(scope)
+        if cached is not None and cached[0] == self.num_done:
+            return cached[1]
+        done = self.finish_instance >= 0 if scope < 0 else self.finish_instance == scope
+        counts = np.bincount(self.prompt_index[done], minlength=self.group_sizes.size)
+        self._finished[scope] = (self.num_done, counts)
+        return counts
+
+    def history_keys(self, ids: np.ndarray, instance: int) -> np.ndarray:
+        """Per request ``ids``: f + 2 h, f the fraction of its siblings finished where its
+        drafter sees them, h whether earlier rollouts of its prompt are indexed there
+        (``HistoryModel``). A finished sibling is one whose rollout ended (a request never
+        counts itself: it is running)."""
+        scope = self._scope(instance)
+        groups = self.prompt_index[ids.astype(np.int64)]
+        siblings = np.maximum(self.group_sizes[groups] - 1, 1)
+        f = self._finished_counts(scope)[groups] / siblings
+        has = self._has_history.get(scope)
+        if has is None:
+            has = self._has_history[scope] = self.sim.history_indexed(self.prompt_ids, scope)
+        return np.minimum(f, 1.0) + 2.0 * has[groups]
+
+    def history_host_s(self, num_proposals: float, num_tokens: float) -> float:
+        """Host seconds of the history drafter: proposals and indexing emitted tokens."""
+        h = self.history
+        return num_proposals * h.propose_s_per_seq + num_tokens * h.index_s_per_token
+
+    def _history_dists(
+        self, decision: SpecDecision, ids: np.ndarray, instance: int
+    ) -> list[tuple[AcceptDist, np.ndarray | None]]:
+        """Per distinct history key (or, replaying a measured run, per response's own rate)."""
+        keys = self.history_keys(ids, instance)
+        rates = None
+        if self.history_rate is not None:
+            rates = self.history_rate[ids.astype(np.int64)]
+            keys = np.where(np.isnan(rates), keys, 4.0 + rates)  # own rate: keys >= 4
+        out = []
+        for key in np.unique(keys).tolist():
+            dist = self._dist_cache.get((decision, key))
+            if dist is None:
+                if key >= 4.0:
+                    pmf = history_accept_len_pmf(decision, key - 4.0, self.history.sibling_rate)
+                else:
+                    h = key >= 2.0
+                    pmf = self.history.accept_len_pmf(decision, key - 2.0 * h, h)
+                dist = self._dist_cache[(decision, key)] = AcceptDist.of(pmf)
+            out.append((dist, np.flatnonzero(keys == key)))
+        return out
+
     def request_dists(
-        self, decision: SpecDecision, ids: np.ndarray
+        self, decision: SpecDecision, ids: np.ndarray, instance: int = 0
     ) -> list[tuple[AcceptDist, np.ndarray | None]]:
         """(distribution, positions in ``ids`` that draw from it; None: all) for SD under
-        ``decision``: ``accept_dist`` unless responses carry their own rates."""
+        ``decision`` on ``instance``: ``accept_dist`` unless responses carry their own rates;
+        for the history drafter, one per history key (``history_keys``)."""
+        if decision.drafter == "history":
+            return self._history_dists(decision, ids, instance)
         if self.request_rate is None:
             return [(self.accept_dist(decision), None)]
         rates = self.request_rate[ids.astype(np.int64)]

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from tltsim.policy import SpecDecision
+from tltsim.sim.batch import iteration_s
 
 # Timeline segment kinds (the Gantt chart's colours). "idle" and "spot_train" are written after
 # the barrier, when the rollout's end is known.
@@ -157,7 +158,7 @@ class SimResult:
         names: dict[int, str] = {}  # a policy returns few distinct decision objects
         for s in frame["strategy"]:
             if not isinstance(s, str) and id(s) not in names:
-                names[id(s)] = s.strategy
+                names[id(s)] = s.arm
         frame["strategy"] = [s if isinstance(s, str) else names[id(s)] for s in frame["strategy"]]
         return frame
 
@@ -196,7 +197,7 @@ class SimResult:
             "mean_ideal_critical_path_s": (
                 sum(s.ideal_critical_path_s for s in steps) / num if num else 0.0
             ),
-            "strategies_used": sorted(d.strategy for d in self.strategies_used),
+            "strategies_used": sorted(d.arm for d in self.strategies_used),
             "wall_s": self.wall_s,
         }
 
@@ -296,7 +297,7 @@ def min_cost_per_token(
             if d.enabled:
                 best = min(
                     best,
-                    cost.sd_iter_s(b, ctx, d) / (b * (min(d.draft_steps, d.verify_tokens) + 1)),
+                    iteration_s(cost, b, ctx, d) / (b * (min(d.draft_steps, d.verify_tokens) + 1)),
                 )
         out[b] = best
     return out
@@ -391,7 +392,7 @@ def critical_path_s(
         ctx = float(prompt_tokens + 1 + max(0, first - max_tokens))
         rate = cost.decode_iter_s(1, ctx, 1)
         for decision, k in options:
-            rate = min(rate, cost.sd_iter_s(1, ctx, decision) / k)
+            rate = min(rate, iteration_s(cost, 1, ctx, decision) / k)
         time_s += min(chunk, num_decode - first) * rate
     return time_s
 

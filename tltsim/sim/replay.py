@@ -24,21 +24,21 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
+from tltsim.cost.calibrated import CalibratedCost, preset_cost
 from tltsim.cost.measured import with_profile
 from tltsim.cost.presets import CLUSTER_PRESETS
 from tltsim.cost.roofline import RooflineCost
-from tltsim.cost.specs import get_hardware, get_model
 from tltsim.errors import UsageError
 from tltsim.jsonio import write_json
 from tltsim.policy import (
-    DEFAULT_POLICY_NAMES,
+    POLICY_NAMES,
     SpecDecision,
     SpotTrainerConfig,
     SpotTrainerPolicy,
     TLTConfig,
     make_policy,
 )
-from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.sim.acceptance import DrafterDynamics, HistoryModel
 from tltsim.sim.intervals import (
     DEFAULT_COST_ERROR,
     IntervalSpec,
@@ -68,7 +68,7 @@ class ReplayConfig:
     policy: str = field(
         default="all",
         metadata={
-            "help": f"policies to simulate: comma-separated of {', '.join(DEFAULT_POLICY_NAMES)}, or all",
+            "help": f"policies to simulate: comma-separated of {', '.join(POLICY_NAMES)}, or all",
             "metavar": "LIST",
         },
     )
@@ -145,21 +145,14 @@ class ReplayConfig:
 
 
 def policy_names(spec: str) -> tuple[str, ...]:
+    # "all" includes tltbase: the simulator models the history drafter (HistoryModel, #20).
     names = (
-        DEFAULT_POLICY_NAMES
-        if spec == "all"
-        else tuple(n.strip() for n in spec.split(",") if n.strip())
+        POLICY_NAMES if spec == "all" else tuple(n.strip() for n in spec.split(",") if n.strip())
     )
-    bad = [n for n in names if n not in DEFAULT_POLICY_NAMES]
+    bad = [n for n in names if n not in POLICY_NAMES]
     if bad or not names:
-        # tltbase drafts from the rollout history, which the simulator cannot model yet (#20).
         raise ValueError(
-            f"policy: expected a comma-separated list of {', '.join(DEFAULT_POLICY_NAMES)} or 'all', got {spec!r}"
-            + (
-                " (tltbase runs in tltrun only until the simulator models the history drafter)"
-                if "tltbase" in bad
-                else ""
-            )
+            f"policy: expected a comma-separated list of {', '.join(POLICY_NAMES)} or 'all', got {spec!r}"
         )
     return tuple(dict.fromkeys(names))
 
@@ -176,14 +169,14 @@ class RunSettings:
     spot: SpotTrainerConfig = SpotTrainerConfig()
     is_spot_training: bool = True
     profile: Path | None = None  # measured cost profile (tltrun profile); None: roofline
+    history: HistoryModel = HistoryModel()  # the history drafter's acceptance (#20)
 
 
-def cost_model(sim: SimConfig) -> RooflineCost:
-    """The roofline cost model of ``sim``'s model, hardware and TP (bad names: UsageError)."""
-    try:
-        return RooflineCost(get_model(sim.model), get_hardware(sim.hardware), tp=sim.tp)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
+def cost_model(sim: SimConfig) -> CalibratedCost | RooflineCost:
+    """The cost model of ``sim``'s model, hardware and TP: calibrated where the GPU has a
+    calibration or ``sim.hardware`` is a hardware preset file (``--hardware-file``), else the
+    roofline (``tltsim.cost.calibrated.preset_cost``; bad names: UsageError)."""
+    return preset_cost(sim.model, sim.hardware, tp=sim.tp)
 
 
 def run_settings(settings: RunSettings, trace: Trace, progress: Any = None) -> SimResult:
@@ -194,11 +187,26 @@ def run_settings(settings: RunSettings, trace: Trace, progress: Any = None) -> S
         policy = make_policy("tlt", seed=sim.seed, **dataclasses.asdict(settings.tlt))
     elif settings.policy == "static":
         policy = make_policy("static", strategy=settings.static_strategy)
+    elif settings.policy == "tltbase":
+        # TLT's switch settings; strategies and drafters stay TLTBase's (history only)
+        tlt = settings.tlt
+        switch = ("threshold", "warmup_checks", "epsilon", "window")
+        policy = make_policy("tltbase", seed=sim.seed, **{k: getattr(tlt, k) for k in switch})
     else:
         policy = make_policy(settings.policy, seed=sim.seed)
-    is_spec = settings.policy != "nospec"
+    # TLTBase has no learned drafter to train on the idle instances
+    is_spec = settings.policy not in ("nospec", "tltbase")
     trainer = SpotTrainerPolicy(settings.spot) if is_spec and settings.is_spot_training else None
-    return simulate(trace, sim, cost, policy, trainer, settings.drafter, progress=progress)
+    return simulate(
+        trace,
+        sim,
+        cost,
+        policy,
+        trainer,
+        settings.drafter,
+        progress=progress,
+        history=settings.history,
+    )
 
 
 def simulate_policies(

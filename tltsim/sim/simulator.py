@@ -16,6 +16,11 @@ Per RL step (DESIGN.md, "Simulator model"):
    dynamics, which also drift at every RL step (the target's weights change).
 3. Barrier, then the training phase: data parallel, ``cost.train_s(step_tokens / instances)``.
 
+Decisions naming the history drafter (``SpecDecision.drafter == "history"``: ``TLTBase``, or
+``TLTAdaptive`` with ``drafters=("eagle", "history")`` whose bandit picks per bucket) draw accept
+lengths from a ``HistoryModel`` (``simulate(history=...)``) and cost the target verify only;
+which earlier rollouts each instance has indexed is kept across the steps of one simulation.
+
 Each call builds its own ``simpy.Environment`` and seeded ``numpy.random.Generator`` streams;
 nothing is stored at module level, so simulations in one process are independent and
 reproducible.
@@ -33,7 +38,7 @@ import numpy as np
 import simpy
 
 from tltsim.policy import IdleObs, SpecDecision
-from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
+from tltsim.sim.acceptance import DrafterDynamics, HistoryModel, accept_len_pmf
 from tltsim.sim.batch import AcceptDist
 from tltsim.sim.instance import InstanceRollout, StepArrays, StepRun
 from tltsim.sim.metrics import (
@@ -177,7 +182,7 @@ def step_arrays(trace: Trace) -> list[StepArrays]:
         index = np.fromiter(
             (i for i, p in enumerate(s.prompts) for _ in p.responses), dtype=np.int64
         )
-        out.append(StepArrays(s.step, prompt, resp, index))
+        out.append(StepArrays(s.step, prompt, resp, index, tuple(p.id for p in s.prompts)))
     return out
 
 
@@ -211,8 +216,15 @@ class _Simulation:
         trainer_policy: Any,
         drafter: Any,
         progress: Callable[[int], None] | None,
+        history: HistoryModel | None = None,
     ):
         self.config = config
+        # the history drafter's model: an explicit one, else the drafter object's (a measured
+        # run's fit), else the documented defaults
+        self.history = history or getattr(drafter, "history", None) or HistoryModel()
+        # prompt id -> instances whose history drafter indexed its rollouts in earlier steps
+        self.history_seen: dict[str, set[int]] = {}
+        self.current_step: Step | None = None
         self.cost = cost
         self.spec_policy = spec_policy
         self.trainer_policy = trainer_policy
@@ -249,6 +261,7 @@ class _Simulation:
         t0 = env.now
         self.spec_policy.start_rollout(arrays.step)
         self.drafter_start_step(arrays.step)
+        self.current_step = step
         run = StepRun(self, arrays, t0, self.request_rates(step))
         owners = place(
             arrays.response_tokens.size, config.num_instances, config.placement, self.placement_rng
@@ -266,6 +279,13 @@ class _Simulation:
         ]
         run.instances = instances
         yield env.all_of([env.process(inst.process()) for inst in instances])
+        # their rollouts are history of the prompts' next occurrences, where a prompt id names
+        # one prompt across steps (a measured run's drafter object may say it does not:
+        # ``prompt_ids_recur``, tltsim.fidelity.measured_run)
+        if getattr(self.drafter, "prompt_ids_recur", True):
+            for inst in instances:
+                for g in np.unique(inst.groups).tolist():
+                    self.history_seen.setdefault(arrays.prompt_ids[g], set()).add(inst.index)
         rollout_s = env.now - t0
         spot = self._spot_training(run, instances, rollout_s)
         self.previous_harvest_tokens = {i.index: int(i.response_tokens.sum()) for i in instances}
@@ -311,6 +331,26 @@ class _Simulation:
         if rates is None or not np.isfinite(rates).any():
             return None
         return np.round(rates, 2)  # a few distinct rates: one accept distribution each
+
+    def request_history_rates(self, arrays: StepArrays) -> np.ndarray | None:
+        """Per response of the step, its own history-drafter acceptance rate (nan: the
+        model's), when the drafter object knows them (optional
+        ``request_history_rates(state, step)``: a measured run's per-response history arms)."""
+        own = getattr(self.drafter, "request_history_rates", None)
+        if own is None or self.current_step is None:
+            return None
+        rates = own(self.drafter_state, self.current_step)
+        if rates is None or not np.isfinite(rates).any():
+            return None
+        return np.round(rates, 2)
+
+    def history_indexed(self, prompt_ids: tuple[str, ...], scope: int) -> np.ndarray:
+        """Per prompt: whether an earlier step's rollouts of it are in the history index of
+        instance ``scope`` (-1: any instance, a cluster-wide index)."""
+        seen = self.history_seen
+        if scope < 0:
+            return np.array([pid in seen for pid in prompt_ids], dtype=np.float64)
+        return np.array([scope in seen.get(pid, ()) for pid in prompt_ids], dtype=np.float64)
 
     def accept_dist(self, decision: SpecDecision, acceptance: float) -> AcceptDist:
         # A drafter object may supply its own accept-length pmf for a decision (optional
@@ -429,6 +469,7 @@ def simulate(
     trainer_policy: Any = None,
     drafter: Any = None,
     progress: Callable[[int], None] | None = None,
+    history: HistoryModel | None = None,
 ) -> SimResult:
     """Replay ``trace`` on the cluster of ``config`` under ``spec_policy``.
 
@@ -436,7 +477,9 @@ def simulate(
     policy speculates); ``trainer_policy`` decides which idle instances become spot drafter
     trainers (None: none do); ``drafter`` is the drafter-dynamics state whose acceptance SD
     iterations sample from (required when the policy speculates). ``progress(n)`` is called
-    after each RL step (a tqdm bar's ``update``).
+    after each RL step (a tqdm bar's ``update``). ``history`` is the history drafter's
+    acceptance model (None: the drafter object's ``history`` attribute if it has one, else
+    ``HistoryModel()``'s defaults).
     """
     started = time.perf_counter()
     sim = _Simulation(
@@ -447,6 +490,7 @@ def simulate(
         trainer_policy,
         drafter or DrafterDynamics(),
         progress,
+        history,
     )
     sim.env.process(sim.run())
     sim.env.run()

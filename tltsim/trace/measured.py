@@ -190,7 +190,7 @@ def _check_known(obj: dict, checks: dict, where: str, prefix: str) -> None:
     if unknown:
         place = f"{where}: " if where else ""
         raise TraceError(
-            f"{place}unknown field 'measured.{prefix}{unknown[0]}' (expected only {', '.join(checks)})"
+            f"{place}unknown field {'measured.' + prefix + unknown[0]!r} (expected only {', '.join(checks)})"
         )
 
 

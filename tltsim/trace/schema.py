@@ -182,7 +182,8 @@ def _check_keys(obj: dict, allowed: frozenset, source: str, where: str) -> None:
     if extra:
         place = f"{source}: {where}: " if where else f"{source}: "
         raise TraceError(
-            f"{place}unknown field '{extra[0]}' (expected only {', '.join(sorted(allowed))})"
+            # repr: a key may hold a newline or carriage return, the error stays one line
+            f"{place}unknown field {extra[0]!r} (expected only {', '.join(sorted(allowed))})"
         )
 
 

@@ -1,0 +1,333 @@
+"""``tltsim advise``: "should I use TLT on this workload, and with which settings?" (issue #21).
+
+    tltsim advise traces/synth_reasoning_rl.json --preset h100x8-qwen7b
+    tltsim advise my_trace.json --preset h100x64-qwen7b --hardware-file h100.json --num-seeds 3
+
+Runs the sweep a user would run (``tltsim.sim.sweep``: TLTAdaptive's threshold x strategy set x
+spot training on/off, each against NoSpec, over ``--num-seeds`` seeds), takes the setting with
+the best mean step speedup, and replays it against NoSpec for its speedup interval
+(``tltsim.sim.intervals``: the seeds, the accept-rate band and the cost model's calibration
+error). Prints one recommendation: the expected step speedup with its interval, the fraction of
+decode time SD is on, the idle GPU-seconds reclaimed per step, and the settings as a ready
+``tltrun train`` config block (keys = ``tltrun.train.config.TrainConfig`` field names) and a
+fastrl-style block (keys as cited in ``tltsim.policy.tlt.TLTConfig``). The output directory
+(default ``results/advise-<trace stem>``) gets ``advise.json`` (everything printed, resolved
+settings included), ``train.toml``, ``fastrl.yaml`` and the sweep's own directory
+(``sweep.toml`` + its outputs: rerun or extend it with ``tltsim sweep``).
+
+Strategy sets (each has four verify-token sizes, one per default bandit bucket 1, 2-4, 5-20, 21+):
+``fastrl`` TLT's public trees 8_4_{48,32,16,8}; ``small-trees`` 8_4_{32,16,8} + chain 4_1_4;
+``chains`` 4_1_4, 3_1_3, 2_1_2, 1_1_1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
+from tltsim.cost.presets import CLUSTER_PRESETS, apply_preset
+from tltsim.errors import UsageError
+from tltsim.jsonio import write_json
+from tltsim.policy import SpotTrainerConfig, TLTConfig
+from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.sim.intervals import DEFAULT_COST_ERROR, IntervalSpec, accept_band, describe
+from tltsim.sim.replay import (
+    RunSettings,
+    comparison,
+    replay_intervals,
+    simulate_policies,
+)
+from tltsim.sim.simulator import SimConfig
+from tltsim.sim.sweep import run_sweep
+from tltsim.trace.files import load_trace
+from tltsim.trace.schema import Trace
+
+STRATEGY_SETS: dict[str, tuple[str, ...]] = {
+    "fastrl": TLTConfig().strategies,  # mit-han-lab/fastrl's public configuration
+    "small-trees": ("8_4_32", "8_4_16", "8_4_8", "4_1_4"),
+    "chains": ("4_1_4", "3_1_3", "2_1_2", "1_1_1"),
+}
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdviseConfig:
+    """What ``tltsim advise`` sweeps and how it reports (one flag per field)."""
+
+    preset: str = field(
+        default="h100x8-qwen7b", metadata=_help("cluster preset: " + ", ".join(CLUSTER_PRESETS))
+    )
+    # 16, 32, 64: TLT's default threshold (32, fastrl bs_threshold) and one bucket either side.
+    thresholds: tuple[int, ...] = field(
+        default=(16, 32, 64), metadata=_help("TLT thresholds to try (SD off above this batch)")
+    )
+    strategy_sets: tuple[str, ...] = field(
+        default=("fastrl", "chains"),
+        metadata=_help("strategy sets to try: " + ", ".join(STRATEGY_SETS)),
+    )
+    num_seeds: int = field(default=2, metadata=_help("seeds per setting (>= 2 gives intervals)"))
+    max_steps: int | None = field(default=None, metadata=_help("use only the first N steps"))
+    accept_rate_range: str = field(
+        default="0.9,1.1",
+        metadata={
+            "help": "accept-rate factors LOW,HIGH for the interval, or none",
+            "metavar": "LOW,HIGH",
+        },
+    )
+    cost_error: float = field(
+        default=DEFAULT_COST_ERROR,
+        metadata=_help("relative error of SD iteration seconds in the interval (0: none)"),
+    )
+    workers: int = field(default=1, metadata=_help("sweep worker processes"))
+    out: str | None = field(
+        default=None,
+        metadata={
+            "help": "output directory (default results/advise-<trace stem>)",
+            "metavar": "DIR",
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.preset not in CLUSTER_PRESETS:
+            raise ValueError(
+                f"--preset {self.preset!r}: expected one of {', '.join(CLUSTER_PRESETS)}"
+            )
+        if not self.thresholds or any(t < 1 for t in self.thresholds):
+            raise ValueError(f"--thresholds: expected integers >= 1, got {self.thresholds}")
+        bad = [s for s in self.strategy_sets if s not in STRATEGY_SETS]
+        if bad or not self.strategy_sets:
+            raise ValueError(
+                f"--strategy-sets: unknown {', '.join(bad) or '(none)'}; expected some of {', '.join(STRATEGY_SETS)}"
+            )
+        if self.num_seeds < 1 or self.workers < 1:
+            raise ValueError("--num-seeds and --workers must be >= 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"--max-steps must be >= 1, got {self.max_steps}")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``tltsim advise``."""
+    p = sub.add_parser(
+        "advise",
+        help="sweep TLT's settings on a trace and recommend one, with its speedup interval",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("trace", type=Path, help="tlt-trace file (.json, .json.gz, .csv, .parquet)")
+    add_dataclass_args(p, AdviseConfig)
+    p.add_argument(
+        "--hardware-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="hardware preset file (tltsim calibrate --out) replacing the preset's GPU",
+    )
+    p.set_defaults(func=cmd_advise)
+
+
+def sweep_toml(trace: Path, config: AdviseConfig, hardware: str | None) -> str:
+    """The sweep spec a user would write for this question (TOML)."""
+    fixed = {"preset": config.preset, "policy": "tlt"}
+    if hardware is not None:
+        fixed["hardware"] = hardware
+    lines = [
+        f"trace = {json.dumps(str(trace.resolve()))}",
+        f"seeds = {json.dumps(list(range(config.num_seeds)))}",
+    ]
+    if config.max_steps is not None:
+        lines.append(f"max_steps = {config.max_steps}")
+    lines.append("[fixed]")
+    lines += [f"{k} = {json.dumps(v)}" for k, v in fixed.items()]
+    lines.append("[grid]")
+    lines.append(f'"tlt.threshold" = {json.dumps(list(config.thresholds))}')
+    lines.append(
+        f'"tlt.strategies" = {json.dumps([list(STRATEGY_SETS[s]) for s in config.strategy_sets])}'
+    )
+    lines.append("spot_training = [true, false]")
+    return "\n".join(lines) + "\n"
+
+
+def best_settings(summary: dict[str, Any]) -> tuple[TLTConfig, bool]:
+    """The sweep's best point as (TLTConfig, spot training on). Settings the sweep did not vary
+    (one value only) are taken from its fixed values: the defaults."""
+    best = summary["best"]
+    if not best:
+        raise UsageError("advise: the sweep produced no speculating point")
+    tlt = TLTConfig()
+    if "tlt.threshold" in best:
+        tlt = dataclasses.replace(tlt, threshold=int(best["tlt.threshold"]))
+    if "tlt.strategies" in best:
+        tlt = dataclasses.replace(tlt, strategies=tuple(str(best["tlt.strategies"]).split(",")))
+    return tlt, bool(best.get("is_spot_training", True))
+
+
+def train_toml(tlt: TLTConfig, is_spot_training: bool) -> str:
+    """A ``tltrun train`` config block; keys are TrainConfig field names."""
+    return "\n".join(
+        [
+            'policy = "tlt"',
+            f"tlt_threshold = {tlt.threshold}",
+            f"tlt_strategies = {json.dumps(list(tlt.strategies))}",
+            f"tlt_bucket_starts = {json.dumps(list(tlt.bucket_starts))}",
+            f"tlt_drafters = {json.dumps(list(tlt.drafters))}",
+            f"is_spot_training = {'true' if is_spot_training else 'false'}",
+        ]
+    )
+
+
+def fastrl_yaml(tlt: TLTConfig, is_spot_training: bool) -> str:
+    """A fastrl-style block (verl/trainer/config/fastrl_trainer.yaml's ``speculative`` section;
+    key names as TLTConfig's comments cite them: check them against your fastrl version)."""
+    first = tlt.strategies[0].split("_")
+    return "\n".join(
+        [
+            "speculative:",
+            f"  bs_threshold: {tlt.threshold}",
+            f"  spec_steps: {first[0]}",
+            f"  topk: {first[1]}",
+            f"  verify_tokens: {first[2]}",
+            f"  mab_configs: [{', '.join(tlt.strategies[1:])}]",
+            f"  mab_bs_threshold: [{', '.join(map(str, tlt.bucket_starts))}]",
+            f"  adaptive_spec_warmup_checks: {tlt.warmup_checks}",
+            "  train:",
+            f"    enable: {'true' if is_spot_training else 'false'}",
+        ]
+    )
+
+
+def recommend(
+    trace: Trace, sim: SimConfig, tlt: TLTConfig, is_spot_training: bool, spec: IntervalSpec
+) -> dict[str, Any]:
+    """NoSpec and the chosen TLT setting replayed at ``spec``'s first seed, with the speedup
+    interval over ``spec``; the summary row of TLT (``tltsim.sim.replay.comparison``)."""
+    names = ("nospec", "tlt")
+    base = RunSettings(
+        sim=dataclasses.replace(sim, seed=spec.seeds[0], is_timeline_recorded=False),
+        policy="nospec",
+        tlt=tlt,
+        spot=SpotTrainerConfig(),
+        is_spot_training=is_spot_training,
+    )
+    results = simulate_policies(trace, names, base)
+    intervals = replay_intervals(trace, names, base, spec, results)
+    rows, ideal = comparison(results, base.sim, None, intervals)
+    row = next(r for r in rows if r["policy"] == "tlt")
+    return {**row, **ideal, "num_steps": trace.num_steps}
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    try:
+        config = dataclass_from_args(AdviseConfig, args)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    hardware = None
+    if args.hardware_file is not None:
+        from tltsim.cli.replay import hardware_file_name
+
+        hardware = hardware_file_name(args.hardware_file)
+    trace = load_trace(args.trace)
+    if config.max_steps is not None:
+        trace = Trace(meta=trace.meta, steps=trace.steps[: config.max_steps])
+    out = Path(config.out or Path("results") / f"advise-{args.trace.name.split('.')[0]}")
+    check_out_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec_path = out / "sweep.toml"
+    spec_path.write_text(sweep_toml(args.trace, config, hardware))
+    outcome = run_sweep(spec_path, out / "sweep", config.workers)
+    summary = json.loads((outcome.out / "summary.json").read_text())
+    tlt, is_spot = best_settings(summary)
+    sim = apply_preset(SimConfig(), config.preset)
+    if hardware is not None:
+        sim = dataclasses.replace(sim, hardware=hardware)
+    try:
+        accept = (
+            None
+            if config.accept_rate_range == "none"
+            else accept_band(DrafterDynamics(), config.accept_rate_range, None)
+        )
+        spec = IntervalSpec(
+            seeds=tuple(range(config.num_seeds)), accept=accept, cost_error=config.cost_error
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    row = recommend(trace, sim, tlt, is_spot, spec)
+    report = {
+        "kind": "advise",
+        "trace": str(args.trace),
+        "config": config,
+        "sim": sim,
+        "recommendation": {
+            "tlt": tlt,
+            "is_spot_training": is_spot,
+            "speedup_vs_nospec": row["speedup_vs_nospec"],
+            "speedup_vs_nospec_low": row.get("speedup_vs_nospec_low"),
+            "speedup_vs_nospec_high": row.get("speedup_vs_nospec_high"),
+            "sd_on_fraction": row["sd_on_fraction"],
+            "idle_gpu_s_reclaimed_per_step": row["bubble_reclaimed_gpu_s"] / row["num_steps"],
+            "drafter_train_gpu_s_per_step": row["drafter_train_gpu_s"] / row["num_steps"],
+            "mean_step_s": row["mean_step_s"],
+            "rollout_over_ideal": row["rollout_over_ideal"],
+        },
+        "speedup_interval": describe(spec),
+        "sweep": {
+            "dir": str(outcome.out),
+            "best": summary["best"],
+            "runner_up": summary["runner_up"],
+            "is_best_distinguishable": summary["is_best_distinguishable"],
+            "speedup_interval_over_seeds": summary["speedup_interval_over_seeds"],
+        },
+        "train_toml": train_toml(tlt, is_spot),
+        "fastrl_yaml": fastrl_yaml(tlt, is_spot),
+    }
+    write_json(out / "advise.json", report)
+    (out / "train.toml").write_text(report["train_toml"] + "\n")
+    (out / "fastrl.yaml").write_text(report["fastrl_yaml"] + "\n")
+    print(format_advice(report, out))
+    return 0
+
+
+def format_advice(report: dict[str, Any], out: Path) -> str:
+    """The printed recommendation."""
+    from tltsim.cli.sweep import distinguishable_line
+
+    r = report["recommendation"]
+    tlt: TLTConfig = r["tlt"]
+    interval = ""
+    if r["speedup_vs_nospec_low"] is not None:
+        interval = f" [{r['speedup_vs_nospec_low']:.2f}-{r['speedup_vs_nospec_high']:.2f}]"
+    sources = ", ".join(report["speedup_interval"]["sources"]) or "none"
+    verdict = (
+        "use TLT"
+        if (r["speedup_vs_nospec_low"] or r["speedup_vs_nospec"]) > 1.0
+        else ("TLT does not reliably pay on this workload")
+    )
+    return "\n".join(
+        [
+            f"recommendation: {verdict}",
+            f"  threshold {tlt.threshold}, strategies {','.join(tlt.strategies)} "
+            f"(buckets from {','.join(map(str, tlt.bucket_starts))}), spot training "
+            f"{'on' if r['is_spot_training'] else 'off'}",
+            f"  expected step speedup vs NoSpec: {r['speedup_vs_nospec']:.2f}x{interval} "
+            f"(interval: min-max over {sources})",
+            f"  SD on for {100 * r['sd_on_fraction']:.0f}% of decode time; idle GPU-seconds "
+            f"reclaimed per step: {r['idle_gpu_s_reclaimed_per_step']:,.1f} "
+            f"(drafter training used {r['drafter_train_gpu_s_per_step']:,.1f})",
+            distinguishable_line(report["sweep"]),
+            "",
+            "tltrun train config (TOML):",
+            report["train_toml"],
+            "",
+            "fastrl-style config (YAML):",
+            report["fastrl_yaml"],
+            "",
+            f"wrote {out}/: advise.json train.toml fastrl.yaml sweep.toml sweep/",
+        ]
+    )

@@ -1,0 +1,161 @@
+"""``tltsim calibrate``: fit the calibrated GPU cost model to a measured profile (issue #21).
+
+    tltrun profile --device cuda --out profiles/h100_qwen7b.csv          # measure (on the GPU)
+    tltsim calibrate profiles/h100_qwen7b.csv --hardware H100-SXM --model Qwen2.5-7B --out h100.json
+    tltsim replay traces/synth_reasoning_rl.json --preset h100x8-qwen7b --hardware-file h100.json
+
+The profile is a tlt-profile CSV (``tltsim.cost.profile``); its ``decode``, ``verify`` and
+``drafter`` rows are fitted (scipy least squares on log seconds: the ``fit`` extra). Fields not
+in ``--fit`` keep the GPU's shipped calibration (``tltsim.cost.calibrated.CALIBRATIONS``) or its
+roofline limit. The output is a hardware preset file (datasheet fields + calibration + what it
+was fitted to and how well) that ``replay --hardware-file`` and ``profile-info --hardware`` read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+
+from tltsim.cli.args import check_out_file
+from tltsim.cli.table import format_table
+from tltsim.cost.calibrate import BOUNDS, DEFAULT_FIT_FIELDS, fit_calibration
+from tltsim.cost.calibrated import CALIBRATIONS, CalibrationParams, save_hardware_preset
+from tltsim.cost.profile import load_profile
+from tltsim.errors import UsageError
+
+PARAM_COLUMNS = {"name": "parameter", "value": "value", "status": "status"}
+ERROR_COLUMNS = {
+    "op": "op",
+    "num_points": "points",
+    "median_abs_error": "median |err|",
+    "max_abs_error": "max |err|",
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``tltsim calibrate``."""
+    p = sub.add_parser(
+        "calibrate",
+        help="fit the calibrated GPU cost model to a measured profile; write a hardware preset file",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "profile", type=Path, help="profile CSV (tltrun profile; its sidecar JSON next to it)"
+    )
+    p.add_argument(
+        "--hardware",
+        default=None,
+        metavar="NAME|PATH",
+        help="GPU preset or JSON file of HardwareSpec fields (default: the sidecar's hardware)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="NAME|PATH",
+        help="model preset or config.json (default: the sidecar's model)",
+    )
+    p.add_argument(
+        "--tp", type=int, default=None, metavar="N", help="TP degree (default: the sidecar's tp)"
+    )
+    p.add_argument(
+        "--fit",
+        default=",".join(DEFAULT_FIT_FIELDS),
+        metavar="LIST",
+        help=f"calibration fields to fit, comma-separated, among {', '.join(BOUNDS)}",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="hardware preset file to write (default: <profile stem>-hardware.json beside the profile)",
+    )
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from tltsim.cli.fidelity import _hardware_spec, _model_spec  # the profile-info resolution
+
+    out = args.out or args.profile.with_name(f"{args.profile.stem}-hardware.json")
+    check_out_file(out)
+    profile = load_profile(args.profile)
+    model, hardware = _model_spec(args.model, profile), _hardware_spec(args.hardware, profile)
+    if model is None or hardware is None:
+        raise UsageError(
+            f"{args.profile}: need --model and --hardware (the sidecar names no preset for "
+            f"{'the model' if model is None else 'the hardware'})"
+        )
+    tp = args.tp or int(profile.meta.get("tp", 1))
+    if tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {tp}")
+    fields = tuple(f.strip() for f in args.fit.split(",") if f.strip())
+    base = CALIBRATIONS.get(hardware.name) or CalibrationParams.roofline_limit(hardware)
+    try:
+        fit = fit_calibration(
+            profile.rows, model, hardware, tp, base, fields, source=str(args.profile)
+        )
+    except ValueError as err:  # a model/TP mismatch (RooflineCost's checks)
+        raise UsageError(f"{args.profile}: {err}") from None
+    print(
+        f"{args.profile}: fitted {len(fit.fitted)} parameters to {len(fit.rows)} points "
+        f"({model.name} on {hardware.name}, tp={tp})"
+    )
+    params = dataclasses.asdict(fit.params)
+    print(
+        format_table(
+            [
+                {
+                    "name": k,
+                    "value": v,
+                    "status": "fitted" if k in fit.fitted else "held",
+                }
+                for k, v in params.items()
+                if k != "source"
+            ],
+            PARAM_COLUMNS,
+            {"value": ".6g"},
+            left=("name", "status"),
+        )
+    )
+    errors = fit.rel_errors
+    ops = [r.op for r in fit.rows]
+    rows = []
+    for op in dict.fromkeys(ops):
+        e = np.abs(errors[[i for i, o in enumerate(ops) if o == op]])
+        rows.append(
+            {
+                "op": op,
+                "num_points": len(e),
+                "median_abs_error": f"{100 * np.median(e):.2f}%",
+                "max_abs_error": f"{100 * np.max(e):.2f}%",
+            }
+        )
+    print("fit error (predicted / measured - 1):")
+    print(format_table(rows, ERROR_COLUMNS, left=("op",)))
+    save_hardware_preset(
+        out,
+        hardware,
+        fit.params,
+        {
+            "fitted_to": {
+                "profile": str(args.profile),
+                "model": model.name,
+                "tp": tp,
+                "profile_meta": {k: v for k, v in profile.meta.items() if k != "model"},
+            },
+            "fitted_fields": list(fit.fitted),
+            "fit_error": {
+                "median_abs": fit.median_abs_error,
+                "max_abs": fit.max_abs_error,
+                "num_points": len(fit.rows),
+            },
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        },
+    )
+    print(f"wrote {out} (use it with tltsim replay --hardware-file)")
+    return 0
