@@ -1,9 +1,22 @@
-"""History drafter benchmark (issue #20). This script holds the proposal-cost section: proposal
-microseconds per sequence vs history size, which must not grow with the history (the suffix
-automaton walks at most ngram_max + draft_steps tokens per proposal).
+"""History drafter benchmark (issue #20), two sections.
+
+Proposal cost: proposal microseconds per sequence vs history size, which must not grow with the
+history (the suffix automaton walks at most ngram_max + draft_steps tokens per proposal).
 
     .venv/bin/python benchmarks/bench_history.py                        # 1k, 100k, 1M tokens
     .venv/bin/python benchmarks/bench_history.py --sizes 1000,20000 --out /tmp/h.json
+
+GRPO (``--grpo``): ``benchmarks/bench_train.py``'s runs (2 workers, same prompts and seed per
+run) for NoSpec, the history drafter alone (``tltbase``), the frozen and the spot-trained EAGLE
+drafter (``tlt-frozen``, ``tlt-spot``) and TLT's bandit choosing between the spot-trained EAGLE
+and the history drafter per batch bucket (``tlt-mix``): accept length per step and rollout
+speedup vs NoSpec of each, once per bench_spec work directory (one per seed: each holds its own
+SFT target and offline drafter, ``bench_spec.py --seed S --work-dir W``), then the median and
+range over seeds and the issue's two checks (history accept length >= 2 from step 0; the mix's
+rollout speedup >= the better of tltbase and tlt-spot, within the seeds' spread).
+
+    .venv/bin/python benchmarks/bench_history.py --grpo --work-dirs runs/s0/spec,runs/s1/spec \
+        --seeds 0,1 --out runs/bench_history_grpo [--task reasoning-gym:...]
 
 Synthetic RL-like history, all in ONE prompt group (the worst case: one automaton holds every
 token): a reference answer of ``--answer-tokens`` random token ids (vocabulary 32,000), and
@@ -24,6 +37,7 @@ import json
 import platform
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -108,8 +122,130 @@ COLUMNS = {
 }
 
 
+GRPO_RUNS = ("nospec", "tltbase", "tlt-frozen", "tlt-spot", "tlt-mix")
+
+
+def _bench_train():
+    """benchmarks/bench_train.py as a module (benchmarks/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_train", Path(__file__).with_name("bench_train.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_train"] = module  # dataclasses look their module up while decorating
+    spec.loader.exec_module(module)
+    return module
+
+
+def grpo(args: argparse.Namespace) -> dict:
+    """The GRPO section over every (work dir, seed); returns the JSON written to --out."""
+    bt = _bench_train()
+    work_dirs = args.work_dirs.split(",")
+    seeds = [int(x) for x in args.seeds.split(",")]
+    if len(seeds) != len(work_dirs):
+        raise SystemExit("error: --seeds needs one seed per --work-dirs entry")
+    out = Path(args.out)
+    per_seed = []
+    for work, seed in zip(work_dirs, seeds, strict=True):
+        cfg = bt.BenchTrainConfig(
+            model_dir=f"{work}/target",
+            drafter_dir=f"{work}/drafter",
+            spec_results=f"{work}/results.json",
+            out=str(out / f"seed{seed}"),
+            seed=seed,
+            task=args.task,
+            num_steps=args.num_steps,
+            max_new_tokens=args.max_new_tokens,
+            runs=GRPO_RUNS,
+            reuse_runs=args.reuse_runs,
+        )
+        table = bt.summarise(bt.run_all(cfg))
+        print(f"seed {seed} ({work}):")
+        bt.print_table(table)
+        per_seed.append({"seed": seed, "work_dir": work, "table": table})
+    summary = []
+    for name in GRPO_RUNS:
+        rows = [next(t for t in s["table"] if t["run"] == name) for s in per_seed]
+        speedups = [r["rollout_speedup"] for r in rows]
+        steps = [r["step_speedup"] for r in rows]
+        first = [r["accept_len_per_step"][0] for r in rows]
+        summary.append(
+            {
+                "run": name,
+                "rollout_speedup_median": statistics.median(speedups),
+                "rollout_speedup_range": f"{min(speedups):.2f}-{max(speedups):.2f}",
+                "step_speedup_median": statistics.median(steps),
+                "accept_len_step0_median": statistics.median(first),
+                "accept_len_mean_median": statistics.median(
+                    statistics.fmean(r["accept_len_per_step"]) for r in rows
+                ),
+            }
+        )
+    print(f"over {len(per_seed)} seed(s): median (range) per run")
+    print(
+        format_table(
+            summary,
+            {
+                "run": "run",
+                "rollout_speedup_median": "rollout x",
+                "rollout_speedup_range": "range",
+                "step_speedup_median": "step x",
+                "accept_len_step0_median": "accept step0",
+                "accept_len_mean_median": "accept mean",
+            },
+            {"rollout_speedup_median": ".2f", "step_speedup_median": ".2f"},
+            left=("run", "rollout_speedup_range"),
+        )
+    )
+    by = {r["run"]: r for r in summary}
+    history_step0 = by["tltbase"]["accept_len_step0_median"]
+    mix = [
+        next(t for t in s["table"] if t["run"] == "tlt-mix")["rollout_speedup"] for s in per_seed
+    ]
+    best_alone = [
+        max(t["rollout_speedup"] for t in s["table"] if t["run"] in ("tltbase", "tlt-spot"))
+        for s in per_seed
+    ]
+    checks = {
+        "history_accept_len_step0_ge_2": history_step0 >= 2,
+        # within noise: the mix's median is at least the better single drafter's median minus
+        # the larger of the two spreads over seeds
+        "mix_ge_better_alone_within_noise": statistics.median(mix)
+        >= statistics.median(best_alone)
+        - max(max(mix) - min(mix), max(best_alone) - min(best_alone)),
+    }
+    print(
+        f"history accept length at step 0 (median): {history_step0:.2f} (target >= 2): "
+        f"{'met' if checks['history_accept_len_step0_ge_2'] else 'NOT met'}"
+    )
+    print(
+        f"tlt-mix rollout speedup {statistics.median(mix):.2f}x vs the better of tltbase and "
+        f"tlt-spot {statistics.median(best_alone):.2f}x (medians): "
+        f"{'met' if checks['mix_ge_better_alone_within_noise'] else 'NOT met'} within noise"
+    )
+    result = {"config": vars(args), "per_seed": per_seed, "summary": summary, "checks": checks}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {out / 'results.json'}")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--grpo", action="store_true", help="run the GRPO section instead")
+    parser.add_argument(
+        "--work-dirs", default="runs/bench_spec", help="--grpo: bench_spec work dirs, one per seed"
+    )
+    parser.add_argument("--seeds", default="0", help="--grpo: the seed of each work dir")
+    parser.add_argument("--task", default="builtin", help="--grpo: builtin or reasoning-gym:<task>")
+    parser.add_argument("--num-steps", type=int, default=20, help="--grpo: RL steps per run")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=192, help="--grpo: token cap per response"
+    )
+    parser.add_argument(
+        "--reuse-runs", action="store_true", help="--grpo: reuse finished runs in --out"
+    )
     parser.add_argument("--sizes", default="1000,100000,1000000", help="history sizes (tokens)")
     parser.add_argument("--draft-steps", type=int, default=6, help="tokens per drafted chain")
     parser.add_argument("--topk", type=int, default=4, help="continuations per drafted tree")
@@ -120,6 +256,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bench_history.json", help="JSON output path")
     args = parser.parse_args()
+    if args.grpo:
+        if args.out == "results/bench_history.json":
+            args.out = "runs/bench_history_grpo"
+        grpo(args)
+        return
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
     for size in sizes:
