@@ -27,7 +27,7 @@ from tltrun.rollout.measured_trace import (
     requests_from_step,
 )
 from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord, train_drafter
-from tltsim.policy import NoSpec, SpecDecision, StaticSpec, update_accept_len_ema
+from tltsim.policy import NoSpec, SpecDecision, StaticSpec, TLTAdaptive, update_accept_len_ema
 from tltsim.trace.schema import Prompt, Response, Step
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -307,6 +307,85 @@ def test_update_weights_switches_to_the_new_policy_weights():
     assert after == want and before != want
     with pytest.raises(ValueError, match="missing"):
         eng.update_weights({"model.norm.weight": torch.ones(48)})
+
+
+GRAPH_POLICIES = {
+    **POLICIES,
+    "tlt": lambda: TLTAdaptive(
+        threshold=3, warmup_checks=2, strategies=("4_2_8", "3_1_3"), bucket_starts=(1, 2)
+    ),
+    "nospec": NoSpec,
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRAPH_POLICIES))
+def test_graph_pool_path_changes_no_output(name, monkeypatch):
+    # cuda_graphs=True on CPU: every decode/verify runs the pool's padded static forward
+    # eagerly (the forward a graph replays on CUDA), batches padded up to their bucket
+    from tltrun.rollout.graphs import StaticForward
+
+    shapes = []
+    call = StaticForward.__call__
+
+    def counting(self, ids, *rest):
+        shapes.append((ids.shape[0], self.batch))
+        return call(self, ids, *rest)
+
+    monkeypatch.setattr(StaticForward, "__call__", counting)
+    reqs = make_requests(7, seed=31)
+    want = [
+        o.output_token_ids for o in engine(max_running_requests=5).generate(reqs, NoSpec()).outputs
+    ]
+    eng = engine(DRAFTER, max_running_requests=5, cuda_graphs=True)
+    got = eng.generate(reqs, GRAPH_POLICIES[name]())
+    assert [o.output_token_ids for o in got.outputs] == want
+    assert shapes and all(n <= b for n, b in shapes)  # the pool ran (padding: test_graphs.py)
+    assert eng.graphs is not None and eng.graphs.plan.num_graphs > 0
+    if name == "nospec":
+        assert eng.graphs.plan.decode_buckets == (1, 2, 4, 5)
+
+
+def test_defaults_are_device_dependent_and_eager_off_cpu():
+    cfg = EngineConfig(max_running_requests=2, max_model_len=8)
+    assert (cfg.dtype_name, cfg.attention, cfg.is_using_graphs) == ("float32", "sdpa", False)
+    assert engine().graphs is None
+    eng = engine(cuda_graphs=True)
+    eng.generate(make_requests(2, seed=1), NoSpec())
+    assert eng.graphs is not None and eng.graphs.pool is None  # CPU: nothing captured
+
+
+def test_flex_attention_engine_equals_sdpa():
+    reqs = make_requests(5, seed=23)
+    want = [o.output_token_ids for o in engine().generate(reqs, NoSpec()).outputs]
+    for cuda_graphs in (False, True):
+        got = engine(DRAFTER, attn_impl="flex", cuda_graphs=cuda_graphs).generate(
+            reqs, StaticSpec(4, 2, 8)
+        )
+        assert [o.output_token_ids for o in got.outputs] == want
+
+
+def test_weight_updates_under_the_graph_pool_equal_a_fresh_engine():
+    # update_weights / update_drafter copy into the parameters' storage (graphs read it at replay)
+    other = tiny_model(seed=42)
+    other_drafter = EagleDrafter.for_target(other, seed=9)
+    reqs = make_requests(4, seed=5)
+    fresh = engine(other_drafter, model=other, cuda_graphs=True).generate(reqs, StaticSpec(3, 2, 6))
+    model = tiny_model(seed=0)
+    eng = engine(EagleDrafter.for_target(model, seed=1), model=model, cuda_graphs=True)
+    before = eng.generate(reqs, StaticSpec(3, 2, 6))
+    storage = [p.data_ptr() for p in model.parameters()]
+    eng.update_weights(other.state_dict())
+    eng.update_drafter({k: v for k, v in other_drafter.state_dict().items()})
+    after = eng.generate(reqs, StaticSpec(3, 2, 6))
+    assert [p.data_ptr() for p in model.parameters()] == storage
+    assert [o.output_token_ids for o in after.outputs] == [
+        o.output_token_ids for o in fresh.outputs
+    ]
+    assert [o.output_token_ids for o in before.outputs] != [
+        o.output_token_ids for o in fresh.outputs
+    ]
+    # the drafter's weights matter too: accept lengths equal the fresh engine's
+    assert [i.accept_lens for i in after.iterations] == [i.accept_lens for i in fresh.iterations]
 
 
 def test_bad_requests_and_missing_drafter_are_one_line_errors():

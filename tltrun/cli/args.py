@@ -1,7 +1,8 @@
 """Flags shared by ``tltrun`` subcommands that run the torch engine (``generate``, ``bench``).
 
 ``add_engine_args`` adds one flag per ``EngineConfig`` field (all but ``sampling``, which
-``SamplingParams``' flags ``--temperature --top-p --top-k`` build); ``engine_config_from_args``
+``SamplingParams``' flags ``--temperature --top-p --top-k`` build, and ``cuda_graphs``, which
+``--eager`` turns off); ``engine_config_from_args``
 builds the config back, with ``engine_defaults`` for the sizes a user need not pass by hand.
 ``config_dict`` is what every output directory's ``config.json`` holds.
 """
@@ -18,7 +19,8 @@ from tltrun.rollout.interface import SamplingParams
 from tltsim.cli.args import add_dataclass_args, dataclass_from_args
 from tltsim.errors import UsageError
 
-ENGINE_SKIP = ("sampling",)
+# cuda_graphs is set by --eager (below): a user turns capture off, never on where it cannot run
+ENGINE_SKIP = ("sampling", "cuda_graphs")
 # The most requests `generate` and `bench` decode together when --max-running-requests is not
 # given: vLLM's own default max_num_seqs (as tltrun.rollout.vllm_backend.VLLMBackendConfig).
 DEFAULT_MAX_RUNNING_REQUESTS = 256
@@ -27,6 +29,13 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(parser, SamplingParams)
     add_dataclass_args(parser, EngineConfig, skip=ENGINE_SKIP)
+    parser.add_argument(
+        "--eager",
+        action="store_true",
+        default=None,
+        help="run every forward eagerly: no CUDA-graph pool (EngineConfig.cuda_graphs; "
+        "default: graphs on CUDA, eager on CPU)",
+    )
 
 
 def engine_defaults(model_dir: str, num_requests: int, max_request_tokens: int) -> dict[str, int]:
@@ -59,6 +68,15 @@ def engine_config_from_args(
         for f in dataclasses.fields(EngineConfig)
         if f.name not in ENGINE_SKIP and getattr(args, f.name, None) is not None
     )
+    for name in ("eos_token_ids", "graph_batch_sizes"):  # EngineConfig's int tuples
+        if isinstance(values.get(name), str):
+            try:
+                values[name] = tuple(int(x) for x in values[name].split(",") if x)
+            except ValueError:
+                flag = "--" + name.replace("_", "-")
+                raise UsageError(f"{flag}: expected comma-separated integers") from None
+    if getattr(args, "eager", None):
+        values["cuda_graphs"] = False
     values.update(fixed)
     try:
         return EngineConfig(sampling=dataclass_from_args(SamplingParams, args), **values)
@@ -85,7 +103,7 @@ def check_kv_cache_fits(model_dir: str, engine_cfg: EngineConfig) -> None:
         model = read_config(model_dir)
     except CheckpointError as err:
         raise UsageError(str(err)) from None
-    element_bytes = torch.empty((), dtype=DTYPES[engine_cfg.dtype]).element_size()
+    element_bytes = torch.empty((), dtype=DTYPES[engine_cfg.dtype_name]).element_size()
     need = (
         2
         * model.num_hidden_layers

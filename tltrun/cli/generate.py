@@ -207,7 +207,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args, defaults=engine_defaults(cfg.model, len(requests), longest)
     )
     check_kv_cache_fits(cfg.model, engine_cfg)
-    target = load_hf(cfg.model, dtype=DTYPES[engine_cfg.dtype], device=engine_cfg.device)
+    target = load_hf(cfg.model, dtype=DTYPES[engine_cfg.dtype_name], device=engine_cfg.device)
     drafter = load_drafter(cfg.drafter, target) if cfg.drafter else None
     settings = {"strategy": cfg.strategy} if cfg.policy == "static" else {}
     try:

@@ -10,22 +10,37 @@ either ``commit``s them (prefill, plain decode, drafter catch-up), or ``compact`
 path of a verified draft tree into consecutive positions, or ``truncate``s (roll back). Entries
 at or beyond ``lens[s]`` are garbage by definition, so a rollback is just a length change.
 
-Attention over (committed cache, new tokens with a tree mask) has two implementations chosen by
+Attention over (committed cache, new tokens with a tree mask) has implementations chosen by
 an explicit ``impl`` argument, never by globals: ``"sdpa"`` (masked
-``torch.nn.functional.scaled_dot_product_attention``, here) and ``"ref"`` / ``"triton"`` (the
-``kernels.tree_attention`` reference and kernel).
+``torch.nn.functional.scaled_dot_product_attention`` over the batch padded to its longest
+context, here), ``"flex"`` (``torch.nn.attention.flex_attention`` with a block mask built from
+each sequence's own length: blocks past a sequence's context are skipped, so no padding work on
+a GPU, issue #18; eager on CPU, where it runs torch's dense reference and is tested equal to
+``"sdpa"``) and ``"ref"`` / ``"triton"`` (the ``kernels.tree_attention`` reference and kernel).
+
+``StaticContext`` is the same attention with static shapes and no host synchronisation (slots
+``0..B-1``, keys over the whole slot width, masked by length): the form a CUDA graph captures
+(``tltrun.rollout.graphs``).
 
 Run the tests: ``python -m pytest tests/test_kvcache.py -q``.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from tltrun.model.transformer import ModelConfig
 
-ATTN_IMPLS = ("sdpa", "ref", "triton")
+ATTN_IMPLS = ("sdpa", "flex", "ref", "triton")
+# Attention implementations that attend without padding work (tltsim.cost.profile's
+# attention_context "summed"): each sequence reads only its own context's KV blocks.
+UNPADDED_ATTN_IMPLS = ("flex",)
+# flex_attention's default block (torch.nn.attention.flex_attention _DEFAULT_SPARSE_BLOCK_SIZE):
+# the granularity at which a sequence's unused KV width is skipped.
+FLEX_BLOCK_TOKENS = 128
 
 
 def attention_mask(cache_lens: torch.Tensor, length: int, new_mask: torch.Tensor) -> torch.Tensor:
@@ -83,6 +98,61 @@ def in_place_mask(cache_lens: torch.Tensor, key_len: int, tree_mask: torch.Tenso
     is_new = (rel >= 0) & (rel < t)
     new_vis = tree_mask.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, key_len))
     return ((pos < cache_lens[:, None])[:, None, :] | (new_vis & is_new[:, None, :]))[:, None]
+
+
+@functools.cache
+def _compiled_flex():
+    """flex_attention compiled once per process, for GPUs: eager flex_attention is torch's dense
+    reference (correct everywhere, fast nowhere); compiled, it is a block-sparse Triton kernel.
+    Default ``dynamic``: a second batch size or width makes those dimensions symbolic instead of
+    compiling once per shape (dynamo's recompile limit would otherwise send later shapes back to
+    the dense eager reference)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def flex_attention_by_lens(
+    q: torch.Tensor,  # (B,H,Tq,D)
+    k_all: torch.Tensor,  # (B,Hkv,Lk,D): the cache with the Tq new keys already at lens + j
+    v_all: torch.Tensor,
+    cache_lens: torch.Tensor,  # (B,) committed positions, visible to every query
+    tree_mask: torch.Tensor,  # (B,Tq,Tq) bool: query i may see new key j
+    scale: float,
+) -> torch.Tensor:
+    """The attention of ``in_place_mask`` with flex_attention: key p is visible to query i iff
+    p < cache_lens[b], or p holds new token j = p - cache_lens[b] and tree_mask[b, i, j]. The
+    block mask lists, per sequence, only the KV blocks below cache_lens[b] + Tq, built with
+    tensor ops alone (no host sync: capturable in a CUDA graph). Returns (B,H,Tq,D)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    b, _, tq, _ = q.shape
+    key_len = k_all.shape[2]
+    device = q.device
+    num_q_blocks = -(-tq // FLEX_BLOCK_TOKENS)
+    num_kv_blocks = -(-key_len // FLEX_BLOCK_TOKENS)
+    used = ((cache_lens + tq + FLEX_BLOCK_TOKENS - 1) // FLEX_BLOCK_TOKENS).clamp(max=num_kv_blocks)
+    kv_num_blocks = used.to(torch.int32)[:, None, None].expand(b, 1, num_q_blocks).contiguous()
+    kv_indices = (
+        torch.arange(num_kv_blocks, device=device, dtype=torch.int32)
+        .expand(b, 1, num_q_blocks, num_kv_blocks)
+        .contiguous()
+    )
+
+    def mask_mod(bi, hi, qi, kvi):
+        rel = kvi - cache_lens[bi]
+        is_new = (rel >= 0) & (rel < tq)
+        return (rel < 0) | (is_new & tree_mask[bi, qi, rel.clamp(0, tq - 1)])
+
+    block_mask = BlockMask.from_kv_blocks(  # forward only: no transposed (q-major) blocks
+        kv_num_blocks,
+        kv_indices,
+        mask_mod=mask_mod,
+        seq_lengths=(tq, key_len),
+        compute_q_blocks=False,
+    )
+    fn = _compiled_flex() if device.type == "cuda" else flex_attention
+    return fn(q, k_all, v_all, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
 def causal_mask(batch: int, num_tokens: int, device: torch.device | str) -> torch.Tensor:
@@ -223,10 +293,15 @@ class CacheContext:
         # gather. The kernels' API takes the new keys separately (``_attend_kernel``); so does
         # a forward whose padded region would run past the end of the cache.
         self.key_len = self.context_len + num_tokens
-        self.is_in_place = impl == "sdpa" and self.key_len <= cache.max_tokens
+        if impl == "flex" and device.type == "cuda":
+            # the whole slot width: one compiled kernel shape per (batch, new tokens); blocks
+            # past each sequence's length are skipped, so the width costs nothing
+            self.key_len = cache.max_tokens
+        self.is_in_place = impl in ("sdpa", "flex") and self.key_len <= cache.max_tokens
         self.slot_range: slice | None = None
         if self.is_in_place:
-            self.mask = in_place_mask(self.cache_lens, self.key_len, self.tree_mask)
+            if impl == "sdpa":
+                self.mask = in_place_mask(self.cache_lens, self.key_len, self.tree_mask)
             first = int(slots[0]) if batch else 0
             if torch.equal(slots, torch.arange(first, first + batch, device=device)):
                 self.slot_range = slice(first, first + batch)
@@ -240,14 +315,17 @@ class CacheContext:
         rows = self.slot_range if self.slot_range is not None else self.slots
         k_all = self.cache.k[layer, rows, :, : self.key_len]  # (B,Hkv,L+T,D)
         v_all = self.cache.v[layer, rows, :, : self.key_len]
-        return grouped_attention(q, k_all, v_all, self.mask, self.cache.head_dim**-0.5)
+        scale = self.cache.head_dim**-0.5
+        if self.impl == "flex":
+            return flex_attention_by_lens(q, k_all, v_all, self.cache_lens, self.tree_mask, scale)
+        return grouped_attention(q, k_all, v_all, self.mask, scale)
 
     def _attend_separately(self, layer: int, q, k, v) -> torch.Tensor:
         cache = self.cache
         k_ctx = cache.k[layer, self.slots, :, : self.context_len]  # (B,Hkv,L,D) copy
         v_ctx = cache.v[layer, self.slots, :, : self.context_len]
         scale = cache.head_dim**-0.5
-        if self.impl == "sdpa":
+        if self.impl in ("sdpa", "flex"):  # a padded region past the cache end: rare
             return masked_attention(q, k_ctx, v_ctx, self.cache_lens, k, v, self.tree_mask, scale)
         from kernels.tree_attention import tree_attention
 
@@ -261,3 +339,43 @@ class CacheContext:
         new_v = v.transpose(1, 2)[self._write_rows, self._write_cols]
         self.cache.k[layer, self._write_slots, :, self._write_pos] = new_k
         self.cache.v[layer, self._write_slots, :, self._write_pos] = new_v
+
+
+class StaticContext:
+    """The attention of ``CacheContext`` in the form a CUDA graph captures: slots ``0..B-1`` (the
+    engine keeps running sequences there), ``T`` new tokens per slot, all valid, keys over the
+    whole slot width masked by each slot's length, and no host synchronisation (no ``.item()``,
+    no data-dependent shape). Lengths are read from ``cache.lens`` when the forward runs (at
+    replay, for a graph). A padding row is a free slot whose length the caller set to 0: it
+    attends to its own new tokens only and never touches another row.
+
+    ``impl``: ``"sdpa"`` (dense over the slot width: the CPU reference) or ``"flex"`` (block mask
+    by length: each sequence reads its own context only)."""
+
+    def __init__(self, cache: KVCache, batch: int, tree_mask: torch.Tensor, impl: str):
+        if impl not in ("sdpa", "flex"):
+            raise ValueError(f"static attention impl {impl!r}: expected sdpa or flex")
+        if batch > cache.num_slots:
+            raise ValueError(f"static batch {batch} exceeds the cache's {cache.num_slots} slots")
+        self.cache, self.impl, self.tree_mask = cache, impl, tree_mask  # (B,T,T)
+        num_tokens = tree_mask.shape[1]
+        self.rows = slice(0, batch)
+        self.cache_lens = cache.lens[:batch].clone()  # (B,) lens do not move during a forward
+        device = cache.lens.device
+        cols = torch.arange(num_tokens, device=device)
+        self._write_pos = self.cache_lens[:, None] + cols[None, :]  # (B,T)
+        self._write_slots = torch.arange(batch, device=device)[:, None].expand(-1, num_tokens)
+        if impl == "sdpa":
+            self.mask = in_place_mask(self.cache_lens, cache.max_tokens, tree_mask)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        # (B,T,Hkv,D) on both sides: advanced indices (slot, position) around the head slice
+        cache.k[layer, self._write_slots, :, self._write_pos] = k.transpose(1, 2)
+        cache.v[layer, self._write_slots, :, self._write_pos] = v.transpose(1, 2)
+        k_all = cache.k[layer, self.rows]  # (B,Hkv,max_tokens,D) a view
+        v_all = cache.v[layer, self.rows]
+        scale = cache.head_dim**-0.5
+        if self.impl == "flex":
+            return flex_attention_by_lens(q, k_all, v_all, self.cache_lens, self.tree_mask, scale)
+        return grouped_attention(q, k_all, v_all, self.mask, scale)

@@ -356,8 +356,11 @@ class Rotary(nn.Module):
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.inv_freq.to(positions.device)  # (D/2,) tiny; a no-op on CPU
-        freqs = positions[..., None].float() * inv_freq  # (B,T,D/2) in float32
+        if self.inv_freq.device != positions.device:
+            # moved once and kept: a host-to-device copy per forward cannot be captured in a
+            # CUDA graph (tltrun.rollout.graphs), and costs a transfer per step besides
+            self.inv_freq = self.inv_freq.to(positions.device)  # (D/2,) float32
+        freqs = positions[..., None].float() * self.inv_freq  # (B,T,D/2) in float32
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -22,9 +22,10 @@ predicts ``tltrun.rollout.engine.RolloutEngine`` and not an idealised forward pa
   run's ``max_running_requests``) holds ``batch`` running sequences of ``context`` cached tokens,
   in slots 0..batch-1 where the engine keeps its running batch (``Scheduler.compact``). The KV
   caches, hidden states and pending tokens are seeded random values, not a prefill (a forward's
-  cost does not depend on the values). The engine's attention is dense and padded to the
-  longest context of the batch; the profile records that (``attention_context: padded``), so
-  the simulator costs a run's mixed-length batch at batch x its longest context.
+  cost does not depend on the values). The engine's dense attention (sdpa, the CPU default) is
+  padded to the longest context of the batch; the profile records that (``attention_context:
+  padded``), so the simulator costs a run's mixed-length batch at batch x its longest context.
+  With ``flex`` (the CUDA default) each sequence reads its own context: ``summed``.
 * ``decode``: one full engine loop iteration with SD off — ``RolloutEngine.step`` once nothing
   waits (observation, policy call, target forward, sampling, bookkeeping, release) — then a
   rollback of the cache lengths and the sequences, so every repeat runs at the same context.
@@ -158,8 +159,12 @@ class ProfileRunConfig:
     seed: int = field(default=0, metadata={"help": "seed of the random states and weights timed"})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
     dtype: str = field(default="float32", metadata={"help": "dtype of weights and KV cache"})
-    attn_impl: str = field(
-        default="sdpa", metadata={"help": "attention implementation (EngineConfig.attn_impl)"}
+    attn_impl: str | None = field(
+        default=None,
+        metadata={
+            "help": "attention implementation (EngineConfig.attn_impl; default: the engine's, "
+            "flex on CUDA, sdpa on CPU)"
+        },
     )
     # GRPO samples at 1.0
     temperature: float = field(
@@ -310,6 +315,12 @@ def software_versions() -> dict[str, str]:
     return versions
 
 
+def _torch_attention_context(cfg: ProfileRunConfig) -> str:
+    from tltrun.profile.torch_engine import attention_context
+
+    return attention_context(cfg.attn_impl, cfg.device)
+
+
 def profile_meta(cfg: ProfileRunConfig, now: datetime.datetime) -> dict[str, Any]:
     """The sidecar's fields (tltsim.cost.profile.META_KEYS) plus what else the run depended on."""
     num_cores = os.cpu_count() or 1
@@ -329,10 +340,10 @@ def profile_meta(cfg: ProfileRunConfig, now: datetime.datetime) -> dict[str, Any
         "date": now.isoformat(timespec="seconds"),
         "statistic": cfg.statistic,
         "clock": cfg.clock,
-        # the torch engine's attention is dense SDPA over the batch padded to its longest
-        # context (tltrun.model.kvcache.CacheContext) and its prefill pads prompts likewise; vLLM's
-        # is paged (tltsim.cost.profile: attention_context)
-        "attention_context": "padded" if cfg.backend == "torch" else "summed",
+        # the torch engine's dense attention (sdpa, ref, triton) reads the batch padded to its
+        # longest context (tltrun.model.kvcache.CacheContext); its flex attention, like vLLM's
+        # paged one, reads each sequence's own (tltsim.cost.profile: attention_context)
+        "attention_context": _torch_attention_context(cfg) if cfg.backend == "torch" else "summed",
         "config": asdict(cfg),
     }
 

@@ -15,8 +15,9 @@ from functools import partial
 import numpy as np
 import torch
 
+from tltrun.model.kvcache import UNPADDED_ATTN_IMPLS
 from tltrun.profile.timing import Series
-from tltrun.rollout.engine import EngineConfig, RolloutEngine
+from tltrun.rollout.engine import EngineConfig, RolloutEngine, default_attn_impl
 from tltrun.rollout.interface import Request, SamplingParams
 from tltsim.cost.profile import ProfileRow
 from tltsim.policy import NoSpec, SpecDecision, SpecPolicy, StaticSpec
@@ -171,6 +172,15 @@ def prefill_series(engine: RolloutEngine, batch: int, tokens: int, gen) -> Serie
     return Series(("prefill", batch, tokens), lambda: engine.prefill(state["seqs"]), admit, admit)
 
 
+def attention_context(attn_impl: str | None, device: str) -> str:
+    """The tlt-profile ``attention_context`` of the torch engine with ``attn_impl`` (None: the
+    engine's default on ``device``): ``"summed"`` where each sequence attends to its own context
+    (flex_attention by length, issue #18), ``"padded"`` for the dense implementations, which
+    read the batch's longest context for every sequence."""
+    impl = default_attn_impl(device) if attn_impl is None else attn_impl
+    return "summed" if impl in UNPADDED_ATTN_IMPLS else "padded"
+
+
 def profile_torch(
     cfg,
     target,
@@ -223,4 +233,11 @@ def profile_torch(
     return rows
 
 
-__all__ = ["EngineProbe", "fill_engine", "point_rows", "point_series", "profile_torch"]
+__all__ = [
+    "EngineProbe",
+    "attention_context",
+    "fill_engine",
+    "point_rows",
+    "point_series",
+    "profile_torch",
+]

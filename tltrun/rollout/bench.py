@@ -142,7 +142,7 @@ def run_bench(cfg: BenchConfig, engine_cfg, trace: Trace) -> dict[str, Any]:
     from tltsim.trace.files import save_trace
 
     steps = select_steps(trace, cfg, engine_cfg.max_model_len)
-    target = load_hf(cfg.model, dtype=DTYPES[engine_cfg.dtype], device=engine_cfg.device)
+    target = load_hf(cfg.model, dtype=DTYPES[engine_cfg.dtype_name], device=engine_cfg.device)
     drafter = load_drafter(cfg.drafter, target) if cfg.drafter else None
     if drafter is None and any(p not in MODEL_FREE_POLICIES for p in cfg.policy):
         raise UsageError(
@@ -218,7 +218,7 @@ def _make_backend(backend: str, policy: str, cfg: BenchConfig, engine_cfg, targe
         kv_cache_bytes=kv_bytes * engine_cfg.max_model_len * engine_cfg.max_running_requests,
         max_num_seqs=engine_cfg.max_running_requests,
         max_model_len=engine_cfg.max_model_len,
-        dtype=engine_cfg.dtype,
+        dtype=engine_cfg.dtype_name,
         seed=engine_cfg.seed,
         # tltbase drafts from the history: vLLM's ngram prompt lookup (README: what it loses)
         drafter="history" if policy == "tltbase" else "eagle",

@@ -20,6 +20,13 @@ then ``finish_rollout()`` (``generate`` does exactly that). One ``step()``, as n
 4. ``policy.observe(SpecFeedback)`` with the measured wall seconds of the iteration and the
    tokens it emitted; finished requests (EOS unless ``ignore_eos``, or ``max_new_tokens``) leave.
 
+On a GPU (issue #18) the defaults are bf16 weights and KV cache (sampling and acceptance in
+float32: ``logits_to_probs``), attention by each sequence's own length (``attn_impl="flex"``,
+``tltrun.model.kvcache``) and TLT's bucketed CUDA-graph pool (``tltrun.rollout.graphs``): the
+first rollout's policy decides which decode and verify forwards are captured, and a batch runs
+padded up to its bucket's graph; drafting, sampling and everything without a graph run eagerly.
+``cuda_graphs=True`` on a CPU runs the same padded static forwards eagerly (the tests' path).
+
 The pieces of a step are public too (``prefill``, ``draft``, ``reprefill_drafter``, ``sync``), so
 ``tltrun.profile.torch_engine`` times the engine's own code without reaching into it.
 
@@ -48,6 +55,7 @@ from tltrun.model.drafter import EagleDrafter, draft, drafter_prefill, tree_layo
 from tltrun.model.history_drafter import HistoryConfig, HistoryDrafter, tree_nodes
 from tltrun.model.kvcache import ATTN_IMPLS, KVCache
 from tltrun.model.transformer import Transformer, check_device
+from tltrun.rollout.graphs import GraphPool, StaticForward, capture_plan
 from tltrun.rollout.interface import IterationRecord, Request, RolloutResult, SamplingParams
 from tltrun.rollout.scheduler import Scheduler, Sequence
 from tltrun.rollout.speculative import DraftTree, logits_to_probs, sample, verify
@@ -66,6 +74,13 @@ DTYPES = {
     "float16": torch.float16,
 }
 VERIFY_IMPLS = ("ref", "triton")
+
+
+def default_attn_impl(device: str) -> str:
+    """``EngineConfig.attn_impl`` when none is given: flex_attention by per-sequence length on
+    CUDA (no padding work), the dense SDPA reference elsewhere (eager flex is a dense reference
+    too, and slower)."""
+    return "flex" if torch.device(device).type == "cuda" else "sdpa"
 
 
 @dataclass(frozen=True)
@@ -87,12 +102,38 @@ class EngineConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     seed: int = field(default=0, metadata={"help": "seed of token sampling (and of the policy)"})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
-    dtype: str = field(
-        default="float32", metadata={"help": "weights and KV cache dtype", "choices": tuple(DTYPES)}
+    # None: bfloat16 on CUDA (the dtype RL rollouts run in: veRL's rollout default), float32
+    # elsewhere (CPU bf16 GEMMs are slow and the lossless tests compare exact tokens)
+    dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "weights and KV cache dtype (default: bfloat16 on CUDA, float32 on CPU)",
+            "choices": tuple(DTYPES),
+        },
     )
-    # "sdpa" (masked torch SDPA) | "ref" | "triton" (kernels.tree_attention)
-    attn_impl: str = field(
-        default="sdpa", metadata={"help": "attention implementation", "choices": ATTN_IMPLS}
+    # "sdpa" (masked torch SDPA) | "flex" (flex_attention by per-sequence length) | "ref" |
+    # "triton" (kernels.tree_attention); None: flex on CUDA (no padding work), sdpa elsewhere
+    attn_impl: str | None = field(
+        default=None,
+        metadata={
+            "help": "attention implementation (default: flex on CUDA, sdpa on CPU)",
+            "choices": ATTN_IMPLS,
+        },
+    )
+    # TLT's bucketed CUDA-graph pool (tltrun.rollout.graphs); None: on for CUDA, off elsewhere.
+    # On CPU, True runs the graphs' padded static forwards eagerly (what the tests compare).
+    cuda_graphs: bool | None = field(
+        default=None,
+        metadata={"help": "capture the decode/verify CUDA-graph pool (default: on for CUDA)"},
+    )
+    # vLLM's --cuda-graph-sizes / SGLang's --cuda-graph-bs; () = vLLM's default capture sizes
+    # up to max_running_requests (tltrun.rollout.graphs.batch_buckets)
+    graph_batch_sizes: tuple[int, ...] = field(
+        default=(),
+        metadata={
+            "help": "batch buckets of the CUDA-graph pool (default: 1, 2, 4, multiples of 8, "
+            "up to --max-running-requests)"
+        },
     )
     # "ref" | "triton" (kernels.spec_verify, chains)
     verify_impl: str = field(
@@ -155,18 +196,46 @@ class EngineConfig:
             raise ValueError(
                 "max_running_requests, max_prefill_tokens >= 1 and max_model_len >= 2 required"
             )
-        if self.dtype not in DTYPES:
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: expected one of {sorted(DTYPES)}")
         check_device(self.device)  # cuda without CUDA: one line, not torch's AssertionError
         if not 0 <= self.seed < 2**63:  # torch.manual_seed's int64 range
             raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
-        if self.attn_impl not in ATTN_IMPLS:
+        if self.attn_impl is not None and self.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl {self.attn_impl!r}: expected one of {ATTN_IMPLS}")
         if self.verify_impl not in VERIFY_IMPLS:
             raise ValueError(f"verify_impl {self.verify_impl!r}: expected one of {VERIFY_IMPLS}")
+        sizes = self.graph_batch_sizes
+        if any(not 1 <= b <= self.max_running_requests for b in sizes) or list(sizes) != sorted(
+            set(sizes)
+        ):
+            raise ValueError(
+                f"graph_batch_sizes must increase within 1..max_running_requests, got {sizes}"
+            )
         if self.max_verify_tokens < 1:
             raise ValueError(f"max_verify_tokens must be >= 1, got {self.max_verify_tokens}")
         self.history_config()  # validates ngram_min, ngram_max, history_max_tokens
+
+    @property
+    def is_cuda(self) -> bool:
+        return torch.device(self.device).type == "cuda"
+
+    @property
+    def dtype_name(self) -> str:
+        """``dtype`` with its device default resolved."""
+        if self.dtype is not None:
+            return self.dtype
+        return "bfloat16" if self.is_cuda else "float32"
+
+    @property
+    def attention(self) -> str:
+        """``attn_impl`` with its device default resolved."""
+        return default_attn_impl(self.device) if self.attn_impl is None else self.attn_impl
+
+    @property
+    def is_using_graphs(self) -> bool:
+        """Whether decode and verify forwards go through the graph pool (captured on CUDA)."""
+        return self.is_cuda if self.cuda_graphs is None else self.cuda_graphs
 
     def history_config(self) -> HistoryConfig:
         return HistoryConfig(
@@ -219,7 +288,7 @@ class RolloutEngine:
         self.config = config
         self.clock = clock
         self.device = torch.device(config.device)
-        dtype = DTYPES[config.dtype]
+        dtype = DTYPES[config.dtype_name]
         self.model = model.to(device=self.device, dtype=dtype).eval()
         self.drafter = drafter
         if drafter is not None:
@@ -249,6 +318,9 @@ class RolloutEngine:
         self.history = HistoryDrafter(config.history_config())
         self._is_history_used = False
         self._num_rollouts = 0
+        # TLT's graph pool (tltrun.rollout.graphs), planned from the first rollout's policy and
+        # captured then, once; replanned only for a policy whose plan differs
+        self.graphs: GraphPool | None = None
 
     # -----------------------------------------------------------------------------------------
     # Public API
@@ -270,6 +342,8 @@ class RolloutEngine:
         if self._rollout is not None:
             self._close_history(self._rollout)
         sched = Scheduler(requests, self.config.max_running_requests)
+        if self.config.is_using_graphs:
+            self._prepare_graphs(policy)
         policy.start_rollout(step)
         self._rollout = _Rollout(
             scheduler=sched, policy=policy, step=step, t0=self.clock(), number=self._num_rollouts
@@ -316,6 +390,38 @@ class RolloutEngine:
             backend=self.name,
             shares_prompts=self.config.share_prompts,
         )
+
+    def _prepare_graphs(self, policy: SpecPolicy) -> None:
+        """The pool for ``policy``'s capture plan: kept if the plan is unchanged, else rebuilt
+        (captured on CUDA). Called between rollouts only: capture writes scratch KV entries
+        into free slots."""
+        if self.config.attention not in ("sdpa", "flex"):  # the kernels' paths stay eager
+            return
+        plan = capture_plan(
+            policy, self.config.max_running_requests, self.config.graph_batch_sizes or None
+        )
+        if self.graphs is not None and self.graphs.plan == plan:
+            return
+        self.graphs = None  # the old pool's memory goes back before the new one is captured
+        self.graphs = GraphPool(
+            self.model,
+            self.cache,
+            plan,
+            self.config.attention,
+            is_capturing=self.device.type == "cuda",
+        )
+
+    def _static_forward(self, running: list[Sequence], strategy: str) -> StaticForward | None:
+        """The pool's forward for this batch (``"off"``: plain decode), or None: no pool, no
+        bucket for it, or running slots not 0..n-1 (the scheduler keeps them so)."""
+        if self.graphs is None:
+            return None
+        if any(s.slot != i for i, s in enumerate(running)):
+            return None
+        n = len(running)
+        if strategy == "off":
+            return self.graphs.decode_forward(n)
+        return self.graphs.verify_forward(n, strategy)
 
     def sync(self) -> None:
         """Wait for the device (a no-op on CPU): what a timer must call before reading."""
@@ -421,7 +527,7 @@ class RolloutEngine:
                 s.is_drafter_fresh = False
             self.tokens[slots, :width] = ids
             positions = torch.arange(width, device=self.device).expand(len(seqs), -1)
-            ctx = self.cache.context(slots, width, num_new=lens, impl=self.config.attn_impl)
+            ctx = self.cache.context(slots, width, num_new=lens, impl=self.config.attention)
             logits, hidden = self.model(ids, positions, ctx, logit_index=(lens - 1)[:, None])
             if self.hidden is not None:
                 self.hidden[slots, :width] = hidden
@@ -476,7 +582,7 @@ class RolloutEngine:
             self.draft_cache.copy_positions(src, dst, int(held.max()))
             self.draft_cache.lens[dst] = held
         ids = self.tokens[dst, last][:, None]
-        ctx = cache.context(dst, 1, impl=self.config.attn_impl)
+        ctx = cache.context(dst, 1, impl=self.config.attention)
         logits, hidden = self.model(ids, last[:, None], ctx)
         if self.hidden is not None:
             self.hidden[dst, last] = hidden[:, 0]
@@ -574,8 +680,12 @@ class RolloutEngine:
     def _plain_step(self, running: list[Sequence], slots: torch.Tensor) -> list[list[int]]:
         lens = self.cache.lens[slots]  # (B,)
         ids = self.tokens[slots, lens][:, None]  # (B,1) the pending tokens
-        ctx = self.cache.context(slots, 1, impl=self.config.attn_impl)
-        logits, hidden = self.model(ids, lens[:, None], ctx)
+        static = self._static_forward(running, "off")
+        if static is not None:  # padded to its bucket; a graph replay on CUDA
+            logits, hidden = static(ids)
+        else:
+            ctx = self.cache.context(slots, 1, impl=self.config.attention)
+            logits, hidden = self.model(ids, lens[:, None], ctx)
         if self.hidden is not None:
             self.hidden[slots, lens] = hidden[:, 0]
         self.cache.commit(slots, 1)
@@ -634,7 +744,7 @@ class RolloutEngine:
                 toks,
                 hid,
                 num[idx],
-                self.config.attn_impl,
+                self.config.attention,
             )
 
     def _share_drafter_prompts(self, stale: list[Sequence]) -> int:
@@ -680,7 +790,7 @@ class RolloutEngine:
             decision,
             cfg.sampling,
             self.generator,
-            cfg.attn_impl,
+            cfg.attention,
         )
 
     def _spec_step(
@@ -694,9 +804,13 @@ class RolloutEngine:
             tree = self._draft(slots, lens, decision)
         num_nodes = tree.tokens.shape[1]
         depth, tree_mask = tree_layout(tree.parents, decision.draft_steps)
-        positions = lens[:, None] + depth  # RoPE: root at n, node at n + depth
-        ctx = self.cache.context(slots, num_nodes, tree_mask=tree_mask, impl=cfg.attn_impl)
-        logits, hidden = self.model(tree.tokens, positions, ctx)  # (B,N+1,V), (B,N+1,C)
+        static = self._static_forward(running, decision.strategy)
+        if static is not None:  # padded to its bucket; a graph replay on CUDA
+            logits, hidden = static(tree.tokens, depth, tree_mask)  # (B,N+1,V), (B,N+1,C)
+        else:
+            positions = lens[:, None] + depth  # RoPE: root at n, node at n + depth
+            ctx = self.cache.context(slots, num_nodes, tree_mask=tree_mask, impl=cfg.attention)
+            logits, hidden = self.model(tree.tokens, positions, ctx)  # (B,N+1,V), (B,N+1,C)
         result = verify(
             tree, logits_to_probs(logits, cfg.sampling), self.generator, impl=cfg.verify_impl
         )

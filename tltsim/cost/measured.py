@@ -184,7 +184,9 @@ class ProfileCost:
             )
         self.extrapolations: dict[tuple[str, str], Extrapolation] = {}
         self._slices: dict[tuple, Curve] = {}
-        # the profiled engine pads attention to the batch's longest context (tltsim.cost.profile)
+        # the profiled engine pads attention to the batch's longest context (tltsim.cost.profile):
+        # older engines, and tltrun's torch engine with dense attention (sdpa, its CPU default);
+        # with flex attention (its CUDA default, issue #18) its profiles say "summed"
         self.is_context_padded = profile.meta.get("attention_context") == "padded"
 
     # -- lookups with range bookkeeping --

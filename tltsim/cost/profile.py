@@ -50,8 +50,9 @@ A CSV file with this header and one row per measured point (any row order)::
   with another clock than its profile (absent: ``"wall"``), and ``"attention_context"``:
   ``"summed"`` (paged attention reads each sequence's own context: vLLM) or ``"padded"`` (dense
   batched attention reads the longest sequence's context for every sequence, and prefill pads
-  prompts to the longest: tltrun's torch engine); absent: ``"summed"``. ``ProfileCost`` of a
-  padded profile has ``is_context_padded``, and the simulator then costs an iteration at
+  prompts to the longest: older engines, and tltrun's torch engine with dense attention; with
+  flex attention, its CUDA default, it reads each sequence's own: summed); absent:
+  ``"summed"``. ``ProfileCost`` of a padded profile has ``is_context_padded``, and the simulator then costs an iteration at
   batch x the longest context (its rows were measured with equal contexts, where both agree).
 
 Bad input raises ``ProfileError`` (a ``UsageError``: ``tltsim`` prints one line, exits 2) naming

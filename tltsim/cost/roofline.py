@@ -32,8 +32,8 @@ class CostModel(Protocol):
 
     ``context_tokens`` is what the engine's attention reads, summed over the batch. For a
     paged engine (vLLM) that is each sequence's own context; an engine whose batched attention
-    is dense and padded (tltrun's torch engine) reads the longest sequence's context for every
-    sequence, and its prefill pads prompts to the longest. A cost model of such an engine says
+    is dense and padded (older engines; tltrun's torch engine with dense attention) reads the
+    longest sequence's context for every sequence, and its prefill pads prompts to the longest. A cost model of such an engine says
     so with an attribute ``is_context_padded = True`` (optional; absent means False, see
     ``is_context_padded``) and the simulator then passes batch x the longest context instead."""
 

@@ -1,0 +1,504 @@
+"""GPU benchmark of the torch rollout engine (issue #18): bf16, flex attention by sequence length
+and TLT's bucketed CUDA-graph pool, on random-weight models of Qwen2.5-0.5B / 1.5B / 7B shape
+(``tltsim.cost.specs.MODEL_PRESETS``, built here: no download).
+
+What it measures, each in the same run:
+
+* ``copy``: device-to-device copy bandwidth (bytes read + written / time): the HBM roofline's
+  bandwidth, measured rather than taken from a datasheet.
+* ``decode``: tokens/s of the engine's own decode iteration (``RolloutEngine.step`` with SD off:
+  policy call, forward, sampling, bookkeeping) at each batch and context, eager vs graphs; at
+  batch 1 also the fraction of the HBM roofline, (weight bytes + KV bytes read per token) /
+  copy bandwidth. Issue targets: 7B, batch 1, 1k context >= 80% of the roofline; graphs >= 2x
+  eager at batch 1 for the 0.5B shape.
+* ``sd``: one SD iteration (``StaticSpec``: chain 4_1_4, tree 8_4_32) per batch bucket up to
+  TLT's threshold, eager vs graphs (drafting runs eagerly in both: only the verify forward is
+  graphed, tltrun.rollout.graphs).
+* ``pool``: CUDA memory of the graphs TLTAdaptive's default plan captures into one pool, vs one
+  pool per strategy with every strategy at every SD bucket (the naive way), vs a single
+  strategy's graphs. Issue target: bucketed <= 1.5x a single strategy.
+* ``hf``: the same weights through ``transformers``' ``generate()`` at batch 1 and 16 (greedy,
+  decode tokens/s = tokens past the first / time past the first): the reference a user has.
+
+Run (H100/H200, one call of under 10 minutes with ``--quick``):
+    python benchmarks/bench_gpu_engine.py --quick [--out_dir results/bench_gpu_engine]
+Without CUDA it says so and exits 0; ``--device cpu --smoke`` runs every section on a tiny
+model on the CPU (graphs run eagerly there, no pool memory): a check of the script, not numbers.
+Writes OUT_DIR/config.json and OUT_DIR/bench_gpu_engine.json and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tltrun.model.drafter import EagleDrafter
+from tltrun.model.transformer import ModelConfig, Transformer
+from tltrun.profile.torch_engine import EngineProbe
+from tltrun.rollout.engine import EngineConfig, RolloutEngine
+from tltrun.rollout.graphs import CapturePlan, GraphPool, batch_buckets, capture_plan
+from tltrun.rollout.interface import SamplingParams
+from tltsim.cli.table import format_table
+from tltsim.cost.specs import MODEL_PRESETS
+from tltsim.policy import SpecDecision, StaticSpec, TLTAdaptive
+
+# the tiny model of --smoke (tests/tiny_models.py's shape)
+SMOKE_SHAPE = dict(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=12)  # fmt: skip
+# GRPO samples at temperature 1.0 (tltrun train's default)
+SAMPLING = SamplingParams(temperature=1.0)
+# fraction of free device memory one configuration may take (weights, KV cache, activations)
+MEMORY_FRACTION = 0.85
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    device: str = "cuda"
+    shapes: tuple[str, ...] = ("Qwen2.5-0.5B", "Qwen2.5-1.5B", "Qwen2.5-7B")
+    batches: tuple[int, ...] = (1, 4, 16, 64, 256)
+    contexts: tuple[int, ...] = (1024, 8192)
+    sd_shapes: tuple[str, ...] = ("Qwen2.5-0.5B", "Qwen2.5-7B")
+    sd_strategies: tuple[str, ...] = ("4_1_4", "8_4_32")
+    sd_context: int = 1024
+    pool_shape: str = "Qwen2.5-7B"
+    hf_batches: tuple[int, ...] = (1, 16)
+    hf_context: int = 1024
+    hf_new_tokens: int = 64
+    warmup_iters: int = 3
+    timed_iters: int = 20
+    seed: int = 0
+    attn_impl: str | None = None  # None: the engine's default (flex on CUDA)
+    # seconds after which remaining configurations are skipped (noted in their rows), so the
+    # JSON is written within one device call
+    budget_s: float = 540.0
+    is_smoke: bool = False
+    out_dir: str = "results/bench_gpu_engine"
+
+
+def parse_config(argv: list[str] | None) -> BenchConfig:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --smoke)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="0.5B and 7B shapes, batches 1/16/256, fewer iterations: one 10-minute call",
+    )
+    p.add_argument("--smoke", action="store_true", help="tiny model, tiny sizes: checks the script")
+    p.add_argument("--out_dir", default=BenchConfig.out_dir, help="where the JSON goes")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights, caches and sampling")
+    p.add_argument(
+        "--attn-impl",
+        default=None,
+        choices=("sdpa", "flex", "ref", "triton"),
+        help="engine attention (default: the engine's, flex on CUDA)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=BenchConfig.budget_s,
+        help="skip what remains after this many seconds (the JSON is still written)",
+    )
+    a = p.parse_args(argv)  # fmt: skip
+    base = dict(device=a.device, seed=a.seed, out_dir=a.out_dir, attn_impl=a.attn_impl,
+                budget_s=a.budget_s)  # fmt: skip
+    if a.smoke:
+        return BenchConfig(**base, shapes=("tiny",), batches=(1, 4), contexts=(32,),
+                           sd_shapes=("tiny",), sd_strategies=("2_1_2", "3_2_4"), sd_context=32,
+                           pool_shape="tiny", hf_batches=(1, 2), hf_context=16, hf_new_tokens=4,
+                           warmup_iters=1, timed_iters=2, is_smoke=True)  # fmt: skip
+    if a.quick:
+        return BenchConfig(**base, shapes=("Qwen2.5-0.5B", "Qwen2.5-7B"), batches=(1, 16, 256),
+                           sd_shapes=("Qwen2.5-0.5B",), warmup_iters=2, timed_iters=10,
+                           hf_new_tokens=32)  # fmt: skip
+    return BenchConfig(**base)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and engines
+# ---------------------------------------------------------------------------------------------
+
+
+def model_config(shape: str) -> ModelConfig:
+    if shape == "tiny":
+        return ModelConfig(model_type="qwen2", attention_bias=True, max_position_embeddings=4096,
+                           **SMOKE_SHAPE)  # fmt: skip
+    spec = MODEL_PRESETS[shape]
+    # rope_theta 1e6, max_position_embeddings 32768: the Qwen2.5 config.json files
+    return ModelConfig(
+        model_type="qwen2",
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        rope_theta=1e6,
+        attention_bias=spec.has_qkv_bias,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        max_position_embeddings=32768,
+    )
+
+
+def build_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int) -> Transformer:
+    """Random weights (std 0.02, the Qwen2 initializer_range), made directly on the device."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Transformer(model_config(shape))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    return model.to(dtype).eval()
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def weight_bytes_per_token(model: Transformer) -> int:
+    """Parameter bytes one decode step reads: all of them, but one row of an untied embedding."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.config.tie_word_embeddings:
+        emb = model.model.embed_tokens.weight
+        total -= (emb.shape[0] - 1) * emb.shape[1] * emb.element_size()
+    return total
+
+
+def fits(model: Transformer, batch: int, tokens: int, extra_bytes: int, device) -> bool:
+    if device.type != "cuda":
+        return True
+    dtype = model.lm_head.weight.dtype
+    need = batch * tokens * kv_bytes_per_token(model.config, dtype) + extra_bytes
+    return need < MEMORY_FRACTION * torch.cuda.mem_get_info(device)[0]
+
+
+def fill_random(engine: RolloutEngine, context: int, gen: torch.Generator) -> None:
+    """Random KV entries, hidden states and tokens up to ``context`` in every slot, made on the
+    device layer by layer (a forward's cost does not depend on the values)."""
+    for cache in (engine.cache, engine.draft_cache):
+        if cache is None:
+            continue
+        for buf in (cache.k, cache.v):
+            for layer in range(buf.shape[0]):
+                view = buf[layer, :, :, :context]
+                view.copy_(0.5 * torch.randn(view.shape, generator=gen, device=buf.device))
+    vocab = engine.model.config.vocab_size
+    engine.tokens[:, : context + 1] = torch.randint(
+        vocab, engine.tokens[:, : context + 1].shape, generator=gen, device=engine.device
+    )
+    if engine.hidden is not None:
+        view = engine.hidden[:, :context]
+        view.copy_(torch.randn(view.shape, generator=gen, device=engine.device))
+
+
+def time_iterations(engine: RolloutEngine, probe: EngineProbe, policy, cfg: BenchConfig) -> float:
+    """Seconds per ``RolloutEngine.step`` (each ends with a device sync), median-free: the mean
+    of ``timed_iters`` back-to-back steps after ``warmup_iters`` (capture happened before)."""
+    probe.rollback(policy)
+    for _ in range(cfg.warmup_iters):
+        engine.step()
+    engine.sync()
+    start = time.perf_counter()
+    for _ in range(cfg.timed_iters):
+        engine.step()
+    engine.sync()
+    return (time.perf_counter() - start) / cfg.timed_iters
+
+
+def make_engine(model, drafter, batch: int, context: int, is_graphs: bool, cfg: BenchConfig,
+                max_verify_tokens: int = 1) -> tuple[RolloutEngine, EngineProbe]:  # fmt: skip
+    margin = cfg.warmup_iters + cfg.timed_iters + 2
+    margin *= 1 + max_verify_tokens  # SD iterations emit up to verify depth + 1 tokens
+    engine = RolloutEngine(
+        model,
+        drafter,
+        EngineConfig(
+            max_running_requests=batch,
+            max_model_len=context + margin,
+            sampling=SAMPLING,
+            seed=cfg.seed,
+            device=cfg.device,
+            attn_impl=cfg.attn_impl,
+            cuda_graphs=is_graphs,
+            graph_batch_sizes=(batch,),
+            max_verify_tokens=max_verify_tokens,
+        ),
+    )
+    gen = torch.Generator(engine.device).manual_seed(cfg.seed)
+    fill_random(engine, context, gen)
+    probe = EngineProbe(engine, batch, context, margin, torch.Generator().manual_seed(cfg.seed))
+    return engine, probe
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+
+
+def copy_bandwidth(device: torch.device, num_bytes: int, reps: int = 10) -> float:
+    """Bytes read + written per second by ``dst.copy_(src)`` (median of ``reps``)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(reps + 2):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    times.sort()
+    return 2 * num_bytes / times[len(times) // 2]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Budget:
+    """The run's time budget: ``is_over`` once ``budget_s`` have passed since the start."""
+
+    def __init__(self, budget_s: float):
+        self.deadline = time.perf_counter() + budget_s
+
+    @property
+    def is_over(self) -> bool:
+        return time.perf_counter() > self.deadline
+
+
+SKIPPED = "skipped: time budget"
+
+
+def bench_decode(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budget) -> list[dict]:
+    rows = []
+    for shape in cfg.shapes:
+        model = build_model(shape, device, dtype, cfg.seed)
+        weight_bytes = weight_bytes_per_token(model)
+        kv_token = kv_bytes_per_token(model.config, dtype)
+        for context in cfg.contexts:
+            for batch in cfg.batches:
+                row = {"shape": shape, "context": context, "batch": batch}
+                if budget.is_over:
+                    rows.append({**row, "note": SKIPPED})
+                    continue
+                logits_bytes = 4 * batch * model.config.vocab_size * 4
+                if not fits(model, batch, context + 64, logits_bytes, device):
+                    rows.append({**row, "note": "KV cache does not fit"})
+                    continue
+                for mode, is_graphs in (("eager", False), ("graphs", True)):
+                    engine, probe = make_engine(model, None, batch, context, is_graphs, cfg)
+                    step_s = time_iterations(engine, probe, None, cfg)
+                    row[f"{mode}_tokens_per_s"] = batch / step_s
+                    del engine, probe
+                    release(device)
+                row["graph_speedup"] = row["graphs_tokens_per_s"] / row["eager_tokens_per_s"]
+                if batch == 1:
+                    roofline = bandwidth / (weight_bytes + context * kv_token)
+                    row["roofline_tokens_per_s"] = roofline
+                    row["roofline_fraction"] = row["graphs_tokens_per_s"] / roofline
+                rows.append(row)
+        del model
+        release(device)
+    return rows
+
+
+def bench_sd(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
+    rows = []
+    threshold = TLTAdaptive().config.threshold
+    for shape in cfg.sd_shapes:
+        model = build_model(shape, device, dtype, cfg.seed)
+        drafter = EagleDrafter.for_target(model, seed=cfg.seed)
+        for strategy in cfg.sd_strategies:
+            decision = SpecDecision.parse(strategy)
+            for batch in batch_buckets(threshold):
+                if cfg.is_smoke and batch > 2:
+                    break
+                row = {"shape": shape, "strategy": strategy, "batch": batch}
+                if budget.is_over:
+                    rows.append({**row, "note": SKIPPED})
+                    continue
+                for mode, is_graphs in (("eager", False), ("graphs", True)):
+                    engine, probe = make_engine(model, drafter, batch, cfg.sd_context, is_graphs,
+                                                cfg, max_verify_tokens=decision.verify_tokens)  # fmt: skip
+                    step_s = time_iterations(engine, probe, StaticSpec(strategy=strategy), cfg)
+                    row[f"{mode}_ms"] = 1e3 * step_s
+                    del engine, probe
+                    release(device)
+                row["graph_speedup"] = row["eager_ms"] / row["graphs_ms"]
+                rows.append(row)
+        del model, drafter
+        release(device)
+    return rows
+
+
+def bench_pool(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
+    """Pool memory of TLTAdaptive's default plan at 256 requests (bucketed, one pool) vs one
+    pool per strategy, each at every SD bucket (naive), vs one strategy's graphs."""
+    if device.type != "cuda":
+        return [{"pool": "all", "note": "needs CUDA (nothing is captured on CPU)"}]
+    if budget.is_over:
+        return [{"pool": "all", "note": SKIPPED}]
+    policy = TLTAdaptive()
+    model = build_model(cfg.pool_shape, device, dtype, cfg.seed)
+    max_batch = 256
+    plan = capture_plan(policy, max_batch)
+    sd_buckets = sorted({b for b, _ in plan.spec_graphs})
+    strategies = policy.config.strategies
+
+    def every_bucket(strategy: str) -> CapturePlan:
+        return CapturePlan(spec_graphs=tuple((b, strategy) for b in sd_buckets))
+
+    cache_engine = RolloutEngine(model, None, EngineConfig(
+        max_running_requests=max_batch, max_model_len=cfg.sd_context, device=cfg.device,
+        attn_impl=cfg.attn_impl, cuda_graphs=False, max_verify_tokens=64))  # fmt: skip
+    cache = cache_engine.cache
+    impl = cache_engine.config.attention
+
+    def measure(plans: list[CapturePlan]) -> tuple[int, int]:
+        release(device)
+        before = torch.cuda.memory_reserved(device)
+        pools = [GraphPool(model, cache, p, impl, is_capturing=True) for p in plans]
+        sync(device)
+        used = torch.cuda.memory_reserved(device) - before
+        num = sum(p.plan.num_graphs for p in pools)
+        del pools
+        return used, num
+
+    decode = CapturePlan(decode_buckets=plan.decode_buckets)
+    rows = []
+    for name, plans in (
+        ("bucketed (TLT plan, one pool)", [plan]),
+        ("naive (a pool per strategy, every bucket)", [decode] + [every_bucket(s) for s in strategies]),
+        (f"single strategy ({strategies[0]})", [CapturePlan(decode_buckets=plan.decode_buckets,
+                                                            spec_graphs=every_bucket(strategies[0]).spec_graphs)]),
+    ):  # fmt: skip
+        if budget.is_over:
+            rows.append({"pool": name, "note": SKIPPED})
+            continue
+        used, num = measure(plans)
+        rows.append({"pool": name, "num_graphs": num, "memory_gib": used / 2**30})
+    single = rows[2].get("memory_gib")
+    for row in rows:
+        if single and "memory_gib" in row:
+            row["vs_single"] = row["memory_gib"] / single
+    return rows
+
+
+def hf_generate_s(hf, ids: torch.Tensor, num_new: int, device) -> float:
+    """Seconds of one greedy ``generate()`` of exactly ``num_new`` tokens per sequence."""
+    sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                    max_new_tokens=num_new, min_new_tokens=num_new, pad_token_id=0)  # fmt: skip
+    sync(device)
+    return time.perf_counter() - start
+
+
+def bench_hf(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
+    try:
+        import transformers
+    except ImportError:
+        return [{"shape": "all", "note": "transformers is not installed"}]
+    rows = []
+    for shape in cfg.shapes:
+        model = build_model(shape, device, dtype, cfg.seed)
+        hf_cfg = transformers.Qwen2Config(**model.config.to_hf_dict())
+        with torch.device(device):
+            hf = transformers.Qwen2ForCausalLM(hf_cfg).to(dtype).eval()
+        missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:  # the tied head is the embedding
+            raise RuntimeError(f"{shape}: transformers names differ: {missing}, {unexpected}")
+        del model
+        gen = torch.Generator(device).manual_seed(cfg.seed)
+        for batch in cfg.hf_batches:
+            if budget.is_over:
+                rows.append({"shape": shape, "batch": batch, "note": SKIPPED})
+                continue
+            ids = torch.randint(hf_cfg.vocab_size, (batch, cfg.hf_context), generator=gen,
+                                device=device)  # fmt: skip
+            hf_generate_s(hf, ids, 2, device)  # warm-up
+            first = hf_generate_s(hf, ids, 1, device)
+            full = hf_generate_s(hf, ids, cfg.hf_new_tokens, device)
+            decode_s = max(full - first, 1e-9)
+            rows.append({"shape": shape, "batch": batch, "context": cfg.hf_context,
+                         "tokens_per_s": batch * (cfg.hf_new_tokens - 1) / decode_s})  # fmt: skip
+        del hf
+        release(device)
+    return rows
+
+
+def release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(argv)
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_gpu_engine needs a CUDA GPU (bf16 engine, CUDA graphs); none is available "
+              "here, so nothing was measured (--device cpu --smoke checks the script).")  # fmt: skip
+        return 0
+    if device.type != "cuda" and not cfg.is_smoke:
+        print("bench_gpu_engine: on a CPU only --smoke runs (a check of the script, not numbers)")
+        return 0
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    name = torch.cuda.get_device_properties(device).name if device.type == "cuda" else "cpu"
+    started = time.perf_counter()
+    budget = Budget(cfg.budget_s)
+    bandwidth = copy_bandwidth(device, (1 << 31) if device.type == "cuda" else (1 << 24))
+    print(f"device: {name}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s (read + write)")
+    result = {"device": name, "copy_bytes_per_s": bandwidth, "dtype": str(dtype)}
+    sections = (
+        ("decode", lambda: bench_decode(cfg, device, dtype, bandwidth, budget),
+         {"shape": "shape", "context": "context", "batch": "batch", "eager_tokens_per_s": "eager tok/s",
+          "graphs_tokens_per_s": "graphs tok/s", "graph_speedup": "graphs/eager",
+          "roofline_fraction": "of roofline", "note": "note"},
+         {"eager_tokens_per_s": ",.0f", "graphs_tokens_per_s": ",.0f", "graph_speedup": "{:.2f}x",
+          "roofline_fraction": ".0%"}),
+        ("sd", lambda: bench_sd(cfg, device, dtype, budget),
+         {"shape": "shape", "strategy": "strategy", "batch": "batch", "eager_ms": "eager ms",
+          "graphs_ms": "graphs ms", "graph_speedup": "graphs/eager", "note": "note"},
+         {"eager_ms": ".2f", "graphs_ms": ".2f", "graph_speedup": "{:.2f}x"}),
+        ("pool", lambda: bench_pool(cfg, device, dtype, budget),
+         {"pool": "pool", "num_graphs": "graphs", "memory_gib": "GiB", "vs_single": "vs single",
+          "note": "note"},
+         {"memory_gib": ".3f", "vs_single": "{:.2f}x"}),
+        ("hf", lambda: bench_hf(cfg, device, dtype, budget),
+         {"shape": "shape", "batch": "batch", "context": "context",
+          "tokens_per_s": "transformers generate tok/s", "note": "note"},
+         {"tokens_per_s": ",.0f"}),
+    )  # fmt: skip
+    for key, run, columns, formats in sections:
+        t0 = time.perf_counter()
+        rows = run()
+        result[key] = rows
+        print(f"\n{key} ({time.perf_counter() - t0:.0f} s)")
+        print(format_table(rows, columns, formats, left=("shape", "pool", "strategy", "note")))
+    result["wall_s"] = time.perf_counter() - started
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+    (out_dir / "bench_gpu_engine.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {out_dir / 'bench_gpu_engine.json'} ({result['wall_s']:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

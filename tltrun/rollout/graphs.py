@@ -1,0 +1,296 @@
+"""The rollout engine's CUDA-graph pool (TLT's Adaptive Rollout Engine keeps "a memory-efficient
+pool of pre-captured CUDA graphs", arXiv 2511.16665; issue #18).
+
+Three parts, the first two plain Python (unit-tested on CPU, ``tests/test_graphs.py``):
+
+* ``capture_plan(policy, max_batch)``: which graphs to capture, from the policy itself, so that
+  nothing is captured the policy can never choose. ``TLTAdaptive``: decode graphs for the batch
+  buckets above its SD threshold, and SD verify graphs per (batch bucket, strategy) at or below
+  it, with only the strategies of the policy buckets that bucket serves; ``StaticSpec``: its one
+  strategy at every bucket; ``NoSpec`` (and any other policy): decode graphs only.
+* ``CapturePlan.decode_bucket`` / ``spec_bucket``: the smallest captured bucket that holds a
+  batch; the batch is padded up to it (free slots with length 0: ``StaticForward``).
+* ``GraphPool``: one ``StaticForward`` per planned shape, all inputs and outputs in buffers
+  shared by every shape (only one runs at a time), captured on CUDA into ONE memory pool
+  (``torch.cuda.graph(..., pool=...)``), largest first so the smaller graphs reuse its blocks
+  (SGLang captures largest to smallest for the same reason: docs/advanced_features/
+  cuda_graphs.md). On CPU nothing is captured: the same static forwards run eagerly, which is
+  how the padding is tested.
+
+What a graph holds: the target's forward (decode: one token per slot; verify: the draft tree's
+``verify_tokens + 1`` nodes with its tree mask). Sampling, acceptance and drafting run eagerly
+around it, as nano-vllm's ``ModelRunner`` graphs the model forward only: every random draw
+stays on the eager generator, so graphs change no draw (outputs can differ from eager ones only
+where the logits' rounding does). Drafting is not graphed yet (issue #18): ``tltrun.model.drafter``'s
+catch-up and tree contexts read lengths on the host and grow side buffers per level. Weight
+updates copy into the parameters in place (``RolloutEngine.update_weights``), which the graphs
+read at replay.
+
+Run the tests: ``python -m pytest tests/test_graphs.py -q``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tltrun.model.kvcache import KVCache, StaticContext, causal_mask
+from tltrun.model.transformer import Transformer
+from tltsim.policy import SpecDecision, SpecPolicy, StaticSpec, TLTAdaptive, bucket_arms
+
+# vLLM's default CUDA-graph capture sizes: 1, 2, 4, then multiples of 8 up to 256 (then of 16,
+# beyond this engine's 256-request default): vllm/config/vllm.py ``_set_cudagraph_sizes``
+# ("cudagraph_capture_sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, ...))").
+VLLM_BATCH_BUCKETS = (1, 2, 4, *range(8, 257, 8))
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """vLLM's capture sizes up to ``max_batch``, plus ``max_batch`` itself (every batch the
+    engine can run has a bucket)."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    small = tuple(b for b in VLLM_BATCH_BUCKETS if b < max_batch)
+    return (*small, max_batch)
+
+
+def bucket_for(batch: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket >= ``batch`` (buckets increasing), None if the batch is larger."""
+    return next((b for b in buckets if b >= batch), None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CapturePlan:
+    """Graph shapes to capture: plain decode per batch bucket, SD verify per (bucket, strategy).
+    A strategy is ``SpecDecision.strategy`` (``"8_4_32"``): the EAGLE and history drafters'
+    trees of one strategy share its verify graph."""
+
+    decode_buckets: tuple[int, ...] = ()
+    spec_graphs: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self.decode_buckets) + len(self.spec_graphs)
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s for _, s in self.spec_graphs))
+
+    def decode_bucket(self, batch: int) -> int | None:
+        return bucket_for(batch, self.decode_buckets)
+
+    def spec_bucket(self, batch: int, strategy: str) -> int | None:
+        return bucket_for(batch, tuple(b for b, s in self.spec_graphs if s == strategy))
+
+    def only(self, strategies: tuple[str, ...], is_decode: bool = True) -> CapturePlan:
+        """This plan restricted to ``strategies`` (and its decode graphs if ``is_decode``): the
+        single-strategy and per-strategy pools of ``benchmarks/bench_gpu_engine.py``."""
+        return CapturePlan(
+            decode_buckets=self.decode_buckets if is_decode else (),
+            spec_graphs=tuple((b, s) for b, s in self.spec_graphs if s in strategies),
+        )
+
+
+def capture_plan(
+    policy: SpecPolicy, max_batch: int, buckets: tuple[int, ...] | None = None
+) -> CapturePlan:
+    """What ``policy`` can ever run at batch sizes 1..``max_batch``, over ``buckets``
+    (default ``batch_buckets(max_batch)``). A graph bucket B serves the batches above the
+    previous bucket up to B, so its SD graphs are the arms of every policy bucket meeting
+    that range. TLTAdaptive's warm-up iterations (SD still off at or below the threshold) pad
+    up to the first decode bucket above the threshold, or run eagerly when there is none."""
+    buckets = batch_buckets(max_batch) if buckets is None else buckets
+    if isinstance(policy, TLTAdaptive):
+        cfg = policy.config
+        policy_buckets = cfg.buckets()
+        decode = tuple(b for b in buckets if b > cfg.threshold)
+        spec: list[tuple[int, str]] = []
+        prev = 0
+        for b in buckets:
+            lo, hi = prev + 1, min(b, cfg.threshold)
+            prev = b
+            if lo > hi:
+                continue
+            arms: dict[str, None] = {}
+            for batch in _policy_bucket_starts(policy_buckets, lo, hi):
+                arms.update((a.strategy, None) for a in bucket_arms(policy_buckets, batch))
+            spec += [(b, s) for s in arms]
+        return CapturePlan(decode_buckets=decode, spec_graphs=tuple(spec))
+    if isinstance(policy, StaticSpec):
+        return CapturePlan(spec_graphs=tuple((b, policy.decision.strategy) for b in buckets))
+    # NoSpec, and a policy whose decisions are not known in advance: decode graphs only; its SD
+    # iterations, if any, run eagerly
+    return CapturePlan(decode_buckets=tuple(buckets))
+
+
+def _policy_bucket_starts(policy_buckets, lo: int, hi: int) -> list[int]:
+    """One batch size per policy bucket that meets [lo, hi]."""
+    return [
+        max(start, lo)
+        for start, end, _ in policy_buckets
+        if start <= hi and (end is None or end >= lo)
+    ]
+
+
+class StaticForward:
+    """The target's forward over slots ``0..batch-1`` x ``num_tokens`` tokens with static
+    shapes: inputs are copied into fixed buffers, ``run`` is what a graph captures. Real rows
+    are the first ``n``; rows ``n..batch-1`` are padding: free slots whose cache length is set
+    to 0, token 0, depth 0 and a causal tree mask, so they attend to their own token only and
+    no real row reads them (``StaticContext``)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        cache: KVCache,
+        batch: int,
+        num_tokens: int,
+        impl: str,
+        buffers: _SharedBuffers,
+    ):
+        self.model, self.cache, self.batch, self.num_tokens, self.impl = (
+            model,
+            cache,
+            batch,
+            num_tokens,
+            impl,
+        )
+        rows = batch * num_tokens
+        self.ids = buffers.ids[:rows].view(batch, num_tokens)
+        self.depth = buffers.depth[:rows].view(batch, num_tokens)
+        self.tree_mask = buffers.tree_mask[: rows * num_tokens].view(batch, num_tokens, num_tokens)
+        self.logits_out = buffers.logits[:rows].view(batch, num_tokens, -1)
+        self.hidden_out = buffers.hidden[:rows].view(batch, num_tokens, -1)
+        self._causal = causal_mask(1, num_tokens, cache.lens.device)[0]  # (T,T)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def run(self) -> None:
+        """The captured forward: positions from the cache lengths at run time."""
+        positions = self.cache.lens[: self.batch, None] + self.depth  # (B,T)
+        ctx = StaticContext(self.cache, self.batch, self.tree_mask, self.impl)
+        logits, hidden = self.model(self.ids, positions, ctx)
+        self.logits_out.copy_(logits)  # into the shared output buffer: the pool frees the rest
+        self.hidden_out.copy_(hidden)
+
+    def capture(self, pool, stream: torch.cuda.Stream) -> None:
+        """Warm up on a side stream (cuBLAS workspaces, compiled kernels), then capture."""
+        self._pad(0)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.run()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            self.run()
+
+    def __call__(
+        self,
+        ids: torch.Tensor,  # (n,T) the real rows' tokens
+        depth: torch.Tensor | None = None,  # (n,T) RoPE offsets from each slot's length
+        tree_mask: torch.Tensor | None = None,  # (n,T,T) bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits (n,T,V) and hidden states (n,T,C) of the real rows: views of the shared
+        output buffers, valid until the pool's next forward."""
+        n = ids.shape[0]
+        if not 1 <= n <= self.batch or ids.shape[1] != self.num_tokens:
+            raise ValueError(
+                f"static forward {self.batch}x{self.num_tokens}: got {tuple(ids.shape)}"
+            )
+        self.ids[:n].copy_(ids)
+        if depth is None:
+            self.depth[:n].zero_()
+        else:
+            self.depth[:n].copy_(depth)
+        self.tree_mask[:n].copy_(self._causal if tree_mask is None else tree_mask)
+        self._pad(n)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.run()
+        return self.logits_out[:n], self.hidden_out[:n]
+
+    def _pad(self, n: int) -> None:
+        self.ids[n:].zero_()
+        self.depth[n:].zero_()
+        self.tree_mask[n:].copy_(self._causal)
+        self.cache.lens[n : self.batch] = 0  # free slots: their cache contents are garbage
+
+
+@dataclass
+class _SharedBuffers:
+    """Inputs and outputs of every static forward, sized for the largest: views of one buffer
+    each, so N graphs cost one set (only one forward runs at a time)."""
+
+    ids: torch.Tensor  # (rows,) long
+    depth: torch.Tensor  # (rows,) long
+    tree_mask: torch.Tensor  # (rows * T,) bool
+    logits: torch.Tensor  # (rows, V)
+    hidden: torch.Tensor  # (rows, C)
+
+
+class GraphPool:
+    """The planned static forwards of one engine, captured into one CUDA memory pool when
+    ``is_capturing`` (CUDA only), else run eagerly (CPU: the tested reference of the replay)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        cache: KVCache,
+        plan: CapturePlan,
+        impl: str,
+        is_capturing: bool,
+        pool=None,
+    ):
+        device = cache.lens.device
+        if is_capturing and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {device}")
+        self.plan = plan
+        shapes = [(b, 1) for b in plan.decode_buckets]
+        shapes += [(b, SpecDecision.parse(s).verify_tokens + 1) for b, s in plan.spec_graphs]
+        for b, _ in shapes:
+            if b > cache.num_slots:
+                raise ValueError(f"graph bucket {b} exceeds the cache's {cache.num_slots} slots")
+        max_rows = max((b * t for b, t in shapes), default=0)
+        max_mask = max((b * t * t for b, t in shapes), default=0)
+        cfg = model.config
+        dtype = model.lm_head.weight.dtype
+        self.buffers = _SharedBuffers(
+            ids=torch.zeros(max_rows, dtype=torch.long, device=device),
+            depth=torch.zeros(max_rows, dtype=torch.long, device=device),
+            tree_mask=torch.zeros(max_mask, dtype=torch.bool, device=device),
+            logits=torch.zeros(max_rows, cfg.vocab_size, dtype=dtype, device=device),
+            hidden=torch.zeros(max_rows, cfg.hidden_size, dtype=dtype, device=device),
+        )
+        self.decode = {
+            b: StaticForward(model, cache, b, 1, impl, self.buffers) for b in plan.decode_buckets
+        }
+        self.verify = {
+            (b, s): StaticForward(
+                model, cache, b, SpecDecision.parse(s).verify_tokens + 1, impl, self.buffers
+            )
+            for b, s in plan.spec_graphs
+        }
+        self.pool = None
+        self.captured_bytes = 0
+        if is_capturing:
+            self._capture_all(device, pool)
+
+    def _capture_all(self, device: torch.device, pool) -> None:
+        self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        stream = torch.cuda.Stream(device)
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_reserved(device)
+        forwards = [*self.decode.values(), *self.verify.values()]
+        # largest first: later, smaller graphs reuse the pool blocks the first ones freed
+        for fwd in sorted(forwards, key=lambda f: f.batch * f.num_tokens, reverse=True):
+            fwd.capture(self.pool, stream)
+        torch.cuda.synchronize(device)
+        self.captured_bytes = torch.cuda.memory_reserved(device) - before
+
+    def decode_forward(self, batch: int) -> StaticForward | None:
+        b = self.plan.decode_bucket(batch)
+        return None if b is None else self.decode[b]
+
+    def verify_forward(self, batch: int, strategy: str) -> StaticForward | None:
+        b = self.plan.spec_bucket(batch, strategy)
+        return None if b is None else self.verify[(b, strategy)]
