@@ -19,8 +19,19 @@ evaluated, not raw measurements, so the in-source held-out error measures how we
 physics form reproduces their fitted form; only the two SGLang points are independent.
 The only published SD-vs-batch numbers found (EAGLE-3 in SGLang, Llama-3.1-8B on H100: 2.36x at
 batch 1, 1.38x at batch 64) come without the strategy and accept length used at batch 64, so
-only their ratio is compared with each simulated strategy's; no published batch where SD stops
-paying was found.
+only their ratio is compared with each simulated strategy's. They bound the batch where SD stops
+paying from below (> 64); each simulated stop batch is checked against that bound within one
+power-of-two bucket (stop >= 32).
+
+Independent held-out table (issue #21, brief F): engine-level measurements from sources that
+share nothing with the fit (``tltsim.cost.published.independent_points``): LMDeploy TurboMind's
+and TensorRT-LLM 0.5.0's static-batch benchmarks of Llama-2-7B / LLaMA-7B on A100 (FP16), plus
+the two SGLang batch-1 H100 points. A static-batch point is predicted as (prefill of the batch +
+output_tokens - 1 decode steps) / output_tokens, the same quantity as batch / published output
+tokens/s. No A100 calibration exists: the calibrated column there is the H100 calibration's
+fractions and overheads on the A100 datasheet (a transfer test). Rows whose KV cache (batch x
+(input + output) tokens) exceeds the engine's capacity are dropped, stated before looking at
+errors: the engine then queues requests and the run is no longer one static batch.
 """
 
 from __future__ import annotations
@@ -34,7 +45,12 @@ import numpy as np
 from tltsim.cli.table import format_table
 from tltsim.cost.calibrate import errors_on, fit_published
 from tltsim.cost.calibrated import CALIBRATIONS, CalibratedCost
-from tltsim.cost.published import SD_SPEEDUPS, as_profile_rows, published_points
+from tltsim.cost.published import (
+    SD_SPEEDUPS,
+    as_profile_rows,
+    independent_points,
+    published_points,
+)
 from tltsim.cost.roofline import RooflineCost
 from tltsim.cost.specs import get_hardware, get_model
 from tltsim.policy import SpecDecision
@@ -150,6 +166,119 @@ def sd_validation(sd: list[dict]) -> list[dict]:
     return rows
 
 
+def independent_rows(params) -> tuple[list[dict], list[dict]]:
+    """Calibrated and roofline error on the independent measurements (module docstring): per
+    point (``kv_fits`` False: dropped by the KV rule), then per engine and overall over the kept
+    points, and last overall with the dropped points kept (to show the rule changes nothing)."""
+    rows = []
+    for p in published_points():
+        if p.kind != "measured":
+            continue
+        hw = get_hardware(p.hardware)
+        cal = CalibratedCost(p.model, hw, params=params)
+        roof = RooflineCost(p.model, hw)
+        args = (p.batch, p.context_tokens, p.tokens_per_seq)
+        rows.append(
+            _error_row(
+                p.engine,
+                p.hardware,
+                p.model.name,
+                p.batch,
+                "batch-1 decode",
+                p.seconds,
+                cal.decode_iter_s(*args),
+                roof.decode_iter_s(*args),
+                True,
+            )
+        )
+    for p in independent_points():
+        hw = get_hardware(p.hardware)
+        cal = CalibratedCost(p.model, hw, params=params)
+        roof = RooflineCost(p.model, hw)
+        kv_fits = p.batch * (p.input_tokens + p.output_tokens) <= roof.kv_capacity_tokens()
+
+        def run_s(cost, p=p) -> float:
+            prompt = p.batch * p.input_tokens
+            return cost.prefill_s(prompt, 0.0, p.batch) + cost.decode_span_s(
+                p.batch, prompt, p.output_tokens - 1
+            )
+
+        rows.append(
+            _error_row(
+                p.engine,
+                p.hardware,
+                p.model.name,
+                p.batch,
+                f"{p.input_tokens}/{p.output_tokens}",
+                p.seconds_per_step,
+                run_s(cal) / p.output_tokens,
+                run_s(roof) / p.output_tokens,
+                kv_fits,
+            )
+        )
+    summary = []
+    kept = [r for r in rows if r["kv_fits"]]
+    for engine in [*dict.fromkeys(r["engine"] for r in kept), "all", "all, KV rule off"]:
+        sel = rows if engine == "all, KV rule off" else kept
+        sel = [r for r in sel if engine.startswith("all") or engine == r["engine"]]
+        cal_e = np.abs([r["_cal"] for r in sel])
+        roof_e = np.abs([r["_roof"] for r in sel])
+        summary.append(
+            {
+                "engine": engine,
+                "hardware": ",".join(dict.fromkeys(r["hardware"] for r in sel)),
+                "num_points": len(sel),
+                "calibrated_median": float(np.median(cal_e)),
+                "calibrated_max": float(np.max(cal_e)),
+                "roofline_median": float(np.median(roof_e)),
+                "roofline_max": float(np.max(roof_e)),
+            }
+        )
+    return rows, summary
+
+
+def _error_row(
+    engine, hardware, model, batch, lengths, published_s, cal_s, roof_s, kv_fits
+) -> dict:
+    return {
+        "engine": engine,
+        "hardware": hardware,
+        "model": model,
+        "batch": batch,
+        "in/out": lengths,
+        "published_ms": 1e3 * published_s,
+        "calibrated_ms": 1e3 * cal_s,
+        "roofline_ms": 1e3 * roof_s,
+        "calibrated_err": f"{100 * (cal_s / published_s - 1):+.1f}%",
+        "roofline_err": f"{100 * (roof_s / published_s - 1):+.1f}%",
+        "kv_fits": kv_fits,
+        "_cal": cal_s / published_s - 1,
+        "_roof": roof_s / published_s - 1,
+    }
+
+
+def stop_comparison(stops: list[dict]) -> list[dict]:
+    """Each simulated Llama-3.1-8B stop batch beside the published bound: EAGLE-3 in SGLang still
+    pays 1.38x at batch 64, so it stops paying above 64 (power-of-two bucket >= 64..127). Within
+    one bucket: simulated stop >= 32 (bucket 32..63 or later), or None (pays to 4096)."""
+    pays_at = max(p.batch for p in SD_SPEEDUPS if p.speedup > 1.0 and p.model == "Llama-3.1-8B")
+    out = []
+    for s in stops:
+        if s["model"] != "Llama-3.1-8B":
+            continue
+        stop = s["stops_paying_at"]
+        out.append(
+            {
+                "strategy": s["strategy"],
+                "cost": s["cost"],
+                "published_stop": f"> {pays_at}",
+                "simulated_stop": "pays to 4096" if stop is None else str(stop),
+                "within_one_bucket": stop is None or stop >= pays_at // 2,
+            }
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -189,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"held-out target (median <= {TARGET_MEDIAN:.0%}, max <= {TARGET_MAX:.0%}): "
             f"{'met' if meets else 'NOT met'}. Caveat: the SpecDecode-Bench points are their "
-            "published linear fit evaluated, not raw measurements; only the two SGLang points are independent measurements."
+            "published linear fit evaluated, not raw measurements; of these only the two SGLang points are independent measurements (the independent table below adds other engines)."
         )
         sd, stops = sd_rows(hardware_name, params)
         print(
@@ -208,7 +337,51 @@ def main(argv: list[str] | None = None) -> int:
                 validation, list(validation[0]), {"ratio_64_over_1": ".3f"}, left=("what",)
             )
         )
+        comparison = stop_comparison(stops)
+        print(
+            "batch where SD stops paying: published (EAGLE-3 in SGLang, H100, still 1.38x at batch "
+            "64; its strategy and accept length there unpublished) vs simulated, powers-of-two buckets:"
+        )
+        print(format_table(comparison, list(comparison[0]), left=("strategy", "cost")))
+        indep, indep_summary = independent_rows(params)
+        num_dropped = sum(not r["kv_fits"] for r in indep)
+        print(
+            "independent held-out (never fitted; other engines and sources; A100 rows: the H100 "
+            f"calibration on the A100 datasheet, a transfer test; {num_dropped} static-batch rows "
+            "dropped (kv_fits False) whose KV cache cannot hold the batch):"
+        )
+        shown = [{k: v for k, v in r.items() if not k.startswith("_")} for r in indep]
+        print(
+            format_table(
+                shown,
+                list(shown[0]),
+                {"published_ms": ".2f", "calibrated_ms": ".2f", "roofline_ms": ".2f"},
+                left=("engine", "hardware", "model", "in/out"),
+            )
+        )
+        print(
+            format_table(
+                indep_summary,
+                list(indep_summary[0]),
+                {k: ".1%" for k in indep_summary[0] if k.endswith(("_median", "_max"))},
+                left=("engine", "hardware"),
+            )
+        )
+        overall = next(s for s in indep_summary if s["engine"] == "all")
+        indep_meets = (
+            overall["calibrated_median"] <= TARGET_MEDIAN
+            and overall["calibrated_max"] <= TARGET_MAX
+        )
+        print(
+            f"independent target (median <= {TARGET_MEDIAN:.0%}, max <= {TARGET_MAX:.0%}), "
+            f"calibrated: {'met' if indep_meets else 'NOT met'}"
+        )
         report["presets"][hardware_name] = {
+            "independent_points": shown,
+            "independent_errors": indep_summary,
+            "independent_dropped_for_kv": num_dropped,
+            "independent_meets_target": indep_meets,
+            "sd_stop_comparison": comparison,
             "params": {f: getattr(params, f) for f in params.__dataclass_fields__},
             "shipped_params": {
                 f: getattr(CALIBRATIONS[hardware_name], f) for f in params.__dataclass_fields__

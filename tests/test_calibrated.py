@@ -145,6 +145,59 @@ def test_shipped_h100_calibration_is_the_fit_to_the_published_points():
     assert np.median(errors) <= 0.10 and errors.max() <= 0.25
 
 
+def test_every_published_point_has_a_source_and_positive_numbers():
+    from tltsim.cost.published import SD_SPEEDUPS, independent_points, published_points
+
+    points = [*published_points(), *independent_points(), *SD_SPEEDUPS]
+    assert len(independent_points()) >= 20
+    for p in points:
+        assert isinstance(p.source, str) and len(p.source) > 20, p
+        get_hardware(p.hardware)  # a known preset
+        numbers = {
+            f.name: getattr(p, f.name)
+            for f in dataclasses.fields(p)
+            if type(getattr(p, f.name)) in (int, float)
+        }
+        assert numbers and all(v > 0 and math.isfinite(v) for v in numbers.values()), p
+
+
+def test_a_static_batch_point_rejects_a_non_positive_number():
+    from tltsim.cost.published import LLAMA2_7B, StaticBatchPoint
+
+    with pytest.raises(ValueError, match="output_tokens_per_s"):
+        StaticBatchPoint(
+            source="x",
+            engine="e",
+            hardware="A100-80GB",
+            model=LLAMA2_7B,
+            batch=1,
+            input_tokens=1,
+            output_tokens=1,
+            output_tokens_per_s=0.0,
+        )
+
+
+def test_the_independent_points_are_not_in_the_fit():
+    pytest.importorskip("scipy")
+    from tltsim.cost.calibrate import fit_published
+    from tltsim.cost.published import as_profile_rows, independent_points, published_points
+
+    fit_points = [p for p in published_points() if p.use == "fit"]
+    # The fit sees exactly the points marked "fit", all from one source, none measured elsewhere.
+    assert list(fit_published().rows) == as_profile_rows(fit_points)
+    assert {p.source for p in fit_points} == {fit_points[0].source}
+    assert all(p.kind == "published_fit" for p in fit_points)
+    # Independent data: measured points held out, and static-batch points from other sources,
+    # engines and GPUs than any fit point.
+    measured = [p for p in published_points() if p.kind == "measured"]
+    assert measured and all(p.use == "held_out" for p in measured)
+    fit_sources = {p.source for p in fit_points}
+    fit_engines = {p.engine for p in fit_points}
+    for p in [*measured, *independent_points()]:
+        assert p.source not in fit_sources and p.engine not in fit_engines, p
+    assert {p.hardware for p in independent_points()}.isdisjoint({p.hardware for p in fit_points})
+
+
 def test_a_missing_scipy_is_one_usage_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "scipy.optimize", None)
     hw = get_hardware("H100-SXM")

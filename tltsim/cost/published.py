@@ -36,9 +36,19 @@ What was found, honestly (searches of the docs/pages/code/issues corpora, Nov 20
   (LLaMA-Instruct 3.1 8B, H100, MT-bench); the same SGLang table has EAGLE-3 at batch 1:
   373.25 / 158.34 = 2.36x. The draft strategy and accept length at batch 64 are not given in
   what we could read, so a simulation cannot be set up to match it exactly (``SD_SPEEDUPS``).
-* Not found: H200 or A100 step-latency tables we could verify, TP all-reduce timings, per-draft-
-  step timings, and published SD-speedup-vs-batch measurements with the accept lengths needed to
-  compare against a simulation. H200 and A100 presets therefore stay on the roofline.
+* Independent held-out data, never fitted (``independent_points``, ``StaticBatchPoint``; brief F
+  of issue #21): static-batch benchmarks (output tokens/s of ``batch`` requests decoded together,
+  prefill included) of Llama-2-7B on A100 FP16 from LMDeploy's TurboMind (v0.1.0a1, all 20
+  llama2-7b rows of docs/en/benchmark/a100_fp16.md) and of LLaMA-7B from TensorRT-LLM 0.5.0's
+  A100 FP16 table (docs/source/performance.md). Other engines, sources and GPU than the fit: an
+  A100 result is a transfer test of the H100 calibration's fractions, not a calibration.
+* Not found (searched: docs/pages/issues/code corpora, Nov 2026): H100 or H200 BF16 step latency or
+  throughput at several batch sizes for a 7-8B model whose numbers we could read as text
+  (TensorRT-LLM's H100 rows are FP8; vLLM's and SGLang's batch scans are figures or dashboards),
+  TP all-reduce timings, per-draft-step timings, and SD-speedup-vs-batch tables with the accept
+  lengths needed to set up a matching simulation (the EAGLE-3 paper's SGLang batch table and
+  SpecDecode-Bench's measured speedups are figures or not in readable text here). H200 and A100
+  presets therefore stay on the roofline.
 """
 
 from __future__ import annotations
@@ -203,6 +213,107 @@ SD_SPEEDUPS = (
 )
 
 
+# --- independent held-out data (issue #21, brief F): never fitted, other engines and GPUs -----------
+
+LMDEPLOY_A100 = (
+    "github.com/InternLM/lmdeploy docs/en/benchmark/a100_fp16.md, 'Static Inference Benchmark', "
+    "llama2-7b table (lmdeploy v0.1.0a1 TurboMind, A100-80G, CUDA 11.8, tp 1)"
+)
+TRTLLM_050_A100 = (
+    "github.com/NVIDIA/TensorRT-LLM release/0.5.0 docs/source/performance.md, 'High Throughput', "
+    "'A100 GPUs (FP16)' table, LLaMA 7B, TP 1"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StaticBatchPoint:
+    """A published static-batch benchmark: ``batch`` requests of ``input_tokens`` prompt tokens
+    each, decoded together to ``output_tokens`` each, reported as output tokens per second over
+    the whole run (prefill included). Independent of the fit: other engines, sources and GPUs."""
+
+    source: str
+    engine: str
+    hardware: str  # tltsim.cost.specs hardware preset
+    model: ModelSpec
+    batch: int
+    input_tokens: int
+    output_tokens: int
+    output_tokens_per_s: float  # as published
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "input_tokens", "output_tokens", "output_tokens_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"StaticBatchPoint: {name} must be > 0")
+
+    @property
+    def seconds_per_step(self) -> float:
+        """Mean engine iteration: batch / (output tokens/s) = run seconds / output_tokens (the
+        prefill amortised over the steps; a prediction must include it the same way)."""
+        return self.batch / self.output_tokens_per_s
+
+
+# (batch, input tokens, output tokens, output tokens/s) copied from the tables named in the sources.
+# LMDeploy: all 20 llama2-7b rows; bench_costmodel.py drops those whose KV cache cannot hold the
+# whole batch (the engine then queues requests: FTL(max) of 116 s at batch 64, 2048/2048).
+_LMDEPLOY_LLAMA2_7B_A100 = (
+    (1, 1, 128, 100.02),
+    (1, 128, 128, 102.21),
+    (1, 128, 2048, 98.92),
+    (1, 2048, 128, 86.1),
+    (1, 2048, 2048, 93.78),
+    (16, 1, 128, 1504.72),
+    (16, 128, 128, 1272.47),
+    (16, 128, 2048, 1010.62),
+    (16, 2048, 128, 348.87),
+    (16, 2048, 2048, 601.63),
+    (32, 1, 128, 2136.73),
+    (32, 128, 128, 2125.47),
+    (32, 128, 2048, 1462.12),
+    (32, 2048, 128, 450.43),
+    (32, 2048, 2048, 733.34),
+    (64, 1, 128, 4154.81),
+    (64, 128, 128, 3024.07),
+    (64, 128, 2048, 1852.06),
+    (64, 2048, 128, 493.46),
+    (64, 2048, 2048, 755.65),
+)
+# TensorRT-LLM 0.5.0 (gptSessionBenchmark, static batching). LLaMA (v1) 7B has Llama-2-7B's shape
+# (32 layers, hidden 4096, intermediate 11008, 32 heads, vocab 32000). The A100 memory variant is
+# not stated: the A100-80GB preset is an assumption. Its H100 rows are FP8 and are not used (our
+# model specs are BF16 weights; an FP8 spec would need the FP8 peak too).
+_TRTLLM_050_LLAMA_7B_A100 = (
+    (64, 128, 128, 3486.0),
+    (32, 128, 2048, 1459.0),
+    (32, 2048, 128, 529.0),
+    (16, 2048, 2048, 592.0),
+)
+
+
+def independent_points() -> list[StaticBatchPoint]:
+    """Engine-level measurements from sources independent of the fit (module docstring). The
+    two SGLang batch-1 H100 points of ``published_points`` are independent too (``kind`` is
+    "measured"); bench_costmodel.py shows them beside these."""
+    points = []
+    for source, engine, rows in (
+        (LMDEPLOY_A100, "LMDeploy TurboMind v0.1.0a1", _LMDEPLOY_LLAMA2_7B_A100),
+        (TRTLLM_050_A100, "TensorRT-LLM 0.5.0", _TRTLLM_050_LLAMA_7B_A100),
+    ):
+        for batch, prompt, output, tokens_per_s in rows:
+            points.append(
+                StaticBatchPoint(
+                    source=source,
+                    engine=engine,
+                    hardware="A100-80GB",
+                    model=LLAMA2_7B,
+                    batch=batch,
+                    input_tokens=prompt,
+                    output_tokens=output,
+                    output_tokens_per_s=tokens_per_s,
+                )
+            )
+    return points
+
+
 def as_profile_rows(points: list[PublishedPoint]) -> list[ProfileRow]:
     """The points as tlt-profile rows (no spread reported: p10 = p90 = the value)."""
     return [
@@ -216,12 +327,16 @@ def as_profile_rows(points: list[PublishedPoint]) -> list[ProfileRow]:
 __all__ = [
     "EAGLE3_PAPER",
     "LLAMA2_7B",
+    "LMDEPLOY_A100",
     "PublishedPoint",
     "PublishedSpeedup",
     "SD_SPEEDUPS",
     "SGLANG_DOCS",
     "SGLANG_EAGLE",
     "SPECDECODE_BENCH",
+    "StaticBatchPoint",
+    "TRTLLM_050_A100",
     "as_profile_rows",
+    "independent_points",
     "published_points",
 ]
