@@ -47,9 +47,11 @@ def fake_checkpoint(out: Path, next_step: int) -> Path:
     files = {
         "actor/model.safetensors": 4096,
         "actor/config.json": 100,
-        "actor_optim.pt": 2048,
+        "dcp/.metadata": 300,
+        "dcp/__0_0.distcp": 2048,
         "drafter/model.safetensors": 1024,
-        "drafter_optim.pt": 512,
+        "drafter_dcp/.metadata": 200,
+        "drafter_dcp/__0_0.distcp": 512,
         **{f"rank{r}.pt": 256 for r in range(NUM_WORKERS)},
         **{f"policy_rank{r}.json": 10 for r in range(NUM_WORKERS)},
     }
@@ -89,8 +91,8 @@ def garble_manifest(ckpt: Path) -> None:
 DAMAGE = {
     "flipped actor": (lambda c: flip_bytes(c / "actor/model.safetensors"),
                       "actor/model.safetensors", "sha256 differs"),
-    "truncated optimizer": (lambda c: truncate(c / "actor_optim.pt"),
-                            "actor_optim.pt", "truncated"),
+    "truncated optimizer": (lambda c: truncate(c / "dcp/__0_0.distcp"),
+                            "dcp/__0_0.distcp", "truncated"),
     "deleted drafter": (delete_drafter, "drafter/model.safetensors", "missing"),
     "garbage manifest": (garble_manifest, "manifest.json", "not valid JSON"),
     "missing manifest": (lambda c: (c / ts.MANIFEST).unlink(), "manifest.json", "missing"),
@@ -106,7 +108,7 @@ def test_manifest_lists_every_file_and_verifies(tmp_path):
     manifest = json.loads((ckpt / ts.MANIFEST).read_text())
     on_disk = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()}
     assert set(manifest["files"]) == on_disk - {ts.MANIFEST}
-    assert manifest["files"]["actor_optim.pt"]["size_bytes"] == 2048
+    assert manifest["files"]["dcp/__0_0.distcp"]["size_bytes"] == 2048
     assert ts.verify_checkpoint(ckpt, NUM_WORKERS) == []
     assert not list(ckpt.glob("*.tmp"))  # the manifest's temporary name is gone
 
@@ -136,13 +138,13 @@ def test_resume_falls_back_to_newest_intact_checkpoint_with_a_warning(tmp_path):
     for step in (1, 2, 3):
         fake_checkpoint(tmp_path, step)
     flip_bytes(ts.checkpoint_dir(tmp_path, 3) / "actor/model.safetensors")
-    truncate(ts.checkpoint_dir(tmp_path, 2) / "actor_optim.pt")
+    truncate(ts.checkpoint_dir(tmp_path, 2) / "dcp/__0_0.distcp")
     (tmp_path / "ckpt" / ".tmp_step_000004").mkdir()  # a kill mid-write
     with pytest.warns(ts.RunDirWarning) as caught:
         assert ts.select_checkpoint(tmp_path, NUM_WORKERS) == ts.checkpoint_dir(tmp_path, 1)
     messages = sorted(str(w.message) for w in caught)
     assert len(messages) == 2
-    assert "step_000002" in messages[0] and "actor_optim.pt" in messages[0]
+    assert "step_000002" in messages[0] and "dcp/__0_0.distcp" in messages[0]
     assert "step_000003" in messages[1] and "actor/model.safetensors: sha256" in messages[1]
     assert all("resuming from step_000001" in m for m in messages)
     assert not (tmp_path / "ckpt" / ".tmp_step_000004").exists()
@@ -232,12 +234,14 @@ def test_resume_that_changes_the_run_is_refused_with_the_diff(model_dir, tmp_pat
     task = TaskConfig(median_ops=3, max_ops=4)
     with pytest.raises(UsageError, match="task.median_ops: 2 -> 3"):
         prepare_run_dir(config(model_dir, tmp_path), task, is_resume=True, is_override_config=False)
-    with pytest.raises(UsageError, match="cannot change num_workers"):
+    # another world size changes the prompt split: a change of the run like any other (the
+    # DCP checkpoint loads into it with --override-config: tests/test_torchrun.py)
+    with pytest.raises(UsageError, match="num_workers: 2 -> 4; prompt_split"):
         prepare_run_dir(
             config(model_dir, tmp_path, num_workers=4, prompt_split=(1, 1, 1, 1)),
             TASK,
             is_resume=True,
-            is_override_config=True,
+            is_override_config=False,
         )
     assert not (tmp_path / ts.CONFIG_HISTORY).exists()
     assert (tmp_path / "config.json").read_bytes() == first
@@ -352,9 +356,10 @@ def test_real_checkpoints_verify(reference_run):
         ckpt = ts.checkpoint_dir(reference_run, step)
         assert ts.verify_checkpoint(ckpt, NUM_WORKERS) == []
         listed = json.loads((ckpt / ts.MANIFEST).read_text())["files"]
-        assert {"actor/model.safetensors", "drafter/model.safetensors", "drafter_optim.pt"} <= set(
-            listed
-        )
+        expected = {"actor/model.safetensors", "drafter/model.safetensors"}
+        expected |= {"dcp/.metadata", "drafter_dcp/.metadata"}  # DCP: actor, drafter + AdamW
+        expected |= {f"{d}/__{r}_0.distcp" for d in ("dcp", "drafter_dcp") for r in (0, 1)}
+        assert expected <= set(listed)
 
 
 @pytest.mark.slow
@@ -365,7 +370,7 @@ def test_damaged_checkpoints_and_torn_log_resume_like_the_uninterrupted_run(
     shutil.copytree(reference_run, out)
     shutil.rmtree(out / "final")
     flip_bytes(ts.checkpoint_dir(out, 3) / "actor/model.safetensors")
-    truncate(ts.checkpoint_dir(out, 2) / "actor_optim.pt")
+    truncate(ts.checkpoint_dir(out, 2) / "dcp/__0_0.distcp")
     with (out / "log.jsonl").open("a") as f:
         f.write('{"step": 3, "rew')
     code, err = cli(["train", "--out", str(out), "--resume"], capsys)
@@ -373,7 +378,9 @@ def test_damaged_checkpoints_and_torn_log_resume_like_the_uninterrupted_run(
     warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 3, err
     assert any("step_000003" in w and "actor/model.safetensors: sha256" in w for w in warnings)
-    assert any("step_000002" in w and "actor_optim.pt" in w and "truncated" in w for w in warnings)
+    assert any(
+        "step_000002" in w and "dcp/__0_0.distcp" in w and "truncated" in w for w in warnings
+    )
     assert any("log.jsonl: dropped a torn last line" in w for w in warnings)
     # resumed from step 1: steps 1 and 2 were redone, exactly as the first time
     assert [deterministic(r) for r in rows(out)] == [deterministic(r) for r in rows(reference_run)]

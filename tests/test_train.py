@@ -171,8 +171,6 @@ def test_greedy_tlt_rollouts_equal_greedy_nospec(model_dir, tmp_path):
 def test_greedy_tltbase_rollouts_equal_greedy_nospec_and_record_history_arms(model_dir, tmp_path):
     """--policy tltbase gets the TLT settings (threshold) and drafts from the history (issue
     #20): lossless, and the trace keys its verifies by arm, so it is written as version 2."""
-    from tltsim.errors import UsageError
-
     logs = {}
     for policy in ("nospec", "tltbase"):
         out = tmp_path / policy
@@ -189,8 +187,9 @@ def test_greedy_tltbase_rollouts_equal_greedy_nospec_and_record_history_arms(mod
     for step in trace.steps:
         assert step.measured.policy.config["threshold"] == 2
         assert set(step.measured.accept_hist_by_strategy) == {"history:6_1_6"}
-    with pytest.raises(UsageError, match="cannot replay history-drafter decisions"):
-        measured_run(trace, str(path))
+    # the simulator models the history drafter now (issue #20): the run replays as tltbase
+    run = measured_run(trace, str(path))
+    assert run.policy == "tltbase"
 
 
 @pytest.mark.slow

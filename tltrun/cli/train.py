@@ -3,6 +3,7 @@
     tltrun train --config train.toml            # or train.json; flags override the file
     tltrun train --model-dir runs/sft --out runs/rl --num-workers 2 --num-steps 20 --policy tlt
     tltrun train --out runs/rl --resume         # continue after a crash or kill -9
+    torchrun --nproc-per-node 8 -m tltrun.cli.main train --config train.toml   # one rank per GPU
     tltrun report runs/rl                       # reward curve, accept length, step-time breakdown
 
 What one RL step does and what ``--out`` gets: ``tltrun.train.launch``'s docstring. Flags map
@@ -13,6 +14,7 @@ What one RL step does and what ``--out`` gets: ``tltrun.train.launch``'s docstri
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tomllib
 import warnings
@@ -120,7 +122,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         out = launch.run_train(
             cfg, task, is_resume=args.resume, is_override_config=args.override_config
         )
-    print(f"log.jsonl, trace.json, checkpoints and final/ written to {out}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 speaks for the job
+        print(f"log.jsonl, trace.json, checkpoints and final/ written to {out}")
     return 0
 
 

@@ -37,8 +37,11 @@ RESUME_NEUTRAL_FIELDS = (
     "eval_max_prompts",
     "eval_num_samples",
 )
-# Fields no resume may change: the checkpoint holds one RNG/policy state file per worker.
-RESUME_FIXED_FIELDS = ("num_workers",)
+# Fields no resume may change, even with --override-config: none since DCP checkpoints
+# (tltrun.train.checkpoint) — any world size loads the actor, optimizer and drafter state, and
+# a rank the checkpoint has no RNG file of starts from a fresh run's seeded streams, so
+# num_workers may change like any other field that changes the run (--override-config).
+RESUME_FIXED_FIELDS: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -170,6 +170,13 @@ def grpo_update(
     local_tokens = sum(len(s.response_ids) for s in samples)
     num_tokens = int(all_reduce_sum(torch.tensor([float(local_tokens)]))[0])
     batches = microbatches(samples, cfg.max_batch_tokens)
+    sharded = _is_sharded(actor)
+    scale = 1.0
+    if sharded:  # FSDP2 (tltrun.train.fsdp): every rank gathers each layer equally often
+        from tltrun.train.fsdp import gradient_scale, max_over_ranks
+
+        batches += [[] for _ in range(max_over_ranks(len(batches)) - len(batches))]
+        scale = gradient_scale(actor)
     params = [p for p in actor.parameters() if p.requires_grad]
     old: list[torch.Tensor] = []
     refs: list[torch.Tensor | None] = []
@@ -179,6 +186,14 @@ def grpo_update(
         optimizer.zero_grad(set_to_none=False)
         totals.zero_()
         for k, idx in enumerate(batches):
+            if not idx:  # a sharded rank's filler: the layers' collectives, zero gradient
+                filler = torch.full((1, 2), pad_id, dtype=torch.long, device=device)
+                with _autocast(device, autocast_dtype):
+                    (token_logprobs(actor, filler, temp).sum() * 0.0).backward()
+                if epoch == 0:
+                    old.append(None)
+                    refs.append(None)
+                continue
             ids, mask = pack([samples[i] for i in idx], pad_id)
             ids, mask = ids.to(device), mask.to(device)
             with _autocast(device, autocast_dtype):
@@ -190,10 +205,12 @@ def grpo_update(
             loss, stats = surrogate_loss(
                 logp, old[k], refs[k], advantages[idx], mask, cfg, max(num_tokens, 1)
             )
-            loss.backward()
+            (loss * scale if sharded else loss).backward()
             totals += torch.tensor([loss.item(), stats["kl_sum"], stats["clipped_sum"], 0.0])
-        reduce_grads(params, all_reduce_sum)  # sum of per-worker (loss / global N) gradients
-        totals[3] = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+        if not sharded:  # (FSDP2's reduce-scatter of the scaled loss's gradients summed them)
+            reduce_grads(params, all_reduce_sum)  # sum of per-worker (loss / global N) gradients
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        totals[3] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         optimizer.step()
     actor.eval()
     summed = all_reduce_sum(totals[:3].clone())
@@ -204,6 +221,12 @@ def grpo_update(
         "grad_norm": float(totals[3]),
         "num_tokens": num_tokens,
     }
+
+
+def _is_sharded(actor) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(actor, FSDPModule)
 
 
 def microbatches(samples: list[Sample], max_tokens: int) -> list[list[int]]:

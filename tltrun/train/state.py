@@ -4,20 +4,25 @@ per-step JSONL logs and the measured tlt-trace rebuilt from them, and the resume
 Checkpoint ``OUT/ckpt/step_NNNNNN`` (NNNNNN = completed steps = the next step to run):
 
 * ``actor/``: Hugging Face layout (tltrun.model.transformer.save_hf + tokenizer files), loadable as a model;
-* ``actor_optim.pt``: AdamW state; ``drafter/`` (vLLM EAGLE layout) + ``drafter_optim.pt``
-  (AdamW state and drafter version): identical on every worker after the end-of-step sync;
+* ``dcp/``: actor weights + AdamW state, ``drafter_dcp/``: the spot trainer's drafter, AdamW
+  state and version, both torch.distributed.checkpoint directories (tltrun.train.checkpoint:
+  any world size loads them; the drafter's is written asynchronously during the next rollout);
+  ``drafter/``: the drafter in vLLM's EAGLE layout (identical on every worker after the
+  end-of-step sync);
 * ``rank{r}.pt``: worker r's RNG states (python, numpy, torch, engine sampler, spot-trainer
   data and noise generators) and its previous step's harvest (spot training uses it in the
   next step);
 * ``policy_rank{r}.json``: worker r's ``SpecPolicy.state_dict()`` (TLTAdaptive's bandit learns),
   plain JSON, restored into the policy the run's config rebuilds (no pickled object: it
   survives a module move);
-* ``state.json``: ``{"next_step": N}``;
+* ``state.json``: ``{"next_step": N, "num_workers": W, "data_position": ...}`` (W: the world
+  size that wrote the per-rank files; a resume on more ranks starts the others fresh);
 * ``manifest.json``: sha256 and size of every other file, written last (temporary name, fsync,
   ``os.replace``).
 
 Atomicity: everything is written into ``ckpt/.tmp_step_NNNNNN`` and renamed in one
-``os.rename`` by rank 0 after all ranks wrote their files (barriers). A kill at any moment
+``os.rename`` by rank 0 after all ranks wrote their files, the asynchronous drafter write
+included (barriers); the renamed directory is the "latest" marker. A kill at any moment
 leaves either the previous checkpoints or the new complete one; leftover ``.tmp_*``
 directories are deleted on resume.
 
@@ -34,6 +39,7 @@ settings those of its first run unless the user overrides them (tltrun.train.lau
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -230,11 +236,17 @@ def _read_manifest(ckpt_dir: Path) -> tuple[dict[str, dict] | None, str]:
 def verify_checkpoint(ckpt_dir: Path, num_workers: int) -> list[str]:
     """What is damaged in ``ckpt_dir`` (empty: intact), one ``FILE: how`` entry per file: the
     manifest missing or garbled, a file it names missing, of another size or another sha256,
-    a file every checkpoint has missing from it, or ``state.json`` naming another step."""
+    a file every checkpoint has missing from it, or ``state.json`` naming another step.
+    ``num_workers``: the world size expected to have written per-rank files, unless
+    ``state.json`` names the one that did."""
     files, problem = _read_manifest(ckpt_dir)
     if files is None:
         return [problem]
-    required = ["state.json", "actor_optim.pt"]
+    # the world size that wrote the per-rank files (a resume may run on another); a bad
+    # state.json is reported by the checks below
+    with contextlib.suppress(OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        num_workers = int(json.loads((ckpt_dir / "state.json").read_text())["num_workers"])
+    required = ["state.json", "dcp/.metadata"]
     required += [f"rank{r}.pt" for r in range(num_workers)]
     required += [f"policy_rank{r}.json" for r in range(num_workers)]
     problems = [f"{name}: not in the manifest" for name in required if name not in files]
@@ -417,9 +429,21 @@ def load_policy_state(ckpt_dir: Path, rank: int, policy) -> None:
     policy.load_state_dict(json.loads(path.read_text()))
 
 
-def write_state(tmp_dir: Path, next_step: int) -> None:
-    """``state.json``, then the manifest of the whole directory (which fsyncs every file)."""
-    (tmp_dir / "state.json").write_text(json.dumps({"next_step": next_step}) + "\n")
+def write_state(
+    tmp_dir: Path,
+    next_step: int,
+    num_workers: int | None = None,
+    data_position: dict[str, Any] | None = None,
+) -> None:
+    """``state.json`` (the next step; the world size that wrote the per-rank files; the data
+    position of the next step), then the manifest of the whole directory (which fsyncs every
+    file)."""
+    state: dict[str, Any] = {"next_step": next_step}
+    if num_workers is not None:
+        state["num_workers"] = num_workers
+    if data_position is not None:
+        state["data_position"] = data_position
+    (tmp_dir / "state.json").write_text(json.dumps(state) + "\n")
     write_manifest(tmp_dir)
 
 

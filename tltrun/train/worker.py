@@ -1,4 +1,5 @@
-"""One worker process of ``tltrun train`` (spawned by tltrun.train.launch.run_train): rollout with its
+"""One worker process (one torch.distributed rank) of ``tltrun train``, started by torchrun or by
+``tltrun train``'s own launcher (tltrun.train.elastic, tltrun.train.launch): rollout with its
 own engine, spot drafter training when idle (tltrun.train.spot), data-parallel GRPO update
 (tltrun.train.grpo), logging and checkpoints on rank 0 (tltrun.train.state). Not run directly.
 
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 from tltrun.data.rewards import RewardItem, RewardPool, Shaping, apply_shaping
@@ -34,6 +36,8 @@ from tltrun.model.transformer import load_hf, save_hf
 from tltrun.rollout.engine import EngineConfig, HarvestRecord, RolloutEngine
 from tltrun.rollout.interface import Request, RolloutResult, SamplingParams
 from tltrun.rollout.measured_trace import hardware_name, instance_prompts, measured_step
+from tltrun.train import checkpoint as ckpt_io
+from tltrun.train import elastic
 from tltrun.train import state as ts
 from tltrun.train.config import TrainConfig
 from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord
@@ -125,22 +129,22 @@ def _exit_when_orphaned(launcher_pid: int) -> None:
     os._exit(1)
 
 
-def worker_main(
-    rank: int,
-    cfg: TrainConfig,
-    task: TaskConfig,
-    store_path: str,
-    resume: str | None,
-    launcher_pid: int,
-):
+@record
+def worker_entry(cfg: TrainConfig, task: TaskConfig, resume: str | None, launcher_pid: int):
+    """What every rank of ``tltrun train``'s own launcher runs (tltrun.train.elastic.launch_local;
+    rank and rendezvous from torchrun's environment). ``errors.record`` writes an exception into
+    the agent's error file, from which the launcher reports it (tltrun.train.launch)."""
     die_with_launcher(launcher_pid)  # first: nothing of the run happens in an orphan
     torch.set_num_threads(cfg.num_threads)
-    store = dist.FileStore(store_path, cfg.num_workers)
-    backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=cfg.num_workers)
+    env = elastic.init_process_group(cfg.device)
+    run_worker(env, cfg, task, resume)
+
+
+def run_worker(env: elastic.RankEnv, cfg: TrainConfig, task: TaskConfig, resume: str | None):
+    """One rank's run, in a process group already initialised (``elastic.init_process_group``)."""
     worker = None
     try:
-        worker = Worker(rank, cfg, task, dist.PrefixStore("tlt", store), resume)
+        worker = Worker(env.rank, cfg, task, elastic.side_store(env), resume)
         worker.run()
     finally:
         if worker is not None and worker.tensorboard is not None:
@@ -156,6 +160,10 @@ def worker_main(
 class Worker:
     def __init__(self, rank, cfg: TrainConfig, task: TaskConfig, store, resume: str | None):
         self.rank, self.cfg, self.task, self.clock = rank, cfg, task, time.monotonic
+        # DCP's own gloo group (a collective of every rank: created first, in the same order)
+        self.ckpt_group = ckpt_io.checkpoint_group()
+        self.pending_checkpoint = None  # (drafter write future, tmp dir, next step)
+        self.is_async_checkpoint = True  # False: the drafter write blocks (benchmarks compare)
         self.out = Path(cfg.out)
         self.tok = load_tokenizer(cfg.model_dir, is_chat_template=cfg.chat_template)
         self.data = load_run_data(cfg, task, lambda row: len(self.tok.encode_prompt(row.prompt)))
@@ -251,7 +259,7 @@ class Worker:
             self.spec_policy = ModelledFeedback(self.spec_policy)
         self.spot = None
         if is_harvesting:
-            groups = SubsetGroups(cfg.num_workers)
+            groups = SubsetGroups(store, rank, elastic.COLLECTIVE_TIMEOUT_S)
             trainable = EagleDrafter(target.config)
             trainable.load_state_dict(drafter.state_dict())
             trainable.bind(self.engine.model)
@@ -283,8 +291,19 @@ class Worker:
     # ---- checkpoints ------------------------------------------------------------------------
 
     def _restore(self, ckpt: Path) -> None:
+        """The checkpoint's state. Actor, optimizer and drafter come from DCP, whatever the
+        world size that wrote them; a rank the checkpoint has no files of (a resume on more
+        ranks) keeps the fresh RNG streams and policy state a run starting now would have."""
         self.start_step = ts.read_next_step(ckpt)
-        self.optimizer.load_state_dict(torch.load(ckpt / "actor_optim.pt", weights_only=False))
+        ckpt_io.load_actor(self.actor, self.optimizer, ckpt / ckpt_io.ACTOR_DCP, self.ckpt_group)
+        if self.spot is not None and (ckpt / ckpt_io.DRAFTER_DCP).is_dir():
+            meta = ckpt_io.load_drafter(
+                self.spot.drafter, self.spot.optimizer, ckpt / ckpt_io.DRAFTER_DCP, self.ckpt_group
+            )
+            self.spot.version = int(meta["version"])
+            self.spot.update_s = float(meta["update_s"])
+        if not (ckpt / f"rank{self.rank}.pt").is_file():
+            return
         state = torch.load(ckpt / f"rank{self.rank}.pt", weights_only=False)
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
@@ -292,16 +311,17 @@ class Worker:
         if "engine_generator" in state:  # the vLLM backend's sampling seeds are stateless
             self.engine.generator.set_state(state["engine_generator"])
         ts.load_policy_state(ckpt, self.rank, self.spec_policy)
-        if self.spot is not None and (ckpt / "drafter_optim.pt").is_file():
-            saved = torch.load(ckpt / "drafter_optim.pt", weights_only=False)
-            self.spot.optimizer.load_state_dict(saved["optimizer"])
-            self.spot.version = saved["version"]
-            self.spot.update_s = saved["update_s"]
+        if self.spot is not None and "spot_data_generator" in state:
             self.spot.data_gen.set_state(state["spot_data_generator"])
             self.spot.noise_gen.set_state(state["spot_noise_generator"])
             self.spot.previous = [TrainRecord(*r) for r in state["previous_harvest"]]
 
     def _checkpoint(self, next_step: int) -> None:
+        """Write checkpoint ``next_step`` into its temporary directory: this rank's RNG and
+        policy files, the actor + AdamW state (DCP, every rank), the Hugging Face actor and the
+        vLLM drafter (rank 0), and start the drafter's asynchronous DCP save. The directory is
+        committed by ``_finish_checkpoint`` once that save is done (after the next rollout)."""
+        self._finish_checkpoint()  # the previous one first: one write in flight at most
         tmp = ts.tmp_checkpoint_dir(self.out, next_step)
         if self.rank == 0:
             tmp.mkdir(parents=True, exist_ok=True)
@@ -321,23 +341,43 @@ class Worker:
             ]
         torch.save(state, tmp / f"rank{self.rank}.pt")
         ts.save_policy_state(tmp, self.rank, self.spec_policy)
-        dist.barrier()
+        ckpt_io.save_actor(self.actor, self.optimizer, tmp / ckpt_io.ACTOR_DCP, self.ckpt_group)
         if self.rank == 0:
             save_hf(self.actor, tmp / "actor")
             ts.copy_tokenizer(self.cfg.model_dir, tmp / "actor")
-            torch.save(self.optimizer.state_dict(), tmp / "actor_optim.pt")
             if self.engine.drafter is not None or self.spot is not None:
                 export_vllm(self._drafter(), tmp / "drafter")
-            if self.spot is not None:
-                torch.save(
-                    {
-                        "optimizer": self.spot.optimizer.state_dict(),
-                        "version": self.spot.version,
-                        "update_s": self.spot.update_s,
-                    },
-                    tmp / "drafter_optim.pt",
-                )
-            ts.write_state(tmp, next_step)
+        future = None
+        if self.spot is not None:
+            meta = {"version": self.spot.version, "update_s": self.spot.update_s}
+            future = ckpt_io.save_drafter_async(
+                self.spot.drafter,
+                self.spot.optimizer,
+                meta,
+                tmp / ckpt_io.DRAFTER_DCP,
+                self.ckpt_group,
+            )
+        self.pending_checkpoint = (future, tmp, next_step)
+        if future is None or not self.is_async_checkpoint:
+            self._finish_checkpoint()
+
+    def _finish_checkpoint(self) -> None:
+        """Wait for the pending checkpoint's drafter write on every rank, then rank 0 writes
+        ``state.json`` and the manifest and renames the directory into place (atomic)."""
+        if self.pending_checkpoint is None:
+            return
+        future, tmp, next_step = self.pending_checkpoint
+        self.pending_checkpoint = None
+        if future is not None:
+            future.result()
+        dist.barrier()
+        if self.rank == 0:
+            ts.write_state(
+                tmp,
+                next_step,
+                num_workers=self.cfg.num_workers,
+                data_position=self.data.position(next_step, self.cfg.prompts_per_step),
+            )
             ts.commit(tmp, ts.checkpoint_dir(self.out, next_step))
         dist.barrier()
 
@@ -358,6 +398,7 @@ class Worker:
                 )
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.num_steps:
                 self._checkpoint(step + 1)
+        self._finish_checkpoint()
         if self.rank == 0:
             final = self.out / "final"
             save_hf(self.actor, final / "actor")
@@ -399,6 +440,7 @@ class Worker:
                 ts.export_drafter_atomic(self.spot.drafter, self.out / "drafter")
         else:
             dist.barrier()
+        self._finish_checkpoint()  # the last checkpoint's drafter was written meanwhile
         rollout_end_s = self.clock() - t0
         t_reward = self.clock()
         by_id = {o.id: o for o in result.outputs}
@@ -460,7 +502,7 @@ class Worker:
             items.append(
                 RewardItem(
                     sample_id=f"step{step}/{r.id}",
-                    prompt=self.tok.prompt_text(row.prompt),
+                    prompt=row.prompt_text,  # chat messages as "role: content" lines
                     response=self.tok.decode(o.output_token_ids),
                     answer=row.answer,
                     meta=row.meta,
@@ -498,7 +540,7 @@ class Worker:
                     "id": r.id,
                     "prompt_id": row.prompt_id,
                     "source": row.source,
-                    "prompt": item.prompt,
+                    "prompt": self.tok.prompt_text(row.prompt),  # as the model saw it
                     "response": item.response,
                     "answer": row.answer,
                     "num_prompt_tokens": len(r.prompt_token_ids),

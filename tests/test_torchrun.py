@@ -1,0 +1,369 @@
+"""``tltrun train`` on torch.distributed's launcher (issue #19), CPU / gloo, tiny model: a real
+``torchrun --standalone`` job of 2 and of 3 ranks; ``tltrun train --num-workers``'s own launcher
+(torchrun's agent in-process) reporting a rank's exception as one line naming the rank; spot
+training with 7 workers (above the old 2^W cap of 6) completes; a rank killed with SIGKILL
+mid-run ends the torchrun job (no hang) and ``--resume`` continues with no lost or repeated step.
+
+Run: ``python -m pytest tests/test_torchrun.py -q`` (a few minutes on 2 cores: every job starts
+2 to 7 processes that import torch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_train import TASK, config, deterministic, model_dir, rows  # noqa: F401 (a fixture)
+
+from tltrun.train.launch import run_train
+from tltsim.errors import WorkerError
+
+SMALL = ["--num-steps", "2", "--prompts-per-step", "6", "--group-size", "2",
+         "--max-new-tokens", "16", "--policy", "nospec", "--num-threads", "1", "--seed", "0",
+         "--checkpoint-every", "1"]  # fmt: skip
+
+
+def torchrun(num_procs: int, model: Path, out: Path, *flags: str) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={num_procs}", "-m", "tltrun.cli.main", "train",
+        "--model-dir", str(model), "--out", str(out), *SMALL, *flags,
+    ]  # fmt: skip
+
+
+def quiet_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_procs", [2, 3])
+def test_torchrun_standalone_runs_two_grpo_steps(model_dir, tmp_path, num_procs):  # noqa: F811
+    out = tmp_path / "run"
+    done = subprocess.run(
+        torchrun(num_procs, model_dir, out),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=quiet_env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("written to") == 1  # rank 0 speaks for the job
+    log = rows(out)
+    assert [r["step"] for r in log] == [0, 1]
+    for row in log:  # one entry per rank, the same actor everywhere after each update
+        assert len(row["actor_sha1"]) == num_procs and len(set(row["actor_sha1"])) == 1
+        assert len(row["worker_rollout_s"]) == num_procs
+    config_json = json.loads((out / "config.json").read_text())
+    assert config_json["train"]["num_workers"] == num_procs  # the world size decides
+    assert (out / "ckpt" / "step_000002" / "manifest.json").is_file()
+    assert (out / "final" / "actor" / "model.safetensors").is_file()
+
+
+def test_a_rank_exception_is_one_line_naming_the_rank(model_dir, tmp_path, monkeypatch):  # noqa: F811
+    """tltrun's own launcher: rank 1 raises (a test hook parses a bad delay); the launcher
+    raises one WorkerError naming rank 1 and its exception, the traceback in the log file."""
+    monkeypatch.setenv("TLTRUN_TEST_ROLLOUT_DELAY", "1:not-a-number")
+    out = tmp_path / "run"
+    with pytest.raises(WorkerError) as err:
+        run_train(config(model_dir, out, num_steps=1), TASK)
+    line = str(err.value)
+    assert line.startswith("worker rank 1: ValueError: could not convert string to float"), line
+    assert "\n" not in line and err.value.exit_code == 1
+    log = (out / "worker_errors.log").read_text()
+    assert "worker rank 1" in log and "_test_rollout_delay" in log  # the whole traceback
+
+
+@pytest.mark.slow
+def test_a_rank_exception_under_torchrun_names_the_rank(model_dir, tmp_path):  # noqa: F811
+    """torchrun: rank 1 raises; its line names it, torchrun's summary carries its error file,
+    the job ends (the other rank is stopped) and the traceback is in worker_errors.log."""
+    out = tmp_path / "run"
+    done = subprocess.run(
+        torchrun(2, model_dir, out),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=quiet_env(TLTRUN_TEST_ROLLOUT_DELAY="1:not-a-number"),
+    )
+    assert done.returncode != 0
+    # (after rank 0's progress bar on the same terminal line, hence no line-start anchor)
+    line = "error: worker rank 1: ValueError: could not convert string to float: 'not-a-number'"
+    assert line in done.stderr, done.stderr[-3000:]
+    # torchrun's summary: rank 1 with its error file's traceback
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", done.stderr)
+    assert "error.json" in done.stderr and "_test_rollout_delay" in done.stderr
+    assert "_test_rollout_delay" in (out / "worker_errors.log").read_text()
+
+
+@pytest.mark.slow
+def test_spot_training_with_seven_workers_completes(model_dir, tmp_path, monkeypatch):  # noqa: F811
+    """Above the old cap (2^W - 1 groups up front, W <= 6): rank 6 is held back 4 s, so ranks
+    0-5 finish first and spot-train together in groups created when needed."""
+    monkeypatch.setenv("TLTRUN_TEST_ROLLOUT_DELAY", "6:4")
+    out = tmp_path / "run"
+    cfg = config(
+        model_dir, out, num_workers=7, num_steps=1, prompts_per_step=7, group_size=2,
+        max_new_tokens=16, prompt_split=(), max_running_requests=None,
+    )  # fmt: skip
+    run_train(cfg, TASK)
+    (row,) = rows(out)
+    assert row["drafter_updates"] >= 1 and len(set(row["drafter_sha1"])) == 1
+    trainers = {t for decisions in row["spot_decisions"] for d in decisions for t in d["trainers"]}
+    assert len(trainers) >= 2  # a subset group of several ranks trained together
+    assert row["spot_decisions"][6] == []  # the last finisher never idles
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
+def test_sigkill_of_one_rank_ends_the_job_and_resume_loses_no_step(model_dir, tmp_path):  # noqa: F811
+    flags = ["--num-steps", "4", "--no-spot-training"]
+    reference = tmp_path / "reference"
+    done = subprocess.run(
+        torchrun(2, model_dir, reference, *flags), capture_output=True, text=True, timeout=300,
+        env=quiet_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = tmp_path / "killed"
+    # rank 1 takes 2 s more per rollout: time to kill it between checkpoints
+    env = quiet_env(TLTRUN_TEST_ROLLOUT_DELAY="1:2")
+    job = subprocess.Popen(
+        torchrun(2, model_dir, out, *flags),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        marker = out / "ckpt" / "step_000001" / "state.json"
+        deadline = time.monotonic() + 180
+        while not marker.is_file() and time.monotonic() < deadline and job.poll() is None:
+            time.sleep(0.05)
+        ranks = children(job.pid)  # torchrun's agent starts one process per rank
+        assert job.poll() is None and len(ranks) == 2, "the job ended before the kill"
+        os.kill(max(ranks), signal.SIGKILL)
+        t0 = time.monotonic()
+        _, stderr = job.communicate(timeout=120)  # no hang: the agent ends the job
+        assert job.returncode != 0 and time.monotonic() - t0 < 60
+        assert "SIGKILL" in stderr and "rank" in stderr  # torchrun's summary names the rank
+        assert not (out / "final").exists(), "the kill came too late"
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    resumed = subprocess.run(
+        torchrun(2, model_dir, out, *flags, "--resume"), capture_output=True, text=True,
+        timeout=300, env=quiet_env(),
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [deterministic(r) for r in rows(out)] == [deterministic(r) for r in rows(reference)]
+    a = (out / "final" / "actor" / "model.safetensors").read_bytes()
+    assert a == (reference / "final" / "actor" / "model.safetensors").read_bytes()
+
+
+# ---- DCP checkpoints ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of this test process alone (world size 1)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.new_group(backend="gloo")
+    finally:
+        dist.destroy_process_group()
+
+
+def _stepped(seed: int):
+    """A tiny actor and its AdamW after one step on seeded random gradients."""
+    import torch
+    from tiny_models import tiny_model
+
+    from tltrun.train.grpo import GRPOConfig, make_optimizer
+
+    model = tiny_model(seed=seed).train()
+    optimizer = make_optimizer(model, GRPOConfig(lr=1e-2))
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+    optimizer.step()
+    return model, optimizer
+
+
+def test_dcp_actor_and_async_drafter_round_trip(one_rank_group, tmp_path):
+    import torch
+
+    from tltrun.train import checkpoint as ckpt_io
+
+    model, optimizer = _stepped(seed=0)
+    ckpt_io.save_actor(model, optimizer, tmp_path / "dcp", one_rank_group)
+    drafter, drafter_opt = _stepped(seed=1)
+    meta = {"version": 7, "update_s": 0.25}
+    future = ckpt_io.save_drafter_async(
+        drafter, drafter_opt, meta, tmp_path / "drafter_dcp", one_rank_group
+    )
+    saved = {k: v.clone() for k, v in drafter.state_dict().items()}
+    with torch.no_grad():  # training goes on while the write runs: the staged copy is kept
+        for p in drafter.parameters():
+            p.add_(1.0)
+    future.result()
+
+    fresh, fresh_opt = _stepped(seed=2)  # other weights and moments, all overwritten
+    ckpt_io.load_actor(fresh, fresh_opt, tmp_path / "dcp", one_rank_group)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    # the same next step: identical weights after one more step on identical gradients
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        a.grad = torch.full_like(a, 0.5)
+        b.grad = torch.full_like(b, 0.5)
+    optimizer.step()
+    fresh_opt.step()
+    for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+    other, other_opt = _stepped(seed=3)
+    loaded = ckpt_io.load_drafter(other, other_opt, tmp_path / "drafter_dcp", one_rank_group)
+    assert loaded == meta
+    for name, tensor in saved.items():
+        assert torch.equal(other.state_dict()[name], tensor), name
+
+
+def test_checkpoint_names_the_world_size_that_wrote_it(tmp_path):
+    """A checkpoint of 3 ranks needs 3 rank files whatever the resuming world size."""
+    from test_run_integrity import fake_checkpoint
+
+    from tltrun.train import state as ts
+
+    ckpt = fake_checkpoint(tmp_path, 2)  # rank files of 2 workers
+    ts.write_state(ckpt, 2, num_workers=3)
+    assert ts.verify_checkpoint(ckpt, 2) == [
+        "rank2.pt: not in the manifest",
+        "policy_rank2.json: not in the manifest",
+    ]
+    ts.write_state(ckpt, 2, num_workers=2)
+    assert ts.verify_checkpoint(ckpt, 3) == []  # resumable on 3 ranks
+
+
+@pytest.mark.slow
+def test_resume_a_two_rank_checkpoint_on_three_ranks(model_dir, tmp_path):  # noqa: F811
+    """torchrun, 2 ranks, 2 steps; then --resume on 3 ranks (--override-config: the world size
+    changes the prompt split) for 2 more steps, twice from copies of the same directory: the
+    log has every step once, the new steps have 3 ranks with one actor, and both resumes agree
+    (rank 2, absent from the checkpoint, starts from the seeded streams of a fresh run)."""
+    out = tmp_path / "run"
+    done = subprocess.run(
+        torchrun(2, model_dir, out), capture_output=True, text=True, timeout=300, env=quiet_env()
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    results = []
+    for run_dir in (out, copy):
+        resumed = subprocess.run(
+            [*torchrun(3, model_dir, run_dir, "--num-steps", "4", "--resume", "--override-config")],
+            capture_output=True, text=True, timeout=300, env=quiet_env(),
+        )  # fmt: skip
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        log = rows(run_dir)
+        assert [r["step"] for r in log] == [0, 1, 2, 3]
+        assert [len(r["actor_sha1"]) for r in log] == [2, 2, 3, 3]
+        assert all(len(set(r["actor_sha1"])) == 1 for r in log)
+        history = [
+            json.loads(x) for x in (run_dir / "config_history.jsonl").read_text().splitlines()
+        ]
+        assert history[0]["diff"]["train.num_workers"] == [2, 3]
+        results.append([deterministic(r) for r in log])
+    assert results[0] == results[1]
+
+
+# ---- FSDP2 -------------------------------------------------------------------------------------
+
+FSDP_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from tiny_models import tiny_model
+from tltrun.train.fsdp import full_state_dict, shard_actor
+from tltrun.train.grpo import GRPOConfig, Sample, grpo_update, make_optimizer
+
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+r = dist.get_rank()
+gen = torch.Generator().manual_seed(100 + r)
+samples = []
+for g in range(1 + 2 * r):  # rank 1 has 3x the groups: more micro-batches than rank 0
+    prompt = tuple(torch.randint(4, 90, (5,), generator=gen).tolist())
+    for _ in range(4):
+        n = int(torch.randint(2, 30, (1,), generator=gen))
+        resp = tuple(torch.randint(4, 90, (n,), generator=gen).tolist())
+        samples.append(Sample(f"r{r}g{g}", prompt, resp, float(torch.rand(1, generator=gen))))
+cfg = GRPOConfig(lr=1e-2, kl_coef=0.0, num_epochs=2, max_batch_tokens=64)
+
+
+def all_reduce_sum(t):
+    dist.all_reduce(t)
+    return t
+
+
+start = tiny_model(seed=0).state_dict()
+replicated = tiny_model(seed=0).train()
+replicated_opt = make_optimizer(replicated, cfg)
+sharded = shard_actor(tiny_model(seed=0).train())
+sharded_opt = make_optimizer(sharded, cfg)
+for _ in range(2):
+    a = grpo_update(replicated, None, replicated_opt, samples, cfg, 1.0, 0, all_reduce_sum)
+    b = grpo_update(sharded, None, sharded_opt, samples, cfg, 1.0, 0, all_reduce_sum)
+full = full_state_dict(sharded)
+ref = replicated.state_dict()
+close = all(torch.allclose(full[k], v, rtol=1e-4, atol=1e-5) for k, v in ref.items())
+moved = max((v - start[k]).abs().max().item() for k, v in ref.items())
+local = sum(p.to_local().numel() for p in sharded.parameters())
+total = sum(p.numel() for p in replicated.parameters())
+with open(f"{sys.argv[2]}/rank{r}.txt", "w") as fh:  # (one file per rank: no interleaving)
+    fh.write(f"{r} {close} {moved} {local} {total} {a['loss']} {b['loss']}")
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_grpo_gives_the_replicated_actor(tmp_path):
+    """2 ranks, gloo: two GRPO steps (2 epochs each) of an FSDP2-sharded actor and of the
+    replicated data-parallel one on the same per-rank samples (rank 1 with 3x the micro-batches)
+    end in the same weights; each rank holds about half of them."""
+    script = tmp_path / "fsdp_grpo.py"
+    script.write_text(FSDP_SCRIPT)
+    tests_dir = str(Path(__file__).parent)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(script), tests_dir, str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=quiet_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [(tmp_path / f"rank{r}.txt").read_text().split() for r in (0, 1)]
+    for _, close, moved, local, total, loss_a, loss_b in lines:
+        assert close == "True" and float(moved) > 1e-3  # the same actor, and it did train
+        assert int(local) < 0.6 * int(total)  # sharded: about half the parameters per rank
+        assert float(loss_a) == pytest.approx(float(loss_b), rel=1e-5, abs=1e-7)

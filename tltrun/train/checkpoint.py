@@ -1,0 +1,80 @@
+"""The distributed part of a ``tltrun train`` checkpoint: torch.distributed.checkpoint (DCP).
+
+* ``dcp/``: the actor's weights and AdamW state, keyed by parameter name
+  (``torch.distributed.checkpoint.state_dict.get_state_dict``: the same keys whether the actor
+  is replicated or sharded), saved by every rank together (``dcp.save``: replicated tensors
+  are written once). DCP loads them into any world size: a run resumed on 3 ranks from a
+  2-rank checkpoint reads the same tensors (the prompt split, hence later steps, follow the new
+  world size).
+* ``drafter_dcp/``: the spot trainer's drafter, its AdamW state, version and seconds per
+  update, saved with ``dcp.async_save``: the copy is staged (cloned) at once and written by a
+  background thread while the next rollout runs (TLT, arXiv 2511.16665, checkpoints its drafter
+  asynchronously so that preemption costs little). The checkpoint directory is committed only
+  after that write finished on every rank (tltrun.train.worker.Worker._finish_checkpoint), so
+  a kill meanwhile leaves the previous checkpoint as the newest complete one.
+
+Both go through their own gloo process group (``checkpoint_group``): DCP's background thread
+then never interleaves its collectives with the training loop's on the default group.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.utils._pytree import tree_map_only
+
+ACTOR_DCP = "dcp"
+DRAFTER_DCP = "drafter_dcp"
+
+
+def checkpoint_group() -> dist.ProcessGroup:
+    """A gloo group of every rank for DCP (a collective: every rank calls it, at start-up)."""
+    return dist.new_group(backend="gloo")
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    # (an optimizer that has not stepped yet gets its zero state first: DCP needs the keys)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
+def save_actor(model, optimizer, path: Path, group: dist.ProcessGroup) -> None:
+    """Actor weights + AdamW state into ``path`` (every rank calls it)."""
+    dcp.save(_state(model, optimizer), checkpoint_id=str(path), process_group=group)
+
+
+def load_actor(model, optimizer, path: Path, group: dist.ProcessGroup) -> None:
+    """``save_actor``'s state into ``model`` and ``optimizer`` (every rank, any world size)."""
+    state = _state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(path), process_group=group)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+
+
+def save_drafter_async(
+    drafter, optimizer, meta: dict[str, float], path: Path, group: dist.ProcessGroup
+) -> Future:
+    """Start writing the drafter, its AdamW state and ``meta`` (version, update_s) into
+    ``path``; returns DCP's future (``result()`` waits for the write). The tensors are cloned
+    first: spot training goes on changing the live ones while the write runs."""
+    state = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), _state(drafter, optimizer))
+    state["meta"] = dict(meta)
+    return dcp.async_save(state, checkpoint_id=str(path), process_group=group)
+
+
+def load_drafter(drafter, optimizer, path: Path, group: dist.ProcessGroup) -> dict[str, float]:
+    """``save_drafter_async``'s state into ``drafter`` and ``optimizer``; returns its meta."""
+    state = _state(drafter, optimizer)
+    state["meta"] = {"version": 0, "update_s": 0.0}
+    dcp.load(state, checkpoint_id=str(path), process_group=group)
+    set_state_dict(
+        drafter, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    return state["meta"]

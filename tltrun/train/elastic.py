@@ -1,0 +1,169 @@
+"""``tltrun train`` on torch.distributed's own launcher (torchrun / torch.distributed.elastic).
+
+Every worker process is one rank of a torch.distributed job whose rank, world size and
+rendezvous come from the environment torchrun (or its API) sets: ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` (``init_method="env://"``); gloo on CPU, NCCL
+on CUDA (one device per local rank). Two ways in, the same worker code:
+
+* ``torchrun --nnodes N --nproc-per-node G -m tltrun.cli.main train ...``: torchrun starts
+  every rank with the CLI (tltrun.train.launch.run_ranked: rank 0 locks and prepares the run
+  directory and tells the others what to resume from);
+* ``tltrun train --num-workers W`` on one machine: ``launch_local`` runs torchrun's agent in the
+  launcher process (``torch.distributed.launcher.api``, the code behind ``torchrun --standalone``)
+  with ``tltrun.train.worker.worker_entry`` as the function every rank runs.
+
+Failures (``root_failure``): a rank's exception is written by ``errors.record`` into the
+error file torchrun's agent gives each rank; the agent sees the rank end, stops the others
+(SIGTERM, then SIGKILL after ``SHUTDOWN_TIMEOUT_S``) and raises ``ChildFailedError`` naming
+every failed rank, so a dead rank ends the job instead of leaving the others in a collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Seconds torchrun's agent waits after SIGTERM before it SIGKILLs the surviving ranks of a failed
+# job (its own default is 30 s: our workers have no shutdown work that needs that long).
+SHUTDOWN_TIMEOUT_S = 5
+# How often the agent polls its ranks for an exit (torchrun's default 0.1 s polls ten times as
+# often for no gain here: a failure is seen within this, and the job ends that much later).
+MONITOR_INTERVAL_S = 0.5
+# Collectives and store waits: a rank blocked longer than this raises instead of hanging (a
+# dead peer normally ends the job much sooner, through the agent). Rollouts of long responses
+# on a slow CPU keep the other ranks in a barrier for minutes: an hour leaves them room.
+COLLECTIVE_TIMEOUT_S = 3600
+# Exceptions a rank raises because ANOTHER rank died (its sockets closed): never a root cause.
+COLLATERAL = ("DistBackendError", "DistNetworkError", "Connection closed", "Connection reset")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankEnv:
+    """This process's place in the job, as torchrun's environment gives it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def rank_env() -> RankEnv | None:
+    """The torchrun environment of this process (None: not started by torchrun or its API)."""
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(name in os.environ for name in names):
+        return None
+    return RankEnv(
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        master_addr=os.environ["MASTER_ADDR"],
+        master_port=int(os.environ["MASTER_PORT"]),
+    )
+
+
+def init_process_group(device: str) -> RankEnv:
+    """Join the job (``env://``): NCCL on CUDA with this rank's local device, gloo on CPU."""
+    env = rank_env()
+    if env is None:
+        raise RuntimeError("not started by torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT unset")
+    is_cuda = device.startswith("cuda")
+    if is_cuda and device == "cuda":  # "cuda:N" pins every rank to N on purpose
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    dist.init_process_group(
+        "nccl" if is_cuda else "gloo",
+        init_method="env://",
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    return env
+
+
+def side_store(env: RankEnv) -> dist.Store:
+    """A client of the job's c10d store (the one ``env://`` rendezvoused on, served by rank 0's
+    process group or torchrun's agent) under a prefix of ours: the spot trainer's finish order."""
+    store = dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        is_master=False,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    return dist.PrefixStore(f"tlt/{os.environ.get('TORCHELASTIC_RUN_ID', '')}", store)
+
+
+def launch_local(num_procs: int, entry: Callable, args: tuple, log_dir: Path) -> None:
+    """Run ``entry(*args)`` in ``num_procs`` ranks on this machine through torchrun's agent
+    (what ``torchrun --standalone --nproc-per-node num_procs`` does); raises torchrun's
+    ``ChildFailedError`` when a rank fails (``root_failure`` picks its cause)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The agent logs every rank's start and stop; the launcher reports a failure in one line.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR + 10)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=num_procs,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",  # --standalone: a c10d store on a free port of this machine
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,  # a failed rank ends the job; --resume continues it
+        monitor_interval=MONITOR_INTERVAL_S,
+        start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+    )
+    elastic_launch(config, entry)(*args)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankFailure:
+    """The failure that ended a job: its rank, and either the signal that killed it, the exit
+    code it ended with, or the traceback its error file holds."""
+
+    rank: int
+    pid: int
+    exit_code: int
+    signal_name: str = ""
+    traceback: str = ""
+
+
+def root_failure(failures: dict[int, Any]) -> RankFailure:
+    """The cause among torchrun's ``ChildFailedError.failures`` ({global rank: ProcessFailure}):
+    a rank killed by a signal other than the agent's own SIGTERM, else an exception that is not
+    a consequence of another rank's death (COLLATERAL), else the earliest."""
+
+    def order(item) -> tuple:
+        rank, failure = item
+        text = _traceback(failure)
+        killed = failure.exitcode < 0 and -failure.exitcode != signal.SIGTERM
+        collateral = not text or any(mark in text for mark in COLLATERAL)
+        return (not killed, collateral, failure.timestamp, rank)
+
+    rank, failure = min(failures.items(), key=order)
+    return RankFailure(
+        rank=rank,
+        pid=failure.pid,
+        exit_code=failure.exitcode,
+        signal_name=failure.signal_name() if failure.exitcode < 0 else "",
+        traceback=_traceback(failure),
+    )
+
+
+def _traceback(failure) -> str:
+    """The rank's traceback from its error file ("": no error file, e.g. killed by a signal)."""
+    if not os.path.isfile(failure.error_file):
+        return ""  # (torch then holds a placeholder message, "<NONE>")
+    message = failure.error_file_data.get("message")
+    if isinstance(message, dict):
+        return message.get("extraInfo", {}).get("py_callstack", "") or message.get("message", "")
+    return message if isinstance(message, str) else ""
