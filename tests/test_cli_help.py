@@ -126,3 +126,15 @@ def test_sweep_specs_name_booleans_as_their_flags(tmp_path):
     assert not settings.is_spot_training and not settings.sim.is_timeline_recorded
     with pytest.raises(UsageError, match="name the same setting"):
         spec("spot_training = false\nis_spot_training = true")
+
+
+@pytest.mark.parametrize("package", ["tltsim", "tltrun"])
+def test_python_dash_m_runs_the_command(package):
+    """``python -m tltrun`` (what ``torchrun -m tltrun train`` runs) is the tltrun command."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", package, "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.startswith(f"usage: {package}"), done.stderr
