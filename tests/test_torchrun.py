@@ -367,3 +367,36 @@ def test_fsdp2_sharded_grpo_gives_the_replicated_actor(tmp_path):
         assert close == "True" and float(moved) > 1e-3  # the same actor, and it did train
         assert int(local) < 0.6 * int(total)  # sharded: about half the parameters per rank
         assert float(loss_a) == pytest.approx(float(loss_b), rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.slow
+def test_fsdp_size_shards_the_actor_of_tltrun_train(model_dir, tmp_path):  # noqa: F811
+    """--fsdp-size 2: the workers train an FSDP2-sharded actor, gather it into their engines
+    after each step and save it whole — the same rollouts and (allclose) the same final actor
+    as the replicated run. Greedy NoSpec rollouts: equal weights <=> equal rollouts."""
+    import torch
+
+    from tltrun.model.transformer import read_safetensors
+
+    logs, weights = {}, {}
+    for fsdp in (1, 2):
+        out = tmp_path / f"fsdp{fsdp}"
+        cfg = config(model_dir, out, num_steps=2, temperature=0.0, fsdp_size=fsdp,
+                     is_spot_training=False, checkpoint_every=1)  # fmt: skip
+        run_train(cfg, TASK)
+        logs[fsdp] = rows(out)
+        weights[fsdp] = read_safetensors(out / "final" / "actor")
+    # step 0's rollout precedes any update; step 1's follows the first, sharded, update
+    assert [r["rollout_sha1"][0] for r in logs[2]][:1] == [r["rollout_sha1"][0] for r in logs[1]][
+        :1
+    ]
+    assert [r["loss"] for r in logs[2]] == pytest.approx(
+        [r["loss"] for r in logs[1]], rel=1e-4, abs=1e-7
+    )
+    moved = max(
+        float((weights[1][k] - read_safetensors(model_dir)[k]).abs().max()) for k in weights[1]
+    )
+    assert moved > 1e-3  # the actor really trained
+    for name, full in weights[1].items():
+        torch.testing.assert_close(weights[2][name], full, rtol=1e-4, atol=1e-5)
+    assert len(set(logs[2][-1]["actor_sha1"])) == 1  # every engine got the same gathered weights

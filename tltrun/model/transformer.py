@@ -622,14 +622,18 @@ def load_hf(
     return model.to(device=device, dtype=dtype).eval()
 
 
-def save_hf(model: Transformer, model_dir: str | Path) -> None:
-    """Write ``config.json`` + ``model.safetensors`` (tied LM head stored once, as HF does)."""
+def save_hf(
+    model: Transformer, model_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None
+) -> None:
+    """Write ``config.json`` + ``model.safetensors`` (tied LM head stored once, as HF does).
+    ``state_dict``: the full weights when the model's own are sharded (FSDP2)."""
     from safetensors.torch import save_file
 
     root = Path(model_dir)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    weights = model.state_dict() if state_dict is None else state_dict
+    state = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")
     save_file(state, root / "model.safetensors", metadata={"format": "pt"})

@@ -234,6 +234,15 @@ class TrainConfig:
         default=1,
         metadata={"help": "responses per eval prompt: 1 = greedy, more = sampled at temperature"},
     )
+    # FSDP2 (tltrun.train.fsdp): 1 keeps a full actor + AdamW state on every rank (data
+    # parallel); the world size shards them over all ranks (1/W each)
+    fsdp_size: int = field(
+        default=1,
+        metadata={
+            "help": "ranks the actor, its gradients and AdamW state are sharded over with "
+            "FSDP2: 1 (replicated) or the number of workers"
+        },
+    )
     gradient_checkpointing: bool = field(
         default=False,
         metadata={
@@ -344,6 +353,12 @@ class TrainConfig:
                      "max_prompt_tokens", "max_tokens_per_microbatch"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        # HSDP (shard within groups of fsdp_size, replicate across them) is not implemented
+        if self.fsdp_size not in (1, self.num_workers):
+            raise ValueError(
+                f"fsdp_size {self.fsdp_size}: 1 (replicated) or num_workers ({self.num_workers}) "
+                "(sharding over a subset of the ranks is not implemented)"
+            )
         if self.eval_every < 0 or self.overlong_buffer_tokens < 0:
             raise ValueError("eval_every and overlong_buffer_tokens must be >= 0")
         if self.overlong_buffer_tokens >= self.max_new_tokens:

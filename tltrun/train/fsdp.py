@@ -6,8 +6,9 @@ replicated one (every rank runs the same number of micro-batches, FSDP's
 reduce-scatter reduces the gradients); ``full_state_dict`` gathers the full weights a rollout
 engine loads after each step (the resharding veRL and TLT do between training and rollout).
 
-Not wired into ``tltrun train`` yet (no ``--fsdp-size``): tests/test_torchrun.py checks that a
-sharded GRPO update gives the actor of the replicated data-parallel one.
+``tltrun train --fsdp-size W`` (W = the number of workers; 1 keeps the actor replicated) shards
+the workers' actor; tests/test_torchrun.py checks that a sharded GRPO update, and a sharded
+``tltrun train`` run, give the actor of the replicated data-parallel one.
 """
 
 from __future__ import annotations

@@ -184,6 +184,14 @@ class Worker:
         # (CPU trains in fp32: its bf16 matmuls are slower, not faster)
         self.actor = load_hf(actor_dir, device=cfg.device).train()
         self.actor.is_gradient_checkpointing = cfg.gradient_checkpointing
+        if cfg.fsdp_size > 1:  # FSDP2 over every rank (TrainConfig allows 1 or the world)
+            from tltrun.train.fsdp import shard_actor
+
+            if cfg.fsdp_size != dist.get_world_size():
+                raise ValueError(
+                    f"fsdp_size {cfg.fsdp_size}: 1 or the world size ({dist.get_world_size()})"
+                )
+            shard_actor(self.actor, cfg.device)
         self.autocast_dtype = (
             torch.bfloat16 if cfg.dtype == "bfloat16" and cfg.device.startswith("cuda") else None
         )
@@ -342,8 +350,9 @@ class Worker:
         torch.save(state, tmp / f"rank{self.rank}.pt")
         ts.save_policy_state(tmp, self.rank, self.spec_policy)
         ckpt_io.save_actor(self.actor, self.optimizer, tmp / ckpt_io.ACTOR_DCP, self.ckpt_group)
+        weights = self._actor_weights()  # a collective when sharded: every rank gathers
         if self.rank == 0:
-            save_hf(self.actor, tmp / "actor")
+            save_hf(self.actor, tmp / "actor", weights)
             ts.copy_tokenizer(self.cfg.model_dir, tmp / "actor")
             if self.engine.drafter is not None or self.spot is not None:
                 export_vllm(self._drafter(), tmp / "drafter")
@@ -381,6 +390,15 @@ class Worker:
             ts.commit(tmp, ts.checkpoint_dir(self.out, next_step))
         dist.barrier()
 
+    def _actor_weights(self) -> dict[str, torch.Tensor]:
+        """The actor's full weights; gathered from the shards (a collective every rank calls)
+        under FSDP2 — the resharding from training to rollout that veRL and TLT do."""
+        if self.cfg.fsdp_size > 1:
+            from tltrun.train.fsdp import full_state_dict
+
+            return full_state_dict(self.actor)
+        return self.actor.state_dict()
+
     def _drafter(self) -> EagleDrafter:
         return self.spot.drafter if self.spot is not None else self.engine.drafter
 
@@ -399,9 +417,10 @@ class Worker:
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.num_steps:
                 self._checkpoint(step + 1)
         self._finish_checkpoint()
+        weights = self._actor_weights()
         if self.rank == 0:
             final = self.out / "final"
-            save_hf(self.actor, final / "actor")
+            save_hf(self.actor, final / "actor", weights)
             ts.copy_tokenizer(cfg.model_dir, final / "actor")
             if self.engine.drafter is not None or self.spot is not None:
                 export_vllm(self._drafter(), final / "drafter")
@@ -464,7 +483,7 @@ class Worker:
             all_reduce_sum=_all_reduce_sum,
             autocast_dtype=self.autocast_dtype,
         )
-        self.engine.update_weights(self.actor.state_dict())
+        self.engine.update_weights(self._actor_weights())
         train_s = self.clock() - t1
         t_eval = self.clock()
         evaluation = self.evaluate(step) if self.is_eval_step(step) else None
