@@ -464,13 +464,13 @@ class Worker:
         t_reward = self.clock()
         by_id = {o.id: o for o in result.outputs}
         outputs = [by_id[r.id] for r in requests]
-        scored = self._score(step, requests, outputs, by_group)
+        items, scored = self._score(step, requests, outputs, by_group)
         reward_s = self.clock() - t_reward
         samples = [
             Sample(r.id.rpartition("/")[0], r.prompt_token_ids, tuple(o.output_token_ids), reward)
             for r, o, (reward, _, _) in zip(requests, outputs, scored, strict=True)
         ]
-        dump = self._dump_rows(step, requests, outputs, scored, samples, by_group)
+        dump = self._dump_rows(step, requests, outputs, items, scored, samples, by_group)
         t1 = self.clock()
         grpo = grpo_update(
             self.actor,
@@ -513,8 +513,11 @@ class Worker:
 
     # ---- rewards, the rollout dump and evaluation ---------------------------------------------
 
-    def _score(self, step: int, requests, outputs, by_group) -> list[tuple[float, float, str]]:
-        """(shaped reward, raw reward, error or "") per response, rewards run in the pool."""
+    def _score(
+        self, step: int, requests, outputs, by_group
+    ) -> tuple[list[RewardItem], list[tuple[float, float, str]]]:
+        """Per response its reward input (prompt and response text) and (shaped reward, raw
+        reward, error or ""); the rewards run in the pool."""
         items = []
         for r, o in zip(requests, outputs, strict=True):
             row = by_group[r.id.rpartition("/")[0]]
@@ -527,7 +530,6 @@ class Worker:
                     meta=row.meta,
                 )
             )
-        self._items = items  # the dump reads the texts back
         scored = []
         for item, o, outcome in zip(items, outputs, self.rewards.score(items), strict=True):
             shaped = apply_shaping(
@@ -540,16 +542,16 @@ class Worker:
             source = by_group[o.id.rpartition("/")[0]].source
             error = f"{item.sample_id} ({source}): {outcome.error}" if outcome.error else ""
             scored.append((shaped, outcome.reward, error))
-        return scored
+        return items, scored
 
-    def _dump_rows(self, step, requests, outputs, scored, samples, by_group) -> list[dict]:
+    def _dump_rows(self, step, requests, outputs, items, scored, samples, by_group) -> list[dict]:
         """This worker's rows of ``rollouts/step_<n>.jsonl`` (rank 0 writes them all)."""
         if not self.cfg.dump_rollouts:
             return []
         advantages = group_advantages(samples, self.gcfg.adv_eps)
         rows = []
         for r, o, item, (reward, raw, error), adv in zip(
-            requests, outputs, self._items, scored, advantages, strict=True
+            requests, outputs, items, scored, advantages, strict=True
         ):
             row = by_group[r.id.rpartition("/")[0]]
             strategies = {k: sum(v) for k, v in o.accept_hist_by_strategy.items() if sum(v)}
@@ -620,7 +622,7 @@ class Worker:
         outputs = (
             [] if result is None else [{o.id: o for o in result.outputs}[r.id] for r in requests]
         )
-        scored = self._score(step, requests, outputs, by_group) if requests else []
+        scored = self._score(step, requests, outputs, by_group)[1] if requests else []
         return {
             "rewards": [raw for _, raw, _ in scored],
             "lengths": [len(o.output_token_ids) for o in outputs],
