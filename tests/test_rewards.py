@@ -131,36 +131,23 @@ def test_builtin_reward_is_the_tasks_reward():
 def test_reasoning_gym_reward_uses_the_librarys_scorer():
     rows = load_rows(DataSpec(path="reasoning-gym:basic_arithmetic", num_rows=4, seed=3)).rows
     spec = parse_reward("reasoning-gym:basic_arithmetic")
-    right = [
-        RewardItem(
-            sample_id=r.prompt_id,
-            prompt=r.prompt_text,
-            response=f"Thinking.\n<answer>{r.answer}</answer>",
-            answer=r.answer,
-            meta=r.meta,
-        )
-        for r in rows
-    ]
-    bare = [
-        RewardItem(
-            sample_id=r.prompt_id,
-            prompt=r.prompt_text,
-            response=f" {r.answer}\n",
-            answer=r.answer,
-            meta=r.meta,
-        )
-        for r in rows
-    ]
-    wrong = [
-        RewardItem(
-            sample_id=r.prompt_id,
-            prompt=r.prompt_text,
-            response=f"<answer>{r.answer}1</answer>",
-            answer=r.answer,
-            meta=r.meta,
-        )
-        for r in rows
-    ]
+
+    def items(template: str) -> list[RewardItem]:
+        """One item per row, its response ``template`` with the row's answer filled in."""
+        return [
+            RewardItem(
+                sample_id=r.prompt_id,
+                prompt=r.prompt_text,
+                response=template.format(answer=r.answer),
+                answer=r.answer,
+                meta=r.meta,
+            )
+            for r in rows
+        ]
+
+    right = items("Thinking.\n<answer>{answer}</answer>")
+    bare = items(" {answer}\n")
+    wrong = items("<answer>{answer}1</answer>")
     outcomes = score_in_process(spec, right + bare + wrong)
     assert [o.reward for o in outcomes[:8]] == [1.0] * 8
     assert all(o.reward < 1.0 for o in outcomes[8:])
