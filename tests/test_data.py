@@ -19,6 +19,7 @@ from tltrun.data.dataset import (
     split_eval,
 )
 from tltrun.data.gym import gym_rows, gym_sft_examples, parse_gym_path
+from tltrun.train.worker import group_names
 from tltsim.errors import UsageError
 
 RECORDS = [
@@ -221,6 +222,11 @@ def test_prompt_stream_is_pure_straddles_epochs_and_covers_each_epoch():
     # A batch larger than the dataset spans epochs and still holds every row per epoch.
     big = PromptStream(rows, seed=0).batch(0, 25)
     assert Counter(r.prompt_id for r in big[:20]) == Counter({r.prompt_id: 2 for r in rows})
+    # GRPO groups are named by prompt id (the trace's ids name prompts across steps, #20);
+    # a prompt drawn twice in one step keeps two groups apart
+    names = group_names(big)
+    assert names[:10] == [r.prompt_id for r in big[:10]]
+    assert len(set(names)) == 25 and names[big.index(big[12], 10)] == big[12].prompt_id + "#1"
 
 
 def test_split_eval_is_deterministic_and_disjoint():

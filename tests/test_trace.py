@@ -51,7 +51,7 @@ TRAIN_BLOCK = (
     '"response_accept_hist_by_strategy": {"p0": [{"2_1_2": [1, 0, 2]}, {}], "p1": '
     '[{"3_1_3": [0, 1]}]}, "train_s": 0.75, "drafter_train_s": 0.0, "drafter_trained_tokens": '
     '123, "worker_rollout_s": [1.2, 0.9], "instance_prompts": [["p0"], ["p1"]], '
-    '"max_running_requests": null}'
+    '"is_prompt_id_stable": true, "max_running_requests": null}'
 )
 _seconds = st.floats(0, 1e6, allow_nan=False)
 _measured_blocks = st.one_of(

@@ -30,6 +30,8 @@ from tltrun.model.transformer import save_hf
 from tltrun.train.config import TrainConfig
 from tltrun.train.launch import run_train
 from tltrun.train.tasks import TaskConfig
+from tltsim.fidelity.fit_history import prompt_ids_name_prompts
+from tltsim.trace.files import load_trace
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -197,6 +199,11 @@ def test_two_steps_on_each_data_format_with_tlt_and_spot_training(
     for row in dump:
         by_group.setdefault(row["id"].rpartition("/")[0], []).append(row["advantage"])
     assert all(abs(sum(a)) < 1e-6 for a in by_group.values())  # group-normalised
+    # the trace names each group by its dataset prompt id (the history drafter's key, #20)
+    trace = load_trace(out / "trace.json")
+    step1 = trace.steps[1]
+    assert {p.id for p in step1.prompts} == {r["prompt_id"] for r in dump}
+    assert step1.measured.is_prompt_id_stable is True and prompt_ids_name_prompts(trace)
     if fmt == "jsonl" or extra.get("chat_template"):
         assert all(r["prompt"].startswith("<|im_start|>user\n") for r in dump)
     else:

@@ -58,9 +58,9 @@ def requests_from_step(
     every response of a group) from ``[first_token, vocab_size)`` — lengths are what a trace
     records, so lengths are what a replay reproduces. ``Request.prompt_id``, the history
     drafter's key (issue #20), is ``"step{N}/{prompt id}"``: the replay draws new prompt tokens
-    for every step, and traces name prompts by position (``p0``, ``p1``, ... in every step of a
-    ``tltrun train`` trace), so an id shared across steps is not the same prompt and must not
-    pool the history of unrelated rollouts."""
+    for every step, so even where the trace's ids name the same prompt across steps
+    (``MeasuredStep.is_prompt_id_stable``) the replayed tokens differ and must not pool the
+    history of unrelated rollouts."""
     if not 0 <= first_token < vocab_size:
         raise ValueError(f"first_token must be in [0, {vocab_size}), got {first_token}")
     gen = torch.Generator().manual_seed(seed)

@@ -431,14 +431,17 @@ class Worker:
         start, count = self.share
         rows = self.data.step_rows(step, cfg.prompts_per_step)
         requests, by_group = [], {}
-        for i, row in enumerate(rows[start : start + count], start=start):
+        names = group_names(rows)
+        for row, name in zip(
+            rows[start : start + count], names[start : start + count], strict=True
+        ):
             ids = tuple(self.tok.encode_prompt(row.prompt))
             # prompt_id: the history drafter's key for this prompt's earlier rollouts (#20)
             for g in range(cfg.group_size):
                 requests.append(
-                    Request(f"p{i}/{g}", ids, cfg.max_new_tokens, prompt_id=row.prompt_id)
+                    Request(f"{name}/{g}", ids, cfg.max_new_tokens, prompt_id=row.prompt_id)
                 )
-            by_group[f"p{i}"] = row
+            by_group[name] = row
         dist.barrier()  # a common start: rollout times are comparable across workers
         t0 = self.clock()
         result = self.engine.generate(requests, self.spec_policy, step)
@@ -653,6 +656,7 @@ class Worker:
             "worker_rollout_s": finishes,
             "instance_prompts": instance_prompts([g["result"] for g in gathered]),
             "max_running_requests": self.cfg.max_running_requests,
+            "is_prompt_id_stable": True,  # groups are named by dataset prompt id (group_names)
         }
         trace_step = measured_step(
             step,
@@ -753,6 +757,20 @@ def _test_rollout_delay(rank: int) -> None:
         delayed, _, seconds = spec.partition(":")
         if int(delayed) == rank:
             time.sleep(float(seconds))
+
+
+def group_names(rows) -> list[str]:
+    """The name of each row's GRPO group in a step: its dataset prompt id, so that the trace's
+    prompt ids name prompts across steps (``MeasuredStep.is_prompt_id_stable``: a prompt's
+    earlier rollouts are the history drafter's history, issue #20); a prompt drawn twice in
+    one step gets ``#1``, ``#2``, ... on its later copies (their groups stay apart)."""
+    seen: dict[str, int] = {}
+    names = []
+    for row in rows:
+        k = seen.get(row.prompt_id, 0)
+        seen[row.prompt_id] = k + 1
+        names.append(row.prompt_id if k == 0 else f"{row.prompt_id}#{k}")
+    return names
 
 
 def _record(h: HarvestRecord) -> TrainRecord:

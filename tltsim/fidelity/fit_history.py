@@ -18,10 +18,11 @@ Covariates, reconstructed from the trace (the trace records no per-verify group 
 * h, the history flag of (step, prompt): an earlier step ran the same prompt id on the same
   worker, and that step recorded history-drafter verifies (tltrun keeps a rollout as history
   once its engine has drafted from the history). This needs prompt ids that name prompts
-  across steps (``prompt_ids_name_prompts``): traces written by tltrun do not (their ids name
-  a step's groups, ``p0``, ``p1``, ...; the history drafter's key, ``Request.prompt_id``, is in
-  the run's rollout dump, not in the trace; ``tltrun bench`` replays draw fresh prompts every
-  step), so for them h = 0 and ``history_logit`` is held.
+  across steps (``prompt_ids_name_prompts``): a measured block says so in
+  ``is_prompt_id_stable`` (``tltrun train`` names each group by its dataset prompt id, the
+  history drafter's key; ``tltrun bench``/``generate`` replays name a step's groups only). A
+  tltrun trace written before that field existed named groups ``p0``, ``p1``, ... per step, so
+  for it (a measured block naming a ``backend``) h = 0 and ``history_logit`` is held.
 * f, the finished-sibling fraction, per verify: tltrun speculates from the policy's switch to
   the end of the rollout, so a response's SD verifies (all arms) emitted its last T tokens,
   T = sum over verifies of the accept length. Its siblings run in the same batch from the same
@@ -117,8 +118,16 @@ def window_pieces(length: int, sd_tokens: int, siblings: list[int]) -> tuple[tup
 
 def prompt_ids_name_prompts(trace: Trace) -> bool:
     """Whether the same prompt id in two steps is the same prompt, i.e. earlier rollouts of it
-    are history: not for traces written by tltrun (a measured block naming its ``backend``;
-    module docstring)."""
+    are history (module docstring): what the measured blocks record in
+    ``is_prompt_id_stable`` (all must say True); where none records it, not for traces
+    written by tltrun (a measured block naming its ``backend``), yes for the others."""
+    recorded = [
+        s.measured.is_prompt_id_stable
+        for s in trace.steps
+        if s.measured is not None and s.measured.is_prompt_id_stable is not None
+    ]
+    if recorded:
+        return all(recorded)
     return not any(s.measured is not None and s.measured.backend for s in trace.steps)
 
 

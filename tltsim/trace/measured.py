@@ -129,6 +129,11 @@ class MeasuredStep:
     drafter_trained_tokens: int | None = None  # tokens the drafter was trained on in the step
     worker_rollout_s: tuple[float, ...] | None = None  # per worker: seconds to its last token
     instance_prompts: tuple[tuple[str, ...], ...] | None = None  # per worker: prompt ids served
+    # True: the step's prompt ids are dataset prompt ids (tltrun train), so an id seen in an
+    # earlier step is the same prompt and its rollouts there are history-drafter history
+    # (issue #20); False: ids name this step's groups only. None (not recorded): the reader
+    # decides (tltsim.fidelity.fit_history.prompt_ids_name_prompts)
+    is_prompt_id_stable: bool | None = None
     # continuous-batching cap per engine instance; None: each instance admitted its whole share
     max_running_requests: int | None | Unrecorded = UNRECORDED
     rollout_s_replays: tuple[float, ...] | None = None  # every replay's seconds (bench_fidelity)
@@ -272,6 +277,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = {
         "a list of lists of prompt ids",
         lambda v: tuple(tuple(o) for o in v),
     ),
+    "is_prompt_id_stable": (lambda v: type(v) is bool, "true or false", _same),
     "max_running_requests": (
         lambda v: v is None or (is_int(v) and v >= 1),
         "an integer >= 1 or null",
