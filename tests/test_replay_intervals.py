@@ -77,6 +77,43 @@ def test_intervals_widen_with_the_error_band(point) -> None:
     assert far.low < close.low <= close.high < far.high
 
 
+def test_the_accept_band_moves_the_history_drafter(point) -> None:
+    """tltbase drafts from the history alone: its accept-rate interval comes from the band's
+    HistoryModel ends (issue #20), not from EAGLE's dynamics."""
+    trace, base, _ = point
+    names = ("nospec", "tltbase")
+    results = simulate_policies(trace, names, base)
+    history = base.history
+    held = accept_band(DRAFTER, "0.7,1.2")  # EAGLE's rates only
+    moved = accept_band(DRAFTER, "0.7,1.2", history=history)
+    assert moved.history_low.rate_factor == 0.7 and moved.history_high.rate_factor == 1.2
+    assert moved.history_low.accept_rate(0.5, False) == pytest.approx(
+        0.7 * history.accept_rate(0.5, False)
+    )
+    iv_held = replay_intervals(trace, names, base, IntervalSpec(seeds=(0,), accept=held), results)
+    iv = replay_intervals(trace, names, base, IntervalSpec(seeds=(0,), accept=moved), results)
+    assert iv_held["tltbase"].low == iv_held["tltbase"].high  # nothing of tltbase moved
+    assert iv["tltbase"].low < iv["tltbase"].speedup < iv["tltbase"].high
+
+
+def test_a_fit_band_moves_the_history_logits_by_their_standard_errors(tmp_path: Path) -> None:
+    history = RunSettings(sim=SimConfig(), policy="tltbase").history
+    fit = tmp_path / "fit.json"
+    stderr = {"base_logit": 0.1, "finished_logit": 0.2, "history_logit": None}
+    fit.write_text(
+        json.dumps({"fit": {"stderr": {"max_accept_rate": 0.01}}, "history": {"stderr": stderr}})
+    )
+    band = accept_band(DRAFTER, "fit", fit, history)
+    assert band.history_low.base_logit == pytest.approx(history.base_logit - 1.96 * 0.1, abs=1e-3)
+    assert band.history_high.finished_logit == pytest.approx(
+        history.finished_logit + 1.96 * 0.2, abs=1e-3
+    )
+    assert band.history_low.history_logit == history.history_logit  # no finite se: held
+    fit.write_text(json.dumps({"fit": {"stderr": {"max_accept_rate": 0.01}}}))
+    band = accept_band(DRAFTER, "fit", fit, history)
+    assert band.history_low is None and "history drafter held" in band.description
+
+
 def test_seeds_change_results(point) -> None:
     got = intervals(point, seeds=(0, 1, 2))
     for name in ("static", "tlt"):

@@ -34,7 +34,7 @@ from tltsim.cost.presets import CLUSTER_PRESETS, apply_preset
 from tltsim.errors import UsageError
 from tltsim.jsonio import write_json
 from tltsim.policy import SpotTrainerConfig, TLTConfig
-from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.sim.acceptance import DrafterDynamics, HistoryModel
 from tltsim.sim.intervals import DEFAULT_COST_ERROR, IntervalSpec, accept_band, describe
 from tltsim.sim.replay import (
     RunSettings,
@@ -251,7 +251,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
         accept = (
             None
             if config.accept_rate_range == "none"
-            else accept_band(DrafterDynamics(), config.accept_rate_range, None)
+            else accept_band(DrafterDynamics(), config.accept_rate_range, None, HistoryModel())
         )
         spec = IntervalSpec(
             seeds=tuple(range(config.num_seeds)), accept=accept, cost_error=config.cost_error

@@ -140,7 +140,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     history = dataclass_from_args(
         HistoryModel, args, prefix="history-", base=history_from_args(args)
     )
-    spec = interval_spec(replay, sim, drafter, getattr(args, "drafter_dynamics", None))
+    spec = interval_spec(replay, sim, drafter, getattr(args, "drafter_dynamics", None), history)
     sim = dataclasses.replace(sim, seed=spec.seeds[0])  # the point estimate's seed
     config = {
         "kind": "replay",

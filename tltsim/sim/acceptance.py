@@ -383,7 +383,8 @@ class HistoryModel:
     # responses, chain 6_1_6, --tlt-threshold 64 so every iteration drafted, max 512 new tokens)
     # of a 4-layer 64-wide model from ``tltrun sft --num-steps 1500`` on the built-in task,
     # over 8 fixed built-in-task problems (--data, 4 epochs: each prompt recurred), the trace's
-    # prompt ids mapped to the drafter's prompt keys from the run's rollout dump: 256
+    # prompt ids mapped to the drafter's prompt keys from the run's rollout dump (train traces
+    # now name groups by that key themselves, MeasuredStep.is_prompt_id_stable): 256
     # responses, 10,227 verifies, measured accept length 2.09 (the fitted model gives 2.24).
     # A run on fresh prompts (6 steps x 4 x 8) gave base -1.15 and finished +5.57 (history not
     # identifiable). A tiny model's samples of one arithmetic problem are far more alike than a
@@ -408,6 +409,12 @@ class HistoryModel:
             "help": "chance that the next alternative continuation is right when all before missed"
         },
     )
+    # 1: the fitted rate itself; other values are the ends of a replay's --accept-rate-range
+    # band (tltsim.sim.intervals.accept_band), as its factors scale EAGLE's accept rates
+    rate_factor: float = field(
+        default=1.0,
+        metadata={"help": "factor on the per-token match rate (capped at 1)"},
+    )
     scope: str = field(
         default="instance",
         metadata={
@@ -430,6 +437,8 @@ class HistoryModel:
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"HistoryModel: {name} must be finite, got {getattr(self, name)}")
         _check_rate("sibling_rate", self.sibling_rate)
+        if not 0.0 < self.rate_factor < math.inf:
+            raise ValueError(f"HistoryModel: rate_factor must be > 0, got {self.rate_factor}")
         if self.scope not in HISTORY_SCOPES:
             raise ValueError(
                 f"HistoryModel: scope must be one of {', '.join(HISTORY_SCOPES)}, got {self.scope!r}"
@@ -447,7 +456,7 @@ class HistoryModel:
             + self.finished_logit * finished_fraction
             + self.history_logit * float(has_history)
         )
-        return sigmoid(logit)
+        return min(1.0, self.rate_factor * sigmoid(logit))
 
     def accept_len_pmf(
         self, decision: SpecDecision, finished_fraction: float, has_history: bool

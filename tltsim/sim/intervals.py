@@ -11,7 +11,9 @@ Three sources, each included only when asked for (``IntervalSpec.sources``):
   bandit); each policy's speedup is taken against NoSpec at the same seed.
 * ``accept_rate``: the whole replay again with the drafter's accept rates at the low and at the
   high end of a band (``accept_band``: factors on the rates, or a ``tltsim fit`` file's rates
-  -/+ 1.96 standard errors).
+  -/+ 1.96 standard errors). The history drafter's ``HistoryModel`` moves with EAGLE's rates:
+  the same factors on its per-token match rate, or its fitted logits -/+ 1.96 standard errors
+  when the fit file holds them (else it is held at its nominal value, and the band says so).
 * ``cost_error``: SD iteration seconds x (1 -/+ e) against plain decoding, applied to every run
   above with its schedule held fixed: a step's rollout becomes max over instances of (finish
   + (f - 1) x SD seconds), with no extra simulation. Holding the schedule fixed is exact for
@@ -36,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from tltsim.errors import UsageError
-from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.sim.acceptance import DrafterDynamics, HistoryModel
 from tltsim.sim.metrics import SimResult
 
 # 0.1: the measured fidelity runs (README "Fidelity") put a profiled cost model's per-step time
@@ -47,6 +49,7 @@ DEFAULT_COST_ERROR = 0.1
 # Two-sided 95% normal quantile: a fitted rate -/+ Z_95 standard errors.
 Z_95 = 1.959963984540054
 ACCEPT_RATE_FIELDS = ("max_accept_rate", "initial_accept_rate", "stale_accept_rate")
+HISTORY_LOGIT_FIELDS = ("base_logit", "finished_logit", "history_logit")
 SOURCES = ("seeds", "accept_rate", "cost_error")
 
 
@@ -57,6 +60,9 @@ class AcceptBand:
     low: DrafterDynamics
     high: DrafterDynamics
     description: str  # what the band is, for the summary ("x0.9-x1.1", "fit +/- 1.96 se")
+    # the history drafter's model at the two ends; None: held at the replay's own
+    history_low: HistoryModel | None = None
+    history_high: HistoryModel | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,11 +110,13 @@ def scaled_dynamics(dynamics: DrafterDynamics, factor: float) -> DrafterDynamics
     )
 
 
-def _fit_band(dynamics: DrafterDynamics, path: Path) -> AcceptBand:
+def _fit_band(dynamics: DrafterDynamics, path: Path, history: HistoryModel | None) -> AcceptBand:
     """Rates of a ``tltsim fit --out`` file -/+ Z_95 standard errors, clipped to [0, 1] and to
-    stale <= max, initial <= max."""
+    stale <= max, initial <= max; ``history``'s logits -/+ Z_95 of the file's history standard
+    errors, if it has them."""
     try:
-        stderr = json.loads(path.read_text())["fit"]["stderr"]
+        obj = json.loads(path.read_text())
+        stderr = obj["fit"]["stderr"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UsageError(f"{path}: no fitted standard errors to read ({err})") from None
     ses = {
@@ -131,27 +139,70 @@ def _fit_band(dynamics: DrafterDynamics, path: Path) -> AcceptBand:
         rates["initial_accept_rate"] = min(rates["initial_accept_rate"], top)
         return dataclasses.replace(dynamics, **rates)
 
-    return AcceptBand(low=end(-1.0), high=end(1.0), description=f"fit +/- {Z_95:.2f} se")
+    history_ses = _history_stderr(obj) if history is not None else {}
+    description = f"fit +/- {Z_95:.2f} se"
+    if history is None or not history_ses:
+        if history is not None:
+            description += " (history drafter held: the fit has no history standard errors)"
+        return AcceptBand(low=end(-1.0), high=end(1.0), description=description)
+
+    def history_end(sign: float) -> HistoryModel:
+        shifted = {n: getattr(history, n) + sign * Z_95 * se for n, se in history_ses.items()}
+        return dataclasses.replace(history, **shifted)
+
+    return AcceptBand(
+        low=end(-1.0),
+        high=end(1.0),
+        description=description,
+        history_low=history_end(-1.0),
+        history_high=history_end(1.0),
+    )
+
+
+def _history_stderr(obj: dict) -> dict[str, float]:
+    """The finite standard errors of the history model's logits in a ``tltsim fit --out``
+    document ({} if it has none)."""
+    entry = obj.get("history") if type(obj) is dict else None
+    stderr = entry.get("stderr") if type(entry) is dict else None
+    if type(stderr) is not dict:
+        return {}
+    return {
+        n: float(stderr[n])
+        for n in HISTORY_LOGIT_FIELDS
+        if isinstance(stderr.get(n), (int, float)) and math.isfinite(stderr[n])
+    }
 
 
 def accept_band(
-    dynamics: DrafterDynamics, spec: str | None, fit_path: Path | None = None
+    dynamics: DrafterDynamics,
+    spec: str | None,
+    fit_path: Path | None = None,
+    history: HistoryModel | None = None,
 ) -> AcceptBand | None:
     """The band of ``--accept-rate-range``: None (not included), ``LOW,HIGH`` (factors on every
     accept rate, e.g. ``0.9,1.1``) or ``fit`` (the ``--drafter-dynamics`` file's standard
-    errors around ``dynamics``)."""
+    errors around ``dynamics``). ``history``: the replay's history-drafter model, moved with
+    the band (module docstring); None: not moved."""
     if spec is None:
         return None
     if spec.strip() == "fit":
         if fit_path is None:
             raise UsageError("--accept-rate-range fit needs --drafter-dynamics FILE (tltsim fit)")
-        return _fit_band(dynamics, fit_path)
+        return _fit_band(dynamics, fit_path, history)
     low, high = parse_range(spec)
     return AcceptBand(
         low=scaled_dynamics(dynamics, low),
         high=scaled_dynamics(dynamics, high),
         description=f"x{low:g}-x{high:g}",
+        history_low=_scaled_history(history, low),
+        history_high=_scaled_history(history, high),
     )
+
+
+def _scaled_history(history: HistoryModel | None, factor: float) -> HistoryModel | None:
+    if history is None:
+        return None
+    return dataclasses.replace(history, rate_factor=history.rate_factor * factor)
 
 
 def parse_range(spec: str) -> tuple[float, float]:
@@ -199,8 +250,9 @@ def mean_step_s_scaled(result: SimResult, sd_factor: float) -> float:
     return total / len(result.steps)
 
 
-# One simulation: (settings name, seed, drafter dynamics) -> its result.
-Simulate = Callable[[str, int, DrafterDynamics], SimResult]
+# One simulation: (settings name, seed, drafter dynamics, history model or None for the
+# replay's own) -> its result.
+Simulate = Callable[[str, int, DrafterDynamics, HistoryModel | None], SimResult]
 
 
 def speedup_intervals(
@@ -217,9 +269,12 @@ def speedup_intervals(
     runs once per seed and its own interval is 1x."""
     if "nospec" not in names:
         return {}
-    ends = {"nominal": drafter}
+    ends: dict[str, tuple[DrafterDynamics, HistoryModel | None]] = {"nominal": (drafter, None)}
     if spec.accept is not None:
-        ends |= {"low": spec.accept.low, "high": spec.accept.high}
+        ends |= {
+            "low": (spec.accept.low, spec.accept.history_low),
+            "high": (spec.accept.high, spec.accept.history_high),
+        }
     factors = {"nominal": 1.0}
     if spec.cost_error > 0:
         factors |= {"low": 1.0 + spec.cost_error, "high": 1.0 - spec.cost_error}
@@ -228,7 +283,7 @@ def speedup_intervals(
     def run(name: str, seed: int, end: str) -> SimResult:
         if seed == first and end == "nominal":
             return point[name]
-        return simulate(name, seed, ends[end])
+        return simulate(name, seed, *ends[end])
 
     base = {seed: run("nospec", seed, "nominal").summary()["mean_step_s"] for seed in spec.seeds}
     out = {}

@@ -229,14 +229,19 @@ def simulate_policies(
 
 
 def interval_spec(
-    replay: ReplayConfig, sim: SimConfig, drafter: DrafterDynamics, fit_path: Path | None = None
+    replay: ReplayConfig,
+    sim: SimConfig,
+    drafter: DrafterDynamics,
+    fit_path: Path | None = None,
+    history: HistoryModel | None = None,
 ) -> IntervalSpec:
     """What ``replay``'s speedup interval includes; its first seed is the point estimate's, so a
-    caller simulates the point at ``seeds[0]`` (``--seeds`` overrides ``--seed``)."""
+    caller simulates the point at ``seeds[0]`` (``--seeds`` overrides ``--seed``). ``history``:
+    the replay's history-drafter model, moved with the accept-rate band."""
     try:
         return IntervalSpec(
             seeds=parse_seeds(replay.seeds, replay.num_seeds, sim.seed),
-            accept=accept_band(drafter, replay.accept_rate_range, fit_path),
+            accept=accept_band(drafter, replay.accept_rate_range, fit_path, history),
             cost_error=replay.cost_error,
         )
     except ValueError as err:
@@ -253,9 +258,14 @@ def replay_intervals(
     """Speedup intervals around ``point`` (``simulate_policies(trace, names, base)``); the extra
     simulations (other seeds, acceptance ends) record no timeline."""
 
-    def simulate_one(name: str, seed: int, drafter: DrafterDynamics) -> SimResult:
+    def simulate_one(
+        name: str, seed: int, drafter: DrafterDynamics, history: HistoryModel | None
+    ) -> SimResult:
         sim = dataclasses.replace(base.sim, seed=seed, is_timeline_recorded=False)
-        return run_settings(dataclasses.replace(base, policy=name, sim=sim, drafter=drafter), trace)
+        settings = dataclasses.replace(
+            base, policy=name, sim=sim, drafter=drafter, history=history or base.history
+        )
+        return run_settings(settings, trace)
 
     return speedup_intervals(names, spec, base.drafter, point, simulate_one)
 
