@@ -37,7 +37,8 @@ from tqdm import tqdm
 from tltrun.model.drafter import EagleDrafter, export_vllm
 from tltrun.model.tokenizer import CharTokenizer
 from tltrun.model.transformer import ModelConfig, Transformer, save_hf
-from tltrun.rollout.engine import EngineConfig, RolloutEngine
+from tltrun.rollout.engine import RolloutEngine
+from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import SamplingParams
 from tltrun.rollout.measured_trace import requests_from_step, rollout_summary
 from tltsim.cli.args import add_dataclass_args, dataclass_from_args

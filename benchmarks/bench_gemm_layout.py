@@ -121,7 +121,8 @@ def bench_engine(cfg: BenchGemmConfig) -> list[dict]:
     from tltrun.model.drafter import load_drafter
     from tltrun.model.tokenizer import CharTokenizer
     from tltrun.model.transformer import load_hf
-    from tltrun.rollout.engine import EngineConfig, RolloutEngine
+    from tltrun.rollout.engine import RolloutEngine
+    from tltrun.rollout.engine_config import EngineConfig
     from tltrun.rollout.interface import Request, SamplingParams
     from tltrun.train.tasks import TaskConfig, make_examples
     from tltsim.policy import NoSpec, StaticSpec

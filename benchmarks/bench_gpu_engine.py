@@ -41,7 +41,8 @@ import torch
 from tltrun.model.drafter import EagleDrafter
 from tltrun.model.transformer import ModelConfig, Transformer
 from tltrun.profile.torch_engine import EngineProbe
-from tltrun.rollout.engine import EngineConfig, RolloutEngine
+from tltrun.rollout.engine import RolloutEngine
+from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.graphs import CapturePlan, GraphPool, batch_buckets, capture_plan
 from tltrun.rollout.interface import SamplingParams
 from tltsim.cli.table import format_table

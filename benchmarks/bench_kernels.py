@@ -225,7 +225,8 @@ def bench_engine(cfg: BenchConfig, device="cuda", dtype="bfloat16", model_overri
     try:
         from tltrun.model.drafter import EagleDrafter
         from tltrun.model.transformer import ModelConfig, Transformer
-        from tltrun.rollout.engine import EngineConfig, RolloutEngine
+        from tltrun.rollout.engine import RolloutEngine
+        from tltrun.rollout.engine_config import EngineConfig
         from tltrun.rollout.interface import Request, SamplingParams
         from tltsim.policy import StaticSpec
     except ImportError as err:

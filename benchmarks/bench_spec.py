@@ -233,7 +233,8 @@ def measure(cfg: BenchSpecConfig, work: Path) -> dict:
 def measure_batch(cfg: BenchSpecConfig, target, drafter, prompts: list[list[int]]) -> dict:
     """All strategies on one batch, ``repeats`` interleaved rounds; each strategy keeps its
     fastest round (the machine is shared: the minimum is the least disturbed measurement)."""
-    from tltrun.rollout.engine import EngineConfig, RolloutEngine
+    from tltrun.rollout.engine import RolloutEngine
+    from tltrun.rollout.engine_config import EngineConfig
     from tltrun.rollout.interface import Request, SamplingParams
     from tltrun.rollout.measured_trace import rollout_summary
     from tltsim.policy import NoSpec, SpecDecision, StaticSpec

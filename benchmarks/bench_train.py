@@ -207,7 +207,8 @@ def drafter_eval(cfg: BenchTrainConfig) -> dict[str, float]:
     from tltrun.data.tokenizer import load_tokenizer
     from tltrun.model.drafter import load_drafter
     from tltrun.model.transformer import load_hf
-    from tltrun.rollout.engine import EngineConfig, RolloutEngine
+    from tltrun.rollout.engine import RolloutEngine
+    from tltrun.rollout.engine_config import EngineConfig
     from tltrun.rollout.interface import Request, SamplingParams
     from tltrun.rollout.measured_trace import rollout_summary
     from tltrun.train.prompts import load_run_data

@@ -163,7 +163,8 @@ class MeasuredRuns:
 def torch_engines(cfg: BenchFidelityConfig, target, drafter, steps) -> dict:
     """One engine per policy (NoSpec without a drafter, as ``tltrun bench``), warmed up."""
     from tltrun.profile.timing import CLOCKS
-    from tltrun.rollout.engine import EngineConfig, RolloutEngine
+    from tltrun.rollout.engine import RolloutEngine
+    from tltrun.rollout.engine_config import EngineConfig
     from tltrun.rollout.interface import Request, SamplingParams
     from tltsim.policy import NoSpec, StaticSpec
 

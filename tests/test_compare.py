@@ -178,7 +178,8 @@ def test_torch_engine_traces_give_finite_errors_and_plots(tmp_path):
     from tltrun.model.drafter import EagleDrafter, export_vllm
     from tltrun.model.transformer import save_hf
     from tltrun.profile.measure import ProfileRunConfig, run_profile
-    from tltrun.rollout.engine import EngineConfig, RolloutEngine
+    from tltrun.rollout.engine import RolloutEngine
+    from tltrun.rollout.engine_config import EngineConfig
     from tltrun.rollout.interface import SamplingParams
     from tltrun.rollout.measured_trace import measured_step, requests_from_step
 

@@ -30,7 +30,8 @@ from simtools import make_trace, roofline
 from tiny_models import VOCAB, tiny_model
 
 from tltrun.model.drafter import EagleDrafter
-from tltrun.rollout.engine import EngineConfig, RolloutEngine
+from tltrun.rollout.engine import RolloutEngine
+from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import Request, SamplingParams
 from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord
 from tltrun.train.spot import idle_obs, phase_row

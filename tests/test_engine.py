@@ -18,7 +18,8 @@ from tiny_models import VOCAB, tiny_model
 
 from tltrun.model.drafter import EagleDrafter
 from tltrun.model.transformer import CausalContext
-from tltrun.rollout.engine import EngineConfig, RolloutEngine
+from tltrun.rollout.engine import RolloutEngine
+from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import Request, SamplingParams
 from tltrun.rollout.measured_trace import (
     accept_hist_by_strategy,

@@ -315,7 +315,8 @@ def test_eager_flag_turns_the_pool_off():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU engine defaults")
 def test_cuda_engine_defaults_and_lossless_sd_with_graphs():
     from tltrun.model.drafter import EagleDrafter
-    from tltrun.rollout.engine import EngineConfig, RolloutEngine
+    from tltrun.rollout.engine import RolloutEngine
+    from tltrun.rollout.engine_config import EngineConfig
     from tltrun.rollout.interface import Request, SamplingParams
 
     reqs = [Request(f"r{i}", tuple(range(5, 5 + 3 * i + 1)), 12) for i in range(5)]

@@ -20,7 +20,8 @@ from tiny_models import VOCAB, tiny_model
 from tltrun.model.drafter import EagleDrafter
 from tltrun.model.history_drafter import HistoryConfig, HistoryDrafter, SuffixAutomaton, tree_nodes
 from tltrun.model.transformer import CausalContext
-from tltrun.rollout.engine import EngineConfig, RolloutEngine
+from tltrun.rollout.engine import RolloutEngine
+from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import Request, SamplingParams
 from tltrun.rollout.speculative import DraftTree, logits_to_probs, verify_with_uniforms
 from tltsim.policy import (

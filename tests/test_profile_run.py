@@ -24,7 +24,8 @@ from tltrun.model.transformer import save_hf
 from tltrun.profile.measure import ProfileRunConfig, run_profile
 from tltrun.profile.timing import Measure
 from tltrun.profile.torch_engine import EngineProbe, fill_engine
-from tltrun.rollout.engine import EngineConfig, RolloutEngine
+from tltrun.rollout.engine import RolloutEngine
+from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import SamplingParams
 from tltsim.cost.measured import ProfileCost
 from tltsim.cost.profile import OPS, load_profile

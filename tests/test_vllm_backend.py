@@ -17,7 +17,8 @@ from tiny_models import tiny_model  # noqa: E402
 
 from tltrun.model.drafter import EagleDrafter, export_vllm  # noqa: E402
 from tltrun.model.transformer import CausalContext, Transformer, save_hf  # noqa: E402
-from tltrun.rollout.engine import EngineConfig, RolloutEngine  # noqa: E402
+from tltrun.rollout.engine import RolloutEngine  # noqa: E402
+from tltrun.rollout.engine_config import EngineConfig  # noqa: E402
 from tltrun.rollout.interface import Request, SamplingParams  # noqa: E402
 from tltrun.rollout.measured_trace import rollout_summary  # noqa: E402
 from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig, engine_args  # noqa: E402

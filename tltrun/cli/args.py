@@ -14,7 +14,7 @@ import dataclasses
 import os
 from typing import Any
 
-from tltrun.rollout.engine import EngineConfig
+from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import SamplingParams
 from tltsim.cli.args import add_dataclass_args, dataclass_from_args
 from tltsim.errors import UsageError
@@ -97,7 +97,7 @@ def check_kv_cache_fits(model_dir: str, engine_cfg: EngineConfig) -> None:
     import torch
 
     from tltrun.model.transformer import CheckpointError, read_config
-    from tltrun.rollout.engine import DTYPES
+    from tltrun.rollout.engine_config import DTYPES
 
     try:
         model = read_config(model_dir)

@@ -30,7 +30,7 @@ from tltrun.cli.args import (
     engine_defaults,
 )
 from tltrun.model.transformer import check_device
-from tltrun.rollout.engine import DTYPES
+from tltrun.rollout.engine_config import DTYPES
 from tltrun.rollout.interface import Request
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.errors import UsageError

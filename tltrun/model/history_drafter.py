@@ -2,7 +2,7 @@
 n tokens against the rollout history of its prompt — its own prompt and output, its running and
 finished siblings (the same prompt id in this rollout), and earlier rollouts of the same prompt
 id, kept across steps up to ``max_history_tokens`` (oldest finished sequences evicted first).
-Pure Python, no torch: ``tltrun.rollout.engine`` turns proposals into a ``DraftTree``.
+Pure Python, no torch: ``tltrun.rollout.rollout_history`` turns proposals into a ``DraftTree``.
 
 Index: one generalized suffix automaton (Blumer et al. 1985; the on-line generalized
 construction, which handles several strings grown in any interleaving) per prompt group, over

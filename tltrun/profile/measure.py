@@ -362,7 +362,7 @@ def run_profile(
     (``tltrun.profile.vllm_engine.profile_vllm``)."""
     from tltrun.model.drafter import load_drafter
     from tltrun.model.transformer import load_hf
-    from tltrun.rollout.engine import DTYPES
+    from tltrun.rollout.engine_config import DTYPES
 
     if cfg.dtype not in DTYPES:
         raise UsageError(f"--dtype {cfg.dtype}: expected one of {', '.join(DTYPES)}")

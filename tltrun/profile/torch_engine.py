@@ -17,7 +17,8 @@ import torch
 
 from tltrun.model.kvcache import UNPADDED_ATTN_IMPLS
 from tltrun.profile.timing import Series
-from tltrun.rollout.engine import EngineConfig, RolloutEngine, default_attn_impl
+from tltrun.rollout.engine import RolloutEngine
+from tltrun.rollout.engine_config import EngineConfig, default_attn_impl
 from tltrun.rollout.interface import Request, SamplingParams
 from tltsim.cost.profile import ProfileRow
 from tltsim.policy import NoSpec, SpecDecision, SpecPolicy, StaticSpec

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from tltrun.model.transformer import check_device
-from tltrun.rollout.engine import DTYPES
+from tltrun.rollout.engine_config import DTYPES
 from tltsim.policy import POLICY_NAMES, make_policy
 
 BACKENDS = ("torch", "vllm")

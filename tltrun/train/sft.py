@@ -490,7 +490,8 @@ def evaluate_pairs(
     task's own reward: reasoning-gym's scorer, or an exact match for a file's responses."""
     from tltrun.data.rewards import RewardItem, RewardPool, parse_reward
     from tltrun.data.rows import GYM_PREFIX
-    from tltrun.rollout.engine import EngineConfig, RolloutEngine
+    from tltrun.rollout.engine import RolloutEngine
+    from tltrun.rollout.engine_config import EngineConfig
     from tltrun.rollout.interface import Request, SamplingParams
     from tltsim.policy import make_policy
 

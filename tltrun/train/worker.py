@@ -33,7 +33,8 @@ from tltrun.data.rewards import RewardItem, RewardPool, Shaping, apply_shaping
 from tltrun.data.tokenizer import load_tokenizer
 from tltrun.model.drafter import EagleDrafter, export_vllm, load_drafter
 from tltrun.model.transformer import load_hf, save_hf
-from tltrun.rollout.engine import EngineConfig, HarvestRecord, RolloutEngine
+from tltrun.rollout.engine import HarvestRecord, RolloutEngine
+from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import Request, RolloutResult, SamplingParams
 from tltrun.rollout.measured_trace import hardware_name, instance_prompts, measured_step
 from tltrun.train import checkpoint as ckpt_io
