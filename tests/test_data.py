@@ -19,7 +19,7 @@ from tltrun.data.dataset import (
     split_eval,
 )
 from tltrun.data.gym import gym_rows, gym_sft_examples, parse_gym_path
-from tltrun.train.worker import group_names
+from tltrun.train.responses import group_names
 from tltsim.errors import UsageError
 
 RECORDS = [

@@ -30,7 +30,8 @@ RESUME_NEUTRAL_FIELDS = (
     "num_threads",
     "poll_s",
     # out of the training path: reward parallelism, the rollout dump and evaluation (which
-    # restores the engine's RNG and discards its harvest, tltrun.train.worker.Worker.evaluate)
+    # restores the engine's RNG and discards its harvest,
+    # tltrun.train.responses.ResponseScorer.evaluate)
     "reward_processes",
     "dump_rollouts",
     "eval_every",

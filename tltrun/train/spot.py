@@ -51,6 +51,8 @@ or all-reduce depends on timing), and is never preempted: the step waits for the
 budget. ``sync_end_of_step`` then broadcasts the drafter that ran the most updates (ties: the
 lowest rank), whose state depends only on the step's harvest and the seeded per-worker RNG
 streams; the other workers' updates are discarded (the price of training without talking).
+The rollout's SD policy is timing-dependent too (TLT's bandit rewards accepted tokens per
+measured second): ``ModelledFeedback`` (end of this module) feeds it ``modelled_iteration_s``.
 
 Data: each trainer samples its batches from its own buffer: the (token, hidden) pairs harvested
 from its responses of this step and of the previous step (``HarvestRecord``s of the engine).
@@ -66,7 +68,7 @@ from __future__ import annotations
 import pickle
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 
 import torch
@@ -81,6 +83,7 @@ from tltrun.train.drafter_training import (
     make_batch,
 )
 from tltsim.policy import DrafterTrainingPolicy, IdleObs
+from tltsim.policy.spec import SpecDecision, SpecFeedback, SpecPolicy
 
 
 def buffer_tokens(records: list[TrainRecord]) -> int:
@@ -423,3 +426,59 @@ class SpotTrainer:
         if min(versions) != max(versions) or (is_deterministic and trained):
             self.broadcast_state(src)
         return src
+
+
+# Deterministic mode's iteration cost, in target-forward overheads (a rough CPU proxy, not
+# calibrated): a drafter forward is one layer against the tiny target's few, and 32 token
+# positions of a forward cost about its fixed overhead.
+DRAFT_FORWARD_COST = 0.25
+TOKEN_COST = 1 / 32
+
+
+def modelled_iteration_s(num_active: int, decision: SpecDecision) -> float:
+    """A clock-free iteration cost: one target forward over (verify_tokens + 1) positions per
+    request, plus draft_steps drafter forwards over topk positions per request."""
+    if not decision.enabled:
+        return 1 + TOKEN_COST * num_active
+    drafts = decision.draft_steps * DRAFT_FORWARD_COST
+    positions = decision.verify_tokens + 1 + drafts * decision.topk
+    return 1 + drafts + TOKEN_COST * num_active * positions
+
+
+class ModelledFeedback(SpecPolicy):
+    """Wraps the run's SpecPolicy in deterministic mode: ``observe`` gets
+    ``modelled_iteration_s`` instead of the measured seconds. TLTAdaptive's bandit rewards
+    accepted tokens per second, so measured seconds made its strategy choices (and, through
+    speculative sampling's random draws, the sampled tokens) depend on timing. Everything else
+    is the wrapped policy's, state and checkpoints included."""
+
+    def __init__(self, inner: SpecPolicy):
+        self.inner = inner
+        self.name = inner.name
+
+    def start_rollout(self, step: int) -> None:
+        self.inner.start_rollout(step)
+
+    def decide(self, obs):
+        return self.inner.decide(obs)
+
+    def observe(self, feedback: SpecFeedback) -> None:
+        modelled = modelled_iteration_s(feedback.num_active, feedback.decision)
+        self.inner.observe(replace(feedback, iteration_s=modelled))
+
+    def max_hold_iters(self, obs, decision):
+        return self.inner.max_hold_iters(obs, decision)
+
+    def vllm_dynamic_table(self, max_batch: int) -> list[list[int]]:
+        return self.inner.vllm_dynamic_table(max_batch)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+    def __getattr__(self, name: str):  # switched_on, switch_time_s, ... of the wrapped policy
+        if name == "inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
