@@ -7,8 +7,10 @@ Starting point: the fine-tuned target and offline-trained drafter of
 ``benchmarks/bench_spec.py`` (``--model-dir`` / ``--drafter-dir``, run that first); every run
 starts from the same weights and seed, so the runs see the same prompts.
 
-Run: ``python benchmarks/bench_train.py`` (about 15 minutes on 2 otherwise idle CPU cores; run
-nothing beside it, the runs are timed in wall seconds). A reasoning-gym task instead of the
+Run: ``python benchmarks/bench_train.py`` (about 20 minutes on 2 otherwise idle CPU cores; run
+nothing beside it, the runs are timed in wall seconds; they alternate in chunks of
+``--chunk-steps`` steps, each chunk resuming its run, so a drift in the machine's load reaches
+every contender). A reasoning-gym task instead of the
 built-in one (issue #16): ``python benchmarks/bench_spec.py --task T --work-dir W`` first, then
 ``python benchmarks/bench_train.py --task T --model-dir W/target --drafter-dir W/drafter
 --spec-results W/results.json``. Prints the table and writes
@@ -18,6 +20,7 @@ built-in one (issue #16): ``python benchmarks/bench_spec.py --task T --work-dir 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -109,8 +112,18 @@ class BenchTrainConfig:
         default=False,
         metadata={"help": "take finished runs' log.jsonl from --out instead of rerunning"},
     )
+    # The runs are timed in wall seconds on a shared machine whose load drifts: run back to
+    # back, a load change lands on one contender only. So the runs alternate in chunks of this
+    # many steps (each chunk a --resume of the run's last checkpoint, the contenders' order
+    # rotated per chunk), and every contender sees the same drift. 0: each run whole, in turn.
+    chunk_steps: int = field(
+        default=5,
+        metadata={"help": "steps per chunk; the runs alternate chunk by chunk (0: whole runs)"},
+    )
 
     def __post_init__(self) -> None:
+        if self.chunk_steps < 0:
+            raise UsageError(f"--chunk-steps {self.chunk_steps}: expected an integer >= 0")
         unknown = [name for name in self.runs if name not in RUN_SPECS]
         if unknown or not {"nospec", "tlt-spot"} <= set(self.runs):
             raise UsageError(
@@ -158,39 +171,61 @@ def task_fields(cfg: BenchTrainConfig) -> dict:
     return {"data": cfg.task, "max_prompt_tokens": 2048}
 
 
+def chunk_ends(num_steps: int, chunk_steps: int) -> list[int]:
+    """The step each chunk runs up to: ``[5, 10, 15, 20]`` for 20 steps in chunks of 5."""
+    if chunk_steps == 0 or chunk_steps >= num_steps:
+        return [num_steps]
+    return [*range(chunk_steps, num_steps, chunk_steps), num_steps]
+
+
 def run_all(cfg: BenchTrainConfig) -> dict:
     threshold = tlt_threshold(cfg)
     print(f"TLT threshold: {threshold} (SD pays on this machine up to this batch size)")
+    configs = {name: train_config(cfg, name, threshold) for name in cfg.runs}
+    todo = [
+        name
+        for name, train in configs.items()
+        if not (cfg.reuse_runs and (Path(train.out) / "final" / "actor").is_dir())
+    ]
+    ends = chunk_ends(cfg.num_steps, cfg.chunk_steps)
+    for k, end in enumerate(ends):
+        order = todo[k % len(todo) :] + todo[: k % len(todo)] if todo else []
+        for name in order:
+            chunk = f" steps {ends[k - 1] if k else 0}-{end}" if len(ends) > 1 else ""
+            print(f"run {name}{chunk} ...", file=sys.stderr)
+            train = dataclasses.replace(configs[name], num_steps=end)
+            run_train(train, task_for(cfg.model_dir), is_resume=k > 0)
     results = {}
-    for name in cfg.runs:
-        policy, is_spot, drafters = RUN_SPECS[name]
-        train = TrainConfig(
-            model_dir=cfg.model_dir,
-            out=str(Path(cfg.out) / name),
-            drafter_dir=cfg.drafter_dir,
-            num_workers=2,
-            num_steps=cfg.num_steps,
-            prompts_per_step=cfg.prompts_per_step,
-            group_size=cfg.group_size,
-            max_new_tokens=cfg.max_new_tokens,
-            policy=policy,
-            tlt_strategies=cfg.tlt_strategies,
-            tlt_threshold=threshold,
-            is_spot_training=is_spot,
-            tlt_drafters=drafters,
-            lr=cfg.lr,
-            seed=cfg.seed,
-            checkpoint_every=cfg.num_steps,
-            **task_fields(cfg),
-        )
-        check_inputs(train, task_for(cfg.model_dir))
-        is_done = (Path(train.out) / "final" / "actor").is_dir()
-        if not (cfg.reuse_runs and is_done):
-            print(f"run {name} ...", file=sys.stderr)
-            run_train(train, task_for(cfg.model_dir))
+    for name, train in configs.items():
         log = [json.loads(x) for x in (Path(train.out) / "log.jsonl").read_text().splitlines()]
         results[name] = {"config": asdict(train), "log": log}
     return results
+
+
+def train_config(cfg: BenchTrainConfig, name: str, threshold: int) -> TrainConfig:
+    """Run ``name``'s TrainConfig (checked), all ``cfg.num_steps`` steps."""
+    policy, is_spot, drafters = RUN_SPECS[name]
+    train = TrainConfig(
+        model_dir=cfg.model_dir,
+        out=str(Path(cfg.out) / name),
+        drafter_dir=cfg.drafter_dir,
+        num_workers=2,
+        num_steps=cfg.num_steps,
+        prompts_per_step=cfg.prompts_per_step,
+        group_size=cfg.group_size,
+        max_new_tokens=cfg.max_new_tokens,
+        policy=policy,
+        tlt_strategies=cfg.tlt_strategies,
+        tlt_threshold=threshold,
+        is_spot_training=is_spot,
+        tlt_drafters=drafters,
+        lr=cfg.lr,
+        seed=cfg.seed,
+        checkpoint_every=cfg.chunk_steps or cfg.num_steps,
+        **task_fields(cfg),
+    )
+    check_inputs(train, task_for(cfg.model_dir))
+    return train
 
 
 def results_config(cfg: BenchTrainConfig) -> dict:

@@ -40,3 +40,43 @@ def _results(speedups: dict[int, dict[str, float]]) -> dict:
 )
 def test_crossover_batch(speedups, expected):
     assert bench_train.crossover_batch(_results(speedups)) == expected
+
+
+def test_chunk_ends():
+    assert bench_train.chunk_ends(20, 5) == [5, 10, 15, 20]
+    assert bench_train.chunk_ends(7, 3) == [3, 6, 7]
+    assert bench_train.chunk_ends(20, 0) == [20]
+    assert bench_train.chunk_ends(4, 9) == [4]
+
+
+@pytest.mark.slow
+def test_runs_alternate_in_chunks_and_each_resumes_to_the_full_run(tmp_path, capsys):
+    """The contenders run chunk by chunk, their order rotated per chunk; each chunk after the
+    first resumes the run, so each run's log holds every step once."""
+    from tiny_models import save_train_model
+
+    from tltrun.train.tasks import TaskConfig
+
+    model = save_train_model(tmp_path / "model", TaskConfig(median_ops=2, max_ops=4))
+    cfg = bench_train.BenchTrainConfig(
+        model_dir=str(model),
+        drafter_dir=None,  # tlt-spot trains a fresh drafter
+        out=str(tmp_path / "out"),
+        runs=("nospec", "tlt-spot"),
+        num_steps=3,
+        chunk_steps=2,
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=16,
+        tlt_threshold=2,
+    )
+    results = bench_train.run_all(cfg)
+    for name in cfg.runs:
+        assert [r["step"] for r in results[name]["log"]] == [0, 1, 2]
+    order = [line for line in capsys.readouterr().err.splitlines() if line.startswith("run ")]
+    assert order == [
+        "run nospec steps 0-2 ...",
+        "run tlt-spot steps 0-2 ...",
+        "run tlt-spot steps 2-3 ...",
+        "run nospec steps 2-3 ...",
+    ]
