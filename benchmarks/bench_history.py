@@ -176,6 +176,7 @@ def grpo(args: argparse.Namespace) -> dict:
                 "rollout_speedup_median": statistics.median(speedups),
                 "rollout_speedup_range": f"{min(speedups):.2f}-{max(speedups):.2f}",
                 "step_speedup_median": statistics.median(steps),
+                "step_speedup_range": f"{min(steps):.2f}-{max(steps):.2f}",
                 "accept_len_step0_median": statistics.median(first),
                 "accept_len_mean_median": statistics.median(
                     statistics.fmean(r["accept_len_per_step"]) for r in rows
@@ -191,11 +192,12 @@ def grpo(args: argparse.Namespace) -> dict:
                 "rollout_speedup_median": "rollout x",
                 "rollout_speedup_range": "range",
                 "step_speedup_median": "step x",
+                "step_speedup_range": "range",
                 "accept_len_step0_median": "accept step0",
                 "accept_len_mean_median": "accept mean",
             },
             {"rollout_speedup_median": ".2f", "step_speedup_median": ".2f"},
-            left=("run", "rollout_speedup_range"),
+            left=("run", "rollout_speedup_range", "step_speedup_range"),
         )
     )
     by = {r["run"]: r for r in summary}

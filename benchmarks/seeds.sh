@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issues #16 and #20 over several seeds: per seed, bench_spec.py fine-tunes its own target and
+# trains its own drafter (fresh seeds for everything trained), then bench_train.py runs the GRPO
+# contenders (2 workers, 20 steps, alternating in chunks); bench_history.py --grpo then reads the
+# runs back and prints each contender's median and range over the seeds (results.json in
+# OUT/grpo). About 30 minutes per seed on 2 otherwise idle CPU cores; run nothing beside it.
+#
+#   benchmarks/seeds.sh OUT SEED [SEED ...]
+#   TASK='reasoning-gym:tower_of_hanoi?min_disks=1&max_disks=4' \
+#     SPEC_ARGS='--num-layers 4 --hidden-size 256 --num-heads 4 --num-kv-heads 2 \
+#       --intermediate-size 704 --sft-steps 400 --sft-batch-tokens 4096 --train-max-new-tokens 512' \
+#     TRAIN_ARGS='--max-new-tokens 512' benchmarks/seeds.sh OUT 1 2 3
+#
+# PYTHON (default: python) runs the scripts; a seed whose runs finished is not run again.
+# TRAIN_ARGS goes to bench_train.py and bench_history.py alike: --max-new-tokens, --num-steps.
+set -euo pipefail
+if [ $# -lt 2 ]; then
+  echo "usage: benchmarks/seeds.sh OUT SEED [SEED ...]" >&2
+  exit 2
+fi
+OUT=$1
+shift
+PY=${PYTHON:-python}
+TASK=${TASK:-builtin}
+RUNS=nospec,tltbase,tlt-frozen,tlt-spot,tlt-mix  # bench_history.py's GRPO_RUNS
+# bench_spec's measurement only sets TLT's threshold here: the batches a worker runs (<= 8)
+MEAS="--batch-sizes 1,4,8 --repeats 2 --strategies 2_1_2,4_1_4 --max-new-tokens 64"
+works=()
+for SEED in "$@"; do
+  W=$OUT/spec-seed$SEED
+  if [ ! -f "$W/results.json" ]; then
+    # shellcheck disable=SC2086  # MEAS and SPEC_ARGS are word lists
+    $PY benchmarks/bench_spec.py --seed "$SEED" --task "$TASK" --work-dir "$W" \
+      --num-train-prompts 256 $MEAS ${SPEC_ARGS:-}
+  fi
+  # shellcheck disable=SC2086
+  $PY benchmarks/bench_train.py --seed "$SEED" --task "$TASK" --runs "$RUNS" --reuse-runs \
+    --model-dir "$W/target" --drafter-dir "$W/drafter" --spec-results "$W/results.json" \
+    --out "$OUT/grpo/seed$SEED" ${TRAIN_ARGS:-}
+  works+=("$W")
+done
+# shellcheck disable=SC2086
+$PY benchmarks/bench_history.py --grpo --reuse-runs --task "$TASK" ${TRAIN_ARGS:-} \
+  --work-dirs "$(IFS=,; echo "${works[*]}")" --seeds "$(IFS=,; echo "$*")" --out "$OUT/grpo"
