@@ -22,7 +22,7 @@ OUT=$1
 shift
 PY=${PYTHON:-python}
 TASK=${TASK:-builtin}
-RUNS=nospec,tltbase,tlt-frozen,tlt-spot,tlt-mix  # bench_history.py's GRPO_RUNS
+RUNS=${RUNS:-nospec,tltbase,tlt-frozen,tlt-spot,tlt-mix}  # bench_history.py's GRPO_RUNS
 # bench_spec's measurement only sets TLT's threshold here: the batches a worker runs (<= 8)
 MEAS="--batch-sizes 1,4,8 --repeats 2 --strategies 2_1_2,4_1_4 --max-new-tokens 64"
 works=()
@@ -40,5 +40,5 @@ for SEED in "$@"; do
   works+=("$W")
 done
 # shellcheck disable=SC2086
-$PY benchmarks/bench_history.py --grpo --reuse-runs --task "$TASK" ${TRAIN_ARGS:-} \
+$PY benchmarks/bench_history.py --grpo --reuse-runs --task "$TASK" --runs "$RUNS" ${TRAIN_ARGS:-} \
   --work-dirs "$(IFS=,; echo "${works[*]}")" --seeds "$(IFS=,; echo "$*")" --out "$OUT/grpo"
