@@ -286,6 +286,29 @@ def test_greedy_history_drafting_equals_plain_greedy(ids):
             assert eng.history.num_tokens == 0
 
 
+def test_eager_history_drafts_verify_only_the_longest_proposal():
+    reqs = _requests(3, group=3, seed=1)
+    eng = _engine()
+    widths: list[int] = []
+    draft = eng.history.draft
+
+    def spy(*args, **kwargs):
+        assert kwargs["is_trimmed"]  # no CUDA graphs here: the forward takes any width
+        tree = draft(*args, **kwargs)
+        widths.append(tree.num_drafted)
+        return tree
+
+    eng.history.draft = spy
+    eng.generate(reqs, StaticSpec(strategy="history:4_1_4"), 0)
+    first, widths[:] = list(widths), []
+    eng.generate(reqs, StaticSpec(strategy="history:4_1_4"), 1)
+    # rollout 0 drafts from the prompts and siblings only: some iterations find less than 4
+    # tokens for every sequence, and verify that many (at least one)
+    assert 1 <= min(first) < 4 and max(first) == 4
+    # greedy rollout 1 repeats rollout 0: its history offers whole drafts
+    assert sum(widths) / len(widths) > sum(first) / len(first)
+
+
 def test_engine_history_is_lazy_and_bounded_across_rollouts():
     reqs = _requests(3, group=3, seed=4)
     want = [o.output_token_ids for o in _engine().generate(reqs, NoSpec()).outputs]

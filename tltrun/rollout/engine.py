@@ -390,14 +390,17 @@ class RolloutEngine:
     ) -> tuple[list[list[int]], tuple[int, ...]]:
         cfg = self.config
         lens = self.cache.lens[slots]  # (B,) n: target cache length; tokens[n] is the root
+        static = self._static_forward(running, decision.strategy)
         if decision.drafter == "history":
             roots = self.tokens[slots, lens].tolist()  # (B,) pending last tokens
-            tree = self.history.draft(running, roots, decision, self.device)
+            # eager: verify only as many nodes as the longest proposal (a graph's are fixed)
+            tree = self.history.draft(
+                running, roots, decision, self.device, is_trimmed=static is None
+            )
         else:
             tree = eagle_draft(self, slots, decision)
         num_nodes = tree.tokens.shape[1]
         depth, tree_mask = tree_layout(tree.parents, decision.draft_steps)
-        static = self._static_forward(running, decision.strategy)
         if static is not None:  # padded to its bucket; a graph replay on CUDA
             logits, hidden = static(tree.tokens, depth, tree_mask)  # (B,N+1,V), (B,N+1,C)
         else:

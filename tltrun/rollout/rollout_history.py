@@ -76,6 +76,8 @@ class RolloutHistory:
         roots: list[int],
         decision: SpecDecision,
         device: torch.device,
+        *,
+        is_trimmed: bool = False,
     ) -> DraftTree:
         """The history drafter's tree for ``running`` (whose pending last tokens are ``roots``)
         under ``decision``: a chain of verify_tokens tokens (topk 1; a chain's verify_tokens is
@@ -84,26 +86,36 @@ class RolloutHistory:
         (``draft_probs`` None): ``verify`` accepts x with probability p(x). Where the history
         offers fewer tokens the draft is padded (a chain with its last token, a tree with
         copies of the root's first child, which are rejected once that child is): any
-        deterministic draft is lossless, padding only costs verify work."""
+        deterministic draft is lossless, padding only costs verify work. ``is_trimmed`` (an
+        eager forward, whose shape may change per iteration) pads only up to the batch's
+        longest proposal (at least one node), so an iteration where the history matches
+        little verifies little (SuffixDecoding's adaptive speculation length, arXiv
+        2411.04975, per batch); a CUDA graph needs the strategy's full shape."""
         rollout = self._current()
         self.is_used = True
         self._sync(rollout)
-        num_drafted = decision.verify_tokens  # a chain's verify_tokens <= draft_steps
-        tokens, parents = [], []
-        for seq, root in zip(running, roots, strict=True):
+        proposals = []  # per sequence: (tokens, parents) of its real nodes
+        for seq in running:
             key = _key(rollout, seq)
-            if decision.is_chain:
-                toks = self.drafter.propose(key, num_drafted)
-                pad = toks[-1] if toks else root
-                toks = toks + [pad] * (num_drafted - len(toks))
-                pars = list(range(num_drafted))  # node i's parent is i - 1
+            if decision.is_chain:  # a chain's verify_tokens <= draft_steps
+                toks = self.drafter.propose(key, decision.verify_tokens)
+                proposals.append((toks, list(range(len(toks)))))  # node i's parent is i - 1
             else:
                 branches = self.drafter.propose_tree(key, decision.draft_steps, decision.topk)
-                toks, pars = tree_nodes(branches, num_drafted)
+                proposals.append(tree_nodes(branches, decision.verify_tokens))
+        num_drafted = decision.verify_tokens
+        if is_trimmed:
+            num_drafted = max(1, max(len(toks) for toks, _ in proposals))
+        tokens, parents = [], []
+        for (toks, pars), root in zip(proposals, roots, strict=True):
+            num_pad = num_drafted - len(toks)
+            if decision.is_chain:
+                pad = toks[-1] if toks else root
+                pars = list(range(num_drafted))
+            else:
                 pad = toks[0] if toks else root
-                pars += [0] * (num_drafted - len(toks))
-                toks += [pad] * (num_drafted - len(toks))
-            tokens.append([root] + toks)
+                pars = pars + [0] * num_pad
+            tokens.append([root] + toks + [pad] * num_pad)
             parents.append([0] + pars)
         return DraftTree(
             torch.tensor(tokens, dtype=torch.long, device=device),
