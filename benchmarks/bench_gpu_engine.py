@@ -12,8 +12,8 @@ What it measures, each in the same run:
   copy bandwidth. Issue targets: 7B, batch 1, 1k context >= 80% of the roofline; graphs >= 2x
   eager at batch 1 for the 0.5B shape.
 * ``sd``: one SD iteration (``StaticSpec``: chain 4_1_4, tree 8_4_32) per batch bucket up to
-  TLT's threshold, eager vs graphs (drafting runs eagerly in both: only the verify forward is
-  graphed, tltrun.rollout.graphs).
+  TLT's threshold, eager vs graphs (graphs: the EAGLE drafting step and the verify forward,
+  ``tltrun.rollout.draft_graphs`` and ``tltrun.rollout.graphs``).
 * ``pool``: CUDA memory of the graphs TLTAdaptive's default plan captures into one pool, vs one
   pool per strategy with every strategy at every SD bucket (the naive way), vs a single
   strategy's graphs. Issue target: bucketed <= 1.5x a single strategy.
@@ -41,6 +41,7 @@ import torch
 from tltrun.model.drafter import EagleDrafter
 from tltrun.model.transformer import ModelConfig, Transformer
 from tltrun.profile.torch_engine import EngineProbe
+from tltrun.rollout.draft_graphs import draft_sources
 from tltrun.rollout.engine import RolloutEngine
 from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.graphs import CapturePlan, GraphPool, batch_buckets, capture_plan
@@ -350,23 +351,28 @@ def bench_pool(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
     policy = TLTAdaptive()
     model = build_model(cfg.pool_shape, device, dtype, cfg.seed)
     max_batch = 256
-    plan = capture_plan(policy, max_batch)
+    plan = capture_plan(policy, max_batch, is_drafting=True)  # SD graphs: drafting + verify
     sd_buckets = sorted({b for b, _ in plan.spec_graphs})
     strategies = policy.config.strategies
 
     def every_bucket(strategy: str) -> CapturePlan:
-        return CapturePlan(spec_graphs=tuple((b, strategy) for b in sd_buckets))
+        graphs = tuple((b, strategy) for b in sd_buckets)
+        return CapturePlan(spec_graphs=graphs, draft_graphs=graphs)
 
-    cache_engine = RolloutEngine(model, None, EngineConfig(
+    drafter = EagleDrafter.for_target(model, seed=cfg.seed)
+    cache_engine = RolloutEngine(model, drafter, EngineConfig(
         max_running_requests=max_batch, max_model_len=cfg.sd_context, device=cfg.device,
         attn_impl=cfg.attn_impl, cuda_graphs=False, max_verify_tokens=64))  # fmt: skip
     cache = cache_engine.cache
     impl = cache_engine.config.attention
+    drafting = draft_sources(cache_engine)
 
     def measure(plans: list[CapturePlan]) -> tuple[int, int]:
         release(device)
         before = torch.cuda.memory_reserved(device)
-        pools = [GraphPool(model, cache, p, impl, is_capturing=True) for p in plans]
+        pools = [
+            GraphPool(model, cache, p, impl, is_capturing=True, drafting=drafting) for p in plans
+        ]
         sync(device)
         used = torch.cuda.memory_reserved(device) - before
         num = sum(p.plan.num_graphs for p in pools)
@@ -378,8 +384,8 @@ def bench_pool(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
     for name, plans in (
         ("bucketed (TLT plan, one pool)", [plan]),
         ("naive (a pool per strategy, every bucket)", [decode] + [every_bucket(s) for s in strategies]),
-        (f"single strategy ({strategies[0]})", [CapturePlan(decode_buckets=plan.decode_buckets,
-                                                            spec_graphs=every_bucket(strategies[0]).spec_graphs)]),
+        (f"single strategy ({strategies[0]})", [dataclasses.replace(
+            every_bucket(strategies[0]), decode_buckets=plan.decode_buckets)]),
     ):  # fmt: skip
         if budget.is_over:
             rows.append({"pool": name, "note": SKIPPED})

@@ -126,9 +126,12 @@ class DraftContext:
     iteration's speculative entries in a side buffer. Set ``mask`` (B,T,S+T) before each
     forward: which side entries (S earlier ones, then the T being added) each query sees."""
 
-    def __init__(self, cache: KVCache, slots: torch.Tensor):
+    def __init__(self, cache: KVCache, slots: torch.Tensor | slice, width: int | None = None):
+        # ``width``: keys over a fixed cache width (masked by length) instead of the longest
+        # slot's, and ``slots`` a slice (a view, no gather): the static form a CUDA graph
+        # captures (tltrun.rollout.draft_graphs), with no host read of the lengths
         self.cache_lens = cache.lens[slots]
-        length = int(self.cache_lens.max())
+        length = int(self.cache_lens.max()) if width is None else width
         self.k_ctx = cache.k[0, slots, :, :length]  # (B,Hkv,L,D)
         self.v_ctx = cache.v[0, slots, :, :length]
         self.side_k = self.k_ctx[:, :, :0]  # (B,Hkv,S,D)
@@ -215,8 +218,29 @@ def draft(
     deterministically (argmax / top-k) and return ``draft_probs=None``: point-mass drafts,
     verified losslessly by sequential inversion (tltrun.rollout.speculative)."""
     logits, g = drafter_prefill(drafter, cache, slots, tokens, hidden, num_new, attn_impl)
-    batch, device = slots.shape[0], slots.device
     root = tokens.gather(1, (num_new - 1)[:, None])  # (B,1)
+    return DraftTree(
+        *expand_tree(drafter, cache, slots, root, logits, g, decision, params, generator)
+    )
+
+
+def expand_tree(
+    drafter: EagleDrafter,
+    cache: KVCache,
+    slots: torch.Tensor | slice,
+    root: torch.Tensor,  # (B,1) the tree roots: each slot's newest exact token
+    logits: torch.Tensor,  # (B,V) the drafter's logits after the catch-up's last pair
+    g: torch.Tensor,  # (B,C) its output there
+    decision: SpecDecision,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    key_width: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The ``draft_steps`` levels of the tree after the catch-up: (tokens, parents, draft_probs)
+    of ``DraftTree``. Every shape follows from (B, decision) alone; with ``key_width`` (the drafter
+    cache's fixed key width) and ``slots`` a slice, nothing reads a tensor on the host, so a
+    CUDA graph can capture it (``tltrun.rollout.draft_graphs``)."""
+    batch, device = root.shape[0], root.device
     is_sampled_chain = decision.is_chain and not params.is_greedy
     width = decision.topk
     zeros = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -239,7 +263,7 @@ def draft(
     frontier = frontier.expand(batch, -1)  # (B,F) node ids
     front_tok, front_score = tok[:, 0], score[:, 0]  # (B,F)
     front_hidden = g[:, None].expand(-1, width, -1)  # (B,F,C): parent's output g
-    ctx = DraftContext(cache, slots)
+    ctx = DraftContext(cache, slots, key_width)
     front_anc = torch.zeros(batch, width, 0, dtype=torch.bool, device=device)  # (B,F,S)
     pair_pos = cache.lens[slots]  # a depth-1 node pairs with g at position target_len
     for level in range(1, decision.draft_steps):
@@ -261,7 +285,8 @@ def draft(
         front_tok = tok.reshape(batch, -1).gather(1, order)
         front_score = score.reshape(batch, -1).gather(1, order)
         front_hidden = out.gather(1, parent_rank[..., None].expand(-1, -1, out.shape[-1]))
-        own = F.one_hot(parent_rank, num_front).bool()  # the parent's own side entry
+        # the parent's own side entry (a comparison, not one_hot: no host-side range check)
+        own = parent_rank[..., None] == torch.arange(num_front, device=device)
         front_anc = torch.cat(
             (front_anc.gather(1, parent_rank[..., None].expand(-1, -1, front_anc.shape[2])), own),
             dim=-1,
@@ -284,8 +309,11 @@ def tree_layout(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, to
     return mask.sum(-1) - 1, mask
 
 
-def _select(nodes: _Nodes, verify_tokens: int) -> DraftTree:
-    """Keep the ``verify_tokens`` best candidates (plus the root) as a DraftTree.
+def _select(
+    nodes: _Nodes, verify_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Keep the ``verify_tokens`` best candidates (plus the root): a DraftTree's (tokens,
+    parents, draft_probs), not yet checked (``DraftTree`` checks on the host).
 
     Candidate ids grow with depth and, within one parent, with decreasing probability, so
     sorting the kept ids restores a topological, siblings-by-probability order."""
@@ -313,7 +341,7 @@ def _select(nodes: _Nodes, verify_tokens: int) -> DraftTree:
             for t, q in zip(nodes.tokens[1:], nodes.q[1:], strict=True)
         ]
         draft_probs = torch.cat(rows, dim=1).gather(1, kept[..., None].expand(-1, -1, vocab))
-    return DraftTree(tokens.gather(1, kept), new_parents, draft_probs)
+    return tokens.gather(1, kept), new_parents, draft_probs
 
 
 # ---------------------------------------------------------------------------------------------

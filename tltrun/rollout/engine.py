@@ -24,9 +24,10 @@ then ``finish_rollout()`` (``generate`` does exactly that). One ``step()``, as n
 On a GPU (issue #18) the defaults are bf16 weights and KV cache (sampling and acceptance in
 float32: ``logits_to_probs``), attention by each sequence's own length (``attn_impl="flex"``,
 ``tltrun.model.kvcache``) and TLT's bucketed CUDA-graph pool (``tltrun.rollout.graphs``): the
-first rollout's policy decides which decode and verify forwards are captured, and a batch runs
-padded up to its bucket's graph; drafting, sampling and everything without a graph run eagerly.
-``cuda_graphs=True`` on a CPU runs the same padded static forwards eagerly (the tests' path).
+first rollout's policy decides which decode, verify and EAGLE drafting steps are captured
+(``tltrun.rollout.draft_graphs``), a batch runs padded up to its bucket's graph; sampling,
+acceptance and everything without a graph run eagerly. ``cuda_graphs=True`` on a CPU runs the
+same padded static steps eagerly (the tests' path).
 
 The pieces of a step are public too (``prefill``, ``draft``, ``reprefill_drafter``, ``sync``), so
 ``tltrun.profile.torch_engine`` times the engine's own code without reaching into it. The
@@ -56,6 +57,7 @@ import torch
 from tltrun.model.drafter import EagleDrafter, tree_layout
 from tltrun.model.kvcache import KVCache
 from tltrun.model.transformer import Transformer
+from tltrun.rollout.draft_graphs import draft_sources
 from tltrun.rollout.engine_config import DTYPES, EngineConfig
 from tltrun.rollout.graphs import GraphPool, StaticForward, capture_plan
 from tltrun.rollout.interface import IterationRecord, Request, RolloutResult
@@ -211,20 +213,17 @@ class RolloutEngine:
         """The pool for ``policy``'s capture plan: kept if the plan is unchanged, else rebuilt
         (captured on CUDA). Called between rollouts only: capture writes scratch KV entries
         into free slots."""
-        if self.config.attention not in ("sdpa", "flex"):  # the kernels' paths stay eager
+        cfg = self.config
+        if cfg.attention not in ("sdpa", "flex"):  # the kernels' paths stay eager
             return
-        plan = capture_plan(
-            policy, self.config.max_running_requests, self.config.graph_batch_sizes or None
-        )
+        sizes, is_drafting = cfg.graph_batch_sizes or None, self.drafter is not None
+        plan = capture_plan(policy, cfg.max_running_requests, sizes, is_drafting=is_drafting)
         if self.graphs is not None and self.graphs.plan == plan:
             return
         self.graphs = None  # the old pool's memory goes back before the new one is captured
+        is_capturing = self.device.type == "cuda"
         self.graphs = GraphPool(
-            self.model,
-            self.cache,
-            plan,
-            self.config.attention,
-            is_capturing=self.device.type == "cuda",
+            self.model, self.cache, plan, cfg.attention, is_capturing, drafting=draft_sources(self)
         )
 
     def _static_forward(self, running: list[Sequence], strategy: str) -> StaticForward | None:
@@ -383,7 +382,18 @@ class RolloutEngine:
     def draft(self, slots: torch.Tensor, decision: SpecDecision) -> DraftTree:
         """The drafter's tree for running ``slots`` under ``decision`` (after feeding it the
         pending pairs), exactly as a speculative iteration drafts it."""
-        return eagle_draft(self, slots, decision)
+        return self._eagle_draft(
+            slots, decision, torch.equal(slots.cpu(), torch.arange(len(slots)))
+        )
+
+    def _eagle_draft(self, slots: torch.Tensor, decision: SpecDecision, is_pool: bool) -> DraftTree:
+        """The pool's drafting step (``is_pool``: slots 0..n-1; a graph for this batch and
+        strategy; pending pairs within its bound: ``tltrun.rollout.draft_graphs``), else eager."""
+        step = None
+        if is_pool and self.graphs is not None:
+            step = self.graphs.draft_step(len(slots), decision.strategy)
+        tree = None if step is None else step(len(slots))
+        return eagle_draft(self, slots, decision) if tree is None else tree
 
     def _spec_step(
         self, running: list[Sequence], slots: torch.Tensor, decision: SpecDecision
@@ -398,7 +408,9 @@ class RolloutEngine:
                 running, roots, decision, self.device, is_trimmed=static is None
             )
         else:
-            tree = eagle_draft(self, slots, decision)
+            tree = self._eagle_draft(
+                slots, decision, all(s.slot == i for i, s in enumerate(running))
+            )
         num_nodes = tree.tokens.shape[1]
         depth, tree_mask = tree_layout(tree.parents, decision.draft_steps)
         if static is not None:  # padded to its bucket; a graph replay on CUDA

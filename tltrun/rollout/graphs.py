@@ -5,26 +5,29 @@ Three parts, the first two plain Python (unit-tested on CPU, ``tests/test_graphs
 
 * ``capture_plan(policy, max_batch)``: which graphs to capture, from the policy itself, so that
   nothing is captured the policy can never choose. ``TLTAdaptive``: decode graphs for the batch
-  buckets above its SD threshold, and SD verify graphs per (batch bucket, strategy) at or below
-  it, with only the strategies of the policy buckets that bucket serves; ``StaticSpec``: its one
-  strategy at every bucket; ``NoSpec`` (and any other policy): decode graphs only.
+  buckets above its SD threshold, and SD graphs per (batch bucket, strategy) at or below it,
+  with only the strategies of the policy buckets that bucket serves; ``StaticSpec``: its one
+  strategy at every bucket; ``NoSpec`` (and any other policy): decode graphs only. An SD graph
+  is a verify graph plus, for an engine with an EAGLE drafter (``is_drafting``) and a strategy
+  some EAGLE arm of that bucket uses, a drafting graph (``tltrun.rollout.draft_graphs``).
 * ``CapturePlan.decode_bucket`` / ``spec_bucket``: the smallest captured bucket that holds a
   batch; the batch is padded up to it (free slots with length 0: ``StaticForward``).
-* ``GraphPool``: one ``StaticForward`` per planned shape, all inputs and outputs in buffers
-  shared by every shape (only one runs at a time), captured on CUDA into ONE memory pool
+* ``GraphPool``: one ``StaticForward`` per planned shape and one ``StaticDraft`` per planned
+  drafting step, all inputs and outputs in buffers shared by every shape (only one runs at a
+  time), captured on CUDA into ONE memory pool
   (``torch.cuda.graph(..., pool=...)``), largest first so the smaller graphs reuse its blocks
   (SGLang captures largest to smallest for the same reason: docs/advanced_features/
   cuda_graphs.md). On CPU nothing is captured: the same static forwards run eagerly, which is
   how the padding is tested.
 
 What a graph holds: the target's forward (decode: one token per slot; verify: the draft tree's
-``verify_tokens + 1`` nodes with its tree mask). Sampling, acceptance and drafting run eagerly
-around it, as nano-vllm's ``ModelRunner`` graphs the model forward only: every random draw
-stays on the eager generator, so graphs change no draw (outputs can differ from eager ones only
-where the logits' rounding does). Drafting is not graphed yet (issue #18): ``tltrun.model.drafter``'s
-catch-up and tree contexts read lengths on the host and grow side buffers per level. Weight
-updates copy into the parameters in place (``RolloutEngine.update_weights``), which the graphs
-read at replay.
+``verify_tokens + 1`` nodes with its tree mask), or the EAGLE drafter's catch-up and tree
+expansion (``StaticDraft``: its pending pairs padded to a fixed count, a batch with more drafts
+eagerly). Target sampling and acceptance run eagerly around them, as nano-vllm's
+``ModelRunner`` graphs the model forward only; the only draws inside a graph are those of
+sampled draft chains, from the engine's generator registered with the graph. Weight updates
+copy into the parameters in place (``RolloutEngine.update_weights`` / ``update_drafter``),
+which the graphs read at replay.
 
 Run the tests: ``python -m pytest tests/test_graphs.py -q``.
 """
@@ -37,6 +40,7 @@ import torch
 
 from tltrun.model.kvcache import KVCache, StaticContext, causal_mask
 from tltrun.model.transformer import Transformer
+from tltrun.rollout.draft_graphs import DraftBuffers, DraftSources, StaticDraft, max_pending_pairs
 from tltsim.policy import SpecDecision, SpecPolicy, StaticSpec, TLTAdaptive, bucket_arms
 
 # vLLM's default CUDA-graph capture sizes: 1, 2, 4, then multiples of 8 up to 256 (then of 16,
@@ -61,16 +65,18 @@ def bucket_for(batch: int, buckets: tuple[int, ...]) -> int | None:
 
 @dataclass(frozen=True, kw_only=True)
 class CapturePlan:
-    """Graph shapes to capture: plain decode per batch bucket, SD verify per (bucket, strategy).
-    A strategy is ``SpecDecision.strategy`` (``"8_4_32"``): the EAGLE and history drafters'
-    trees of one strategy share its verify graph."""
+    """Graph shapes to capture: plain decode per batch bucket, SD verify per (bucket, strategy),
+    EAGLE drafting per (bucket, strategy) (``draft_graphs``, a subset of ``spec_graphs``). A
+    strategy is ``SpecDecision.strategy`` (``"8_4_32"``): the EAGLE and history drafters' trees
+    of one strategy share its verify graph; the history drafter has no drafting graph."""
 
     decode_buckets: tuple[int, ...] = ()
     spec_graphs: tuple[tuple[int, str], ...] = ()
+    draft_graphs: tuple[tuple[int, str], ...] = ()
 
     @property
     def num_graphs(self) -> int:
-        return len(self.decode_buckets) + len(self.spec_graphs)
+        return len(self.decode_buckets) + len(self.spec_graphs) + len(self.draft_graphs)
 
     @property
     def strategies(self) -> tuple[str, ...]:
@@ -82,42 +88,58 @@ class CapturePlan:
     def spec_bucket(self, batch: int, strategy: str) -> int | None:
         return bucket_for(batch, tuple(b for b, s in self.spec_graphs if s == strategy))
 
+    def draft_bucket(self, batch: int, strategy: str) -> int | None:
+        return bucket_for(batch, tuple(b for b, s in self.draft_graphs if s == strategy))
+
     def only(self, strategies: tuple[str, ...], is_decode: bool = True) -> CapturePlan:
         """This plan restricted to ``strategies`` (and its decode graphs if ``is_decode``): the
         single-strategy and per-strategy pools of ``benchmarks/bench_gpu_engine.py``."""
         return CapturePlan(
             decode_buckets=self.decode_buckets if is_decode else (),
             spec_graphs=tuple((b, s) for b, s in self.spec_graphs if s in strategies),
+            draft_graphs=tuple((b, s) for b, s in self.draft_graphs if s in strategies),
         )
 
 
 def capture_plan(
-    policy: SpecPolicy, max_batch: int, buckets: tuple[int, ...] | None = None
+    policy: SpecPolicy,
+    max_batch: int,
+    buckets: tuple[int, ...] | None = None,
+    is_drafting: bool = False,
 ) -> CapturePlan:
     """What ``policy`` can ever run at batch sizes 1..``max_batch``, over ``buckets``
     (default ``batch_buckets(max_batch)``). A graph bucket B serves the batches above the
     previous bucket up to B, so its SD graphs are the arms of every policy bucket meeting
     that range. TLTAdaptive's warm-up iterations (SD still off at or below the threshold) pad
-    up to the first decode bucket above the threshold, or run eagerly when there is none."""
+    up to the first decode bucket above the threshold, or run eagerly when there is none.
+    ``is_drafting`` (the engine has an EAGLE drafter): each SD graph whose strategy an EAGLE
+    arm of its bucket uses also gets a drafting graph."""
     buckets = batch_buckets(max_batch) if buckets is None else buckets
     if isinstance(policy, TLTAdaptive):
         cfg = policy.config
         policy_buckets = cfg.buckets()
         decode = tuple(b for b in buckets if b > cfg.threshold)
         spec: list[tuple[int, str]] = []
+        drafting: list[tuple[int, str]] = []
         prev = 0
         for b in buckets:
             lo, hi = prev + 1, min(b, cfg.threshold)
             prev = b
             if lo > hi:
                 continue
-            arms: dict[str, None] = {}
+            arms: dict[str, bool] = {}  # strategy -> whether an EAGLE arm uses it
             for batch in _policy_bucket_starts(policy_buckets, lo, hi):
-                arms.update((a.strategy, None) for a in bucket_arms(policy_buckets, batch))
+                for a in bucket_arms(policy_buckets, batch):
+                    arms[a.strategy] = arms.get(a.strategy, False) or a.drafter == "eagle"
             spec += [(b, s) for s in arms]
-        return CapturePlan(decode_buckets=decode, spec_graphs=tuple(spec))
+            drafting += [(b, s) for s, is_eagle in arms.items() if is_eagle and is_drafting]
+        return CapturePlan(
+            decode_buckets=decode, spec_graphs=tuple(spec), draft_graphs=tuple(drafting)
+        )
     if isinstance(policy, StaticSpec):
-        return CapturePlan(spec_graphs=tuple((b, policy.decision.strategy) for b in buckets))
+        spec = tuple((b, policy.decision.strategy) for b in buckets)
+        is_eagle = is_drafting and policy.decision.drafter == "eagle"
+        return CapturePlan(spec_graphs=spec, draft_graphs=spec if is_eagle else ())
     # NoSpec, and a policy whose decisions are not known in advance: decode graphs only; its SD
     # iterations, if any, run eagerly
     return CapturePlan(decode_buckets=tuple(buckets))
@@ -229,8 +251,10 @@ class _SharedBuffers:
 
 
 class GraphPool:
-    """The planned static forwards of one engine, captured into one CUDA memory pool when
-    ``is_capturing`` (CUDA only), else run eagerly (CPU: the tested reference of the replay)."""
+    """The planned static forwards and drafting steps of one engine, captured into one CUDA
+    memory pool when ``is_capturing`` (CUDA only), else run eagerly (CPU: the tested reference
+    of the replay). ``drafting``: the engine state the drafting steps read (needed when the
+    plan has ``draft_graphs``)."""
 
     def __init__(
         self,
@@ -240,10 +264,13 @@ class GraphPool:
         impl: str,
         is_capturing: bool,
         pool=None,
+        drafting: DraftSources | None = None,
     ):
         device = cache.lens.device
         if is_capturing and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the cache is on {device}")
+        if plan.draft_graphs and drafting is None:
+            raise ValueError("the capture plan has drafting graphs but no drafter was given")
         self.plan = plan
         shapes = [(b, 1) for b in plan.decode_buckets]
         shapes += [(b, SpecDecision.parse(s).verify_tokens + 1) for b, s in plan.spec_graphs]
@@ -270,11 +297,19 @@ class GraphPool:
             )
             for b, s in plan.spec_graphs
         }
+        self.max_pending = max_pending_pairs(tuple(s for _, s in plan.draft_graphs))
+        steps = [(b, SpecDecision.parse(s)) for b, s in plan.draft_graphs]
+        self.draft_buffers = None if drafting is None else DraftBuffers.for_steps(drafting, steps)
+        self.drafts = {
+            (b, d.strategy): StaticDraft(drafting, b, d, self.max_pending, self.draft_buffers)
+            for b, d in steps
+        }
         self.pool = None
         self.captured_bytes = 0
         if is_capturing:
             self._capture_all(device, pool)
 
+    @torch.no_grad()  # no autograd records inside the graphs (start_rollout may run with grad)
     def _capture_all(self, device: torch.device, pool) -> None:
         self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
         stream = torch.cuda.Stream(device)
@@ -284,6 +319,9 @@ class GraphPool:
         # largest first: later, smaller graphs reuse the pool blocks the first ones freed
         for fwd in sorted(forwards, key=lambda f: f.batch * f.num_tokens, reverse=True):
             fwd.capture(self.pool, stream)
+        drafts = [d for d in self.drafts.values() if d.is_capturable]
+        for step in sorted(drafts, key=lambda d: d.batch * d.decision.verify_tokens, reverse=True):
+            step.capture(self.pool, stream)
         torch.cuda.synchronize(device)
         self.captured_bytes = torch.cuda.memory_reserved(device) - before
 
@@ -294,3 +332,8 @@ class GraphPool:
     def verify_forward(self, batch: int, strategy: str) -> StaticForward | None:
         b = self.plan.spec_bucket(batch, strategy)
         return None if b is None else self.verify[(b, strategy)]
+
+    def draft_step(self, batch: int, strategy: str) -> StaticDraft | None:
+        """The EAGLE drafting step for ``batch`` running slots under ``strategy``, or None."""
+        b = self.plan.draft_bucket(batch, strategy)
+        return None if b is None else self.drafts[(b, strategy)]
