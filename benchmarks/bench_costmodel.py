@@ -17,11 +17,15 @@ and the batch where SD stops paying (``crossover_batch``). Needs scipy (the ``fi
 Caveat printed with the table: SpecDecode-Bench's points are their published linear fit
 evaluated, not raw measurements, so the in-source held-out error measures how well our
 physics form reproduces their fitted form; only the two SGLang points are independent.
-The only published SD-vs-batch numbers found (EAGLE-3 in SGLang, Llama-3.1-8B on H100: 2.36x at
-batch 1, 1.38x at batch 64) come without the strategy and accept length used at batch 64, so
-only their ratio is compared with each simulated strategy's. They bound the batch where SD stops
-paying from below (> 64); each simulated stop batch is checked against that bound within one
-power-of-two bucket (stop >= 32).
+
+Then the like-for-like SD-vs-batch check (``sd_batch_validation.py``): every published series
+of SD speedup vs batch (``tltsim.cost.published.SD_BATCH_SERIES``: EAGLE-3 paper Table 3,
+SpecDecode-Bench Figs. 1 and 2) simulated with the series' own model, strategy and drafter at
+each published batch, acceptance set from the published accept length where one is printed, else
+fitted on the series' smallest batch (one parameter; the other batches are predictions), and the
+measured interval where SD stops paying beside the simulated stop batch, within one power-of-two
+bucket or not. Context: 2,048 tokens per sequence for every series (no source publishes its
+prompt and output lengths), with a half/double-context row for the k=21 tree.
 
 Independent held-out table (issue #21, brief F): engine-level measurements from sources that
 share nothing with the fit (``tltsim.cost.published.independent_points``): LMDeploy TurboMind's
@@ -41,16 +45,12 @@ import json
 from pathlib import Path
 
 import numpy as np
+from sd_batch_validation import context_sensitivity, like_for_like
 
 from tltsim.cli.table import format_table
 from tltsim.cost.calibrate import errors_on, fit_published
 from tltsim.cost.calibrated import CALIBRATIONS, CalibratedCost
-from tltsim.cost.published import (
-    SD_SPEEDUPS,
-    as_profile_rows,
-    independent_points,
-    published_points,
-)
+from tltsim.cost.published import as_profile_rows, independent_points, published_points
 from tltsim.cost.roofline import RooflineCost
 from tltsim.cost.specs import get_hardware, get_model
 from tltsim.policy import SpecDecision
@@ -145,27 +145,6 @@ def sd_rows(hardware_name: str, params) -> tuple[list[dict], list[dict]]:
     return rows, stops
 
 
-def sd_validation(sd: list[dict]) -> list[dict]:
-    """Published EAGLE-3-in-SGLang speedups at batch 1 and 64 (Llama-3.1-8B, H100) as a ratio,
-    beside the same ratio of each simulated strategy (Llama-3.1-8B rows of ``sd``)."""
-    published = {p.batch: p.speedup for p in SD_SPEEDUPS if p.model == "Llama-3.1-8B"}
-    rows = [
-        {
-            "what": "published EAGLE-3, SGLang (b1 2.36x, b64 1.38x)",
-            "ratio_64_over_1": published[64] / published[1],
-        }
-    ]
-    for row in sd:
-        if row["model"] == "Llama-3.1-8B":
-            rows.append(
-                {
-                    "what": f"{row['cost']} {row['strategy']}",
-                    "ratio_64_over_1": row["b64"] / row["b1"],
-                }
-            )
-    return rows
-
-
 def independent_rows(params) -> tuple[list[dict], list[dict]]:
     """Calibrated and roofline error on the independent measurements (module docstring): per
     point (``kv_fits`` False: dropped by the KV rule), then per engine and overall over the kept
@@ -257,26 +236,41 @@ def _error_row(
     }
 
 
-def stop_comparison(stops: list[dict]) -> list[dict]:
-    """Each simulated Llama-3.1-8B stop batch beside the published bound: EAGLE-3 in SGLang still
-    pays 1.38x at batch 64, so it stops paying above 64 (power-of-two bucket >= 64..127). Within
-    one bucket: simulated stop >= 32 (bucket 32..63 or later), or None (pays to 4096)."""
-    pays_at = max(p.batch for p in SD_SPEEDUPS if p.speedup > 1.0 and p.model == "Llama-3.1-8B")
-    out = []
-    for s in stops:
-        if s["model"] != "Llama-3.1-8B":
-            continue
-        stop = s["stops_paying_at"]
-        out.append(
-            {
-                "strategy": s["strategy"],
-                "cost": s["cost"],
-                "published_stop": f"> {pays_at}",
-                "simulated_stop": "pays to 4096" if stop is None else str(stop),
-                "within_one_bucket": stop is None or stop >= pays_at // 2,
-            }
+SENSITIVITY_SERIES = "F2 tree21 GSM8K"
+
+
+def print_like_for_like(params) -> dict:
+    """The like-for-like SD-vs-batch tables (module docstring); returns them for the JSON."""
+    rows, stops, summary = like_for_like(params, CONTEXT_PER_SEQ)
+    print(
+        f"SD speedup vs batch, like for like ({CONTEXT_PER_SEQ} context tokens per sequence; "
+        "from=published: accept rate solved from the printed accept length, every batch "
+        "predicted; from=fit bN: accept rate fitted so that batch N matches, the other batches "
+        "predicted; trees at sibling rate 0.25):"
+    )
+    for names in dict.fromkeys(tuple(k for k in r if k.startswith("b")) for r in rows):
+        group = [r for r in rows if tuple(k for k in r if k.startswith("b")) == names]
+        columns = ["series", "cost", "from", "rate", "accept", *names]
+        print(format_table(group, columns, left=("series", "cost", "from")))
+    print("batch where SD stops paying: measured interval vs simulated (crossover_batch):")
+    print(format_table(stops, list(stops[0]), left=("series", "strategy")))
+    sensitivity = context_sensitivity(
+        params, SENSITIVITY_SERIES, (CONTEXT_PER_SEQ / 2, CONTEXT_PER_SEQ, 2 * CONTEXT_PER_SEQ)
+    )
+    print(f"context sensitivity, {SENSITIVITY_SERIES} (half / assumed / double context):")
+    columns = [k for k in sensitivity[0] if k != "series"]
+    print(format_table(sensitivity, columns, {"context_per_seq": ".0f"}, left=("cost", "from")))
+    for cost, s in summary.items():
+        print(
+            f"like for like, {cost}: {s['num_series_within_one_bucket']} of {s['num_series']} "
+            "series stop within one power-of-two bucket of the measured interval; of the "
+            f"{s['num_series_with_measured_stop']} that stop inside the published batches, "
+            f"{s['num_of_those_within_one_bucket']} within one bucket and "
+            f"{s['num_of_those_inside_interval']} inside the measured interval itself; "
+            f"{s['num_predicted_points']} predicted points: median |error| "
+            f"{s['median_abs_error']:.1%}, max {s['max_abs_error']:.1%}"
         )
-    return out
+    return {"rows": rows, "stops": stops, "context_sensitivity": sensitivity, "summary": summary}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -327,22 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(sd, list(sd[0]), {"accept": ".2f"}, left=("model", "strategy", "cost")))
         print("batch where SD stops paying (None: pays up to 4096):")
         print(format_table(stops, list(stops[0]), left=("model", "strategy", "cost")))
-        validation = sd_validation(sd)
-        print(
-            "published SD speedups (validation only; strategy and accept length at batch 64 not "
-            "published, so compare the shape: speedup at 64 / speedup at 1):"
-        )
-        print(
-            format_table(
-                validation, list(validation[0]), {"ratio_64_over_1": ".3f"}, left=("what",)
-            )
-        )
-        comparison = stop_comparison(stops)
-        print(
-            "batch where SD stops paying: published (EAGLE-3 in SGLang, H100, still 1.38x at batch "
-            "64; its strategy and accept length there unpublished) vs simulated, powers-of-two buckets:"
-        )
-        print(format_table(comparison, list(comparison[0]), left=("strategy", "cost")))
+        sd_like_for_like = print_like_for_like(params)
         indep, indep_summary = independent_rows(params)
         num_dropped = sum(not r["kv_fits"] for r in indep)
         print(
@@ -381,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             "independent_errors": indep_summary,
             "independent_dropped_for_kv": num_dropped,
             "independent_meets_target": indep_meets,
-            "sd_stop_comparison": comparison,
+            "sd_like_for_like": sd_like_for_like,
             "params": {f: getattr(params, f) for f in params.__dataclass_fields__},
             "shipped_params": {
                 f: getattr(CALIBRATIONS[hardware_name], f) for f in params.__dataclass_fields__
@@ -391,7 +370,6 @@ def main(argv: list[str] | None = None) -> int:
             "meets_target": meets,
             "sd_speedup": sd,
             "sd_stops_paying": stops,
-            "sd_validation": validation,
         }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")

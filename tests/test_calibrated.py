@@ -146,9 +146,10 @@ def test_shipped_h100_calibration_is_the_fit_to_the_published_points():
 
 
 def test_every_published_point_has_a_source_and_positive_numbers():
-    from tltsim.cost.published import SD_SPEEDUPS, independent_points, published_points
+    from tltsim.cost.published import independent_points, published_points
 
-    points = [*published_points(), *independent_points(), *SD_SPEEDUPS]
+    # SD_BATCH_SERIES: tests/test_sd_batch_validation.py
+    points = [*published_points(), *independent_points()]
     assert len(independent_points()) >= 20
     for p in points:
         assert isinstance(p.source, str) and len(p.source) > 20, p

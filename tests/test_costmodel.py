@@ -60,6 +60,7 @@ decisions = st.sampled_from(
         ("Qwen2.5-1.5B", 1.54, 2),
         ("Qwen2.5-7B", 7.61, 2),
         ("Llama-3.1-8B", 8.03, 2),
+        ("Qwen3-8B", 8.2, 1),  # card (as quoted by third parties): 8.2B
         ("Llama-3.1-70B", 70.6, 1),
     ],
 )

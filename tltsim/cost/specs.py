@@ -357,6 +357,23 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         head_dim=128,
         vocab_size=128256,
     ),
+    # huggingface.co/Qwen/Qwen3-8B/blob/main/config.json. Not read on that page itself: checked
+    # against a verbatim copy ("Copy config.json from Qwen/Qwen3-8B", huggingface.co/thejaminator/
+    # qwen-hook-layer-9, commit 478fb72) and github.com/Chen-Oliver/qwen3-8b-base config.json
+    # (Qwen3-8B-Base, same shape); all fields below agree. Counted: 8.19B parameters, 6.95B
+    # without embedding and LM head (the card's 8.2B / 6.95B as quoted by third parties; we did
+    # not read the card). Qwen3 has no q/k/v bias (attention_bias false) but a per-head q/k
+    # RMSNorm (2 x 128 weights per layer) that ModelSpec does not count: negligible.
+    "Qwen3-8B": ModelSpec(
+        "Qwen3-8B",
+        num_layers=36,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_attention_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    ),
     # huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json (Llama-3.3-70B, a TLT
     # target, has the same shape)
     "Llama-3.1-70B": ModelSpec(
