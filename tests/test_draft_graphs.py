@@ -342,3 +342,13 @@ def test_captured_drafting_replays_the_static_step(strategy, sampling):
         q = got.draft_probs[:, 1:].gather(-1, got.tokens[:, 1:, None])
         assert bool((q > 0).all())
     assert torch.equal(graph_state.draft_cache.lens[:3], plain_state.draft_cache.lens[:3])
+
+
+def test_a_strategy_asking_more_verify_tokens_than_its_tree_offers_runs_in_the_pool():
+    # 3_2_12: depth 3, top-2 beam: 2 + 4 + 4 = 10 candidates < 12, so the tree has 11 nodes;
+    # the pool's verify step must take that shape, as the eager forward does
+    reqs = _requests(4, seed=12)
+    want = [o.output_token_ids for o in _engine(None).generate(reqs, NoSpec()).outputs]
+    got = _engine(DRAFTER, cuda_graphs=True).generate(reqs, StaticSpec(3, 2, 12))
+    assert [o.output_token_ids for o in got.outputs] == want
+    assert any(i.accept_lens for i in got.iterations)

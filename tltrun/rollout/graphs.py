@@ -40,7 +40,13 @@ import torch
 
 from tltrun.model.kvcache import KVCache, StaticContext, causal_mask
 from tltrun.model.transformer import Transformer
-from tltrun.rollout.draft_graphs import DraftBuffers, DraftSources, StaticDraft, max_pending_pairs
+from tltrun.rollout.draft_graphs import (
+    DraftBuffers,
+    DraftSources,
+    StaticDraft,
+    max_pending_pairs,
+    num_tree_nodes,
+)
 from tltsim.policy import SpecDecision, SpecPolicy, StaticSpec, TLTAdaptive, bucket_arms
 
 # vLLM's default CUDA-graph capture sizes: 1, 2, 4, then multiples of 8 up to 256 (then of 16,
@@ -250,6 +256,14 @@ class _SharedBuffers:
     hidden: torch.Tensor  # (rows, C)
 
 
+def verify_nodes(strategy: str) -> int:
+    """Nodes (root included) a verify of ``strategy`` forwards: the EAGLE drafter's tree has
+    fewer than verify_tokens + 1 when its beam offers fewer candidates (3_2_12: 10); a history
+    draft under a graph is padded to the full verify_tokens (``RolloutHistory.draft``)."""
+    decision = SpecDecision.parse(strategy)
+    return num_tree_nodes(decision) if decision.drafter == "eagle" else decision.verify_tokens + 1
+
+
 class GraphPool:
     """The planned static forwards and drafting steps of one engine, captured into one CUDA
     memory pool when ``is_capturing`` (CUDA only), else run eagerly (CPU: the tested reference
@@ -273,7 +287,7 @@ class GraphPool:
             raise ValueError("the capture plan has drafting graphs but no drafter was given")
         self.plan = plan
         shapes = [(b, 1) for b in plan.decode_buckets]
-        shapes += [(b, SpecDecision.parse(s).verify_tokens + 1) for b, s in plan.spec_graphs]
+        shapes += [(b, verify_nodes(s)) for b, s in plan.spec_graphs]
         for b, _ in shapes:
             if b > cache.num_slots:
                 raise ValueError(f"graph bucket {b} exceeds the cache's {cache.num_slots} slots")
@@ -292,9 +306,7 @@ class GraphPool:
             b: StaticForward(model, cache, b, 1, impl, self.buffers) for b in plan.decode_buckets
         }
         self.verify = {
-            (b, s): StaticForward(
-                model, cache, b, SpecDecision.parse(s).verify_tokens + 1, impl, self.buffers
-            )
+            (b, s): StaticForward(model, cache, b, verify_nodes(s), impl, self.buffers)
             for b, s in plan.spec_graphs
         }
         self.max_pending = max_pending_pairs(tuple(s for _, s in plan.draft_graphs))
