@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tltrun.train.config import TrainConfig
 from tltrun.train.launch import check_inputs, run_train, task_for
+from tltrun.train.state import read_next_step, select_checkpoint
 from tltsim.cli.args import add_dataclass_args, dataclass_from_args
 from tltsim.cli.table import format_table
 from tltsim.errors import UsageError
@@ -178,6 +179,22 @@ def chunk_ends(num_steps: int, chunk_steps: int) -> list[int]:
     return [*range(chunk_steps, num_steps, chunk_steps), num_steps]
 
 
+def chunk_start(ends: list[int], k: int, done: int) -> int | None:
+    """The step chunk ``k`` (up to ``ends[k]``) starts from in a run that has ``done`` steps
+    checkpointed; None: skip it, its steps are done. The last chunk always runs: a resume at the
+    run's end trains no step but writes ``final/``."""
+    end = ends[k]
+    if end <= done and k < len(ends) - 1:
+        return None
+    return min(max(ends[k - 1] if k else 0, done), end)
+
+
+def done_steps(train: TrainConfig) -> int:
+    """Steps a run in ``train.out`` has checkpointed (0: none): where a --reuse-runs resumes."""
+    ckpt = select_checkpoint(Path(train.out), train.num_workers)
+    return 0 if ckpt is None else read_next_step(ckpt)
+
+
 def run_all(cfg: BenchTrainConfig) -> dict:
     threshold = tlt_threshold(cfg)
     print(f"TLT threshold: {threshold} (SD pays on this machine up to this batch size)")
@@ -188,13 +205,20 @@ def run_all(cfg: BenchTrainConfig) -> dict:
         if not (cfg.reuse_runs and (Path(train.out) / "final" / "actor").is_dir())
     ]
     ends = chunk_ends(cfg.num_steps, cfg.chunk_steps)
+    # --reuse-runs after a kill: an unfinished run continues from its newest checkpoint (the
+    # chunks it finished are not redone; without --reuse-runs a run dir with checkpoints stops
+    # with tltrun's "holds checkpoints of an earlier run" error).
+    done = {name: done_steps(configs[name]) if cfg.reuse_runs else 0 for name in todo}
     for k, end in enumerate(ends):
         order = todo[k % len(todo) :] + todo[: k % len(todo)] if todo else []
         for name in order:
-            chunk = f" steps {ends[k - 1] if k else 0}-{end}" if len(ends) > 1 else ""
+            start = chunk_start(ends, k, done[name])
+            if start is None:
+                continue
+            chunk = f" steps {start}-{end}" if len(ends) > 1 or start else ""
             print(f"run {name}{chunk} ...", file=sys.stderr)
             train = dataclasses.replace(configs[name], num_steps=end)
-            run_train(train, task_for(cfg.model_dir), is_resume=k > 0)
+            run_train(train, task_for(cfg.model_dir), is_resume=start > 0)
     results = {}
     for name, train in configs.items():
         log = [json.loads(x) for x in (Path(train.out) / "log.jsonl").read_text().splitlines()]

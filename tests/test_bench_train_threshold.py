@@ -49,6 +49,17 @@ def test_chunk_ends():
     assert bench_train.chunk_ends(4, 9) == [4]
 
 
+def test_chunk_start_resumes_a_killed_run():
+    ends = [5, 10, 15, 20]
+    # a fresh run: every chunk from the previous chunk's end (0: not a resume)
+    assert [bench_train.chunk_start(ends, k, 0) for k in range(4)] == [0, 5, 10, 15]
+    # killed at step 7 (checkpoint of step 7): chunk 0 skipped, chunk 1 continues from 7
+    assert [bench_train.chunk_start(ends, k, 7) for k in range(4)] == [None, 7, 10, 15]
+    # killed after the last checkpoint but before final/: only the last chunk, trains nothing
+    assert [bench_train.chunk_start(ends, k, 20) for k in range(4)] == [None, None, None, 20]
+    assert bench_train.chunk_start([20], 0, 12) == 12
+
+
 @pytest.mark.slow
 def test_runs_alternate_in_chunks_and_each_resumes_to_the_full_run(tmp_path, capsys):
     """The contenders run chunk by chunk, their order rotated per chunk; each chunk after the
