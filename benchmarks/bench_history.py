@@ -279,6 +279,7 @@ def grpo(args: argparse.Namespace) -> dict:
             max_new_tokens=args.max_new_tokens,
             runs=runs,
             reuse_runs=args.reuse_runs,
+            tlt_buckets=args.tlt_buckets,
         )
         table = bt.summarise(bt.run_all(cfg))
         print(f"seed {seed} ({work}):")
@@ -352,6 +353,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--reuse-runs", action="store_true", help="--grpo: reuse finished runs in --out"
+    )
+    parser.add_argument(
+        "--tlt-buckets",
+        choices=("fastrl", "spec"),
+        default="fastrl",
+        help="--grpo: TLT's strategy per batch bucket, as bench_train.py --tlt-buckets",
     )
     parser.add_argument(
         "--runs",

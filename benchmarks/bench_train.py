@@ -89,6 +89,19 @@ class BenchTrainConfig:
         default=("4_1_4", "3_1_3", "2_1_2", "1_1_1"),
         metadata={"help": "TLTAdaptive strategies, one bucket each"},
     )
+    # How strategies map to batch buckets. "fastrl": tlt_strategies over TLT's bucket starts
+    # (1, 2, 5, 21; fastrl mab_bs_threshold: the longer the chain, the smaller the batch it
+    # serves — right for GPU trees). "spec": from bench_spec.py's profile, like the threshold —
+    # each measured batch size starts a bucket served by the strategy measured fastest there
+    # (``profile_buckets``). On this CPU bench_spec measures 4_1_4 fastest at batches 1, 4 and 8
+    # on both tasks, where "fastrl" serves a worker's 5-8 running responses with 2_1_2.
+    tlt_buckets: str = field(
+        default="fastrl",
+        metadata={
+            "help": "fastrl (tlt_strategies, TLT's bucket starts) or spec (bench_spec.py's "
+            "fastest strategy per measured batch)"
+        },
+    )
     # TLT's switch threshold: 0 = the batch size where SD stops paying on this machine, read
     # from benchmarks/bench_spec.py's results (``crossover_batch``) instead of the GPU default
     # 32 (fastrl bs_threshold); > 0 sets it.
@@ -123,6 +136,8 @@ class BenchTrainConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.tlt_buckets not in ("fastrl", "spec"):
+            raise UsageError(f"--tlt-buckets {self.tlt_buckets}: expected fastrl or spec")
         if self.chunk_steps < 0:
             raise UsageError(f"--chunk-steps {self.chunk_steps}: expected an integer >= 0")
         unknown = [name for name in self.runs if name not in RUN_SPECS]
@@ -149,18 +164,56 @@ def crossover_batch(spec_results: dict) -> int:
     return points[-1][0] if points[-1][1] >= 1 else 1
 
 
-def tlt_threshold(cfg: BenchTrainConfig) -> int:
-    if cfg.tlt_threshold > 0:
-        return cfg.tlt_threshold
+def profile_buckets(spec_results: dict) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(strategies, bucket starts) from bench_spec's rows: each measured batch size, in order,
+    is served by the SD strategy measured fastest at it, from that batch size on (the first
+    from batch 1); neighbours with the same strategy merge. E.g. 4_1_4 fastest at 1 and 4 and
+    2_1_2 at 8 give (4_1_4, 2_1_2) with starts (1, 8). TLT's buckets need one verify-token
+    count each, so a strategy that is fastest again after another one is a UsageError."""
+    strategies: list[str] = []
+    starts: list[int] = []
+    for row in sorted(spec_results["rows"], key=lambda r: r["batch"]):
+        runs = {k: v["speedup"] for k, v in row["runs"].items() if k != "off"}
+        if not runs:
+            continue
+        best = max(runs, key=runs.__getitem__)
+        if strategies and best == strategies[-1]:
+            continue
+        if best in strategies:
+            raise UsageError(
+                f"bench_spec results: {best} is fastest at batch {row['batch']} after "
+                f"{strategies[-1]} was fastest at a smaller batch; --tlt-buckets spec needs one "
+                "strategy per batch range (use --tlt-buckets fastrl)"
+            )
+        strategies.append(best)
+        starts.append(1 if not starts else row["batch"])
+    if not strategies:
+        raise UsageError("bench_spec results: no SD strategy was measured")
+    return tuple(strategies), tuple(starts)
+
+
+def read_spec_results(cfg: BenchTrainConfig, instead: str) -> dict:
     path = Path(cfg.spec_results)
     try:
-        results = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise UsageError(
             f"{path}: cannot read bench_spec results ({err}); run benchmarks/bench_spec.py or "
-            "pass --tlt-threshold"
+            f"pass {instead}"
         ) from None
-    return crossover_batch(results)
+
+
+def tlt_threshold(cfg: BenchTrainConfig) -> int:
+    if cfg.tlt_threshold > 0:
+        return cfg.tlt_threshold
+    return crossover_batch(read_spec_results(cfg, "--tlt-threshold"))
+
+
+def tlt_buckets(cfg: BenchTrainConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(tlt_strategies, tlt_bucket_starts) of the TLT runs; () starts: the policy's default."""
+    if cfg.tlt_buckets == "fastrl":
+        return tuple(cfg.tlt_strategies), ()
+    return profile_buckets(read_spec_results(cfg, "--tlt-buckets fastrl"))
 
 
 def task_fields(cfg: BenchTrainConfig) -> dict:
@@ -198,7 +251,13 @@ def done_steps(train: TrainConfig) -> int:
 def run_all(cfg: BenchTrainConfig) -> dict:
     threshold = tlt_threshold(cfg)
     print(f"TLT threshold: {threshold} (SD pays on this machine up to this batch size)")
-    configs = {name: train_config(cfg, name, threshold) for name in cfg.runs}
+    strategies, starts = tlt_buckets(cfg)
+    if starts:
+        print(
+            "TLT buckets from bench_spec: "
+            + ", ".join(f"batch >= {b}: {s}" for s, b in zip(strategies, starts, strict=True))
+        )
+    configs = {name: train_config(cfg, name, threshold, (strategies, starts)) for name in cfg.runs}
     todo = [
         name
         for name, train in configs.items()
@@ -226,8 +285,15 @@ def run_all(cfg: BenchTrainConfig) -> dict:
     return results
 
 
-def train_config(cfg: BenchTrainConfig, name: str, threshold: int) -> TrainConfig:
-    """Run ``name``'s TrainConfig (checked), all ``cfg.num_steps`` steps."""
+def train_config(
+    cfg: BenchTrainConfig,
+    name: str,
+    threshold: int,
+    buckets: tuple[tuple[str, ...], tuple[int, ...]] | None = None,
+) -> TrainConfig:
+    """Run ``name``'s TrainConfig (checked), all ``cfg.num_steps`` steps; ``buckets``:
+    ``tlt_buckets(cfg)``'s (strategies, bucket starts), by default --tlt-strategies."""
+    strategies, starts = buckets or (tuple(cfg.tlt_strategies), ())
     policy, is_spot, drafters = RUN_SPECS[name]
     train = TrainConfig(
         model_dir=cfg.model_dir,
@@ -239,7 +305,8 @@ def train_config(cfg: BenchTrainConfig, name: str, threshold: int) -> TrainConfi
         group_size=cfg.group_size,
         max_new_tokens=cfg.max_new_tokens,
         policy=policy,
-        tlt_strategies=cfg.tlt_strategies,
+        tlt_strategies=strategies,
+        tlt_bucket_starts=starts,
         tlt_threshold=threshold,
         is_spot_training=is_spot,
         tlt_drafters=drafters,

@@ -91,3 +91,76 @@ def test_runs_alternate_in_chunks_and_each_resumes_to_the_full_run(tmp_path, cap
         "run tlt-spot steps 2-3 ...",
         "run nospec steps 2-3 ...",
     ]
+
+
+@pytest.mark.parametrize(
+    "speedups, strategies, starts",
+    [
+        # this CPU's bench_spec on both tasks: 4_1_4 fastest at every measured batch
+        (
+            {
+                1: {"2_1_2": 1.54, "4_1_4": 1.91},
+                4: {"2_1_2": 1.81, "4_1_4": 2.09},
+                8: {"2_1_2": 1.56, "4_1_4": 1.77},
+            },
+            ("4_1_4",),
+            (1,),
+        ),
+        (
+            {
+                1: {"2_1_2": 1.6, "4_1_4": 2.1},
+                4: {"2_1_2": 1.5, "4_1_4": 1.6},
+                8: {"2_1_2": 1.3, "4_1_4": 1.2},
+            },
+            ("4_1_4", "2_1_2"),
+            (1, 8),
+        ),
+        (
+            {2: {"2_1_2": 1.2, "4_1_4": 1.5}, 16: {"2_1_2": 1.1, "4_1_4": 0.9}},
+            ("4_1_4", "2_1_2"),
+            (1, 16),
+        ),
+    ],
+)
+def test_profile_buckets(speedups, strategies, starts):
+    assert bench_train.profile_buckets(_results(speedups)) == (strategies, starts)
+
+
+def test_profile_buckets_rejects_a_strategy_fastest_twice():
+    speedups = {
+        1: {"a_1_a": 2.0, "b": 1.0},
+        4: {"a_1_a": 1.0, "b": 1.5},
+        8: {"a_1_a": 1.2, "b": 1.1},
+    }
+    with pytest.raises(bench_train.UsageError, match="fastest at batch 8 after b"):
+        bench_train.profile_buckets(_results(speedups))
+
+
+def test_spec_buckets_reach_the_runs_config(tmp_path):
+    """--tlt-buckets spec: every TLT run gets the profile's strategies and bucket starts (a
+    TLTConfig the policy accepts); fastrl keeps --tlt-strategies over the policy's starts."""
+    import json
+
+    from tltsim.policy import make_policy
+
+    spec = tmp_path / "results.json"
+    spec.write_text(
+        json.dumps(_results({1: {"4_1_4": 2.0, "2_1_2": 1.5}, 8: {"4_1_4": 1.1, "2_1_2": 1.3}}))
+    )
+    cfg = bench_train.BenchTrainConfig(
+        model_dir=str(tmp_path),
+        drafter_dir=str(tmp_path),
+        spec_results=str(spec),
+        out=str(tmp_path / "out"),
+        tlt_buckets="spec",
+    )
+    assert bench_train.tlt_buckets(cfg) == (("4_1_4", "2_1_2"), (1, 8))
+    fastrl = bench_train.BenchTrainConfig(spec_results=str(spec), tlt_buckets="fastrl")
+    assert bench_train.tlt_buckets(fastrl) == (("4_1_4", "3_1_3", "2_1_2", "1_1_1"), ())
+    policy = make_policy("tlt", threshold=8, strategies=("4_1_4", "2_1_2"), bucket_starts=(1, 8))
+    assert [(start, a[0].arm) for start, _, a in policy.config.buckets()] == [
+        (1, "4_1_4"),
+        (8, "2_1_2"),
+    ]
+    with pytest.raises(bench_train.UsageError, match="--tlt-buckets"):
+        bench_train.BenchTrainConfig(tlt_buckets="gpu")
