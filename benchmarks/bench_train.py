@@ -289,11 +289,11 @@ def train_config(
     cfg: BenchTrainConfig,
     name: str,
     threshold: int,
-    buckets: tuple[tuple[str, ...], tuple[int, ...]] | None = None,
+    buckets: tuple[tuple[str, ...], tuple[int, ...]],
 ) -> TrainConfig:
     """Run ``name``'s TrainConfig (checked), all ``cfg.num_steps`` steps; ``buckets``:
-    ``tlt_buckets(cfg)``'s (strategies, bucket starts), by default --tlt-strategies."""
-    strategies, starts = buckets or (tuple(cfg.tlt_strategies), ())
+    ``tlt_buckets(cfg)``'s (strategies, bucket starts)."""
+    strategies, starts = buckets
     policy, is_spot, drafters = RUN_SPECS[name]
     train = TrainConfig(
         model_dir=cfg.model_dir,

@@ -136,11 +136,13 @@ def test_profile_buckets_rejects_a_strategy_fastest_twice():
         bench_train.profile_buckets(_results(speedups))
 
 
-def test_spec_buckets_reach_the_runs_config(tmp_path):
-    """--tlt-buckets spec: every TLT run gets the profile's strategies and bucket starts (a
-    TLTConfig the policy accepts); fastrl keeps --tlt-strategies over the policy's starts."""
+def test_spec_buckets_reach_the_tlt_policy(tmp_path):
+    """--tlt-buckets spec: the profile's strategies and bucket starts, through a TLT run's
+    TrainConfig, become the policy's buckets; fastrl keeps --tlt-strategies over the policy's
+    starts."""
     import json
 
+    from tltrun.train.config import TrainConfig
     from tltsim.policy import make_policy
 
     spec = tmp_path / "results.json"
@@ -157,7 +159,16 @@ def test_spec_buckets_reach_the_runs_config(tmp_path):
     assert bench_train.tlt_buckets(cfg) == (("4_1_4", "2_1_2"), (1, 8))
     fastrl = bench_train.BenchTrainConfig(spec_results=str(spec), tlt_buckets="fastrl")
     assert bench_train.tlt_buckets(fastrl) == (("4_1_4", "3_1_3", "2_1_2", "1_1_1"), ())
-    policy = make_policy("tlt", threshold=8, strategies=("4_1_4", "2_1_2"), bucket_starts=(1, 8))
+    strategies, starts = bench_train.tlt_buckets(cfg)
+    train = TrainConfig(
+        model_dir=str(tmp_path),
+        out=str(tmp_path / "run"),
+        policy="tlt",
+        tlt_strategies=strategies,
+        tlt_bucket_starts=starts,
+        tlt_threshold=8,
+    )
+    policy = make_policy(train.policy, **train.policy_settings())
     assert [(start, a[0].arm) for start, _, a in policy.config.buckets()] == [
         (1, "4_1_4"),
         (8, "2_1_2"),
