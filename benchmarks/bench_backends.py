@@ -34,9 +34,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from tltrun.model.config import ModelConfig
 from tltrun.model.drafter import EagleDrafter, export_vllm
+from tltrun.model.hf_checkpoint import save_hf
 from tltrun.model.tokenizer import CharTokenizer
-from tltrun.model.transformer import ModelConfig, Transformer, save_hf
+from tltrun.model.transformer import Transformer
 from tltrun.rollout.engine import RolloutEngine
 from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import SamplingParams

@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from tltrun.model.config import ModelConfig
+from tltrun.model.hf_checkpoint import save_hf
 from tltrun.model.tokenizer import CharTokenizer
-from tltrun.model.transformer import ModelConfig, Transformer, save_hf
+from tltrun.model.transformer import Transformer
 from tltrun.train.config import TrainConfig
 from tltrun.train.launch import run_train
 from tltrun.train.tasks import TaskConfig

@@ -342,7 +342,7 @@ def run_backend(
     with the profile's rounds (one replay after each round), so that the profile and the run
     see the same load of this shared machine; vLLM: profile, then run."""
     from tltrun.model.drafter import load_drafter
-    from tltrun.model.transformer import load_hf
+    from tltrun.model.hf_checkpoint import load_hf
     from tltrun.profile.measure import run_profile
 
     out = work / f"run_{backend}"

@@ -119,8 +119,8 @@ def bench_engine(cfg: BenchGemmConfig) -> list[dict]:
     import random
 
     from tltrun.model.drafter import load_drafter
+    from tltrun.model.hf_checkpoint import load_hf
     from tltrun.model.tokenizer import CharTokenizer
-    from tltrun.model.transformer import load_hf
     from tltrun.rollout.engine import RolloutEngine
     from tltrun.rollout.engine_config import EngineConfig
     from tltrun.rollout.interface import Request, SamplingParams

@@ -38,8 +38,9 @@ from pathlib import Path
 
 import torch
 
+from tltrun.model.config import ModelConfig
 from tltrun.model.drafter import EagleDrafter
-from tltrun.model.transformer import ModelConfig, Transformer
+from tltrun.model.transformer import Transformer
 from tltrun.profile.torch_engine import EngineProbe
 from tltrun.rollout.draft_graphs import draft_sources
 from tltrun.rollout.engine import RolloutEngine

@@ -223,8 +223,9 @@ def bench_engine(cfg: BenchConfig, device="cuda", dtype="bfloat16", model_overri
     """Median wall seconds of the SD iterations of one rollout (chain of 8 drafts, sampling at
     temperature 1) per (verify_impl, attn_impl); the rest of the engine is identical."""
     try:
+        from tltrun.model.config import ModelConfig
         from tltrun.model.drafter import EagleDrafter
-        from tltrun.model.transformer import ModelConfig, Transformer
+        from tltrun.model.transformer import Transformer
         from tltrun.rollout.engine import RolloutEngine
         from tltrun.rollout.engine_config import EngineConfig
         from tltrun.rollout.interface import Request, SamplingParams

@@ -66,8 +66,10 @@ def tiny_model_dir(out: Path, seed: int) -> Path:
     task's character tokenizer, random weights of std 0.3."""
     import torch
 
+    from tltrun.model.config import ModelConfig
+    from tltrun.model.hf_checkpoint import save_hf
     from tltrun.model.tokenizer import CharTokenizer
-    from tltrun.model.transformer import ModelConfig, Transformer, save_hf
+    from tltrun.model.transformer import Transformer
     from tltrun.train.tasks import TaskConfig
 
     model_dir = out / "tiny_model"
@@ -160,7 +162,7 @@ def checkpoint_seconds(cfg: BenchScaleConfig, model_dir: Path) -> dict:
     import torch.distributed as dist
 
     from tltrun.model.drafter import EagleDrafter
-    from tltrun.model.transformer import load_hf
+    from tltrun.model.hf_checkpoint import load_hf
     from tltrun.train import checkpoint as ckpt_io
     from tltrun.train.grpo import GRPOConfig, make_optimizer
 

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from tltsim.cli.table import format_table
+from tltsim.sim.config import SimConfig
 from tltsim.sim.replay import RunSettings, run_settings
-from tltsim.sim.simulator import SimConfig
 from tltsim.trace.schema import Trace
 from tltsim.trace.synth import GenConfig, generate
 

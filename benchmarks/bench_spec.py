@@ -126,7 +126,8 @@ def task_prompts(num: int, seed: int, task: str = "builtin") -> list[str]:
 
 def stage_target(cfg: BenchSpecConfig, out: Path) -> None:
     from tltrun.model.tokenizer import CharTokenizer
-    from tltrun.train.sft import SFTConfig, build_model, data_pairs, save_checkpoint, train
+    from tltrun.train.sft import build_model, data_pairs, save_checkpoint, train
+    from tltrun.train.sft_config import SFTConfig
     from tltrun.train.tasks import TaskConfig
 
     sft = SFTConfig(
@@ -216,8 +217,8 @@ def stage_drafter(cfg: BenchSpecConfig, work: Path) -> None:
 
 def measure(cfg: BenchSpecConfig, work: Path) -> dict:
     from tltrun.model.drafter import load_drafter
+    from tltrun.model.hf_checkpoint import load_hf
     from tltrun.model.tokenizer import CharTokenizer
-    from tltrun.model.transformer import load_hf
     from tltrun.rollout.measured_trace import hardware_name
 
     target = load_hf(work / "target")

@@ -332,7 +332,7 @@ def drafter_eval(cfg: BenchTrainConfig) -> dict[str, float]:
 
     from tltrun.data.tokenizer import load_tokenizer
     from tltrun.model.drafter import load_drafter
-    from tltrun.model.transformer import load_hf
+    from tltrun.model.hf_checkpoint import load_hf
     from tltrun.rollout.engine import RolloutEngine
     from tltrun.rollout.engine_config import EngineConfig
     from tltrun.rollout.interface import Request, SamplingParams

@@ -190,7 +190,7 @@ def vllm_engines(
     through the dynamic-SD table (k = 0 everywhere), TLTAdaptive with ``control="switch"`` (its
     warm-up, bandit and switch re-prefill; tltrun.rollout.vllm_backend). ``min_model_len``: what the
     profile's grid needs. Returns (torch target, engines)."""
-    from tltrun.model.transformer import load_hf
+    from tltrun.model.hf_checkpoint import load_hf
     from tltrun.rollout.interface import Request, SamplingParams
     from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig
     from tltsim.policy import NoSpec

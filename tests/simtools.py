@@ -13,7 +13,8 @@ from tltsim.cost.roofline import RooflineCost
 from tltsim.cost.specs import get_hardware, get_model
 from tltsim.policy import SpotTrainerPolicy, make_policy
 from tltsim.sim.acceptance import DrafterDynamics
-from tltsim.sim.simulator import PLACEMENTS, SimConfig, simulate
+from tltsim.sim.config import PLACEMENTS, SimConfig
+from tltsim.sim.simulator import simulate
 from tltsim.trace.schema import Trace, trace_from_arrays
 
 

@@ -15,7 +15,7 @@ from tiny_models import tiny_model
 
 from tltrun.cli.main import main
 from tltrun.model.drafter import EagleDrafter, export_vllm
-from tltrun.model.transformer import save_hf
+from tltrun.model.hf_checkpoint import save_hf
 from tltsim.fidelity.measured_run import measured_run
 from tltsim.trace.files import load_trace
 

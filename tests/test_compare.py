@@ -24,7 +24,8 @@ from tltsim.cost.roofline import RooflineCost
 from tltsim.cost.specs import HARDWARE_PRESETS, MODEL_PRESETS
 from tltsim.policy import TLTConfig, make_policy
 from tltsim.sim.acceptance import DrafterDynamics
-from tltsim.sim.simulator import SimConfig, simulate
+from tltsim.sim.config import SimConfig
+from tltsim.sim.simulator import simulate
 from tltsim.trace.files import save_trace
 from tltsim.trace.measured import MeasuredStep
 from tltsim.trace.schema import Prompt, Response, Step, Trace, trace_to_dict
@@ -176,7 +177,7 @@ def test_speedups_between_policies(profile_path, tmp_path):
 def test_torch_engine_traces_give_finite_errors_and_plots(tmp_path):
     """profile -> run -> compare on a tiny model (the recipe, in miniature)."""
     from tltrun.model.drafter import EagleDrafter, export_vllm
-    from tltrun.model.transformer import save_hf
+    from tltrun.model.hf_checkpoint import save_hf
     from tltrun.profile.measure import ProfileRunConfig, run_profile
     from tltrun.rollout.engine import RolloutEngine
     from tltrun.rollout.engine_config import EngineConfig

@@ -37,7 +37,8 @@ from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord
 from tltrun.train.spot import idle_obs, phase_row
 from tltsim.policy import SpecPolicy, SpotTrainerPolicy, TLTAdaptive
 from tltsim.sim.acceptance import DrafterDynamics
-from tltsim.sim.simulator import SimConfig, simulate
+from tltsim.sim.config import SimConfig
+from tltsim.sim.simulator import simulate
 
 NUM_INSTANCES = 3
 MAX_RUNNING = 2

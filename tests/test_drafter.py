@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import VOCAB, tiny_model
 
+from tltrun.model.config import CheckpointError
 from tltrun.model.drafter import (
     EagleDrafter,
     draft,
@@ -23,7 +24,7 @@ from tltrun.model.drafter import (
     tree_layout,
 )
 from tltrun.model.kvcache import KVCache
-from tltrun.model.transformer import CausalContext, CheckpointError
+from tltrun.model.transformer import CausalContext
 from tltrun.rollout.interface import SamplingParams
 from tltrun.rollout.speculative import logits_to_probs
 from tltsim.policy import SpecDecision

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from tltsim.cost.presets import apply_preset
+from tltsim.sim.config import SimConfig
 from tltsim.sim.replay import RunSettings, run_settings
-from tltsim.sim.simulator import SimConfig
 from tltsim.trace.files import load_trace
 from tltsim.trace.schema import Trace
 

@@ -30,7 +30,8 @@ from tltsim.sim.acceptance import (
     history_accept_len_pmf,
 )
 from tltsim.sim.batch import verify_span_s
-from tltsim.sim.simulator import SimConfig, simulate
+from tltsim.sim.config import SimConfig
+from tltsim.sim.simulator import simulate
 from tltsim.trace.files import load_trace, save_trace
 from tltsim.trace.measured import MeasuredStep, PolicyRecord
 from tltsim.trace.schema import Prompt, Response, Step, Trace

@@ -28,8 +28,8 @@ from tiny_models import tiny_model
 
 from tltrun.cli.main import main as tltrun_main
 from tltrun.model.drafter import EagleDrafter, export_vllm
+from tltrun.model.hf_checkpoint import save_hf
 from tltrun.model.tokenizer import CharTokenizer
-from tltrun.model.transformer import save_hf
 from tltrun.train.tasks import TaskConfig
 from tltsim.cli.main import main as tltsim_main
 from tltsim.cost.profile import COLUMNS as PROFILE_COLUMNS

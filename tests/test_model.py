@@ -11,14 +11,9 @@ import json
 import pytest
 import torch
 
-from tltrun.model.transformer import (
-    CausalContext,
-    CheckpointError,
-    ModelConfig,
-    load_hf,
-    read_config,
-    save_hf,
-)
+from tltrun.model.config import CheckpointError, ModelConfig, read_config
+from tltrun.model.hf_checkpoint import load_hf, save_hf
+from tltrun.model.transformer import CausalContext
 
 transformers = pytest.importorskip("transformers")
 

@@ -20,7 +20,7 @@ from tiny_models import tiny_model
 
 from tltrun.cli.main import main
 from tltrun.model.drafter import EagleDrafter, export_vllm
-from tltrun.model.transformer import save_hf
+from tltrun.model.hf_checkpoint import save_hf
 from tltrun.profile.measure import ProfileRunConfig, run_profile
 from tltrun.profile.timing import Measure
 from tltrun.profile.torch_engine import EngineProbe, fill_engine

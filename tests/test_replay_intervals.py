@@ -17,6 +17,7 @@ from simtools import make_trace
 from tltsim.cli.main import main
 from tltsim.errors import UsageError
 from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.sim.config import SimConfig
 from tltsim.sim.intervals import (
     IntervalSpec,
     accept_band,
@@ -25,7 +26,6 @@ from tltsim.sim.intervals import (
     scaled_dynamics,
 )
 from tltsim.sim.replay import RunSettings, replay_intervals, simulate_policies
-from tltsim.sim.simulator import SimConfig
 from tltsim.sim.sweep import SweepSpec, sweep_summary
 
 NAMES = ("nospec", "static", "tlt")

@@ -24,7 +24,7 @@ import pytest
 from test_train import TASK, config
 from tiny_models import save_train_model
 
-from tltrun.model.transformer import CheckpointError
+from tltrun.model.config import CheckpointError
 from tltrun.train import state as ts
 from tltrun.train.launch import prepare_run_dir, run_train
 from tltrun.train.tasks import TaskConfig
@@ -518,7 +518,7 @@ def test_worker_errors_are_one_line_naming_the_rank(tmp_path):
     report = (
         "\n\n-- Process 1 terminated with the following error:\nTraceback (most recent call "
         'last):\n  File "x.py", line 3, in f\n    raise CheckpointError(...)\n'
-        "tltrun.model.transformer.CheckpointError: m/model.safetensors: truncated\n"
+        "tltrun.model.config.CheckpointError: m/model.safetensors: truncated\n"
     )
     err = worker_error(tmp_path, 1, report)
     assert str(err) == (

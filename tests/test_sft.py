@@ -16,7 +16,8 @@ transformers = pytest.importorskip("transformers")
 
 from tltrun.cli.main import main  # noqa: E402
 from tltrun.model.tokenizer import CharTokenizer  # noqa: E402
-from tltrun.train.sft import SFTConfig, collate, example_tokens, length_batches, run_sft  # noqa: E402
+from tltrun.train.sft import collate, example_tokens, length_batches, run_sft  # noqa: E402
+from tltrun.train.sft_config import SFTConfig  # noqa: E402
 from tltrun.train.tasks import TaskConfig, make_examples  # noqa: E402
 
 TINY = dict(

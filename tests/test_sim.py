@@ -17,8 +17,9 @@ from simtools import clusters, make_trace, roofline, run, small_traces
 
 from tltsim.policy import DEFAULT_POLICY_NAMES, OFF, NoSpec
 from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.sim.config import SimConfig
 from tltsim.sim.metrics import critical_path_s, ideal_bound, response_frontier
-from tltsim.sim.simulator import SimConfig, place, simulate
+from tltsim.sim.simulator import place, simulate
 from tltsim.trace.files import load_trace
 from tltsim.trace.schema import Trace
 

@@ -376,7 +376,7 @@ def test_fsdp_size_shards_the_actor_of_tltrun_train(model_dir, tmp_path):  # noq
     as the replicated run. Greedy NoSpec rollouts: equal weights <=> equal rollouts."""
     import torch
 
-    from tltrun.model.transformer import read_safetensors
+    from tltrun.model.hf_checkpoint import read_safetensors
 
     logs, weights = {}, {}
     for fsdp in (1, 2):

@@ -26,7 +26,7 @@ from tiny_models import tiny_model
 
 from tltrun.cli.main import main
 from tltrun.data.tokenizer import load_tokenizer
-from tltrun.model.transformer import save_hf
+from tltrun.model.hf_checkpoint import save_hf
 from tltrun.train.config import TrainConfig
 from tltrun.train.launch import run_train
 from tltrun.train.tasks import TaskConfig

@@ -19,8 +19,8 @@ pytest.importorskip("vllm", reason="vLLM backend tests need vllm (pip install -e
 
 from tiny_models import tiny_model  # noqa: E402
 
+from tltrun.model.hf_checkpoint import save_hf  # noqa: E402
 from tltrun.model.tokenizer import CharTokenizer  # noqa: E402
-from tltrun.model.transformer import save_hf  # noqa: E402
 from tltrun.train.config import TrainConfig  # noqa: E402
 from tltrun.train.launch import run_train  # noqa: E402
 from tltrun.train.tasks import TaskConfig  # noqa: E402

@@ -16,7 +16,8 @@ pytest.importorskip("vllm", reason="vLLM backend tests need vllm (pip install -e
 from tiny_models import tiny_model  # noqa: E402
 
 from tltrun.model.drafter import EagleDrafter, export_vllm  # noqa: E402
-from tltrun.model.transformer import CausalContext, Transformer, save_hf  # noqa: E402
+from tltrun.model.hf_checkpoint import save_hf  # noqa: E402
+from tltrun.model.transformer import CausalContext, Transformer  # noqa: E402
 from tltrun.rollout.engine import RolloutEngine  # noqa: E402
 from tltrun.rollout.engine_config import EngineConfig  # noqa: E402
 from tltrun.rollout.interface import Request, SamplingParams  # noqa: E402

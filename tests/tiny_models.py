@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from tltrun.model.transformer import ModelConfig, Transformer
+from tltrun.model.config import ModelConfig
+from tltrun.model.transformer import Transformer
 from tltrun.train.tasks import TaskConfig
 
 VOCAB = 97
@@ -55,8 +56,8 @@ def save_train_model(out: Path, task: TaskConfig) -> Path:
     import json
     from dataclasses import asdict
 
+    from tltrun.model.hf_checkpoint import save_hf
     from tltrun.model.tokenizer import CharTokenizer
-    from tltrun.model.transformer import save_hf
 
     tok = CharTokenizer()
     save_hf(tiny_model(seed=0, vocab_size=tok.vocab_size, eos_token_ids=(tok.eos_id,)), out)

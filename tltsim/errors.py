@@ -7,7 +7,7 @@ was expected. The command lines (``tltsim.cli.main``, ``tltrun.cli.main``, throu
 anything else is a bug: one ``error: internal error: ...`` line, exit 1, the traceback in a file.
 
 Subclasses defined beside their subject: ``tltsim.trace.schema.TraceError``,
-``tltsim.cost.profile.ProfileError`` (a ``UsageError``), ``tltrun.model.transformer.CheckpointError``.
+``tltsim.cost.profile.ProfileError`` (a ``UsageError``), ``tltrun.model.config.CheckpointError``.
 """
 
 from __future__ import annotations

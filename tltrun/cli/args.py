@@ -45,7 +45,7 @@ def engine_defaults(model_dir: str, num_requests: int, max_request_tokens: int) 
     max_position_embeddings (config.json). The KV cache is preallocated for both, so neither is
     larger than the rollout needs; a request longer than the model's context then fails with
     the engine's max_model_len error, which --max-model-len overrides."""
-    from tltrun.model.transformer import CheckpointError, read_config
+    from tltrun.model.config import CheckpointError, read_config
 
     try:
         max_positions = read_config(model_dir).max_position_embeddings
@@ -96,7 +96,7 @@ def check_kv_cache_fits(model_dir: str, engine_cfg: EngineConfig) -> None:
     below the limit can be granted lazily and then kill the machine's other processes."""
     import torch
 
-    from tltrun.model.transformer import CheckpointError, read_config
+    from tltrun.model.config import CheckpointError, read_config
     from tltrun.rollout.engine_config import DTYPES
 
     try:

@@ -29,7 +29,7 @@ from tltrun.cli.args import (
     engine_config_from_args,
     engine_defaults,
 )
-from tltrun.model.transformer import check_device
+from tltrun.model.config import check_device
 from tltrun.rollout.engine_config import DTYPES
 from tltrun.rollout.interface import Request
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
@@ -192,7 +192,7 @@ def _load_tokenizer(model_dir: str):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tltrun.model.drafter import load_drafter
-    from tltrun.model.transformer import load_hf
+    from tltrun.model.hf_checkpoint import load_hf
     from tltrun.rollout.engine import RolloutEngine
     from tltrun.rollout.measured_trace import hardware_name, measured_step
     from tltsim.policy import make_policy
@@ -255,7 +255,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     from tltrun.model.drafter import EagleDrafter, export_vllm, load_drafter
-    from tltrun.model.transformer import load_hf
+    from tltrun.model.hf_checkpoint import load_hf
     from tltrun.train.drafter_training import (
         DrafterTrainConfig,
         records_from_outputs,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tltrun.train import sft
+from tltrun.train.sft_config import SFTConfig
 from tltrun.train.tasks import TaskConfig, length_stats, make_examples
 from tltsim.cli.args import add_dataclass_args, dataclass_from_args
 from tltsim.cli.table import format_table
@@ -86,7 +87,7 @@ def summary_table(metrics: dict[str, Any]) -> str:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    cfg = dataclass_from_args(sft.SFTConfig, args)
+    cfg = dataclass_from_args(SFTConfig, args)
     task = dataclass_from_args(TaskConfig, args, prefix="task-")
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise UsageError(f"--out {cfg.out}: exists and is not a directory")
@@ -128,7 +129,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="train a small model on the built-in task's worked solutions",
         description=sft.__doc__.split("\n\n")[0],
     )
-    add_dataclass_args(parser, sft.SFTConfig)
+    add_dataclass_args(parser, SFTConfig)
     add_dataclass_args(parser, TaskConfig, prefix="task-")
     parser.set_defaults(func=_cmd_sft)
 

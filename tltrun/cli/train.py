@@ -130,7 +130,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _check_inputs(cfg: TrainConfig) -> None:
     """Validate the model and drafter checkpoints' files before any worker starts: a truncated
     or garbage safetensors file is one error line here instead of a traceback per worker."""
-    from tltrun.model.transformer import check_checkpoint, safetensors_shapes
+    from tltrun.model.hf_checkpoint import check_checkpoint, safetensors_shapes
 
     check_checkpoint(cfg.model_dir)
     if cfg.drafter_dir is not None:

@@ -28,6 +28,7 @@ the same layout and loads through here too; AutoTokenizer gives the same ids (it
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,21 @@ from typing import Any
 from tltsim.errors import UsageError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+# Every file a model directory's tokenizer may consist of, copied beside saved weights
+# (transformers 5 keeps the chat template in chat_template.jinja; byte-level BPEs may ship
+# vocab.json + merges.txt; generation_config.json holds the stop ids; sft_config.json tells
+# ``tltrun sft-eval`` how the checkpoint was made).
+TOKENIZER_COPY_FILES = (
+    *TOKENIZER_FILES,
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "sft_config.json",
+)
 
 Prompt = str | Sequence[dict[str, str]]
 
@@ -156,3 +172,12 @@ def load_tokenizer(model_dir: str | Path, *, is_chat_template: bool = False) -> 
             "(responses could never stop before the token cap)"
         )
     return TextTokenizer(hf, tuple(eos), is_chat_template, str(directory))
+
+
+def copy_tokenizer(model_dir: str | Path, dest: Path) -> None:
+    """Copy the tokenizer files of ``model_dir`` (those of ``TOKENIZER_COPY_FILES`` it has) into
+    ``dest``, so a directory of saved weights loads with its tokenizer."""
+    for name in TOKENIZER_COPY_FILES:
+        src = Path(model_dir) / name
+        if src.is_file():
+            shutil.copyfile(src, dest / name)

@@ -45,15 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tltrun.model.config import CheckpointError, ModelConfig
 from tltrun.model.kvcache import KVCache, masked_attention
-from tltrun.model.transformer import (
-    CheckpointError,
-    DecoderLayer,
-    ModelConfig,
-    Rotary,
-    Transformer,
-    gemm_layout,
-)
+from tltrun.model.transformer import DecoderLayer, Rotary, Transformer, gemm_layout
 from tltrun.rollout.interface import SamplingParams
 from tltrun.rollout.speculative import DraftTree, logits_to_probs, sample
 from tltsim.policy import SpecDecision
@@ -384,7 +378,8 @@ def export_vllm(drafter: EagleDrafter, out_dir: str | Path, meta: dict | None = 
 def load_drafter(in_dir: str | Path, target: Transformer) -> EagleDrafter:
     """Load an exported drafter (ours, or any EAGLE-1 checkpoint in vLLM's layout without an
     fc bias) and bind it to ``target``; sizes must match the target's."""
-    from tltrun.model.transformer import load_safetensors, read_config
+    from tltrun.model.config import read_config
+    from tltrun.model.hf_checkpoint import load_safetensors
 
     root = Path(in_dir)
     cfg = read_config(root)

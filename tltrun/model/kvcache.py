@@ -32,7 +32,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from tltrun.model.transformer import ModelConfig
+from tltrun.model.config import ModelConfig
 
 ATTN_IMPLS = ("sdpa", "flex", "ref", "triton")
 # Attention implementations that attend without padding work (tltsim.cost.profile's

@@ -361,7 +361,7 @@ def run_profile(
     ``vllm_backend``: profile this running ``VLLMBackend`` (left open) instead of starting one
     (``tltrun.profile.vllm_engine.profile_vllm``)."""
     from tltrun.model.drafter import load_drafter
-    from tltrun.model.transformer import load_hf
+    from tltrun.model.hf_checkpoint import load_hf
     from tltrun.rollout.engine_config import DTYPES
 
     if cfg.dtype not in DTYPES:

@@ -266,7 +266,7 @@ def profile_vllm(
     vLLM engine: ``backend`` (a ``VLLMBackend`` the caller also runs, left open; its
     ``control`` must not be ``"table"``) or one started here as the run's would be.
     ``between_rounds(r)`` runs after round r (on ``backend``: a measured rollout)."""
-    from tltrun.model.transformer import read_config
+    from tltrun.model.config import read_config
 
     ks = draft_steps(cfg)
     margin = profile_margin(cfg, measure.num_warmup)

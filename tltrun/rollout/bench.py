@@ -135,7 +135,7 @@ def load_bench_trace(cfg: BenchConfig) -> Trace:
 
 def run_bench(cfg: BenchConfig, engine_cfg, trace: Trace) -> dict[str, Any]:
     from tltrun.model.drafter import load_drafter
-    from tltrun.model.transformer import load_hf
+    from tltrun.model.hf_checkpoint import load_hf
     from tltrun.rollout.engine_config import DTYPES
     from tltrun.rollout.measured_trace import hardware_name, measured_step, requests_from_step
     from tltsim.policy import make_policy

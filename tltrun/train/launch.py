@@ -74,7 +74,7 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
     """Bad user input as one UsageError line, before any worker starts. Returns the data's
     summary (``config.json``'s "data" section: a resume refuses data that changed)."""
     from tltrun.data.tokenizer import load_tokenizer
-    from tltrun.model.transformer import CheckpointError, read_config
+    from tltrun.model.config import CheckpointError, read_config
     from tltrun.train.prompts import load_run_data, reward_spec
 
     if cfg.backend == "vllm":

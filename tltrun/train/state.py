@@ -3,7 +3,7 @@ per-step JSONL logs and the measured tlt-trace rebuilt from them, and the resume
 
 Checkpoint ``OUT/ckpt/step_NNNNNN`` (NNNNNN = completed steps = the next step to run):
 
-* ``actor/``: Hugging Face layout (tltrun.model.transformer.save_hf + tokenizer files), loadable as a model;
+* ``actor/``: Hugging Face layout (tltrun.model.hf_checkpoint.save_hf + tokenizer files), loadable as a model;
 * ``dcp/``: actor weights + AdamW state, ``drafter_dcp/``: the spot trainer's drafter, AdamW
   state and version, both torch.distributed.checkpoint directories (tltrun.train.checkpoint:
   any world size loads them; the drafter's is written asynchronously during the next rollout);
@@ -70,7 +70,7 @@ class RunDirWarning(UserWarning):
 def _checkpoint_error(message: str) -> TLTError:
     # CheckpointError lives beside the model loader, which imports torch; state.py's manifest
     # and log checks stay importable (and unit-testable) without it.
-    from tltrun.model.transformer import CheckpointError
+    from tltrun.model.config import CheckpointError
 
     return CheckpointError(message)
 
@@ -421,7 +421,7 @@ def load_policy_state(ckpt_dir: Path, rank: int, policy) -> None:
     """Restore ``save_policy_state``'s file into ``policy`` (built from the run's config)."""
     path = ckpt_dir / f"policy_rank{rank}.json"
     if not path.is_file():
-        from tltrun.model.transformer import CheckpointError
+        from tltrun.model.config import CheckpointError
 
         raise CheckpointError(
             f"{path}: missing (a checkpoint written before policies were saved as state_dict(); start the run afresh)"
@@ -466,26 +466,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def copy_tokenizer(model_dir: str | Path, dest: Path) -> None:
-    # every file of a Hugging Face tokenizer (transformers 5 keeps the chat template in
-    # chat_template.jinja; byte-level BPEs may ship vocab.json + merges.txt)
-    for name in (
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "added_tokens.json",
-        "vocab.json",
-        "merges.txt",
-        "chat_template.jinja",
-        "chat_template.json",
-        "generation_config.json",
-        "sft_config.json",
-    ):
-        src = Path(model_dir) / name
-        if src.is_file():
-            shutil.copyfile(src, dest / name)
 
 
 def export_drafter_atomic(drafter, dest: Path) -> None:

@@ -30,9 +30,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm import tqdm
 
 from tltrun.data.rewards import RewardPool, Shaping
-from tltrun.data.tokenizer import load_tokenizer
+from tltrun.data.tokenizer import copy_tokenizer, load_tokenizer
 from tltrun.model.drafter import EagleDrafter, export_vllm, load_drafter
-from tltrun.model.transformer import load_hf, save_hf
+from tltrun.model.hf_checkpoint import load_hf, save_hf
 from tltrun.rollout.engine import HarvestRecord, RolloutEngine
 from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import SamplingParams
@@ -299,7 +299,7 @@ class Worker:
         weights = self._actor_weights()  # a collective when sharded: every rank gathers
         if self.rank == 0:
             save_hf(self.actor, tmp / "actor", weights)
-            ts.copy_tokenizer(self.cfg.model_dir, tmp / "actor")
+            copy_tokenizer(self.cfg.model_dir, tmp / "actor")
             if self.engine.drafter is not None or self.spot is not None:
                 export_vllm(self._drafter(), tmp / "drafter")
         future = None
@@ -367,7 +367,7 @@ class Worker:
         if self.rank == 0:
             final = self.out / "final"
             save_hf(self.actor, final / "actor", weights)
-            ts.copy_tokenizer(cfg.model_dir, final / "actor")
+            copy_tokenizer(cfg.model_dir, final / "actor")
             if self.engine.drafter is not None or self.spot is not None:
                 export_vllm(self._drafter(), final / "drafter")
         dist.barrier()

@@ -35,6 +35,7 @@ from tltsim.errors import UsageError
 from tltsim.jsonio import write_json
 from tltsim.policy import SpotTrainerConfig, TLTConfig
 from tltsim.sim.acceptance import DrafterDynamics, HistoryModel
+from tltsim.sim.config import SimConfig
 from tltsim.sim.intervals import DEFAULT_COST_ERROR, IntervalSpec, accept_band, describe
 from tltsim.sim.replay import (
     RunSettings,
@@ -42,7 +43,6 @@ from tltsim.sim.replay import (
     replay_intervals,
     simulate_policies,
 )
-from tltsim.sim.simulator import SimConfig
 from tltsim.sim.sweep import run_sweep
 from tltsim.trace.files import load_trace
 from tltsim.trace.schema import Trace

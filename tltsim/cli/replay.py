@@ -45,6 +45,7 @@ from tltsim.errors import UsageError
 from tltsim.jsonio import write_json
 from tltsim.policy import SpotTrainerConfig, TLTConfig
 from tltsim.sim.acceptance import DrafterDynamics, HistoryModel
+from tltsim.sim.config import SimConfig
 from tltsim.sim.intervals import describe
 from tltsim.sim.metrics import SimResult
 from tltsim.sim.replay import (
@@ -57,7 +58,6 @@ from tltsim.sim.replay import (
     simulate_policies,
     write_outputs,
 )
-from tltsim.sim.simulator import SimConfig
 from tltsim.trace.files import load_trace
 from tltsim.trace.schema import Trace
 

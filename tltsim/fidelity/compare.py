@@ -46,7 +46,8 @@ from tltsim.fidelity.measured_run import MeasuredRun, measured_run
 from tltsim.jsonio import write_json
 from tltsim.policy import TLTConfig, make_policy
 from tltsim.sim.acceptance import DrafterDynamics
-from tltsim.sim.simulator import SimConfig, simulate
+from tltsim.sim.config import SimConfig
+from tltsim.sim.simulator import simulate
 from tltsim.trace.files import load_trace
 
 

@@ -39,6 +39,7 @@ from tltsim.policy import (
     make_policy,
 )
 from tltsim.sim.acceptance import DrafterDynamics, HistoryModel
+from tltsim.sim.config import SimConfig
 from tltsim.sim.intervals import (
     DEFAULT_COST_ERROR,
     IntervalSpec,
@@ -50,7 +51,7 @@ from tltsim.sim.intervals import (
     speedup_intervals,
 )
 from tltsim.sim.metrics import SimResult, ideal_bound
-from tltsim.sim.simulator import SimConfig, simulate
+from tltsim.sim.simulator import simulate
 from tltsim.trace.schema import Trace
 
 # Show a progress bar when a replay simulates at least this many responses (about a second).

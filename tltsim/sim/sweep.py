@@ -55,8 +55,8 @@ from tltsim.errors import UsageError
 from tltsim.jsonio import read_text, write_json
 from tltsim.policy import POLICY_NAMES, SpotTrainerConfig, TLTConfig, make_policy
 from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.sim.config import MAX_SEED, SimConfig
 from tltsim.sim.replay import RunSettings, run_settings
-from tltsim.sim.simulator import MAX_SEED, SimConfig
 from tltsim.trace.files import load_trace
 from tltsim.trace.schema import Trace, TraceError
 

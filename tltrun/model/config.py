@@ -1,0 +1,240 @@
+"""The model's configuration: a Hugging Face ``config.json`` (Llama / Qwen2; RoPE scaling
+"default", "linear" or "llama3") read into a ``ModelConfig`` and written back, the error a bad
+checkpoint raises, and the check that a ``--device`` exists on this machine.
+
+    cfg = read_config("./Qwen2.5-0.5B-Instruct")   # CheckpointError names file and field
+
+The model built from it is ``tltrun.model.transformer.Transformer``; its weights are read and
+written by ``tltrun.model.hf_checkpoint``. Try it: ``python -m pytest tests/test_model.py -q``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tltsim.errors import TLTError
+from tltsim.jsonio import read_json
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+ROPE_KINDS = ("default", "linear", "llama3")
+
+
+class CheckpointError(TLTError, ValueError):
+    """Bad checkpoint directory or config. ``str(err)`` is one line naming file and field."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling as in Hugging Face ``rope_parameters`` / legacy ``rope_scaling``."""
+
+    kind: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(
+                f"rope type {self.kind!r} is not supported (expected one of {ROPE_KINDS})"
+            )
+        if self.factor <= 0:
+            raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str  # "llama" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {self.model_type!r} not supported (expected one of {SUPPORTED_MODEL_TYPES})"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            # int32 bound: torch sizes are int64 and a product of two larger ones overflowed
+            if not 1 <= getattr(self, name) < 2**31:
+                raise ValueError(f"{name} must be in [1, 2^31), got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Read a Hugging Face ``config.json`` dict (transformers 4.x or 5.x rope layout)."""
+
+        def need(key: str) -> Any:
+            if key not in d:
+                raise CheckpointError(f"{source}: missing field {key!r}")
+            return d[key]
+
+        model_type = need("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise CheckpointError(
+                f"{source}: model_type {model_type!r} not supported (expected one of {SUPPORTED_MODEL_TYPES})"
+            )
+        if d.get("use_sliding_window"):
+            raise CheckpointError(f"{source}: use_sliding_window=true is not supported")
+        num_heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        eos = d.get("eos_token_id")
+        eos_ids = (
+            () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+        )
+        # Qwen2 always has q/k/v bias but its config carries no attention_bias field.
+        default_bias = model_type == "qwen2"
+        theta, scaling = _parse_rope(d, source)
+        try:
+            return cls(
+                model_type=model_type,
+                vocab_size=int(need("vocab_size")),
+                hidden_size=hidden,
+                intermediate_size=int(need("intermediate_size")),
+                num_hidden_layers=int(need("num_hidden_layers")),
+                num_attention_heads=num_heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
+                head_dim=int(d.get("head_dim") or hidden // num_heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                attention_bias=bool(d.get("attention_bias", default_bias)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except ValueError as err:
+            raise CheckpointError(f"{source}: {err}") from None
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A ``config.json`` that transformers (4.x and 5.x) and vLLM load."""
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.model_type]
+        rope: dict[str, Any] | None = None
+        if self.rope_scaling.kind != "default":
+            rope = {"rope_type": self.rope_scaling.kind, "factor": self.rope_scaling.factor}
+            if self.rope_scaling.kind == "llama3":
+                rope.update(
+                    low_freq_factor=self.rope_scaling.low_freq_factor,
+                    high_freq_factor=self.rope_scaling.high_freq_factor,
+                    original_max_position_embeddings=self.rope_scaling.original_max_position_embeddings,
+                )
+        eos: Any = (
+            list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
+        )
+        return {
+            "architectures": [arch],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            # Legacy layout (rope_theta + rope_scaling): transformers 5 converts it on load,
+            # vLLM and transformers 4 read it directly.
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope,
+            "attention_bias": self.attention_bias,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos if self.eos_token_ids else None,
+        }
+
+
+def _parse_rope(d: dict[str, Any], source: str) -> tuple[float, RopeScaling]:
+    params = d.get("rope_parameters") or {}
+    legacy = d.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    spec = params if params.get("rope_type", "default") != "default" else legacy
+    kind = spec.get("rope_type", spec.get("type", "default"))
+    if kind not in ROPE_KINDS:
+        raise CheckpointError(
+            f"{source}: rope type {kind!r} not supported (expected one of {ROPE_KINDS})"
+        )
+    scaling = RopeScaling(
+        kind=kind,
+        factor=float(spec.get("factor", 1.0)),
+        low_freq_factor=float(spec.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(spec.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            spec.get("original_max_position_embeddings", d.get("max_position_embeddings", 8192))
+        ),
+    )
+    return theta, scaling
+
+
+def read_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(
+            f"{model_dir}: no config.json (expected a Hugging Face model directory)"
+        )
+    raw = read_json(path, "model config.json", CheckpointError)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    try:
+        return ModelConfig.from_hf_dict(raw, source=str(path))
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, OverflowError) as err:  # int("x"), int(None), int(inf)
+        raise CheckpointError(f"{path}: {err}") from None
+
+
+def check_device(device: str | torch.device) -> None:
+    """Raise a one-line ValueError unless ``device`` names a torch device this machine has
+    (``--device cuda`` without CUDA was an AssertionError traceback deep in torch). The config
+    dataclasses that hold a device call it in ``__post_init__``."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(
+            f"device {device!r}: not a torch device ({str(err).splitlines()[0]})"
+        ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    elif dev.type not in ("cpu", "meta"):
+        raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N")

@@ -1,0 +1,165 @@
+"""Hugging Face checkpoints of ``tltrun.model.transformer.Transformer``: ``config.json`` +
+``model.safetensors`` (or the shards a ``model.safetensors.index.json`` lists), loaded with every
+tensor's name and shape checked against the config (on the meta device: a corrupted size is
+reported, never allocated) and saved with a tied LM head stored once, as Hugging Face does.
+
+    model = load_hf("./Qwen2.5-0.5B-Instruct", dtype=torch.bfloat16, device="cuda")
+    save_hf(model, "out/actor")
+
+A truncated, garbage or non-finite file is one ``CheckpointError`` naming it. Try it:
+``python -m pytest tests/test_model.py tests/test_run_integrity.py -q``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tltrun.model.config import CheckpointError, ModelConfig, check_device, read_config
+from tltrun.model.transformer import Transformer
+from tltsim.errors import UsageError
+from tltsim.jsonio import read_json
+
+
+def load_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file; a truncated or garbage file, or one holding NaN or
+    inf, is one CheckpointError naming it (not a SafetensorError traceback, not a silent run)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(file)
+    except (SafetensorError, OSError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(
+            f"{file}: not a readable safetensors file ({reason}); truncated or corrupted?"
+        ) from None
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(f"{file}: tensor {name!r} holds NaN or inf values; corrupted?")
+    return tensors
+
+
+def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards listed in the index file."""
+    root = Path(model_dir)
+    single, index = root / "model.safetensors", root / "model.safetensors.index.json"
+    if single.is_file():
+        return load_safetensors(single)
+    if not index.is_file():
+        raise CheckpointError(
+            f"{root}: neither model.safetensors nor model.safetensors.index.json found"
+        )
+    try:
+        weight_map = read_json(index, "safetensors index", CheckpointError)["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (KeyError, TypeError, AttributeError):
+        raise CheckpointError(f"{index}: expected JSON with a 'weight_map' field") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        if not isinstance(shard, str) or not (root / shard).is_file():
+            raise CheckpointError(f"{index}: shard {shard!r} listed but missing")
+        tensors.update(load_safetensors(root / shard))
+    return tensors
+
+
+def safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes from a safetensors header, reading no weights; a missing,
+    truncated or garbage file is one CheckpointError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(
+            f"{file}: not a readable safetensors file ({reason}); truncated or corrupted?"
+        ) from None
+
+
+def check_checkpoint(model_dir: str | Path) -> ModelConfig:
+    """Validate a model directory without loading its weights: config.json, and every
+    safetensors file's header (a truncated or garbage file fails here) with the tensors' names
+    and shapes against the config. ``tltrun train`` runs it before starting its workers, so a
+    damaged checkpoint is one error line, not a traceback per worker."""
+    root = Path(model_dir)
+    cfg = read_config(root)
+    index = root / "model.safetensors.index.json"
+    if (root / "model.safetensors").is_file():
+        files = [root / "model.safetensors"]
+    elif index.is_file():
+        weight_map = read_json(index, "safetensors index", CheckpointError)
+        if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
+            raise CheckpointError(f"{index}: expected JSON with a 'weight_map' field")
+        files = [root / str(s) for s in sorted(set(map(str, weight_map["weight_map"].values())))]
+    else:
+        raise CheckpointError(
+            f"{root}: neither model.safetensors nor model.safetensors.index.json found"
+        )
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Transformer(cfg).state_dict().items()}
+    found: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        found.update(safetensors_shapes(file))
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    for name, want in shapes.items():
+        if name not in found:
+            raise CheckpointError(f"{root}: missing tensor {name!r}")
+        if found[name] != want:
+            raise CheckpointError(
+                f"{root}: tensor {name!r} has shape {found[name]}, config implies {want}"
+            )
+    return cfg
+
+
+def load_hf(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Transformer:
+    try:
+        check_device(device)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    cfg = read_config(model_dir)
+    tensors = read_safetensors(model_dir)
+    # Shapes from a model on the meta device (no memory): a config whose sizes do not match
+    # the weights (e.g. a corrupted vocab_size of 10^21) is reported, never allocated.
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Transformer(cfg).state_dict().items()}
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # some tied checkpoints store a duplicate
+    expected = set(shapes) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise CheckpointError(
+            f"{model_dir}: missing tensor {missing[0]!r} ({len(missing)} missing in all)"
+        )
+    for name in expected:
+        want = shapes[name]
+        if tuple(tensors[name].shape) != want:
+            raise CheckpointError(
+                f"{model_dir}: tensor {name!r} has shape {tuple(tensors[name].shape)}, config implies {want}"
+            )
+    model = Transformer(cfg)
+    model.load_state_dict(tensors, strict=False)  # unknown extras (e.g. rotary buffers) ignored
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def save_hf(
+    model: Transformer, model_dir: str | Path, state_dict: dict[str, torch.Tensor] | None = None
+) -> None:
+    """Write ``config.json`` + ``model.safetensors`` (tied LM head stored once, as HF does).
+    ``state_dict``: the full weights when the model's own are sharded (FSDP2)."""
+    from safetensors.torch import save_file
+
+    root = Path(model_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+    weights = model.state_dict() if state_dict is None else state_dict
+    state = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
