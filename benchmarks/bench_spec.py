@@ -10,8 +10,9 @@ Stages (each cached in ``--work-dir``; delete a stage's directory to redo it):
 2. ``gen/``: ``tltrun generate`` greedy rollouts of the target on task prompts;
 3. ``drafter/``: ``tltrun train-drafter`` on those generations;
 4. measurement on held-out prompts: for each batch size B, B requests of exactly
-   ``--max-new-tokens`` tokens (``ignore_eos``: the batch stays B for the whole run), greedy,
-   NoSpec vs each SD strategy (StaticSpec); decode tokens/s counts decode iterations only
+   ``--max-new-tokens`` tokens (``ignore_eos``: the batch stays B for the whole run), greedy
+   (or sampled at ``--temperature``, as GRPO's rollouts are), NoSpec vs each SD strategy
+   (StaticSpec); decode tokens/s counts decode iterations only
    (prefill and the one-off drafter prefill excluded). Speedup = SD tokens/s / NoSpec tokens/s.
 
 Prints a table (per batch: NoSpec tokens/s, each strategy's accept length and speedup, the
@@ -104,6 +105,15 @@ class BenchSpecConfig:
         default=3,
         metadata={"help": "interleaved rounds per batch; each strategy keeps its fastest"},
     )
+    # 0: greedy, where SD's output must equal NoSpec's token for token (checked). GRPO rollouts
+    # sample (tltrun train --temperature 1.0): a profile that sets TLT's threshold and buckets
+    # for them (bench_train.py --spec-results) is measured at their temperature, where drafts
+    # are accepted less often than under greedy decoding.
+    temperature: float = field(
+        default=0.0,
+        metadata={"help": "sampling temperature of the measured requests (0: greedy, with the "
+                  "lossless check)"},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if (
@@ -111,6 +121,8 @@ class BenchSpecConfig:
             or min(self.max_new_tokens, self.num_threads, self.repeats) < 1
         ):
             raise ValueError("batch sizes, max_new_tokens, num_threads and repeats must be >= 1")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
 
 
 def task_prompts(num: int, seed: int, task: str = "builtin") -> list[str]:
@@ -228,7 +240,12 @@ def measure(cfg: BenchSpecConfig, work: Path) -> dict:
     held_out = [tok.encode(p, add_bos=True) for p in prompts]
     rows = [measure_batch(cfg, target, drafter, held_out[:batch]) for batch in cfg.batch_sizes]
     stops = next((r["batch"] for r in rows if r["runs"][r["best"]]["speedup"] < 1.0), None)
-    return {"hardware": hardware_name("cpu"), "rows": rows, "sd_stops_paying_at_batch": stops}
+    return {
+        "hardware": hardware_name("cpu"),
+        "temperature": cfg.temperature,
+        "rows": rows,
+        "sd_stops_paying_at_batch": stops,
+    }
 
 
 def measure_batch(cfg: BenchSpecConfig, target, drafter, prompts: list[list[int]]) -> dict:
@@ -246,7 +263,7 @@ def measure_batch(cfg: BenchSpecConfig, target, drafter, prompts: list[list[int]
         for i, p in enumerate(prompts)
     ]
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens
-    sampling = SamplingParams(temperature=0.0)
+    sampling = SamplingParams(temperature=cfg.temperature)
     engine = RolloutEngine(target, drafter, EngineConfig(batch, max_len, sampling, seed=cfg.seed))
     engine.generate(reqs[:1], StaticSpec(2, 1, 2))  # warm-up: first-call allocations
     names = ["off"] + [
@@ -263,7 +280,7 @@ def measure_batch(cfg: BenchSpecConfig, target, drafter, prompts: list[list[int]
             result = engine.generate(reqs, policy)
             outputs = [o.output_token_ids for o in result.outputs]
             plain = plain or outputs
-            if outputs != plain:
+            if cfg.temperature == 0 and outputs != plain:  # sampled runs draw differently
                 raise SystemExit(
                     f"batch {batch} {name}: SD output differs from plain greedy (lossless check failed)"
                 )
@@ -303,7 +320,7 @@ def results_table(res: dict, strategies: tuple[str, ...]) -> str:
     lines.append(
         f"SD stops paying at batch {stop}" if stop else "SD pays at every measured batch size"
     )
-    lines.append(f"hardware: {res['hardware']}")
+    lines.append(f"hardware: {res['hardware']}; temperature {res.get('temperature', 0.0)}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,48 @@
+"""benchmarks/bench_spec.py's measurement on a tiny model: greedy, where SD must reproduce NoSpec's
+tokens (checked), or sampled at --temperature as GRPO's rollouts are."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from tltrun.model.drafter import EagleDrafter
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_spec.py"
+_SPEC = importlib.util.spec_from_file_location("bench_spec", _PATH)
+bench_spec = importlib.util.module_from_spec(_SPEC)
+sys.modules["bench_spec"] = bench_spec  # dataclasses look their module up
+_SPEC.loader.exec_module(bench_spec)
+
+
+def _measure(temperature: float) -> dict:
+    torch.manual_seed(0)
+    target = tiny_model(seed=0)
+    drafter = EagleDrafter.for_target(target, seed=1)
+    cfg = bench_spec.BenchSpecConfig(
+        strategies=("2_1_2",), max_new_tokens=12, repeats=1, temperature=temperature
+    )
+    prompts = [[1, 5, 6, 7], [1, 8, 9]]
+    return bench_spec.measure_batch(cfg, target, drafter, prompts)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_measure_batch_runs_greedy_and_sampled(temperature):
+    row = _measure(temperature)
+    assert row["batch"] == 2 and set(row["runs"]) == {"off", "2_1_2"}
+    run = row["runs"]["2_1_2"]
+    # a random drafter on a random target: some drafts are verified, accept length in [1, 3]
+    assert 1.0 <= run["mean_accept_len"] <= 3.0
+    assert row["runs"]["off"]["speedup"] == 1.0 and run["speedup"] > 0
+
+
+def test_temperature_is_checked():
+    with pytest.raises(ValueError, match="temperature"):
+        bench_spec.BenchSpecConfig(temperature=-1.0)
+    with pytest.raises(ValueError, match="temperature"):
+        bench_spec.BenchSpecConfig(temperature=float("nan"))
