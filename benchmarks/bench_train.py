@@ -313,6 +313,7 @@ def train_config(
         lr=cfg.lr,
         seed=cfg.seed,
         checkpoint_every=cfg.chunk_steps or cfg.num_steps,
+        keep_checkpoints=1,  # a chunk resumes from the newest; all of them filled this disk
         **task_fields(cfg),
     )
     check_inputs(train, task_for(cfg.model_dir))

@@ -172,6 +172,43 @@ def test_commit_replaces_a_checkpoint_of_the_same_step(tmp_path):
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step_000001"]
 
 
+def test_prune_keeps_the_newest_checkpoints(tmp_path):
+    for step in (1, 2, 3, 4):
+        fake_checkpoint(tmp_path, step)
+    assert ts.prune_checkpoints(tmp_path, 0) == []  # 0: keep all
+    deleted = ts.prune_checkpoints(tmp_path, 2)
+    assert deleted == [ts.checkpoint_dir(tmp_path, 1), ts.checkpoint_dir(tmp_path, 2)]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000003", "step_000004"]
+    assert ts.select_checkpoint(tmp_path, NUM_WORKERS) == ts.checkpoint_dir(tmp_path, 4)
+
+
+def test_a_failed_checkpoint_write_names_the_checkpoint_and_the_free_space(tmp_path):
+    import errno
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tltrun.train.checkpoint import CheckpointWriteError, explain_write_failure
+
+    ckpt = ts.tmp_checkpoint_dir(tmp_path, 20)  # not created: the free space of its parent
+    zip_error = RuntimeError(
+        "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+    )
+    dcp_error = CheckpointException(
+        "CheckpointException ranks:dict_keys([0, 1])",
+        {0: (zip_error, traceback.StackSummary()), 1: (zip_error, traceback.StackSummary())},
+    )
+    full = OSError(errno.ENOSPC, "No space left on device")
+    for raised, shown in ((dcp_error, "RuntimeError: [enforce fail"), (full, "No space left")):
+        with pytest.raises(CheckpointWriteError) as err, explain_write_failure(ckpt):
+            raise raised
+        message = str(err.value)
+        assert "\n" not in message and str(ckpt) in message and shown in message
+        assert "MiB free" in message and "--keep-checkpoints" in message
+    with pytest.raises(ValueError), explain_write_failure(ckpt):  # not a write failure
+        raise ValueError("a bug")
+
+
 # ---- logs ------------------------------------------------------------------------------------
 
 
@@ -407,6 +444,21 @@ def test_override_config_resume_runs_with_the_new_setting(
     assert [(h["step"], h["diff"]) for h in history] == [(3, {"train.lr": [0.01, 0.02]})]
     assert (out / "config.json").read_bytes() == first
     assert ts.verify_checkpoint(ts.checkpoint_dir(out, 4), NUM_WORKERS) == []
+
+
+@pytest.mark.slow
+def test_keep_checkpoints_on_resume_prunes_the_older_ones(
+    model_dir, reference_run, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    shutil.copytree(reference_run, out)
+    argv = ["train", "--out", str(out), "--resume", "--num-steps", "5", "--keep-checkpoints", "2"]
+    code, err = cli(argv, capsys)
+    assert code == 0, err  # a resume-neutral setting: no --override-config needed
+    assert [r["step"] for r in rows(out)] == [0, 1, 2, 3, 4]
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step_000004", "step_000005"]
+    for step in (4, 5):
+        assert ts.verify_checkpoint(ts.checkpoint_dir(out, step), NUM_WORKERS) == []
 
 
 @pytest.mark.slow

@@ -19,6 +19,9 @@ then never interleaves its collectives with the training loop's on the default g
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -26,11 +29,43 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils._pytree import tree_map_only
 
+from tltsim.errors import TLTError
+
 ACTOR_DCP = "dcp"
 DRAFTER_DCP = "drafter_dcp"
+
+
+class CheckpointWriteError(TLTError):
+    """A checkpoint could not be written (one line: which, where, why, and the free space)."""
+
+
+@contextlib.contextmanager
+def explain_write_failure(ckpt_dir: Path) -> Iterator[None]:
+    """Turn a failed write under ``ckpt_dir`` into a CheckpointWriteError. A full disk reached
+    users as torch's zip writer's "[enforce fail at inline_container.cc:672] . unexpected pos
+    704 vs 598" inside DCP's CheckpointException (a BaseException, listing each rank's
+    failure): the message now says where the write failed and how much space is left there."""
+    try:
+        yield
+    except (OSError, RuntimeError, CheckpointException) as err:
+        cause = err
+        if isinstance(err, CheckpointException) and err.failures:
+            first = next(iter(err.failures.values()))
+            cause = first[0] if isinstance(first, tuple) else first
+        text = (str(cause).strip().splitlines() or [""])[0][:200]
+        where = ckpt_dir
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        free_mib = shutil.disk_usage(where).free / 2**20
+        raise CheckpointWriteError(
+            f"checkpoint {ckpt_dir}: writing failed ({type(cause).__name__}: {text}); the file "
+            f"system holding it has {free_mib:,.1f} MiB free (full? free space, or keep fewer "
+            f"checkpoints with --keep-checkpoints N, then --resume)"
+        ) from err
 
 
 def checkpoint_group() -> dist.ProcessGroup:

@@ -26,6 +26,7 @@ RESUME_NEUTRAL_FIELDS = (
     "out",
     "num_steps",
     "checkpoint_every",
+    "keep_checkpoints",
     "tensorboard",
     "num_threads",
     "poll_s",
@@ -124,6 +125,14 @@ class TrainConfig:
     kl_coef: float = field(default=0.04, metadata={"help": "GRPO KL penalty coefficient"})
     num_epochs: int = field(default=1, metadata={"help": "GRPO passes over each step's rollouts"})
     checkpoint_every: int = field(default=5, metadata={"help": "write a checkpoint every N steps"})
+    # 0 keeps every checkpoint, as veRL (trainer.max_actor_ckpt_to_keep: null) and Hugging Face
+    # Trainer / TRL (TrainingArguments.save_total_limit: None) do by default. Each holds the
+    # actor, its AdamW state and the drafter's: ~350 MB for bench_train's 30M-parameter CPU
+    # model, ~16 bytes per parameter (~110 GB for a 7B actor), so a long run fills a disk unless
+    # older ones go. Keep 2 or more to have a fallback when the newest is found damaged.
+    keep_checkpoints: int = field(
+        default=0, metadata={"help": "keep only the newest N checkpoints (0: keep all)"}
+    )
     tensorboard: bool = field(
         default=False,
         metadata={"help": "also write log.jsonl's numbers as TensorBoard scalars (rank 0)"},
@@ -296,6 +305,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_steps < 0:
             raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
+        if self.keep_checkpoints < 0:
+            raise ValueError(f"keep_checkpoints must be >= 0, got {self.keep_checkpoints}")
         # GRPO normalises rewards within a group: with one response per prompt every advantage
         # is 0, the loss is 0 and the run learns nothing (it used to exit 0 silently).
         if self.group_size < 2:

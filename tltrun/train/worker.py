@@ -293,15 +293,16 @@ class Worker:
             state["previous_harvest"] = [
                 (r.token_ids, r.num_prompt_tokens, r.hidden) for r in self.spot.previous
             ]
-        torch.save(state, tmp / f"rank{self.rank}.pt")
-        ts.save_policy_state(tmp, self.rank, self.spec_policy)
-        ckpt_io.save_actor(self.actor, self.optimizer, tmp / ckpt_io.ACTOR_DCP, self.ckpt_group)
-        weights = self._actor_weights()  # a collective when sharded: every rank gathers
-        if self.rank == 0:
-            save_hf(self.actor, tmp / "actor", weights)
-            copy_tokenizer(self.cfg.model_dir, tmp / "actor")
-            if self.engine.drafter is not None or self.spot is not None:
-                export_vllm(self._drafter(), tmp / "drafter")
+        with ckpt_io.explain_write_failure(tmp):
+            torch.save(state, tmp / f"rank{self.rank}.pt")
+            ts.save_policy_state(tmp, self.rank, self.spec_policy)
+            ckpt_io.save_actor(self.actor, self.optimizer, tmp / ckpt_io.ACTOR_DCP, self.ckpt_group)
+            weights = self._actor_weights()  # a collective when sharded: every rank gathers
+            if self.rank == 0:
+                save_hf(self.actor, tmp / "actor", weights)
+                copy_tokenizer(self.cfg.model_dir, tmp / "actor")
+                if self.engine.drafter is not None or self.spot is not None:
+                    export_vllm(self._drafter(), tmp / "drafter")
         future = None
         if self.spot is not None:
             meta = {"version": self.spot.version, "update_s": self.spot.update_s}
@@ -323,17 +324,19 @@ class Worker:
             return
         future, tmp, next_step = self.pending_checkpoint
         self.pending_checkpoint = None
-        if future is not None:
-            future.result()
-        dist.barrier()
-        if self.rank == 0:
-            ts.write_state(
-                tmp,
-                next_step,
-                num_workers=self.cfg.num_workers,
-                data_position=self.data.position(next_step, self.cfg.prompts_per_step),
-            )
-            ts.commit(tmp, ts.checkpoint_dir(self.out, next_step))
+        with ckpt_io.explain_write_failure(tmp):
+            if future is not None:
+                future.result()
+            dist.barrier()
+            if self.rank == 0:
+                ts.write_state(
+                    tmp,
+                    next_step,
+                    num_workers=self.cfg.num_workers,
+                    data_position=self.data.position(next_step, self.cfg.prompts_per_step),
+                )
+                ts.commit(tmp, ts.checkpoint_dir(self.out, next_step))
+                ts.prune_checkpoints(self.out, self.cfg.keep_checkpoints)
         dist.barrier()
 
     def _actor_weights(self) -> dict[str, torch.Tensor]:
