@@ -248,6 +248,27 @@ def done_steps(train: TrainConfig) -> int:
     return 0 if ckpt is None else read_next_step(ckpt)
 
 
+def runs_to_do(configs: dict[str, TrainConfig], reuse_runs: bool) -> tuple[list[str], dict]:
+    """The runs still to train, and the steps each has checkpointed. Without ``reuse_runs``
+    every run starts at step 0 (a run dir with checkpoints then stops with tltrun's "holds
+    checkpoints of an earlier run" error). With it, after a kill, an unfinished run continues
+    from its newest checkpoint (chunks it finished are not redone); a run is finished when it
+    checkpointed all its steps and wrote ``final/``, which every chunk writes, so ``final/``
+    alone does not say it (a benchmark stopped by another run's failure once left a run 5
+    steps short, and a rerun reused it)."""
+    done = {name: done_steps(train) if reuse_runs else 0 for name, train in configs.items()}
+    todo = [
+        name
+        for name, train in configs.items()
+        if not (
+            reuse_runs
+            and done[name] >= train.num_steps
+            and (Path(train.out) / "final" / "actor").is_dir()
+        )
+    ]
+    return todo, {name: done[name] for name in todo}
+
+
 def run_all(cfg: BenchTrainConfig) -> dict:
     threshold = tlt_threshold(cfg)
     print(f"TLT threshold: {threshold} (SD pays on this machine up to this batch size)")
@@ -258,16 +279,8 @@ def run_all(cfg: BenchTrainConfig) -> dict:
             + ", ".join(f"batch >= {b}: {s}" for s, b in zip(strategies, starts, strict=True))
         )
     configs = {name: train_config(cfg, name, threshold, (strategies, starts)) for name in cfg.runs}
-    todo = [
-        name
-        for name, train in configs.items()
-        if not (cfg.reuse_runs and (Path(train.out) / "final" / "actor").is_dir())
-    ]
+    todo, done = runs_to_do(configs, cfg.reuse_runs)
     ends = chunk_ends(cfg.num_steps, cfg.chunk_steps)
-    # --reuse-runs after a kill: an unfinished run continues from its newest checkpoint (the
-    # chunks it finished are not redone; without --reuse-runs a run dir with checkpoints stops
-    # with tltrun's "holds checkpoints of an earlier run" error).
-    done = {name: done_steps(configs[name]) if cfg.reuse_runs else 0 for name in todo}
     for k, end in enumerate(ends):
         order = todo[k % len(todo) :] + todo[: k % len(todo)] if todo else []
         for name in order:

@@ -175,3 +175,31 @@ def test_spec_buckets_reach_the_tlt_policy(tmp_path):
     ]
     with pytest.raises(bench_train.UsageError, match="--tlt-buckets"):
         bench_train.BenchTrainConfig(tlt_buckets="gpu")
+
+
+def test_reuse_runs_continues_a_run_whose_final_dir_is_from_an_earlier_chunk(tmp_path):
+    from types import SimpleNamespace
+
+    from test_run_integrity import NUM_WORKERS, fake_checkpoint
+
+    def run(name: str, checkpointed: int, has_final: bool) -> SimpleNamespace:
+        out = tmp_path / name
+        if checkpointed:
+            fake_checkpoint(out, checkpointed)
+        if has_final:
+            (out / "final" / "actor").mkdir(parents=True)
+        return SimpleNamespace(out=str(out), num_workers=NUM_WORKERS, num_steps=20)
+
+    configs = {
+        "short": run("short", 15, True),  # final/ of its chunk 10-15: 5 steps to go
+        "finished": run("finished", 20, True),
+        "unwritten": run("unwritten", 20, False),  # killed before final/: the last chunk writes it
+        "new": run("new", 0, False),
+    }
+    todo, done = bench_train.runs_to_do(configs, reuse_runs=True)
+    assert todo == ["short", "unwritten", "new"]
+    assert done == {"short": 15, "unwritten": 20, "new": 0}
+    assert bench_train.runs_to_do(configs, reuse_runs=False) == (
+        list(configs),
+        dict.fromkeys(configs, 0),
+    )
