@@ -175,11 +175,23 @@ def test_commit_replaces_a_checkpoint_of_the_same_step(tmp_path):
 def test_prune_keeps_the_newest_checkpoints(tmp_path):
     for step in (1, 2, 3, 4):
         fake_checkpoint(tmp_path, step)
-    assert ts.prune_checkpoints(tmp_path, 0) == []  # 0: keep all
-    deleted = ts.prune_checkpoints(tmp_path, 2)
+    assert ts.prune_checkpoints(tmp_path, 0, 4) == []  # 0: keep all
+    deleted = ts.prune_checkpoints(tmp_path, 2, 4)
     assert deleted == [ts.checkpoint_dir(tmp_path, 1), ts.checkpoint_dir(tmp_path, 2)]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_000003", "step_000004"]
     assert ts.select_checkpoint(tmp_path, NUM_WORKERS) == ts.checkpoint_dir(tmp_path, 4)
+
+
+def test_prune_after_a_redone_step_spares_the_intact_checkpoints(tmp_path):
+    # resumed from 3 past a damaged 5; step 4 was just committed: 5 is not counted
+    for step in (2, 3, 4, 5):
+        fake_checkpoint(tmp_path, step)
+    truncate(ts.checkpoint_dir(tmp_path, 5) / "dcp/__0_0.distcp")
+    assert ts.prune_checkpoints(tmp_path, 2, 4) == [ts.checkpoint_dir(tmp_path, 2)]
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert names == ["step_000003", "step_000004", "step_000005"]
+    with pytest.warns(ts.RunDirWarning):  # a kill now: 5 is skipped, 4 is there
+        assert ts.select_checkpoint(tmp_path, NUM_WORKERS) == ts.checkpoint_dir(tmp_path, 4)
 
 
 def test_a_failed_checkpoint_write_names_the_checkpoint_and_the_free_space(tmp_path):

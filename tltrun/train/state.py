@@ -460,15 +460,18 @@ def commit(tmp_dir: Path, final_dir: Path) -> None:
     _fsync_dir(final_dir.parent)
 
 
-def prune_checkpoints(out: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints of run ``out`` (``keep`` 0: delete none);
-    returns the deleted. Each is renamed to a ``.tmp_`` name first, as ``commit`` does, so a kill
-    mid-delete leaves a leftover that resume deletes, never a half-deleted checkpoint."""
+def prune_checkpoints(out: Path, keep: int, committed: int) -> list[Path]:
+    """Right after checkpoint ``committed`` (its next step) was committed: delete all but the
+    newest ``keep`` checkpoints up to it (``keep`` 0: delete none); returns the deleted. Later
+    ones (damaged ones a resume skipped, replaced when their step is redone) are left alone,
+    so they never push out the intact ones. Each is renamed to a ``.tmp_`` name first, as
+    ``commit`` does, so a kill mid-delete leaves a leftover that resume deletes, never a
+    half-deleted checkpoint."""
     root = out / "ckpt"
     if keep < 1 or not root.is_dir():
         return []
     found = sorted(p for p in root.iterdir() if CKPT_RE.match(p.name))
-    doomed = found[:-keep]
+    doomed = [p for p in found if int(CKPT_RE.match(p.name)[1]) <= committed][:-keep]
     for ckpt in doomed:
         old = ckpt.with_name(".tmp_old_" + ckpt.name)
         shutil.rmtree(old, ignore_errors=True)

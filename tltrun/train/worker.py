@@ -336,7 +336,7 @@ class Worker:
                     data_position=self.data.position(next_step, self.cfg.prompts_per_step),
                 )
                 ts.commit(tmp, ts.checkpoint_dir(self.out, next_step))
-                ts.prune_checkpoints(self.out, self.cfg.keep_checkpoints)
+                ts.prune_checkpoints(self.out, self.cfg.keep_checkpoints, next_step)
         dist.barrier()
 
     def _actor_weights(self) -> dict[str, torch.Tensor]:
