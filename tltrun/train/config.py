@@ -127,7 +127,7 @@ class TrainConfig:
     checkpoint_every: int = field(default=5, metadata={"help": "write a checkpoint every N steps"})
     # 0 keeps every checkpoint, as veRL (trainer.max_actor_ckpt_to_keep: null) and Hugging Face
     # Trainer / TRL (TrainingArguments.save_total_limit: None) do by default. Each holds the
-    # actor, its AdamW state and the drafter's: ~350 MB for bench_train's 30M-parameter CPU
+    # actor, its AdamW state and the drafter's: ~350 MB for bench_train's 22M-parameter CPU
     # model, ~16 bytes per parameter (~110 GB for a 7B actor), so a long run fills a disk unless
     # older ones go. Keep 2 or more to have a fallback when the newest is found damaged.
     keep_checkpoints: int = field(
