@@ -320,7 +320,7 @@ def results_table(res: dict, strategies: tuple[str, ...]) -> str:
     lines.append(
         f"SD stops paying at batch {stop}" if stop else "SD pays at every measured batch size"
     )
-    lines.append(f"hardware: {res['hardware']}; temperature {res.get('temperature', 0.0)}")
+    lines.append(f"hardware: {res['hardware']}; temperature {res['temperature']}")
     return "\n".join(lines)
 
 

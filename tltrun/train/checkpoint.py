@@ -54,8 +54,7 @@ def explain_write_failure(ckpt_dir: Path) -> Iterator[None]:
     except (OSError, RuntimeError, CheckpointException) as err:
         cause = err
         if isinstance(err, CheckpointException) and err.failures:
-            first = next(iter(err.failures.values()))
-            cause = first[0] if isinstance(first, tuple) else first
+            cause = next(iter(err.failures.values()))[0]  # (exception, stack summary) per rank
         text = (str(cause).strip().splitlines() or [""])[0][:200]
         where = ckpt_dir
         while not where.exists() and where != where.parent:
