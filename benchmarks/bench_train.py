@@ -248,6 +248,20 @@ def done_steps(train: TrainConfig) -> int:
     return 0 if ckpt is None else read_next_step(ckpt)
 
 
+def is_logged_through(train: TrainConfig) -> bool:
+    """Whether ``log.jsonl`` holds steps 0 .. num_steps - 1 and ``final/`` was written after
+    its last row: a finished run whose checkpoints were deleted (to free disk) afterwards."""
+    out = Path(train.out)
+    log, weights = out / "log.jsonl", out / "final" / "actor" / "model.safetensors"
+    if not (log.is_file() and weights.is_file()):
+        return False
+    try:
+        steps = {json.loads(line)["step"] for line in log.read_text().splitlines() if line}
+    except (ValueError, KeyError, TypeError):
+        return False  # a torn last line: the run was killed mid-step
+    return steps >= set(range(train.num_steps)) and weights.stat().st_mtime >= log.stat().st_mtime
+
+
 def runs_to_do(configs: dict[str, TrainConfig], reuse_runs: bool) -> tuple[list[str], dict]:
     """The runs still to train, and the steps each has checkpointed. Without ``reuse_runs``
     every run starts at step 0 (a run dir with checkpoints then stops with tltrun's "holds
@@ -255,15 +269,18 @@ def runs_to_do(configs: dict[str, TrainConfig], reuse_runs: bool) -> tuple[list[
     from its newest checkpoint (chunks it finished are not redone); a run is finished when it
     checkpointed all its steps and wrote ``final/``, which every chunk writes, so ``final/``
     alone does not say it (a benchmark stopped by another run's failure once left a run 5
-    steps short, and a rerun reused it)."""
+    steps short, and a rerun reused it). A run whose log holds every step and whose
+    ``final/`` is newer than that log is finished too, checkpoints or not."""
     done = {name: done_steps(train) if reuse_runs else 0 for name, train in configs.items()}
     todo = [
         name
         for name, train in configs.items()
         if not (
             reuse_runs
-            and done[name] >= train.num_steps
-            and (Path(train.out) / "final" / "actor").is_dir()
+            and (
+                (done[name] >= train.num_steps and (Path(train.out) / "final" / "actor").is_dir())
+                or is_logged_through(train)
+            )
         )
     ]
     return todo, {name: done[name] for name in todo}

@@ -4,6 +4,7 @@ from benchmarks/bench_spec.py's measured speedups."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -203,3 +204,31 @@ def test_reuse_runs_continues_a_run_whose_final_dir_is_from_an_earlier_chunk(tmp
         list(configs),
         dict.fromkeys(configs, 0),
     )
+
+
+def test_reuse_runs_keeps_a_finished_run_whose_checkpoints_were_deleted(tmp_path):
+    """A finished run is its full log plus a final/ written after it; a log cut short, a
+    final/ older than the log (a chunk's, with later steps logged) or a torn line is not."""
+    import os
+    from types import SimpleNamespace
+
+    def run(name: str, steps: int, final_after_log: bool, torn: bool = False) -> SimpleNamespace:
+        out = tmp_path / name
+        (out / "final" / "actor").mkdir(parents=True)
+        weights = out / "final" / "actor" / "model.safetensors"
+        weights.write_bytes(b"x")
+        rows = "".join(json.dumps({"step": k}) + "\n" for k in range(steps))
+        (out / "log.jsonl").write_text(rows + ('{"step": ' if torn else ""))
+        log_time = (out / "log.jsonl").stat().st_mtime
+        os.utime(weights, (log_time + (5 if final_after_log else -5),) * 2)
+        return SimpleNamespace(out=str(out), num_workers=2, num_steps=20)
+
+    configs = {
+        "pruned": run("pruned", 20, True),
+        "short": run("short", 15, True),
+        "stale_final": run("stale_final", 20, False),
+        "torn": run("torn", 20, True, torn=True),
+    }
+    todo, done = bench_train.runs_to_do(configs, reuse_runs=True)
+    assert todo == ["short", "stale_final", "torn"]
+    assert done == {"short": 0, "stale_final": 0, "torn": 0}
