@@ -301,6 +301,8 @@ def grpo(args: argparse.Namespace) -> dict:
         speedups = [r["rollout_speedup"] for r in rows]
         steps = [r["step_speedup"] for r in rows]
         first = [r["accept_len_per_step"][0] for r in rows]
+        decodes = [r["decode_speedup"] for r in rows if r.get("decode_speedup") is not None]
+        prefills = [r["prefill_share"] for r in rows if r.get("prefill_share") is not None]
         summary.append(
             {
                 "run": name,
@@ -308,6 +310,11 @@ def grpo(args: argparse.Namespace) -> dict:
                 "rollout_speedup_range": f"{min(speedups):.2f}-{max(speedups):.2f}",
                 "step_speedup_median": statistics.median(steps),
                 "step_speedup_range": f"{min(steps):.2f}-{max(steps):.2f}",
+                "decode_speedup_median": statistics.median(decodes) if decodes else None,
+                "decode_speedup_range": (
+                    f"{min(decodes):.2f}-{max(decodes):.2f}" if decodes else None
+                ),
+                "prefill_share_median": statistics.median(prefills) if prefills else None,
                 "accept_len_step0_median": statistics.median(first),
                 "accept_len_mean_median": statistics.median(
                     statistics.fmean(r["accept_len_per_step"]) for r in rows
@@ -324,11 +331,19 @@ def grpo(args: argparse.Namespace) -> dict:
                 "rollout_speedup_range": "range",
                 "step_speedup_median": "step x",
                 "step_speedup_range": "range",
+                "decode_speedup_median": "decode x",
+                "decode_speedup_range": "range",
+                "prefill_share_median": "prefill %",
                 "accept_len_step0_median": "accept step0",
                 "accept_len_mean_median": "accept mean",
             },
-            {"rollout_speedup_median": ".2f", "step_speedup_median": ".2f"},
-            left=("run", "rollout_speedup_range", "step_speedup_range"),
+            {
+                "rollout_speedup_median": ".2f",
+                "step_speedup_median": ".2f",
+                "decode_speedup_median": ".2f",
+                "prefill_share_median": "{:.0%}",
+            },
+            left=("run", "rollout_speedup_range", "step_speedup_range", "decode_speedup_range"),
         )
     )
     checks = _history_checks(summary, per_seed) if {"tltbase", "tlt-mix"} <= set(runs) else {}

@@ -1,7 +1,11 @@
 """The same short GRPO run under NoSpec, StaticSpec (frozen drafter), TLTAdaptive with a frozen
 drafter and TLTAdaptive + spot drafter training (``tltrun train``, 2 gloo workers): rollout
 seconds per step, end-to-end step seconds and speedups vs NoSpec, the accept length of the
-spot-trained vs the frozen drafter at the last step, and the final reward of each run.
+spot-trained vs the frozen drafter at the last step, and the final reward of each run. Next to
+the rollout speedup (wall seconds of the slower worker, prefill included), ``decode x`` is the
+engine's decode tokens per decode second vs NoSpec's (the quantity ``bench_spec.py`` measures)
+and ``prefill %`` the share of the engine's seconds spent prefilling, which SD does not shorten:
+together they say why a rollout gains less than the microbenchmark.
 
 Starting point: the fine-tuned target and offline-trained drafter of
 ``benchmarks/bench_spec.py`` (``--model-dir`` / ``--drafter-dir``, run that first); every run
@@ -311,8 +315,39 @@ def run_all(cfg: BenchTrainConfig) -> dict:
     results = {}
     for name, train in configs.items():
         log = [json.loads(x) for x in (Path(train.out) / "log.jsonl").read_text().splitlines()]
-        results[name] = {"config": asdict(train), "log": log}
+        results[name] = {"config": asdict(train), "log": log, "engine": engine_totals(train.out)}
     return results
+
+
+ENGINE_KEYS = ("prefill_s", "drafter_prefill_s", "decode_s", "decode_tokens")
+
+
+def engine_totals(run_dir: str | Path) -> dict | None:
+    """The engine's own seconds and decode tokens over the run, summed over steps and workers,
+    from the measured trace (``trace.json``): prefill (target and drafter) and decode apart,
+    which the rollout's wall time mixes. None when the trace lacks them (the vLLM backend
+    measures no prefill) or is missing."""
+    path = Path(run_dir) / "trace.json"
+    if not path.is_file():
+        return None
+    steps = [s.get("measured", {}) for s in json.loads(path.read_text()).get("steps", [])]
+    if not steps or any(s.get(k) is None for s in steps for k in ENGINE_KEYS):
+        return None
+    return {k: float(sum(s[k] for s in steps)) for k in ENGINE_KEYS}
+
+
+def _engine_split(res: dict, base: dict | None) -> tuple[float | None, float | None]:
+    """(decode speedup vs ``base``: decode tokens per decode second, the quantity
+    bench_spec.py measures; prefill share of the engine's seconds, which SD leaves as is)."""
+    eng = res.get("engine")
+    if not eng or eng["decode_s"] <= 0:
+        return None, None
+    prefill = eng["prefill_s"] + eng["drafter_prefill_s"]
+    share = prefill / (prefill + eng["decode_s"])
+    if not base or base["decode_s"] <= 0 or base["decode_tokens"] <= 0:
+        return None, share
+    rate = eng["decode_tokens"] / eng["decode_s"]
+    return rate / (base["decode_tokens"] / base["decode_s"]), share
 
 
 def train_config(
@@ -418,6 +453,7 @@ def summarise(results: dict) -> list[dict]:
         log = res["log"]
         rollout = sum(r["rollout_s"] for r in log) / len(log)
         step = sum(r["step_s"] for r in log) / len(log)
+        decode_speedup, prefill_share = _engine_split(res, results["nospec"].get("engine"))
         table.append(
             {
                 "run": name,
@@ -427,6 +463,8 @@ def summarise(results: dict) -> list[dict]:
                 "step_speedup": base_step / step,
                 "rollout_tokens_per_s": _tokens_per_s(res),
                 "token_rate_speedup": _tokens_per_s(res) / base_rate,
+                "decode_speedup": decode_speedup,
+                "prefill_share": prefill_share,
                 "accept_len_last": log[-1]["accept_len"],
                 "accept_len_per_step": [r["accept_len"] for r in log],
                 "reward_mean_all": sum(r["reward_mean"] for r in log) / len(log),
@@ -445,6 +483,8 @@ TABLE_COLUMNS = {
     "rollout_speedup": "rollout x",
     "step_speedup": "step x",
     "token_rate_speedup": "tok/s x",
+    "decode_speedup": "decode x",
+    "prefill_share": "prefill %",
     "accept_len_last": "accept(last)",
     "reward_mean_all": "reward(all)",
     "reward_last": "reward(last)",
@@ -452,6 +492,8 @@ TABLE_COLUMNS = {
     "idle_worker_s": "idle s",
 }
 TABLE_FORMATS = {
+    "decode_speedup": ".2f",
+    "prefill_share": "{:.0%}",
     "reward_mean_all": ".3f",
     "reward_last": ".3f",
     "drafter_train_s": ".1f",
