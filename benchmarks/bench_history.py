@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from tltrun.model.history_drafter import HistoryConfig, HistoryDrafter
+from tltrun.train.compare import compare_runs
 from tltsim.cli.table import format_table
 
 VOCAB = 32_000
@@ -281,7 +282,7 @@ def grpo(args: argparse.Namespace) -> dict:
             reuse_runs=args.reuse_runs,
             tlt_buckets=args.tlt_buckets,
         )
-        table = bt.summarise(bt.run_all(cfg))
+        table = compare_runs(bt.run_all(cfg))
         print(f"seed {seed} ({work}):")
         bt.print_table(table)
         entry = {"seed": seed, "work_dir": work, "table": table}

@@ -31,6 +31,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tltrun.train.compare import COLUMNS, FORMATS, compare_runs, engine_totals, read_log
 from tltrun.train.config import TrainConfig
 from tltrun.train.launch import check_inputs, run_train, task_for
 from tltrun.train.state import read_next_step, select_checkpoint
@@ -314,40 +315,12 @@ def run_all(cfg: BenchTrainConfig) -> dict:
             run_train(train, task_for(cfg.model_dir), is_resume=start > 0)
     results = {}
     for name, train in configs.items():
-        log = [json.loads(x) for x in (Path(train.out) / "log.jsonl").read_text().splitlines()]
-        results[name] = {"config": asdict(train), "log": log, "engine": engine_totals(train.out)}
+        results[name] = {
+            "config": asdict(train),
+            "log": read_log(train.out),
+            "engine": engine_totals(train.out),
+        }
     return results
-
-
-ENGINE_KEYS = ("prefill_s", "drafter_prefill_s", "decode_s", "decode_tokens")
-
-
-def engine_totals(run_dir: str | Path) -> dict | None:
-    """The engine's own seconds and decode tokens over the run, summed over steps and workers,
-    from the measured trace (``trace.json``): prefill (target and drafter) and decode apart,
-    which the rollout's wall time mixes. None when the trace lacks them (the vLLM backend
-    measures no prefill) or is missing."""
-    path = Path(run_dir) / "trace.json"
-    if not path.is_file():
-        return None
-    steps = [s.get("measured", {}) for s in json.loads(path.read_text()).get("steps", [])]
-    if not steps or any(s.get(k) is None for s in steps for k in ENGINE_KEYS):
-        return None
-    return {k: float(sum(s[k] for s in steps)) for k in ENGINE_KEYS}
-
-
-def _engine_split(res: dict, base: dict | None) -> tuple[float | None, float | None]:
-    """(decode speedup vs ``base``: decode tokens per decode second, the quantity
-    bench_spec.py measures; prefill share of the engine's seconds, which SD leaves as is)."""
-    eng = res.get("engine")
-    if not eng or eng["decode_s"] <= 0:
-        return None, None
-    prefill = eng["prefill_s"] + eng["drafter_prefill_s"]
-    share = prefill / (prefill + eng["decode_s"])
-    if not base or base["decode_s"] <= 0 or base["decode_tokens"] <= 0:
-        return None, share
-    rate = eng["decode_tokens"] / eng["decode_s"]
-    return rate / (base["decode_tokens"] / base["decode_s"]), share
 
 
 def train_config(
@@ -435,74 +408,8 @@ def drafter_eval(cfg: BenchTrainConfig) -> dict[str, float]:
     return accept
 
 
-def _tokens_per_s(res: dict) -> float:
-    """Response tokens per rollout second: sampled runs diverge in length, so seconds per
-    step alone compare different amounts of work."""
-    n = res["config"]["prompts_per_step"] * res["config"]["group_size"]
-    tokens = sum(r["response_tokens_mean"] * n for r in res["log"])
-    return tokens / sum(r["rollout_s"] for r in res["log"])
-
-
-def summarise(results: dict) -> list[dict]:
-    base_rate = _tokens_per_s(results["nospec"])
-    base = results["nospec"]["log"]
-    base_rollout = sum(r["rollout_s"] for r in base) / len(base)
-    base_step = sum(r["step_s"] for r in base) / len(base)
-    table = []
-    for name, res in results.items():
-        log = res["log"]
-        rollout = sum(r["rollout_s"] for r in log) / len(log)
-        step = sum(r["step_s"] for r in log) / len(log)
-        decode_speedup, prefill_share = _engine_split(res, results["nospec"].get("engine"))
-        table.append(
-            {
-                "run": name,
-                "rollout_s_per_step": rollout,
-                "step_s": step,
-                "rollout_speedup": base_rollout / rollout,
-                "step_speedup": base_step / step,
-                "rollout_tokens_per_s": _tokens_per_s(res),
-                "token_rate_speedup": _tokens_per_s(res) / base_rate,
-                "decode_speedup": decode_speedup,
-                "prefill_share": prefill_share,
-                "accept_len_last": log[-1]["accept_len"],
-                "accept_len_per_step": [r["accept_len"] for r in log],
-                "reward_mean_all": sum(r["reward_mean"] for r in log) / len(log),
-                "reward_last": log[-1]["reward_mean"],
-                "drafter_train_s": sum(r["drafter_train_s"] for r in log),
-                "idle_worker_s": sum(r["idle_worker_s"] for r in log),
-            }
-        )
-    return table
-
-
-TABLE_COLUMNS = {
-    "run": "run",
-    "rollout_s_per_step": "rollout s",
-    "step_s": "step s",
-    "rollout_speedup": "rollout x",
-    "step_speedup": "step x",
-    "token_rate_speedup": "tok/s x",
-    "decode_speedup": "decode x",
-    "prefill_share": "prefill %",
-    "accept_len_last": "accept(last)",
-    "reward_mean_all": "reward(all)",
-    "reward_last": "reward(last)",
-    "drafter_train_s": "spot s",
-    "idle_worker_s": "idle s",
-}
-TABLE_FORMATS = {
-    "decode_speedup": ".2f",
-    "prefill_share": "{:.0%}",
-    "reward_mean_all": ".3f",
-    "reward_last": ".3f",
-    "drafter_train_s": ".1f",
-    "idle_worker_s": ".1f",
-}
-
-
 def print_table(table: list[dict]) -> None:
-    print(format_table(table, TABLE_COLUMNS, TABLE_FORMATS, left=("run",)))
+    print(format_table(table, COLUMNS, FORMATS, left=("run",)))
     print("accept length per step:")
     for t in table:
         print(f"  {t['run']:<12}" + " ".join(f"{a:.2f}" for a in t["accept_len_per_step"]))
@@ -521,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    table = summarise(results)
+    table = compare_runs(results)
     print_table(table)
     accept = drafter_eval(cfg)
     print(

@@ -1,0 +1,64 @@
+"""tltrun.train.compare: finished runs read back from their directories and compared."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tltrun.train.compare import COLUMNS, FORMATS, compare_runs, engine_totals
+from tltsim.cli.table import format_table
+
+
+def test_decode_speedup_and_prefill_share_come_from_the_measured_trace(tmp_path):
+    """decode x = decode tokens per decode second vs NoSpec's; prefill % = (target + drafter
+    prefill) / engine seconds; a trace without the fields (vLLM measures no prefill) gives -."""
+
+    def run(name: str, steps: list[dict] | None) -> dict:
+        out = tmp_path / name
+        out.mkdir()
+        if steps is not None:
+            trace = {"steps": [{"step": k, "measured": m} for k, m in enumerate(steps)]}
+            (out / "trace.json").write_text(json.dumps(trace))
+        log = [
+            {
+                "rollout_s": 1.0,
+                "step_s": 2.0,
+                "response_tokens_mean": 4.0,
+                "accept_len": 1.0,
+                "reward_mean": 0.0,
+                "drafter_train_s": 0.0,
+                "idle_worker_s": 0.0,
+            }
+        ]
+        cfg = {"prompts_per_step": 1, "group_size": 1}
+        return {"config": cfg, "log": log, "engine": engine_totals(out)}
+
+    def m(prefill: float, dprefill: float, decode: float, tokens: int) -> dict:
+        return {
+            "prefill_s": prefill,
+            "drafter_prefill_s": dprefill,
+            "decode_s": decode,
+            "decode_tokens": tokens,
+        }
+
+    results = {
+        "nospec": run("nospec", [m(1.0, 0.0, 3.0, 300), m(1.0, 0.0, 5.0, 500)]),
+        "tlt-spot": run("tlt-spot", [m(1.0, 0.5, 2.0, 400), m(0.5, 0.0, 2.0, 400)]),
+        "vllm": run("vllm", [{"decode_s": 1.0, "decode_tokens": 10}]),
+        "none": run("none", None),
+    }
+    table = {t["run"]: t for t in compare_runs(results)}
+    assert table["nospec"]["decode_speedup"] == pytest.approx(1.0)
+    assert table["nospec"]["prefill_share"] == pytest.approx(2.0 / 10.0)
+    assert table["tlt-spot"]["decode_speedup"] == pytest.approx((800 / 4.0) / (800 / 8.0))
+    assert table["tlt-spot"]["prefill_share"] == pytest.approx(2.0 / 6.0)
+    for name in ("vllm", "none"):
+        assert table[name]["decode_speedup"] is None and table[name]["prefill_share"] is None
+    text = format_table(list(table.values()), COLUMNS, FORMATS)
+    assert [line.split()[6:8] for line in text.splitlines()[2:]] == [
+        ["1.00", "20%"],
+        ["2.00", "33%"],
+        ["-", "-"],
+        ["-", "-"],
+    ]

@@ -1,0 +1,119 @@
+"""Comparing finished ``tltrun train`` runs of the same prompts and seed: per run, seconds per
+step and speedups against a baseline run (usually NoSpec), read back from each run's directory
+(``log.jsonl`` and the measured trace ``trace.json``). The rollout speedup is wall time of the
+slower worker, prefill included; the decode speedup is what a decode microbenchmark measures
+(``benchmarks/bench_spec.py``), and the prefill share says how much of the engine's time SD
+cannot shorten. ``benchmarks/bench_train.py`` and ``benchmarks/bench_history.py`` print these."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_log(run_dir: str | Path) -> list[dict]:
+    """The run's ``log.jsonl`` rows, one per step."""
+    text = (Path(run_dir) / "log.jsonl").read_text()
+    return [json.loads(line) for line in text.splitlines() if line]
+
+
+ENGINE_KEYS = ("prefill_s", "drafter_prefill_s", "decode_s", "decode_tokens")
+
+
+def engine_totals(run_dir: str | Path) -> dict | None:
+    """The engine's own seconds and decode tokens over the run, summed over steps and workers,
+    from the measured trace (``trace.json``): prefill (target and drafter) and decode apart,
+    which the rollout's wall time mixes. None when the trace lacks them (the vLLM backend
+    measures no prefill) or is missing."""
+    path = Path(run_dir) / "trace.json"
+    if not path.is_file():
+        return None
+    steps = [s.get("measured", {}) for s in json.loads(path.read_text()).get("steps", [])]
+    if not steps or any(s.get(k) is None for s in steps for k in ENGINE_KEYS):
+        return None
+    return {k: float(sum(s[k] for s in steps)) for k in ENGINE_KEYS}
+
+
+def engine_split(res: dict, base: dict | None) -> tuple[float | None, float | None]:
+    """(decode speedup vs ``base``: decode tokens per decode second, the quantity
+    bench_spec.py measures; prefill share of the engine's seconds, which SD leaves as is)."""
+    eng = res.get("engine")
+    if not eng or eng["decode_s"] <= 0:
+        return None, None
+    prefill = eng["prefill_s"] + eng["drafter_prefill_s"]
+    share = prefill / (prefill + eng["decode_s"])
+    if not base or base["decode_s"] <= 0 or base["decode_tokens"] <= 0:
+        return None, share
+    rate = eng["decode_tokens"] / eng["decode_s"]
+    return rate / (base["decode_tokens"] / base["decode_s"]), share
+
+
+def tokens_per_s(res: dict) -> float:
+    """Response tokens per rollout second: sampled runs diverge in length, so seconds per
+    step alone compare different amounts of work."""
+    n = res["config"]["prompts_per_step"] * res["config"]["group_size"]
+    tokens = sum(r["response_tokens_mean"] * n for r in res["log"])
+    return tokens / sum(r["rollout_s"] for r in res["log"])
+
+
+def compare_runs(results: dict, base: str = "nospec") -> list[dict]:
+    """One row per run of ``results`` (name -> {"config": TrainConfig fields, "log": its
+    log.jsonl rows, "engine": ``engine_totals``}): seconds per step and speedups vs ``base``
+    (rollout, end-to-end step, response-token rate, decode rate), prefill share, accept length
+    per step, reward, spot-training and idle seconds."""
+    base_rate = tokens_per_s(results[base])
+    base_log = results[base]["log"]
+    base_engine = results[base].get("engine")
+    base_rollout = sum(r["rollout_s"] for r in base_log) / len(base_log)
+    base_step = sum(r["step_s"] for r in base_log) / len(base_log)
+    table = []
+    for name, res in results.items():
+        log = res["log"]
+        rollout = sum(r["rollout_s"] for r in log) / len(log)
+        step = sum(r["step_s"] for r in log) / len(log)
+        decode_speedup, prefill_share = engine_split(res, base_engine)
+        table.append(
+            {
+                "run": name,
+                "rollout_s_per_step": rollout,
+                "step_s": step,
+                "rollout_speedup": base_rollout / rollout,
+                "step_speedup": base_step / step,
+                "rollout_tokens_per_s": tokens_per_s(res),
+                "token_rate_speedup": tokens_per_s(res) / base_rate,
+                "decode_speedup": decode_speedup,
+                "prefill_share": prefill_share,
+                "accept_len_last": log[-1]["accept_len"],
+                "accept_len_per_step": [r["accept_len"] for r in log],
+                "reward_mean_all": sum(r["reward_mean"] for r in log) / len(log),
+                "reward_last": log[-1]["reward_mean"],
+                "drafter_train_s": sum(r["drafter_train_s"] for r in log),
+                "idle_worker_s": sum(r["idle_worker_s"] for r in log),
+            }
+        )
+    return table
+
+
+COLUMNS = {
+    "run": "run",
+    "rollout_s_per_step": "rollout s",
+    "step_s": "step s",
+    "rollout_speedup": "rollout x",
+    "step_speedup": "step x",
+    "token_rate_speedup": "tok/s x",
+    "decode_speedup": "decode x",
+    "prefill_share": "prefill %",
+    "accept_len_last": "accept(last)",
+    "reward_mean_all": "reward(all)",
+    "reward_last": "reward(last)",
+    "drafter_train_s": "spot s",
+    "idle_worker_s": "idle s",
+}
+FORMATS = {
+    "decode_speedup": ".2f",
+    "prefill_share": "{:.0%}",
+    "reward_mean_all": ".3f",
+    "reward_last": ".3f",
+    "drafter_train_s": ".1f",
+    "idle_worker_s": ".1f",
+}
