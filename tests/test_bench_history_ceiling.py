@@ -7,6 +7,8 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
+
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_history.py"
 _SPEC = importlib.util.spec_from_file_location("bench_history", _PATH)
 bench_history = importlib.util.module_from_spec(_SPEC)
@@ -63,3 +65,42 @@ def test_the_ceiling_bounds_what_the_history_drafter_proposes():
             t += step
     assert sum(chain) == sum(bound) == sum(len(r) for r in group)
     assert len(chain) >= len(bound)  # fewer iterations: a longer mean accept length
+
+
+def _seed(seed: int, spot: float, base: float, mix: float, rel_se: float) -> dict:
+    def row(run: str, speedup: float) -> dict:
+        return {
+            "run": run,
+            "rollout_speedup": speedup,
+            "rollout_s_rel_se": rel_se,
+            "accept_len_per_step": [2.5],
+        }
+
+    table = [row("nospec", 1.0), row("tlt-spot", spot), row("tltbase", base), row("tlt-mix", mix)]
+    return {"seed": seed, "table": table, "history_ceiling_step0": 3.0}
+
+
+@pytest.mark.parametrize(
+    "mixes, rel_se, is_met",
+    [
+        ((1.50, 1.45, 1.40), 0.02, True),  # 0 to 0.05 below, se ~0.04: within noise
+        ((1.30, 1.25, 1.20), 0.02, False),  # 0.2 below, se ~0.04: below the better drafter
+        ((1.30, 1.25, 1.20), 0.10, True),  # the same gap in runs five times as noisy
+        ((1.60, 1.50, 1.20), 0.0, True),  # at or above the better one on two of three seeds
+    ],
+)
+def test_the_mix_check_pairs_each_seed_with_its_better_single_drafter(mixes, rel_se, is_met):
+    per_seed = [
+        _seed(1, spot=1.50, base=1.10, mix=mixes[0], rel_se=rel_se),
+        _seed(2, spot=1.40, base=1.45, mix=mixes[1], rel_se=rel_se),  # history the better here
+        _seed(3, spot=1.45, base=1.00, mix=mixes[2], rel_se=rel_se),
+    ]
+    summary = [{"run": "tltbase", "accept_len_step0_median": 2.5}]
+    checks = bench_history._history_checks(summary, per_seed)
+    assert [p["better_alone"] for p in checks["mix_minus_better_alone"]] == [
+        "tlt-spot",
+        "tltbase",
+        "tlt-spot",
+    ]
+    assert checks["mix_minus_better_alone"][1]["diff"] == pytest.approx(mixes[1] - 1.45)
+    assert checks["mix_ge_better_alone_within_noise"] is is_met

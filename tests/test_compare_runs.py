@@ -55,10 +55,24 @@ def test_decode_speedup_and_prefill_share_come_from_the_measured_trace(tmp_path)
     assert table["tlt-spot"]["prefill_share"] == pytest.approx(2.0 / 6.0)
     for name in ("vllm", "none"):
         assert table[name]["decode_speedup"] is None and table[name]["prefill_share"] is None
-    text = format_table(list(table.values()), COLUMNS, FORMATS)
-    assert [line.split()[6:8] for line in text.splitlines()[2:]] == [
+    shown = {k: COLUMNS[k] for k in ("run", "decode_speedup", "prefill_share")}
+    text = format_table(list(table.values()), shown, FORMATS)
+    assert [line.split()[1:] for line in text.splitlines()[2:]] == [
         ["1.00", "20%"],
         ["2.00", "33%"],
         ["-", "-"],
         ["-", "-"],
     ]
+
+
+def test_speedup_standard_error_from_the_steps_spread():
+    """se of mean(base) / mean(run): relative standard errors of the two means in quadrature."""
+    from tltrun.train.compare import relative_se, speedup_se
+
+    run = [{"rollout_s": x} for x in (1.0, 1.2, 0.8, 1.0)]
+    steady = [{"rollout_s": 2.0}] * 4
+    rel = (0.08 / 3) ** 0.5 / 4**0.5  # sample sd / sqrt(n), over the mean 1.0
+    assert relative_se([r["rollout_s"] for r in run]) == pytest.approx(rel)
+    assert speedup_se(run, steady) == pytest.approx(2.0 * rel)
+    assert speedup_se(run, run) == pytest.approx(2**0.5 * rel)
+    assert speedup_se(steady, steady) == 0.0

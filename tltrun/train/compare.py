@@ -8,6 +8,7 @@ cannot shorten. ``benchmarks/bench_train.py`` and ``benchmarks/bench_history.py`
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 
@@ -56,11 +57,33 @@ def tokens_per_s(res: dict) -> float:
     return tokens / sum(r["rollout_s"] for r in res["log"])
 
 
+def relative_se(values: list[float]) -> float:
+    """Standard error of the mean of ``values`` relative to the mean (step-to-step spread)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2 or mean <= 0:
+        return 0.0
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return math.sqrt(var / n) / mean
+
+
+def speedup_se(log: list[dict], base_log: list[dict], key: str = "rollout_s") -> float:
+    """Standard error of mean(base) / mean(run) from the steps' spread (delta method: relative
+    errors add in quadrature). It measures the noise of one run's mean over its steps, not
+    the variation between seeds (other prompts, other models), which the seeds' range shows."""
+    speedup = (sum(r[key] for r in base_log) / len(base_log)) / (
+        sum(r[key] for r in log) / len(log)
+    )
+    rel = math.hypot(relative_se([r[key] for r in log]), relative_se([r[key] for r in base_log]))
+    return speedup * rel
+
+
 def compare_runs(results: dict, base: str = "nospec") -> list[dict]:
     """One row per run of ``results`` (name -> {"config": TrainConfig fields, "log": its
     log.jsonl rows, "engine": ``engine_totals``}): seconds per step and speedups vs ``base``
-    (rollout, end-to-end step, response-token rate, decode rate), prefill share, accept length
-    per step, reward, spot-training and idle seconds."""
+    (rollout, with its standard error over the steps; end-to-end step, response-token rate,
+    decode rate), prefill share, accept length per step, reward, spot-training and idle
+    seconds."""
     base_rate = tokens_per_s(results[base])
     base_log = results[base]["log"]
     base_engine = results[base].get("engine")
@@ -78,6 +101,8 @@ def compare_runs(results: dict, base: str = "nospec") -> list[dict]:
                 "rollout_s_per_step": rollout,
                 "step_s": step,
                 "rollout_speedup": base_rollout / rollout,
+                "rollout_speedup_se": 0.0 if name == base else speedup_se(log, base_log),
+                "rollout_s_rel_se": relative_se([r["rollout_s"] for r in log]),
                 "step_speedup": base_step / step,
                 "rollout_tokens_per_s": tokens_per_s(res),
                 "token_rate_speedup": tokens_per_s(res) / base_rate,
@@ -99,6 +124,7 @@ COLUMNS = {
     "rollout_s_per_step": "rollout s",
     "step_s": "step s",
     "rollout_speedup": "rollout x",
+    "rollout_speedup_se": "+-",
     "step_speedup": "step x",
     "token_rate_speedup": "tok/s x",
     "decode_speedup": "decode x",
