@@ -261,7 +261,7 @@ def is_logged_through(train: TrainConfig) -> bool:
     if not (log.is_file() and weights.is_file()):
         return False
     try:
-        steps = {json.loads(line)["step"] for line in log.read_text().splitlines() if line}
+        steps = {row["step"] for row in read_log(out)}
     except (ValueError, KeyError, TypeError):
         return False  # a torn last line: the run was killed mid-step
     return steps >= set(range(train.num_steps)) and weights.stat().st_mtime >= log.stat().st_mtime

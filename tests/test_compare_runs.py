@@ -67,12 +67,30 @@ def test_decode_speedup_and_prefill_share_come_from_the_measured_trace(tmp_path)
 
 def test_speedup_standard_error_from_the_steps_spread():
     """se of mean(base) / mean(run): relative standard errors of the two means in quadrature."""
-    from tltrun.train.compare import relative_se, speedup_se
+    from tltrun.train.compare import relative_se
 
-    run = [{"rollout_s": x} for x in (1.0, 1.2, 0.8, 1.0)]
-    steady = [{"rollout_s": 2.0}] * 4
+    def res(times: tuple[float, ...]) -> dict:
+        log = [
+            {
+                "rollout_s": t,
+                "step_s": 1.0,
+                "response_tokens_mean": 1.0,
+                "accept_len": 0.0,
+                "reward_mean": 0.0,
+                "drafter_train_s": 0.0,
+                "idle_worker_s": 0.0,
+            }
+            for t in times
+        ]
+        return {"config": {"prompts_per_step": 1, "group_size": 1}, "log": log}
+
+    noisy, steady = (1.0, 1.2, 0.8, 1.0), (2.0,) * 4
     rel = (0.08 / 3) ** 0.5 / 4**0.5  # sample sd / sqrt(n), over the mean 1.0
-    assert relative_se([r["rollout_s"] for r in run]) == pytest.approx(rel)
-    assert speedup_se(run, steady) == pytest.approx(2.0 * rel)
-    assert speedup_se(run, run) == pytest.approx(2**0.5 * rel)
-    assert speedup_se(steady, steady) == 0.0
+    assert relative_se(list(noisy)) == pytest.approx(rel)
+
+    def se(base: tuple, run: tuple) -> float:
+        return compare_runs({"nospec": res(base), "run": res(run)})[1]["rollout_speedup_se"]
+
+    assert se(steady, noisy) == pytest.approx(2.0 * rel)
+    assert se(noisy, noisy) == pytest.approx(2**0.5 * rel)
+    assert se(steady, steady) == 0.0

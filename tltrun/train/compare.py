@@ -67,17 +67,6 @@ def relative_se(values: list[float]) -> float:
     return math.sqrt(var / n) / mean
 
 
-def speedup_se(log: list[dict], base_log: list[dict], key: str = "rollout_s") -> float:
-    """Standard error of mean(base) / mean(run) from the steps' spread (delta method: relative
-    errors add in quadrature). It measures the noise of one run's mean over its steps, not
-    the variation between seeds (other prompts, other models), which the seeds' range shows."""
-    speedup = (sum(r[key] for r in base_log) / len(base_log)) / (
-        sum(r[key] for r in log) / len(log)
-    )
-    rel = math.hypot(relative_se([r[key] for r in log]), relative_se([r[key] for r in base_log]))
-    return speedup * rel
-
-
 def compare_runs(results: dict, base: str = "nospec") -> list[dict]:
     """One row per run of ``results`` (name -> {"config": TrainConfig fields, "log": its
     log.jsonl rows, "engine": ``engine_totals``}): seconds per step and speedups vs ``base``
@@ -88,24 +77,32 @@ def compare_runs(results: dict, base: str = "nospec") -> list[dict]:
     base_log = results[base]["log"]
     base_engine = results[base].get("engine")
     base_rollout = sum(r["rollout_s"] for r in base_log) / len(base_log)
+    base_rel_se = relative_se([r["rollout_s"] for r in base_log])
     base_step = sum(r["step_s"] for r in base_log) / len(base_log)
     table = []
     for name, res in results.items():
         log = res["log"]
         rollout = sum(r["rollout_s"] for r in log) / len(log)
+        rel_se = relative_se([r["rollout_s"] for r in log])
+        speedup = base_rollout / rollout
         step = sum(r["step_s"] for r in log) / len(log)
+        rate = tokens_per_s(res)
         decode_speedup, prefill_share = engine_split(res, base_engine)
         table.append(
             {
                 "run": name,
                 "rollout_s_per_step": rollout,
                 "step_s": step,
-                "rollout_speedup": base_rollout / rollout,
-                "rollout_speedup_se": 0.0 if name == base else speedup_se(log, base_log),
-                "rollout_s_rel_se": relative_se([r["rollout_s"] for r in log]),
+                "rollout_speedup": speedup,
+                # standard error of mean(base) / mean(run) from the steps' spread (delta
+                # method: relative errors in quadrature); the seeds' range shows the rest
+                "rollout_speedup_se": 0.0
+                if name == base
+                else speedup * math.hypot(rel_se, base_rel_se),
+                "rollout_s_rel_se": rel_se,
                 "step_speedup": base_step / step,
-                "rollout_tokens_per_s": tokens_per_s(res),
-                "token_rate_speedup": tokens_per_s(res) / base_rate,
+                "rollout_tokens_per_s": rate,
+                "token_rate_speedup": rate / base_rate,
                 "decode_speedup": decode_speedup,
                 "prefill_share": prefill_share,
                 "accept_len_last": log[-1]["accept_len"],
