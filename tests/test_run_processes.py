@@ -1,0 +1,208 @@
+"""Processes of ``tltrun train`` (tltrun.train.state, tltrun.train.launch): the run directory's
+lock refuses a second process on the same ``--out``; no orphans: a launcher killed at any moment
+of start-up or mid-run leaves no worker behind; a worker's failure reaches the user as one line
+naming its rank. The checkpoints, logs and settings of a run directory:
+tests/test_run_integrity.py, whose fake runs and tiny model these tests share.
+
+The fast tests hold the lock from a subprocess and format worker errors; the slow ones start real
+runs of a tiny model in their own session and kill the launcher or a worker. Run:
+``python -m pytest tests/test_run_processes.py -q`` (``-m "not slow"``: seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import test_run_integrity
+from test_run_integrity import cli, make_fake_run
+
+from tltrun.train import state as ts
+from tltsim.errors import UsageError
+
+model_dir = test_run_integrity.model_dir  # its fixture: a tiny model, saved once per module
+
+
+# ---- the lock --------------------------------------------------------------------------------
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from tltrun.train.state import RunLock
+with RunLock(Path(sys.argv[1])):
+    print("locked", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_second_process_on_the_same_out_is_refused(model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    make_fake_run(model_dir, out)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(out)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        code, err = cli(["train", "--out", str(out), "--resume"], capsys)
+        assert code == 2 and "\n" not in err
+        assert err.startswith(f"error: {out}: another tltrun train is running in this directory")
+        assert f"pid {holder.pid}" in err
+        # also within one process: flock is per open file
+        with pytest.raises(UsageError), ts.RunLock(out):
+            pass
+        assert (out / "log.jsonl").read_text() == "".join(
+            json.dumps({"step": s}) + "\n" for s in range(3)
+        )  # the refused run touched nothing
+    finally:
+        holder.kill()  # SIGKILL: the kernel drops the lock with the process
+        holder.wait()
+    with ts.RunLock(out):
+        assert (out / ts.LOCK).read_text() == f"pid {os.getpid()}\n"
+
+
+@pytest.mark.slow
+def test_second_launcher_refused_while_a_real_run_holds_the_lock(model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tltrun.cli.main", "train", "--model-dir", str(model_dir),
+           "--out", str(out), "--num-workers", "2", "--num-steps", "50", "--prompts-per-step", "2",
+           "--group-size", "2", "--max-new-tokens", "16", "--policy", "nospec"]  # fmt: skip
+    first = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "log.jsonl").is_file() and time.monotonic() < deadline:
+            assert first.poll() is None, f"the first run ended (exit {first.returncode})"
+            time.sleep(0.1)
+        code, err = cli(["train", "--out", str(out), "--resume"], capsys)
+        assert code == 2 and "another tltrun train is running in this directory" in err
+        code, err = cli(cmd[3:], capsys)  # a fresh run on the same --out: refused too
+        assert code == 2 and "another tltrun train is running in this directory" in err
+        assert first.poll() is None  # the first run goes on
+    finally:
+        os.killpg(first.pid, 9)
+        first.wait()
+
+
+# ---- no orphans ------------------------------------------------------------------------------
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (non-zombie) processes of session ``sid`` (the launcher's, started in its own)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        # after "pid (comm)": state, ppid, pgrp, session
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def parent_pid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError):
+        return None
+
+
+def wait_for(condition, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert condition(), "timed out"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize(
+    "moment, delay_s",
+    [
+        ("launch", 0.0),  # before any worker exists
+        ("launch", 1.0),
+        ("workers spawned", 0.0),  # workers importing torch, before any of our code runs
+        ("workers spawned", 1.0),
+        ("first step logged", 0.0),  # mid-run
+    ],
+)
+def test_killing_the_launcher_ends_every_worker(model_dir, tmp_path, moment, delay_s):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tltrun.cli.main", "train", "--model-dir", str(model_dir),
+           "--out", str(out), "--num-workers", "2", "--num-steps", "100000", "--prompts-per-step",
+           "2", "--group-size", "2", "--max-new-tokens", "16", "--policy", "nospec"]  # fmt: skip
+    launcher = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.DEVNULL)
+    try:
+        if moment == "workers spawned":  # the launcher, the resource tracker, 2 workers
+            wait_for(lambda: len(session_pids(launcher.pid)) >= 4)
+        elif moment == "first step logged":
+            wait_for(lambda: (out / "log.jsonl").is_file())
+            assert len(session_pids(launcher.pid)) >= 3  # the launcher and both workers
+        time.sleep(delay_s)
+        assert launcher.poll() is None, "the run ended before the kill"
+        launcher.kill()  # SIGKILL to the launcher alone: it cleans nothing up
+        launcher.wait()
+        # A worker still starting (importing torch) notices the loss of its launcher when it
+        # gets to its first statement; give it the time to get there.
+        wait_for(lambda: session_pids(launcher.pid) == [], timeout_s=60)
+    finally:
+        for pid in session_pids(launcher.pid):
+            os.kill(pid, 9)
+
+
+# ---- a worker's failure reaches the user as one line ------------------------------------------
+
+
+def test_worker_errors_are_one_line_naming_the_rank(tmp_path):
+    from tltrun.train.launch import worker_error
+
+    report = (
+        "\n\n-- Process 1 terminated with the following error:\nTraceback (most recent call "
+        'last):\n  File "x.py", line 3, in f\n    raise CheckpointError(...)\n'
+        "tltrun.model.config.CheckpointError: m/model.safetensors: truncated\n"
+    )
+    err = worker_error(tmp_path, 1, report)
+    assert str(err) == (
+        f"worker rank 1: m/model.safetensors: truncated (full traceback in "
+        f"{tmp_path / 'worker_errors.log'})"
+    )
+    assert err.exit_code == 2  # the worker's own error was input a user can fix
+    bug = worker_error(tmp_path, 0, "Traceback ...\nZeroDivisionError: division by zero\n")
+    assert "worker rank 0: ZeroDivisionError: division by zero" in str(bug)
+    assert bug.exit_code == 1
+    log = (tmp_path / "worker_errors.log").read_text()
+    assert "raise CheckpointError" in log and "ZeroDivisionError" in log  # both, appended
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
+def test_a_killed_worker_ends_the_run_with_one_line(model_dir, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tltrun.cli.main", "train", "--model-dir", str(model_dir),
+           "--out", str(out), "--num-workers", "2", "--num-steps", "100000", "--prompts-per-step",
+           "2", "--group-size", "2", "--max-new-tokens", "16", "--policy", "nospec"]  # fmt: skip
+    launcher = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (out / "log.jsonl").is_file())
+        # the launcher's own spawned children (each worker spawns reward processes too)
+        workers = [
+            pid
+            for pid in session_pids(launcher.pid)
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            and parent_pid(pid) == launcher.pid
+        ]
+        assert len(workers) == 2
+        os.kill(workers[-1], 9)
+        _, stderr = launcher.communicate(timeout=120)
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert launcher.returncode == 1 and "Traceback" not in stderr, stderr
+        assert len(errors) == 1 and errors[0].startswith("error: worker rank "), stderr
+        assert "was killed by SIGKILL" in errors[0] and "--resume" in errors[0]
+        wait_for(lambda: session_pids(launcher.pid) == [], timeout_s=60)
+    finally:
+        for pid in session_pids(launcher.pid):
+            os.kill(pid, 9)
