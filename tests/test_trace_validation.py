@@ -1,0 +1,285 @@
+"""Tests of ``tlt-trace`` validation: bad input, JSON or CSV, a missing file, a directory or a
+broken gzip, exits 2 with one line naming the file, step, prompt and field. The format's round
+trips and accessors: tests/test_trace.py, whose ``GOOD`` document these cases break.
+
+Run: ``.venv/bin/python -m pytest tests/test_trace_validation.py -q``
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+from test_trace import GOOD
+
+from tltsim.cli.main import main
+
+# --- bad input: exit code 2, one line naming file / step / prompt / field ----------------------
+
+
+def _bad(edit) -> dict:
+    doc = json.loads(json.dumps(GOOD))
+    edit(doc)
+    return doc
+
+
+def _prompt(doc: dict) -> dict:
+    return doc["steps"][0]["prompts"][0]
+
+
+JSON_CASES = {
+    "missing responses": (
+        lambda d: _prompt(d).pop("responses"),
+        ["step 0 prompt 'p0'", "'responses'"],
+    ),
+    "missing steps": (lambda d: d.pop("steps"), ["'steps'"]),
+    "missing tokens": (
+        lambda d: _prompt(d).update(responses=[5, {"finish": "stop"}]),
+        ["prompt 'p0' response 1", "'tokens'"],
+    ),
+    "string tokens": (
+        lambda d: _prompt(d).update(responses=[5, "812"]),
+        ["prompt 'p0' response 1", "'tokens'", "positive integer", "'812'"],
+    ),
+    "bool tokens": (
+        lambda d: _prompt(d).update(responses=[True, 5]),
+        ["response 0", "'tokens'", "True"],
+    ),
+    "float tokens": (
+        lambda d: _prompt(d).update(responses=[5, 7.5]),
+        ["response 1", "'tokens'", "7.5"],
+    ),
+    "negative tokens": (
+        lambda d: _prompt(d).update(responses=[5, -3]),
+        ["step 0 prompt 'p0' response 1", "'tokens'", "-3"],
+    ),
+    "zero tokens": (
+        lambda d: _prompt(d).update(responses=[0, 5]),
+        ["response 0", "'tokens'", "got 0"],
+    ),
+    "tokens over cap": (
+        lambda d: _prompt(d).update(responses=[5, 1001]),
+        ["'tokens'", "max_response_tokens (1000)"],
+    ),
+    "zero prompt tokens": (
+        lambda d: _prompt(d).update(prompt_tokens=0),
+        ["prompt 'p0'", "'prompt_tokens'", "got 0"],
+    ),
+    "string prompt tokens": (
+        lambda d: _prompt(d).update(prompt_tokens="10"),
+        ["'prompt_tokens'", "'10'"],
+    ),
+    "int id": (lambda d: _prompt(d).update(id=3), ["step 0 prompts[0]", "'id'", "string"]),
+    "wrong format": (lambda d: d.update(format="tlt-trac"), ["'format'", "'tlt-trace'"]),
+    "wrong version": (lambda d: d.update(version=3), ["'version'", "got 3"]),
+    "string version": (lambda d: d.update(version="1"), ["'version'", "got '1'"]),
+    "empty steps": (lambda d: d.update(steps=[]), ["'steps'", "non-empty"]),
+    "empty prompts": (
+        lambda d: d["steps"][0].update(prompts=[]),
+        ["step 0", "'prompts'", "non-empty"],
+    ),
+    "empty responses": (
+        lambda d: _prompt(d).update(responses=[]),
+        ["prompt 'p0'", "'responses'", "non-empty"],
+    ),
+    "bad finish": (
+        lambda d: _prompt(d).update(responses=[5, {"tokens": 7, "finish": "eos"}]),
+        ["response 1", "'finish'", "'stop' or 'length'", "'eos'"],
+    ),
+    "bad accept_hist": (
+        lambda d: _prompt(d).update(responses=[5, {"tokens": 7, "accept_hist": [1, -1]}]),
+        ["response 1", "'accept_hist'"],
+    ),
+    "negative step": (lambda d: d["steps"][0].update(step=-1), ["steps[0]", "'step'", "-1"]),
+    "steps not ascending": (
+        lambda d: d["steps"].append(d["steps"][0]),
+        ["steps[1]", "'step'", "ascend"],
+    ),
+    "duplicate prompt": (
+        lambda d: d["steps"][0]["prompts"].append(_prompt(d)),
+        ["prompts[1]", "'id'", "unique"],
+    ),
+    "group size mismatch": (
+        lambda d: _prompt(d).update(responses=[5]),
+        ["prompt 'p0'", "'responses'", "2 responses"],
+    ),
+    "unknown field": (
+        lambda d: _prompt(d).update(prompt_token=3),
+        ["prompt 'p0'", "'prompt_token'"],
+    ),
+    "bad meta cap": (
+        lambda d: d["meta"].update(max_response_tokens="big"),
+        ["meta", "'max_response_tokens'"],
+    ),
+    "meta not object": (lambda d: d.update(meta=[]), ["'meta'", "object"]),
+    "measured not object": (
+        lambda d: d["steps"][0].update(measured=[1.5]),
+        ["step 0", "'measured'", "an object"],
+    ),
+    "measured string seconds": (
+        lambda d: d["steps"][0].update(measured={"rollout_s": "1.5"}),
+        ["step 0", "'measured.rollout_s'", "seconds >= 0", "'1.5'"],
+    ),
+    "measured bool seconds": (
+        lambda d: d["steps"][0].update(measured={"train_s": True}),
+        ["step 0", "'measured.train_s'", "True"],
+    ),
+    "measured unknown field": (
+        lambda d: d["steps"][0].update(measured={"rolout_s": 1.0}),
+        ["step 0", "unknown field 'measured.rolout_s'"],
+    ),
+    "measured bad policy seed": (
+        lambda d: d["steps"][0].update(measured={"policy": {"name": "tlt", "seed": -1}}),
+        ["step 0", "'measured.policy.seed'", "-1"],
+    ),
+    "measured unknown policy field": (
+        lambda d: d["steps"][0].update(measured={"policy": {"nam": "tlt"}}),
+        ["step 0", "unknown field 'measured.policy.nam'"],
+    ),
+    "measured bad hist": (
+        lambda d: d["steps"][0].update(measured={"accept_hist_by_strategy": {"2_1_2": [1, -1]}}),
+        ["step 0", "'measured.accept_hist_by_strategy'"],
+    ),
+    "measured bad response hist": (
+        lambda d: d["steps"][0].update(
+            measured={"response_accept_hist_by_strategy": {"p0": [{"4_1_4": [-1]}, {}]}}
+        ),
+        ["step 0", "'measured.response_accept_hist_by_strategy'"],
+    ),
+    "measured unknown drafter arm": (
+        lambda d: d["steps"][0].update(measured={"accept_hist_by_strategy": {"medusa:2_1_2": [1]}}),
+        ["step 0", "'measured.accept_hist_by_strategy'", "DRAFTER:strategy", "history"],
+    ),
+    "measured eagle arm": (  # EAGLE's keys stay plain strategies: one key form per drafter
+        lambda d: d["steps"][0].update(
+            measured={"policy": {"iterations_per_strategy": {"eagle:2_1_2": 1}}}
+        ),
+        ["step 0", "'measured.policy.iterations_per_strategy'"],
+    ),
+    "measured bad clock": (
+        lambda d: d["steps"][0].update(measured={"clock": "gpu"}),
+        ["step 0", "'measured.clock'", "'wall' or 'cpu'", "'gpu'"],
+    ),
+    "measured zero cap": (
+        lambda d: d["steps"][0].update(measured={"max_running_requests": 0}),
+        ["step 0", "'measured.max_running_requests'", "integer >= 1 or null"],
+    ),
+    "measured null seconds": (
+        lambda d: d["steps"][0].update(measured={"rollout_s": None}),
+        ["step 0", "'measured.rollout_s'", "None"],
+    ),
+}
+
+
+def _run_validate(path: Path, capsys: pytest.CaptureFixture) -> str:
+    code = main(["validate", str(path)])
+    captured = capsys.readouterr()
+    assert code == 2
+    err = captured.err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert err.startswith(f"error: {path}"), err
+    return err
+
+
+@pytest.mark.parametrize("case", sorted(JSON_CASES))
+def test_bad_json_gives_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture, case: str
+) -> None:
+    edit, fragments = JSON_CASES[case]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(_bad(edit)))
+    err = _run_validate(path, capsys)
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+def test_good_document_is_accepted(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "good.json"
+    path.write_text(json.dumps(GOOD))
+    assert main(["validate", str(path)]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"{path}: 1 steps, 1 prompts, 2 responses") and "\n" not in out
+
+
+FILE_CASES = {
+    "truncated json": ("t.json", lambda: json.dumps(GOOD)[:70], ["not valid JSON", "truncated"]),
+    "top-level list": ("t.json", lambda: "[1, 2]", ["top level"]),
+    "csv missing column": (
+        "t.csv",
+        lambda: "step,prompt_id,response_tokens\n0,a,5\n",
+        ["missing column 'prompt_tokens'"],
+    ),
+    "csv string tokens": (
+        "t.csv",
+        lambda: "step,prompt_id,prompt_tokens,response_tokens\n0,a,3,5\n0,a,3,abc\n",
+        ["line 3", "'response_tokens'", "'abc'"],
+    ),
+    "csv negative": (
+        "t.csv",
+        lambda: "step,prompt_id,prompt_tokens,response_tokens\n0,a,3,-5\n",
+        ["line 2", "'response_tokens'", "'-5'"],
+    ),
+    "csv zero": (
+        "t.csv",
+        lambda: "step,prompt_id,prompt_tokens,response_tokens\n0,a,0,5\n",
+        ["line 2", "'prompt_tokens'", "got 0"],
+    ),
+    "csv float": (
+        "t.csv",
+        lambda: "step,prompt_id,prompt_tokens,response_tokens\n0,a,3,5.0\n",
+        ["line 2", "'5.0'"],
+    ),
+    "csv bad finish": (
+        "t.csv",
+        lambda: "step,prompt_id,prompt_tokens,response_tokens,finish\n0,a,3,5,eos\n",
+        ["line 2", "'finish'", "'eos'"],
+    ),
+    "csv prompt tokens disagree": (
+        "t.csv",
+        lambda: "step,prompt_id,prompt_tokens,response_tokens\n0,a,3,5\n0,a,4,6\n",
+        ["line 3", "step 0, prompt 'a'", "'prompt_tokens'", "as on line 2"],
+    ),
+    "csv no rows": ("t.csv", lambda: "step,prompt_id,prompt_tokens,response_tokens\n", ["no rows"]),
+    "csv empty": ("t.csv", lambda: "", ["empty CSV"]),
+    "csv wrong version": (
+        "t.csv",
+        lambda: "# tlt-trace v3 meta: {}\nstep,prompt_id,prompt_tokens,response_tokens\n0,a,3,5\n",
+        ["'version'", "got 3"],
+    ),
+    "csv over cap": (
+        "t.csv",
+        lambda: (
+            '# tlt-trace v1 meta: {"max_response_tokens": 4}\nstep,prompt_id,prompt_tokens,response_tokens\n0,a,3,5\n'
+        ),
+        ["line 3", "max_response_tokens (4)"],
+    ),
+    "unknown suffix": ("t.txt", lambda: "{}", ["unknown trace file type"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FILE_CASES))
+def test_bad_files_give_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture, case: str
+) -> None:
+    name, text, fragments = FILE_CASES[case]
+    path = tmp_path / name
+    path.write_text(text())
+    err = _run_validate(path, capsys)
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+
+
+def test_missing_file_directory_and_broken_gzip(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert "no such file" in _run_validate(tmp_path / "nope.json", capsys)
+    assert "no such file" in _run_validate(tmp_path / "nope.csv", capsys)
+    (tmp_path / "dir.json").mkdir()
+    assert "directory" in _run_validate(tmp_path / "dir.json", capsys)
+    good = gzip.compress(json.dumps(GOOD).encode())
+    (tmp_path / "cut.json.gz").write_bytes(good[: len(good) // 2])
+    assert "cannot read" in _run_validate(tmp_path / "cut.json.gz", capsys)
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
+    assert "Parquet" in _run_validate(tmp_path / "junk.parquet", capsys)
