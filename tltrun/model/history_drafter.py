@@ -32,7 +32,7 @@ A history draft is deterministic given the committed tokens, so its draft distri
 point mass and ``tltrun.rollout.speculative.verify`` with ``draft_probs=None`` keeps decoding
 lossless (accept x with probability p(x), else resample from p with x removed).
 
-Run the tests: ``python -m pytest tests/test_history_drafter.py -q``.
+Run the tests: ``python -m pytest tests/test_history_drafter.py tests/test_history_engine.py -q``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ nothing is indexed until a policy first asks for a history draft; from then on e
 kept. A sequence is keyed by (rollout number, request id) and grouped by its ``prompt_id``
 (across rollouts) or, without one, by its prompt tokens within its own rollout.
 
-Run the tests: ``python -m pytest tests/test_history_drafter.py -q``.
+Run the tests: ``python -m pytest tests/test_history_engine.py -q``.
 """
 
 from __future__ import annotations
