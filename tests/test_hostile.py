@@ -2,14 +2,15 @@
 one ``error:`` line on stderr and exit code 2 — never a traceback, an ``internal error`` or a
 hang — and a legal but suspicious input runs with one ``warning:`` line that counts it.
 
-A table of named cases per entry point (the kinds of the issue: integers beyond int64 or
-physically absurd, pathologically nested JSON, binary garbage, ``--out`` that cannot be
-written, bad sweep specs, damaged safetensors, devices this machine lacks, values that used to
-run silently wrong), then hypothesis fuzzing of trace files and of numeric flags. The CLIs run
-in-process (``main(argv)``, output through capsys): a case that lets an exception escape fails
-with that exception.
+The inputs every case names (``files``, built once), a table of named ``tltsim`` cases (the kinds
+of the issue: integers beyond int64 or physically absurd, pathologically nested JSON, binary
+garbage, ``--out`` that cannot be written, bad sweep specs, values that used to run silently
+wrong), the internal-error line, then hypothesis fuzzing of trace files and of numeric flags.
+The ``tltrun`` cases (damaged safetensors, devices this machine lacks, ...):
+tests/test_hostile_tltrun.py. The CLIs run in-process (``main(argv)``, output through capsys):
+a case that lets an exception escape fails with that exception.
 
-Run: ``python -m pytest tests/test_hostile.py -q``.
+Run: ``python -m pytest tests/test_hostile.py tests/test_hostile_tltrun.py -q``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import tiny_model
@@ -288,145 +288,6 @@ TLTSIM_CASES = {
 @pytest.mark.parametrize("argv", TLTSIM_CASES.values(), ids=TLTSIM_CASES.keys())
 def test_tltsim_hostile_input_is_one_error_line(argv, files, tmp_path, capsys):
     assert_one_error_line(*run("tltsim", fill(argv, files, tmp_path), capsys))
-
-
-# --- tltrun -----------------------------------------------------------------------------------
-
-ENGINE = "--max-running-requests 2 --max-model-len 32"
-GEN = f"generate --model {{model}} --prompts {{prompts}} --out {{tmp}}/g {ENGINE}"
-TRAIN = "train --model-dir {model} --out {tmp}/r --num-steps 1"
-TRAIN_DRAFTER = "train-drafter --model {model} --data {data} --out {tmp}/d"
-BENCH = "bench --trace {trace} --model {model} --out {tmp}/b --policy nospec"
-SFT = "sft --out {tmp}/s"
-
-
-def swap(argv: str, *extra: str, **values: str) -> str:
-    """``argv`` with the values of some flags swapped (``model="{model_trunc}"``) and ``extra``
-    words appended."""
-    words = argv.split()
-    for flag, value in values.items():
-        words[words.index("--" + flag.replace("_", "-")) + 1] = value
-    return " ".join(words + list(extra))
-
-
-TLTRUN_CASES = {
-    # damaged safetensors, found before any work (tltrun train: before its workers start)
-    "safetensors: generate truncated model": swap(GEN, model="{model_trunc}"),
-    "safetensors: generate garbage model": swap(GEN, model="{model_garbage}"),
-    "safetensors: generate truncated drafter": swap(
-        GEN, "--drafter {drafter_trunc} --policy static --strategy 2_1_2"
-    ),
-    "safetensors: bench truncated model": swap(BENCH, model="{model_trunc}"),
-    "safetensors: train-drafter --init truncated": swap(TRAIN_DRAFTER, "--init {drafter_trunc}"),
-    "safetensors: train truncated model": swap(TRAIN, model_dir="{model_trunc}"),
-    "safetensors: train truncated drafter": swap(TRAIN, "--drafter-dir {drafter_trunc}"),
-    "safetensors: profile truncated model": "profile --model {model_trunc} --out {tmp}/p.csv",
-    # binary garbage
-    "bin: model config.json": swap(GEN, model="{model_cfg_garbage}"),
-    "bin: prompts": swap(GEN, prompts="{garbage_jsonl}"),
-    "bin: train-drafter --data": swap(TRAIN_DRAFTER, data="{garbage_jsonl}"),
-    "bin: train --config toml": "train --config {garbage_toml}",
-    "bin: train --config json": "train --config {garbage_json}",
-    "bin: train --config not an object": "train --config {config_list}",
-    "bin: train --config task not a table": "train --config {config_task}",
-    "bin: bench trace": swap(BENCH, trace="{garbage_json}"),
-    # pathologically nested JSON
-    "nest: model config.json": swap(GEN, model="{model_cfg_deep}"),
-    "nest: prompts": swap(GEN, prompts="{deep_jsonl}"),
-    "nest: train-drafter --data": swap(TRAIN_DRAFTER, data="{deep_jsonl}"),
-    "nest: train --config": "train --config {deep_json}",
-    "nest: bench trace": swap(BENCH, trace="{deep_json}"),
-    # integers beyond int64 or absurd: answered at once
-    "int: config.json vocab_size 10^21": swap(GEN, model="{model_vocab_huge}"),
-    "int: --max-running-requests 10^12 (KV cache)": swap(GEN, max_running_requests="{e12}"),
-    "int: --max-model-len 10^12 (KV cache)": swap(GEN, max_model_len="{e12}"),
-    "int: generate --group-size 10^9": swap(GEN, "--group-size {e9}"),
-    "int: generate --step 10^30": swap(GEN, "--step {e30}"),
-    "int: train --num-threads 10^8": swap(TRAIN, "--num-threads {e8}"),
-    "int: train --num-workers 10^8": swap(TRAIN, "--num-workers {e8} --prompts-per-step {e8}"),
-    "int: train --seed 2^70": swap(TRAIN, "--seed {p70}"),
-    "int: train-drafter --train-num-steps 10^30": swap(TRAIN_DRAFTER, "--train-num-steps {e30}"),
-    "int: sft --num-steps 10^30": swap(SFT, "--num-steps {e30}"),
-    "int: sft --num-layers 10^9": swap(SFT, "--num-layers {e9}"),
-    "int: sft --hidden-size 10^12": swap(SFT, "--hidden-size {e12}"),
-    "int: sft --num-threads 10^8": swap(SFT, "--num-threads {e8}"),
-    "int: task --num-prompts 10^12": "task --num-prompts {e12}",
-    # values that used to run silently wrong
-    "silent: generate --temperature nan": swap(GEN, "--temperature nan"),
-    "silent: generate --temperature inf": swap(GEN, "--temperature inf"),
-    "silent: generate --temperature -1": swap(GEN, "--temperature -1"),
-    "silent: bench --temperature nan": swap(BENCH, "--temperature nan"),
-    "silent: train --temperature nan": swap(TRAIN, "--temperature nan"),
-    "silent: train --lr inf": swap(TRAIN, "--lr inf"),
-    "silent: train --kl-coef nan": swap(TRAIN, "--kl-coef nan"),
-    "silent: train --group-size 1 (GRPO)": swap(TRAIN, "--group-size 1"),
-    "silent: train-drafter --train-lr nan": swap(TRAIN_DRAFTER, "--train-lr nan"),
-    "silent: sft --lr inf": swap(SFT, "--lr inf"),
-    "silent: prompt that is an int": swap(GEN, prompts="{prompt_int}"),
-    "silent: prompt that is a list": swap(GEN, prompts="{prompt_list}"),
-    "silent: prompt id that is an object": swap(GEN, prompts="{prompt_id_dict}"),
-    "silent: prompt token ids with a bool": swap(GEN, prompts="{prompt_bool_ids}"),
-    "silent: max_new_tokens true": swap(GEN, prompts="{prompt_bool_max}"),
-    "silent: train-drafter float token ids": swap(TRAIN_DRAFTER, data="{data_float}"),
-    "silent: train-drafter string token ids": swap(TRAIN_DRAFTER, data="{data_str}"),
-    # what generate rejects, train rejects too (before its workers)
-    "same: train --dtype float8": swap(TRAIN, "--dtype float8"),
-    "same: train-drafter --dtype float8": swap(TRAIN_DRAFTER, "--dtype float8"),
-    "same: train --static-strategy zz": swap(TRAIN, "--policy static --static-strategy zz"),
-    "same: train --tlt-strategies zz": swap(TRAIN, "--tlt-strategies zz"),
-    "same: generate --dtype float8": swap(GEN, "--dtype float8"),
-    "same: generate --strategy zz": swap(GEN, "--policy static --strategy zz --drafter {drafter}"),
-    # devices this machine lacks
-    "device: generate --device nope": swap(GEN, "--device nope"),
-    "device: train --device nope": swap(TRAIN, "--device nope"),
-    "device: generate --device cuda:99": swap(GEN, "--device cuda:99"),
-    "device: train --device cuda:99": swap(TRAIN, "--device cuda:99"),
-    "device: train-drafter --device cuda:99": swap(TRAIN_DRAFTER, "--device cuda:99"),
-    "device: bench --device cuda:99": swap(BENCH, "--device cuda:99"),
-    "device: profile --device cuda:99": "profile --model {model} --out {tmp}/p.csv --device cuda:99",
-    # --out that cannot be written
-    "out: generate --out an existing file": swap(GEN, out="{file}"),
-    "out: generate --out under /proc": swap(GEN, out="/proc/tlt-hostile"),
-    "out: bench --out an existing file": swap(BENCH, out="{file}"),
-    "out: profile --out under a file": "profile --model {model} --out {file}/p.csv",
-    "out: train-drafter --out an existing file": swap(TRAIN_DRAFTER, out="{file}"),
-    "out: train --out an existing file": swap(TRAIN, out="{file}"),
-    "out: sft --out an existing file": swap(SFT, out="{file}"),
-}
-
-
-@pytest.mark.parametrize("argv", TLTRUN_CASES.values(), ids=TLTRUN_CASES.keys())
-def test_tltrun_hostile_input_is_one_error_line(argv, files, tmp_path, capsys):
-    if "cuda:99" in argv and torch.cuda.device_count() >= 100:
-        pytest.skip("this machine has a CUDA device 99")
-    assert_one_error_line(*run("tltrun", fill(argv, files, tmp_path), capsys))
-
-
-def test_device_cuda_without_cuda_is_one_error_line(files, tmp_path, capsys):
-    if torch.cuda.is_available():
-        pytest.skip("CUDA is available here")
-    for argv in (swap(GEN, "--device cuda"), swap(TRAIN, "--device cuda")):
-        rc, out, err = run("tltrun", fill(argv, files, tmp_path), capsys)
-        assert_one_error_line(rc, out, err)
-        assert "CUDA is not available" in err
-
-
-def test_grpo_group_size_one_names_the_reason(files, tmp_path, capsys):
-    rc, out, err = run("tltrun", fill(swap(TRAIN, "--group-size 1"), files, tmp_path), capsys)
-    assert_one_error_line(rc, out, err)
-    assert "zero advantage" in err
-
-
-def test_suspicious_prompts_warn_once_with_counts(files, tmp_path, capsys):
-    """An empty prompt and characters outside the tokenizer's alphabet are legal: the rollout
-    runs, and one warning line counts them (1 empty; 2 prompts with 3 <unk> characters)."""
-    argv = fill(swap(GEN, prompts="{prompt_suspicious}"), files, tmp_path)
-    rc, out, err = run("tltrun", argv, capsys)
-    assert rc == 0, err
-    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1, err
-    assert "1 empty prompt(s); 2 prompt(s) with 3 character(s)" in warnings[0]
-    assert "Traceback" not in out + err
 
 
 def test_internal_error_is_one_line_with_the_traceback_in_a_file(monkeypatch, capsys):
