@@ -1,0 +1,174 @@
+"""Measured profile files: the schema (write and load, the CSV's and the sidecar's one-line
+errors, exit 2), the sidecar's attention_context, profiles a ProfileCost refuses (a one-point
+curve; missing ops without a fallback), and the CLI (``profile-info``, ``--profile``). The
+costs a profile gives: tests/test_profile.py, whose profiles and roofline these tests reuse.
+
+Run: .venv/bin/python -m pytest tests/test_profile_schema.py -q
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+from test_profile import META, SMALL, bilinear, bilinear_profile, roofline
+
+from tltsim.cli.fidelity import cost_model_from_args
+from tltsim.cli.main import main
+from tltsim.cost.measured import ProfileCost, profile_from_cost
+from tltsim.cost.profile import (
+    COLUMNS,
+    Profile,
+    ProfileError,
+    ProfileRow,
+    grid_points,
+    load_profile,
+    write_profile,
+)
+from tltsim.cost.roofline import CostModel, RooflineCost
+from tltsim.cost.specs import get_hardware, get_model
+from tltsim.errors import UsageError
+
+# --- schema: write, load, errors ---------------------------------------------------------------
+
+
+def test_write_load_round_trip(tmp_path: Path) -> None:
+    profile = bilinear_profile()
+    path = tmp_path / "p.csv"
+    write_profile(profile.rows, path, META)
+    loaded = load_profile(path)
+    assert loaded.rows == profile.rows  # repr() of floats round-trips exactly
+    assert loaded.meta["hardware"] == "H100-SXM" and loaded.meta["format"] == "tlt-profile"
+    assert path.read_text().splitlines()[0] == ",".join(COLUMNS)
+
+
+def _write_raw(tmp_path: Path, text: str, meta: dict | None = None) -> Path:
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    path.with_suffix(".json").write_text(
+        json.dumps({"format": "tlt-profile", "version": 1, **(meta or META)})
+    )
+    return path
+
+
+GOOD_ROW = "decode,1,128,1,0.01,0.009,0.011,5"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("", "empty file"),
+        (
+            "op,batch,context_tokens,tokens_per_seq,seconds,seconds_p10,seconds_p90\n"
+            + GOOD_ROW[:-2],
+            "missing column 'num_repeats'",
+        ),
+        (",".join(COLUMNS) + "\n", "no measured rows"),
+        (
+            ",".join(COLUMNS) + "\n" + "decode,1,128,1,-0.01,0.009,0.011,5",
+            "row 2: column 'seconds': expected a number > 0",
+        ),
+        (
+            ",".join(COLUMNS) + "\n" + "encode,1,128,1,0.01,0.009,0.011,5",
+            "row 2: column 'op': expected one of decode",
+        ),
+        (
+            ",".join(COLUMNS) + "\n" + GOOD_ROW + "\n" + "decode,two,128,1,0.01,0.009,0.011,5",
+            "row 3: column 'batch': expected an integer",
+        ),
+        (
+            ",".join(COLUMNS) + "\n" + "decode,1,128,1,0.01,0.02,0.011,5",
+            "row 2: column 'seconds_p10'",
+        ),
+        (
+            ",".join(COLUMNS) + "\n" + "decode,1,128,2,0.01,0.009,0.011,5",
+            "row 2: column 'tokens_per_seq': expected 1 for op decode",
+        ),
+        (",".join(COLUMNS) + "\n" + GOOD_ROW + "\n" + GOOD_ROW, "row 3: duplicate point"),
+        (",".join(COLUMNS) + ",extra\n" + GOOD_ROW + ",1", "unknown column 'extra'"),
+    ],
+)
+def test_bad_profile_is_one_line_exit_2(tmp_path: Path, capsys, text: str, expected: str) -> None:
+    path = _write_raw(tmp_path, text)
+    assert main(["profile-info", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and str(path) in err
+    assert expected in err, err
+
+
+def test_missing_sidecar_and_bad_sidecar(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "p.csv"
+    path.write_text(",".join(COLUMNS) + "\n" + GOOD_ROW + "\n")
+    assert main(["profile-info", str(path)]) == 2
+    assert "missing sidecar" in capsys.readouterr().err
+    path.with_suffix(".json").write_text(
+        json.dumps({"format": "tlt-profile", "version": 1, **{**META, "tp": 0}})
+    )
+    with pytest.raises(ProfileError, match="field 'tp'"):
+        load_profile(path)
+    side = {"format": "tlt-profile", "version": 1, **META, "attention_context": "ragged"}
+    path.with_suffix(".json").write_text(json.dumps(side))
+    with pytest.raises(ProfileError, match="'attention_context': expected one of summed, padded"):
+        load_profile(path)
+
+
+@pytest.mark.parametrize("value", [None, "summed", "padded"])
+def test_attention_context_of_the_sidecar_reaches_the_cost_model(tmp_path, value) -> None:
+    path = tmp_path / "p.csv"
+    extra = {} if value is None else {"attention_context": value}
+    write_profile(bilinear_profile().rows, path, {**META, **extra})
+    cost = ProfileCost(load_profile(path))
+    assert cost.is_context_padded is (value == "padded")
+
+
+def test_single_point_curve_is_rejected() -> None:
+    rows = (ProfileRow("prefill", 1, 0, 64, 0.01, 0.01, 0.01, 1),)
+    with pytest.raises(ProfileError, match="only one prompt tokens per sequence value"):
+        ProfileCost(Profile(rows, META, "one.csv"), fallback=roofline())
+
+
+def test_missing_ops_need_a_fallback() -> None:
+    decode_only = Profile(
+        tuple(r for r in bilinear_profile().rows if r.op == "decode"), META, "d.csv"
+    )
+    with pytest.raises(
+        ProfileError, match="no rows for op verify, drafter, prefill, train, drafter_train"
+    ):
+        ProfileCost(decode_only)
+    fallback = roofline()
+    cost = ProfileCost(decode_only, fallback=fallback)
+    assert cost.train_s(10_000, 500) == fallback.train_s(10_000, 500)
+    assert cost.decode_iter_s(4, 4 * 300, 1) == pytest.approx(
+        bilinear("decode", 4, 1200, 1), rel=1e-12
+    )
+    assert any("from RooflineCost" in line for line in cost.extrapolation_report())
+
+
+# --- the CLI: profile-info, --profile ---------------------------------------------------------
+
+
+def test_profile_info_prints_grid_and_comparison(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "roofline.csv"
+    write_profile(profile_from_cost(grid_points(SMALL), roofline()), path, META)
+    assert main(["profile-info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "decode" in out
+        and "median_ratio" in out
+        and "measured / roofline (Qwen2.5-7B on H100-SXM, tp=1)" in out
+    )
+
+
+def test_cost_model_from_args(tmp_path: Path) -> None:
+    path = tmp_path / "p.csv"
+    write_profile(bilinear_profile().rows, path, META)
+    model, hw = get_model("Qwen2.5-7B"), get_hardware("H100-SXM")
+    assert isinstance(
+        cost_model_from_args(argparse.Namespace(profile=None), model, hw, 1), RooflineCost
+    )
+    cost = cost_model_from_args(argparse.Namespace(profile=path), model, hw, 1)
+    assert isinstance(cost, ProfileCost) and isinstance(cost, CostModel)
+    with pytest.raises(UsageError, match="measured with tp=1, but the simulation runs tp=2"):
+        cost_model_from_args(argparse.Namespace(profile=path), model, hw, 2)
