@@ -32,15 +32,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tltrun.model.config import ModelConfig
 from tltrun.model.drafter import EagleDrafter
-from tltrun.model.transformer import Transformer
 from tltrun.profile.torch_engine import EngineProbe
 from tltrun.rollout.draft_graphs import draft_sources
 from tltrun.rollout.engine import RolloutEngine
@@ -48,16 +47,21 @@ from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.graphs import CapturePlan, GraphPool, batch_buckets, capture_plan
 from tltrun.rollout.interface import SamplingParams
 from tltsim.cli.table import format_table
-from tltsim.cost.specs import MODEL_PRESETS
 from tltsim.policy import SpecDecision, StaticSpec, TLTAdaptive
 
-# the tiny model of --smoke (tests/tiny_models.py's shape)
-SMOKE_SHAPE = dict(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=12)  # fmt: skip
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is not a package
+from gpu_engine_models import (  # noqa: E402
+    build_model,
+    copy_bandwidth,
+    fill_random,
+    fits,
+    kv_bytes_per_token,
+    sync,
+    weight_bytes_per_token,
+)
+
 # GRPO samples at temperature 1.0 (tltrun train's default)
 SAMPLING = SamplingParams(temperature=1.0)
-# fraction of free device memory one configuration may take (weights, KV cache, activations)
-MEMORY_FRACTION = 0.85
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,82 +127,8 @@ def parse_config(argv: list[str] | None) -> BenchConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Models and engines
+# Engines (their models, the roofline's halves, memory: gpu_engine_models.py)
 # ---------------------------------------------------------------------------------------------
-
-
-def model_config(shape: str) -> ModelConfig:
-    if shape == "tiny":
-        return ModelConfig(model_type="qwen2", attention_bias=True, max_position_embeddings=4096,
-                           **SMOKE_SHAPE)  # fmt: skip
-    spec = MODEL_PRESETS[shape]
-    # rope_theta 1e6, max_position_embeddings 32768: the Qwen2.5 config.json files
-    return ModelConfig(
-        model_type="qwen2",
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
-        rope_theta=1e6,
-        attention_bias=spec.has_qkv_bias,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        max_position_embeddings=32768,
-    )
-
-
-def build_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int) -> Transformer:
-    """Random weights (std 0.02, the Qwen2 initializer_range), made directly on the device."""
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = Transformer(model_config(shape))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
-    return model.to(dtype).eval()
-
-
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
-
-
-def weight_bytes_per_token(model: Transformer) -> int:
-    """Parameter bytes one decode step reads: all of them, but one row of an untied embedding."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not model.config.tie_word_embeddings:
-        emb = model.model.embed_tokens.weight
-        total -= (emb.shape[0] - 1) * emb.shape[1] * emb.element_size()
-    return total
-
-
-def fits(model: Transformer, batch: int, tokens: int, extra_bytes: int, device) -> bool:
-    if device.type != "cuda":
-        return True
-    dtype = model.lm_head.weight.dtype
-    need = batch * tokens * kv_bytes_per_token(model.config, dtype) + extra_bytes
-    return need < MEMORY_FRACTION * torch.cuda.mem_get_info(device)[0]
-
-
-def fill_random(engine: RolloutEngine, context: int, gen: torch.Generator) -> None:
-    """Random KV entries, hidden states and tokens up to ``context`` in every slot, made on the
-    device layer by layer (a forward's cost does not depend on the values)."""
-    for cache in (engine.cache, engine.draft_cache):
-        if cache is None:
-            continue
-        for buf in (cache.k, cache.v):
-            for layer in range(buf.shape[0]):
-                view = buf[layer, :, :, :context]
-                view.copy_(0.5 * torch.randn(view.shape, generator=gen, device=buf.device))
-    vocab = engine.model.config.vocab_size
-    engine.tokens[:, : context + 1] = torch.randint(
-        vocab, engine.tokens[:, : context + 1].shape, generator=gen, device=engine.device
-    )
-    if engine.hidden is not None:
-        view = engine.hidden[:, :context]
-        view.copy_(torch.randn(view.shape, generator=gen, device=engine.device))
 
 
 def time_iterations(engine: RolloutEngine, probe: EngineProbe, policy, cfg: BenchConfig) -> float:
@@ -243,27 +173,6 @@ def make_engine(model, drafter, batch: int, context: int, is_graphs: bool, cfg: 
 # ---------------------------------------------------------------------------------------------
 # Sections
 # ---------------------------------------------------------------------------------------------
-
-
-def copy_bandwidth(device: torch.device, num_bytes: int, reps: int = 10) -> float:
-    """Bytes read + written per second by ``dst.copy_(src)`` (median of ``reps``)."""
-    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(reps + 2):
-        sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    times.sort()
-    return 2 * num_bytes / times[len(times) // 2]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class Budget:
