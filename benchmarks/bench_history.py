@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from tltrun.model.history_drafter import HistoryConfig, HistoryDrafter
-from tltrun.train.compare import compare_runs
+from tltrun.train.compare import compare_runs, drift_warnings
 from tltsim.cli.table import format_table
 
 VOCAB = 32_000
@@ -295,7 +295,12 @@ def grpo(args: argparse.Namespace) -> dict:
         table = compare_runs(bt.run_all(cfg))
         print(f"seed {seed} ({work}):")
         bt.print_table(table)
-        entry = {"seed": seed, "work_dir": work, "table": table}
+        entry = {
+            "seed": seed,
+            "work_dir": work,
+            "table": table,
+            "drift_warnings": drift_warnings(table),  # print_table printed them
+        }
         if "tltbase" in runs:  # what any point-mass history draft could reach on its rollouts
             entry["history_ceiling_step0"] = step0_ceiling(
                 out / f"seed{seed}" / "tltbase", Path(work) / "target"
@@ -358,6 +363,13 @@ def grpo(args: argparse.Namespace) -> dict:
         )
     )
     checks = _history_checks(summary, per_seed) if {"tltbase", "tlt-mix"} <= set(runs) else {}
+    drifted = [f"seed {s['seed']}" for s in per_seed if s["drift_warnings"]]
+    if drifted:
+        print(
+            f"warning: the machine's speed moved between runs of {', '.join(drifted)} (the "
+            "warnings above): those seeds' speedups, and the checks that use them, are not "
+            "comparable"
+        )
     result = {"config": vars(args), "per_seed": per_seed, "summary": summary, "checks": checks}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
