@@ -13,7 +13,10 @@ and the history drafter per batch bucket (``tlt-mix``): accept length per step a
 speedup vs NoSpec of each, once per bench_spec work directory (one per seed: each holds its own
 SFT target and offline drafter, ``bench_spec.py --seed S --work-dir W``), then the median and
 range over seeds and the issue's two checks (history accept length >= 2 from step 0; the mix's
-rollout speedup >= the better of tltbase and tlt-spot, within the seeds' spread).
+rollout speedup >= the better of tltbase and tlt-spot, paired by seed, within noise). Per seed
+also what a history draft could reach on tltbase's step-0 rollouts (``history_bounds``): the
+ceiling of any point-mass draft, and one drafted token's acceptance sampled from the history's
+continuation counts vs the most frequent continuation.
 
     .venv/bin/python benchmarks/bench_history.py --grpo --work-dirs runs/s0/spec,runs/s1/spec \
         --seeds 0,1 --out runs/bench_history_grpo [--task reasoning-gym:...]
@@ -42,8 +45,10 @@ import sys
 import time
 from pathlib import Path
 
+from history_bounds import step0_ceiling, step0_count_drafts
+
 from tltrun.model.history_drafter import HistoryConfig, HistoryDrafter
-from tltrun.train.compare import compare_runs
+from tltrun.train.compare import compare_runs, drift_warnings
 from tltsim.cli.table import format_table
 
 VOCAB = 32_000
@@ -125,81 +130,6 @@ COLUMNS = {
 
 
 GRPO_RUNS = ("nospec", "tltbase", "tlt-frozen", "tlt-spot", "tlt-mix")
-
-
-def _as_text(ids: list[int]) -> str:
-    """Token ids as one character each, so ``str.find`` searches id sequences (fast in C)."""
-    return "".join(chr(0x100 + i) for i in ids)
-
-
-def point_mass_ceiling(
-    prompt: list[int],
-    responses: list[list[int]],
-    *,
-    max_draft_tokens: int = 8,
-    ngram_min: int = HistoryConfig.ngram_min,
-    ngram_max: int = HistoryConfig.ngram_max,
-) -> list[int]:
-    """The accept length per iteration that NO point-mass history draft can beat on one group's
-    realized responses (same prompt, generated in lockstep): at each iteration, every
-    continuation of every occurrence of the last n tokens (n from ngram_min to ngram_max) in
-    the index the history drafter sees at that moment (the prompt and the sequence's own
-    output, each sibling's first t tokens or all of it once finished) is tried, and the one
-    that matches the realized tokens longest counts (a tree of unbounded width, picked with
-    hindsight). Why this bounds a real run: a point-mass draft x is accepted with probability
-    p(x), which is the probability that the target's own sample is x, so replaying the
-    realized tokens gives a run's expected accept length. Returns accepted + 1 per iteration,
-    over all responses of the group."""
-    accepts: list[int] = []
-    head = _as_text(prompt)
-    texts = [_as_text(r) for r in responses]
-    for k, resp in enumerate(texts):
-        t = 0
-        while t < len(resp):
-            own = head + resp[:t]
-            index = [own] + [head + other[:t] for j, other in enumerate(texts) if j != k]
-            target = resp[t : t + max_draft_tokens]
-            best = 0
-            for n in range(ngram_min, min(ngram_max, len(own)) + 1):
-                context = own[-n:]
-                for text in index:
-                    at = text.find(context)
-                    while at != -1:
-                        cont = text[at + n : at + n + max_draft_tokens]
-                        a = 0
-                        while a < len(cont) and a < len(target) and cont[a] == target[a]:
-                            a += 1
-                        best = max(best, a)
-                        at = text.find(context, at + 1)
-            step = min(best + 1, len(resp) - t)
-            accepts.append(step)
-            t += step
-    return accepts
-
-
-def step0_ceiling(run_dir: Path, model_dir: Path) -> float:
-    """``point_mass_ceiling``'s mean over every group of a run's step-0 rollout dump, the
-    prompts and responses re-encoded by the model's tokenizer (for the built-in task's
-    character tokenizer exactly the ids generated; a BPE may split a decoded text
-    differently)."""
-    from tltrun.data.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(model_dir)
-    groups: dict[str, list[dict]] = {}
-    with open(run_dir / "rollouts" / "step_000000.jsonl") as f:
-        for line in f:
-            row = json.loads(line)
-            groups.setdefault(row["prompt_id"], []).append(row)
-    accepts: list[int] = []
-    for rows in groups.values():
-        prompt = tok.encode_prompt(rows[0]["prompt"])
-        # a response that stopped generated one of the stop ids too (decoding dropped it)
-        responses = [
-            tok.encode(r["response"]) + ([tok.info.eos_ids[0]] if r["finish"] == "stop" else [])
-            for r in rows
-        ]
-        accepts += point_mass_ceiling(prompt, responses)
-    return statistics.fmean(accepts)
 
 
 def _bench_train():
@@ -295,15 +225,26 @@ def grpo(args: argparse.Namespace) -> dict:
         table = compare_runs(bt.run_all(cfg))
         print(f"seed {seed} ({work}):")
         bt.print_table(table)
-        entry = {"seed": seed, "work_dir": work, "table": table}
+        entry = {
+            "seed": seed,
+            "work_dir": work,
+            "table": table,
+            "drift_warnings": drift_warnings(table),  # print_table printed them
+        }
         if "tltbase" in runs:  # what any point-mass history draft could reach on its rollouts
             entry["history_ceiling_step0"] = step0_ceiling(
                 out / f"seed{seed}" / "tltbase", Path(work) / "target"
             )
+            point, sampled = step0_count_drafts(
+                out / f"seed{seed}" / "tltbase", Path(work) / "target"
+            )
+            entry["history_one_token_accept_step0"] = {"point_mass": point, "sampled": sampled}
             print(
                 f"history drafter at step 0: accept {table_row(table, 'tltbase'):.2f}; "
                 f"ceiling of any point-mass history draft on these rollouts "
-                f"{entry['history_ceiling_step0']:.2f}"
+                f"{entry['history_ceiling_step0']:.2f}; one drafted token accepted with "
+                f"probability {point:.3f} as the most frequent continuation, {sampled:.3f} "
+                "sampled from the continuations' counts"
             )
         per_seed.append(entry)
     summary = []
@@ -358,6 +299,13 @@ def grpo(args: argparse.Namespace) -> dict:
         )
     )
     checks = _history_checks(summary, per_seed) if {"tltbase", "tlt-mix"} <= set(runs) else {}
+    drifted = [f"seed {s['seed']}" for s in per_seed if s["drift_warnings"]]
+    if drifted:
+        print(
+            f"warning: the machine's speed moved between runs of {', '.join(drifted)} (the "
+            "warnings above): those seeds' speedups, and the checks that use them, are not "
+            "comparable"
+        )
     result = {"config": vars(args), "per_seed": per_seed, "summary": summary, "checks": checks}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -31,7 +31,14 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tltrun.train.compare import COLUMNS, FORMATS, compare_runs, engine_totals, read_log
+from tltrun.train.compare import (
+    COLUMNS,
+    FORMATS,
+    compare_runs,
+    drift_warnings,
+    engine_totals,
+    read_log,
+)
 from tltrun.train.config import TrainConfig
 from tltrun.train.launch import check_inputs, run_train, task_for
 from tltrun.train.state import read_next_step, select_checkpoint
@@ -413,6 +420,8 @@ def print_table(table: list[dict]) -> None:
     print("accept length per step:")
     for t in table:
         print(f"  {t['run']:<12}" + " ".join(f"{a:.2f}" for a in t["accept_len_per_step"]))
+    for line in drift_warnings(table):
+        print(line)
 
 
 def main(argv: list[str] | None = None) -> int:

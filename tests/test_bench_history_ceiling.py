@@ -1,20 +1,19 @@
-"""benchmarks/bench_history.py's ceiling of point-mass history drafts on realized rollouts."""
+"""benchmarks/history_bounds.py's bounds of history drafts on realized rollouts and
+bench_history.py's mix check."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import sys
 from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_history.py"
-_SPEC = importlib.util.spec_from_file_location("bench_history", _PATH)
-bench_history = importlib.util.module_from_spec(_SPEC)
-sys.modules["bench_history"] = bench_history
-_SPEC.loader.exec_module(bench_history)
-ceiling = bench_history.point_mass_ceiling
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_history  # noqa: E402  (benchmarks/ is not a package)
+import history_bounds  # noqa: E402
+
+ceiling = history_bounds.point_mass_ceiling
 
 
 def test_a_response_that_repeats_its_prompt_is_drafted_in_full_chains():
@@ -65,6 +64,28 @@ def test_the_ceiling_bounds_what_the_history_drafter_proposes():
             t += step
     assert sum(chain) == sum(bound) == sum(len(r) for r in group)
     assert len(chain) >= len(bound)  # fewer iterations: a longer mean accept length
+
+
+def test_sampled_history_draft_acceptance_is_the_overlap_of_p_and_the_counts():
+    """[1, 2] is followed by 3 and by 4 in the prompt: at the third response token both
+    continuations count once per indexed copy (q = 1/2, 1/2). The target there puts 1/2 on each:
+    a point mass on one is accepted with 1/2, a draft sampled from q with sum min(p, q) = 1.
+    Where no context of >= ngram_min tokens is followed by anything, nothing is drafted (0)."""
+    uniform = [1 / 6] * 6
+    split = [0.0, 0.0, 0.0, 0.5, 0.5, 0.0]
+    probs = [[uniform, uniform, split], [uniform, uniform, split]]
+    point, sampled = history_bounds.count_draft_acceptance(
+        [1, 2, 3, 1, 2, 4], [[1, 2, 3], [1, 2, 4]], probs
+    )
+    assert point == pytest.approx([0, 0, 0.5, 0, 0, 0.5])
+    assert sampled == pytest.approx([0, 0, 1.0, 0, 0, 1.0])
+    # a target sure of 3: the point mass (3, first counted of the tie) is always accepted, the
+    # sampled draft only when it drew 3
+    sure = [0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    point, sampled = history_bounds.count_draft_acceptance(
+        [1, 2, 3, 1, 2, 4], [[1, 2, 3]], [[uniform, uniform, sure]]
+    )
+    assert point[2] == pytest.approx(1.0) and sampled[2] == pytest.approx(0.5)
 
 
 def _seed(seed: int, spot: float, base: float, mix: float, rel_se: float) -> dict:

@@ -94,3 +94,57 @@ def test_speedup_standard_error_from_the_steps_spread():
     assert se(steady, noisy) == pytest.approx(2.0 * rel)
     assert se(noisy, noisy) == pytest.approx(2**0.5 * rel)
     assert se(steady, steady) == 0.0
+
+
+def test_prefill_time_ratio_flags_runs_timed_on_a_slower_or_faster_machine():
+    """The target's prefill is the same work in every run of the same prompts: its seconds over
+    the baseline's measure the machine; beyond DRIFT_TOLERANCE either way a run is named."""
+    from tltrun.train.compare import DRIFT_TOLERANCE, drift_warnings
+
+    log = [
+        {
+            "rollout_s": 1.0,
+            "step_s": 2.0,
+            "response_tokens_mean": 4.0,
+            "accept_len": 1.0,
+            "reward_mean": 0.0,
+            "drafter_train_s": 0.0,
+            "idle_worker_s": 0.0,
+        }
+    ]
+
+    def res(prefill_s: float | None) -> dict:
+        engine = None
+        if prefill_s is not None:
+            engine = {
+                "prefill_s": prefill_s,
+                "drafter_prefill_s": 0.3,  # the drafter's prefill is not the shared work
+                "decode_s": 1.0,
+                "decode_tokens": 10.0,
+            }
+        return {"config": {"prompts_per_step": 1, "group_size": 1}, "log": log, "engine": engine}
+
+    results = {
+        "nospec": res(2.0),
+        "same": res(2.2),
+        "slower": res(2.0 * 1.25),
+        "faster": res(2.0 / 1.25),
+        "vllm": res(None),
+    }
+    table = compare_runs(results)
+    ratios = {t["run"]: t["prefill_time_ratio"] for t in table}
+    assert ratios == pytest.approx(
+        {"nospec": 1.0, "same": 1.1, "slower": 1.25, "faster": 0.8, "vllm": None}
+    )
+    assert 1.1 < DRIFT_TOLERANCE < 1.25
+    warned = [line.split(":")[1].strip() for line in drift_warnings(table)]
+    assert warned == ["slower", "faster"]
+    assert drift_warnings(table, tolerance=1.3) == []
+    text = format_table(table, {"run": "run", "prefill_time_ratio": "prefill t"}, FORMATS)
+    assert [line.split()[1] for line in text.splitlines()[2:]] == [
+        "1.00",
+        "1.10",
+        "1.25",
+        "0.80",
+        "-",
+    ]

@@ -3,7 +3,13 @@ step and speedups against a baseline run (usually NoSpec), read back from each r
 (``log.jsonl`` and the measured trace ``trace.json``). The rollout speedup is wall time of the
 slower worker, prefill included; the decode speedup is what a decode microbenchmark measures
 (``benchmarks/bench_spec.py``), and the prefill share says how much of the engine's time SD
-cannot shorten. ``benchmarks/bench_train.py`` and ``benchmarks/bench_history.py`` print these."""
+cannot shorten. ``benchmarks/bench_train.py`` and ``benchmarks/bench_history.py`` print these.
+
+Runs timed at different times on a shared machine may not have had the same machine: the
+target's prefill is the same work in every run of the same prompts and seed (SD does not touch
+it), so its seconds against the baseline's (``prefill_time_ratio``) say how much slower the
+machine was during a run; ``drift_warnings`` names the runs whose ratio leaves
+``DRIFT_TOLERANCE``."""
 
 from __future__ import annotations
 
@@ -49,6 +55,38 @@ def engine_split(res: dict, base: dict | None) -> tuple[float | None, float | No
     return rate / (base["decode_tokens"] / base["decode_s"]), share
 
 
+# The target-prefill seconds of runs that alternated chunk by chunk on the 2-core machine
+# (hanoi, 3 seeds, 20 steps each) stayed within 0.90-1.10 of NoSpec's; runs made hours apart
+# reached 1.22-1.26 (README, bench_history row). Beyond this factor either way, a speedup
+# measures the machine as much as the engine.
+DRIFT_TOLERANCE = 1.15
+
+
+def prefill_time_ratio(res: dict, base: dict | None) -> float | None:
+    """A run's target-prefill seconds over the baseline's (the same prompts, the same work):
+    above 1, the machine was slower during the run. None without both engine totals."""
+    eng = res.get("engine")
+    if not eng or not base or base["prefill_s"] <= 0:
+        return None
+    return eng["prefill_s"] / base["prefill_s"]
+
+
+def drift_warnings(table: list[dict], tolerance: float = DRIFT_TOLERANCE) -> list[str]:
+    """One line per run of ``compare_runs``' table whose target prefill took more than
+    ``tolerance`` times the baseline's, or less than its inverse."""
+    lines = []
+    for row in table:
+        ratio = row.get("prefill_time_ratio")
+        if ratio is not None and not 1 / tolerance <= ratio <= tolerance:
+            lines.append(
+                f"warning: {row['run']}: the target's prefill (the same work in every run) took "
+                f"{ratio:.2f}x the baseline's seconds: the machine's speed moved between the "
+                f"runs, so its speedups are not comparable (run the contenders alternating, "
+                f"at the same time)"
+            )
+    return lines
+
+
 def tokens_per_s(res: dict) -> float:
     """Response tokens per rollout second: sampled runs diverge in length, so seconds per
     step alone compare different amounts of work."""
@@ -71,8 +109,8 @@ def compare_runs(results: dict, base: str = "nospec") -> list[dict]:
     """One row per run of ``results`` (name -> {"config": TrainConfig fields, "log": its
     log.jsonl rows, "engine": ``engine_totals``}): seconds per step and speedups vs ``base``
     (rollout, with its standard error over the steps; end-to-end step, response-token rate,
-    decode rate), prefill share, accept length per step, reward, spot-training and idle
-    seconds."""
+    decode rate), prefill share, the target-prefill time against the base's (machine drift),
+    accept length per step, reward, spot-training and idle seconds."""
     base_rate = tokens_per_s(results[base])
     base_log = results[base]["log"]
     base_engine = results[base].get("engine")
@@ -105,6 +143,7 @@ def compare_runs(results: dict, base: str = "nospec") -> list[dict]:
                 "token_rate_speedup": rate / base_rate,
                 "decode_speedup": decode_speedup,
                 "prefill_share": prefill_share,
+                "prefill_time_ratio": prefill_time_ratio(res, base_engine),
                 "accept_len_last": log[-1]["accept_len"],
                 "accept_len_per_step": [r["accept_len"] for r in log],
                 "reward_mean_all": sum(r["reward_mean"] for r in log) / len(log),
@@ -126,6 +165,7 @@ COLUMNS = {
     "token_rate_speedup": "tok/s x",
     "decode_speedup": "decode x",
     "prefill_share": "prefill %",
+    "prefill_time_ratio": "prefill t",
     "accept_len_last": "accept(last)",
     "reward_mean_all": "reward(all)",
     "reward_last": "reward(last)",
@@ -135,6 +175,7 @@ COLUMNS = {
 FORMATS = {
     "decode_speedup": ".2f",
     "prefill_share": "{:.0%}",
+    "prefill_time_ratio": ".2f",
     "reward_mean_all": ".3f",
     "reward_last": ".3f",
     "drafter_train_s": ".1f",

@@ -1,0 +1,161 @@
+"""What a history draft could reach on realized GRPO rollouts (issue #20), for
+``benchmarks/bench_history.py --grpo``: the ceiling of any point-mass history draft
+(``point_mass_ceiling``), and the one-token acceptance of a draft sampled from the history's
+continuation counts against the most frequent continuation (``count_draft_acceptance``, p from
+the target), each from a run's step-0 rollout dump. Pure Python but for the target's forward.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from tltrun.model.history_drafter import HistoryConfig
+
+
+def _as_text(ids: list[int]) -> str:
+    """Token ids as one character each, so ``str.find`` searches id sequences (fast in C)."""
+    return "".join(chr(0x100 + i) for i in ids)
+
+
+def point_mass_ceiling(
+    prompt: list[int],
+    responses: list[list[int]],
+    *,
+    max_draft_tokens: int = 8,
+    ngram_min: int = HistoryConfig.ngram_min,
+    ngram_max: int = HistoryConfig.ngram_max,
+) -> list[int]:
+    """The accept length per iteration that NO point-mass history draft can beat on one group's
+    realized responses (same prompt, generated in lockstep): at each iteration, every
+    continuation of every occurrence of the last n tokens (n from ngram_min to ngram_max) in
+    the index the history drafter sees at that moment (the prompt and the sequence's own
+    output, each sibling's first t tokens or all of it once finished) is tried, and the one
+    that matches the realized tokens longest counts (a tree of unbounded width, picked with
+    hindsight). Why this bounds a real run: a point-mass draft x is accepted with probability
+    p(x), which is the probability that the target's own sample is x, so replaying the
+    realized tokens gives a run's expected accept length. Returns accepted + 1 per iteration,
+    over all responses of the group."""
+    accepts: list[int] = []
+    head = _as_text(prompt)
+    texts = [_as_text(r) for r in responses]
+    for k, resp in enumerate(texts):
+        t = 0
+        while t < len(resp):
+            own = head + resp[:t]
+            index = [own] + [head + other[:t] for j, other in enumerate(texts) if j != k]
+            target = resp[t : t + max_draft_tokens]
+            best = 0
+            for n in range(ngram_min, min(ngram_max, len(own)) + 1):
+                context = own[-n:]
+                for text in index:
+                    at = text.find(context)
+                    while at != -1:
+                        cont = text[at + n : at + n + max_draft_tokens]
+                        a = 0
+                        while a < len(cont) and a < len(target) and cont[a] == target[a]:
+                            a += 1
+                        best = max(best, a)
+                        at = text.find(context, at + 1)
+            step = min(best + 1, len(resp) - t)
+            accepts.append(step)
+            t += step
+    return accepts
+
+
+def count_draft_acceptance(
+    prompt: list[int],
+    responses: list[list[int]],
+    probs: list[list[list[float]]],
+    *,
+    ngram_min: int = HistoryConfig.ngram_min,
+    ngram_max: int = HistoryConfig.ngram_max,
+) -> tuple[list[float], list[float]]:
+    """Whether a draft SAMPLED from the history could beat point masses: per position of the
+    group's realized responses, the next tokens q that follow the longest context (ngram_max
+    down to ngram_min) occurring in the lockstep index of ``point_mass_ceiling``, counted over
+    occurrences, and the target's distribution p there (``probs[k][t]``). Returns the
+    acceptance probability of one drafted token, per position: (point mass on q's most frequent
+    token: p(x); x sampled from q: sum_x min(p(x), q(x)), speculative sampling's). 0 where no
+    context matches."""
+    head = _as_text(prompt)
+    texts = [_as_text(r) for r in responses]
+    point, sampled = [], []
+    for k, resp in enumerate(texts):
+        for t in range(len(resp)):
+            own = head + resp[:t]
+            index = [own] + [head + other[:t] for j, other in enumerate(texts) if j != k]
+            counts: dict[str, int] = {}
+            for n in range(min(ngram_max, len(own)), ngram_min - 1, -1):
+                for text in index:
+                    at = text.find(own[-n:])
+                    while at != -1 and at + n < len(text):
+                        counts[text[at + n]] = counts.get(text[at + n], 0) + 1
+                        at = text.find(own[-n:], at + 1)
+                if counts:
+                    break
+            p = probs[k][t]
+            total = sum(counts.values())
+            top = max(counts, key=counts.get) if counts else None
+            point.append(p[ord(top) - 0x100] if top else 0.0)
+            sampled.append(sum(min(p[ord(c) - 0x100], m / total) for c, m in counts.items()))
+    return point, sampled
+
+
+def step0_count_drafts(run_dir: Path, model_dir: Path) -> tuple[float, float]:
+    """``count_draft_acceptance``'s means over a run's step-0 rollouts, p from the target at
+    the run's temperature (one forward per response)."""
+    import torch
+
+    from tltrun.model.hf_checkpoint import load_hf
+    from tltrun.model.transformer import CausalContext
+
+    model = load_hf(model_dir).eval()
+    temperature = json.loads((run_dir / "config.json").read_text())["train"]["temperature"]
+    point, sampled = [], []
+    for prompt, responses in _step0_groups(run_dir, model_dir):
+        probs = []
+        for resp in responses:
+            ids = torch.tensor([prompt + resp])  # (1, T)
+            with torch.no_grad():
+                logits, _ = model(ids, torch.arange(ids.shape[1])[None], CausalContext())
+            rows = logits[0, len(prompt) - 1 : -1].float() / temperature  # (len(resp), V)
+            probs.append(torch.softmax(rows, dim=-1).tolist())
+        p, s = count_draft_acceptance(prompt, responses, probs)
+        point += p
+        sampled += s
+    return statistics.fmean(point), statistics.fmean(sampled)
+
+
+def _step0_groups(run_dir: Path, model_dir: Path) -> list[tuple[list[int], list[list[int]]]]:
+    """(prompt ids, response ids) per prompt group of a run's step-0 rollout dump, re-encoded
+    by the model's tokenizer (for the built-in task's character tokenizer exactly the ids
+    generated; a BPE may split a decoded text differently)."""
+    from tltrun.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    groups: dict[str, list[dict]] = {}
+    with open(run_dir / "rollouts" / "step_000000.jsonl") as f:
+        for line in f:
+            row = json.loads(line)
+            groups.setdefault(row["prompt_id"], []).append(row)
+    # a response that stopped generated one of the stop ids too (decoding dropped it)
+    return [
+        (
+            tok.encode_prompt(rows[0]["prompt"]),
+            [
+                tok.encode(r["response"]) + ([tok.info.eos_ids[0]] if r["finish"] == "stop" else [])
+                for r in rows
+            ],
+        )
+        for rows in groups.values()
+    ]
+
+
+def step0_ceiling(run_dir: Path, model_dir: Path) -> float:
+    """``point_mass_ceiling``'s mean over every group of a run's step-0 rollout dump."""
+    accepts: list[int] = []
+    for prompt, responses in _step0_groups(run_dir, model_dir):
+        accepts += point_mass_ceiling(prompt, responses)
+    return statistics.fmean(accepts)
