@@ -10,6 +10,13 @@ from tltrun.train.compare import COLUMNS, FORMATS, compare_runs, engine_totals
 from tltsim.cli.table import format_table
 
 
+def log_row(**fields: float) -> dict:
+    """One ``log.jsonl`` row with the keys compare_runs reads; zeros unless given."""
+    keys = ("rollout_s", "step_s", "response_tokens_mean", "accept_len", "reward_mean")
+    row = dict.fromkeys(keys + ("drafter_train_s", "idle_worker_s"), 0.0)
+    return row | fields
+
+
 def test_decode_speedup_and_prefill_share_come_from_the_measured_trace(tmp_path):
     """decode x = decode tokens per decode second vs NoSpec's; prefill % = (target + drafter
     prefill) / engine seconds; a trace without the fields (vLLM measures no prefill) gives -."""
@@ -20,17 +27,7 @@ def test_decode_speedup_and_prefill_share_come_from_the_measured_trace(tmp_path)
         if steps is not None:
             trace = {"steps": [{"step": k, "measured": m} for k, m in enumerate(steps)]}
             (out / "trace.json").write_text(json.dumps(trace))
-        log = [
-            {
-                "rollout_s": 1.0,
-                "step_s": 2.0,
-                "response_tokens_mean": 4.0,
-                "accept_len": 1.0,
-                "reward_mean": 0.0,
-                "drafter_train_s": 0.0,
-                "idle_worker_s": 0.0,
-            }
-        ]
+        log = [log_row(rollout_s=1.0, step_s=2.0, response_tokens_mean=4.0, accept_len=1.0)]
         cfg = {"prompts_per_step": 1, "group_size": 1}
         return {"config": cfg, "log": log, "engine": engine_totals(out)}
 
@@ -70,18 +67,7 @@ def test_speedup_standard_error_from_the_steps_spread():
     from tltrun.train.compare import relative_se
 
     def res(times: tuple[float, ...]) -> dict:
-        log = [
-            {
-                "rollout_s": t,
-                "step_s": 1.0,
-                "response_tokens_mean": 1.0,
-                "accept_len": 0.0,
-                "reward_mean": 0.0,
-                "drafter_train_s": 0.0,
-                "idle_worker_s": 0.0,
-            }
-            for t in times
-        ]
+        log = [log_row(rollout_s=t, step_s=1.0, response_tokens_mean=1.0) for t in times]
         return {"config": {"prompts_per_step": 1, "group_size": 1}, "log": log}
 
     noisy, steady = (1.0, 1.2, 0.8, 1.0), (2.0,) * 4
@@ -101,17 +87,7 @@ def test_prefill_time_ratio_flags_runs_timed_on_a_slower_or_faster_machine():
     the baseline's measure the machine; beyond DRIFT_TOLERANCE either way a run is named."""
     from tltrun.train.compare import DRIFT_TOLERANCE, drift_warnings
 
-    log = [
-        {
-            "rollout_s": 1.0,
-            "step_s": 2.0,
-            "response_tokens_mean": 4.0,
-            "accept_len": 1.0,
-            "reward_mean": 0.0,
-            "drafter_train_s": 0.0,
-            "idle_worker_s": 0.0,
-        }
-    ]
+    log = [log_row(rollout_s=1.0, step_s=2.0, response_tokens_mean=4.0, accept_len=1.0)]
 
     def res(prefill_s: float | None) -> dict:
         engine = None
