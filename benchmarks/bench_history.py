@@ -45,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-from history_bounds import step0_ceiling, step0_count_drafts
+from history_bounds import step0_bounds
 
 from tltrun.model.history_drafter import HistoryConfig, HistoryDrafter
 from tltrun.train.compare import compare_runs, drift_warnings
@@ -232,19 +232,18 @@ def grpo(args: argparse.Namespace) -> dict:
             "drift_warnings": drift_warnings(table),  # print_table printed them
         }
         if "tltbase" in runs:  # what any point-mass history draft could reach on its rollouts
-            entry["history_ceiling_step0"] = step0_ceiling(
-                out / f"seed{seed}" / "tltbase", Path(work) / "target"
-            )
-            point, sampled = step0_count_drafts(
-                out / f"seed{seed}" / "tltbase", Path(work) / "target"
-            )
-            entry["history_one_token_accept_step0"] = {"point_mass": point, "sampled": sampled}
+            bounds = step0_bounds(out / f"seed{seed}" / "tltbase", Path(work) / "target")
+            entry["history_ceiling_step0"] = bounds["ceiling"]
+            entry["history_one_token_accept_step0"] = {
+                "point_mass": bounds["point_mass"],
+                "sampled": bounds["sampled"],
+            }
             print(
                 f"history drafter at step 0: accept {table_row(table, 'tltbase'):.2f}; "
                 f"ceiling of any point-mass history draft on these rollouts "
-                f"{entry['history_ceiling_step0']:.2f}; one drafted token accepted with "
-                f"probability {point:.3f} as the most frequent continuation, {sampled:.3f} "
-                "sampled from the continuations' counts"
+                f"{bounds['ceiling']:.2f}; one drafted token accepted with probability "
+                f"{bounds['point_mass']:.3f} as the most frequent continuation, "
+                f"{bounds['sampled']:.3f} sampled from the continuations' counts"
             )
         per_seed.append(entry)
     summary = []

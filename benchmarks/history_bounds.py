@@ -19,6 +19,12 @@ def _as_text(ids: list[int]) -> str:
     return "".join(chr(0x100 + i) for i in ids)
 
 
+def _lockstep_index(head: str, texts: list[str], k: int, t: int) -> list[str]:
+    """What the history drafter of response k sees after its first t tokens: the prompt and its
+    own output, and each sibling's first t tokens (all of it once finished)."""
+    return [head + texts[k][:t]] + [head + other[:t] for j, other in enumerate(texts) if j != k]
+
+
 def point_mass_ceiling(
     prompt: list[int],
     responses: list[list[int]],
@@ -43,8 +49,8 @@ def point_mass_ceiling(
     for k, resp in enumerate(texts):
         t = 0
         while t < len(resp):
-            own = head + resp[:t]
-            index = [own] + [head + other[:t] for j, other in enumerate(texts) if j != k]
+            index = _lockstep_index(head, texts, k, t)
+            own = index[0]
             target = resp[t : t + max_draft_tokens]
             best = 0
             for n in range(ngram_min, min(ngram_max, len(own)) + 1):
@@ -84,8 +90,8 @@ def count_draft_acceptance(
     point, sampled = [], []
     for k, resp in enumerate(texts):
         for t in range(len(resp)):
-            own = head + resp[:t]
-            index = [own] + [head + other[:t] for j, other in enumerate(texts) if j != k]
+            index = _lockstep_index(head, texts, k, t)
+            own = index[0]
             counts: dict[str, int] = {}
             for n in range(min(ngram_max, len(own)), ngram_min - 1, -1):
                 for text in index:
@@ -98,14 +104,15 @@ def count_draft_acceptance(
             p = probs[k][t]
             total = sum(counts.values())
             top = max(counts, key=counts.get) if counts else None
-            point.append(p[ord(top) - 0x100] if top else 0.0)
+            point.append(p[ord(top) - 0x100] if top is not None else 0.0)
             sampled.append(sum(min(p[ord(c) - 0x100], m / total) for c, m in counts.items()))
     return point, sampled
 
 
-def step0_count_drafts(run_dir: Path, model_dir: Path) -> tuple[float, float]:
-    """``count_draft_acceptance``'s means over a run's step-0 rollouts, p from the target at
-    the run's temperature (one forward per response)."""
+def step0_bounds(run_dir: Path, model_dir: Path) -> dict[str, float]:
+    """On a run's step-0 rollout dump (read once): ``point_mass_ceiling``'s mean accept length
+    ("ceiling") and ``count_draft_acceptance``'s mean one-token acceptances ("point_mass",
+    "sampled"), p from the target at the run's temperature (one forward per response)."""
     import torch
 
     from tltrun.model.hf_checkpoint import load_hf
@@ -113,8 +120,10 @@ def step0_count_drafts(run_dir: Path, model_dir: Path) -> tuple[float, float]:
 
     model = load_hf(model_dir).eval()
     temperature = json.loads((run_dir / "config.json").read_text())["train"]["temperature"]
+    accepts: list[int] = []
     point, sampled = [], []
     for prompt, responses in _step0_groups(run_dir, model_dir):
+        accepts += point_mass_ceiling(prompt, responses)
         probs = []
         for resp in responses:
             ids = torch.tensor([prompt + resp])  # (1, T)
@@ -122,10 +131,14 @@ def step0_count_drafts(run_dir: Path, model_dir: Path) -> tuple[float, float]:
                 logits, _ = model(ids, torch.arange(ids.shape[1])[None], CausalContext())
             rows = logits[0, len(prompt) - 1 : -1].float() / temperature  # (len(resp), V)
             probs.append(torch.softmax(rows, dim=-1).tolist())
-        p, s = count_draft_acceptance(prompt, responses, probs)
+        p, q = count_draft_acceptance(prompt, responses, probs)
         point += p
-        sampled += s
-    return statistics.fmean(point), statistics.fmean(sampled)
+        sampled += q
+    return {
+        "ceiling": statistics.fmean(accepts),
+        "point_mass": statistics.fmean(point),
+        "sampled": statistics.fmean(sampled),
+    }
 
 
 def _step0_groups(run_dir: Path, model_dir: Path) -> list[tuple[list[int], list[list[int]]]]:
@@ -151,11 +164,3 @@ def _step0_groups(run_dir: Path, model_dir: Path) -> list[tuple[list[int], list[
         )
         for rows in groups.values()
     ]
-
-
-def step0_ceiling(run_dir: Path, model_dir: Path) -> float:
-    """``point_mass_ceiling``'s mean over every group of a run's step-0 rollout dump."""
-    accepts: list[int] = []
-    for prompt, responses in _step0_groups(run_dir, model_dir):
-        accepts += point_mass_ceiling(prompt, responses)
-    return statistics.fmean(accepts)
