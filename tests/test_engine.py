@@ -8,6 +8,7 @@ Run: ``python -m pytest tests/test_engine.py -q``.
 
 from __future__ import annotations
 
+import itertools
 import random
 import subprocess
 import sys
@@ -111,10 +112,14 @@ def test_greedy_sd_equals_plain_greedy(num_requests):
     assert [len(w) for w in want] == [r.max_new_tokens for r in reqs] or any(
         o.finish == "stop" for o in plain.outputs
     )
-    for name, make in POLICIES.items():
-        result = engine(DRAFTER, max_running_requests=running).generate(reqs, make())
+    # catchup_pairs 0: every lagging drafter re-prefilled first (the switch-on path); None:
+    # lags within max_verify_tokens fed by the drafting step itself; 6: some of each
+    for (name, make), catchup in itertools.product(POLICIES.items(), (None, 0, 6)):
+        result = engine(DRAFTER, max_running_requests=running, catchup_pairs=catchup).generate(
+            reqs, make()
+        )
         got = [o.output_token_ids for o in result.outputs]
-        assert got == want, f"{name}: SD output differs from plain greedy"
+        assert got == want, f"{name}, catchup_pairs={catchup}: SD output differs from plain greedy"
         assert [o.finish for o in result.outputs] == [o.finish for o in plain.outputs]
 
 
@@ -217,7 +222,7 @@ def test_trace_replay_generates_exactly_the_trace_lengths():
 
 def test_engine_drives_the_policy_once_per_iteration_with_measured_time():
     policy = RecordingPolicy(SWITCHING)
-    result = engine(DRAFTER, max_running_requests=3).generate(
+    result = engine(DRAFTER, max_running_requests=3, catchup_pairs=0).generate(
         make_requests(7, seed=11), policy, step=4
     )
     assert policy.calls[0] == ("start", 4)
@@ -229,9 +234,17 @@ def test_engine_drives_the_policy_once_per_iteration_with_measured_time():
     assert all(
         a == "decide" and b == "observe" for a, b in zip(kinds[::2], kinds[1::2], strict=True)
     )
-    for obs, fb, rec in zip(decides, observes, decode_records, strict=True):
+    # each decode iteration's seconds, plus the drafter re-prefill run just before it
+    switch_s, charged = 0.0, []
+    for i in result.iterations:
+        if i.is_drafter_prefill:
+            switch_s += i.wall_s
+        elif not i.is_prefill:
+            charged.append(i.wall_s + switch_s)
+            switch_s = 0.0
+    for obs, fb, rec, want_s in zip(decides, observes, decode_records, charged, strict=True):
         assert obs.step == fb.step == 4 and obs.num_active == fb.num_active == rec.num_active
-        assert fb.iteration_s > 0 and fb.iteration_s == rec.wall_s
+        assert fb.iteration_s > 0 and fb.iteration_s == want_s
         assert fb.accepted_tokens == rec.num_new_tokens and fb.decision.strategy == rec.strategy
         assert obs.mean_context_tokens > 0
     # the shared estimate (tltsim.policy.update_accept_len_ema) over the SD iterations so far
@@ -241,8 +254,49 @@ def test_engine_drives_the_policy_once_per_iteration_with_measured_time():
         if rec.strategy != "off":
             ema = update_accept_len_ema(ema, rec.num_new_tokens / rec.num_active)
     assert any(o.accept_len_ema >= 1.0 for o in decides)  # after the first SD iteration
-    # SD switched on for requests the drafter had not seen: a drafter re-prefill is recorded.
+    # SD switched on for requests the drafter had not seen: a drafter re-prefill is recorded,
+    # and the bandit's feedback of the iteration that needed it carries its seconds.
     assert any(i.is_drafter_prefill and i.is_prefill and i.wall_s > 0 for i in result.iterations)
+    assert any(c > r.wall_s for c, r in zip(charged, decode_records, strict=True))
+
+
+def test_short_drafter_lags_are_fed_by_the_drafting_step():
+    """A request the drafter has seen nothing of is re-prefilled (its group's prompt fed once);
+    one lagging at most catchup_pairs pairs is caught up inside the drafting step, one lagging
+    more is re-prefilled first. No re-prefill record without a request to re-prefill."""
+    reqs = make_requests(7, seed=11)
+    seen, records = {}, {}
+    for catchup in (None, 0, 2):
+        eng = engine(DRAFTER, max_running_requests=3, catchup_pairs=catchup)
+        choose, calls = eng._stale_drafter, []
+
+        def spy(running, choose=choose, calls=calls, eng=eng):
+            stale = choose(running)
+            state = {
+                s.slot: (
+                    int(eng.cache.lens[s.slot] - eng.draft_cache.lens[s.slot]),
+                    int(eng.draft_cache.lens[s.slot]),
+                )
+                for s in running
+            }
+            behind = [state[s.slot] for s in running if not s.is_drafter_fresh]
+            calls.append((behind, [state[s.slot] for s in stale]))
+            return stale
+
+        eng._stale_drafter = spy
+        result = eng.generate(reqs, RecordingPolicy(SWITCHING))
+        seen[catchup] = calls
+        records[catchup] = [i.num_active for i in result.iterations if i.is_drafter_prefill]
+        assert records[catchup] == [len(stale) for _, stale in calls if stale]
+    assert engine(DRAFTER, catchup_pairs=2).catchup_pairs() == 2
+    assert engine(DRAFTER).catchup_pairs() == 64  # max_verify_tokens, no graph pool
+    for catchup, cap in ((None, 64), (0, 0), (2, 2)):
+        for behind, stale in seen[catchup]:
+            assert stale == [(n, m) for n, m in behind if n > cap or m == 0]
+    # the SWITCHING cycle's off iterations leave lags of 1-3 pairs behind seen requests
+    lags = [n for behind, _ in seen[None] for n, m in behind if m > 0]
+    assert lags and max(lags) > 2
+    assert sum(records[None]) < sum(records[2]) < sum(records[0])
 
 
 def test_step_by_step_rollout_equals_generate():

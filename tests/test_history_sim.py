@@ -218,6 +218,41 @@ def test_tlt_bandit_picks_between_the_drafters_in_the_simulator() -> None:
     assert seconds["history:6_1_6"] > 3 * seconds["6_1_6"]  # the better one wins
 
 
+class Recorded:
+    """A policy that passes everything to ``inner`` and keeps every feedback."""
+
+    def __init__(self, inner):
+        self.inner, self.feedback = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def observe(self, feedback):
+        self.feedback.append(feedback)
+        self.inner.observe(feedback)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_the_bandit_is_charged_every_second_its_decisions_cost(exact) -> None:
+    """tltrun's engine charges a drafter re-prefill to the iteration that needed it; the
+    simulator mirrors it: feedback seconds x iterations = the SD and re-prefill phases' seconds.
+    The EAGLE drafter's catch-up after history iterations runs inside its drafting step (SD
+    time), so the only re-prefills are the switch-ons, one per instance and rollout."""
+    rng = np.random.default_rng(3)
+    trace = make_trace(rng.integers(500, 3000, size=(2, 2, 4)).tolist())
+    config = {"strategies": ("4_1_4",), "bucket_starts": (1,), "drafters": ("eagle", "history")}
+    policy = Recorded(TLTAdaptive(seed=0, epsilon=0.5, **config))
+    result = _sim(trace, policy, DrafterScaled(20.0), num_gpus=2, exact=exact)
+    frame = result.timeline_frame()
+    spent = frame[frame.phase.isin(["sd", "reprefill"])]
+    charged = sum(f.iteration_s * f.num_iters for f in policy.feedback if f.decision.enabled)
+    assert charged == pytest.approx((spent.end_s - spent.start_s).sum(), rel=1e-9)
+    arms = {f.decision.drafter for f in policy.feedback if f.decision.enabled}
+    assert arms == {"eagle", "history"}
+    switches = frame[frame.phase == "reprefill"].groupby(["step", "instance"]).size()
+    assert len(switches) and (switches == 1).all()
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trace=small_traces(), cluster=clusters(), exact=st.booleans(), mixed=st.booleans())
 def test_history_policies_keep_the_simulator_invariants(trace, cluster, exact, mixed) -> None:

@@ -9,11 +9,13 @@ on CPU it runs uncaptured, the tested reference of a replay (``tests/test_draft_
 Pending pairs. Before drafting, slot s's drafter lacks the exact pairs (x_{p+1}, f_p) for
 p = drafter_len .. target_len - 1 (``tltrun.model.drafter``). After a verify these are the
 accepted drafts plus the correction/bonus token: accept length <= tree depth <= draft_steps,
-so at most draft_steps + 1. A sequence whose drafter is stale (just admitted, SD was off, or
-a history-drafter iteration ran) is re-prefilled first (``RolloutEngine.reprefill_drafter``
+so at most draft_steps + 1. A sequence whose drafter lags further (just admitted, SD was off,
+or history-drafter iterations ran) is re-prefilled first (``RolloutEngine.reprefill_drafter``
 feeds every pair but the newest), leaving 1. So the pool's bound is the largest draft_steps of
 its EAGLE strategies, + 1: one bound for every drafting step, so that a switch from a deeper
-strategy to a shallower one (TLTAdaptive's buckets and bandit) still fits. A batch with more
+strategy to a shallower one (TLTAdaptive's buckets and bandit) still fits; it is also the
+engine's ``catchup_pairs()`` with the pool, so a lag within it (a history iteration) is fed
+here, without a re-prefill. A batch with more
 (after an eager SD iteration of a strategy outside the plan), or with a slot so near the end
 of the cache that the padded catch-up would write past it, falls back to the eager
 ``tltrun.rollout.prefill.eagle_draft``: ``StaticDraft.__call__`` returns None. That check is

@@ -11,15 +11,16 @@ then ``finish_rollout()`` (``generate`` does exactly that). One ``step()``, as n
    no chunked prefill, ``tltrun.model.batching``); the prefill samples each first token;
 2. build a ``DecodeObs`` and ask the policy for a ``SpecDecision``;
 3. SD off: one plain decode iteration. SD on: re-prefill the drafter for requests it has not
-   seen since SD was last on (recorded as its own ``is_drafter_prefill`` IterationRecord, TLT's
-   switching cost), then draft, verify the tree in ONE target forward with the tree mask,
+   seen (SD switching on) or lags more than ``catchup_pairs()`` pairs behind (recorded as its
+   own ``is_drafter_prefill`` IterationRecord, TLT's switching cost; a shorter lag, as after a
+   few history-drafter iterations, is fed in the drafting step's first forward), then draft, verify the tree in ONE target forward with the tree mask,
    accept via ``tltrun.rollout.speculative.verify``, compact the accepted path in the KV cache.
    A decision with ``drafter="history"`` drafts from the model-free history drafter instead
    (``tltrun.rollout.rollout_history``, issue #20: no EAGLE forward, no drafter re-prefill, no
    drafter needed); its index of the rollouts' tokens is kept across rollouts under
    ``Request.prompt_id``;
-4. ``policy.observe(SpecFeedback)`` with the measured wall seconds of the iteration and the
-   tokens it emitted; finished requests (EOS unless ``ignore_eos``, or ``max_new_tokens``) leave.
+4. ``policy.observe(SpecFeedback)`` with the measured wall seconds of the iteration (its
+   drafter re-prefill included) and the tokens it emitted; finished requests (EOS unless ``ignore_eos``, or ``max_new_tokens``) leave.
 
 On a GPU (issue #18) the defaults are bf16 weights and KV cache (sampling and acceptance in
 float32: ``logits_to_probs``), attention by each sequence's own length (``attn_impl="flex"``,
@@ -308,7 +309,7 @@ class RolloutEngine:
                     f"strategy {decision.strategy}: verify_tokens exceeds max_verify_tokens={cfg.max_verify_tokens}"
                 )
         if is_eagle:
-            stale = [s for s in running if not s.is_drafter_fresh]
+            stale = self._stale_drafter(running)
             if stale:
                 records.append(self.reprefill_drafter(stale, decision))
         slots = slots_of(running, self.device)
@@ -329,6 +330,8 @@ class RolloutEngine:
             rollout.accept_len_ema = update_accept_len_ema(
                 rollout.accept_len_ema, num_kept / len(running)
             )
+        # The bandit is rewarded per second of everything the decision cost: a drafter
+        # re-prefill it required (SD switching on, or EAGLE after a long history span) counts.
         policy.observe(
             SpecFeedback(
                 step=step,
@@ -336,7 +339,7 @@ class RolloutEngine:
                 num_active=len(running),
                 decision=decision,
                 accepted_tokens=float(num_kept),
-                iteration_s=wall,
+                iteration_s=wall + sum(r.wall_s for r in records),
             )
         )
         records.append(
@@ -371,6 +374,33 @@ class RolloutEngine:
         for s in running:
             s.is_drafter_fresh = False
         return [[t] for t in nxt.tolist()]
+
+    def catchup_pairs(self) -> int:
+        """The most pending drafter pairs per sequence an EAGLE drafting step feeds itself,
+        in its first forward (as it feeds a verify's accepted tokens): the config's
+        ``catchup_pairs``, by default the graph pool's bound where EAGLE drafting is captured,
+        else ``max_verify_tokens`` (a forward no wider per sequence than a verify may be). A
+        sequence further behind is re-prefilled first."""
+        if self.config.catchup_pairs is not None:
+            return self.config.catchup_pairs
+        if self.graphs is not None and self.graphs.drafts:
+            return self.graphs.max_pending
+        return self.config.max_verify_tokens
+
+    def _stale_drafter(self, running: list[Sequence]) -> list[Sequence]:
+        """Running sequences to re-prefill the drafter for: those it has seen nothing of (SD
+        switching on: the re-prefill feeds a group's shared prompt once) and those it lags
+        more than ``catchup_pairs`` pairs behind (a long span of history or plain iterations).
+        A shorter lag (EAGLE after a few history iterations) is caught up inside the drafting
+        step, sparing the separate drafter forward each switch between the drafters cost."""
+        behind = [s for s in running if not s.is_drafter_fresh]
+        if not behind:
+            return []
+        slots = slots_of(behind, self.device)
+        seen = self.draft_cache.lens[slots]
+        lag = (self.cache.lens[slots] - seen).tolist()
+        cap = self.catchup_pairs()
+        return [s for s, n, m in zip(behind, lag, seen.tolist(), strict=True) if n > cap or m == 0]
 
     @torch.no_grad()
     def reprefill_drafter(self, stale: list[Sequence], decision: SpecDecision) -> IterationRecord:
@@ -434,7 +464,7 @@ class RolloutEngine:
         accepted = result.num_accepted.tolist()
         out = result.out_tokens.tolist()
         # After a history iteration the EAGLE drafter has not seen these pairs: its next
-        # iteration re-prefills it (recorded as TLT's switching cost).
+        # drafting step feeds them (``_stale_drafter``: a re-prefill first if too many).
         is_eagle = decision.drafter == "eagle"
         for s, n in zip(running, accepted, strict=True):
             s.is_drafter_fresh = is_eagle

@@ -107,6 +107,17 @@ class EngineConfig:
     max_verify_tokens: int = field(
         default=64, metadata={"help": "KV slack past --max-model-len for one verified draft tree"}
     )
+    # Issue #20: after history-drafter iterations the EAGLE drafter lags a few pairs; feeding
+    # them in the drafting step's first forward spares the separate re-prefill forward each
+    # switch between drafters cost (the tlt-mix runs on tower_of_hanoi, README).
+    catchup_pairs: int | None = field(
+        default=None,
+        metadata={
+            "help": "pending drafter pairs per request an EAGLE drafting step feeds itself; a "
+            "request further behind is re-prefilled first (default: the CUDA-graph pool's "
+            "drafting bound, else max_verify_tokens; 0: always re-prefill)"
+        },
+    )
     is_harvesting: bool = field(
         default=False,
         metadata={"help": "keep finished requests' tokens and hidden states for drafter training"},
@@ -167,6 +178,8 @@ class EngineConfig:
             )
         if self.max_verify_tokens < 1:
             raise ValueError(f"max_verify_tokens must be >= 1, got {self.max_verify_tokens}")
+        if self.catchup_pairs is not None and self.catchup_pairs < 0:
+            raise ValueError(f"catchup_pairs must be >= 0, got {self.catchup_pairs}")
         self.history_config()  # validates ngram_min, ngram_max, history_max_tokens
 
     @property

@@ -23,7 +23,10 @@ History-drafter decisions (issue #20): the instance's batch draws each request's
 from ``tltsim.sim.acceptance.HistoryModel`` at its own key, the fraction of its siblings that
 finished where its drafter can see them and whether earlier rollouts of its prompt are indexed
 (``StepRun.history_keys``); such iterations run no drafter forward and never re-prefill a
-drafter (tltrun's engine builds no EAGLE cache for them).
+drafter (tltrun's engine builds no EAGLE cache for them). The next EAGLE span's first drafting
+step feeds the pairs they emitted (at most ``CATCHUP_PAIRS`` per request, else a drafter
+forward first), and the bandit's feedback charges that, and any re-prefill, to the decision
+that needed it, as tltrun's engine does.
 
 The timeline is a list of ``tltsim.sim.metrics.Segment`` records, one per stretch of an
 instance in one phase (exact mode extends the open one while iterations repeat).
@@ -52,6 +55,11 @@ from tltsim.policy import (
 from tltsim.sim.acceptance import accept_len_pmf, history_accept_len_pmf
 from tltsim.sim.batch import AcceptDist, ExactBatch, FastBatch
 from tltsim.sim.metrics import Segment
+
+# Pending drafter pairs per request an EAGLE drafting step feeds in its first forward; a longer
+# lag is re-prefilled first. tltrun's RolloutEngine.catchup_pairs: its EngineConfig's
+# max_verify_tokens default (64) on the eager path the simulator's cost models describe.
+CATCHUP_PAIRS = 64
 
 
 class InstanceRollout:
@@ -251,6 +259,8 @@ class InstanceRollout:
                 accept_len_ema=self.accept_len_ema,
             )
             decision = policy.decide(obs)
+            switch_s = 0.0  # a drafter re-prefill this decision required (before its span)
+            catchup_s = 0.0  # history pairs the span's first drafting step feeds itself
             if decision.enabled and decision.drafter == "eagle" and not self.is_sd_on:
                 # SD switches on: rebuild the drafter's KV cache over the running requests, then
                 # run the decided iteration (one decide() per iteration, as tltrun's engine).
@@ -258,25 +268,34 @@ class InstanceRollout:
                 # when a first EAGLE decision comes after history ones, as here.
                 self.is_sd_on = True
                 self.history_tokens = 0.0
-                dt = run.reprefill_s(b, self._reprefill_context())
-                self.reprefill_s += dt
-                self._charge(now, dt, "reprefill", b)
-                pending += dt
-                now = env.now - run.t0 + pending
+                switch_s = run.reprefill_s(b, self._reprefill_context())
             elif decision.enabled and decision.drafter == "eagle" and self.history_tokens > 0:
-                # The EAGLE drafter catches up on the pairs history iterations emitted (tltrun's
-                # engine feeds them before drafting): one drafter forward over them.
+                # The EAGLE drafter catches up on the pairs history iterations emitted: within
+                # CATCHUP_PAIRS per request, in the drafting step's first forward (tltrun's
+                # RolloutEngine.catchup_pairs), else one drafter forward over them first.
                 per_seq = max(1, int(math.ceil(self.history_tokens / b)))
-                dt = run.cost.drafter_iter_s(b, batch.cost_context()[0], per_seq)
+                ctx = batch.cost_context()[0]
                 self.history_tokens = 0.0
-                self.reprefill_s += dt
-                self._charge(now, dt, "reprefill", b)
-                pending += dt
+                if per_seq <= CATCHUP_PAIRS:
+                    catchup_s = max(
+                        0.0,
+                        run.cost.drafter_iter_s(b, ctx, per_seq + 1)
+                        - run.cost.drafter_iter_s(b, ctx, 1),
+                    )
+                else:
+                    switch_s = run.cost.drafter_iter_s(b, ctx, per_seq)
+            if switch_s > 0:
+                self.reprefill_s += switch_s
+                self._charge(now, switch_s, "reprefill", b)
+                pending += switch_s
                 now = env.now - run.t0 + pending
             dt, num_iters, emitted = batch.advance(decision, run.hold_iters(obs, decision))
+            dt += catchup_s
             if decision.enabled and decision.drafter == "history" and self.is_sd_on:
                 self.history_tokens += emitted
-            run.feedback(obs, decision, emitted, dt, num_iters)
+            # tltrun's engine rewards the bandit per second of all the decision cost: the
+            # span's first iteration carries the re-prefill and the catch-up
+            run.feedback(obs, decision, emitted, dt, num_iters, first_extra_s=switch_s)
             self.decode_s += dt
             if decision.enabled:
                 self._sd_stats(decision, dt, num_iters, emitted, b)
@@ -447,20 +466,37 @@ class StepRun:
         return self.policy.max_hold_iters(obs, decision)
 
     def feedback(
-        self, obs: DecodeObs, decision: SpecDecision, accepted: float, span_s: float, num_iters: int
+        self,
+        obs: DecodeObs,
+        decision: SpecDecision,
+        accepted: float,
+        span_s: float,
+        num_iters: int,
+        first_extra_s: float = 0.0,
     ) -> None:
-        """Report a span to the policy: per-iteration means over its ``num_iters`` iterations."""
-        self.policy.observe(
-            SpecFeedback(
-                step=self.step,
-                instance=obs.instance,
-                num_active=obs.num_active,
-                decision=decision,
-                accepted_tokens=accepted / num_iters,
-                iteration_s=span_s / num_iters,
-                num_iters=num_iters,
-            )
+        """Report a span to the policy: per-iteration means over its ``num_iters`` iterations,
+        the first iteration also charged ``first_extra_s`` (a drafter re-prefill the decision
+        required), reported on its own as tltrun's engine reports each iteration."""
+        per_accepted, per_s = accepted / num_iters, span_s / num_iters
+        spans = (
+            [(1, per_s + first_extra_s), (num_iters - 1, per_s)]
+            if first_extra_s > 0
+            else [(num_iters, per_s)]
         )
+        for n, iteration_s in spans:
+            if n < 1:
+                continue
+            self.policy.observe(
+                SpecFeedback(
+                    step=self.step,
+                    instance=obs.instance,
+                    num_active=obs.num_active,
+                    decision=decision,
+                    accepted_tokens=per_accepted,
+                    iteration_s=iteration_s,
+                    num_iters=n,
+                )
+            )
 
     def reprefill_s(self, num_active: int, context_tokens: float) -> float:
         return self.sim.reprefill_s(num_active, context_tokens)
