@@ -15,9 +15,9 @@ feeds every pair but the newest), leaving 1. So the pool's bound is the largest 
 its EAGLE strategies, + 1: one bound for every drafting step, so that a switch from a deeper
 strategy to a shallower one (TLTAdaptive's buckets and bandit) still fits; it is also the
 engine's ``catchup_pairs()`` with the pool, so a lag within it (a history iteration) is fed
-here, without a re-prefill. A batch with more
-(after an eager SD iteration of a strategy outside the plan), or with a slot so near the end
-of the cache that the padded catch-up would write past it, falls back to the eager
+here, without a re-prefill. A batch with more (after an eager SD iteration of a strategy
+outside the plan), or with a slot so near the end of the cache that the padded catch-up
+would write past it, falls back to the eager
 ``tltrun.rollout.prefill.eagle_draft``: ``StaticDraft.__call__`` returns None. That check is
 the step's one host read, before the replay.
 

@@ -13,14 +13,16 @@ then ``finish_rollout()`` (``generate`` does exactly that). One ``step()``, as n
 3. SD off: one plain decode iteration. SD on: re-prefill the drafter for requests it has not
    seen (SD switching on) or lags more than ``catchup_pairs()`` pairs behind (recorded as its
    own ``is_drafter_prefill`` IterationRecord, TLT's switching cost; a shorter lag, as after a
-   few history-drafter iterations, is fed in the drafting step's first forward), then draft, verify the tree in ONE target forward with the tree mask,
-   accept via ``tltrun.rollout.speculative.verify``, compact the accepted path in the KV cache.
+   few history-drafter iterations, is fed in the drafting step's first forward), then draft,
+   verify the tree in ONE target forward with the tree mask, accept via
+   ``tltrun.rollout.speculative.verify``, compact the accepted path in the KV cache.
    A decision with ``drafter="history"`` drafts from the model-free history drafter instead
    (``tltrun.rollout.rollout_history``, issue #20: no EAGLE forward, no drafter re-prefill, no
    drafter needed); its index of the rollouts' tokens is kept across rollouts under
    ``Request.prompt_id``;
 4. ``policy.observe(SpecFeedback)`` with the measured wall seconds of the iteration (its
-   drafter re-prefill included) and the tokens it emitted; finished requests (EOS unless ``ignore_eos``, or ``max_new_tokens``) leave.
+   drafter re-prefill included) and the tokens it emitted; finished requests (EOS unless
+   ``ignore_eos``, or ``max_new_tokens``) leave.
 
 On a GPU (issue #18) the defaults are bf16 weights and KV cache (sampling and acceptance in
 float32: ``logits_to_probs``), attention by each sequence's own length (``attn_impl="flex"``,

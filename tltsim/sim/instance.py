@@ -290,12 +290,12 @@ class InstanceRollout:
                 pending += switch_s
                 now = env.now - run.t0 + pending
             dt, num_iters, emitted = batch.advance(decision, run.hold_iters(obs, decision))
-            dt += catchup_s
             if decision.enabled and decision.drafter == "history" and self.is_sd_on:
                 self.history_tokens += emitted
             # tltrun's engine rewards the bandit per second of all the decision cost: the
             # span's first iteration carries the re-prefill and the catch-up
-            run.feedback(obs, decision, emitted, dt, num_iters, first_extra_s=switch_s)
+            run.feedback(obs, decision, emitted, dt, num_iters, first_extra_s=switch_s + catchup_s)
+            dt += catchup_s  # SD time: it runs inside the first drafting step
             self.decode_s += dt
             if decision.enabled:
                 self._sd_stats(decision, dt, num_iters, emitted, b)
