@@ -221,6 +221,7 @@ def grpo(args: argparse.Namespace) -> dict:
             runs=runs,
             reuse_runs=args.reuse_runs,
             tlt_buckets=args.tlt_buckets,
+            tlt_explore_iters=args.tlt_explore_iters,
         )
         table = compare_runs(bt.run_all(cfg))
         print(f"seed {seed} ({work}):")
@@ -332,6 +333,12 @@ def main() -> None:
         choices=("fastrl", "spec"),
         default="fastrl",
         help="--grpo: TLT's strategy per batch bucket, as bench_train.py --tlt-buckets",
+    )
+    parser.add_argument(
+        "--tlt-explore-iters",
+        type=int,
+        default=1,
+        help="--grpo: iterations a TLT bandit exploration holds its arm, as bench_train.py's",
     )
     parser.add_argument(
         "--runs",

@@ -120,6 +120,16 @@ class BenchTrainConfig:
     tlt_threshold: int = field(
         default=0, metadata={"help": "TLTAdaptive threshold (0: bench_spec.py's crossover batch)"}
     )
+    # TLTConfig.explore_iters of the tlt runs (1: fastrl's per-iteration exploration). It
+    # matters only where a bucket has several arms: tlt-mix's two drafters by default. On this
+    # CPU a drafter forward costs far more than its tokens (the hanoi tlt-mix runs at b2943af:
+    # an EAGLE iteration right after history ones 75 ms against 48 ms steady, a switch-on
+    # re-prefill ~110 ms, ~87 SD iterations per rollout), so trying EAGLE one iteration at a time
+    # pays a catch-up per try and a re-prefill in nearly every rollout; with 16, EAGLE's ~5% of
+    # iterations come as about one block per four rollouts (README, issue #20 row).
+    tlt_explore_iters: int = field(
+        default=1, metadata={"help": "iterations a TLT bandit exploration holds its random arm"}
+    )
     spec_results: str = field(
         default="runs/bench_spec/results.json",
         metadata={"help": "bench_spec.py's results.json", "metavar": "PATH"},
@@ -355,6 +365,7 @@ def train_config(
         tlt_threshold=threshold,
         is_spot_training=is_spot,
         tlt_drafters=drafters,
+        tlt_explore_iters=cfg.tlt_explore_iters,
         lr=cfg.lr,
         seed=cfg.seed,
         checkpoint_every=cfg.chunk_steps or cfg.num_steps,

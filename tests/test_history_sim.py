@@ -237,7 +237,9 @@ def test_the_bandit_is_charged_every_second_its_decisions_cost(exact) -> None:
     """tltrun's engine charges a drafter re-prefill to the iteration that needed it; the
     simulator mirrors it: feedback seconds x iterations = the SD and re-prefill phases' seconds.
     The EAGLE drafter's catch-up after history iterations runs inside its drafting step (SD
-    time), so the only re-prefills are the switch-ons, one per instance and rollout."""
+    time), so the only re-prefills are the switch-ons, one per instance and rollout (with
+    exploration per iteration, the default, the drafter never lags by more than CATCHUP_PAIRS
+    here)."""
     rng = np.random.default_rng(3)
     trace = make_trace(rng.integers(500, 3000, size=(2, 2, 4)).tolist())
     config = {"strategies": ("4_1_4",), "bucket_starts": (1,), "drafters": ("eagle", "history")}
@@ -417,3 +419,26 @@ def test_a_measured_history_run_is_replayed_with_its_fitted_model() -> None:
         measured.append(float(hist @ np.arange(1, hist.size + 1) / hist.sum()))
     # each response replays its own rate: the step's accept length comes back within noise
     assert accept == pytest.approx(measured, rel=0.1)
+
+
+@pytest.mark.parametrize("explore_iters", [1, 16])
+def test_fast_mode_keeps_the_bandits_exploration_schedule(explore_iters) -> None:
+    """The simulator's fast mode asks the policy once per span; TLTAdaptive's max_hold_iters
+    cuts a span where an exploration block starts or ends, so fast and exact mode explore the
+    same share of SD iterations with the same number of blocks (up to the bandit's greedy arm,
+    which may differ between the modes as their rewards do)."""
+    rng = np.random.default_rng(5)
+    trace = make_trace(rng.integers(300, 800, size=(4, 2, 8)).tolist())
+    config = {"strategies": ("4_1_4",), "bucket_starts": (1,), "drafters": ("eagle", "history")}
+    history = HistoryModel(base_logit=2.0)  # the better arm: EAGLE runs only when explored
+    eagle = DrafterDynamics(max_accept_rate=0.4, initial_accept_rate=0.4, stale_accept_rate=0.4)
+    counts = {}
+    for exact in (True, False):
+        policy = Recorded(TLTAdaptive(seed=1, explore_iters=explore_iters, **config))
+        _sim(trace, policy, DrafterScaled(5.0), history, eagle, num_gpus=2, exact=exact)
+        sd = [f for f in policy.feedback if f.decision.enabled]
+        eagle_iters = sum(f.num_iters for f in sd if f.decision.drafter == "eagle")
+        counts[exact] = eagle_iters / sum(f.num_iters for f in sd)
+    # epsilon 0.1, two arms: ~5% of SD iterations explore EAGLE in both modes
+    assert 0.02 < counts[True] < 0.09 and 0.02 < counts[False] < 0.09, counts
+    assert counts[False] == pytest.approx(counts[True], abs=0.025), counts

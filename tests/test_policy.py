@@ -220,6 +220,87 @@ def test_same_seed_same_decisions_different_seed_differs():
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
+MIX = {"strategies": ("4_1_4",), "bucket_starts": (1,), "drafters": ("eagle", "history")}
+MIX_REWARD = {"eagle": 2.0, "history": 3.0}  # tokens per second of each drafter's arm
+
+
+def runs_of(decisions: list[SpecDecision]) -> list[tuple[str, int]]:
+    """(drafter, length) of each maximal run of equal consecutive decisions."""
+    out: list[tuple[str, int]] = []
+    for d in decisions:
+        if out and out[-1][0] == d.drafter:
+            out[-1] = (d.drafter, out[-1][1] + 1)
+        else:
+            out.append((d.drafter, 1))
+    return out
+
+
+def per_iteration(policy: TLTAdaptive, iters: int, batch: int = 4) -> list[SpecDecision]:
+    """A driver that asks before every iteration (tltrun's engine)."""
+    policy.start_rollout(0)
+    out = []
+    for _ in range(iters):
+        d = policy.decide(obs(batch))
+        policy.observe(feedback(batch, d, MIX_REWARD[d.drafter] if d.enabled else 0.0, 1.0))
+        out.append(d)
+    return out
+
+
+def per_span(policy: TLTAdaptive, iters: int, batch: int = 4) -> list[SpecDecision]:
+    """A driver that asks once per span, as long as ``max_hold_iters`` lets a decision stand
+    (the simulator's fast mode; the batch never changes here)."""
+    policy.start_rollout(0)
+    out: list[SpecDecision] = []
+    while len(out) < iters:
+        o = obs(batch)
+        d = policy.decide(o)
+        hold = policy.max_hold_iters(o, d)
+        n = min(iters - len(out), hold if hold is not None else iters)
+        reward = MIX_REWARD[d.drafter] if d.enabled else 0.0
+        policy.observe(feedback(batch, d, reward, 1.0, num_iters=n))
+        out.extend([d] * n)
+    return out
+
+
+def test_exploration_share_is_epsilon_and_blocks_cut_the_drafter_switches():
+    """An exploration holds its random arm for explore_iters iterations: the share of
+    non-greedy iterations stays about epsilon / 2 (half the random picks are the greedy arm),
+    but EAGLE is entered about 16 times less often with blocks of 16."""
+    iters = 20_000
+    shares, entries = {}, {}
+    for block in (1, 16):
+        policy = TLTAdaptive(seed=3, warmup_checks=1, explore_iters=block, **MIX)
+        seq = per_iteration(policy, iters)[1:]  # the warm-up iteration is OFF
+        runs = runs_of(seq)
+        eagle = [n for drafter, n in runs if drafter == "eagle"]
+        shares[block] = sum(eagle) / len(seq)
+        entries[block] = len(eagle)
+        if block == 16:  # blocks run whole (a random pick of the greedy arm extends its run)
+            assert all(n % 16 == 0 for n in eagle[1:])
+    for block in (1, 16):
+        assert 0.035 < shares[block] < 0.065, shares  # epsilon 0.1, 2 arms: 0.05
+    assert 10 < entries[1] / entries[16] < 25, entries
+
+
+def test_explore_iters_must_be_a_positive_integer():
+    assert TLTConfig().explore_iters == 1  # fastrl: per iteration
+    for bad in (0, -2, 1.5, True, None):
+        with pytest.raises(ValueError, match="explore_iters"):
+            TLTConfig(explore_iters=bad)
+
+
+@pytest.mark.parametrize("explore_iters", [1, 4, 16])
+def test_span_driver_decides_exactly_as_a_per_iteration_driver(explore_iters):
+    """max_hold_iters cuts a span where the bandit's next exploration block starts or ends and
+    observe(num_iters) advances the schedule, so asking once per span gives the very decisions
+    of asking every iteration (same seed, same rewards)."""
+    settings = {"warmup_checks": 3, "epsilon": 0.2, "explore_iters": explore_iters, **MIX}
+    a = per_iteration(TLTAdaptive(seed=11, **settings), 3000)
+    b = per_span(TLTAdaptive(seed=11, **settings), 3000)
+    assert [d.arm for d in a] == [d.arm for d in b]
+    assert {d.drafter for d in a if d.enabled} == {"eagle", "history"}
+
+
 def test_bandit_statistics_per_batch_group_and_window():
     bandit = BegMab(TLTConfig(window=5, **ARMS_ONE_BUCKET), random.Random(0))
     arm = SpecDecision.parse("6_4_32")
@@ -391,6 +472,32 @@ def test_tlt_state_dict_round_trip_reproduces_future_decisions():
         make_policy("tlt", seed=5, **settings).load_state_dict(state)
     with pytest.raises(ValueError, match="window=50"):
         make_policy("tlt", seed=4, **{**settings, "window": 40}).load_state_dict(state)
+
+
+def test_tlt_state_dict_restores_an_exploration_block_under_way():
+    import json
+
+    settings = {"warmup_checks": 1, "epsilon": 0.3, "explore_iters": 8, **MIX}
+    policy = make_policy("tlt", seed=2, **settings)
+    seq = per_iteration(policy, 400)
+    bandit = policy._bandit(0)
+    while not (bandit.is_exploring and bandit.explore_left > 0):  # stop inside a block
+        d = policy.decide(obs(4))
+        policy.observe(feedback(4, d, MIX_REWARD[d.drafter], 1.0))
+    state = json.loads(json.dumps(policy.state_dict()))
+    restored = make_policy("tlt", seed=2, **settings)
+    restored.load_state_dict(state)
+    assert restored.state_dict() == policy.state_dict()
+
+    def go(p):
+        out = []
+        for _ in range(300):
+            d = p.decide(obs(4))
+            p.observe(feedback(4, d, MIX_REWARD[d.drafter], 1.0))
+            out.append(d.arm)
+        return out
+
+    assert go(policy) == go(restored) and len(seq) == 400
 
 
 @pytest.mark.parametrize(

@@ -250,3 +250,11 @@ def test_tlt_drafters_reach_the_policy_and_are_checked(model_dir, tmp_path):
         config(model_dir, tmp_path, policy="tlt", tlt_drafters=("eagle", "ngram"))
     with pytest.raises(ValueError, match="torch backend only"):
         config(model_dir, tmp_path, policy="tltbase", backend="vllm")
+    # --tlt-explore-iters: the bandit's exploration blocks (1, fastrl's, when not given)
+    blocks = config(
+        model_dir, tmp_path, policy="tlt", tlt_drafters=("eagle", "history"), tlt_explore_iters=16
+    )
+    assert make_policy("tlt", **blocks.policy_settings()).config.explore_iters == 16
+    assert policy.config.explore_iters == 1
+    with pytest.raises(ValueError, match="explore_iters"):
+        config(model_dir, tmp_path, policy="tlt", tlt_explore_iters=0)

@@ -96,6 +96,11 @@ class TrainConfig:
             "help": "tlt: drafters its bandit chooses between per batch bucket (eagle, history)"
         },
     )
+    # TLTConfig.explore_iters (1: fastrl's per-iteration exploration; its comment)
+    tlt_explore_iters: int = field(
+        default=1,
+        metadata={"help": "tlt: iterations a bandit exploration holds its random arm"},
+    )
     # TLTConfig.threshold (fastrl bs_threshold)
     tlt_threshold: int = field(
         default=32,
@@ -280,6 +285,8 @@ class TrainConfig:
             settings["bucket_starts"] = tuple(self.tlt_bucket_starts)
         if self.policy == "tlt" and tuple(self.tlt_drafters) != ("eagle",):
             settings["drafters"] = tuple(self.tlt_drafters)
+        if self.tlt_explore_iters != 1:
+            settings["explore_iters"] = self.tlt_explore_iters
         return settings
 
     @property

@@ -254,7 +254,7 @@ def _settings(name: str, config: dict[str, Any], trace: Trace, source: str, tlt:
             raise UsageError(f"{source}: field 'measured.policy.config.strategy': {err}") from None
         return {"strategy": strategy}
     if tlt is not None and name == "tltbase":  # TLT's switch; strategies stay TLTBase's
-        switch = ("threshold", "warmup_checks", "epsilon", "window")
+        switch = ("threshold", "warmup_checks", "epsilon", "explore_iters", "window")
         config = {**config, **{k: getattr(tlt, k) for k in switch}}
     elif tlt is not None:
         return dataclasses.asdict(tlt)

@@ -7,6 +7,7 @@ switch with the history drafter only. Standard library only.
 from __future__ import annotations
 
 import bisect
+import math
 import random
 import statistics
 from collections import deque
@@ -50,6 +51,18 @@ class TLTConfig:
     epsilon: float = field(
         default=0.1, metadata={"help": "probability of a random arm instead of the best one"}
     )
+    # 1 = fastrl's per-iteration exploration. Ours (issue #20): exploring per iteration is free
+    # between strategies of one drafter (they share its KV cache) but not always between
+    # drafters: an EAGLE try after history iterations pays the drafter's catch-up on the pairs it
+    # missed, and its first in a rollout a re-prefill of the running requests. With blocks of b
+    # iterations, one block follows b x Geometric(epsilon) greedy iterations: the same share
+    # epsilon of iterations explores, b times fewer switches. Whether that pays depends on what
+    # a drafter forward costs beyond its tokens (README, history-drafter section: on the CPU
+    # bench it does, on the simulator's H100 roofline it does not), so the default stays fastrl's.
+    explore_iters: int = field(
+        default=1,
+        metadata={"help": "iterations an exploration holds its random arm (1: per iteration)"},
+    )
     # server_args speculative_mab_window_size
     window: int = field(
         default=300, metadata={"help": "rewards kept per arm and batch-size group (median window)"}
@@ -71,6 +84,14 @@ class TLTConfig:
             )
         if not 0.0 <= self.epsilon <= 1.0:
             raise ValueError(f"TLTConfig: epsilon must be in [0, 1], got {self.epsilon}")
+        if (
+            isinstance(self.explore_iters, bool)
+            or not isinstance(self.explore_iters, int)
+            or self.explore_iters < 1
+        ):
+            raise ValueError(
+                f"TLTConfig: explore_iters must be an integer >= 1, got {self.explore_iters!r}"
+            )
         starts = self.bucket_starts
         if (
             not starts
@@ -133,15 +154,29 @@ def bucket_arms(
 class BegMab:
     """Bucketed epsilon-greedy bandit (BEG-MAB) of one engine instance. The batch size picks the
     bucket (its arms); reward windows are kept per (reward group, arm). Selection: an arm with
-    no reward yet first, else with probability epsilon a uniformly random arm, else the arm with
-    the highest median reward over its window. A bucket with one arm needs no bandit (and draws
-    no random number), as in fastrl; TLT's default strategies give one arm per bucket."""
+    no reward yet first, else an exploration (a uniformly random arm) or the arm with the
+    highest median reward over its window. A bucket with one arm needs no bandit (and draws no
+    random number), as in fastrl; TLT's default strategies give one arm per bucket.
+
+    Explorations come in blocks of ``TLTConfig.explore_iters`` iterations (1: fastrl's
+    per-iteration draw). Instead of one draw per iteration, the bandit draws the number of
+    greedy iterations before the next block, geometric with the per-block probability epsilon
+    scaled by the block length (the same share epsilon of iterations explores). That is the
+    same process for a driver that asks once per iteration and for one that asks once per
+    span (the simulator's fast mode): ``hold_iters`` says how many iterations the last
+    selection stands for, and ``advance`` counts the extra iterations a span ran."""
 
     def __init__(self, config: TLTConfig, rng: random.Random):
         self.config = config
         self.rng = rng
         self.buckets = config.buckets()
         self.rewards: dict[tuple[int, SpecDecision], deque[float]] = {}
+        self.greedy_left: int | None = None  # greedy iterations before the next exploration
+        self.explore_arm: SpecDecision | None = None  # the arm of the block under way
+        self.explore_left = 0  # iterations of that block after the current one
+        self.is_exploring = False  # whether the last selection was an exploration
+        self.is_bandit = False  # whether the last selection had several arms to choose from
+        self.is_trying = False  # whether the last selection was an arm's first try
 
     def arms(self, batch: int) -> tuple[SpecDecision, ...]:
         return bucket_arms(self.buckets, batch)
@@ -153,32 +188,89 @@ class BegMab:
             self.rewards[key] = deque(maxlen=self.config.window)
         return self.rewards[key]
 
+    def _draw_gap(self) -> int:
+        """Greedy iterations before the next exploration block: blocks of ``b`` iterations
+        explore with probability ``epsilon`` each, so ``b`` x Geometric(epsilon) failures."""
+        eps, block = self.config.epsilon, self.config.explore_iters
+        if eps <= 0.0:
+            return math.inf  # type: ignore[return-value]  # never explores
+        if eps >= 1.0:
+            return 0
+        u = 1.0 - self.rng.random()  # (0, 1]
+        return block * int(math.log(u) / math.log1p(-eps))
+
     def select(self, batch: int) -> SpecDecision:
         arms = self.arms(batch)
+        self.is_exploring = self.is_trying = False
+        self.is_bandit = len(arms) > 1
         if len(arms) == 1:
             return arms[0]
         windows = [self._window(batch, arm) for arm in arms]
         for arm, window in zip(arms, windows, strict=True):
             if not window:
+                self.is_trying = True
                 return arm
-        if self.rng.random() < self.config.epsilon:
-            return self.rng.choice(arms)
+        self.is_trying = False
+        if self.explore_arm is not None and self.explore_left > 0 and self.explore_arm in arms:
+            self.explore_left -= 1
+            self.is_exploring = True
+            return self.explore_arm
+        self.explore_arm, self.explore_left = None, 0
+        if self.greedy_left is None:
+            self.greedy_left = self._draw_gap()
+        if self.greedy_left <= 0:
+            self.greedy_left = None
+            self.explore_arm = self.rng.choice(arms)
+            self.explore_left = self.config.explore_iters - 1
+            self.is_exploring = True
+            return self.explore_arm
+        self.greedy_left -= 1
         medians = [statistics.median(w) for w in windows]
         return arms[medians.index(max(medians))]
+
+    def hold_iters(self) -> int | None:
+        """Iterations the last selection stands for, counting its own, or None while nothing
+        the bandit draws can change it (one arm, or no exploration to come)."""
+        if not self.is_bandit:
+            return None
+        if self.is_trying:  # one iteration: its reward may change the next selection
+            return 1
+        if self.is_exploring:
+            return 1 + self.explore_left
+        if self.greedy_left is None or self.greedy_left == math.inf:
+            return None
+        return 1 + self.greedy_left
+
+    def advance(self, num_iters: int) -> None:
+        """Count ``num_iters`` more iterations of the last selection (a span driver's extra)."""
+        if num_iters <= 0 or not self.is_bandit or self.is_trying:
+            return
+        if self.is_exploring:
+            self.explore_left = max(0, self.explore_left - num_iters)
+        elif self.greedy_left is not None and self.greedy_left != math.inf:
+            self.greedy_left = max(0, self.greedy_left - num_iters)
 
     def record(self, batch: int, arm: SpecDecision, reward: float, num_iters: int = 1) -> None:
         if arm in self.arms(batch):
             self._window(batch, arm).extend([reward] * min(num_iters, self.config.window))
 
     def state_dict(self) -> dict:
-        """The reward windows and the random stream as plain data (``TLTAdaptive.state_dict``)."""
+        """The reward windows, the random stream and the exploration under way as plain data
+        (``TLTAdaptive.state_dict``)."""
         version, internal, gauss_next = self.rng.getstate()
+        gap = self.greedy_left
         return {
             "rng": [version, list(internal), gauss_next],
             "rewards": [
                 {"group": group, "strategy": arm.arm, "rewards": list(window)}
                 for (group, arm), window in self.rewards.items()
             ],
+            "greedy_left": None if gap is None else (-1 if gap == math.inf else gap),
+            "explore_arm": None if self.explore_arm is None else self.explore_arm.arm,
+            "explore_left": self.explore_left,
+            "is_exploring": self.is_exploring,
+            "is_bandit": self.is_bandit,
+            "is_trying": self.is_trying,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -190,6 +282,15 @@ class BegMab:
             )
             for e in state["rewards"]
         }
+        # states saved before exploration blocks existed carry none of these: nothing under way
+        gap = state.get("greedy_left")
+        self.greedy_left = math.inf if gap == -1 else gap  # type: ignore[assignment]
+        arm = state.get("explore_arm")
+        self.explore_arm = None if arm is None else SpecDecision.parse(arm)
+        self.explore_left = state.get("explore_left", 0)
+        self.is_exploring = state.get("is_exploring", False)
+        self.is_bandit = state.get("is_bandit", False)
+        self.is_trying = state.get("is_trying", False)
 
 
 @dataclass
@@ -264,10 +365,17 @@ class TLTAdaptive(SpecPolicy):
         """For drivers that ask once per span of iterations: during the warm-up every iteration
         is a check, so an OFF decision may stand for the checks still missing (``observe`` counts
         the span's ``num_iters`` as that many checks, so the switch lands on the same iteration
-        as with a per-iteration driver); otherwise it stands until the batch changes."""
+        as with a per-iteration driver); an SD decision of a bucket with several arms stands
+        until the bandit's next exploration block starts or the one under way ends
+        (``BegMab.hold_iters``; ``observe`` advances the schedule likewise); otherwise it stands
+        until the batch changes."""
         sw = self._switches.get(obs.instance)
         is_warming = sw is not None and not sw.is_on and obs.num_active <= self.config.threshold
-        return max(1, self.config.warmup_checks - sw.checks) if is_warming else None
+        if is_warming:
+            return max(1, self.config.warmup_checks - sw.checks)
+        if decision.enabled and obs.instance in self._bandits:
+            return self._bandits[obs.instance].hold_iters()
+        return None
 
     def observe(self, feedback: SpecFeedback) -> None:
         sw = self._switches.get(feedback.instance)
@@ -279,6 +387,9 @@ class TLTAdaptive(SpecPolicy):
         ):
             # A span of num_iters OFF iterations is num_iters checks; decide() counted the first.
             sw.checks += feedback.num_iters - 1
+        if feedback.decision.enabled and feedback.instance in self._bandits:
+            # likewise a span of num_iters SD iterations advances the exploration schedule
+            self._bandits[feedback.instance].advance(feedback.num_iters - 1)
         if not feedback.decision.enabled or feedback.iteration_s <= 0 or feedback.num_active < 1:
             return
         reward = feedback.accepted_tokens / feedback.iteration_s

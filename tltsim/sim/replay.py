@@ -191,7 +191,7 @@ def run_settings(settings: RunSettings, trace: Trace, progress: Any = None) -> S
     elif settings.policy == "tltbase":
         # TLT's switch settings; strategies and drafters stay TLTBase's (history only)
         tlt = settings.tlt
-        switch = ("threshold", "warmup_checks", "epsilon", "window")
+        switch = ("threshold", "warmup_checks", "epsilon", "explore_iters", "window")
         policy = make_policy("tltbase", seed=sim.seed, **{k: getattr(tlt, k) for k in switch})
     else:
         policy = make_policy(settings.policy, seed=sim.seed)
