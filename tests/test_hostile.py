@@ -383,6 +383,7 @@ REPLAY_NUMERIC_FLAGS = (
     "--max-steps",
     "--tlt-threshold",
     "--tlt-epsilon",
+    "--tlt-explore-iters",
     "--drafter-max-accept-rate",
     "--spot-max-epochs",
     "--spot-startup-s",

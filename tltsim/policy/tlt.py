@@ -171,7 +171,8 @@ class BegMab:
         self.rng = rng
         self.buckets = config.buckets()
         self.rewards: dict[tuple[int, SpecDecision], deque[float]] = {}
-        self.greedy_left: int | None = None  # greedy iterations before the next exploration
+        # greedy iterations before the next exploration (math.inf: never; None: not drawn yet)
+        self.greedy_left: float | None = None
         self.explore_arm: SpecDecision | None = None  # the arm of the block under way
         self.explore_left = 0  # iterations of that block after the current one
         self.is_exploring = False  # whether the last selection was an exploration
@@ -188,12 +189,12 @@ class BegMab:
             self.rewards[key] = deque(maxlen=self.config.window)
         return self.rewards[key]
 
-    def _draw_gap(self) -> int:
+    def _draw_gap(self) -> float:
         """Greedy iterations before the next exploration block: blocks of ``b`` iterations
         explore with probability ``epsilon`` each, so ``b`` x Geometric(epsilon) failures."""
         eps, block = self.config.epsilon, self.config.explore_iters
         if eps <= 0.0:
-            return math.inf  # type: ignore[return-value]  # never explores
+            return math.inf  # never explores
         if eps >= 1.0:
             return 0
         u = 1.0 - self.rng.random()  # (0, 1]
@@ -210,7 +211,6 @@ class BegMab:
             if not window:
                 self.is_trying = True
                 return arm
-        self.is_trying = False
         if self.explore_arm is not None and self.explore_left > 0 and self.explore_arm in arms:
             self.explore_left -= 1
             self.is_exploring = True
@@ -284,7 +284,7 @@ class BegMab:
         }
         # states saved before exploration blocks existed carry none of these: nothing under way
         gap = state.get("greedy_left")
-        self.greedy_left = math.inf if gap == -1 else gap  # type: ignore[assignment]
+        self.greedy_left = math.inf if gap == -1 else gap
         arm = state.get("explore_arm")
         self.explore_arm = None if arm is None else SpecDecision.parse(arm)
         self.explore_left = state.get("explore_left", 0)
