@@ -130,6 +130,12 @@ class BenchTrainConfig:
     tlt_explore_iters: int = field(
         default=1, metadata={"help": "iterations a TLT bandit exploration holds its random arm"}
     )
+    # TLTConfig.history_strategies of the runs that draft from the history (tltbase, tlt-mix):
+    # () pairs the history drafter with each bucket's tlt_strategies, as EAGLE.
+    tlt_history_strategies: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "the history drafter's strategies in every bucket (tltbase, tlt-mix)"},
+    )
     spec_results: str = field(
         default="runs/bench_spec/results.json",
         metadata={"help": "bench_spec.py's results.json", "metavar": "PATH"},
@@ -365,6 +371,9 @@ def train_config(
         tlt_threshold=threshold,
         is_spot_training=is_spot,
         tlt_drafters=drafters,
+        tlt_history_strategies=(
+            cfg.tlt_history_strategies if policy == "tltbase" or "history" in drafters else ()
+        ),
         tlt_explore_iters=cfg.tlt_explore_iters,
         lr=cfg.lr,
         seed=cfg.seed,

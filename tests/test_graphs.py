@@ -71,6 +71,7 @@ def test_tlt_default_plan():
         TLTAdaptive(),
         TLTAdaptive(threshold=12, bucket_starts=(1, 7), strategies=("6_2_10", "4_1_4", "5_2_4")),
         TLTAdaptive(drafters=("eagle", "history")),
+        TLTAdaptive(drafters=("eagle", "history"), history_strategies=("8_1_8", "2_1_2")),
         TLTBase(),
     ],
 )

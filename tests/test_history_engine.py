@@ -157,6 +157,14 @@ def test_tltbase_runs_on_an_engine_without_eagle():
     result = _engine().generate(reqs, policy)
     assert [o.output_token_ids for o in result.outputs] == want
     assert {it.drafter for it in result.iterations} == {None, "history"}
+    # history_strategies: a bandit over two history arms, both tried, lossless all the same
+    policy = make_policy(
+        "tltbase", threshold=8, warmup_checks=1, history_strategies=("8_1_8", "2_1_2")
+    )
+    result = _engine().generate(reqs, policy)
+    assert [o.output_token_ids for o in result.outputs] == want
+    keys = {k for o in result.outputs for k in o.accept_hist_by_strategy}
+    assert {"history:8_1_8", "history:2_1_2"} <= keys
 
 
 # Exact distribution: V = 6 tokens, responses of 3 tokens, ignore_eos. Every request has the same

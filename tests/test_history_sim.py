@@ -302,6 +302,19 @@ def test_replay_runs_tltbase_beside_nospec_and_tlt_on_a_version_1_trace(tmp_path
     assert better["tltbase"]["mean_accept_len"] > rows["tltbase"]["mean_accept_len"]
     assert main([*argv, "--history-scope", "galaxy"]) == 2
     assert "scope" in capsys.readouterr().err
+    # --tlt-history-strategies: the history arms of tltbase and of tlt's history drafter
+    out3 = tmp_path / "r3"
+    own = ["--tlt-drafters", "eagle,history", "--tlt-history-strategies", "3_1_3"]
+    assert main([*argv, *own, "--policy", "tltbase,tlt", "--out", str(out3)]) == 0
+    used = {r["policy"]: r for r in json.loads((out3 / "summary.json").read_text())["policies"]}
+    assert set(used["tltbase"]["strategies_used"]) == {"history:3_1_3"}
+    assert {s for s in used["tlt"]["strategies_used"] if s.startswith("history:")} <= {
+        "history:3_1_3"
+    }
+    # without a history drafter in tlt the flag would change nothing there: refused
+    assert main([*argv, "--tlt-history-strategies", "3_1_3", "--out", str(out3)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "history_strategies" in err and "\n" not in err
 
 
 # --- fit and measured runs ---------------------------------------------------------------------

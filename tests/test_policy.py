@@ -28,6 +28,7 @@ from tltsim.policy import (
     SpotTrainerPolicy,
     StaticSpec,
     TLTAdaptive,
+    TLTBase,
     TLTConfig,
     TrainDecision,
     make_policy,
@@ -138,6 +139,57 @@ def test_default_buckets_follow_tlt_configuration():
     for batch, strategy in expected.items():
         assert policy.decide(obs(batch)).strategy == strategy
         assert policy.default_decision(batch).strategy == strategy
+
+
+def test_history_strategies_are_the_history_drafters_arms_in_every_bucket():
+    """The history drafter's arms need not follow EAGLE's per-bucket strategies (issue #20):
+    with history_strategies every bucket offers those, after the bucket's EAGLE arms."""
+    fastrl = ("4_1_4", "3_1_3", "2_1_2", "1_1_1")
+    cfg = TLTConfig(
+        strategies=fastrl, drafters=("eagle", "history"), history_strategies=("8_1_8", "4_1_4")
+    )
+    arms = [[a.arm for a in bucket[2]] for bucket in cfg.buckets()]
+    assert arms == [[s, "history:8_1_8", "history:4_1_4"] for s in fastrl]
+    # not given: the history drafter pairs with each bucket's strategies, as before
+    paired = TLTConfig(strategies=fastrl, drafters=("eagle", "history")).buckets()
+    assert [[a.arm for a in b[2]] for b in paired] == [[s, f"history:{s}"] for s in fastrl]
+    # TLTBase: its buckets by its strategies, its arms the history strategies
+    base = TLTBase(strategies=fastrl, history_strategies=("6_1_6",)).config.buckets()
+    assert [[a.arm for a in b[2]] for b in base] == [["history:6_1_6"]] * 4
+    # a bucket with several history arms is a bandit: each arm is tried, then the best kept
+    policy = TLTAdaptive(
+        seed=1,
+        warmup_checks=1,
+        epsilon=0.0,
+        strategies=("4_1_4",),
+        bucket_starts=(1,),
+        drafters=("history",),
+        history_strategies=("8_1_8", "2_1_2"),
+    )
+    policy.start_rollout(0)
+    seen = []
+    for _ in range(6):
+        d = policy.decide(obs(4))
+        reward = {"8_1_8": 5.0, "2_1_2": 2.0}.get(d.strategy, 0.0)
+        policy.observe(feedback(4, d, reward, 1.0))
+        seen.append(d.arm)
+    assert seen[:2] == ["history:8_1_8", "history:2_1_2"]
+    assert set(seen[2:]) == {"history:8_1_8"}
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        ({"history_strategies": ("8_1_8",)}, "need 'history' among the drafters"),
+        ({"drafters": ("eagle", "history"), "history_strategies": ("off",)}, "'off' excluded"),
+        ({"drafters": ("history",), "history_strategies": ("history:4_1_4",)}, "drafter name"),
+        ({"drafters": ("history",), "history_strategies": ("4_1_4", "4_1_4")}, "distinct"),
+        ({"drafters": ("history",), "history_strategies": ("4_x_4",)}, "4_x_4"),
+    ],
+)
+def test_history_strategies_are_checked(settings, match):
+    with pytest.raises(ValueError, match=match):
+        TLTConfig(**settings)
 
 
 def test_max_hold_iters_covers_the_missing_warmup_checks():

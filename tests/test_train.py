@@ -258,3 +258,17 @@ def test_tlt_drafters_reach_the_policy_and_are_checked(model_dir, tmp_path):
     assert policy.config.explore_iters == 1
     with pytest.raises(ValueError, match="explore_iters"):
         config(model_dir, tmp_path, policy="tlt", tlt_explore_iters=0)
+    # --tlt-history-strategies: the history drafter's own arms (tlt with history, tltbase)
+    for policy_name, drafters in (("tlt", ("eagle", "history")), ("tltbase", ("eagle",))):
+        own = config(
+            model_dir,
+            tmp_path,
+            policy=policy_name,
+            tlt_drafters=drafters,
+            tlt_history_strategies=("8_1_8",),
+        )
+        policy = make_policy(policy_name, **own.policy_settings())
+        assert policy.config.history_strategies == ("8_1_8",)
+        assert "history:8_1_8" in {a.arm for a in policy.config.buckets()[0][2]}
+    with pytest.raises(ValueError, match="history_strategies"):
+        config(model_dir, tmp_path, policy="tlt", tlt_history_strategies=("8_1_8",))

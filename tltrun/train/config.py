@@ -96,6 +96,14 @@ class TrainConfig:
             "help": "tlt: drafters its bandit chooses between per batch bucket (eagle, history)"
         },
     )
+    # TLTConfig.history_strategies: the history drafter's arms in every bucket (its comment)
+    tlt_history_strategies: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "tlt/tltbase: the history drafter's strategies in every bucket "
+            "(default: each bucket's tlt strategies)"
+        },
+    )
     # TLTConfig.explore_iters (1: fastrl's per-iteration exploration; its comment)
     tlt_explore_iters: int = field(
         default=1,
@@ -285,6 +293,8 @@ class TrainConfig:
             settings["bucket_starts"] = tuple(self.tlt_bucket_starts)
         if self.policy == "tlt" and tuple(self.tlt_drafters) != ("eagle",):
             settings["drafters"] = tuple(self.tlt_drafters)
+        if self.tlt_history_strategies:
+            settings["history_strategies"] = tuple(self.tlt_history_strategies)
         if self.tlt_explore_iters != 1:
             settings["explore_iters"] = self.tlt_explore_iters
         return settings

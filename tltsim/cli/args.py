@@ -218,4 +218,7 @@ def dataclass_from_args(
     try:
         return cls(**values)
     except (TypeError, ValueError) as err:
-        raise UsageError(f"{cls.__name__}: {err}") from None
+        # __post_init__ messages name their class already ("TLTConfig: ..."); say it once
+        text = str(err)
+        named = text.startswith(f"{cls.__name__}:")
+        raise UsageError(text if named else f"{cls.__name__}: {text}") from None

@@ -255,6 +255,7 @@ def _settings(name: str, config: dict[str, Any], trace: Trace, source: str, tlt:
         return {"strategy": strategy}
     if tlt is not None and name == "tltbase":  # TLT's switch; strategies stay TLTBase's
         switch = ("threshold", "warmup_checks", "epsilon", "explore_iters", "window")
+        switch += ("history_strategies",) if tlt.history_strategies else ()
         config = {**config, **{k: getattr(tlt, k) for k in switch}}
     elif tlt is not None:
         return dataclasses.asdict(tlt)

@@ -77,6 +77,21 @@ class TLTConfig:
         },
     )
 
+    # issue #20: the history drafter's own arms. A history draft costs no drafter forward, and
+    # the torch engine verifies only as far as the batch's longest real proposal (README,
+    # history drafter), so the case for shorter chains at larger batches (fastrl's buckets,
+    # each EAGLE draft step a drafter forward) holds only for the verify: on hanoi's step-0
+    # rollouts a lockstep replay of the history drafter gave 2.67 / 3.66 / 5.20 tokens per
+    # verify with chains of 2 / 4 / 8 (README, bench_history row), so pairing it with 2_1_2 at
+    # a worker's 5-8 responses leaves most of its matches unverified. () keeps the pairing.
+    history_strategies: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "the history drafter's arms in every bucket (default: each bucket's "
+            "strategies, as the learned drafter's)"
+        },
+    )
+
     def __post_init__(self) -> None:
         if self.threshold < 1 or self.warmup_checks < 1 or self.window < 1:
             raise ValueError(
@@ -113,6 +128,19 @@ class TLTConfig:
             raise ValueError(
                 f"TLTConfig: strategies name no drafter (got {self.strategies}); list drafters in 'drafters'"
             )
+        history = [SpecDecision.parse(s) for s in self.history_strategies]
+        if self.history_strategies and "history" not in self.drafters:
+            raise ValueError(
+                f"TLTConfig: history_strategies {self.history_strategies} need 'history' among the drafters, got {self.drafters}"
+            )
+        if not all(d.enabled for d in history) or any(":" in s for s in self.history_strategies):
+            raise ValueError(
+                f"TLTConfig: history_strategies must be strategies without a drafter name, 'off' excluded, got {self.history_strategies}"
+            )
+        if len(set(history)) != len(history):
+            raise ValueError(
+                f"TLTConfig: history_strategies must be distinct, got {self.history_strategies}"
+            )
         if len({d.verify_tokens for d in decisions}) != len(starts):
             raise ValueError(
                 f"TLTConfig: {len(starts)} buckets need as many distinct verify_tokens values among the strategies, got {self.strategies}"
@@ -122,21 +150,22 @@ class TLTConfig:
         """(min_batch, max_batch or None for no cap, arms). As in fastrl's BEG: strategies are
         grouped by verify_tokens, the group with the most verify tokens serving the smallest
         batches; arms keep the order given in ``strategies`` (the first is the bucket default),
-        each strategy with every drafter in ``drafters`` order (drafter-major)."""
+        each strategy with every drafter in ``drafters`` order (drafter-major), except that the
+        history drafter's arms are ``history_strategies`` in every bucket where those are given."""
         decisions = [SpecDecision.parse(s) for s in self.strategies]
+        history = tuple(SpecDecision.parse(s) for s in self.history_strategies)
         tokens = sorted({d.verify_tokens for d in decisions}, reverse=True)
         ends = [s - 1 for s in self.bucket_starts[1:]] + [None]
+
+        def drafter_arms(drafter: str, v: int) -> tuple[SpecDecision, ...]:
+            if drafter == "history" and history:
+                chosen = history
+            else:
+                chosen = tuple(d for d in decisions if d.verify_tokens == v)
+            return tuple(replace(d, drafter=drafter) for d in chosen)
+
         return tuple(
-            (
-                start,
-                end,
-                tuple(
-                    replace(d, drafter=drafter)
-                    for drafter in self.drafters
-                    for d in decisions
-                    if d.verify_tokens == v
-                ),
-            )
+            (start, end, tuple(a for drafter in self.drafters for a in drafter_arms(drafter, v)))
             for start, end, v in zip(self.bucket_starts, ends, tokens, strict=True)
         )
 

@@ -192,6 +192,7 @@ def run_settings(settings: RunSettings, trace: Trace, progress: Any = None) -> S
         # TLT's switch settings; strategies and drafters stay TLTBase's (history only)
         tlt = settings.tlt
         switch = ("threshold", "warmup_checks", "epsilon", "explore_iters", "window")
+        switch += ("history_strategies",) if tlt.history_strategies else ()
         policy = make_policy("tltbase", seed=sim.seed, **{k: getattr(tlt, k) for k in switch})
     else:
         policy = make_policy(settings.policy, seed=sim.seed)
