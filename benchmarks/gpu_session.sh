@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Everything issues #18 and #21 ask of a lent GPU, as two device calls of under 10 minutes each
+# (a session is lent 15 minutes of device time, start-up included; see README, "On a GPU").
+# Run from the repository root on the GPU machine, whose python3 holds torch, triton, numpy,
+# pandas, pytest and hypothesis (nothing is installed: the project runs from PYTHONPATH):
+#
+#   benchmarks/gpu_session.sh engine OUT    # ~8 min on an H100: the CUDA tests (graph capture,
+#                                           # weight updates under graphs, lossless SD on CUDA),
+#                                           # then bench_gpu_engine.py --quick
+#   benchmarks/gpu_session.sh profile OUT   # ~5 min: a random-weight Qwen2.5-1.5B-shape target
+#                                           # and drafter, tltrun profile --device cuda (bf16),
+#                                           # then bench_kernels.py
+#
+# OUT gets each stage's logs and result files (at most 8, two folders deep: what a device call
+# brings back). Each command has its own time limit, so one that hangs costs only its share and
+# the stage still writes what the others measured. Afterwards, on any machine with the project:
+#   tltsim profile-info OUT/profile_qwen1.5b.csv
+#   tltsim calibrate OUT/profile_qwen1.5b.csv --hardware H100-SXM --model Qwen2.5-1.5B --out h100.json
+# Without CUDA every step says so and exits 0; `SMOKE=1` runs the steps on a tiny model on the
+# CPU (tests/test_gpu_session.py), a check of the script and not a measurement.
+set -uo pipefail
+if [ $# -ne 2 ] || { [ "$1" != engine ] && [ "$1" != profile ]; }; then
+  echo "usage: benchmarks/gpu_session.sh engine|profile OUT" >&2
+  exit 2
+fi
+STAGE=$1
+OUT=$2
+PY=${PYTHON:-python3}
+SMOKE=${SMOKE:-0}
+cd "$(dirname "$0")/.." || exit 2
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+mkdir -p "$OUT" || exit 2
+failed=()
+
+step() {  # step NAME SECONDS COMMAND...: run it under a time limit, its output in OUT/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  local started=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc after $((SECONDS - started)) s (limit $limit s)" | tee -a "$OUT/steps.txt"
+  [ $rc -eq 0 ] || failed+=("$name")
+}
+
+{
+  date -u +%FT%TZ
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
+  "$PY" -c "import torch, triton, numpy; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available()); print('triton', triton.__version__, 'numpy', numpy.__version__)"
+  git rev-parse HEAD 2>/dev/null
+} >"$OUT/steps.txt" 2>&1
+
+if [ "$STAGE" = engine ]; then
+  if [ "$SMOKE" = 1 ]; then
+    bench=(--device cpu --smoke --budget-s 60)
+  else
+    bench=(--quick --budget-s 330)
+  fi
+  # without CUDA these are collected and skipped (each with its reason)
+  step pytest_gpu 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs \
+    tests/test_graphs.py tests/test_draft_graphs.py tests/test_kernels.py
+  step bench_gpu_engine 400 "$PY" benchmarks/bench_gpu_engine.py "${bench[@]}" \
+    --out_dir "$OUT/gpu_engine"
+else
+  CKPT=$(mktemp -d) || exit 2
+  if [ "$SMOKE" = 1 ]; then
+    name=tiny
+    shape=(--shape tiny --dtype float32)
+    prof=(--device cpu --dtype float32 --batches 1,2 --context-per-seq 16,32
+      --strategies 2_1_2 --prefill-batches 1 --prefill-tokens-per-seq 8,16
+      --train-batches 1,2 --train-tokens-per-seq 16 --num-repeats 1 --back-to-back-calls 1)
+    kernels=()
+  else
+    name=qwen1.5b
+    shape=(--shape Qwen2.5-1.5B --dtype bfloat16)
+    # the batches where TLT's threshold and strategies are decided (README, #21), two contexts
+    # for the KV term; the grid's train ops hold three copies of the target plus AdamW state,
+    # hence a 1.5B shape rather than 7B on one 80 GB GPU
+    prof=(--device cuda --dtype bfloat16 --batches 1,2,4,8,16,32,64,128
+      --context-per-seq 512,2048 --strategies 2_1_2,4_1_4,6_1_6,8_4_32
+      --prefill-batches 1,4,16 --prefill-tokens-per-seq 256,1024
+      --train-batches 1,4 --train-tokens-per-seq 256,1024 --num-repeats 5)
+    kernels=(--out_dir "$OUT/kernels")
+  fi
+  step checkpoint 120 "$PY" benchmarks/random_checkpoint.py "${shape[@]}" --out "$CKPT"
+  step profile 300 "$PY" -m tltrun profile --model "$CKPT/target" --drafter "$CKPT/drafter" \
+    --out "$OUT/profile_$name.csv" --no-progress-shown "${prof[@]}"
+  if [ "$SMOKE" = 1 ]; then
+    step bench_kernels 60 "$PY" benchmarks/bench_kernels.py --out_dir "$OUT/kernels"
+  else
+    step bench_kernels 150 "$PY" benchmarks/bench_kernels.py "${kernels[@]}"
+  fi
+  rm -rf "$CKPT"
+fi
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "gpu_session $STAGE: failed: ${failed[*]} (their logs in $OUT)" | tee -a "$OUT/steps.txt"
+  exit 1
+fi
+echo "gpu_session $STAGE: every step ended well; results in $OUT" | tee -a "$OUT/steps.txt"

@@ -1,0 +1,72 @@
+"""benchmarks/gpu_session.sh, the prepared device calls of a lent GPU session (issues #18, #21):
+its CPU smoke mode runs every step on a tiny model and writes what a device call brings back.
+
+Run: .venv/bin/python -m pytest tests/test_gpu_session.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+SCRIPT = Path(__file__).parent.parent / "benchmarks" / "gpu_session.sh"
+
+
+def run(stage: str, out: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(SCRIPT), stage, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHON": sys.executable, **env},
+    )
+
+
+def files_back(out: Path) -> list[Path]:
+    """What a device call returns: at most 8 files, at most two folders below OUT."""
+    found = [p for p in out.rglob("*") if p.is_file()]
+    assert all(len(p.relative_to(out).parts) <= 3 for p in found), found
+    return found
+
+
+def test_engine_stage_runs_the_cuda_tests_and_the_engine_benchmark(tmp_path):
+    out = tmp_path / "engine"
+    result = run("engine", out, SMOKE="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = (out / "steps.txt").read_text()
+    assert "pytest_gpu: exit 0" in steps and "bench_gpu_engine: exit 0" in steps
+    # the CUDA tests were collected (skipped here, each with its reason), not missed
+    assert "skipped" in (out / "pytest_gpu.log").read_text()
+    assert (out / "gpu_engine" / "bench_gpu_engine.json").is_file()
+    assert len(files_back(out)) <= 8
+
+
+def test_profile_stage_writes_a_profile_tltsim_reads(tmp_path):
+    from tltsim.cost.profile import load_profile
+
+    out = tmp_path / "profile"
+    result = run("profile", out, SMOKE="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    table = pd.read_csv(out / "profile_tiny.csv")
+    assert {"decode", "verify", "drafter", "prefill", "train"} <= set(table["op"])
+    profile = load_profile(out / "profile_tiny.csv")  # its sidecar too: raises if unreadable
+    assert len(profile.rows) == len(table) and profile.meta["config"]["device"] == "cpu"
+    assert len(files_back(out)) <= 8
+
+
+def test_a_failing_step_is_named_and_the_others_still_run(tmp_path):
+    out = tmp_path / "bad"
+    # a python that cannot import the project: every step fails, each under its own name
+    result = run("profile", out, SMOKE="1", PYTHON="false")
+    assert result.returncode == 1
+    steps = (out / "steps.txt").read_text()
+    assert "failed: checkpoint profile bench_kernels" in steps
+
+
+def test_usage():
+    result = subprocess.run(["bash", str(SCRIPT), "everything"], capture_output=True, text=True)
+    assert result.returncode == 2 and "usage" in result.stderr
