@@ -40,9 +40,7 @@ def write_random_checkpoint(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--shape", required=True, choices=("tiny", *MODEL_PRESETS), help="model shape"
-    )
+    p.add_argument("--shape", required=True, choices=("tiny", *MODEL_PRESETS), help="model shape")
     p.add_argument("--out", required=True, help="directory to write target/ and drafter/ into")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=tuple(DTYPES))
