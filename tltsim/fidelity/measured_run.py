@@ -80,7 +80,7 @@ from tltsim.fidelity.fit_history import (
     history_observations,
     prompt_ids_name_prompts,
 )
-from tltsim.policy import POLICY_NAMES, SpecDecision, TLTBase, TLTConfig
+from tltsim.policy import POLICY_NAMES, SpecDecision, TLTBase, TLTConfig, tltbase_settings
 from tltsim.sim.acceptance import (
     DEFAULT_ACCEPT_RATE,
     DEFAULT_SIBLING_RATE,
@@ -253,10 +253,8 @@ def _settings(name: str, config: dict[str, Any], trace: Trace, source: str, tlt:
         except ValueError as err:
             raise UsageError(f"{source}: field 'measured.policy.config.strategy': {err}") from None
         return {"strategy": strategy}
-    if tlt is not None and name == "tltbase":  # TLT's switch; strategies stay TLTBase's
-        switch = ("threshold", "warmup_checks", "epsilon", "explore_iters", "window")
-        switch += ("history_strategies",) if tlt.history_strategies else ()
-        config = {**config, **{k: getattr(tlt, k) for k in switch}}
+    if tlt is not None and name == "tltbase":
+        config = {**config, **tltbase_settings(tlt)}
     elif tlt is not None:
         return dataclasses.asdict(tlt)
     names = {f.name for f in dataclasses.fields(TLTConfig)}

@@ -52,7 +52,15 @@ from tltsim.policy.spec import (
     StaticSpec,
     update_accept_len_ema,
 )
-from tltsim.policy.tlt import REWARD_GROUPS, BegMab, TLTAdaptive, TLTBase, TLTConfig, bucket_arms
+from tltsim.policy.tlt import (
+    REWARD_GROUPS,
+    BegMab,
+    TLTAdaptive,
+    TLTBase,
+    TLTConfig,
+    bucket_arms,
+    tltbase_settings,
+)
 from tltsim.policy.training import (
     NO_TRAINING,
     DrafterTrainingPolicy,
@@ -138,6 +146,7 @@ __all__ = [
     "TLTConfig",
     "TrainDecision",
     "bucket_arms",
+    "tltbase_settings",
     "make_policy",
     "to_vllm_dynamic_table",
     "update_accept_len_ema",

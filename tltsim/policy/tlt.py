@@ -83,7 +83,9 @@ class TLTConfig:
     # each EAGLE draft step a drafter forward) holds only for the verify: on hanoi's step-0
     # rollouts a lockstep replay of the history drafter gave 2.67 / 3.66 / 5.20 tokens per
     # verify with chains of 2 / 4 / 8 (README, bench_history row), so pairing it with 2_1_2 at
-    # a worker's 5-8 responses leaves most of its matches unverified. () keeps the pairing.
+    # a worker's 5-8 responses leaves most of its matches unverified. On a CPU that did not pay
+    # (verify costs about what the longer match earns; README, history drafter), so () keeps
+    # the pairing.
     history_strategies: tuple[str, ...] = field(
         default=(),
         metadata={
@@ -502,6 +504,15 @@ class TLTAdaptive(SpecPolicy):
             )
             for e in state["switches"]
         }
+
+
+def tltbase_settings(tlt: TLTConfig) -> dict:
+    """The fields of ``tlt`` that a TLTBase beside it takes (``tltsim replay --policy all``, a
+    measured run's replay): TLT's switch and bandit settings, and the history drafter's arms
+    where given; its strategies and drafters stay TLTBase's own."""
+    names = ("threshold", "warmup_checks", "epsilon", "explore_iters", "window")
+    names += ("history_strategies",) if tlt.history_strategies else ()
+    return {name: getattr(tlt, name) for name in names}
 
 
 class TLTBase(TLTAdaptive):

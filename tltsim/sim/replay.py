@@ -37,6 +37,7 @@ from tltsim.policy import (
     SpotTrainerPolicy,
     TLTConfig,
     make_policy,
+    tltbase_settings,
 )
 from tltsim.sim.acceptance import DrafterDynamics, HistoryModel
 from tltsim.sim.config import SimConfig
@@ -189,11 +190,7 @@ def run_settings(settings: RunSettings, trace: Trace, progress: Any = None) -> S
     elif settings.policy == "static":
         policy = make_policy("static", strategy=settings.static_strategy)
     elif settings.policy == "tltbase":
-        # TLT's switch settings; strategies and drafters stay TLTBase's (history only)
-        tlt = settings.tlt
-        switch = ("threshold", "warmup_checks", "epsilon", "explore_iters", "window")
-        switch += ("history_strategies",) if tlt.history_strategies else ()
-        policy = make_policy("tltbase", seed=sim.seed, **{k: getattr(tlt, k) for k in switch})
+        policy = make_policy("tltbase", seed=sim.seed, **tltbase_settings(settings.tlt))
     else:
         policy = make_policy(settings.policy, seed=sim.seed)
     # TLTBase has no learned drafter to train on the idle instances
