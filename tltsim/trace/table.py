@@ -66,11 +66,14 @@ def _read_csv(path: Path) -> tuple[dict[str, pd.Series], dict[str, Any], Callabl
     try:
         with path.open(encoding="utf-8", newline="") as fh:
             first = fh.readline()
-        has_meta = first.startswith("#")
-        meta = _header_meta(first, source) if has_meta else {"source": path.name}
-        frame = pd.read_csv(
-            path, dtype=str, keep_default_na=False, na_filter=False, skiprows=1 if has_meta else 0
-        )
+            has_meta = first.startswith("#")
+            meta = _header_meta(first, source) if has_meta else {"source": path.name}
+            if not has_meta:
+                fh.seek(0)
+            # Read on from the open file, past the meta line, rather than with skiprows: pandas'
+            # tokenizer honours quotes while it skips, so meta JSON with a field starting '"'
+            # after a comma (e.g. {"model": ","}) would swallow the whole file.
+            frame = pd.read_csv(fh, dtype=str, keep_default_na=False, na_filter=False)
     except FileNotFoundError:
         raise TraceError(f"{source}: no such file") from None
     except IsADirectoryError:
