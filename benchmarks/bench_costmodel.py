@@ -6,17 +6,18 @@ For each calibrated GPU (``tltsim.cost.calibrated.CALIBRATIONS``) the calibratio
 to the published points marked ``fit`` (``tltsim.cost.published``: where every number comes
 from) and compared, point by point, with (1) the points it was fitted on (fit error) and (2)
 the points held out before fitting (held-out error: SpecDecode-Bench's batches 8 and 32 and
-7-token verifies, and two SGLang batch-1 measurements, Llama-2-7B and Llama-3.1-8B: another
-engine and source). The roofline's
-error on the same points is shown beside. The issue's target: held-out iteration-time error
+7-token verifies, two SGLang batch-1 measurements (Llama-2-7B and Llama-3.1-8B: another engine
+and source), and 71 of the 83 measured Qwen3-1.7B model-forward cells of vLLM 0.28 on H100,
+printed as a grid of errors by context and batch). Summaries per data set; the roofline's error
+on the same points beside. The issue's target: held-out iteration-time error
 <= 10% median, <= 25% max. Then SD speedup vs batch 1..128 (expected accept length x plain
 decode seconds / SD iteration seconds at DEFAULT_ACCEPT_RATE, 2,048 tokens of context per
 sequence) for chain 4 and trees 8_4_{16,32,48,64}, under the roofline and the calibrated model,
 and the batch where SD stops paying (``crossover_batch``). Needs scipy (the ``fit`` extra).
 
 Caveat printed with the table: SpecDecode-Bench's points are their published linear fit
-evaluated, not raw measurements, so the in-source held-out error measures how well our
-physics form reproduces their fitted form; only the two SGLang points are independent.
+evaluated, not raw measurements, so their held-out error measures how well our physics form
+reproduces their fitted form; the SGLang points and the Qwen3-1.7B cells are measurements.
 
 Then the like-for-like SD-vs-batch check (``sd_batch_validation.py``): every published series
 of SD speedup vs batch (``tltsim.cost.published.SD_BATCH_SERIES``: EAGLE-3 paper Table 3,
@@ -48,9 +49,14 @@ import numpy as np
 from sd_batch_validation import context_sensitivity, like_for_like
 
 from tltsim.cli.table import format_table
-from tltsim.cost.calibrate import errors_on, fit_published
+from tltsim.cost.calibrate import fit_published, predict_s
 from tltsim.cost.calibrated import CALIBRATIONS, CalibratedCost
-from tltsim.cost.published import as_profile_rows, independent_points, published_points
+from tltsim.cost.published import (
+    VLLM_H100_QWEN3_1_7B_LONG,
+    as_profile_rows,
+    independent_points,
+    published_points,
+)
 from tltsim.cost.roofline import RooflineCost
 from tltsim.cost.specs import get_hardware, get_model
 from tltsim.policy import SpecDecision
@@ -64,25 +70,31 @@ TARGET_MEDIAN, TARGET_MAX = 0.10, 0.25
 
 
 def point_rows(hardware_name: str, params) -> tuple[list[dict], dict]:
-    """Per published point: published, roofline and calibrated ms, and the errors."""
+    """Per published point: published, roofline and calibrated ms, and the errors, overall by
+    use (fit / held_out) and by use and data set (``_data_set``)."""
     hardware = get_hardware(hardware_name)
-    rows, errs = [], {"fit": [], "held_out": [], "roofline_fit": [], "roofline_held_out": []}
+    rows, errs = [], {}
     for p in published_points():
         if p.hardware != hardware_name:
             continue
         cal = CalibratedCost(p.model, hardware, params=params)
         roof = RooflineCost(p.model, hardware)
         t = p.tokens_per_seq
-        cal_s = cal.decode_iter_s(p.batch, p.context_tokens, t)
-        roof_s = roof.decode_iter_s(p.batch, p.context_tokens, t)
-        err = float(errors_on(as_profile_rows([p]), p.model, hardware, 1, params)[0])
-        errs[p.use].append(err)
-        errs[f"roofline_{p.use}"].append(roof_s / p.seconds - 1)
+        row = as_profile_rows([p])[0]
+        cal_s = predict_s(cal, row)
+        roof_s = (roof.forward_body_s if p.op == "forward" else roof.decode_iter_s)(
+            p.batch, p.context_tokens, t
+        )
+        for key in (p.use, f"{p.use}: {_data_set(p)}"):
+            errs.setdefault(key, []).append(cal_s / p.seconds - 1)
+            errs.setdefault(f"roofline {key}", []).append(roof_s / p.seconds - 1)
         rows.append(
             {
                 "use": p.use,
                 "engine": p.engine,
                 "model": p.model.name,
+                "op": p.op,
+                "source": p.source,
                 "batch": p.batch,
                 "context_per_seq": p.context_tokens // p.batch,
                 "tokens_per_seq": t,
@@ -96,20 +108,40 @@ def point_rows(hardware_name: str, params) -> tuple[list[dict], dict]:
     return rows, errs
 
 
+def _data_set(p) -> str:
+    if p.op == "forward":
+        return f"{p.model.name} forward ({p.engine})"
+    return f"{p.model.name} step ({p.engine})"
+
+
 def summary_of(errs: dict) -> list[dict]:
     out = []
-    for key in ("fit", "held_out", "roofline_fit", "roofline_held_out"):
+    for key in sorted(errs, key=lambda k: (k.startswith("roofline"), k)):
         e = np.abs(np.array(errs[key]))
-        if len(e):
-            out.append(
-                {
-                    "set": key,
-                    "num_points": len(e),
-                    "median_abs_error": float(np.median(e)),
-                    "max_abs_error": float(np.max(e)),
-                }
-            )
+        out.append(
+            {
+                "set": key,
+                "num_points": len(e),
+                "median_abs_error": float(np.median(e)),
+                "max_abs_error": float(np.max(e)),
+            }
+        )
     return out
+
+
+def forward_grid(rows: list[dict]) -> list[dict]:
+    """The Qwen3-1.7B forward cells as a grid: calibrated error per context (rows) and batch
+    (columns); cells the fit saw are marked *."""
+    grid: dict[tuple[bool, int], dict] = {}
+    for r in rows:
+        if r["op"] != "forward":
+            continue
+        is_long = r["source"] == VLLM_H100_QWEN3_1_7B_LONG
+        label = f"{r['context_per_seq']}{' (E8)' if is_long else ''}"
+        line = grid.setdefault((is_long, r["context_per_seq"]), {"context": label})
+        mark = "*" if r["use"] == "fit" else ""
+        line[f"b{r['batch']}"] = r["calibrated_err"].rstrip("%") + mark
+    return [grid[k] for k in sorted(grid)]
 
 
 def sd_rows(hardware_name: str, params) -> tuple[list[dict], list[dict]]:
@@ -151,7 +183,7 @@ def independent_rows(params) -> tuple[list[dict], list[dict]]:
     points, and last overall with the dropped points kept (to show the rule changes nothing)."""
     rows = []
     for p in published_points():
-        if p.kind != "measured":
+        if p.kind != "measured" or p.op == "forward":  # the forward grid: point_rows
             continue
         hw = get_hardware(p.hardware)
         cal = CalibratedCost(p.model, hw, params=params)
@@ -290,14 +322,24 @@ def main(argv: list[str] | None = None) -> int:
             + f"; held: step_overhead_s={params.step_overhead_s:.4g}, gemm_half_tokens={params.gemm_half_tokens:g}"
         )
         rows, errs = point_rows(hardware_name, params)
+        steps = [
+            {k: v for k, v in r.items() if k != "source"} for r in rows if r["op"] != "forward"
+        ]
         print(
             format_table(
-                rows,
-                list(rows[0]),
+                steps,
+                list(steps[0]),
                 {"published_ms": ".3f", "roofline_ms": ".3f", "calibrated_ms": ".3f"},
-                left=("use", "engine", "model"),
+                left=("use", "engine", "model", "op"),
             )
         )
+        grid = forward_grid(rows)
+        print(
+            "Qwen3-1.7B model forward on H100 (vLLM 0.28, CUDA graphs; GPU time without the LM "
+            "head): calibrated error % by context per sequence (rows) and batch (columns), "
+            "* = fitted:"
+        )
+        print(format_table(grid, list(grid[0])))
         summary = summary_of(errs)
         print(
             format_table(
@@ -312,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"held-out target (median <= {TARGET_MEDIAN:.0%}, max <= {TARGET_MAX:.0%}): "
             f"{'met' if meets else 'NOT met'}. Caveat: the SpecDecode-Bench points are their "
-            "published linear fit evaluated, not raw measurements; of these only the two SGLang points are independent measurements (the independent table below adds other engines)."
+            "published linear fit evaluated, not raw measurements; the SGLang points and the Qwen3-1.7B forward cells are measurements (the independent table below adds other engines)."
         )
         sd, stops = sd_rows(hardware_name, params)
         print(

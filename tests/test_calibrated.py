@@ -159,7 +159,11 @@ def test_every_published_point_has_a_source_and_positive_numbers():
             for f in dataclasses.fields(p)
             if type(getattr(p, f.name)) in (int, float)
         }
-        assert numbers and all(v > 0 and math.isfinite(v) for v in numbers.values()), p
+        # context 0: the Qwen3-1.7B grid's first row (no KV cache yet); everything else > 0
+        assert numbers and all(
+            (v >= 0 if k == "context_tokens" else v > 0) and math.isfinite(v)
+            for k, v in numbers.items()
+        ), p
 
 
 def test_a_static_batch_point_rejects_a_non_positive_number():
@@ -181,22 +185,64 @@ def test_a_static_batch_point_rejects_a_non_positive_number():
 def test_the_independent_points_are_not_in_the_fit():
     pytest.importorskip("scipy")
     from tltsim.cost.calibrate import fit_published
-    from tltsim.cost.published import as_profile_rows, independent_points, published_points
+    from tltsim.cost.published import (
+        SPECDECODE_BENCH,
+        VLLM_H100_QWEN3_1_7B,
+        as_profile_rows,
+        independent_points,
+        published_points,
+    )
 
     fit_points = [p for p in published_points() if p.use == "fit"]
-    # The fit sees exactly the points marked "fit", all from one source, none measured elsewhere.
+    # The fit sees exactly the points marked "fit": SpecDecode-Bench's model and 12 cells of the
+    # Qwen3-1.7B forward grid (two models: what separates per-layer from per-byte costs).
     assert list(fit_published().rows) == as_profile_rows(fit_points)
-    assert {p.source for p in fit_points} == {fit_points[0].source}
-    assert all(p.kind == "published_fit" for p in fit_points)
-    # Independent data: measured points held out, and static-batch points from other sources,
-    # engines and GPUs than any fit point.
-    measured = [p for p in published_points() if p.kind == "measured"]
+    assert {p.source for p in fit_points} == {SPECDECODE_BENCH, VLLM_H100_QWEN3_1_7B}
+    assert len({p.model for p in fit_points}) == 2
+    grid = [p for p in published_points() if p.op == "forward"]
+    assert sum(p.use == "fit" for p in grid) == 12 and sum(p.use == "held_out" for p in grid) == 71
+    # Independent data: the other measured points held out, and static-batch points from other
+    # sources, engines and GPUs than any fit point.
+    measured = [p for p in published_points() if p.kind == "measured" and p.op != "forward"]
     assert measured and all(p.use == "held_out" for p in measured)
     fit_sources = {p.source for p in fit_points}
     fit_engines = {p.engine for p in fit_points}
     for p in [*measured, *independent_points()]:
         assert p.source not in fit_sources and p.engine not in fit_engines, p
     assert {p.hardware for p in independent_points()}.isdisjoint({p.hardware for p in fit_points})
+
+
+def test_forward_body_is_the_layers_without_head_sampling_or_host_overhead():
+    model, hw = get_model("Qwen3-1.7B"), get_hardware("H100-SXM")
+    params = dataclasses.replace(
+        CALIBRATIONS["H100-SXM"], sample_s_per_token=1e-5, overlap_exponent=None
+    )
+    cal = CalibratedCost(model, hw, params=params)
+    # Memory-bound at batch 1 (max blend): the body streams the layers' weights, the KV cache
+    # and pays the per-layer cost; the full iteration adds the LM head's weights and logits, the
+    # step overhead and the sampling, and nothing else.
+    body = cal.forward_body_s(1, 1000.0)
+    head_s = (model.bytes_per_param * model.lm_head_params) / (
+        hw.hbm_bytes_per_s * params.bandwidth_fraction
+    ) + model.vocab_size * 4 / (hw.hbm_bytes_per_s * params.kv_bandwidth_fraction)
+    full = cal.decode_iter_s(1, 1000.0)
+    assert full - body == pytest.approx(head_s + params.step_overhead_s + 1e-5, rel=1e-9)
+    layers = model.num_layers * model.layer_params * model.bytes_per_param + model.hidden_size * 2
+    expected = (layers + model.kv_bytes_per_token * 1001) / (
+        hw.hbm_bytes_per_s * params.bandwidth_fraction
+    )  # KV at its own fraction below
+    kv_s = (
+        model.kv_bytes_per_token
+        * 1001
+        * (
+            1 / (hw.hbm_bytes_per_s * params.kv_bandwidth_fraction)
+            - 1 / (hw.hbm_bytes_per_s * params.bandwidth_fraction)
+        )
+    )
+    assert body == pytest.approx(expected + kv_s + model.num_layers * params.layer_overhead_s)
+    # The roofline prices the same scope (its max of memory and compute, no overhead).
+    roof = RooflineCost(model, hw)
+    assert roof.forward_body_s(1, 1000.0) < roof.decode_iter_s(1, 1000.0)
 
 
 def test_a_missing_scipy_is_one_usage_error(monkeypatch):

@@ -1,8 +1,10 @@
 """Fit ``CalibrationParams`` to measured iteration times (``tltsim calibrate``, issue #21).
 
 The fit minimises the log ratio predicted / measured over the profile's ``decode``, ``verify``
-and ``drafter`` rows (scipy.optimize.least_squares, trust-region reflective with bounds; scipy
-is the ``fit`` extra). Parameters not fitted keep their ``base`` values.
+and ``drafter`` rows, and ``forward`` rows (a model forward's GPU time alone: published points,
+``tltsim.cost.published``) (scipy.optimize.least_squares, trust-region reflective with bounds;
+scipy is the ``fit`` extra). Parameters not fitted keep their ``base`` values. ``fit_models``
+fits one GPU's parameters to rows of several models at once.
 
     from tltsim.cost.calibrate import fit_calibration
     outcome = fit_calibration(profile.rows, model, hardware, tp=1, base=CALIBRATIONS["H100-SXM"])
@@ -11,7 +13,9 @@ is the ``fit`` extra). Parameters not fitted keep their ``base`` values.
 Identifiability: on one model, weight streaming (``bandwidth_fraction``) and the per-iteration
 overhead (``step_overhead_s``) are both constant across the points and cannot be told apart; the
 default fits the former and holds the latter (measure it apart, e.g. an engine's CPU time per
-step, or fit it from profiles of two models). ``gemm_half_tokens`` and ``overlap_exponent`` both
+step, or fit it from profiles of two models). Likewise a per-layer cost (``layer_overhead_s``)
+is a constant on one model; two models of different depth and width separate it from the
+weight streaming (``fit_published`` does). ``gemm_half_tokens`` and ``overlap_exponent`` both
 shape the knee and trade off when the profile has few points around it.
 """
 
@@ -28,7 +32,7 @@ from tltsim.cost.calibrated import CalibratedCost, CalibrationError, Calibration
 from tltsim.cost.profile import ProfileRow
 from tltsim.cost.specs import HardwareSpec, ModelSpec
 
-FIT_OPS = ("decode", "verify", "drafter")
+FIT_OPS = ("decode", "verify", "drafter", "forward")
 # (lower, upper) bounds of each fittable field: fractions of a datasheet peak, tokens, seconds.
 BOUNDS: dict[str, tuple[float, float]] = {
     # A kernel cannot beat the datasheet: fractions are capped at 1 (the physics floor).
@@ -75,9 +79,12 @@ class CalibrationFit:
 
 
 def predict_s(cost: CalibratedCost, row: ProfileRow) -> float:
-    """What ``cost`` charges for one decode / verify / drafter row."""
+    """What ``cost`` charges for one decode / verify / drafter row, or for a ``forward`` row (the
+    target's layers alone, a GPU timer's scope: ``forward_body_s``; published points only)."""
     if row.op == "drafter":
         return cost.drafter_iter_s(row.batch, float(row.context_tokens), row.tokens_per_seq)
+    if row.op == "forward":
+        return cost.forward_body_s(row.batch, float(row.context_tokens), row.tokens_per_seq)
     return cost.decode_iter_s(row.batch, float(row.context_tokens), row.tokens_per_seq)
 
 
@@ -90,8 +97,21 @@ def fit_calibration(
     fields: Sequence[str] = DEFAULT_FIT_FIELDS,
     source: str = "",
 ) -> CalibrationFit:
-    """Least-squares fit of ``fields`` to ``rows`` (ops other than decode/verify/drafter are
-    ignored); raises ``CalibrationError`` (one line) on unusable input."""
+    """Least-squares fit of ``fields`` to ``rows`` (ops other than decode/verify/drafter/forward
+    are ignored); raises ``CalibrationError`` (one line) on unusable input."""
+    return fit_models([(model, rows)], hardware, tp, base, fields, source)
+
+
+def fit_models(
+    groups: Sequence[tuple[ModelSpec, Sequence[ProfileRow]]],
+    hardware: HardwareSpec,
+    tp: int,
+    base: CalibrationParams,
+    fields: Sequence[str] = DEFAULT_FIT_FIELDS,
+    source: str = "",
+) -> CalibrationFit:
+    """``fit_calibration`` over rows of several models at once (one set of parameters for the
+    GPU): what separates per-layer from per-byte costs (module docstring)."""
     try:
         from scipy.optimize import least_squares
     except ImportError:
@@ -103,15 +123,18 @@ def fit_calibration(
         raise CalibrationError(
             f"fit fields: unknown {', '.join(bad) or '(none given)'}; expected some of {', '.join(BOUNDS)}"
         )
-    usable = tuple(r for r in rows if r.op in FIT_OPS)
+    usable = [(model, tuple(r for r in rows if r.op in FIT_OPS)) for model, rows in groups]
+    all_rows = tuple(r for _, rows in usable for r in rows)
     fields = tuple(
-        f for f in fields if f != "draft_step_overhead_s" or any(r.op == "drafter" for r in usable)
+        f
+        for f in fields
+        if f != "draft_step_overhead_s" or any(r.op == "drafter" for r in all_rows)
     )
-    if len(usable) < len(fields) + 1:
+    if len(all_rows) < len(fields) + 1:
         raise CalibrationError(
-            f"{source or 'profile'}: {len(usable)} decode/verify/drafter rows, need more than {len(fields)} (one per fitted parameter)"
+            f"{source or 'profile'}: {len(all_rows)} decode/verify/drafter rows, need more than {len(fields)} (one per fitted parameter)"
         )
-    measured = np.array([r.seconds for r in usable])
+    measured = np.array([r.seconds for r in all_rows])
     start = dataclasses.replace(
         base,
         overlap_exponent=base.overlap_exponent if base.overlap_exponent is not None else 2.0,
@@ -125,22 +148,29 @@ def fit_calibration(
     def params_of(x: np.ndarray) -> CalibrationParams:
         return dataclasses.replace(start, **{f: float(v) for f, v in zip(fields, x, strict=True)})
 
-    def residuals(x: np.ndarray) -> np.ndarray:
-        cost = CalibratedCost(model, hardware, params=params_of(x), tp=tp)
-        predicted = np.array([predict_s(cost, r) for r in usable])
-        return np.log(predicted / measured)
+    def predicted(params: CalibrationParams) -> np.ndarray:
+        out = []
+        for model, rows in usable:
+            cost = CalibratedCost(model, hardware, params=params, tp=tp)
+            out.extend(predict_s(cost, r) for r in rows)
+        return np.array(out)
 
     try:
-        result = least_squares(residuals, x0, bounds=(lower, upper), x_scale=scale, method="trf")
+        result = least_squares(
+            lambda x: np.log(predicted(params_of(x)) / measured),
+            x0,
+            bounds=(lower, upper),
+            x_scale=scale,
+            method="trf",
+        )
     except ValueError as err:
         raise CalibrationError(f"{source or 'profile'}: the fit failed ({err})") from None
     params = dataclasses.replace(params_of(result.x), source=source or base.source)
-    cost = CalibratedCost(model, hardware, params=params, tp=tp)
     return CalibrationFit(
         params=params,
         fitted=fields,
-        rows=usable,
-        predicted_s=tuple(predict_s(cost, r) for r in usable),
+        rows=all_rows,
+        predicted_s=tuple(predicted(params)),
     )
 
 
@@ -156,45 +186,50 @@ def errors_on(
     return np.array([predict_s(cost, r) / r.seconds - 1.0 for r in rows if r.op in FIT_OPS])
 
 
-# The published H100 model is linear in the batched tokens, so a saturating GEMM curve is not
-# identifiable from it: gemm_half_tokens trades off against bandwidth_fraction along a flat
-# valley (fitting both lands on a bound). It is held at 0; the data then pick q ~ 1 (memory and
-# compute time add up, as in their model) rather than the roofline's max.
+# The published H100 data: SpecDecode-Bench's model (Llama-3.1-8B, whole vLLM steps) is linear
+# in the batched tokens, so a saturating GEMM curve is not identifiable from it: gemm_half_tokens
+# trades off against bandwidth_fraction along a flat valley (fitting both lands on a bound). It
+# is held at 0; the data then pick q ~ 1 (memory and compute time add up, as in their model)
+# rather than the roofline's max. On that one model a per-layer cost is a constant like the
+# weight streaming; the second model (Qwen3-1.7B, 28 thinner layers, model-forward GPU times of
+# vLLM under CUDA graphs) separates them, so layer_overhead_s is fitted too.
 PUBLISHED_FIT_FIELDS = (
     "bandwidth_fraction",
     "kv_bandwidth_fraction",
     "flops_fraction",
     "overlap_exponent",
+    "layer_overhead_s",
 )
 
 
 def fit_published(fields: Sequence[str] = PUBLISHED_FIT_FIELDS) -> CalibrationFit:
     """Refit the shipped H100 calibration to the published points marked ``fit``
-    (``tltsim.cost.published``), step overhead held at SpecDecode-Bench's per-step constant."""
+    (``tltsim.cost.published``: SpecDecode-Bench's Llama-3.1-8B step model and the Qwen3-1.7B
+    forward grid's fit cells), step overhead held at SpecDecode-Bench's per-step constant."""
     from tltsim.cost.published import (
         SDB_OVERHEAD_PER_STEP_S,
         SPECDECODE_BENCH,
+        VLLM_H100_QWEN3_1_7B,
         as_profile_rows,
         published_points,
     )
     from tltsim.cost.specs import get_hardware
 
     points = [p for p in published_points() if p.use == "fit"]
-    models = {p.model for p in points}
-    if len(models) != 1:  # one ModelSpec per fit; the fit points share one model today
-        raise CalibrationError("fit_published: the fit points must share one model")
+    groups = {}
+    for p in points:
+        groups.setdefault(p.model, []).append(p)
     hardware = get_hardware("H100-SXM")
     base = dataclasses.replace(
         CalibrationParams.roofline_limit(hardware), step_overhead_s=SDB_OVERHEAD_PER_STEP_S
     )
-    return fit_calibration(
-        as_profile_rows(points),
-        models.pop(),
+    return fit_models(
+        [(model, as_profile_rows(pts)) for model, pts in groups.items()],
         hardware,
         1,
         base,
         fields,
-        source=SPECDECODE_BENCH,
+        source=f"{SPECDECODE_BENCH}; {VLLM_H100_QWEN3_1_7B}",
     )
 
 
@@ -205,6 +240,7 @@ __all__ = [
     "PUBLISHED_FIT_FIELDS",
     "errors_on",
     "fit_calibration",
+    "fit_models",
     "fit_published",
     "predict_s",
 ]

@@ -43,6 +43,14 @@ What was found, honestly (searches of the docs/pages/code/issues corpora, Nov 20
   llama2-7b rows of docs/en/benchmark/a100_fp16.md) and of LLaMA-7B from TensorRT-LLM 0.5.0's
   A100 FP16 table (docs/source/performance.md). Other engines, sources and GPU than the fit: an
   A100 result is a transfer test of the H100 calibration's fractions, not a calibration.
+* A second model on the same GPU (found Nov 26, 2026): adixg/vllm-specdecode-cost-model's H100
+  measurements of vLLM 0.28 serving Qwen3-1.7B (bf16, FlashAttention 3, full CUDA graphs): the
+  model forward's GPU time (CUDA events; no LM head, sampling or host work) of 1-64 one-token
+  requests on 0-8,192 tokens of context each, 77 cells from its results JSON, plus 6 cells to
+  32,000 tokens printed in its FINDINGS.md (``kind="measured"``). Twelve cells (batches 1, 8, 32,
+  64 at contexts 0, 1,024, 4,096) are fitted with SpecDecode-Bench's points; the other 71 are
+  held out. A thinner, 28-layer model separates the per-layer fixed cost from weight streaming,
+  which one model cannot (``tltsim.cost.calibrate``).
 * Not found (searched: docs/pages/issues/code corpora, Nov 2026): H100 or H200 BF16 step latency or
   throughput at several batch sizes for a 7-8B model whose numbers we could read as text
   (TensorRT-LLM's H100 rows are FP8; vLLM's and SGLang's batch scans are figures or dashboards),
@@ -105,7 +113,7 @@ class PublishedPoint:
     hardware: str  # tltsim.cost.specs hardware preset
     model: ModelSpec
     engine: str
-    op: str  # tlt-profile op: decode or verify
+    op: str  # decode or verify (a whole engine iteration), forward (the layers alone, GPU time)
     batch: int
     context_tokens: int  # KV tokens over the batch before the forward
     tokens_per_seq: int  # 1 for decode, verify tokens + 1 (the root) for verify
@@ -152,7 +160,8 @@ def _specdecode_bench_points() -> list[PublishedPoint]:
 
 
 def published_points() -> list[PublishedPoint]:
-    """Every published step latency we could verify (module docstring)."""
+    """Every published step latency we could verify (module docstring), the Qwen3-1.7B H100
+    forward grid included."""
     sglang = PublishedPoint(
         source=SGLANG_EAGLE,
         kind="measured",
@@ -173,7 +182,7 @@ def published_points() -> list[PublishedPoint]:
         context_tokens=512,  # assumption: an MT-bench turn and its answer
         seconds=1.0 / 158.34,
     )
-    return [*_specdecode_bench_points(), sglang, sglang_docs]
+    return [*_specdecode_bench_points(), sglang, sglang_docs, *vllm_h100_forward_points()]
 
 
 # --- published SD speedup vs batch size: validation data, never fitted ---------------------------
@@ -469,6 +478,82 @@ def independent_points() -> list[StaticBatchPoint]:
     return points
 
 
+# --- a second model on H100: model-forward GPU times (vLLM, CUDA graphs) ----------------------------
+
+VLLM_H100_QWEN3_1_7B = (
+    "github.com/adixg/vllm-specdecode-cost-model results/h100_e5.json (experiment E6 of its "
+    "FINDINGS.md): vLLM 0.28 V2 model runner, Qwen/Qwen3-1.7B bf16, H100 80GB (3.22 TB/s "
+    "measured), FlashAttention 3, full CUDA graphs, median of 35 replays"
+)
+VLLM_H100_QWEN3_1_7B_LONG = (
+    "github.com/adixg/vllm-specdecode-cost-model FINDINGS.md, E8 table (results/"
+    "h100_ctx_straddle.json): the same engine, model and GPU, contexts up to 32,000"
+)
+# What is timed: vLLM's StepTimingCollector, CUDA events around the model forward of a
+# ``_dummy_run`` (checked in vLLM's v1/worker/gpu/model_runner.py: forward_start before the graph
+# replay, forward_end after it; compute_logits and the sampler run later, outside): the layers
+# alone, no LM head, no sampling, no host scheduling. So these points are priced by
+# ``RooflineCost.forward_body_s``, not ``decode_iter_s``. Decode shape: ``num_reqs`` requests of
+# one new token each, every request on ``context_len`` tokens of KV (the cache, 567,584 tokens,
+# holds every cell: no aliasing). Medians in ms, rows by context_len, columns by num_reqs.
+_VLLM_H100_NUM_REQS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+# fmt: off
+_VLLM_H100_FORWARD_MS = {
+    0: (1.9308, 1.9477, 1.9780, 1.9792, 2.0201, 2.1332, 2.1667, 2.2868, 2.3153, 2.3861, 2.3821),
+    256: (1.9460, 1.9551, 1.9789, 2.0532, 2.1513, 2.3372, 2.4475, 2.6321, 2.7118, 2.8651, 2.9001),
+    512: (1.9476, 1.9614, 2.0252, 2.1218, 2.3273, 2.5826, 2.7544, 2.9902, 3.1566, 3.3688, 3.4881),
+    1024: (1.9632, 2.0202, 2.1118, 2.2893, 2.6365, 3.0395, 3.3479, 3.7251, 4.0406, 4.3879, 4.6556),
+    2048: (1.9989, 2.0789, 2.2735, 2.6004, 3.2248, 3.9113, 4.5159, 5.1701, 5.7675, 6.4013, 6.9482),
+    4096: (2.0849, 2.2576, 2.5735, 3.1892, 4.4227, 5.6308, 6.8570, 8.0804, 9.3067, 10.5102, 11.6669),
+    8192: (2.2577, 2.5543, 3.1516, 4.3566, 6.7541, 9.1339, 11.5560, 13.9456, 16.2846, 18.7406, 20.9599),
+}
+# fmt: on
+# E8's "actual_ms" column (printed to 3 decimals): (num_reqs, context_len, ms).
+_VLLM_H100_LONG_FORWARD_MS = (
+    (1, 1024, 2.002),
+    (1, 32000, 3.158),
+    (16, 1024, 2.644),
+    (16, 8192, 6.806),
+    (16, 16384, 11.577),
+    (16, 32000, 20.628),
+)
+# Which grid cells a joint fit may use (fit_published): batches 1, 8, 32, 64 at contexts 0, 1024
+# and 4096; the other 65 grid cells and the 6 long-context cells are held out.
+VLLM_H100_FIT_REQS = (1, 8, 32, 64)
+VLLM_H100_FIT_CONTEXTS = (0, 1024, 4096)
+
+
+def vllm_h100_forward_points() -> list[PublishedPoint]:
+    """The Qwen3-1.7B H100 model-forward times (op ``forward``: ``forward_body_s``'s scope)."""
+    model = get_model("Qwen3-1.7B")
+
+    def point(source: str, reqs: int, ctx: int, ms: float, use: str) -> PublishedPoint:
+        return PublishedPoint(
+            source=source,
+            kind="measured",
+            use=use,
+            hardware="H100-SXM",
+            model=model,
+            engine="vLLM 0.28 (graphs)",
+            op="forward",
+            batch=reqs,
+            context_tokens=reqs * ctx,
+            tokens_per_seq=1,
+            seconds=ms / 1e3,
+        )
+
+    points = []
+    for ctx, row in _VLLM_H100_FORWARD_MS.items():
+        for reqs, ms in zip(_VLLM_H100_NUM_REQS, row, strict=True):
+            is_fit = reqs in VLLM_H100_FIT_REQS and ctx in VLLM_H100_FIT_CONTEXTS
+            points.append(
+                point(VLLM_H100_QWEN3_1_7B, reqs, ctx, ms, "fit" if is_fit else "held_out")
+            )
+    for reqs, ctx, ms in _VLLM_H100_LONG_FORWARD_MS:
+        points.append(point(VLLM_H100_QWEN3_1_7B_LONG, reqs, ctx, ms, "held_out"))
+    return points
+
+
 def as_profile_rows(points: list[PublishedPoint]) -> list[ProfileRow]:
     """The points as tlt-profile rows (no spread reported: p10 = p90 = the value)."""
     return [
@@ -494,7 +579,10 @@ __all__ = [
     "SPECDECODE_BENCH",
     "StaticBatchPoint",
     "TRTLLM_050_A100",
+    "VLLM_H100_QWEN3_1_7B",
+    "VLLM_H100_QWEN3_1_7B_LONG",
     "as_profile_rows",
     "independent_points",
     "published_points",
+    "vllm_h100_forward_points",
 ]

@@ -17,6 +17,7 @@ FLOPs = 2 x params x new tokens + attention over the context.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -250,6 +251,25 @@ class RooflineCost:
     @cached_property
     def _draft(self) -> _Pass:
         return self._pass(self.drafter_spec, self.hardware.draft_step_overhead_s)
+
+    @cached_property
+    def _body(self) -> _Pass:
+        """The target's layers alone: no LM head, no logits, no per-iteration overhead. What a
+        GPU timer around the model forward measures (vLLM's StepTimingCollector.forward_ms)."""
+        m, tp = self.model, self.tp
+        return dataclasses.replace(
+            self._target,
+            matmul_params=(m.matmul_params - m.lm_head_params) / tp,
+            weight_bytes=(m.weight_bytes - m.bytes_per_param * m.lm_head_params) / tp,
+            logits_bytes_per_token=0.0,
+            overhead_s=0.0,
+        )
+
+    def forward_body_s(self, batch: int, context_tokens: float, tokens_per_seq: int = 1) -> float:
+        """GPU seconds of one target forward without the LM head, sampling and the engine's
+        per-iteration host overhead (``_body``); the published model-forward timings
+        (``tltsim.cost.published.vllm_h100_forward_points``) are this quantity."""
+        return self._iter_s(self._body, batch, context_tokens, tokens_per_seq)
 
     def _allreduce_s(self, p: _Pass, num_tokens: float, num_calls: int = 1) -> float:
         """Two ring all-reduces per layer (after attention, after the MLP), each moving

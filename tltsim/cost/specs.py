@@ -374,6 +374,22 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         head_dim=128,
         vocab_size=151936,
     ),
+    # Qwen3-1.7B (Qwen/Qwen3-1.7B): the shape of stanford-crfm/levanter's qwen3_1_7b config (hidden
+    # 2048, intermediate 6144, 16 heads, 8 KV heads, 28 layers) with Qwen3's head_dim 128 and
+    # vocabulary 151936. Checked against what a measurement of it reports (adixg/vllm-specdecode-
+    # cost-model FINDINGS.md): "28 layers, 8 KV heads, head_dim 128 -> 112 KB KV per token" and
+    # "1.72B params": 1.72B counts the embedding once, so the LM head is tied (untied: 2.03B).
+    "Qwen3-1.7B": ModelSpec(
+        "Qwen3-1.7B",
+        num_layers=28,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_attention_heads=16,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
     # huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json (Llama-3.3-70B, a TLT
     # target, has the same shape)
     "Llama-3.1-70B": ModelSpec(
