@@ -82,9 +82,7 @@ def point_rows(hardware_name: str, params) -> tuple[list[dict], dict]:
         t = p.tokens_per_seq
         row = as_profile_rows([p])[0]
         cal_s = predict_s(cal, row)
-        roof_s = (roof.forward_body_s if p.op == "forward" else roof.decode_iter_s)(
-            p.batch, p.context_tokens, t
-        )
+        roof_s = predict_s(roof, row)  # the roofline prices the same scope per op
         for key in (p.use, f"{p.use}: {_data_set(p)}"):
             errs.setdefault(key, []).append(cal_s / p.seconds - 1)
             errs.setdefault(f"roofline {key}", []).append(roof_s / p.seconds - 1)

@@ -227,19 +227,13 @@ def test_forward_body_is_the_layers_without_head_sampling_or_host_overhead():
     ) + model.vocab_size * 4 / (hw.hbm_bytes_per_s * params.kv_bandwidth_fraction)
     full = cal.decode_iter_s(1, 1000.0)
     assert full - body == pytest.approx(head_s + params.step_overhead_s + 1e-5, rel=1e-9)
-    layers = model.num_layers * model.layer_params * model.bytes_per_param + model.hidden_size * 2
-    expected = (layers + model.kv_bytes_per_token * 1001) / (
-        hw.hbm_bytes_per_s * params.bandwidth_fraction
-    )  # KV at its own fraction below
-    kv_s = (
-        model.kv_bytes_per_token
-        * 1001
-        * (
-            1 / (hw.hbm_bytes_per_s * params.kv_bandwidth_fraction)
-            - 1 / (hw.hbm_bytes_per_s * params.bandwidth_fraction)
-        )
-    )
-    assert body == pytest.approx(expected + kv_s + model.num_layers * params.layer_overhead_s)
+    # layers' weights (+ the final norm) at the weight fraction, the 1,001 KV tokens read and
+    # written at the KV fraction, and the per-layer cost
+    weights = model.num_layers * model.layer_params * model.bytes_per_param + model.hidden_size * 2
+    kv = model.kv_bytes_per_token * 1001
+    weights_s = weights / (hw.hbm_bytes_per_s * params.bandwidth_fraction)
+    kv_s = kv / (hw.hbm_bytes_per_s * params.kv_bandwidth_fraction)
+    assert body == pytest.approx(weights_s + kv_s + model.num_layers * params.layer_overhead_s)
     # The roofline prices the same scope (its max of memory and compute, no overhead).
     roof = RooflineCost(model, hw)
     assert roof.forward_body_s(1, 1000.0) < roof.decode_iter_s(1, 1000.0)
