@@ -176,7 +176,8 @@ def make_engine(model, drafter, batch: int, context: int, is_graphs: bool, cfg: 
 
 
 class Budget:
-    """The run's time budget: ``is_over`` once ``budget_s`` have passed since the start."""
+    """The run's time budget: ``is_over`` once ``budget_s`` have passed since the start;
+    ``share`` hands a section its part of what is left."""
 
     def __init__(self, budget_s: float):
         self.deadline = time.perf_counter() + budget_s
@@ -185,18 +186,33 @@ class Budget:
     def is_over(self) -> bool:
         return time.perf_counter() > self.deadline
 
+    def share(self, fraction: float) -> Budget:
+        """A budget ending after ``fraction`` of the time left (never after this one), so one
+        slow section cannot starve those after it; time a section leaves unused passes on."""
+        part = Budget(0.0)
+        part.deadline = min(self.deadline, time.perf_counter() + fraction * self.remaining_s)
+        return part
+
+    @property
+    def remaining_s(self) -> float:
+        return max(0.0, self.deadline - time.perf_counter())
+
 
 SKIPPED = "skipped: time budget"
+# each section's part of the budget (of what is left when it starts): decode holds the issue's
+# roofline and graph targets, so it gets the most; the pool section captures one model's graphs
+SECTION_SHARES = {"decode": 0.45, "sd": 0.25, "pool": 0.12, "hf": 0.18}
 
 
 def bench_decode(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budget) -> list[dict]:
+    """Decode cells in priority order: every shape at the first context and batch before any
+    larger one, so a run cut short by its budget has measured what the targets rest on (batch 1
+    at 1k context) rather than one shape's whole grid. The shapes' models stay resident."""
+    models = {shape: build_model(shape, device, dtype, cfg.seed) for shape in cfg.shapes}
     rows = []
-    for shape in cfg.shapes:
-        model = build_model(shape, device, dtype, cfg.seed)
-        weight_bytes = weight_bytes_per_token(model)
-        kv_token = kv_bytes_per_token(model.config, dtype)
-        for context in cfg.contexts:
-            for batch in cfg.batches:
+    for context in cfg.contexts:
+        for batch in cfg.batches:
+            for shape, model in models.items():
                 row = {"shape": shape, "context": context, "batch": batch}
                 if budget.is_over:
                     rows.append({**row, "note": SKIPPED})
@@ -213,12 +229,15 @@ def bench_decode(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budg
                     release(device)
                 row["graph_speedup"] = row["graphs_tokens_per_s"] / row["eager_tokens_per_s"]
                 if batch == 1:
+                    weight_bytes = weight_bytes_per_token(model)
+                    kv_token = kv_bytes_per_token(model.config, dtype)
                     roofline = bandwidth / (weight_bytes + context * kv_token)
                     row["roofline_tokens_per_s"] = roofline
                     row["roofline_fraction"] = row["graphs_tokens_per_s"] / roofline
                 rows.append(row)
-        del model
-        release(device)
+    rows.sort(key=lambda r: (cfg.shapes.index(r["shape"]), r["context"], r["batch"]))
+    del models
+    release(device)
     return rows
 
 
@@ -383,28 +402,30 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {name}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s (read + write)")
     result = {"device": name, "copy_bytes_per_s": bandwidth, "dtype": str(dtype)}
     sections = (
-        ("decode", lambda: bench_decode(cfg, device, dtype, bandwidth, budget),
+        ("decode", lambda b: bench_decode(cfg, device, dtype, bandwidth, b),
          {"shape": "shape", "context": "context", "batch": "batch", "eager_tokens_per_s": "eager tok/s",
           "graphs_tokens_per_s": "graphs tok/s", "graph_speedup": "graphs/eager",
           "roofline_fraction": "of roofline", "note": "note"},
          {"eager_tokens_per_s": ",.0f", "graphs_tokens_per_s": ",.0f", "graph_speedup": "{:.2f}x",
           "roofline_fraction": ".0%"}),
-        ("sd", lambda: bench_sd(cfg, device, dtype, budget),
+        ("sd", lambda b: bench_sd(cfg, device, dtype, b),
          {"shape": "shape", "strategy": "strategy", "batch": "batch", "eager_ms": "eager ms",
           "graphs_ms": "graphs ms", "graph_speedup": "graphs/eager", "note": "note"},
          {"eager_ms": ".2f", "graphs_ms": ".2f", "graph_speedup": "{:.2f}x"}),
-        ("pool", lambda: bench_pool(cfg, device, dtype, budget),
+        ("pool", lambda b: bench_pool(cfg, device, dtype, b),
          {"pool": "pool", "num_graphs": "graphs", "memory_gib": "GiB", "vs_single": "vs single",
           "note": "note"},
          {"memory_gib": ".3f", "vs_single": "{:.2f}x"}),
-        ("hf", lambda: bench_hf(cfg, device, dtype, budget),
+        ("hf", lambda b: bench_hf(cfg, device, dtype, b),
          {"shape": "shape", "batch": "batch", "context": "context",
           "tokens_per_s": "transformers generate tok/s", "note": "note"},
          {"tokens_per_s": ",.0f"}),
     )  # fmt: skip
+    shares_left = sum(SECTION_SHARES.values())
     for key, run, columns, formats in sections:
         t0 = time.perf_counter()
-        rows = run()
+        rows = run(budget.share(SECTION_SHARES[key] / shares_left))
+        shares_left -= SECTION_SHARES[key]
         result[key] = rows
         print(f"\n{key} ({time.perf_counter() - t0:.0f} s)")
         print(format_table(rows, columns, formats, left=("shape", "pool", "strategy", "note")))

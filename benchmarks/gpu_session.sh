@@ -10,6 +10,11 @@
 #   benchmarks/gpu_session.sh profile OUT   # ~5 min: a random-weight Qwen2.5-1.5B-shape target
 #                                           # and drafter, tltrun profile --device cuda (bf16),
 #                                           # then bench_kernels.py
+#   benchmarks/gpu_session.sh all OUT       # both stages in one call of TOTAL_S seconds
+#                                           # (default 520): each step gets at most its own
+#                                           # limit and never more than is left, the engine
+#                                           # benchmark a smaller budget; OUT ends as
+#                                           # steps.txt, the profile and results.tgz (the rest)
 #
 # OUT gets each stage's logs and result files (at most 8, two folders deep: what a device call
 # brings back). Each command has its own time limit, so one that hangs costs only its share and
@@ -19,8 +24,8 @@
 # Without CUDA every step says so and exits 0; `SMOKE=1` runs the steps on a tiny model on the
 # CPU (tests/test_gpu_session.py), a check of the script and not a measurement.
 set -uo pipefail
-if [ $# -ne 2 ] || { [ "$1" != engine ] && [ "$1" != profile ]; }; then
-  echo "usage: benchmarks/gpu_session.sh engine|profile OUT" >&2
+if [ $# -ne 2 ] || { [ "$1" != engine ] && [ "$1" != profile ] && [ "$1" != all ]; }; then
+  echo "usage: benchmarks/gpu_session.sh engine|profile|all OUT" >&2
   exit 2
 fi
 STAGE=$1
@@ -31,10 +36,25 @@ cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT" || exit 2
 failed=()
+# stage all: one deadline for every step; RESERVE seconds stay for packing OUT
+RESERVE=15
+DEADLINE=$((SECONDS + ${TOTAL_S:-520}))
+
+limit_left() {  # limit_left SECONDS: that limit, or less where the deadline comes first
+  local left=$((DEADLINE - SECONDS - RESERVE))
+  [ "$STAGE" = all ] && [ "$left" -lt "$1" ] && { echo "$left"; return; }
+  echo "$1"
+}
 
 step() {  # step NAME SECONDS COMMAND...: run it under a time limit, its output in OUT/NAME.log
-  local name=$1 limit=$2
+  local name=$1 limit
+  limit=$(limit_left "$2")
   shift 2
+  if [ "$limit" -lt 10 ]; then
+    echo "$name: skipped, no time left (stage all)" | tee -a "$OUT/steps.txt"
+    failed+=("$name")
+    return
+  fi
   local started=$SECONDS
   timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
@@ -49,18 +69,29 @@ step() {  # step NAME SECONDS COMMAND...: run it under a time limit, its output 
   git rev-parse HEAD 2>/dev/null
 } >"$OUT/steps.txt" 2>&1
 
-if [ "$STAGE" = engine ]; then
+if [ "$STAGE" = all ]; then
+  # the shares of a 520 s call: CUDA tests 100, engine benchmark 230, then the checkpoint, the
+  # profile and the kernels get what the first two leave
+  engine_limits=(100 230)
+else
+  engine_limits=(150 400)
+fi
+if [ "$STAGE" != profile ]; then
+  # without CUDA these are collected and skipped (each with its reason)
+  step pytest_gpu "${engine_limits[0]}" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs \
+    tests/test_graphs.py tests/test_draft_graphs.py tests/test_kernels.py
+  limit=$(limit_left "${engine_limits[1]}")
+  # the benchmark's own budget ends 70 s before its limit: the configuration in flight, the
+  # sections after it and the JSON still fit
   if [ "$SMOKE" = 1 ]; then
     bench=(--device cpu --smoke --budget-s 60)
   else
-    bench=(--quick --budget-s 330)
+    bench=(--quick --budget-s $((limit > 100 ? limit - 70 : 30)))
   fi
-  # without CUDA these are collected and skipped (each with its reason)
-  step pytest_gpu 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs \
-    tests/test_graphs.py tests/test_draft_graphs.py tests/test_kernels.py
-  step bench_gpu_engine 400 "$PY" benchmarks/bench_gpu_engine.py "${bench[@]}" \
+  step bench_gpu_engine "$limit" "$PY" benchmarks/bench_gpu_engine.py "${bench[@]}" \
     --out_dir "$OUT/gpu_engine"
-else
+fi
+if [ "$STAGE" != engine ]; then
   CKPT=$(mktemp -d) || exit 2
   if [ "$SMOKE" = 1 ]; then
     name=tiny
@@ -79,12 +110,31 @@ else
       --context-per-seq 512,2048 --strategies 2_1_2,4_1_4,8_4_32
       --prefill-batches 1,4,16 --prefill-tokens-per-seq 256,1024
       --train-batches 1,4 --train-tokens-per-seq 256,1024 --num-repeats 3)
+    if [ "$STAGE" = all ]; then
+      # one call for both stages: every other batch, two strategies, 4 back-to-back calls a
+      # sample instead of 8 (about a quarter of the grid's calls)
+      prof=(--device cuda --dtype bfloat16 --batches 1,4,16,64 --context-per-seq 512,2048
+        --strategies 4_1_4,8_4_32 --prefill-batches 1,16 --prefill-tokens-per-seq 256,1024
+        --train-batches 1,4 --train-tokens-per-seq 256 --num-repeats 3 --back-to-back-calls 4)
+    fi
   fi
-  step checkpoint 120 "$PY" benchmarks/random_checkpoint.py "${shape[@]}" --out "$CKPT"
+  step checkpoint 90 "$PY" benchmarks/random_checkpoint.py "${shape[@]}" --out "$CKPT"
   step profile 300 "$PY" -m tltrun profile --model "$CKPT/target" --drafter "$CKPT/drafter" \
     --out "$OUT/profile_$name.csv" --no-progress-shown "${prof[@]}"
   step bench_kernels 150 "$PY" benchmarks/bench_kernels.py --out_dir "$OUT/kernels"
   rm -rf "$CKPT"
+fi
+if [ "$STAGE" = all ]; then
+  # what a person reads first, on standard output (a device call returns its tail)
+  for log in pytest_gpu bench_gpu_engine checkpoint profile bench_kernels; do
+    [ -f "$OUT/$log.log" ] && { echo "=== $log"; tail -n 60 "$OUT/$log.log"; }
+  done
+  # a device call brings back at most 8 files: the profile and steps.txt stay, the rest is packed
+  packed=$(mktemp -u).tgz
+  (cd "$OUT" && tar czf "$packed" --exclude=steps.txt --exclude='profile_*' . &&
+    find . -mindepth 1 \( -name '*.log' -o -type d \) -prune -exec rm -rf {} + &&
+    mv "$packed" results.tgz) &&
+    echo "packed the logs and result folders into $OUT/results.tgz" >>"$OUT/steps.txt"
 fi
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu_session $STAGE: failed: ${failed[*]} (their logs in $OUT)" | tee -a "$OUT/steps.txt"
