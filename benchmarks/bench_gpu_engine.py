@@ -34,11 +34,13 @@ import dataclasses
 import json
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from tltrun.model import kvcache
 from tltrun.model.drafter import EagleDrafter
 from tltrun.profile.torch_engine import EngineProbe
 from tltrun.rollout.draft_graphs import draft_sources
@@ -121,7 +123,7 @@ def parse_config(argv: list[str] | None) -> BenchConfig:
                            warmup_iters=1, timed_iters=2, is_smoke=True)  # fmt: skip
     if a.quick:
         return BenchConfig(**base, shapes=("Qwen2.5-0.5B", "Qwen2.5-7B"), batches=(1, 16, 256),
-                           sd_shapes=("Qwen2.5-0.5B",), warmup_iters=2, timed_iters=10,
+                           sd_shapes=("Qwen2.5-0.5B",), warmup_iters=3, timed_iters=10,
                            hf_new_tokens=32)  # fmt: skip
     return BenchConfig(**base)
 
@@ -221,12 +223,17 @@ def bench_decode(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budg
                 if not fits(model, batch, context + 64, logits_bytes, device):
                     rows.append({**row, "note": "KV cache does not fit"})
                     continue
-                for mode, is_graphs in (("eager", False), ("graphs", True)):
-                    engine, probe = make_engine(model, None, batch, context, is_graphs, cfg)
-                    step_s = time_iterations(engine, probe, None, cfg)
-                    row[f"{mode}_tokens_per_s"] = batch / step_s
-                    del engine, probe
+                try:
+                    for mode, is_graphs in (("eager", False), ("graphs", True)):
+                        engine, probe = make_engine(model, None, batch, context, is_graphs, cfg)
+                        step_s = time_iterations(engine, probe, None, cfg)
+                        row[f"{mode}_tokens_per_s"] = batch / step_s
+                        del engine, probe
+                        release(device)
+                except Exception as e:  # noqa: BLE001 -- one cell's failure is its row's note
+                    rows.append({**row, "note": failure(e)})
                     release(device)
+                    continue
                 row["graph_speedup"] = row["graphs_tokens_per_s"] / row["eager_tokens_per_s"]
                 if batch == 1:
                     weight_bytes = weight_bytes_per_token(model)
@@ -256,13 +263,19 @@ def bench_sd(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
                 if budget.is_over:
                     rows.append({**row, "note": SKIPPED})
                     continue
-                for mode, is_graphs in (("eager", False), ("graphs", True)):
-                    engine, probe = make_engine(model, drafter, batch, cfg.sd_context, is_graphs,
-                                                cfg, max_verify_tokens=decision.verify_tokens)  # fmt: skip
-                    step_s = time_iterations(engine, probe, StaticSpec(strategy=strategy), cfg)
-                    row[f"{mode}_ms"] = 1e3 * step_s
-                    del engine, probe
+                try:
+                    for mode, is_graphs in (("eager", False), ("graphs", True)):
+                        engine, probe = make_engine(model, drafter, batch, cfg.sd_context,
+                                                    is_graphs, cfg,
+                                                    max_verify_tokens=decision.verify_tokens)  # fmt: skip
+                        step_s = time_iterations(engine, probe, StaticSpec(strategy=strategy), cfg)
+                        row[f"{mode}_ms"] = 1e3 * step_s
+                        del engine, probe
+                        release(device)
+                except Exception as e:  # noqa: BLE001 -- one cell's failure is its row's note
+                    rows.append({**row, "note": failure(e)})
                     release(device)
+                    continue
                 row["graph_speedup"] = row["eager_ms"] / row["graphs_ms"]
                 rows.append(row)
         del model, drafter
@@ -372,6 +385,14 @@ def bench_hf(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
     return rows
 
 
+def failure(e: Exception) -> str:
+    """A failed configuration's note: the error's type and first line, and where it came from
+    in the log (the traceback is printed there)."""
+    traceback.print_exc()
+    first = str(e).splitlines()[0][:160] if str(e) else ""
+    return f"error: {type(e).__name__}: {first}"
+
+
 def release(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -424,11 +445,22 @@ def main(argv: list[str] | None = None) -> int:
     shares_left = sum(SECTION_SHARES.values())
     for key, run, columns, formats in sections:
         t0 = time.perf_counter()
-        rows = run(budget.share(SECTION_SHARES[key] / shares_left))
+        try:
+            rows = run(budget.share(SECTION_SHARES[key] / shares_left))
+        except Exception as e:  # noqa: BLE001 -- the sections after it still run
+            rows = [{"note": failure(e)}]
+            release(device)
         shares_left -= SECTION_SHARES[key]
         result[key] = rows
         print(f"\n{key} ({time.perf_counter() - t0:.0f} s)")
         print(format_table(rows, columns, formats, left=("shape", "pool", "strategy", "note")))
+    # shapes whose compiled flex_attention failed and ran the dense masked SDPA instead
+    result["flex_fallbacks"] = [
+        {"shape": list(map(str, k)), "reason": why} for k, why in kvcache.flex_fallbacks.items()
+    ]
+    if result["flex_fallbacks"]:
+        print(f"\nflex_attention fell back to dense SDPA for {len(result['flex_fallbacks'])} "
+              "shapes (listed in the JSON)")  # fmt: skip
     result["wall_s"] = time.perf_counter() - started
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -121,12 +121,21 @@ if [ "$STAGE" != engine ]; then
   step checkpoint 90 "$PY" benchmarks/random_checkpoint.py "${shape[@]}" --out "$CKPT"
   step profile 300 "$PY" -m tltrun profile --model "$CKPT/target" --drafter "$CKPT/drafter" \
     --out "$OUT/profile_$name.csv" --no-progress-shown "${prof[@]}"
-  step bench_kernels 150 "$PY" benchmarks/bench_kernels.py --out_dir "$OUT/kernels"
+  if [[ " ${failed[*]} " == *" profile "* ]] && [ "$SMOKE" != 1 ]; then
+    # the engine's default attention failed: the same grid with the dense masked SDPA
+    step profile_sdpa 300 "$PY" -m tltrun profile --model "$CKPT/target" \
+      --drafter "$CKPT/drafter" --out "$OUT/profile_${name}_sdpa.csv" --no-progress-shown \
+      "${prof[@]}" --attn-impl sdpa
+  fi
+  # KERNELS=0 leaves the kernel benchmark out (a second call of a session that has its numbers)
+  if [ "${KERNELS:-1}" = 1 ]; then
+    step bench_kernels 150 "$PY" benchmarks/bench_kernels.py --out_dir "$OUT/kernels"
+  fi
   rm -rf "$CKPT"
 fi
 if [ "$STAGE" = all ]; then
   # what a person reads first, on standard output (a device call returns its tail)
-  for log in pytest_gpu bench_gpu_engine checkpoint profile bench_kernels; do
+  for log in pytest_gpu bench_gpu_engine checkpoint profile profile_sdpa bench_kernels; do
     [ -f "$OUT/$log.log" ] && { echo "=== $log"; tail -n 60 "$OUT/$log.log"; }
   done
   # a device call brings back at most 8 files: the profile and steps.txt stay, the rest is packed

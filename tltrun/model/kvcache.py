@@ -28,6 +28,7 @@ Run the tests: ``python -m pytest tests/test_kvcache.py -q``.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -100,37 +101,54 @@ def in_place_mask(cache_lens: torch.Tensor, key_len: int, tree_mask: torch.Tenso
     return ((pos < cache_lens[:, None])[:, None, :] | (new_vis & is_new[:, None, :]))[:, None]
 
 
+# flex_attention's compiled kernel needs head dims of at least 16 (torch inductor: "NYI:
+# embedding dimension ... must be at least 16"); smaller ones are zero-padded up to it.
+FLEX_MIN_HEAD_DIM = 16
+# recompiles allowed per process: dynamo specializes sizes 0 and 1 (a decode's single query
+# token, a batch of one) before it makes them symbolic, so a run compiles a handful of variants;
+# torch's default limit of 8 sends the ninth back to the dense eager reference, which cannot be
+# captured in a CUDA graph (seen on an H200 with torch 2.11, 2026-11-27)
+FLEX_RECOMPILE_LIMIT = 64
+# tests set this to run the compiled path on the CPU (inductor compiles flex there too)
+compile_on_cpu = False
+# more new tokens than this (a long prompt's prefill) run the dense masked SDPA: prefill is
+# compute-bound, and every prompt length would be another compile
+FLEX_MAX_NEW_TOKENS = FLEX_BLOCK_TOKENS
+# (dtype, batch, new tokens, key width, head dim) -> why the compiled kernel failed for that
+# shape, which then runs the dense masked SDPA (warned once; reports list these)
+flex_fallbacks: dict[tuple, str] = {}
+
+
 @functools.cache
-def _compiled_flex():
-    """flex_attention compiled once per process, for GPUs: eager flex_attention is torch's dense
-    reference (correct everywhere, fast nowhere); compiled, it is a block-sparse Triton kernel.
-    Default ``dynamic``: a second batch size or width makes those dimensions symbolic instead of
-    compiling once per shape (dynamo's recompile limit would otherwise send later shapes back to
-    the dense eager reference)."""
-    from torch.nn.attention.flex_attention import flex_attention
+def _compiled_flex_by_lens():
+    """``_flex_by_lens`` compiled once per process, for GPUs: eager flex_attention is torch's
+    dense reference (correct everywhere, fast nowhere); compiled, it is a block-sparse Triton
+    kernel. The block mask is built inside the compiled function, so the batch and the key width
+    become symbolic sizes there once they vary (one compile serves them all) rather than Python
+    constants that each new shape would recompile for. The number of new tokens stays a
+    constant (``flex_attention_by_lens`` marks it static): a symbolic one broke inductor's CPU
+    code generation with torch 2.13, and a run has only a few (decode, each strategy's tree)."""
+    import torch._dynamo
 
-    return torch.compile(flex_attention)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    config.accumulated_recompile_limit = max(
+        config.accumulated_recompile_limit, 4 * FLEX_RECOMPILE_LIMIT
+    )
+    # a recompile past the limit raises (and is caught below) instead of running the eager
+    # reference, which a CUDA graph cannot capture
+    config.fail_on_recompile_limit_hit = True
+    return torch.compile(_flex_by_lens)
 
 
-def flex_attention_by_lens(
-    q: torch.Tensor,  # (B,H,Tq,D)
-    k_all: torch.Tensor,  # (B,Hkv,Lk,D): the cache with the Tq new keys already at lens + j
-    v_all: torch.Tensor,
-    cache_lens: torch.Tensor,  # (B,) committed positions, visible to every query
-    tree_mask: torch.Tensor,  # (B,Tq,Tq) bool: query i may see new key j
-    scale: float,
-) -> torch.Tensor:
-    """The attention of ``in_place_mask`` with flex_attention: key p is visible to query i iff
-    p < cache_lens[b], or p holds new token j = p - cache_lens[b] and tree_mask[b, i, j]. The
-    block mask lists, per sequence, only the KV blocks below cache_lens[b] + Tq, built with
-    tensor ops alone (no host sync: capturable in a CUDA graph). Returns (B,H,Tq,D)."""
+def _flex_by_lens(q, k_all, v_all, cache_lens, tree_mask, scale: float) -> torch.Tensor:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
     b, _, tq, _ = q.shape
     key_len = k_all.shape[2]
     device = q.device
-    num_q_blocks = -(-tq // FLEX_BLOCK_TOKENS)
-    num_kv_blocks = -(-key_len // FLEX_BLOCK_TOKENS)
+    num_q_blocks = (tq + FLEX_BLOCK_TOKENS - 1) // FLEX_BLOCK_TOKENS
+    num_kv_blocks = (key_len + FLEX_BLOCK_TOKENS - 1) // FLEX_BLOCK_TOKENS
     used = ((cache_lens + tq + FLEX_BLOCK_TOKENS - 1) // FLEX_BLOCK_TOKENS).clamp(max=num_kv_blocks)
     kv_num_blocks = used.to(torch.int32)[:, None, None].expand(b, 1, num_q_blocks).contiguous()
     kv_indices = (
@@ -151,8 +169,59 @@ def flex_attention_by_lens(
         seq_lengths=(tq, key_len),
         compute_q_blocks=False,
     )
-    fn = _compiled_flex() if device.type == "cuda" else flex_attention
-    return fn(q, k_all, v_all, block_mask=block_mask, scale=scale, enable_gqa=True)
+    return flex_attention(q, k_all, v_all, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+def flex_attention_by_lens(
+    q: torch.Tensor,  # (B,H,Tq,D)
+    k_all: torch.Tensor,  # (B,Hkv,Lk,D): the cache with the Tq new keys already at lens + j
+    v_all: torch.Tensor,
+    cache_lens: torch.Tensor,  # (B,) committed positions, visible to every query
+    tree_mask: torch.Tensor,  # (B,Tq,Tq) bool: query i may see new key j
+    scale: float,
+) -> torch.Tensor:
+    """The attention of ``in_place_mask`` with flex_attention: key p is visible to query i iff
+    p < cache_lens[b], or p holds new token j = p - cache_lens[b] and tree_mask[b, i, j]. The
+    block mask lists, per sequence, only the KV blocks below cache_lens[b] + Tq, built with
+    tensor ops alone (no host sync: capturable in a CUDA graph). Returns (B,H,Tq,D)."""
+    is_compiled = q.device.type == "cuda" or compile_on_cpu
+    if not is_compiled:
+        return _flex_by_lens(q, k_all, v_all, cache_lens, tree_mask, scale)
+    b, _, tq, head_dim = q.shape
+    key = (q.dtype, b, tq, k_all.shape[2], head_dim)
+    if tq <= FLEX_MAX_NEW_TOKENS and key not in flex_fallbacks:
+        try:
+            return _compiled_call(q, k_all, v_all, cache_lens, tree_mask, scale)
+        except Exception as e:  # noqa: BLE001 -- a compile failure: this shape runs dense
+            if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            flex_fallbacks[key] = reason
+            warnings.warn(
+                f"compiled flex_attention failed for batch {b}, {tq} new tokens, key width "
+                f"{k_all.shape[2]}, head dim {head_dim} ({reason}); that shape runs the dense "
+                "masked SDPA instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    mask = in_place_mask(cache_lens, k_all.shape[2], tree_mask)
+    return grouped_attention(q, k_all, v_all, mask, scale)
+
+
+def _compiled_call(q, k_all, v_all, cache_lens, tree_mask, scale: float) -> torch.Tensor:
+    import torch._dynamo
+
+    fn = _compiled_flex_by_lens()
+    for t, dims in ((q, (2,)), (tree_mask, (1, 2))):
+        for dim in dims:
+            torch._dynamo.mark_static(t, dim)
+    head_dim = q.shape[-1]
+    if head_dim >= FLEX_MIN_HEAD_DIM:
+        return fn(q, k_all, v_all, cache_lens, tree_mask, scale)
+    # zero-padded dims add nothing to q.k, and the padded output columns are dropped
+    pad = (0, FLEX_MIN_HEAD_DIM - head_dim)
+    out = fn(F.pad(q, pad), F.pad(k_all, pad), F.pad(v_all, pad), cache_lens, tree_mask, scale)
+    return out[..., :head_dim]
 
 
 def causal_mask(batch: int, num_tokens: int, device: torch.device | str) -> torch.Tensor:
