@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import VOCAB, tiny_model
 
+from tltrun.model import kvcache
 from tltrun.model.kvcache import KVCache, masked_attention
 from tltrun.model.transformer import CausalContext
 
@@ -176,3 +177,51 @@ def test_copy_positions_moves_only_the_prefix_of_the_named_slots():
     assert cache.lens.tolist() == [5, 6, 7, 8]  # lengths are the caller's
     cache.copy_positions(torch.tensor([0]), torch.tensor([1]), 99)  # clipped to max_tokens
     assert torch.equal(cache.v[:, 1], before_v[:, 0])
+
+
+def _flex_case(b: int, tq: int, key_len: int, head_dim: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, 4, tq, head_dim, generator=gen)
+    k = torch.randn(b, 2, key_len, head_dim, generator=gen)
+    v = torch.randn(b, 2, key_len, head_dim, generator=gen)
+    lens = torch.randint(0, key_len - tq + 1, (b,), generator=gen)
+    tree = (torch.rand(b, tq, tq, generator=gen) < 0.5) | torch.eye(tq, dtype=torch.bool)
+    scale = head_dim**-0.5
+    expected = kvcache.grouped_attention(q, k, v, kvcache.in_place_mask(lens, key_len, tree), scale)
+    return (q, k, v, lens, tree, scale), expected
+
+
+@pytest.mark.slow
+def test_compiled_flex_matches_the_dense_reference_across_shapes(monkeypatch):
+    """The compiled kernel path that CUDA runs (inductor compiles it on the CPU too): batches
+    and key widths vary under one compile, new-token counts are constants, and a head dim
+    under flex's minimum of 16 is zero-padded (an H200 run failed on head dim 12 before)."""
+    monkeypatch.setattr(kvcache, "compile_on_cpu", True)
+    monkeypatch.setattr(kvcache, "flex_fallbacks", {})
+    for b, tq, key_len, head_dim in [(1, 1, 256, 16), (4, 1, 300, 16), (3, 5, 260, 16),
+                                     (2, 1, 256, 12)]:  # fmt: skip
+        args, expected = _flex_case(b, tq, key_len, head_dim)
+        out = kvcache.flex_attention_by_lens(*args)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert kvcache.flex_fallbacks == {}
+
+
+def test_a_failed_flex_compile_runs_the_dense_attention_and_says_so(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("LoweringException: no kernel for this shape")
+
+    monkeypatch.setattr(kvcache, "compile_on_cpu", True)
+    monkeypatch.setattr(kvcache, "flex_fallbacks", {})
+    monkeypatch.setattr(kvcache, "_compiled_flex_by_lens", lambda: broken)
+    args, expected = _flex_case(2, 3, 64, 16)
+    with pytest.warns(RuntimeWarning, match="batch 2, 3 new tokens, key width 64"):
+        out = kvcache.flex_attention_by_lens(*args)
+    torch.testing.assert_close(out, expected)
+    assert list(kvcache.flex_fallbacks) == [(torch.float32, 2, 3, 64, 16)]
+    assert "no kernel for this shape" in next(iter(kvcache.flex_fallbacks.values()))
+    # the shape is remembered: no second attempt, no second warning
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.testing.assert_close(kvcache.flex_attention_by_lens(*args), expected)

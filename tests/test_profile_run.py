@@ -128,6 +128,34 @@ def test_probe_rollback_restores_the_state(strategy):
     assert all(len(o) >= 2 for o in outputs[0])  # the iteration emitted tokens
 
 
+def test_probe_state_survives_a_graph_capture_at_rollout_start(monkeypatch):
+    """On CUDA, ``start_rollout`` under a new policy captures its graphs, which zeroes the
+    lengths of the slots it uses as scratch (``tltrun.rollout.draft_graphs``); the probe's
+    lengths must be the ones its iterations see. Capture is CUDA-only, so it is imitated here."""
+    target = tiny_model(seed=0)
+    drafter = EagleDrafter.for_target(target, seed=1)
+    engine = RolloutEngine(
+        target, drafter, EngineConfig(4, 64, SamplingParams(temperature=0.0), max_verify_tokens=8)
+    )
+    real_start = engine.start_rollout
+
+    def start_and_capture(*args, **kwargs):
+        real_start(*args, **kwargs)
+        engine.cache.lens.zero_()
+        engine.draft_cache.lens.zero_()
+
+    monkeypatch.setattr(engine, "start_rollout", start_and_capture)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        fill_engine(engine, 20, gen)
+        probe = EngineProbe(engine, 3, 20, 16, gen)
+        probe.rollback(StaticSpec(strategy="3_2_4"))
+        assert engine.cache.lens[:3].tolist() == [20, 20, 20]
+        assert engine.draft_cache.lens[:3].tolist() == [19, 19, 19]
+        probe.iteration()  # an SD iteration with one pending pair per slot, as after a verify
+        assert all(len(s.output) >= 2 for s in probe.running)
+
+
 @given(
     st.lists(st.floats(1e-6, 10.0), min_size=1, max_size=30),
     st.sampled_from(["median", "mean"]),

@@ -78,10 +78,13 @@ class EngineProbe:
         lengths and drafter freshness as at construction (entries past a cache length are
         garbage by the engine's invariant, so nothing else needs undoing)."""
         engine = self.engine
+        # the rollout first: under a new policy it captures that policy's graphs, and capture
+        # writes scratch entries into slots it takes for free and sets their lengths to 0
+        # (seen on an H200: every SD configuration then drafted with zero pending pairs)
+        engine.start_rollout(self.requests, policy or NoSpec())
         engine.cache.lens.copy_(self.cache_lens)
         if self.is_drafter:
             engine.draft_cache.lens.copy_(self.draft_lens.clamp(min=0))
-        engine.start_rollout(self.requests, policy or NoSpec())
         self.running = engine.scheduler.admit()
         for seq in self.running:
             seq.append([int(engine.tokens[seq.slot, self.context])], engine.eos_ids, 0.0)

@@ -191,6 +191,11 @@ def _pending_pairs(
     """Drafter input pairs (x_{p+1}, f_p) for p = drafter_len .. drafter_len + num - 1."""
     start = engine.draft_cache.lens[slots]  # (B,)
     width = int(num.max())
+    if width < 1:  # the engine's invariant: the target is always ahead by the pending token
+        raise RuntimeError(
+            f"drafter of slots {slots.tolist()} has no pending pair (target lengths "
+            f"{engine.cache.lens[slots].tolist()}, drafter lengths {start.tolist()})"
+        )
     pos = (start[:, None] + torch.arange(width, device=engine.device)[None]).clamp(
         max=engine.max_tokens - 2
     )
