@@ -198,12 +198,36 @@ def test_compiled_flex_matches_the_dense_reference_across_shapes(monkeypatch):
     under flex's minimum of 16 is zero-padded (an H200 run failed on head dim 12 before)."""
     monkeypatch.setattr(kvcache, "compile_on_cpu", True)
     monkeypatch.setattr(kvcache, "flex_fallbacks", {})
-    for b, tq, key_len, head_dim in [(1, 1, 256, 16), (4, 1, 300, 16), (3, 5, 260, 16),
-                                     (2, 1, 256, 12)]:  # fmt: skip
+    for b, tq, key_len, head_dim, is_static in [
+        (1, 1, 256, 16, False), (4, 1, 300, 16, False), (3, 5, 260, 16, False),
+        (2, 1, 256, 12, False), (2, 5, 400, 16, True), (20, 1, 300, 16, True),
+    ]:  # fmt: skip
         args, expected = _flex_case(b, tq, key_len, head_dim)
-        out = kvcache.flex_attention_by_lens(*args)
+        out = kvcache.flex_attention_by_lens(*args, is_static_batch=is_static)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert kvcache.flex_fallbacks == {}
+
+
+@pytest.mark.parametrize("is_folded", [False, True])
+@pytest.mark.parametrize("lens_kind", ["block_edges", "random"])
+@pytest.mark.parametrize("is_compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_flex_block_mask_matches_the_dense_reference(is_folded, lens_kind, is_compiled):
+    """The block mask (full blocks below each committed length, partial ones over its end and
+    its new tokens) and the folding of query heads onto their KV head: every mistake in which
+    keys a query sees changes the output. Eager flex evaluates mask_mod on every block, so only
+    the compiled kernel (which skips it on full blocks) checks which blocks are full."""
+    args, expected = _flex_case(4, 6, 520, 16, seed=3)
+    q, k, v, lens, tree, scale = args
+    if lens_kind == "block_edges":  # committed lengths on and around 128-token block edges
+        lens = torch.tensor([0, 127, 128, 384])
+        expected = kvcache.grouped_attention(
+            q, k, v, kvcache.in_place_mask(lens, k.shape[2], tree), scale
+        )
+    if is_compiled:
+        out = kvcache._compiled_call(q, k, v, lens, tree, scale, is_folded)
+    else:
+        out = kvcache._flex_by_lens(q, k, v, lens, tree, scale, is_folded=is_folded)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_a_failed_flex_compile_runs_the_dense_attention_and_says_so(monkeypatch):
@@ -217,7 +241,7 @@ def test_a_failed_flex_compile_runs_the_dense_attention_and_says_so(monkeypatch)
     with pytest.warns(RuntimeWarning, match="batch 2, 3 new tokens, key width 64"):
         out = kvcache.flex_attention_by_lens(*args)
     torch.testing.assert_close(out, expected)
-    assert list(kvcache.flex_fallbacks) == [(torch.float32, 2, 3, 64, 16)]
+    assert list(kvcache.flex_fallbacks) == [(torch.float32, 2, 3, 64, 16, False)]
     assert "no kernel for this shape" in next(iter(kvcache.flex_fallbacks.values()))
     # the shape is remembered: no second attempt, no second warning
     import warnings

@@ -104,19 +104,37 @@ def in_place_mask(cache_lens: torch.Tensor, key_len: int, tree_mask: torch.Tenso
 # flex_attention's compiled kernel needs head dims of at least 16 (torch inductor: "NYI:
 # embedding dimension ... must be at least 16"); smaller ones are zero-padded up to it.
 FLEX_MIN_HEAD_DIM = 16
-# recompiles allowed per process: dynamo specializes sizes 0 and 1 (a decode's single query
-# token, a batch of one) before it makes them symbolic, so a run compiles a handful of variants;
-# torch's default limit of 8 sends the ninth back to the dense eager reference, which cannot be
-# captured in a CUDA graph (seen on an H200 with torch 2.11, 2026-11-27)
-FLEX_RECOMPILE_LIMIT = 64
+# recompiles allowed per compiled function: one per number of new tokens (decode, each
+# strategy's tree and drafting widths), dynamo's specializations of sizes 0 and 1, and for the
+# static-batch graph path one per (graph bucket up to FLEX_DECODING_MAX_BATCH, new tokens) of
+# the capture plan; torch's default limit of 8 sent the ninth back to the dense eager
+# reference, which cannot be captured in a CUDA graph (seen on an H200 with torch 2.11)
+FLEX_RECOMPILE_LIMIT = 128
 # tests set this to run the compiled path on the CPU (inductor compiles flex there too)
 compile_on_cpu = False
 # more new tokens than this (a long prompt's prefill) run the dense masked SDPA: prefill is
 # compute-bound, and every prompt length would be another compile
 FLEX_MAX_NEW_TOKENS = FLEX_BLOCK_TOKENS
-# (dtype, batch, new tokens, key width, head dim) -> why the compiled kernel failed for that
+# graph batches up to this many sequences compile with a static batch (the split-KV decoding
+# kernel, see _compiled_flex_folded): the long tail's batches, where one sequence's context must
+# be spread over the GPU; larger batches fill it with sequences already
+FLEX_DECODING_MAX_BATCH = 16
+# (dtype, batch, new tokens, key width, head dim, folded) -> why the compiled kernel failed for that
 # shape, which then runs the dense masked SDPA (warned once; reports list these)
 flex_fallbacks: dict[tuple, str] = {}
+
+
+def _raise_recompile_limits() -> None:
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    config.accumulated_recompile_limit = max(
+        config.accumulated_recompile_limit, 4 * FLEX_RECOMPILE_LIMIT
+    )
+    # a recompile past the limit raises (and is caught below) instead of running the eager
+    # reference, which a CUDA graph cannot capture
+    config.fail_on_recompile_limit_hit = True
 
 
 @functools.cache
@@ -128,48 +146,79 @@ def _compiled_flex_by_lens():
     constants that each new shape would recompile for. The number of new tokens stays a
     constant (``flex_attention_by_lens`` marks it static): a symbolic one broke inductor's CPU
     code generation with torch 2.13, and a run has only a few (decode, each strategy's tree)."""
-    import torch._dynamo
-
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
-    config.accumulated_recompile_limit = max(
-        config.accumulated_recompile_limit, 4 * FLEX_RECOMPILE_LIMIT
-    )
-    # a recompile past the limit raises (and is caught below) instead of running the eager
-    # reference, which a CUDA graph cannot capture
-    config.fail_on_recompile_limit_hit = True
+    _raise_recompile_limits()
     return torch.compile(_flex_by_lens)
 
 
-def _flex_by_lens(q, k_all, v_all, cache_lens, tree_mask, scale: float) -> torch.Tensor:
+def _flex_folded(q, k_all, v_all, cache_lens, tree_mask, scale: float) -> torch.Tensor:
+    """``_flex_by_lens`` with the query heads folded; its own function (its own code object,
+    so dynamo keeps its static-batch compiles apart from the symbolic-batch ones)."""
+    return _flex_by_lens(q, k_all, v_all, cache_lens, tree_mask, scale, is_folded=True)
+
+
+@functools.cache
+def _compiled_flex_folded():
+    """The small-batch graph path, compiled with a static batch: torch inductor's split-KV
+    decoding kernel (``flex_decoding``), which spreads one sequence's context over the GPU,
+    is chosen only for a static batch, fewer than 128 query rows and a power-of-two ratio of
+    query to KV heads; folding the heads makes that ratio 1 (the Qwen2.5 shapes have 7 and 6).
+    One compile per (graph bucket, new tokens) of the capture plan."""
+    _raise_recompile_limits()
+    return torch.compile(_flex_folded)
+
+
+def _flex_by_lens(
+    q, k_all, v_all, cache_lens, tree_mask, scale: float, is_folded: bool = False
+) -> torch.Tensor:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    b, _, tq, _ = q.shape
+    b, num_heads, tq, head_dim = q.shape
+    num_kv_heads = k_all.shape[1]
+    if is_folded:
+        # query head h reads KV head h // G (torch's enable_gqa order): the G heads of a KV
+        # head become G x tq query rows of it, row g * tq + t
+        q = q.reshape(b, num_kv_heads, num_heads // num_kv_heads * tq, head_dim)
+    rows = q.shape[2]
     key_len = k_all.shape[2]
     device = q.device
-    num_q_blocks = (tq + FLEX_BLOCK_TOKENS - 1) // FLEX_BLOCK_TOKENS
-    num_kv_blocks = (key_len + FLEX_BLOCK_TOKENS - 1) // FLEX_BLOCK_TOKENS
-    used = ((cache_lens + tq + FLEX_BLOCK_TOKENS - 1) // FLEX_BLOCK_TOKENS).clamp(max=num_kv_blocks)
-    kv_num_blocks = used.to(torch.int32)[:, None, None].expand(b, 1, num_q_blocks).contiguous()
-    kv_indices = (
-        torch.arange(num_kv_blocks, device=device, dtype=torch.int32)
-        .expand(b, 1, num_q_blocks, num_kv_blocks)
-        .contiguous()
+    block = FLEX_BLOCK_TOKENS
+    num_q_blocks = (rows + block - 1) // block
+    num_kv_blocks = (key_len + block - 1) // block
+    # blocks wholly below a sequence's committed length are visible to every query ("full":
+    # the kernel skips mask_mod there); the partial ones hold its end and its new tokens
+    full = (cache_lens // block).clamp(max=num_kv_blocks)
+    end = ((cache_lens + tq + block - 1) // block).clamp(max=num_kv_blocks)
+    blocks = torch.arange(num_kv_blocks, device=device, dtype=torch.int32)
+
+    def per_query_block(x: torch.Tensor) -> torch.Tensor:  # (B,) or (B,K) -> (B,1,QB[,K])
+        return x[:, None, None].expand(b, 1, num_q_blocks, *x.shape[1:]).contiguous()
+
+    full_num = per_query_block(full.to(torch.int32))
+    full_indices = per_query_block(blocks.expand(b, num_kv_blocks))
+    partial_num = per_query_block((end - full).to(torch.int32))
+    partial_indices = per_query_block(
+        (full.to(torch.int32)[:, None] + blocks[None, :]).clamp(max=num_kv_blocks - 1)
     )
 
     def mask_mod(bi, hi, qi, kvi):
+        t = qi % tq
         rel = kvi - cache_lens[bi]
         is_new = (rel >= 0) & (rel < tq)
-        return (rel < 0) | (is_new & tree_mask[bi, qi, rel.clamp(0, tq - 1)])
+        return (rel < 0) | (is_new & tree_mask[bi, t, rel.clamp(0, tq - 1)])
 
     block_mask = BlockMask.from_kv_blocks(  # forward only: no transposed (q-major) blocks
-        kv_num_blocks,
-        kv_indices,
+        partial_num,
+        partial_indices,
+        full_num,
+        full_indices,
         mask_mod=mask_mod,
-        seq_lengths=(tq, key_len),
+        seq_lengths=(rows, key_len),
         compute_q_blocks=False,
     )
-    return flex_attention(q, k_all, v_all, block_mask=block_mask, scale=scale, enable_gqa=True)
+    out = flex_attention(
+        q, k_all, v_all, block_mask=block_mask, scale=scale, enable_gqa=not is_folded
+    )
+    return out.reshape(b, num_heads, tq, head_dim)
 
 
 def flex_attention_by_lens(
@@ -179,19 +228,27 @@ def flex_attention_by_lens(
     cache_lens: torch.Tensor,  # (B,) committed positions, visible to every query
     tree_mask: torch.Tensor,  # (B,Tq,Tq) bool: query i may see new key j
     scale: float,
+    is_static_batch: bool = False,
 ) -> torch.Tensor:
     """The attention of ``in_place_mask`` with flex_attention: key p is visible to query i iff
     p < cache_lens[b], or p holds new token j = p - cache_lens[b] and tree_mask[b, i, j]. The
     block mask lists, per sequence, only the KV blocks below cache_lens[b] + Tq, built with
-    tensor ops alone (no host sync: capturable in a CUDA graph). Returns (B,H,Tq,D)."""
+    tensor ops alone (no host sync: capturable in a CUDA graph). ``is_static_batch``: a graph's
+    fixed batch, which at up to ``FLEX_DECODING_MAX_BATCH`` sequences and under 128 query
+    rows compiles per batch for the split-KV decoding kernel. Returns (B,H,Tq,D)."""
     is_compiled = q.device.type == "cuda" or compile_on_cpu
     if not is_compiled:
         return _flex_by_lens(q, k_all, v_all, cache_lens, tree_mask, scale)
-    b, _, tq, head_dim = q.shape
-    key = (q.dtype, b, tq, k_all.shape[2], head_dim)
+    b, num_heads, tq, head_dim = q.shape
+    is_folded = (
+        is_static_batch
+        and b <= FLEX_DECODING_MAX_BATCH
+        and num_heads // k_all.shape[1] * tq < FLEX_BLOCK_TOKENS
+    )
+    key = (q.dtype, b, tq, k_all.shape[2], head_dim, is_folded)
     if tq <= FLEX_MAX_NEW_TOKENS and key not in flex_fallbacks:
         try:
-            return _compiled_call(q, k_all, v_all, cache_lens, tree_mask, scale)
+            return _compiled_call(q, k_all, v_all, cache_lens, tree_mask, scale, is_folded)
         except Exception as e:  # noqa: BLE001 -- a compile failure: this shape runs dense
             if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise
@@ -208,13 +265,17 @@ def flex_attention_by_lens(
     return grouped_attention(q, k_all, v_all, mask, scale)
 
 
-def _compiled_call(q, k_all, v_all, cache_lens, tree_mask, scale: float) -> torch.Tensor:
+def _compiled_call(
+    q, k_all, v_all, cache_lens, tree_mask, scale: float, is_folded: bool
+) -> torch.Tensor:
     import torch._dynamo
 
-    fn = _compiled_flex_by_lens()
-    for t, dims in ((q, (2,)), (tree_mask, (1, 2))):
-        for dim in dims:
-            torch._dynamo.mark_static(t, dim)
+    fn = _compiled_flex_folded() if is_folded else _compiled_flex_by_lens()
+    marks = [(q, 2), (tree_mask, 1), (tree_mask, 2)]
+    if is_folded:
+        marks += [(q, 0), (k_all, 0), (v_all, 0), (cache_lens, 0), (tree_mask, 0)]
+    for t, dim in marks:
+        torch._dynamo.mark_static(t, dim)
     head_dim = q.shape[-1]
     if head_dim >= FLEX_MIN_HEAD_DIM:
         return fn(q, k_all, v_all, cache_lens, tree_mask, scale)
@@ -446,5 +507,7 @@ class StaticContext:
         v_all = cache.v[layer, self.rows]
         scale = cache.head_dim**-0.5
         if self.impl == "flex":
-            return flex_attention_by_lens(q, k_all, v_all, self.cache_lens, self.tree_mask, scale)
+            return flex_attention_by_lens(
+                q, k_all, v_all, self.cache_lens, self.tree_mask, scale, is_static_batch=True
+            )
         return grouped_attention(q, k_all, v_all, self.mask, scale)
