@@ -60,6 +60,35 @@ def test_profile_stage_writes_a_profile_tltsim_reads(tmp_path):
     assert len(files_back(out)) <= 8
 
 
+def test_stage_all_runs_every_step_in_one_call_and_packs_what_comes_back(tmp_path):
+    import tarfile
+
+    out = tmp_path / "all"
+    result = run("all", out, SMOKE="1", TOTAL_S="400")
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = (out / "steps.txt").read_text()
+    for name in ("pytest_gpu", "bench_gpu_engine", "checkpoint", "profile", "bench_kernels"):
+        assert f"{name}: exit 0" in steps, steps
+    assert "packed the logs" in steps
+    # what a device call brings back: steps.txt, the profile and one archive of the rest
+    assert sorted(p.name for p in files_back(out)) == [
+        "profile_tiny.csv", "profile_tiny.json", "results.tgz", "steps.txt"
+    ]  # fmt: skip
+    with tarfile.open(out / "results.tgz") as tar:
+        names = tar.getnames()
+    assert "./gpu_engine/bench_gpu_engine.json" in names and "./pytest_gpu.log" in names
+    assert "=== bench_gpu_engine" in result.stdout  # the tables, on standard output
+
+
+def test_stage_all_skips_what_its_deadline_leaves_no_time_for(tmp_path):
+    out = tmp_path / "late"
+    result = run("all", out, SMOKE="1", TOTAL_S="20")  # 15 s stay for packing: 5 s for steps
+    assert result.returncode == 1
+    steps = (out / "steps.txt").read_text()
+    assert "pytest_gpu: skipped, no time left" in steps
+    assert "failed: pytest_gpu bench_gpu_engine checkpoint profile bench_kernels" in steps
+
+
 def test_a_failing_step_is_named_and_the_others_still_run(tmp_path):
     out = tmp_path / "bad"
     # a python that cannot import the project: every step fails, each under its own name
