@@ -119,11 +119,16 @@ if [ "$STAGE" != engine ]; then
     fi
   fi
   step checkpoint 90 "$PY" benchmarks/random_checkpoint.py "${shape[@]}" --out "$CKPT"
-  step profile 300 "$PY" -m tltrun profile --model "$CKPT/target" --drafter "$CKPT/drafter" \
-    --out "$OUT/profile_$name.csv" --no-progress-shown "${prof[@]}"
+  # no timing round starts after the budget (the rounds done are kept and written): the
+  # round in flight, the train ops' first round and the loading fit in what the limit leaves
+  limit=$(limit_left 300)
+  prof+=(--time-budget-s $((limit > 150 ? limit - 90 : (limit > 2 ? limit / 2 : 1))))
+  step profile "$limit" "$PY" -m tltrun profile --model "$CKPT/target" \
+    --drafter "$CKPT/drafter" --out "$OUT/profile_$name.csv" --no-progress-shown "${prof[@]}"
   if [[ " ${failed[*]} " == *" profile "* ]] && [ "$SMOKE" != 1 ]; then
     # the engine's default attention failed: the same grid with the dense masked SDPA
-    step profile_sdpa 300 "$PY" -m tltrun profile --model "$CKPT/target" \
+    limit=$(limit_left 300)
+    step profile_sdpa "$limit" "$PY" -m tltrun profile --model "$CKPT/target" \
       --drafter "$CKPT/drafter" --out "$OUT/profile_${name}_sdpa.csv" --no-progress-shown \
       "${prof[@]}" --attn-impl sdpa
   fi

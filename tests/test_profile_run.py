@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import time
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from tltrun.cli.main import main
 from tltrun.model.drafter import EagleDrafter, export_vllm
 from tltrun.model.hf_checkpoint import save_hf
 from tltrun.profile.measure import ProfileRunConfig, run_profile
-from tltrun.profile.timing import Measure
+from tltrun.profile.timing import Measure, Series
 from tltrun.profile.torch_engine import EngineProbe, fill_engine
 from tltrun.rollout.engine import RolloutEngine
 from tltrun.rollout.engine_config import EngineConfig
@@ -341,3 +342,27 @@ def test_vllm_profile_of_a_running_engine_interleaves_the_callers_rollouts(tmp_p
             profile_vllm(cfg, measure, lambda what: None, rollout, backend.with_control("table"))
     finally:
         backend.close()
+
+
+def test_a_deadline_ends_the_rounds_but_keeps_the_completed_ones():
+    """A profile under a time limit: no round starts after the deadline, and every series keeps
+    the rounds it completed (at least the first), so the profile is written with fewer samples
+    rather than killed with none."""
+    calls = []
+    series = [Series((k,), lambda k=k: calls.append(k), num_calls=1) for k in "ab"]
+    passed = Measure(0, 5, "mean", deadline=time.perf_counter() - 1.0)  # already past
+    timed = passed.interleaved(series)
+    assert [len(v) for v in timed.values()] == [1, 1] and calls == ["a", "b"]
+    far = Measure(0, 5, "mean", deadline=time.perf_counter() + 3600.0)
+    assert [len(v) for v in far.interleaved(series).values()] == [5, 5]
+
+
+def test_profile_with_a_time_budget_writes_rows_of_fewer_samples(model_dirs, tmp_path):
+    target, drafter = model_dirs
+    out = tmp_path / "p.csv"
+    run_profile(tiny_grid(target, drafter, out, time_budget_s=1e-3), NOW)
+    profile = load_profile(out)
+    assert set(profile.ops) == set(OPS)
+    assert {r.num_repeats for r in profile.rows} == {1}  # of the grid's 3
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert meta["config"]["time_budget_s"] == 1e-3 and meta["flex_fallbacks"] == []

@@ -60,6 +60,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -68,6 +69,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from tltrun.model import kvcache
 from tltrun.profile.timing import CLOCKS, STATISTICS, Measure, Series
 from tltsim.cost.profile import ProfileRow, write_profile
 from tltsim.errors import UsageError
@@ -176,9 +178,20 @@ class ProfileRunConfig:
     vllm_kv_cache_bytes: int = field(
         default=1 << 30, metadata={"help": "vllm only: KV cache bytes of the profiling engine"}
     )
+    # a device call, a CI job: a limit the whole profile must end within
+    time_budget_s: float | None = field(
+        default=None,
+        metadata={
+            "help": "start no further timing round after this many seconds: every point keeps "
+            "the rounds it completed (at least one; each row's samples say how many), and the "
+            "profile is written (default: all --num-repeats rounds)"
+        },
+    )
     is_progress_shown: bool = field(default=True, metadata={"help": "show a progress bar"})
 
     def __post_init__(self) -> None:
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise ValueError(f"--time-budget-s must be > 0 seconds, got {self.time_budget_s}")
         for name in ("model", "out"):
             if not getattr(self, name):
                 raise ValueError(f"--{name} is required")
@@ -344,6 +357,10 @@ def profile_meta(cfg: ProfileRunConfig, now: datetime.datetime) -> dict[str, Any
         # longest context (tltrun.model.kvcache.CacheContext); its flex attention, like vLLM's
         # paged one, reads each sequence's own (tltsim.cost.profile: attention_context)
         "attention_context": _torch_attention_context(cfg) if cfg.backend == "torch" else "summed",
+        # shapes whose compiled flex attention failed and ran the dense masked SDPA instead
+        "flex_fallbacks": [
+            {"shape": list(map(str, k)), "reason": why} for k, why in kvcache.flex_fallbacks.items()
+        ],
         "config": asdict(cfg),
     }
 
@@ -367,7 +384,8 @@ def run_profile(
     if cfg.dtype not in DTYPES:
         raise UsageError(f"--dtype {cfg.dtype}: expected one of {', '.join(DTYPES)}")
     torch.set_num_threads(cfg.num_threads)
-    measure = Measure(cfg.num_warmup, cfg.num_repeats, cfg.statistic, cfg.clock)
+    deadline = None if cfg.time_budget_s is None else time.perf_counter() + cfg.time_budget_s
+    measure = Measure(cfg.num_warmup, cfg.num_repeats, cfg.statistic, cfg.clock, deadline)
     target = load_hf(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
     drafter = load_drafter(cfg.drafter, target) if cfg.drafter else None
     with tqdm(

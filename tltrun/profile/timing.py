@@ -48,6 +48,9 @@ class Measure:
     num_repeats: int
     statistic: str
     clock: str = "wall"
+    # time.perf_counter() after which no further round starts (each series keeps the rounds it
+    # completed, at least one): a profile under a time limit ends with fewer samples, not none
+    deadline: float | None = None
 
     def samples(
         self,
@@ -94,6 +97,10 @@ class Measure:
                 if between_series is not None:
                     between_series(r, i, len(series))
             between_rounds(r)
+            if self.deadline is not None and time.perf_counter() > self.deadline:
+                if r + 1 < self.num_repeats:
+                    progress(f"time budget: {r + 1} of {self.num_repeats} rounds")
+                break
         return {key: np.asarray(v) for key, v in out.items()}
 
     def row(self, op: str, batch: int, context: int, tokens_per_seq: int, samples) -> ProfileRow:
