@@ -428,13 +428,14 @@ class CacheContext:
             # past each sequence's length are skipped, so the width costs nothing
             self.key_len = cache.max_tokens
         self.is_in_place = impl in ("sdpa", "flex") and self.key_len <= cache.max_tokens
+        if self.is_in_place and impl == "sdpa":
+            self.mask = in_place_mask(self.cache_lens, self.key_len, self.tree_mask)
+        # slots in one contiguous range (the engine keeps a running batch in 0..n-1) are read
+        # as a view of the cache: no copy of the context per layer
         self.slot_range: slice | None = None
-        if self.is_in_place:
-            if impl == "sdpa":
-                self.mask = in_place_mask(self.cache_lens, self.key_len, self.tree_mask)
-            first = int(slots[0]) if batch else 0
-            if torch.equal(slots, torch.arange(first, first + batch, device=device)):
-                self.slot_range = slice(first, first + batch)
+        first = int(slots[0]) if batch else 0
+        if torch.equal(slots, torch.arange(first, first + batch, device=device)):
+            self.slot_range = slice(first, first + batch)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not self.is_in_place:
@@ -452,8 +453,11 @@ class CacheContext:
 
     def _attend_separately(self, layer: int, q, k, v) -> torch.Tensor:
         cache = self.cache
-        k_ctx = cache.k[layer, self.slots, :, : self.context_len]  # (B,Hkv,L,D) copy
-        v_ctx = cache.v[layer, self.slots, :, : self.context_len]
+        # (B,Hkv,L,D): a view for a slot range (the kernels read each sequence's own length
+        # through the strides), else a gathered copy
+        rows = self.slot_range if self.slot_range is not None else self.slots
+        k_ctx = cache.k[layer, rows, :, : self.context_len]
+        v_ctx = cache.v[layer, rows, :, : self.context_len]
         scale = cache.head_dim**-0.5
         if self.impl in ("sdpa", "flex"):  # a padded region past the cache end: rare
             return masked_attention(q, k_ctx, v_ctx, self.cache_lens, k, v, self.tree_mask, scale)
