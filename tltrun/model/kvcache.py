@@ -423,9 +423,11 @@ class CacheContext:
         # gather. The kernels' API takes the new keys separately (``_attend_kernel``); so does
         # a forward whose padded region would run past the end of the cache.
         self.key_len = self.context_len + num_tokens
-        if impl == "flex" and device.type == "cuda":
+        if impl == "flex" and device.type == "cuda" and num_tokens <= FLEX_MAX_NEW_TOKENS:
             # the whole slot width: one compiled kernel shape per (batch, new tokens); blocks
-            # past each sequence's length are skipped, so the width costs nothing
+            # past each sequence's length are skipped, so the width costs nothing. A longer
+            # prefill runs the dense masked SDPA (flex_attention_by_lens): over the context, not
+            # the slot width
             self.key_len = cache.max_tokens
         self.is_in_place = impl in ("sdpa", "flex") and self.key_len <= cache.max_tokens
         if self.is_in_place and impl == "sdpa":
