@@ -243,7 +243,7 @@ def flex_attention_by_lens(
     is_folded = (
         is_static_batch
         and b <= FLEX_DECODING_MAX_BATCH
-        and num_heads // k_all.shape[1] * tq < FLEX_BLOCK_TOKENS
+        and num_heads // k_all.shape[1] * new_tokens_bucket(tq) < FLEX_BLOCK_TOKENS
     )
     key = (q.dtype, b, tq, k_all.shape[2], head_dim, is_folded)
     if tq <= FLEX_MAX_NEW_TOKENS and key not in flex_fallbacks:
@@ -265,24 +265,47 @@ def flex_attention_by_lens(
     return grouped_attention(q, k_all, v_all, mask, scale)
 
 
+def new_tokens_bucket(num_tokens: int) -> int:
+    """The number of new tokens the compiled flex kernel is built for: the next power of two.
+    An eager SD iteration's drafter catch-up feeds 1 .. draft_steps + 1 pairs, a different
+    count as acceptance varies, and each count would be its own compile (seconds, mid-rollout);
+    bucketed, a run compiles at most eight."""
+    return 1 << (num_tokens - 1).bit_length()
+
+
 def _compiled_call(
     q, k_all, v_all, cache_lens, tree_mask, scale: float, is_folded: bool
 ) -> torch.Tensor:
     import torch._dynamo
 
     fn = _compiled_flex_folded() if is_folded else _compiled_flex_by_lens()
-    marks = [(q, 2), (tree_mask, 1), (tree_mask, 2)]
-    if is_folded:
-        marks += [(q, 0), (k_all, 0), (v_all, 0), (cache_lens, 0), (tree_mask, 0)]
-    for t, dim in marks:
+    b, _, tq, head_dim = q.shape
+    padded = new_tokens_bucket(tq)
+    if padded > tq:
+        # padding query rows, discarded after: each sees the committed keys and its own
+        # position (never a real row's new keys: the real rows' mask columns stay False)
+        q = F.pad(q, (0, 0, 0, padded - tq))
+        mask = torch.zeros(b, padded, padded, dtype=torch.bool, device=q.device)
+        mask[:, :tq, :tq] = tree_mask
+        extra = torch.arange(tq, padded, device=q.device)
+        mask[:, extra, extra] = True
+        tree_mask = mask
+    if head_dim < FLEX_MIN_HEAD_DIM:
+        # zero-padded dims add nothing to q.k, and the padded output columns are dropped
+        pad = (0, FLEX_MIN_HEAD_DIM - head_dim)
+        q, k_all, v_all = F.pad(q, pad), F.pad(k_all, pad), F.pad(v_all, pad)
+    for t, dim in ((q, 2), (tree_mask, 1), (tree_mask, 2)):
         torch._dynamo.mark_static(t, dim)
-    head_dim = q.shape[-1]
-    if head_dim >= FLEX_MIN_HEAD_DIM:
-        return fn(q, k_all, v_all, cache_lens, tree_mask, scale)
-    # zero-padded dims add nothing to q.k, and the padded output columns are dropped
-    pad = (0, FLEX_MIN_HEAD_DIM - head_dim)
-    out = fn(F.pad(q, pad), F.pad(k_all, pad), F.pad(v_all, pad), cache_lens, tree_mask, scale)
-    return out[..., :head_dim]
+    batched = (q, k_all, v_all, cache_lens, tree_mask)
+    for t in batched:
+        if is_folded:  # one compile per graph bucket: the split-KV kernel needs it static
+            torch._dynamo.mark_static(t, 0)
+        else:  # symbolic from the first compile on (sizes 1 and 0 aside)
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    for t in (k_all, v_all):
+        torch._dynamo.maybe_mark_dynamic(t, 2)  # the key width: each engine's slot width
+    out = fn(q, k_all, v_all, cache_lens, tree_mask, scale)
+    return out[:, :, :tq, :head_dim]
 
 
 def causal_mask(batch: int, num_tokens: int, device: torch.device | str) -> torch.Tensor:
