@@ -206,6 +206,16 @@ def test_compiled_flex_matches_the_dense_reference_across_shapes(monkeypatch):
         out = kvcache.flex_attention_by_lens(*args, is_static_batch=is_static)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert kvcache.flex_fallbacks == {}
+    # new-token counts of one power-of-two bucket share a compile (5 and 6 -> 8), and so do
+    # other batches and key widths
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    for b, tq, key_len in [(3, 6, 260), (5, 7, 333), (6, 8, 301)]:
+        args, expected = _flex_case(b, tq, key_len, 16)
+        torch.testing.assert_close(kvcache.flex_attention_by_lens(*args), expected,
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+    assert counters["stats"]["unique_graphs"] == before
 
 
 @pytest.mark.parametrize("is_folded", [False, True])
