@@ -298,11 +298,13 @@ def bench_sd(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
     for shape in cfg.sd_shapes:
         model = build_model(shape, device, dtype, cfg.seed)
         drafter = EagleDrafter.for_target(model, seed=cfg.seed)
-        for strategy in cfg.sd_strategies:
-            decision = SpecDecision.parse(strategy)
-            for batch in batch_buckets(threshold):
-                if cfg.is_smoke and batch > 2:
-                    break
+        buckets = [b for b in batch_buckets(threshold) if not (cfg.is_smoke and b > 2)]
+        # the ends of the range first, then the middle: a run cut short by its budget still
+        # spans it; every strategy at a batch before the next batch
+        order = sorted(buckets, key=lambda b: (b not in (buckets[0], buckets[-1]), b))
+        for batch in order:
+            for strategy in cfg.sd_strategies:
+                decision = SpecDecision.parse(strategy)
                 row = {"shape": shape, "strategy": strategy, "batch": batch}
                 if budget.is_over:
                     rows.append({**row, "note": SKIPPED})
@@ -324,6 +326,7 @@ def bench_sd(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
                 rows.append(row)
         del model, drafter
         release(device)
+    rows.sort(key=lambda r: (r["shape"], cfg.sd_strategies.index(r["strategy"]), r["batch"]))
     return rows
 
 
@@ -367,18 +370,19 @@ def bench_pool(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
 
     decode = CapturePlan(decode_buckets=plan.decode_buckets)
     rows = []
-    for name, plans in (
+    single_name = f"single strategy ({strategies[0]})"
+    for name, plans in (  # the target (bucketed vs single) first: a budget cut spares it
         ("bucketed (TLT plan, one pool)", [plan]),
-        ("naive (a pool per strategy, every bucket)", [decode] + [every_bucket(s) for s in strategies]),
-        (f"single strategy ({strategies[0]})", [dataclasses.replace(
+        (single_name, [dataclasses.replace(
             every_bucket(strategies[0]), decode_buckets=plan.decode_buckets)]),
+        ("naive (a pool per strategy, every bucket)", [decode] + [every_bucket(s) for s in strategies]),
     ):  # fmt: skip
         if budget.is_over:
             rows.append({"pool": name, "note": SKIPPED})
             continue
         used, num = measure(plans)
         rows.append({"pool": name, "num_graphs": num, "memory_gib": used / 2**30})
-    single = rows[2].get("memory_gib")
+    single = next(r for r in rows if r["pool"] == single_name).get("memory_gib")
     for row in rows:
         if single and "memory_gib" in row:
             row["vs_single"] = row["memory_gib"] / single
