@@ -49,7 +49,7 @@ from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.graphs import CapturePlan, GraphPool, batch_buckets, capture_plan
 from tltrun.rollout.interface import SamplingParams
 from tltsim.cli.table import format_table
-from tltsim.policy import SpecDecision, StaticSpec, TLTAdaptive
+from tltsim.policy import NoSpec, SpecDecision, SpecPolicy, StaticSpec, TLTAdaptive
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is not a package
 from gpu_engine_models import (  # noqa: E402
@@ -185,7 +185,8 @@ def time_forward(engine: RolloutEngine, batch: int, cfg: BenchConfig) -> float |
 
 
 def make_engine(model, drafter, batch: int, context: int, is_graphs: bool, cfg: BenchConfig,
-                max_verify_tokens: int = 1) -> tuple[RolloutEngine, EngineProbe]:  # fmt: skip
+                max_verify_tokens: int = 1,
+                policy: SpecPolicy | None = None) -> tuple[RolloutEngine, EngineProbe]:  # fmt: skip
     margin = cfg.warmup_iters + cfg.timed_iters + 2
     margin *= 1 + max_verify_tokens  # SD iterations emit up to verify depth + 1 tokens
     engine = RolloutEngine(
@@ -203,6 +204,8 @@ def make_engine(model, drafter, batch: int, context: int, is_graphs: bool, cfg: 
             max_verify_tokens=max_verify_tokens,
         ),
     )
+    # one pool for the probe's NoSpec set-up and the timed policy: one capture, not two
+    engine.prepare_graphs([NoSpec()] + ([policy] if policy is not None else []))
     gen = torch.Generator(engine.device).manual_seed(cfg.seed)
     fill_random(engine, context, gen)
     probe = EngineProbe(engine, batch, context, margin, torch.Generator().manual_seed(cfg.seed))
@@ -311,10 +314,11 @@ def bench_sd(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
                     continue
                 try:
                     for mode, is_graphs in (("eager", False), ("graphs", True)):
+                        policy = StaticSpec(strategy=strategy)
                         engine, probe = make_engine(model, drafter, batch, cfg.sd_context,
-                                                    is_graphs, cfg,
-                                                    max_verify_tokens=decision.verify_tokens)  # fmt: skip
-                        step_s = time_iterations(engine, probe, StaticSpec(strategy=strategy), cfg)
+                                                    is_graphs, cfg, decision.verify_tokens,
+                                                    policy)  # fmt: skip
+                        step_s = time_iterations(engine, probe, policy, cfg)
                         row[f"{mode}_ms"] = 1e3 * step_s
                         del engine, probe
                         release(device)

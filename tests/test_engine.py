@@ -559,3 +559,25 @@ def test_a_group_prefills_its_prompt_once():
     # the drafter's re-prefill feeds each group's 19 prompt pairs once instead of 4 times;
     # drafting itself (accept-dependent, the same with both settings) cancels in the difference
     assert computed[False][1] - computed[True][1] == 9 * 19
+
+
+def test_one_prepared_pool_serves_every_policy_without_a_new_capture():
+    """``prepare_graphs`` captures the union of several policies' plans once; rollouts under
+    each policy then keep that pool (a profile alternates policies between series: on CUDA
+    each switch used to capture anew) and emit what the eager engine emits."""
+    reqs = make_requests(4, seed=31)
+    policies = [NoSpec(), StaticSpec(3, 2, 6), StaticSpec(4, 1, 4)]
+    eng = engine(DRAFTER, cuda_graphs=True)
+    eng.prepare_graphs(policies)
+    pool = eng.graphs
+    assert pool is not None
+    for policy in policies + [NoSpec()]:
+        want = engine(DRAFTER).generate(reqs, policy)
+        got = eng.generate(reqs, policy)
+        assert [o.output_token_ids for o in got.outputs] == [
+            o.output_token_ids for o in want.outputs
+        ]
+        assert eng.graphs is pool  # covered: nothing rebuilt
+    # a policy outside the union still gets its own pool
+    eng.generate(reqs, StaticSpec(2, 1, 2))
+    assert eng.graphs is not pool

@@ -216,6 +216,9 @@ def profile_torch(
             max_verify_tokens=max([d.verify_tokens for d in decisions], default=1),
         ),
     )
+    # one graph pool for every policy the series alternate between (CUDA): each series'
+    # rollback would otherwise capture its policy's pool anew
+    engine.prepare_graphs([NoSpec(), *(StaticSpec(strategy=d.strategy) for d in decisions)])
     series: list[Series] = []
     with torch.no_grad():
         fill_engine(engine, max(cfg.context_per_seq), gen)

@@ -62,7 +62,7 @@ from tltrun.model.kvcache import KVCache
 from tltrun.model.transformer import Transformer
 from tltrun.rollout.draft_graphs import draft_sources
 from tltrun.rollout.engine_config import DTYPES, EngineConfig
-from tltrun.rollout.graphs import GraphPool, StaticForward, capture_plan
+from tltrun.rollout.graphs import CapturePlan, GraphPool, StaticForward, capture_plan
 from tltrun.rollout.interface import IterationRecord, Request, RolloutResult
 from tltrun.rollout.prefill import eagle_draft, prefill_prompts, reprefill_stale, slots_of
 from tltrun.rollout.rollout_history import RolloutHistory
@@ -212,16 +212,26 @@ class RolloutEngine:
             shares_prompts=self.config.share_prompts,
         )
 
-    def _prepare_graphs(self, policy: SpecPolicy) -> None:
-        """The pool for ``policy``'s capture plan: kept if the plan is unchanged, else rebuilt
+    def prepare_graphs(self, policies: list[SpecPolicy]) -> None:
+        """Capture one pool serving every policy of ``policies`` (the union of their plans),
+        for a caller that alternates policies between rollouts (``tltrun profile``, the GPU
+        benchmark): their rollouts then capture nothing. Between rollouts only, as
+        ``start_rollout``; nothing without the graph pool (CPU default, ``--eager``)."""
+        if self.config.is_using_graphs:
+            self._prepare_graphs(*policies)
+
+    def _prepare_graphs(self, *policies: SpecPolicy) -> None:
+        """The pool for the policies' capture plan: kept if its plan covers it, else rebuilt
         (captured on CUDA). Called between rollouts only: capture writes scratch KV entries
         into free slots."""
         cfg = self.config
         if cfg.attention not in ("sdpa", "flex"):  # the kernels' paths stay eager
             return
         sizes, is_drafting = cfg.graph_batch_sizes or None, self.drafter is not None
-        plan = capture_plan(policy, cfg.max_running_requests, sizes, is_drafting=is_drafting)
-        if self.graphs is not None and self.graphs.plan == plan:
+        plan = CapturePlan.union(
+            [capture_plan(p, cfg.max_running_requests, sizes, is_drafting) for p in policies]
+        )
+        if self.graphs is not None and self.graphs.plan.covers(plan):
             return
         self.graphs = None  # the old pool's memory goes back before the new one is captured
         is_capturing = self.device.type == "cuda"

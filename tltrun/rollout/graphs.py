@@ -97,6 +97,24 @@ class CapturePlan:
     def draft_bucket(self, batch: int, strategy: str) -> int | None:
         return bucket_for(batch, tuple(b for b, s in self.draft_graphs if s == strategy))
 
+    def covers(self, other: CapturePlan) -> bool:
+        """Whether every graph of ``other`` is in this plan: a pool captured for this plan
+        serves ``other``'s policy (at least as finely bucketed), with no capture of its own."""
+        return (
+            set(other.decode_buckets) <= set(self.decode_buckets)
+            and set(other.spec_graphs) <= set(self.spec_graphs)
+            and set(other.draft_graphs) <= set(self.draft_graphs)
+        )
+
+    @staticmethod
+    def union(plans: list[CapturePlan]) -> CapturePlan:
+        """One plan with every graph of ``plans``."""
+        return CapturePlan(
+            decode_buckets=tuple(sorted({b for p in plans for b in p.decode_buckets})),
+            spec_graphs=tuple(sorted({g for p in plans for g in p.spec_graphs})),
+            draft_graphs=tuple(sorted({g for p in plans for g in p.draft_graphs})),
+        )
+
     def only(self, strategies: tuple[str, ...], is_decode: bool = True) -> CapturePlan:
         """This plan restricted to ``strategies`` (and its decode graphs if ``is_decode``): the
         single-strategy and per-strategy pools of ``benchmarks/bench_gpu_engine.py``."""
