@@ -6,6 +6,9 @@ What it measures, each in the same run:
 
 * ``copy``: device-to-device copy bandwidth (bytes read + written / time): the HBM roofline's
   bandwidth, measured rather than taken from a datasheet.
+Each eager-vs-graphs figure is the median of ``--repeats`` (3) timings with the two engines
+alternating, the ratio's min-max printed beside it.
+
 * ``decode``: tokens/s of the engine's own decode iteration (``RolloutEngine.step`` with SD off:
   policy call, forward, sampling, bookkeeping) at each batch and context, eager vs graphs; at
   batch 1 also the fraction of the HBM roofline, (weight bytes + KV bytes read per token) /
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import time
 import traceback
@@ -81,6 +85,9 @@ class BenchConfig:
     hf_new_tokens: int = 64
     warmup_iters: int = 3
     timed_iters: int = 20
+    # timings per engine, eager and graphs alternating: a cell's figure is their median, its
+    # spread the min-max (issue standard: a target's figure is a median of >= 3 runs)
+    repeats: int = 3
     seed: int = 0
     attn_impl: str | None = None  # None: the engine's default (flex on CUDA)
     # seconds after which remaining configurations are skipped (noted in their rows), so the
@@ -101,6 +108,9 @@ def parse_config(argv: list[str] | None) -> BenchConfig:
     p.add_argument("--smoke", action="store_true", help="tiny model, tiny sizes: checks the script")
     p.add_argument("--out_dir", default=BenchConfig.out_dir, help="where the JSON goes")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, caches and sampling")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timings per engine, eager and graphs alternating (default 3; 1 with "
+                   "--smoke)")  # fmt: skip
     p.add_argument(
         "--attn-impl",
         default=None,
@@ -114,8 +124,11 @@ def parse_config(argv: list[str] | None) -> BenchConfig:
         help="skip what remains after this many seconds (the JSON is still written)",
     )
     a = p.parse_args(argv)  # fmt: skip
+    if a.repeats is not None and a.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {a.repeats}")
+    repeats = a.repeats if a.repeats is not None else 1 if a.smoke else BenchConfig.repeats
     base = dict(device=a.device, seed=a.seed, out_dir=a.out_dir, attn_impl=a.attn_impl,
-                budget_s=a.budget_s)  # fmt: skip
+                budget_s=a.budget_s, repeats=repeats)  # fmt: skip
     if a.smoke:
         return BenchConfig(**base, shapes=("tiny",), batches=(1, 4), contexts=(32,),
                            sd_shapes=("tiny",), sd_strategies=("2_1_2", "3_2_4"), sd_context=32,
@@ -156,6 +169,23 @@ def time_iterations(engine: RolloutEngine, probe: EngineProbe, policy, cfg: Benc
 
 
 MAX_TIMINGS = 4
+
+
+def time_alternating(pairs: dict[str, tuple[RolloutEngine, EngineProbe]], policy,
+                     cfg: BenchConfig) -> dict[str, list[float]]:  # fmt: skip
+    """``cfg.repeats`` timings of each engine (``time_iterations``), the engines alternating, so
+    a slow spell of the machine reaches every contender alike."""
+    seconds: dict[str, list[float]] = {mode: [] for mode in pairs}
+    for _ in range(cfg.repeats):
+        for mode, (engine, probe) in pairs.items():
+            seconds[mode].append(time_iterations(engine, probe, policy, cfg))
+    return seconds
+
+
+def ratio_spread(num: list[float], den: list[float]) -> tuple[float, str]:
+    """The median of the per-repeat ratios num/den, and their range as text."""
+    ratios = sorted(n / d for n, d in zip(num, den, strict=True))
+    return statistics.median(ratios), f"{ratios[0]:.2f}-{ratios[-1]:.2f}x"
 
 
 def compile_count() -> int:
@@ -260,26 +290,31 @@ def bench_decode(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budg
                     rows.append({**row, "note": SKIPPED})
                     continue
                 logits_bytes = 4 * batch * model.config.vocab_size * 4
-                if not fits(model, batch, context + 64, logits_bytes, device):
+                # the eager and the graphs engine are alive together: two KV caches
+                if not fits(model, batch, 2 * (context + 64), 2 * logits_bytes, device):
                     rows.append({**row, "note": "KV cache does not fit"})
                     continue
                 try:
-                    for mode, is_graphs in (("eager", False), ("graphs", True)):
-                        engine, probe = make_engine(model, None, batch, context, is_graphs, cfg)
-                        step_s = time_iterations(engine, probe, None, cfg)
-                        row[f"{mode}_tokens_per_s"] = batch / step_s
-                        if is_graphs:
-                            row["step_ms"] = 1e3 * step_s
-                            forward_s = time_forward(engine, batch, cfg)
-                            if forward_s is not None:
-                                row["forward_ms"] = 1e3 * forward_s
-                        del engine, probe
-                        release(device)
+                    pairs = {
+                        mode: make_engine(model, None, batch, context, is_graphs, cfg)
+                        for mode, is_graphs in (("eager", False), ("graphs", True))
+                    }
+                    seconds = time_alternating(pairs, None, cfg)
+                    for mode, samples in seconds.items():
+                        row[f"{mode}_tokens_per_s"] = batch / statistics.median(samples)
+                    row["step_ms"] = 1e3 * statistics.median(seconds["graphs"])
+                    forward_s = time_forward(pairs["graphs"][0], batch, cfg)
+                    if forward_s is not None:
+                        row["forward_ms"] = 1e3 * forward_s
+                    del pairs
+                    release(device)
                 except Exception as e:  # noqa: BLE001 -- one cell's failure is its row's note
                     rows.append({**row, "note": failure(e)})
                     release(device)
                     continue
-                row["graph_speedup"] = row["graphs_tokens_per_s"] / row["eager_tokens_per_s"]
+                row["graph_speedup"], row["graph_speedup_range"] = ratio_spread(
+                    seconds["eager"], seconds["graphs"]
+                )
                 if batch == 1:
                     weight_bytes = weight_bytes_per_token(model)
                     kv_token = kv_bytes_per_token(model.config, dtype)
@@ -313,20 +348,32 @@ def bench_sd(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
                     rows.append({**row, "note": SKIPPED})
                     continue
                 try:
-                    for mode, is_graphs in (("eager", False), ("graphs", True)):
-                        policy = StaticSpec(strategy=strategy)
-                        engine, probe = make_engine(model, drafter, batch, cfg.sd_context,
-                                                    is_graphs, cfg, decision.verify_tokens,
-                                                    policy)  # fmt: skip
-                        step_s = time_iterations(engine, probe, policy, cfg)
-                        row[f"{mode}_ms"] = 1e3 * step_s
-                        del engine, probe
-                        release(device)
+                    policy = StaticSpec(strategy=strategy)
+                    pairs = {
+                        mode: make_engine(
+                            model,
+                            drafter,
+                            batch,
+                            cfg.sd_context,
+                            is_graphs,
+                            cfg,
+                            decision.verify_tokens,
+                            policy,
+                        )  # fmt: skip
+                        for mode, is_graphs in (("eager", False), ("graphs", True))
+                    }
+                    seconds = time_alternating(pairs, policy, cfg)
+                    for mode, samples in seconds.items():
+                        row[f"{mode}_ms"] = 1e3 * statistics.median(samples)
+                    del pairs
+                    release(device)
                 except Exception as e:  # noqa: BLE001 -- one cell's failure is its row's note
                     rows.append({**row, "note": failure(e)})
                     release(device)
                     continue
-                row["graph_speedup"] = row["eager_ms"] / row["graphs_ms"]
+                row["graph_speedup"], row["graph_speedup_range"] = ratio_spread(
+                    seconds["eager"], seconds["graphs"]
+                )
                 rows.append(row)
         del model, drafter
         release(device)
@@ -478,14 +525,15 @@ def main(argv: list[str] | None = None) -> int:
         ("decode", lambda b: bench_decode(cfg, device, dtype, bandwidth, b),
          {"shape": "shape", "context": "context", "batch": "batch", "eager_tokens_per_s": "eager tok/s",
           "graphs_tokens_per_s": "graphs tok/s", "graph_speedup": "graphs/eager",
-          "roofline_fraction": "of roofline", "step_ms": "step ms", "forward_ms": "graph ms",
+          "graph_speedup_range": "range", "roofline_fraction": "of roofline", "step_ms": "step ms", "forward_ms": "graph ms",
           "forward_roofline_fraction": "graph of roofline", "note": "note"},
          {"eager_tokens_per_s": ",.0f", "graphs_tokens_per_s": ",.0f", "graph_speedup": "{:.2f}x",
           "roofline_fraction": ".0%", "step_ms": ".2f", "forward_ms": ".2f",
           "forward_roofline_fraction": ".0%"}),
         ("sd", lambda b: bench_sd(cfg, device, dtype, b),
          {"shape": "shape", "strategy": "strategy", "batch": "batch", "eager_ms": "eager ms",
-          "graphs_ms": "graphs ms", "graph_speedup": "graphs/eager", "note": "note"},
+          "graphs_ms": "graphs ms", "graph_speedup": "graphs/eager",
+          "graph_speedup_range": "range", "note": "note"},
          {"eager_ms": ".2f", "graphs_ms": ".2f", "graph_speedup": "{:.2f}x"}),
         ("pool", lambda b: bench_pool(cfg, device, dtype, b),
          {"pool": "pool", "num_graphs": "graphs", "memory_gib": "GiB", "vs_single": "vs single",
