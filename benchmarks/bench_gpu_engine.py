@@ -40,6 +40,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -182,6 +183,21 @@ def time_alternating(pairs: dict[str, tuple[RolloutEngine, EngineProbe]], policy
     return seconds
 
 
+def time_cell(make, policy, cfg: BenchConfig, device, on_graphs=None):
+    """One cell's eager and graphs engines (``make(is_graphs)``), both alive, timed alternating
+    (``time_alternating``); ``on_graphs(engine)`` then runs on the graphs engine. Returns the
+    timings and what ``on_graphs`` returned; the engines' memory goes back either way."""
+    pairs = {}
+    try:
+        for mode, is_graphs in (("eager", False), ("graphs", True)):
+            pairs[mode] = make(is_graphs)
+        seconds = time_alternating(pairs, policy, cfg)
+        return seconds, on_graphs(pairs["graphs"][0]) if on_graphs is not None else None
+    finally:
+        pairs.clear()
+        release(device)
+
+
 def ratio_spread(num: list[float], den: list[float]) -> tuple[float, str]:
     """The median of the per-repeat ratios num/den, and their range as text."""
     ratios = sorted(n / d for n, d in zip(num, den, strict=True))
@@ -295,23 +311,18 @@ def bench_decode(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budg
                     rows.append({**row, "note": "KV cache does not fit"})
                     continue
                 try:
-                    pairs = {
-                        mode: make_engine(model, None, batch, context, is_graphs, cfg)
-                        for mode, is_graphs in (("eager", False), ("graphs", True))
-                    }
-                    seconds = time_alternating(pairs, None, cfg)
-                    for mode, samples in seconds.items():
-                        row[f"{mode}_tokens_per_s"] = batch / statistics.median(samples)
-                    row["step_ms"] = 1e3 * statistics.median(seconds["graphs"])
-                    forward_s = time_forward(pairs["graphs"][0], batch, cfg)
-                    if forward_s is not None:
-                        row["forward_ms"] = 1e3 * forward_s
-                    del pairs
-                    release(device)
+                    seconds, forward_s = time_cell(
+                        partial(make_engine, model, None, batch, context, cfg=cfg), None, cfg,
+                        device, partial(time_forward, batch=batch, cfg=cfg),
+                    )  # fmt: skip
                 except Exception as e:  # noqa: BLE001 -- one cell's failure is its row's note
                     rows.append({**row, "note": failure(e)})
-                    release(device)
                     continue
+                for mode, samples in seconds.items():
+                    row[f"{mode}_tokens_per_s"] = batch / statistics.median(samples)
+                row["step_ms"] = 1e3 * statistics.median(seconds["graphs"])
+                if forward_s is not None:
+                    row["forward_ms"] = 1e3 * forward_s
                 row["graph_speedup"], row["graph_speedup_range"] = ratio_spread(
                     seconds["eager"], seconds["graphs"]
                 )
@@ -347,30 +358,16 @@ def bench_sd(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
                 if budget.is_over:
                     rows.append({**row, "note": SKIPPED})
                     continue
+                policy = StaticSpec(strategy=strategy)
                 try:
-                    policy = StaticSpec(strategy=strategy)
-                    pairs = {
-                        mode: make_engine(
-                            model,
-                            drafter,
-                            batch,
-                            cfg.sd_context,
-                            is_graphs,
-                            cfg,
-                            decision.verify_tokens,
-                            policy,
-                        )  # fmt: skip
-                        for mode, is_graphs in (("eager", False), ("graphs", True))
-                    }
-                    seconds = time_alternating(pairs, policy, cfg)
-                    for mode, samples in seconds.items():
-                        row[f"{mode}_ms"] = 1e3 * statistics.median(samples)
-                    del pairs
-                    release(device)
+                    make = partial(make_engine, model, drafter, batch, cfg.sd_context, cfg=cfg,
+                                   max_verify_tokens=decision.verify_tokens, policy=policy)  # fmt: skip
+                    seconds, _ = time_cell(make, policy, cfg, device)
                 except Exception as e:  # noqa: BLE001 -- one cell's failure is its row's note
                     rows.append({**row, "note": failure(e)})
-                    release(device)
                     continue
+                for mode, samples in seconds.items():
+                    row[f"{mode}_ms"] = 1e3 * statistics.median(samples)
                 row["graph_speedup"], row["graph_speedup_range"] = ratio_spread(
                     seconds["eager"], seconds["graphs"]
                 )
