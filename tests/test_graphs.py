@@ -274,9 +274,9 @@ def test_profiles_of_the_flex_engine_say_its_attention_is_not_padded():
     assert attention_context(None, "cpu") == "padded"  # the CPU default: dense SDPA
 
 
-def test_gpu_benchmark_script_runs_its_smoke_mode_on_cpu(tmp_path, capsys, monkeypatch):
+def load_gpu_bench(monkeypatch):
+    """benchmarks/bench_gpu_engine.py as a module (benchmarks/ is not a package)."""
     import importlib.util
-    import json
     import sys
     from pathlib import Path
 
@@ -285,6 +285,13 @@ def test_gpu_benchmark_script_runs_its_smoke_mode_on_cpu(tmp_path, capsys, monke
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench_gpu_engine", bench)  # dataclasses look it up
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_gpu_benchmark_script_runs_its_smoke_mode_on_cpu(tmp_path, capsys, monkeypatch):
+    import json
+
+    bench = load_gpu_bench(monkeypatch)
     assert bench.main(["--device", "cpu"]) == 0  # CPU without --smoke: measures nothing
     assert "only --smoke" in capsys.readouterr().out
     assert bench.main(["--device", "cpu", "--smoke", "--out_dir", str(tmp_path)]) == 0
@@ -295,7 +302,25 @@ def test_gpu_benchmark_script_runs_its_smoke_mode_on_cpu(tmp_path, capsys, monke
         r["eager_tokens_per_s"] > 0 and r["graphs_tokens_per_s"] > 0 for r in result["decode"]
     )
     assert [r["batch"] for r in result["sd"]] == [1, 2, 1, 2]
+    where = {r["mode"]: r for r in result["where"]}  # the batch-1 step, profiled
+    assert set(where) == {"graphs", "eager"}
+    for row in where.values():
+        assert row["busy_ms"] > 0 and row["kernels_per_step"] > 0 and row["gemm_ms"] > 0
+        assert row["top_kernels"][0]["ms_per_step"] >= row["top_kernels"][-1]["ms_per_step"]
+    assert "costliest kernels per decode step" in out
     assert "graphs/eager" in out and json.loads((tmp_path / "config.json").read_text())["is_smoke"]
+
+
+def test_gpu_benchmark_sorts_kernel_names_by_kind(monkeypatch):
+    kind = load_gpu_bench(monkeypatch).kernel_kind
+    assert kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64") == "gemm"
+    assert kind("void gemv2T_kernel_val<int, int, __nv_bfloat16, float, 128, 16>") == "gemm"
+    assert kind("triton_tem_fused_flex_attention_0") == "attention"
+    assert kind("void flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>>") == "attention"
+    assert kind("fmha_cutlassF_bf16_aligned_64x64_rf_sm80") == "attention"  # not a GEMM
+    assert kind("void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add>") == "other"
+    assert kind("aten::linear") == kind("aten::mm") == "gemm"
+    assert kind("aten::rms_norm") == "other"
 
 
 def test_eager_flag_turns_the_pool_off():
