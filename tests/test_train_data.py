@@ -12,6 +12,7 @@ worker processes that import torch).
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from tiny_models import tiny_model
 
 from tltrun.cli.main import main
@@ -276,3 +278,43 @@ def test_resume_after_sigkill_reproduces_the_rollouts(bpe_model, data_dir, tmp_p
     assert [r["data_position"] for r in log_rows(out)] == [
         r["data_position"] for r in log_rows(reference)
     ]
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=pytest.mark.slow),
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available(), reason="needs CUDA: bf16 training on a GPU"
+                ),
+            ],
+        ),
+    ],
+)
+def test_the_gpu_recipe_trains_one_worker_in_mixed_precision(bpe_model, data_dir, tmp_path, device):
+    """The README's GPU flags (--dtype bfloat16 --gradient-checkpointing
+    --max-tokens-per-microbatch) on one worker (NCCL takes one rank per GPU), TLT on: on CUDA
+    the engine decodes in bf16 and the actor trains under bf16 autocast over fp32 master weights
+    and optimizer state; on a CPU the same flags train in fp32 (the path CI checks, so a CUDA
+    failure is CUDA's)."""
+    out = tmp_path / device
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    cfg = config(bpe_model, out, data_dir / "train.jsonl", prompt_key="messages",
+                 device=device, dtype=dtype, gradient_checkpointing=True,
+                 max_tokens_per_microbatch=64, num_workers=1, prompt_split=(4,))  # fmt: skip
+    run_train(cfg, TaskConfig())
+    log = log_rows(out)
+    assert [r["step"] for r in log] == [0, 1]
+    assert all(r["reward_errors"] == 0 for r in log)
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in log)
+    assert any(r["sd_on_fraction"] > 0 for r in log)  # TLT drafted
+    assert len({r["actor_sha1"][0] for r in log}) == 2  # the actor moved
+    from safetensors import safe_open
+
+    with safe_open(str(out / "final" / "actor" / "model.safetensors"), "pt") as weights:
+        dtypes = {weights.get_tensor(name).dtype for name in weights.keys()}  # noqa: SIM118
+    assert dtypes == {torch.float32}  # the master weights, not the bf16 compute copy
