@@ -222,6 +222,7 @@ def grpo(args: argparse.Namespace) -> dict:
             reuse_runs=args.reuse_runs,
             tlt_buckets=args.tlt_buckets,
             tlt_explore_iters=args.tlt_explore_iters,
+            tlt_drafter_explore=args.tlt_drafter_explore,
             tlt_history_strategies=tuple(s for s in args.tlt_history_strategies.split(",") if s),
         )
         table = compare_runs(bt.run_all(cfg))
@@ -340,6 +341,12 @@ def main() -> None:
         type=int,
         default=1,
         help="--grpo: iterations a TLT bandit exploration holds its arm, as bench_train.py's",
+    )
+    parser.add_argument(
+        "--tlt-drafter-explore",
+        choices=("iteration", "rollout"),
+        default="iteration",
+        help="--grpo: when tlt-mix explores the other drafter, as bench_train.py's",
     )
     parser.add_argument(
         "--tlt-history-strategies",

@@ -130,6 +130,14 @@ class BenchTrainConfig:
     tlt_explore_iters: int = field(
         default=1, metadata={"help": "iterations a TLT bandit exploration holds its random arm"}
     )
+    # TLTConfig.drafter_explore of the tlt runs ("iteration": fastrl's rule for every arm). It
+    # matters only with two drafters (tlt-mix): "rollout" explores the other drafter's arms in
+    # an epsilon share of rollouts, so the drafter's re-prefill and catch-up that each switch
+    # costs on this CPU come in about one rollout in ten instead of nearly every one.
+    tlt_drafter_explore: str = field(
+        default="iteration",
+        metadata={"help": "when the tlt-mix bandit explores the other drafter: iteration, rollout"},
+    )
     # TLTConfig.history_strategies of the runs that draft from the history (tltbase, tlt-mix):
     # () pairs the history drafter with each bucket's tlt_strategies, as EAGLE.
     tlt_history_strategies: tuple[str, ...] = field(
@@ -290,6 +298,31 @@ def is_logged_through(train: TrainConfig) -> bool:
     return steps >= set(range(train.num_steps)) and weights.stat().st_mtime >= log.stat().st_mtime
 
 
+def reused_changes(train: TrainConfig) -> str:
+    """How ``train`` differs from the settings its run directory was trained with ("": no
+    difference, or no config.json there). A field the saved config lacks (added to TrainConfig
+    after that run) counts as its default: a finished tlt-mix run of older code must not stand
+    in for one asked for with a new setting."""
+    import dataclasses
+
+    from tltrun.train import state as train_state
+    from tltrun.train.config import RESUME_NEUTRAL_FIELDS
+
+    saved = train_state.effective_config(Path(train.out))
+    if saved is None or not dataclasses.is_dataclass(train):
+        return ""
+    old = dict(saved.get("train", {}))
+    for f in dataclasses.fields(train):
+        if f.name not in old and f.default is not dataclasses.MISSING:
+            old[f.name] = f.default
+    changed = train_state.config_diff(old, dataclasses.asdict(train))
+    return "; ".join(
+        f"{name}: {a!r} -> {b!r}"
+        for name, (a, b) in changed.items()
+        if name not in RESUME_NEUTRAL_FIELDS and name != "out"
+    )
+
+
 def runs_to_do(configs: dict[str, TrainConfig], reuse_runs: bool) -> tuple[list[str], dict]:
     """The runs still to train, and the steps each has checkpointed. Without ``reuse_runs``
     every run starts at step 0 (a run dir with checkpoints then stops with tltrun's "holds
@@ -311,6 +344,13 @@ def runs_to_do(configs: dict[str, TrainConfig], reuse_runs: bool) -> tuple[list[
             )
         )
     ]
+    for name, train in configs.items():
+        changes = reuse_runs and reused_changes(train)
+        if changes:
+            raise SystemExit(
+                f"--reuse-runs: run {name} in {train.out} was trained with other settings "
+                f"({changes}); remove it or choose another --out"
+            )
     return todo, {name: done[name] for name in todo}
 
 
@@ -375,6 +415,7 @@ def train_config(
             cfg.tlt_history_strategies if policy == "tltbase" or "history" in drafters else ()
         ),
         tlt_explore_iters=cfg.tlt_explore_iters,
+        tlt_drafter_explore=cfg.tlt_drafter_explore if policy == "tlt" else "iteration",
         lr=cfg.lr,
         seed=cfg.seed,
         checkpoint_every=cfg.chunk_steps or cfg.num_steps,

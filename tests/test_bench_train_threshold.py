@@ -238,3 +238,37 @@ def test_reuse_runs_keeps_a_finished_run_whose_checkpoints_were_deleted(tmp_path
     todo, done = bench_train.runs_to_do(configs, reuse_runs=True)
     assert todo == ["short", "stale_final", "torn"]
     assert done == {"short": 0, "stale_final": 0, "torn": 0}
+
+
+def test_reuse_runs_refuses_a_finished_run_trained_with_other_settings(tmp_path):
+    """--reuse-runs keeps a finished run only if it was trained as asked: a changed setting
+    (here tlt-mix's drafter exploration) stops the benchmark with the change named, and a
+    field the run's config.json lacks (older code) counts as its default."""
+    import os
+    from dataclasses import asdict, replace
+
+    from tltrun.train.config import TrainConfig
+
+    asked = TrainConfig(model_dir="m", out=str(tmp_path / "tlt-mix"), policy="tlt",
+                        tlt_drafters=("eagle", "history"), num_steps=20)  # fmt: skip
+    out = Path(asked.out)
+    (out / "final" / "actor").mkdir(parents=True)
+    rows = "".join(json.dumps({"step": k}) + "\n" for k in range(20))
+    (out / "log.jsonl").write_text(rows)
+    weights = out / "final" / "actor" / "model.safetensors"
+    weights.write_bytes(b"x")
+    log_time = (out / "log.jsonl").stat().st_mtime
+    os.utime(weights, (log_time + 5,) * 2)  # final/ written after the log: the run finished
+    saved = asdict(asked)
+    (out / "config.json").write_text(json.dumps({"train": saved, "task": {}, "data": {}}))
+    assert bench_train.runs_to_do({"tlt-mix": asked}, reuse_runs=True) == ([], {})
+    # more steps (num_steps is resume-neutral) is not a change of what was trained
+    assert bench_train.reused_changes(replace(asked, num_steps=30)) == ""
+    rounds = replace(asked, tlt_drafter_explore="rollout")
+    with pytest.raises(SystemExit, match="tlt_drafter_explore: 'iteration' -> 'rollout'"):
+        bench_train.runs_to_do({"tlt-mix": rounds}, reuse_runs=True)
+    assert bench_train.runs_to_do({"tlt-mix": rounds}, reuse_runs=False)[0] == ["tlt-mix"]
+    del saved["tlt_drafter_explore"]  # a run of code before the field existed
+    (out / "config.json").write_text(json.dumps({"train": saved, "task": {}, "data": {}}))
+    assert bench_train.reused_changes(asked) == ""
+    assert "tlt_drafter_explore" in bench_train.reused_changes(rounds)

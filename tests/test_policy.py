@@ -334,6 +334,47 @@ def test_exploration_share_is_epsilon_and_blocks_cut_the_drafter_switches():
     assert 10 < entries[1] / entries[16] < 25, entries
 
 
+def test_rollout_drafter_exploration_tries_the_other_drafter_in_an_epsilon_share_of_rollouts():
+    """drafter_explore="rollout": a rollout explores the other drafter's arms with probability
+    epsilon (drawn at its start, per instance), and a rollout not drawn never leaves the greedy
+    arm's drafter; under "iteration" (fastrl) nearly every rollout does."""
+    rollouts, iters = 400, 60
+    tried = {}
+    for mode in ("iteration", "rollout"):
+        policy = TLTAdaptive(seed=5, warmup_checks=1, drafter_explore=mode, **MIX)
+        count = 0
+        for _ in range(rollouts):
+            seq = per_iteration(policy, iters)[1:]  # the warm-up iteration is OFF
+            bandit = policy._bandit(0)
+            eagle = sum(d.drafter == "eagle" for d in seq)
+            if mode == "rollout" and not bandit.is_drafter_round:
+                assert eagle == 0  # the greedy arm is history's: nothing else explored
+            count += eagle > 0
+        tried[mode] = count / rollouts
+    assert tried["iteration"] > 0.9, tried  # 59 draws at epsilon 0.1, half of them EAGLE
+    # epsilon 0.1 of rollouts are drafter rounds, each trying EAGLE with probability ~0.95;
+    # the first rollout tries every arm once (an empty window): binomial sd ~0.015
+    assert 0.05 < tried["rollout"] < 0.15, tried
+
+
+def test_rollout_drafter_exploration_keeps_fastrls_stream_without_a_second_drafter():
+    """One drafter: nothing is drawn per rollout, the decisions are fastrl's rule exactly."""
+    one = {"strategies": ("4_1_4", "3_1_3"), "bucket_starts": (1, 3)}
+    runs = {
+        mode: [
+            d.arm
+            for _ in range(5)
+            for d in per_iteration(
+                TLTAdaptive(seed=1, warmup_checks=1, drafter_explore=mode, **one), 200
+            )  # fmt: skip
+        ]
+        for mode in ("iteration", "rollout")
+    }
+    assert runs["iteration"] == runs["rollout"]
+    with pytest.raises(ValueError, match="drafter_explore"):
+        TLTConfig(drafter_explore="step")
+
+
 def test_explore_iters_must_be_a_positive_integer():
     assert TLTConfig().explore_iters == 1  # fastrl: per iteration
     for bad in (0, -2, 1.5, True, None):
@@ -526,10 +567,12 @@ def test_tlt_state_dict_round_trip_reproduces_future_decisions():
         make_policy("tlt", seed=4, **{**settings, "window": 40}).load_state_dict(state)
 
 
-def test_tlt_state_dict_restores_an_exploration_block_under_way():
+@pytest.mark.parametrize("drafter_explore", ["iteration", "rollout"])
+def test_tlt_state_dict_restores_an_exploration_block_under_way(drafter_explore):
     import json
 
-    settings = {"warmup_checks": 1, "epsilon": 0.3, "explore_iters": 8, **MIX}
+    settings = {"warmup_checks": 1, "epsilon": 0.3, "explore_iters": 8, **MIX,
+                "drafter_explore": drafter_explore}  # fmt: skip
     policy = make_policy("tlt", seed=2, **settings)
     seq = per_iteration(policy, 400)
     bandit = policy._bandit(0)

@@ -258,6 +258,15 @@ def test_tlt_drafters_reach_the_policy_and_are_checked(model_dir, tmp_path):
     assert policy.config.explore_iters == 1
     with pytest.raises(ValueError, match="explore_iters"):
         config(model_dir, tmp_path, policy="tlt", tlt_explore_iters=0)
+    # --tlt-drafter-explore: when the other drafter's arms are explored (iteration: fastrl's)
+    rounds = config(
+        model_dir, tmp_path, policy="tlt", tlt_drafters=("eagle", "history"),
+        tlt_drafter_explore="rollout",
+    )  # fmt: skip
+    assert make_policy("tlt", **rounds.policy_settings()).config.drafter_explore == "rollout"
+    assert policy.config.drafter_explore == "iteration"
+    with pytest.raises(ValueError, match="drafter_explore"):
+        config(model_dir, tmp_path, policy="tlt", tlt_drafter_explore="step")
     # --tlt-history-strategies: the history drafter's own arms (tlt with history, tltbase)
     for policy_name, drafters in (("tlt", ("eagle", "history")), ("tltbase", ("eagle",))):
         own = config(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from tltrun.model.config import check_device
 from tltrun.rollout.engine_config import DTYPES
 from tltsim.policy import POLICY_NAMES, make_policy
+from tltsim.policy.tlt import DRAFTER_EXPLORE
 
 BACKENDS = ("torch", "vllm")
 
@@ -108,6 +109,15 @@ class TrainConfig:
     tlt_explore_iters: int = field(
         default=1,
         metadata={"help": "tlt: iterations a bandit exploration holds its random arm"},
+    )
+    # TLTConfig.drafter_explore ("iteration": fastrl's rule for every arm; its comment)
+    tlt_drafter_explore: str = field(
+        default="iteration",
+        metadata={
+            "help": "tlt with two drafters: explore the other drafter's arms per iteration "
+            "(fastrl's epsilon) or in an epsilon share of rollouts (rollout)",
+            "choices": DRAFTER_EXPLORE,
+        },
     )
     # TLTConfig.threshold (fastrl bs_threshold)
     tlt_threshold: int = field(
@@ -297,6 +307,8 @@ class TrainConfig:
             settings["history_strategies"] = tuple(self.tlt_history_strategies)
         if self.tlt_explore_iters != 1:
             settings["explore_iters"] = self.tlt_explore_iters
+        if self.policy == "tlt" and self.tlt_drafter_explore != "iteration":
+            settings["drafter_explore"] = self.tlt_drafter_explore
         return settings
 
     @property

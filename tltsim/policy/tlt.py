@@ -15,6 +15,9 @@ from dataclasses import dataclass, field, replace
 
 from tltsim.policy.spec import DRAFTERS, OFF, DecodeObs, SpecDecision, SpecFeedback, SpecPolicy
 
+# TLTConfig.drafter_explore: explore other-drafter arms per iteration (fastrl) or per rollout
+DRAFTER_EXPLORE = ("iteration", "rollout")
+
 # Reward statistics are kept per fine batch-size group, as fastrl's MABGroupManager does
 # (third-party/sglang/.../speculative/eagle_mab.py): 1..31, then steps of 8 to 120, then of 32 to 256.
 REWARD_GROUPS = tuple(range(1, 32)) + tuple(range(32, 128, 8)) + tuple(range(128, 257, 32))
@@ -63,6 +66,24 @@ class TLTConfig:
         default=1,
         metadata={"help": "iterations an exploration holds its random arm (1: per iteration)"},
     )
+    # issue #20: when the bandit may explore an arm of the other drafter. fastrl's bandit has one
+    # drafter, so its per-iteration epsilon-greedy explores strategies that share a KV cache for
+    # free. Across drafters an exploration is not free: the first EAGLE try in a rollout pays the
+    # drafter's re-prefill of the running requests and each later one its catch-up on what
+    # history iterations emitted (hanoi, README issue #20 row: at fastrl's epsilon the mix
+    # re-prefilled the drafter in nearly every rollout and ran ~5% behind the history drafter
+    # alone). "iteration" keeps fastrl's rule for every arm; "rollout" lets a rollout explore the
+    # other drafter's arms with probability epsilon, drawn per instance at the rollout's start
+    # (strategies of the greedy arm's drafter stay explored per iteration): the switching cost
+    # is paid in about an epsilon share of rollouts rather than in nearly all, and the windows
+    # still see every arm.
+    drafter_explore: str = field(
+        default="iteration",
+        metadata={
+            "help": "when other-drafter arms are explored: iteration (fastrl's epsilon per "
+            "iteration, every arm) or rollout (a rollout explores them with probability epsilon)"
+        },
+    )
     # server_args speculative_mab_window_size
     window: int = field(
         default=300, metadata={"help": "rewards kept per arm and batch-size group (median window)"}
@@ -108,6 +129,10 @@ class TLTConfig:
         ):
             raise ValueError(
                 f"TLTConfig: explore_iters must be an integer >= 1, got {self.explore_iters!r}"
+            )
+        if self.drafter_explore not in DRAFTER_EXPLORE:
+            raise ValueError(
+                f"TLTConfig: drafter_explore must be one of {', '.join(DRAFTER_EXPLORE)}, got {self.drafter_explore!r}"
             )
         starts = self.bucket_starts
         if (
@@ -209,6 +234,21 @@ class BegMab:
         self.is_exploring = False  # whether the last selection was an exploration
         self.is_bandit = False  # whether the last selection had several arms to choose from
         self.is_trying = False  # whether the last selection was an arm's first try
+        # whether this rollout may explore arms of a drafter other than the greedy arm's
+        # (always under drafter_explore="iteration"; drawn per rollout under "rollout")
+        self.is_drafter_round = True
+        if self._is_rollout_exploring():
+            self.start_rollout()
+
+    def _is_rollout_exploring(self) -> bool:
+        return self.config.drafter_explore == "rollout" and len(self.config.drafters) > 1
+
+    def start_rollout(self) -> None:
+        """A new rollout: under ``drafter_explore="rollout"``, draw whether it may explore the
+        other drafter's arms (probability epsilon). No draw otherwise (the stream stays
+        fastrl's)."""
+        if self._is_rollout_exploring():
+            self.is_drafter_round = self.rng.random() < self.config.epsilon
 
     def arms(self, batch: int) -> tuple[SpecDecision, ...]:
         return bucket_arms(self.buckets, batch)
@@ -249,15 +289,19 @@ class BegMab:
         self.explore_arm, self.explore_left = None, 0
         if self.greedy_left is None:
             self.greedy_left = self._draw_gap()
+        medians = [statistics.median(w) for w in windows]
+        greedy = arms[medians.index(max(medians))]
         if self.greedy_left <= 0:
             self.greedy_left = None
-            self.explore_arm = self.rng.choice(arms)
+            explorable = arms
+            if not self.is_drafter_round:  # this rollout explores the greedy drafter's arms only
+                explorable = tuple(a for a in arms if a.drafter == greedy.drafter)
+            self.explore_arm = self.rng.choice(explorable)
             self.explore_left = self.config.explore_iters - 1
             self.is_exploring = True
             return self.explore_arm
         self.greedy_left -= 1
-        medians = [statistics.median(w) for w in windows]
-        return arms[medians.index(max(medians))]
+        return greedy
 
     def hold_iters(self) -> int | None:
         """Iterations the last selection stands for, counting its own, or None while nothing
@@ -302,6 +346,7 @@ class BegMab:
             "is_exploring": self.is_exploring,
             "is_bandit": self.is_bandit,
             "is_trying": self.is_trying,
+            "is_drafter_round": self.is_drafter_round,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -322,6 +367,7 @@ class BegMab:
         self.is_exploring = state.get("is_exploring", False)
         self.is_bandit = state.get("is_bandit", False)
         self.is_trying = state.get("is_trying", False)
+        self.is_drafter_round = state.get("is_drafter_round", True)
 
 
 @dataclass
@@ -380,6 +426,8 @@ class TLTAdaptive(SpecPolicy):
 
     def start_rollout(self, step: int) -> None:
         self._switches.clear()
+        for bandit in self._bandits.values():
+            bandit.start_rollout()
 
     def decide(self, obs: DecodeObs) -> SpecDecision:
         if obs.num_active < 1:
