@@ -340,8 +340,10 @@ def test_rollout_drafter_exploration_tries_the_other_drafter_in_an_epsilon_share
     arm's drafter; under "iteration" (fastrl) nearly every rollout does."""
     rollouts, iters = 400, 60
     tried = {}
-    for mode in ("iteration", "rollout"):
-        policy = TLTAdaptive(seed=5, warmup_checks=1, drafter_explore=mode, **MIX)
+    for mode in ("iteration", "rollout", "rollout/blocks"):
+        mode, _, blocks = mode.partition("/")
+        policy = TLTAdaptive(seed=5, warmup_checks=1, drafter_explore=mode,
+                             explore_iters=16 if blocks else 1, **MIX)  # fmt: skip
         count = 0
         for _ in range(rollouts):
             seq = per_iteration(policy, iters)[1:]  # the warm-up iteration is OFF
@@ -350,11 +352,12 @@ def test_rollout_drafter_exploration_tries_the_other_drafter_in_an_epsilon_share
             if mode == "rollout" and not bandit.is_drafter_round:
                 assert eagle == 0  # the greedy arm is history's: nothing else explored
             count += eagle > 0
-        tried[mode] = count / rollouts
+        tried[mode + blocks] = count / rollouts
     assert tried["iteration"] > 0.9, tried  # 59 draws at epsilon 0.1, half of them EAGLE
-    # epsilon 0.1 of rollouts are drafter rounds, each trying EAGLE with probability ~0.95;
-    # the first rollout tries every arm once (an empty window): binomial sd ~0.015
+    # epsilon 0.1 of rollouts are drafter rounds, each trying EAGLE with probability ~0.95
+    # (blocks of 16: ~0.3); the first rollout tries every arm once (an empty window)
     assert 0.05 < tried["rollout"] < 0.15, tried
+    assert 0.0 < tried["rolloutblocks"] < 0.1, tried  # no block runs on into a rollout not drawn
 
 
 def test_rollout_drafter_exploration_keeps_fastrls_stream_without_a_second_drafter():

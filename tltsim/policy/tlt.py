@@ -245,10 +245,12 @@ class BegMab:
 
     def start_rollout(self) -> None:
         """A new rollout: under ``drafter_explore="rollout"``, draw whether it may explore the
-        other drafter's arms (probability epsilon). No draw otherwise (the stream stays
-        fastrl's)."""
+        other drafter's arms (probability epsilon; a rollout that may not ends any exploration
+        block the last one left under way). No draw otherwise (the stream stays fastrl's)."""
         if self._is_rollout_exploring():
             self.is_drafter_round = self.rng.random() < self.config.epsilon
+            if not self.is_drafter_round:  # an exploration block does not run into it
+                self.explore_arm, self.explore_left = None, 0
 
     def arms(self, batch: int) -> tuple[SpecDecision, ...]:
         return bucket_arms(self.buckets, batch)
