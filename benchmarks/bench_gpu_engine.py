@@ -442,6 +442,8 @@ def bench_where(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budge
                 **{f"{kind}_ms": ms for kind, ms in kinds.items()},
                 "top_kernels": prof["kernels"][:TOP_KERNELS],
             }
+            if prof["kernels_per_step"] == 0:  # CUPTI off, or graph replays not traced
+                row["note"] = "the profiler recorded no device kernels"
             if device.type == "cuda" and kinds["gemm"] > 0:  # the weights' read rate
                 row["gemm_gb_per_s"] = weight_bytes / (kinds["gemm"] / 1e3) / 1e9
                 row["gemm_of_bandwidth"] = row["gemm_gb_per_s"] * 1e9 / bandwidth
