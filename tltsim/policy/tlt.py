@@ -207,6 +207,12 @@ def bucket_arms(
     raise ValueError(f"batch must be >= 1, got {batch}")
 
 
+def greedy_arm(arms: tuple[SpecDecision, ...], windows: list[deque[float]]) -> SpecDecision:
+    """The arm with the highest median reward over its window (the first on ties)."""
+    medians = [statistics.median(w) for w in windows]
+    return arms[medians.index(max(medians))]
+
+
 class BegMab:
     """Bucketed epsilon-greedy bandit (BEG-MAB) of one engine instance. The batch size picks the
     bucket (its arms); reward windows are kept per (reward group, arm). Selection: an arm with
@@ -291,19 +297,18 @@ class BegMab:
         self.explore_arm, self.explore_left = None, 0
         if self.greedy_left is None:
             self.greedy_left = self._draw_gap()
-        medians = [statistics.median(w) for w in windows]
-        greedy = arms[medians.index(max(medians))]
         if self.greedy_left <= 0:
             self.greedy_left = None
             explorable = arms
             if not self.is_drafter_round:  # this rollout explores the greedy drafter's arms only
-                explorable = tuple(a for a in arms if a.drafter == greedy.drafter)
+                drafter = greedy_arm(arms, windows).drafter
+                explorable = tuple(a for a in arms if a.drafter == drafter)
             self.explore_arm = self.rng.choice(explorable)
             self.explore_left = self.config.explore_iters - 1
             self.is_exploring = True
             return self.explore_arm
         self.greedy_left -= 1
-        return greedy
+        return greedy_arm(arms, windows)
 
     def hold_iters(self) -> int | None:
         """Iterations the last selection stands for, counting its own, or None while nothing
