@@ -159,10 +159,7 @@ def time_iterations(engine: RolloutEngine, probe: EngineProbe, policy, cfg: Benc
     meets a new number of pending pairs as acceptance varies: another flex kernel, seconds) is
     thrown away and taken again, up to ``MAX_TIMINGS`` times."""
     for _ in range(MAX_TIMINGS):
-        probe.rollback(policy)
-        for _ in range(cfg.warmup_iters):
-            engine.step()
-        engine.sync()
+        warm_up(engine, probe, policy, cfg)
         compiled = compile_count()
         start = time.perf_counter()
         for _ in range(cfg.timed_iters):
@@ -175,6 +172,15 @@ def time_iterations(engine: RolloutEngine, probe: EngineProbe, policy, cfg: Benc
 
 
 MAX_TIMINGS = 4
+
+
+def warm_up(engine: RolloutEngine, probe: EngineProbe, policy, cfg: BenchConfig) -> None:
+    """The probe's state under ``policy``, then ``warmup_iters`` steps, synced: what every
+    timed or profiled series starts from."""
+    probe.rollback(policy)
+    for _ in range(cfg.warmup_iters):
+        engine.step()
+    engine.sync()
 
 
 def time_alternating(pairs: dict[str, tuple[RolloutEngine, EngineProbe]], policy,
@@ -363,6 +369,9 @@ KERNEL_KINDS = (
 )
 
 
+TOP_KERNELS = 12  # the costliest kernels a where row lists by name
+
+
 def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
 
@@ -420,10 +429,7 @@ def bench_where(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budge
                 continue
             try:
                 engine, probe = make_engine(model, None, batch, context, is_graphs, cfg)
-                probe.rollback(None)
-                for _ in range(cfg.warmup_iters):
-                    engine.step()
-                engine.sync()
+                warm_up(engine, probe, None, cfg)
                 prof = profile_steps(engine, cfg.timed_iters, device)
             except Exception as e:  # noqa: BLE001 -- one mode's failure is its row's note
                 rows.append({**row, "note": failure(e)})
@@ -457,9 +463,6 @@ def bench_where(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budge
             print(f"  {row['mode']:>6}  {k['ms_per_step']:8.3f} ms  x{k['per_step']:<5.0f} "
                   f"{k['kind']:<9}  {k['name'][:90]}")  # fmt: skip
     return rows
-
-
-TOP_KERNELS = 12
 
 
 def bench_sd(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
