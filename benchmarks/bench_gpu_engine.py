@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from tltrun.model import kvcache
+from tltrun.model import kvcache, transformer
 from tltrun.model.drafter import EagleDrafter
 from tltrun.profile.torch_engine import EngineProbe
 from tltrun.rollout.draft_graphs import draft_sources
@@ -194,14 +194,22 @@ def time_alternating(pairs: dict[str, tuple[RolloutEngine, EngineProbe]], policy
     return seconds
 
 
-def time_cell(make, policy, cfg: BenchConfig, device, on_graphs=None):
-    """One cell's eager and graphs engines (``make(is_graphs)``), both alive, timed alternating
-    (``time_alternating``); ``on_graphs(engine)`` then runs on the graphs engine. Returns the
-    timings and what ``on_graphs`` returned; the engines' memory goes back either way."""
+# engine modes a cell compares: (name, CUDA-graph pool, compiled layers)
+MODES = (("eager", False, False), ("graphs", True, False))
+# the graphs engine with its layers' work around attention compiled (EngineConfig.compile_layers,
+# issue #18 item 5): timed at batch 1 of the first context, where kernel count sets the step
+COMPILED = ("compiled", True, True)
+
+
+def time_cell(make, policy, cfg: BenchConfig, device, on_graphs=None, modes=MODES):
+    """One cell's engines, one per mode (``make(is_graphs=, compile_layers=)``), all alive, timed
+    alternating (``time_alternating``); ``on_graphs(engine)`` then runs on the graphs engine.
+    Returns the timings and what ``on_graphs`` returned; the engines' memory goes back either
+    way."""
     pairs = {}
     try:
-        for mode, is_graphs in (("eager", False), ("graphs", True)):
-            pairs[mode] = make(is_graphs)
+        for mode, is_graphs, is_compiled in modes:
+            pairs[mode] = make(is_graphs=is_graphs, compile_layers=is_compiled)
         seconds = time_alternating(pairs, policy, cfg)
         return seconds, on_graphs(pairs["graphs"][0]) if on_graphs is not None else None
     finally:
@@ -242,8 +250,8 @@ def time_forward(engine: RolloutEngine, batch: int, cfg: BenchConfig) -> float |
 
 
 def make_engine(model, drafter, batch: int, context: int, is_graphs: bool, cfg: BenchConfig,
-                max_verify_tokens: int = 1,
-                policy: SpecPolicy | None = None) -> tuple[RolloutEngine, EngineProbe]:  # fmt: skip
+                max_verify_tokens: int = 1, policy: SpecPolicy | None = None,
+                compile_layers: bool = False) -> tuple[RolloutEngine, EngineProbe]:  # fmt: skip
     margin = cfg.warmup_iters + cfg.timed_iters + 2
     margin *= 1 + max_verify_tokens  # SD iterations emit up to verify depth + 1 tokens
     engine = RolloutEngine(
@@ -257,6 +265,7 @@ def make_engine(model, drafter, batch: int, context: int, is_graphs: bool, cfg: 
             device=cfg.device,
             attn_impl=cfg.attn_impl,
             cuda_graphs=is_graphs,
+            compile_layers=compile_layers,
             graph_batch_sizes=(batch,),
             max_verify_tokens=max_verify_tokens,
         ),
@@ -321,10 +330,12 @@ def bench_decode(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budg
                 if not fits(model, batch, 2 * (context + 64), 2 * logits_bytes, device):
                     rows.append({**row, "note": "KV cache does not fit"})
                     continue
+                is_target = batch == 1 and context == cfg.contexts[0]
                 try:
                     seconds, forward_s = time_cell(
                         partial(make_engine, model, None, batch, context, cfg=cfg), None, cfg,
                         device, partial(time_forward, batch=batch, cfg=cfg),
+                        MODES + (COMPILED,) if is_target else MODES,
                     )  # fmt: skip
                 except Exception as e:  # noqa: BLE001 -- one cell's failure is its row's note
                     rows.append({**row, "note": failure(e)})
@@ -337,12 +348,20 @@ def bench_decode(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budg
                 row["graph_speedup"], row["graph_speedup_range"] = ratio_spread(
                     seconds["eager"], seconds["graphs"]
                 )
+                if "compiled" in seconds:
+                    row["compiled_speedup"], row["compiled_speedup_range"] = ratio_spread(
+                        seconds["graphs"], seconds["compiled"]
+                    )
+                    if transformer.compile_failure is not None:
+                        row["note"] = f"compiled ran eagerly: {transformer.compile_failure}"
                 if batch == 1:
                     weight_bytes = weight_bytes_per_token(model)
                     kv_token = kv_bytes_per_token(model.config, dtype)
                     roofline = bandwidth / (weight_bytes + context * kv_token)
                     row["roofline_tokens_per_s"] = roofline
                     row["roofline_fraction"] = row["graphs_tokens_per_s"] / roofline
+                    if "compiled_tokens_per_s" in row:
+                        row["compiled_roofline_fraction"] = row["compiled_tokens_per_s"] / roofline
                     if "forward_ms" in row:  # the graph alone: the engine step's host work out
                         row["forward_roofline_fraction"] = 1e3 / row["forward_ms"] / roofline
                 rows.append(row)
@@ -422,13 +441,15 @@ def bench_where(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budge
     weight_bytes = weight_bytes_per_token(model)
     rows = []
     try:
-        for mode, is_graphs in (("graphs", True), ("eager", False)):
+        for mode, is_graphs, is_compiled in (MODES[1], COMPILED, MODES[0]):
             row = {"shape": shape, "context": context, "batch": batch, "mode": mode}
             if budget.is_over:
                 rows.append({**row, "note": SKIPPED})
                 continue
             try:
-                engine, probe = make_engine(model, None, batch, context, is_graphs, cfg)
+                engine, probe = make_engine(
+                    model, None, batch, context, is_graphs, cfg, compile_layers=is_compiled
+                )
                 warm_up(engine, probe, None, cfg)
                 prof = profile_steps(engine, cfg.timed_iters, device)
             except Exception as e:  # noqa: BLE001 -- one mode's failure is its row's note
@@ -460,7 +481,7 @@ def bench_where(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budge
     print("costliest kernels per decode step (ms, launches, kind, name):")
     for row in rows:
         for k in row.get("top_kernels", ()):
-            print(f"  {row['mode']:>6}  {k['ms_per_step']:8.3f} ms  x{k['per_step']:<5.0f} "
+            print(f"  {row['mode']:>8}  {k['ms_per_step']:8.3f} ms  x{k['per_step']:<5.0f} "
                   f"{k['kind']:<9}  {k['name'][:90]}")  # fmt: skip
     return rows
 
@@ -647,10 +668,13 @@ def main(argv: list[str] | None = None) -> int:
          {"shape": "shape", "context": "context", "batch": "batch", "eager_tokens_per_s": "eager tok/s",
           "graphs_tokens_per_s": "graphs tok/s", "graph_speedup": "graphs/eager",
           "graph_speedup_range": "range", "roofline_fraction": "of roofline", "step_ms": "step ms", "forward_ms": "graph ms",
-          "forward_roofline_fraction": "graph of roofline", "note": "note"},
+          "forward_roofline_fraction": "graph of roofline", "compiled_tokens_per_s": "compiled tok/s",
+          "compiled_speedup": "compiled/graphs", "compiled_speedup_range": "range",
+          "compiled_roofline_fraction": "compiled of roofline", "note": "note"},
          {"eager_tokens_per_s": ",.0f", "graphs_tokens_per_s": ",.0f", "graph_speedup": "{:.2f}x",
           "roofline_fraction": ".0%", "step_ms": ".2f", "forward_ms": ".2f",
-          "forward_roofline_fraction": ".0%"}),
+          "forward_roofline_fraction": ".0%", "compiled_tokens_per_s": ",.0f",
+          "compiled_speedup": "{:.2f}x", "compiled_roofline_fraction": ".0%"}),
         ("where", lambda b: bench_where(cfg, device, dtype, bandwidth, b),
          {"shape": "shape", "context": "context", "batch": "batch", "mode": "mode",
           "step_ms": "step ms", "busy_ms": "device busy ms", "host_wait_ms": "waits for host ms",

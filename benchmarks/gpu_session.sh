@@ -72,7 +72,7 @@ step() {  # step NAME SECONDS COMMAND...: run it under a time limit, its output 
 
 if [ "$STAGE" = all ]; then
   # the shares of a 520 s call: CUDA tests 140 (on an H200 the ten engine tests took 93 s; the
-  # GPU training recipe's run comes last), engine benchmark 210, then the checkpoint, the
+  # GPU training recipe, then the compiled-layers check, come last), engine benchmark 210, then the checkpoint, the
   # profile and the kernels get what the first two leave
   engine_limits=(140 210)
 else
@@ -81,7 +81,8 @@ fi
 if [ "$STAGE" != profile ]; then
   # without CUDA these are collected and skipped (each with its reason)
   step pytest_gpu "${engine_limits[0]}" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs \
-    tests/test_graphs.py tests/test_draft_graphs.py tests/test_kernels.py tests/test_train_data.py
+    tests/test_graphs.py tests/test_draft_graphs.py tests/test_kernels.py tests/test_train_data.py \
+    tests/test_compiled_layers.py
   limit=$(limit_left "${engine_limits[1]}")
   # the benchmark's own budget ends 70 s before its limit: the configuration in flight, the
   # sections after it and the JSON still fit

@@ -301,14 +301,21 @@ def test_gpu_benchmark_script_runs_its_smoke_mode_on_cpu(tmp_path, capsys, monke
     assert all(
         r["eager_tokens_per_s"] > 0 and r["graphs_tokens_per_s"] > 0 for r in result["decode"]
     )
+    # the compiled-layers engine at the roofline target's cell (batch 1, first context) only
+    compiled = [(r["batch"], r["context"]) for r in result["decode"] if "compiled_speedup" in r]
+    assert compiled == [(1, 32)]
     assert [r["batch"] for r in result["sd"]] == [1, 2, 1, 2]
     where = {r["mode"]: r for r in result["where"]}  # the batch-1 step, profiled
-    assert set(where) == {"graphs", "eager"}
+    assert set(where) == {"graphs", "compiled", "eager"}
     for row in where.values():
         assert row["busy_ms"] > 0 and row["kernels_per_step"] > 0 and row["gemm_ms"] > 0
         assert row["top_kernels"][0]["ms_per_step"] >= row["top_kernels"][-1]["ms_per_step"]
     assert "costliest kernels per decode step" in out
-    assert "graphs/eager" in out and json.loads((tmp_path / "config.json").read_text())["is_smoke"]
+    assert (
+        "graphs/eager" in out
+        and "compiled/graphs" in out
+        and json.loads((tmp_path / "config.json").read_text())["is_smoke"]
+    )
 
 
 def test_gpu_benchmark_sorts_kernel_names_by_kind(monkeypatch):

@@ -21,7 +21,9 @@ Try it: ``python -m pytest tests/test_model.py -q``.
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -115,6 +117,13 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin)
+        return self.output(ctx.attend(self.layer, q, k, v))
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries (B,H,T,D) and keys/values (B,Hkv,T,D) of ``x`` (B,T,C), RoPE applied."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B,H,T,D)
         k = (
@@ -124,7 +133,11 @@ class Attention(nn.Module):
         cos, sin = cos[:, None], sin[:, None]  # (B,1,T,D)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = ctx.attend(self.layer, q, k, v)  # (B,H,T,D)
+        return q, k, v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The attention output (B,H,T,D) through ``o_proj``: (B,T,C)."""
+        b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -151,12 +164,88 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.is_compiled = False  # set_compiled_layers
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        is_compiled = self.is_compiled and not torch.is_grad_enabled()
+        q, k, v = _piece(0, is_compiled, self, x, cos, sin)
+        return _piece(1, is_compiled, self, x, ctx.attend(self.self_attn.layer, q, k, v))
+
+
+# A decoder layer's work in two pieces around the attention context's ``attend`` (which reads
+# and writes the KV cache, and may itself be a compiled flex kernel or a Triton kernel): plain
+# functions of the layer, so one ``torch.compile`` of each serves every layer of every model
+# (dynamo treats the layer's parameters as inputs; tested: one compile per shape regime, not one
+# per layer). This is vLLM's "piecewise" compilation (the model compiled with attention as the
+# splitting op, docs/design/torch_compile.md), for the same reason: a batch-1 decode step is
+# hundreds of small kernels (RMSNorm, RoPE, SiLU, residual adds: ~35 per layer eagerly), and a
+# CUDA graph replays each at a fixed cost, so fusing them shortens the step (issue #18 item 5).
+
+
+def _before_attention(
+    layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+
+
+def _after_attention(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    h = x + layer.self_attn.output(out)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+# A rollout meets a few shape regimes per piece (batch 1 and larger, one token or a verified
+# tree, prefills of varying length: dynamo specialises sizes 0 and 1, then marks the rest
+# dynamic); more than that is a bug, and past the limit the layer runs eagerly (warned once).
+LAYER_RECOMPILE_LIMIT = 16
+
+
+@functools.cache
+def compiled_pieces() -> tuple[Callable, Callable]:
+    """``torch.compile`` of the two pieces (one per process, shared by every layer)."""
+    from torch._dynamo import config
+
+    config.recompile_limit = max(config.recompile_limit, LAYER_RECOMPILE_LIMIT)
+    config.accumulated_recompile_limit = max(
+        config.accumulated_recompile_limit, 4 * LAYER_RECOMPILE_LIMIT
+    )
+    return torch.compile(_before_attention), torch.compile(_after_attention)
+
+
+# why compiling the pieces failed in this process (they then run eagerly), None while it has not
+compile_failure: str | None = None
+
+
+def _piece(index: int, is_compiled: bool, *args):
+    """Piece ``index`` (0: before attention, 1: after), compiled if asked and compiling has not
+    failed; a failure is warned once and the piece runs eagerly from then on (the pieces only
+    compute, so running one again eagerly is exact)."""
+    global compile_failure
+    if is_compiled and compile_failure is None:
+        from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
+
+        try:
+            return compiled_pieces()[index](*args)
+        except (TorchDynamoException, FailOnRecompileLimitHit) as e:
+            compile_failure = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
+            warnings.warn(
+                f"compiling the decoder layers failed ({compile_failure}); they run eagerly",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return (_before_attention, _after_attention)[index](*args)
+
+
+def set_compiled_layers(module: nn.Module, is_compiled: bool = True) -> nn.Module:
+    """Run every decoder layer of ``module`` (a ``Transformer`` or an EAGLE drafter) through
+    ``compiled_pieces`` when no gradient is recorded (inference: the rollout engine's
+    forwards, what its CUDA graphs capture); training forwards stay eager. Returns ``module``.
+    On any device; on CPU inductor needs a C++ compiler."""
+    for m in module.modules():
+        if isinstance(m, DecoderLayer):
+            m.is_compiled = is_compiled
+    return module
 
 
 class Rotary(nn.Module):

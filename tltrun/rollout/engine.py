@@ -59,7 +59,7 @@ import torch
 
 from tltrun.model.drafter import EagleDrafter, tree_layout
 from tltrun.model.kvcache import KVCache
-from tltrun.model.transformer import Transformer
+from tltrun.model.transformer import Transformer, set_compiled_layers
 from tltrun.rollout.draft_graphs import draft_sources
 from tltrun.rollout.engine_config import DTYPES, EngineConfig
 from tltrun.rollout.graphs import CapturePlan, GraphPool, StaticForward, capture_plan
@@ -119,6 +119,9 @@ class RolloutEngine:
         if drafter is not None:
             drafter.to(device=self.device, dtype=dtype).eval()
             drafter.bind(self.model)
+        for module in (self.model, drafter):  # no-grad forwards only: training stays eager
+            if module is not None:
+                set_compiled_layers(module, config.compile_layers)
         cfg = model.config
         slots = config.max_running_requests
         self.max_tokens = config.max_model_len + config.max_verify_tokens + 1

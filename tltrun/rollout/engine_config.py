@@ -79,6 +79,17 @@ class EngineConfig:
         default=None,
         metadata={"help": "capture the decode/verify CUDA-graph pool (default: on for CUDA)"},
     )
+    # Issue #18 item 5: torch.compile of each decoder layer's work outside attention (norms,
+    # projections, RoPE, SwiGLU, residuals; tltrun.model.transformer.compiled_pieces), what the
+    # graphs then capture: fewer, fused kernels per layer. Off by default: optional, and kept
+    # off until a GPU run shows it pays (benchmarks/bench_gpu_engine.py's compiled column).
+    compile_layers: bool = field(
+        default=False,
+        metadata={
+            "help": "torch.compile each layer's work around attention (fewer kernels per "
+            "step; compiles at start-up; falls back to eager with a warning if it fails)"
+        },
+    )
     # vLLM's --cuda-graph-sizes / SGLang's --cuda-graph-bs; () = vLLM's default capture sizes
     # up to max_running_requests (tltrun.rollout.graphs.batch_buckets)
     graph_batch_sizes: tuple[int, ...] = field(

@@ -185,6 +185,11 @@ class TrainConfig:
         },
     )
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
+    # the torch engine's EngineConfig.compile_layers (issue #18 item 5; off by default)
+    compile_layers: bool = field(
+        default=False,
+        metadata={"help": "torch engine: torch.compile each layer's work around attention"},
+    )
     # ---- your data, reward and evaluation (issue #16; tltrun.data) ----------------------------
     data: str | None = field(
         default=None,

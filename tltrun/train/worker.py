@@ -205,6 +205,7 @@ class Worker:
                     instance=rank,
                     is_harvesting=is_harvesting,
                     eos_token_ids=self.tok.eos_ids,
+                    compile_layers=cfg.compile_layers,
                 ),
                 clock=self.clock,
             )
