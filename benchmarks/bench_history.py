@@ -224,6 +224,7 @@ def grpo(args: argparse.Namespace) -> dict:
             tlt_explore_iters=args.tlt_explore_iters,
             tlt_drafter_explore=args.tlt_drafter_explore,
             tlt_history_strategies=tuple(s for s in args.tlt_history_strategies.split(",") if s),
+            dtype=args.dtype,
         )
         table = compare_runs(bt.run_all(cfg))
         print(f"seed {seed} ({work}):")
@@ -347,6 +348,12 @@ def main() -> None:
         choices=("iteration", "rollout"),
         default="iteration",
         help="--grpo: when tlt-mix explores the other drafter, as bench_train.py's",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="--grpo: rollout weights/KV dtype of every run, as bench_train.py's",
     )
     parser.add_argument(
         "--tlt-history-strategies",

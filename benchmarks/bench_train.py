@@ -31,6 +31,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tltrun.rollout.engine_config import DTYPES
 from tltrun.train.compare import (
     COLUMNS,
     FORMATS,
@@ -144,6 +145,15 @@ class BenchTrainConfig:
         default=(),
         metadata={"help": "the history drafter's strategies in every bucket (tltbase, tlt-mix)"},
     )
+    # TrainConfig.dtype of every run: the rollout engine's weights and KV cache (training stays
+    # fp32 on a CPU, as veRL trains fp32 master weights beside bf16 vLLM rollouts). On this CPU
+    # (AVX512-BF16) a bf16 GEMM of 8-40 rows runs 2.6-3.7x faster than fp32 and 1 row 0.7x
+    # (512 -> 1408, one thread, 2026-11-27): it moves batch-8 decode from compute- toward
+    # memory-bound, which is where SD pays.
+    dtype: str = field(
+        default="float32",
+        metadata={"help": "rollout weights/KV dtype of every run (float32, bfloat16)"},
+    )
     spec_results: str = field(
         default="runs/bench_spec/results.json",
         metadata={"help": "bench_spec.py's results.json", "metavar": "PATH"},
@@ -176,6 +186,8 @@ class BenchTrainConfig:
             raise UsageError(f"--tlt-buckets {self.tlt_buckets}: expected fastrl or spec")
         if self.chunk_steps < 0:
             raise UsageError(f"--chunk-steps {self.chunk_steps}: expected an integer >= 0")
+        if self.dtype not in DTYPES:
+            raise UsageError(f"--dtype {self.dtype}: expected one of {', '.join(DTYPES)}")
         unknown = [name for name in self.runs if name not in RUN_SPECS]
         if unknown or not {"nospec", "tlt-spot"} <= set(self.runs):
             raise UsageError(
@@ -418,6 +430,7 @@ def train_config(
         tlt_drafter_explore=cfg.tlt_drafter_explore if policy == "tlt" else "iteration",
         lr=cfg.lr,
         seed=cfg.seed,
+        dtype=cfg.dtype,
         checkpoint_every=cfg.chunk_steps or cfg.num_steps,
         keep_checkpoints=1,  # a chunk resumes from the newest; all of them filled this disk
         **task_fields(cfg),

@@ -272,3 +272,19 @@ def test_reuse_runs_refuses_a_finished_run_trained_with_other_settings(tmp_path)
     (out / "config.json").write_text(json.dumps({"train": saved, "task": {}, "data": {}}))
     assert bench_train.reused_changes(asked) == ""
     assert "tlt_drafter_explore" in bench_train.reused_changes(rounds)
+
+
+def test_rollout_dtype_reaches_every_run(tmp_path):
+    """--dtype sets every contender's TrainConfig.dtype (the engine's weights and KV cache);
+    a dtype the engine does not know is one line, not a traceback from TrainConfig."""
+    cfg = bench_train.BenchTrainConfig(
+        model_dir=str(tmp_path), out=str(tmp_path / "out"), tlt_threshold=8, dtype="bfloat16"
+    )
+    buckets = bench_train.tlt_buckets(cfg)
+    import unittest.mock as mock
+
+    with mock.patch.object(bench_train, "check_inputs"):
+        trains = [bench_train.train_config(cfg, n, 8, buckets) for n in ("nospec", "tlt-spot")]
+    assert [t.dtype for t in trains] == ["bfloat16", "bfloat16"]
+    with pytest.raises(bench_train.UsageError, match="--dtype float16x: expected one of"):
+        bench_train.BenchTrainConfig(dtype="float16x")

@@ -8,6 +8,7 @@ Run: ``python -m pytest tests/test_drafter.py -q``.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -175,3 +176,41 @@ def test_load_rejects_mismatched_target(tmp_path):
     other = tiny_model(seed=0, hidden_size=32, head_dim=8)
     with pytest.raises(CheckpointError, match="hidden_size=48 but the target has 32"):
         load_drafter(tmp_path, other)
+
+
+def test_an_fp32_drafter_trains_against_a_bf16_engine_target():
+    """Spot training binds its fp32 trainable drafter to the engine's target, which decodes in
+    bf16 with ``--dtype bfloat16`` (CPU or CUDA): the shared embedding and head are read in the
+    drafter's dtype, so the step runs and its gradients are fp32 (it raised a dtype mismatch)."""
+    from tltrun.train.drafter_training import (
+        DrafterTrainConfig,
+        TrainRecord,
+        drafter_train_step,
+        make_batch,
+        make_optimizer,
+    )
+
+    engine_target = tiny_model(seed=3).to(torch.bfloat16)
+    trainable = EagleDrafter.for_target(tiny_model(seed=3), seed=1)  # fp32
+    trainable.bind(engine_target)
+    gen = torch.Generator().manual_seed(0)
+    records = [
+        TrainRecord(
+            torch.randint(0, VOCAB, (9,), generator=gen),
+            3,
+            torch.randn(8, 48, generator=gen, dtype=torch.bfloat16),
+        )
+        for _ in range(2)
+    ]
+    cfg = DrafterTrainConfig()
+    before = trainable.fc.weight.detach().clone()
+    stats = drafter_train_step(
+        trainable, make_batch(records, 16), make_optimizer(trainable, cfg), cfg
+    )
+    assert all(map(math.isfinite, stats.values()))
+    assert trainable.fc.weight.dtype == torch.float32 and not torch.equal(
+        before, trainable.fc.weight
+    )
+    logits, _ = trainable(records[0].token_ids[None, :4], records[0].hidden[None, :4],
+                          torch.arange(4)[None], CausalContext())  # fmt: skip
+    assert logits.dtype == torch.float32

@@ -442,3 +442,25 @@ def test_keep_checkpoints_on_resume_prunes_the_older_ones(
     assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step_000004", "step_000005"]
     for step in (4, 5):
         assert ts.verify_checkpoint(ts.checkpoint_dir(out, step), NUM_WORKERS) == []
+
+
+def test_weight_digests_hash_raw_bytes_of_any_dtype():
+    """A bf16 engine's weights (numpy has no bfloat16) digest like any others, and float32
+    digests are the bytes numpy gave before (logs of older runs compare equal)."""
+    import hashlib
+
+    import torch
+
+    from tltrun.train.step_log import sha1_digest
+
+    w = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    old = hashlib.sha1()
+    old.update(b"w")
+    old.update(w.numpy().tobytes())
+    assert sha1_digest({"w": w}) == old.hexdigest()
+    bf = w.to(torch.bfloat16)
+    assert sha1_digest({"w": bf}) == sha1_digest({"w": bf.clone()})
+    moved = bf.clone()
+    moved[0, 0] += 1
+    assert sha1_digest({"w": moved}) != sha1_digest({"w": bf})
+    assert sha1_digest({"w": bf.t()}) == sha1_digest({"w": bf.t().contiguous()})

@@ -88,7 +88,9 @@ class EagleDrafter(nn.Module):
         return self._shared
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self._head()[1].weight.detach())
+        # in the drafter's dtype: a spot-trained drafter (fp32 on a CPU) bound to a bf16 engine
+        # target reads the shared head in fp32 (a no-op cast where the dtypes agree)
+        return F.linear(hidden, self._head()[1].weight.detach().to(hidden.dtype))
 
     def forward(
         self,
@@ -98,8 +100,9 @@ class EagleDrafter(nn.Module):
         ctx,  # tltrun.model.transformer.AttentionContext
         logit_index: torch.Tensor | None = None,  # (B,K)
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        embed = F.embedding(tokens, self._head()[0].weight.detach())  # (B,T,C)
-        x = self.fc(torch.cat((embed, target_hidden.to(embed.dtype)), dim=-1))  # (B,T,C)
+        dtype = self.fc.weight.dtype  # the drafter's own (see lm_logits)
+        embed = F.embedding(tokens, self._head()[0].weight.detach()).to(dtype)  # (B,T,C)
+        x = self.fc(torch.cat((embed, target_hidden.to(dtype)), dim=-1))  # (B,T,C)
         cos, sin = self.rotary(positions, x.dtype)
         x = self.layers[0](x, cos, sin, ctx)  # g_{p+1}: predicted f_{p+1}, no final norm
         picked = (

@@ -24,11 +24,14 @@ from tltsim.trace.schema import Trace, trace_to_dict
 
 
 def sha1_digest(tensors: dict[str, torch.Tensor]) -> str:
-    """A digest of named tensors (names sorted): equal digests <=> equal weights or tokens."""
+    """A digest of named tensors (names sorted): equal digests <=> equal weights or tokens.
+    Their raw bytes, any dtype (numpy has no bfloat16: a bf16 engine's weights are hashed as
+    bytes too)."""
     digest = hashlib.sha1()
     for name in sorted(tensors):
         digest.update(name.encode())
-        digest.update(tensors[name].detach().contiguous().cpu().numpy().tobytes())
+        raw = tensors[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        digest.update(raw.numpy().tobytes())
     return digest.hexdigest()
 
 
