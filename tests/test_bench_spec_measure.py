@@ -20,12 +20,12 @@ sys.modules["bench_spec"] = bench_spec  # dataclasses look their module up
 _SPEC.loader.exec_module(bench_spec)
 
 
-def _measure(temperature: float) -> dict:
+def _measure(temperature: float, dtype: str = "float32") -> dict:
     torch.manual_seed(0)
     target = tiny_model(seed=0)
     drafter = EagleDrafter.for_target(target, seed=1)
     cfg = bench_spec.BenchSpecConfig(
-        strategies=("2_1_2",), max_new_tokens=12, repeats=1, temperature=temperature
+        strategies=("2_1_2",), max_new_tokens=12, repeats=1, temperature=temperature, dtype=dtype
     )
     prompts = [[1, 5, 6, 7], [1, 8, 9]]
     return bench_spec.measure_batch(cfg, target, drafter, prompts)
@@ -46,3 +46,15 @@ def test_temperature_is_checked():
         bench_spec.BenchSpecConfig(temperature=-1.0)
     with pytest.raises(ValueError, match="temperature"):
         bench_spec.BenchSpecConfig(temperature=float("nan"))
+
+
+def test_a_bf16_measurement_is_lossless_and_kept_apart():
+    """--dtype bfloat16: the greedy lossless check runs on the bf16 engine (SD equals bf16
+    NoSpec token for token, or measure_batch exits), and its results and config go beside the
+    float32 ones instead of over them."""
+    row = _measure(0.0, "bfloat16")
+    assert set(row["runs"]) == {"off", "2_1_2"}
+    assert bench_spec.BenchSpecConfig().results_name == "results.json"
+    assert bench_spec.BenchSpecConfig(dtype="bfloat16").results_name == "results-bfloat16.json"
+    with pytest.raises(bench_spec.UsageError, match="--dtype"):
+        bench_spec.BenchSpecConfig(dtype="float16x")
