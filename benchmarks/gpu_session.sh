@@ -98,8 +98,9 @@ if [ "$STAGE" != engine ]; then
   CKPT=$(mktemp -d) || exit 2
   if [ "$SMOKE" = 1 ]; then
     name=tiny
-    shape=(--shape tiny --dtype float32)
-    prof=(--device cpu --dtype float32 --batches 1,2 --context-per-seq 16,32
+    # bf16 as on the GPU (the CPU runs it too): the rehearsal meets the GPU's dtype paths
+    shape=(--shape tiny --dtype bfloat16)
+    prof=(--device cpu --dtype bfloat16 --batches 1,2 --context-per-seq 16,32
       --strategies 2_1_2 --prefill-batches 1 --prefill-tokens-per-seq 8,16
       --train-batches 1,2 --train-tokens-per-seq 16 --num-repeats 1 --back-to-back-calls 1)
   else
