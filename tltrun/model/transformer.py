@@ -180,7 +180,7 @@ class DecoderLayer(nn.Module):
 # (dynamo treats the layer's parameters as inputs; tested: one compile per shape regime, not one
 # per layer). This is vLLM's "piecewise" compilation (the model compiled with attention as the
 # splitting op, docs/design/torch_compile.md), for the same reason: a batch-1 decode step is
-# hundreds of small kernels (RMSNorm, RoPE, SiLU, residual adds: ~35 per layer eagerly), and a
+# hundreds of small kernels (RMSNorm, RoPE, SiLU, residual adds: ~40 ops per layer eagerly), and a
 # CUDA graph replays each at a fixed cost, so fusing them shortens the step (issue #18 item 5).
 
 
@@ -213,6 +213,14 @@ def compiled_pieces() -> tuple[Callable, Callable]:
     return torch.compile(_before_attention), torch.compile(_after_attention)
 
 
+@functools.cache
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What a failed compile raises (imported once: ``_piece`` runs twice per layer)."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
+
+    return TorchDynamoException, FailOnRecompileLimitHit
+
+
 # why compiling the pieces failed in this process (they then run eagerly), None while it has not
 compile_failure: str | None = None
 
@@ -223,11 +231,9 @@ def _piece(index: int, is_compiled: bool, *args):
     compute, so running one again eagerly is exact)."""
     global compile_failure
     if is_compiled and compile_failure is None:
-        from torch._dynamo.exc import FailOnRecompileLimitHit, TorchDynamoException
-
         try:
             return compiled_pieces()[index](*args)
-        except (TorchDynamoException, FailOnRecompileLimitHit) as e:
+        except _compile_errors() as e:
             compile_failure = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
             warnings.warn(
                 f"compiling the decoder layers failed ({compile_failure}); they run eagerly",
