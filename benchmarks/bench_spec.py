@@ -128,6 +128,10 @@ class BenchSpecConfig:
     def results_name(self) -> str:
         return "results.json" if self.dtype == "float32" else f"results-{self.dtype}.json"
 
+    @property
+    def config_name(self) -> str:
+        return "config.json" if self.dtype == "float32" else f"config-{self.dtype}.json"
+
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise UsageError(f"--dtype {self.dtype}: expected float32 or bfloat16")
@@ -361,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(cfg.num_threads)
     work = Path(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    write_json(work / cfg.results_name.replace("results", "config"), asdict(cfg))
+    write_json(work / cfg.config_name, asdict(cfg))
     stages = (
         ("target", lambda: stage_target(cfg, work / "target")),
         ("gen", lambda: stage_drafter_data(cfg, work)),
