@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from tltrun.model.config import check_device
 from tltrun.rollout.engine_config import DTYPES
 from tltsim.policy import POLICY_NAMES, make_policy
-from tltsim.policy.tlt import DRAFTER_EXPLORE
+from tltsim.policy.tlt_config import DRAFTER_EXPLORE
 
 BACKENDS = ("torch", "vllm")
 

@@ -10,7 +10,7 @@ the best mean step speedup, and replays it against NoSpec for its speedup interv
 error). Prints one recommendation: the expected step speedup with its interval, the fraction of
 decode time SD is on, the idle GPU-seconds reclaimed per step, and the settings as a ready
 ``tltrun train`` config block (keys = ``tltrun.train.config.TrainConfig`` field names) and a
-fastrl-style block (keys as cited in ``tltsim.policy.tlt.TLTConfig``). The output directory
+fastrl-style block (keys as cited in ``tltsim.policy.tlt_config.TLTConfig``). The output directory
 (default ``results/advise-<trace stem>``) gets ``advise.json`` (everything printed, resolved
 settings included), ``train.toml``, ``fastrl.yaml`` and the sweep's own directory
 (``sweep.toml`` + its outputs: rerun or extend it with ``tltsim sweep``).

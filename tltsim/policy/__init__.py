@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from tltsim.policy.bandit import REWARD_GROUPS, BegMab, bucket_arms
 from tltsim.policy.spec import (
     ACCEPT_LEN_EMA_WEIGHT,
     DRAFTERS,
@@ -52,15 +53,8 @@ from tltsim.policy.spec import (
     StaticSpec,
     update_accept_len_ema,
 )
-from tltsim.policy.tlt import (
-    REWARD_GROUPS,
-    BegMab,
-    TLTAdaptive,
-    TLTBase,
-    TLTConfig,
-    bucket_arms,
-    tltbase_settings,
-)
+from tltsim.policy.tlt import TLTAdaptive, TLTBase, tltbase_settings
+from tltsim.policy.tlt_config import TLTConfig
 from tltsim.policy.training import (
     NO_TRAINING,
     DrafterTrainingPolicy,
