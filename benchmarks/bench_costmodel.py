@@ -107,8 +107,8 @@ def point_rows(hardware_name: str, params) -> tuple[list[dict], dict]:
 
 
 def _data_set(p) -> str:
-    if p.op == "forward":
-        return f"{p.model.name} forward ({p.engine})"
+    if p.op in ("forward", "drafter"):
+        return f"{p.model.name} {p.op} ({p.engine})"
     return f"{p.model.name} step ({p.engine})"
 
 

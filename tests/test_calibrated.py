@@ -145,6 +145,31 @@ def test_shipped_h100_calibration_is_the_fit_to_the_published_points():
     assert np.median(errors) <= 0.10 and errors.max() <= 0.25
 
 
+def test_the_drafting_points_fit_the_drafter_overhead_alone():
+    """SpecDecode-Bench's drafting-time points move only ``draft_step_overhead_s``: the target's
+    parameters are those of a fit without them, and the drafter's overhead is no longer
+    HardwareSpec's assumption."""
+    pytest.importorskip("scipy")
+    from tltsim.cost.calibrate import PUBLISHED_FIT_FIELDS, fit_published
+
+    full = fit_published()
+    body_only = fit_published(
+        tuple(f for f in PUBLISHED_FIT_FIELDS if f != "draft_step_overhead_s")
+    )
+    assert "draft_step_overhead_s" in full.fitted
+    assert "draft_step_overhead_s" not in body_only.fitted
+    for name in body_only.fitted:
+        assert getattr(full.params, name) == getattr(body_only.params, name), name
+    assumed = get_hardware("H100-SXM").draft_step_overhead_s
+    assert body_only.params.draft_step_overhead_s == assumed
+    assert abs(full.params.draft_step_overhead_s / assumed - 1) > 0.05
+    drafter = [i for i, r in enumerate(full.rows) if r.op == "drafter"]
+    assert len(drafter) == 6  # batches 1, 16, 64 at two contexts; 8 and 32 held out
+    # one parameter for six points: its errors straddle zero
+    errors = full.rel_errors[drafter]
+    assert errors.min() < 0 < errors.max()
+
+
 def test_every_published_point_has_a_source_and_positive_numbers():
     from tltsim.cost.published import independent_points, published_points
 

@@ -120,9 +120,12 @@ class CalibrationParams:
 # the fit put weights at 76% of the datasheet bandwidth with no per-layer cost; that calibration
 # under-predicted the Qwen3-1.7B forward by 34% (median); jointly, weights stream at 98%, the KV
 # cache at 96% (the source's own bandwidth reading: 3,221 GB/s, 96% of 3,350) and every layer
-# costs 40 us of fixed time even under CUDA graphs. Values rounded to 4 digits. The TP
-# all-reduce latency and drafter overhead are NOT calibrated (no published TP or
-# per-draft-step measurement found): HardwareSpec's assumptions.
+# costs 40 us of fixed time even under CUDA graphs. Values rounded to 4 digits. Then, the rest
+# held, draft_step_overhead_s alone on SpecDecode-Bench's fitted EAGLE drafting time (the same
+# predictor.py, draft_c_*; one proposal of 3 draft tokens = 3 drafter forwards of the EAGLE-1
+# drafter of Llama-3.1-8B, batches 1, 16, 64): 139 us per draft step, where HardwareSpec
+# assumed 100 us. The TP all-reduce latency is NOT calibrated (no published TP measurement
+# found): HardwareSpec's assumption.
 CALIBRATIONS: dict[str, CalibrationParams] = {
     "H100-SXM": CalibrationParams(
         bandwidth_fraction=0.9833,
@@ -132,8 +135,10 @@ CALIBRATIONS: dict[str, CalibrationParams] = {
         overlap_exponent=1.0,
         step_overhead_s=1.20683946e-03,
         layer_overhead_s=4.025e-05,
+        draft_step_overhead_s=1.387e-04,
         source=(
-            "SpecDecode-Bench (arXiv 2601.11580) fitted vLLM step model, Llama-3.1-8B, H100; "
+            "SpecDecode-Bench (arXiv 2601.11580) fitted vLLM step and EAGLE drafting models, "
+            "Llama-3.1-8B, H100; "
             "vLLM 0.28 Qwen3-1.7B H100 forward times (adixg/vllm-specdecode-cost-model)"
         ),
     ),

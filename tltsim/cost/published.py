@@ -19,7 +19,9 @@ What was found, honestly (searches of the docs/pages/code/issues corpora, Nov 20
   forward). Their raw points are not published, so the points below are that model EVALUATED
   inside its fitted batch range (``kind="published_fit"``): they carry the authors' fit error,
   which is not reported. Contexts 512 and 2048 tokens per sequence are our choice; the
-  InstructCoder contexts they fitted on are not reported either.
+  InstructCoder contexts they fitted on are not reported either. The same file's EAGLE
+  drafting-time model (``draft_c_*``) gives ``drafter`` points the same way (one draft step of a
+  3-token proposal each): what ``draft_step_overhead_s`` is fitted on.
 * SGLang's EAGLE announcement (github.com/SafeAILab/EAGLE pull request #173, 2025-01-02):
   "Normal decoding speed (SGLang): 156 token/s" for Llama-2-7b-chat-hf on a single H100, one
   request (``kind="measured"``). 1/156 s per decode step includes the prefill amortised over
@@ -54,7 +56,8 @@ What was found, honestly (searches of the docs/pages/code/issues corpora, Nov 20
 * Not found (searched: docs/pages/issues/code corpora, Nov 2026): H100 or H200 BF16 step latency or
   throughput at several batch sizes for a 7-8B model whose numbers we could read as text
   (TensorRT-LLM's H100 rows are FP8; vLLM's and SGLang's batch scans are figures or dashboards),
-  TP all-reduce timings, per-draft-step timings, and accept lengths for most SD-vs-batch series
+  TP all-reduce timings, measured per-draft-step timings (SpecDecode-Bench's fitted drafting
+  model above is the only drafter timing used), and accept lengths for most SD-vs-batch series
   (only SpecDecode-Bench's Qwen3-8B/GSM8K chain and k=21 tree print one). H200 and A100 presets
   therefore stay on the roofline.
 """
@@ -89,6 +92,22 @@ SDB_C_COMPUTE_S = 2.10103129e-05
 SDB_C_FIXED_S = 5.88590713e-03
 SDB_OVERHEAD_PER_STEP_S = 1.20683946e-03
 
+# The same file's EAGLE drafting time, one proposal (all draft steps of an iteration):
+# draft = c_kv x tokens in the whole batch's KV cache + c_spec x input length + c_fixed, where
+# the input length is one request's proposed tokens + 1 (simulator.py predict_draft_time; the
+# step overhead above is added separately). simulator.py uses it only for the EAGLE acceptance
+# data (get_propose_method: ProposeMethod.EAGLE for AccLenGroundTruth.EAGLE; EAGLE-3 runs fall
+# back to the n-gram branch), so it is the EAGLE-1 drafter: one decoder layer and the target's
+# full 128k-token LM head, our DrafterSpec default.
+SDB_DRAFT_C_KV_S = 2.37768493e-09
+SDB_DRAFT_C_SPEC_S = 8.41429603e-07
+SDB_DRAFT_C_FIXED_S = 2.13526175e-03
+# Draft tokens per proposal: the paper's setting ("3 draft tokens per step", its Fig. 1; the
+# predictor's FIXED_3 input length 4). The fitted range does not say which k it saw; a
+# proposal of k tokens is k drafter forwards in vLLM's EAGLE proposer, so each point below is
+# one k-th of a proposal (our ``drafter`` row: one draft step).
+SDB_DRAFT_TOKENS = 3
+
 # huggingface.co/meta-llama/Llama-2-7b-chat-hf/blob/main/config.json: 32 layers, hidden 4096,
 # intermediate 11008, 32 attention and 32 KV heads (no GQA), vocab 32000, untied LM head.
 LLAMA2_7B = ModelSpec(
@@ -113,7 +132,8 @@ class PublishedPoint:
     hardware: str  # tltsim.cost.specs hardware preset
     model: ModelSpec
     engine: str
-    op: str  # decode or verify (a whole engine iteration), forward (the layers alone, GPU time)
+    op: str  # decode or verify (a whole engine iteration), forward (the layers alone, GPU time),
+    # drafter (one draft step of an EAGLE proposal)
     batch: int
     context_tokens: int  # KV tokens over the batch before the forward
     tokens_per_seq: int  # 1 for decode, verify tokens + 1 (the root) for verify
@@ -159,6 +179,38 @@ def _specdecode_bench_points() -> list[PublishedPoint]:
     return points
 
 
+def _specdecode_bench_draft_points() -> list[PublishedPoint]:
+    """SpecDecode-Bench's EAGLE drafting-time model at its fitted batch sizes, one draft step
+    each (a proposal of ``SDB_DRAFT_TOKENS`` over as many drafter forwards). Held out as the
+    step model's: batches 8 and 32."""
+    model = get_model("Llama-3.1-8B")
+    points = []
+    for batch in (1, 8, 16, 32, 64):
+        for context_per_seq in (512, 2048):
+            context = batch * context_per_seq
+            proposal = (
+                SDB_DRAFT_C_KV_S * context
+                + SDB_DRAFT_C_SPEC_S * (SDB_DRAFT_TOKENS + 1)
+                + SDB_DRAFT_C_FIXED_S
+            )
+            points.append(
+                PublishedPoint(
+                    source=SPECDECODE_BENCH,
+                    kind="published_fit",
+                    use="held_out" if batch in (8, 32) else "fit",
+                    hardware="H100-SXM",
+                    model=model,
+                    engine="vLLM (V1)",
+                    op="drafter",
+                    batch=batch,
+                    context_tokens=context,
+                    tokens_per_seq=1,  # a chain's frontier: one token per sequence
+                    seconds=proposal / SDB_DRAFT_TOKENS,
+                )
+            )
+    return points
+
+
 def published_points() -> list[PublishedPoint]:
     """Every published step latency we could verify (module docstring), the Qwen3-1.7B H100
     forward grid included."""
@@ -182,7 +234,13 @@ def published_points() -> list[PublishedPoint]:
         context_tokens=512,  # assumption: an MT-bench turn and its answer
         seconds=1.0 / 158.34,
     )
-    return [*_specdecode_bench_points(), sglang, sglang_docs, *vllm_h100_forward_points()]
+    return [
+        *_specdecode_bench_points(),
+        *_specdecode_bench_draft_points(),
+        sglang,
+        sglang_docs,
+        *vllm_h100_forward_points(),
+    ]
 
 
 # --- published SD speedup vs batch size: validation data, never fitted ---------------------------
