@@ -246,7 +246,8 @@ def fit_published(fields: Sequence[str] = PUBLISHED_FIT_FIELDS) -> CalibrationFi
             grouped(drafts), hardware, 1, fit.params, ("draft_step_overhead_s",), source
         )
         fit, fitted = draft_fit, (*fitted, *draft_fit.fitted)
-    costs = {p.model: CalibratedCost(p.model, hardware, params=fit.params, tp=1) for p in points}
+    models = {p.model for p in points}
+    costs = {m: CalibratedCost(m, hardware, params=fit.params, tp=1) for m in models}
     rows = as_profile_rows(points)
     return CalibrationFit(
         params=fit.params,
