@@ -20,7 +20,7 @@ evaluated, not raw measurements, so their held-out error measures how well our p
 reproduces their fitted form; the SGLang points and the Qwen3-1.7B cells are measurements.
 
 Then the like-for-like SD-vs-batch check (``sd_batch_validation.py``): every published series
-of SD speedup vs batch (``tltsim.cost.published.SD_BATCH_SERIES``: EAGLE-3 paper Table 3,
+of SD speedup vs batch (``tltsim.cost.published_sd.SD_BATCH_SERIES``: EAGLE-3 paper Table 3,
 SpecDecode-Bench Figs. 1 and 2) simulated with the series' own model, strategy and drafter at
 each published batch, acceptance set from the published accept length where one is printed, else
 fitted on the series' smallest batch (one parameter; the other batches are predictions), and the

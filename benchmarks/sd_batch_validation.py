@@ -1,7 +1,7 @@
 """Like-for-like check of simulated SD speedup vs batch size against published series (issue #21).
 
 Used by ``benchmarks/bench_costmodel.py``. For every published series
-(``tltsim.cost.published.SD_BATCH_SERIES``: source, engine, GPU, target, drafter, strategy,
+(``tltsim.cost.published_sd.SD_BATCH_SERIES``: source, engine, GPU, target, drafter, strategy,
 dataset, batch -> speedup) the simulator is set up as the series was run (the series' model
 preset, its strategy in tltsim naming, its drafter's LM-head size) and its speedup
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tltsim.cost.calibrated import CalibratedCost, CalibrationParams
-from tltsim.cost.published import SD_BATCH_SERIES, SDBatchSeries
+from tltsim.cost.published_sd import SD_BATCH_SERIES, SDBatchSeries
 from tltsim.cost.roofline import CostModel, RooflineCost
 from tltsim.cost.specs import DrafterSpec, get_hardware, get_model
 from tltsim.policy import SpecDecision

@@ -1,4 +1,4 @@
-"""Published SD-vs-batch series (tltsim.cost.published) and benchmarks/sd_batch_validation.py's
+"""Published SD-vs-batch series (tltsim.cost.published_sd) and benchmarks/sd_batch_validation.py's
 like-for-like comparison: the series load and parse, accept rates round-trip, rows compute."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tltsim.cost.calibrated import CALIBRATIONS
-from tltsim.cost.published import SD_BATCH_SERIES, SDBatchSeries
+from tltsim.cost.published_sd import SD_BATCH_SERIES, SDBatchSeries
 from tltsim.cost.roofline import crossover_batch
 from tltsim.cost.specs import get_hardware, get_model
 from tltsim.policy import SpecDecision
