@@ -1,7 +1,8 @@
 """Rollout engine: speculative decoding is lossless under greedy decoding (chain and tree, several
 strategies, SD switched on and off mid-rollout) for batch sizes 1..16 with mixed prompt and
 output lengths and continuous batching; trace replay reproduces lengths exactly; the engine
-drives a policy once per iteration with measured seconds; harvest and weight sync are exact.
+drives a policy once per iteration with measured seconds; the harvest is exact (weight updates,
+graph pool, compaction, shared prompts: test_engine_paths.py).
 
 Run: ``python -m pytest tests/test_engine.py -q``.
 """
@@ -9,98 +10,31 @@ Run: ``python -m pytest tests/test_engine.py -q``.
 from __future__ import annotations
 
 import itertools
-import random
-import subprocess
-import sys
 
 import pytest
 import torch
+from engine_tools import (
+    DRAFTER,
+    POLICIES,
+    SWITCHING,
+    TARGET,
+    RecordingPolicy,
+    engine,
+    make_requests,
+)
 from tiny_models import VOCAB, tiny_model
 
 from tltrun.model.drafter import EagleDrafter
 from tltrun.model.transformer import CausalContext
-from tltrun.rollout.engine import RolloutEngine
-from tltrun.rollout.engine_config import EngineConfig
-from tltrun.rollout.interface import Request, SamplingParams
+from tltrun.rollout.interface import SamplingParams
 from tltrun.rollout.measured_trace import (
     accept_hist_by_strategy,
     measured_step,
     prompt_of,
     requests_from_step,
 )
-from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord, train_drafter
-from tltsim.policy import NoSpec, SpecDecision, StaticSpec, TLTAdaptive, update_accept_len_ema
+from tltsim.policy import NoSpec, SpecDecision, StaticSpec, update_accept_len_ema
 from tltsim.trace.schema import Prompt, Response, Step
-
-GREEDY = SamplingParams(temperature=0.0)
-TARGET = tiny_model(seed=0)
-
-
-def make_requests(n: int, seed: int, max_new: int = 32, max_prompt: int = 24) -> list[Request]:
-    rng = random.Random(seed)
-    return [
-        Request(
-            f"r{i}",
-            tuple(rng.randrange(4, VOCAB) for _ in range(rng.randint(1, max_prompt))),
-            rng.randint(1, max_new),
-        )
-        for i in range(n)
-    ]
-
-
-def engine(drafter=None, model=TARGET, **overrides) -> RolloutEngine:
-    fields = dict(max_running_requests=4, max_model_len=96, sampling=GREEDY)
-    fields.update(overrides)
-    return RolloutEngine(model, drafter, EngineConfig(**fields))
-
-
-def _trained_drafter() -> EagleDrafter:
-    """A drafter trained briefly on the target's greedy outputs: accepts some drafts (first and
-    later siblings), rejects others — both paths of the verify/compaction code run."""
-    eng = engine(is_harvesting=True, max_running_requests=8)
-    eng.generate(make_requests(24, seed=100, max_new=48), NoSpec())
-    records = [TrainRecord(r.token_ids, r.num_prompt_tokens, r.hidden) for r in eng.pop_harvest()]
-    drafter = EagleDrafter.for_target(TARGET, seed=5)
-    cfg = DrafterTrainConfig(num_steps=60, lr=1e-2, batch_size=8, seed=0)  # tiny model: big lr
-    train_drafter(drafter, records, cfg, is_progress_shown=False)
-    return drafter
-
-
-DRAFTER = _trained_drafter()
-
-
-class RecordingPolicy:
-    """Cycles through decisions (SD off included) and records every call."""
-
-    name = "recording"
-
-    def __init__(self, decisions):
-        self.decisions = decisions
-        self.calls: list[tuple[str, object]] = []
-
-    def start_rollout(self, step):
-        self.calls.append(("start", step))
-
-    def decide(self, obs):
-        decision = self.decisions[sum(c[0] == "decide" for c in self.calls) % len(self.decisions)]
-        self.calls.append(("decide", obs))
-        return decision
-
-    def observe(self, feedback):
-        self.calls.append(("observe", feedback))
-
-
-SWITCHING = [
-    SpecDecision.parse(s)
-    for s in ("4_1_4", "off", "off", "3_2_6", "5_4_16", "off", "2_1_2", "4_3_12")
-]
-POLICIES = {
-    "chain-4": lambda: StaticSpec(4, 1, 4),
-    "chain-1": lambda: StaticSpec(1, 1, 1),
-    "tree-3_2_6": lambda: StaticSpec(3, 2, 6),
-    "tree-5_4_16": lambda: StaticSpec(5, 4, 16),
-    "switching": lambda: RecordingPolicy(SWITCHING),
-}
 
 
 @pytest.mark.parametrize("num_requests", [1, 2, 3, 5, 8, 12, 16])
@@ -348,236 +282,3 @@ def test_harvest_holds_the_target_hidden_states():
             _, hidden = TARGET(ids, torch.arange(ids.shape[1])[None], CausalContext())
         assert rec.hidden.shape == (ids.shape[1] - 1, TARGET.config.hidden_size)
         assert (rec.hidden - hidden[0, :-1]).abs().max() < 1e-4
-
-
-def test_update_weights_switches_to_the_new_policy_weights():
-    other = tiny_model(seed=42)
-    reqs = make_requests(4, seed=5)
-    want = [o.output_token_ids for o in engine(model=other).generate(reqs, NoSpec()).outputs]
-    model = tiny_model(seed=0)
-    eng = engine(EagleDrafter.for_target(model), model=model)
-    before = [o.output_token_ids for o in eng.generate(reqs, NoSpec()).outputs]
-    eng.update_weights(other.state_dict())
-    after = [o.output_token_ids for o in eng.generate(reqs, StaticSpec(3, 2, 6)).outputs]
-    assert after == want and before != want
-    with pytest.raises(ValueError, match="missing"):
-        eng.update_weights({"model.norm.weight": torch.ones(48)})
-
-
-GRAPH_POLICIES = {
-    **POLICIES,
-    "tlt": lambda: TLTAdaptive(
-        threshold=3, warmup_checks=2, strategies=("4_2_8", "3_1_3"), bucket_starts=(1, 2)
-    ),
-    "nospec": NoSpec,
-}
-
-
-@pytest.mark.parametrize("name", sorted(GRAPH_POLICIES))
-def test_graph_pool_path_changes_no_output(name, monkeypatch):
-    # cuda_graphs=True on CPU: every decode/verify runs the pool's padded static forward
-    # eagerly (the forward a graph replays on CUDA), batches padded up to their bucket
-    from tltrun.rollout.graphs import StaticForward
-
-    shapes = []
-    call = StaticForward.__call__
-
-    def counting(self, ids, *rest):
-        shapes.append((ids.shape[0], self.batch))
-        return call(self, ids, *rest)
-
-    monkeypatch.setattr(StaticForward, "__call__", counting)
-    reqs = make_requests(7, seed=31)
-    want = [
-        o.output_token_ids for o in engine(max_running_requests=5).generate(reqs, NoSpec()).outputs
-    ]
-    eng = engine(DRAFTER, max_running_requests=5, cuda_graphs=True)
-    got = eng.generate(reqs, GRAPH_POLICIES[name]())
-    assert [o.output_token_ids for o in got.outputs] == want
-    assert shapes and all(n <= b for n, b in shapes)  # the pool ran (padding: test_graphs.py)
-    assert eng.graphs is not None and eng.graphs.plan.num_graphs > 0
-    if name == "nospec":
-        assert eng.graphs.plan.decode_buckets == (1, 2, 4, 5)
-
-
-def test_defaults_are_device_dependent_and_eager_off_cpu():
-    cfg = EngineConfig(max_running_requests=2, max_model_len=8)
-    assert (cfg.dtype_name, cfg.attention, cfg.is_using_graphs) == ("float32", "sdpa", False)
-    assert engine().graphs is None
-    eng = engine(cuda_graphs=True)
-    eng.generate(make_requests(2, seed=1), NoSpec())
-    assert eng.graphs is not None and eng.graphs.pool is None  # CPU: nothing captured
-
-
-@pytest.mark.parametrize("is_compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_flex_attention_engine_equals_sdpa(is_compiled, monkeypatch):
-    """Greedy SD through flex attention equals plain decoding with SDPA; compiled, the kernel
-    path CUDA runs (inductor compiles it on the CPU too): bucketed new-token counts with their
-    padding rows, full blocks, the folded static-batch path of the graphs (run uncaptured)."""
-    from tltrun.model import kvcache
-
-    monkeypatch.setattr(kvcache, "compile_on_cpu", is_compiled)
-    monkeypatch.setattr(kvcache, "flex_fallbacks", {})
-    reqs = make_requests(5, seed=23)
-    want = [o.output_token_ids for o in engine().generate(reqs, NoSpec()).outputs]
-    for cuda_graphs in (False, True):
-        got = engine(DRAFTER, attn_impl="flex", cuda_graphs=cuda_graphs).generate(
-            reqs, StaticSpec(4, 2, 8)
-        )
-        assert [o.output_token_ids for o in got.outputs] == want
-    assert kvcache.flex_fallbacks == {}  # no shape fell back to the dense attention
-
-
-def test_weight_updates_under_the_graph_pool_equal_a_fresh_engine():
-    # update_weights / update_drafter copy into the parameters' storage (graphs read it at replay)
-    other = tiny_model(seed=42)
-    other_drafter = EagleDrafter.for_target(other, seed=9)
-    reqs = make_requests(4, seed=5)
-    fresh = engine(other_drafter, model=other, cuda_graphs=True).generate(reqs, StaticSpec(3, 2, 6))
-    model = tiny_model(seed=0)
-    eng = engine(EagleDrafter.for_target(model, seed=1), model=model, cuda_graphs=True)
-    before = eng.generate(reqs, StaticSpec(3, 2, 6))
-    storage = [p.data_ptr() for p in model.parameters()]
-    eng.update_weights(other.state_dict())
-    eng.update_drafter({k: v for k, v in other_drafter.state_dict().items()})
-    after = eng.generate(reqs, StaticSpec(3, 2, 6))
-    assert [p.data_ptr() for p in model.parameters()] == storage
-    assert [o.output_token_ids for o in after.outputs] == [
-        o.output_token_ids for o in fresh.outputs
-    ]
-    assert [o.output_token_ids for o in before.outputs] != [
-        o.output_token_ids for o in fresh.outputs
-    ]
-    # the drafter's weights matter too: accept lengths equal the fresh engine's
-    assert [i.accept_lens for i in after.iterations] == [i.accept_lens for i in fresh.iterations]
-
-
-def test_bad_requests_and_missing_drafter_are_one_line_errors():
-    eng = engine()
-    with pytest.raises(ValueError, match="exceeds max_model_len=96"):
-        eng.generate([Request("a", (5,) * 90, 10)], NoSpec())
-    with pytest.raises(ValueError, match="duplicate request id"):
-        eng.generate([Request("a", (5,), 1), Request("a", (6,), 1)], NoSpec())
-    with pytest.raises(ValueError, match="no drafter"):
-        eng.generate([Request("a", (5,), 3)], StaticSpec(2, 1, 2))
-    with pytest.raises(ValueError, match="verify_tokens exceeds"):
-        engine(DRAFTER, max_verify_tokens=4).generate([Request("a", (5,), 3)], StaticSpec(3, 2, 6))
-
-
-def test_engine_import_pulls_in_no_simpy():
-    code = "import sys, tltrun.rollout.engine, tltrun.cli.main; assert 'simpy' not in sys.modules, 'simpy imported'"
-    subprocess.run([sys.executable, "-c", code], check=True)
-
-
-def test_finished_slots_are_compacted_without_changing_any_output(monkeypatch):
-    """The running batch is kept in slots 0..n-1 (Scheduler.compact moves the highest slots
-    into the freed ones, the engine copies their caches): greedy outputs, plain and SD, equal
-    each request generated alone, and moves did happen."""
-    from tltrun.rollout.scheduler import Scheduler
-
-    moves, layouts = [], []
-    compact = Scheduler.compact
-
-    def spy(self):
-        out = compact(self)
-        moves.extend(out)
-        layouts.append([s.slot for s in self.running])
-        return out
-
-    monkeypatch.setattr(Scheduler, "compact", spy)
-    reqs = make_requests(10, seed=7, max_new=40)
-    alone = [engine(max_running_requests=1).generate([r], NoSpec()) for r in reqs]
-    want = [a.outputs[0].output_token_ids for a in alone]
-    for drafter, policy in ((None, NoSpec()), (DRAFTER, StaticSpec(4, 1, 4))):
-        moves.clear()
-        result = engine(drafter, max_running_requests=6).generate(reqs, policy)
-        assert [o.output_token_ids for o in result.outputs] == want
-        assert moves and all(src > dst for src, dst in moves)
-    assert all(layout == list(range(len(layout))) for layout in layouts)
-
-
-def group_requests(
-    num_prompts: int, group: int, seed: int, max_new: int | None = None, prompt_len: int = 20
-) -> list[Request]:
-    """GRPO-shaped requests: ``group`` responses per prompt (identical prompt token ids)."""
-    rng = random.Random(seed)
-    reqs = []
-    for p in range(num_prompts):
-        prompt = tuple(rng.randrange(4, VOCAB) for _ in range(prompt_len))
-        reqs += [Request(f"p{p}-{i}", prompt, max_new or rng.randint(1, 32)) for i in range(group)]
-    return reqs
-
-
-@pytest.mark.parametrize("running", [3, 5, 8])
-def test_shared_prompts_change_no_output(running):
-    # Followers come from same-wave leaders and (3, 5 slots) from running siblings admitted in
-    # earlier waves, with SD on, off and switching (the drafter's shared prompt pairs too).
-    reqs = group_requests(3, 4, seed=31)
-    plain = engine(share_prompts=False, max_running_requests=running).generate(reqs, NoSpec())
-    want = [o.output_token_ids for o in plain.outputs]
-    for name, make in {"nospec": NoSpec, **POLICIES}.items():
-        eng = engine(DRAFTER, max_running_requests=running, is_harvesting=True)
-        got = eng.generate(reqs, make())
-        assert [o.output_token_ids for o in got.outputs] == want, name
-        for rec in eng.pop_harvest():  # followers' copied hidden states are the target's own
-            ids = rec.token_ids[None]
-            with torch.no_grad():
-                _, hidden = TARGET(ids, torch.arange(ids.shape[1])[None], CausalContext())
-            assert (rec.hidden - hidden[0, :-1]).abs().max() < 1e-4, name
-
-
-def _count_tokens(module: torch.nn.Module):
-    """Forward hook: counts the tokens (batch x length) ``module`` computes."""
-    seen = [0]
-
-    def hook(_mod, args, _out):
-        seen[0] += args[0].shape[0] * args[0].shape[1]
-
-    return seen, module.register_forward_hook(hook)
-
-
-def test_a_group_prefills_its_prompt_once():
-    # 3 prompts x 4, 8 slots, equal lengths: wave 1 = prompts 0 and 1 (2 leaders, 6
-    # followers), all finish together, wave 2 = prompt 2 (1 leader, 3 followers).
-    reqs = group_requests(3, 4, seed=32, max_new=10)
-    decode = 12 * 9  # every request decodes its 9 tokens after the first, one per iteration
-    computed = {}
-    for share in (True, False):
-        target_seen, h1 = _count_tokens(TARGET.model.embed_tokens)
-        drafter_seen, h2 = _count_tokens(DRAFTER.fc)
-        try:
-            engine(max_running_requests=8, share_prompts=share).generate(reqs, NoSpec())
-            nospec = target_seen[0]
-            eng = engine(DRAFTER, max_running_requests=8, share_prompts=share)
-            eng.generate(reqs, StaticSpec(1, 1, 1))
-        finally:
-            h1.remove()
-            h2.remove()
-        computed[share] = nospec, drafter_seen[0]
-    assert computed[True][0] == 3 * 20 + 9 + decode
-    assert computed[False][0] == 12 * 20 + decode
-    # the drafter's re-prefill feeds each group's 19 prompt pairs once instead of 4 times;
-    # drafting itself (accept-dependent, the same with both settings) cancels in the difference
-    assert computed[False][1] - computed[True][1] == 9 * 19
-
-
-def test_one_prepared_pool_serves_every_policy_without_a_new_capture():
-    """``prepare_graphs`` captures the union of several policies' plans once; rollouts under
-    each policy then keep that pool (a profile alternates policies between series: on CUDA
-    each switch used to capture anew) and emit what the eager engine emits."""
-    reqs = make_requests(4, seed=31)
-    policies = [NoSpec(), StaticSpec(3, 2, 6), StaticSpec(4, 1, 4)]
-    eng = engine(DRAFTER, cuda_graphs=True)
-    eng.prepare_graphs(policies)
-    pool = eng.graphs
-    assert pool is not None
-    for policy in policies + [NoSpec()]:
-        want = engine(DRAFTER).generate(reqs, policy)
-        got = eng.generate(reqs, policy)
-        assert [o.output_token_ids for o in got.outputs] == [
-            o.output_token_ids for o in want.outputs
-        ]
-        assert eng.graphs is pool  # covered: nothing rebuilt
-    # a policy outside the union still gets its own pool
-    eng.generate(reqs, StaticSpec(2, 1, 2))
-    assert eng.graphs is not pool
