@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from tltrun.model import kvcache, transformer
+from tltrun.model import attention, transformer
 from tltrun.model.drafter import EagleDrafter
 from tltrun.profile.torch_engine import EngineProbe
 from tltrun.rollout.draft_graphs import draft_sources
@@ -712,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(rows, columns, formats, left=("shape", "pool", "strategy", "note")))
     # shapes whose compiled flex_attention failed and ran the dense masked SDPA instead
     result["flex_fallbacks"] = [
-        {"shape": list(map(str, k)), "reason": why} for k, why in kvcache.flex_fallbacks.items()
+        {"shape": list(map(str, k)), "reason": why} for k, why in attention.flex_fallbacks.items()
     ]
     if result["flex_fallbacks"]:
         print(f"\nflex_attention fell back to dense SDPA for {len(result['flex_fallbacks'])} "

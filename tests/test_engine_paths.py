@@ -94,10 +94,10 @@ def test_flex_attention_engine_equals_sdpa(is_compiled, monkeypatch):
     """Greedy SD through flex attention equals plain decoding with SDPA; compiled, the kernel
     path CUDA runs (inductor compiles it on the CPU too): bucketed new-token counts with their
     padding rows, full blocks, the folded static-batch path of the graphs (run uncaptured)."""
-    from tltrun.model import kvcache
+    from tltrun.model import attention
 
-    monkeypatch.setattr(kvcache, "compile_on_cpu", is_compiled)
-    monkeypatch.setattr(kvcache, "flex_fallbacks", {})
+    monkeypatch.setattr(attention, "compile_on_cpu", is_compiled)
+    monkeypatch.setattr(attention, "flex_fallbacks", {})
     reqs = make_requests(5, seed=23)
     want = [o.output_token_ids for o in engine().generate(reqs, NoSpec()).outputs]
     for cuda_graphs in (False, True):
@@ -105,7 +105,7 @@ def test_flex_attention_engine_equals_sdpa(is_compiled, monkeypatch):
             reqs, StaticSpec(4, 2, 8)
         )
         assert [o.output_token_ids for o in got.outputs] == want
-    assert kvcache.flex_fallbacks == {}  # no shape fell back to the dense attention
+    assert attention.flex_fallbacks == {}  # no shape fell back to the dense attention
 
 
 def test_weight_updates_under_the_graph_pool_equal_a_fresh_engine():

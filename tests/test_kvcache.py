@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import VOCAB, tiny_model
 
-from tltrun.model import kvcache
-from tltrun.model.kvcache import KVCache, masked_attention
+from tltrun.model import attention
+from tltrun.model.attention import masked_attention
+from tltrun.model.kvcache import KVCache
 from tltrun.model.transformer import CausalContext
 
 TOL = 1e-4  # logits are O(10) with std-0.3 weights; fp32 reassociation error ~1e-5
@@ -187,7 +188,9 @@ def _flex_case(b: int, tq: int, key_len: int, head_dim: int, seed: int = 0):
     lens = torch.randint(0, key_len - tq + 1, (b,), generator=gen)
     tree = (torch.rand(b, tq, tq, generator=gen) < 0.5) | torch.eye(tq, dtype=torch.bool)
     scale = head_dim**-0.5
-    expected = kvcache.grouped_attention(q, k, v, kvcache.in_place_mask(lens, key_len, tree), scale)
+    expected = attention.grouped_attention(
+        q, k, v, attention.in_place_mask(lens, key_len, tree), scale
+    )
     return (q, k, v, lens, tree, scale), expected
 
 
@@ -196,16 +199,16 @@ def test_compiled_flex_matches_the_dense_reference_across_shapes(monkeypatch):
     """The compiled kernel path that CUDA runs (inductor compiles it on the CPU too): batches
     and key widths vary under one compile, new-token counts are constants, and a head dim
     under flex's minimum of 16 is zero-padded (an H200 run failed on head dim 12 before)."""
-    monkeypatch.setattr(kvcache, "compile_on_cpu", True)
-    monkeypatch.setattr(kvcache, "flex_fallbacks", {})
+    monkeypatch.setattr(attention, "compile_on_cpu", True)
+    monkeypatch.setattr(attention, "flex_fallbacks", {})
     for b, tq, key_len, head_dim, is_static in [
         (1, 1, 256, 16, False), (4, 1, 300, 16, False), (3, 5, 260, 16, False),
         (2, 1, 256, 12, False), (2, 5, 400, 16, True), (20, 1, 300, 16, True),
     ]:  # fmt: skip
         args, expected = _flex_case(b, tq, key_len, head_dim)
-        out = kvcache.flex_attention_by_lens(*args, is_static_batch=is_static)
+        out = attention.flex_attention_by_lens(*args, is_static_batch=is_static)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    assert kvcache.flex_fallbacks == {}
+    assert attention.flex_fallbacks == {}
     # new-token counts of one power-of-two bucket share a compile (5 and 6 -> 8), and so do
     # other batches and key widths
     from torch._dynamo.utils import counters
@@ -213,7 +216,7 @@ def test_compiled_flex_matches_the_dense_reference_across_shapes(monkeypatch):
     before = counters["stats"]["unique_graphs"]
     for b, tq, key_len in [(3, 6, 260), (5, 7, 333), (6, 8, 301)]:
         args, expected = _flex_case(b, tq, key_len, 16)
-        torch.testing.assert_close(kvcache.flex_attention_by_lens(*args), expected,
+        torch.testing.assert_close(attention.flex_attention_by_lens(*args), expected,
                                    atol=1e-5, rtol=1e-5)  # fmt: skip
     assert counters["stats"]["unique_graphs"] == before
 
@@ -230,13 +233,13 @@ def test_flex_block_mask_matches_the_dense_reference(is_folded, lens_kind, is_co
     q, k, v, lens, tree, scale = args
     if lens_kind == "block_edges":  # committed lengths on and around 128-token block edges
         lens = torch.tensor([0, 127, 128, 384])
-        expected = kvcache.grouped_attention(
-            q, k, v, kvcache.in_place_mask(lens, k.shape[2], tree), scale
+        expected = attention.grouped_attention(
+            q, k, v, attention.in_place_mask(lens, k.shape[2], tree), scale
         )
     if is_compiled:
-        out = kvcache._compiled_call(q, k, v, lens, tree, scale, is_folded)
+        out = attention._compiled_call(q, k, v, lens, tree, scale, is_folded)
     else:
-        out = kvcache._flex_by_lens(q, k, v, lens, tree, scale, is_folded=is_folded)
+        out = attention._flex_by_lens(q, k, v, lens, tree, scale, is_folded=is_folded)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -244,18 +247,18 @@ def test_a_failed_flex_compile_runs_the_dense_attention_and_says_so(monkeypatch)
     def broken(*args):
         raise RuntimeError("LoweringException: no kernel for this shape")
 
-    monkeypatch.setattr(kvcache, "compile_on_cpu", True)
-    monkeypatch.setattr(kvcache, "flex_fallbacks", {})
-    monkeypatch.setattr(kvcache, "_compiled_flex_by_lens", lambda: broken)
+    monkeypatch.setattr(attention, "compile_on_cpu", True)
+    monkeypatch.setattr(attention, "flex_fallbacks", {})
+    monkeypatch.setattr(attention, "_compiled_flex_by_lens", lambda: broken)
     args, expected = _flex_case(2, 3, 64, 16)
     with pytest.warns(RuntimeWarning, match="batch 2, 3 new tokens, key width 64"):
-        out = kvcache.flex_attention_by_lens(*args)
+        out = attention.flex_attention_by_lens(*args)
     torch.testing.assert_close(out, expected)
-    assert list(kvcache.flex_fallbacks) == [(torch.float32, 2, 3, 64, 16, False)]
-    assert "no kernel for this shape" in next(iter(kvcache.flex_fallbacks.values()))
+    assert list(attention.flex_fallbacks) == [(torch.float32, 2, 3, 64, 16, False)]
+    assert "no kernel for this shape" in next(iter(attention.flex_fallbacks.values()))
     # the shape is remembered: no second attempt, no second warning
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        torch.testing.assert_close(kvcache.flex_attention_by_lens(*args), expected)
+        torch.testing.assert_close(attention.flex_attention_by_lens(*args), expected)

@@ -45,8 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tltrun.model.attention import masked_attention
 from tltrun.model.config import CheckpointError, ModelConfig
-from tltrun.model.kvcache import KVCache, masked_attention
+from tltrun.model.kvcache import KVCache
 from tltrun.model.transformer import DecoderLayer, Rotary, Transformer, gemm_layout
 from tltrun.rollout.interface import SamplingParams
 from tltrun.rollout.speculative import DraftTree, logits_to_probs, sample

@@ -69,7 +69,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tltrun.model import kvcache
+from tltrun.model import attention
 from tltrun.profile.timing import CLOCKS, STATISTICS, Measure, Series
 from tltsim.cost.profile import ProfileRow, write_profile
 from tltsim.errors import UsageError
@@ -359,7 +359,8 @@ def profile_meta(cfg: ProfileRunConfig, now: datetime.datetime) -> dict[str, Any
         "attention_context": _torch_attention_context(cfg) if cfg.backend == "torch" else "summed",
         # shapes whose compiled flex attention failed and ran the dense masked SDPA instead
         "flex_fallbacks": [
-            {"shape": list(map(str, k)), "reason": why} for k, why in kvcache.flex_fallbacks.items()
+            {"shape": list(map(str, k)), "reason": why}
+            for k, why in attention.flex_fallbacks.items()
         ],
         "config": asdict(cfg),
     }

@@ -15,7 +15,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from tltrun.model.kvcache import UNPADDED_ATTN_IMPLS
+from tltrun.model.attention import UNPADDED_ATTN_IMPLS
 from tltrun.profile.timing import Series
 from tltrun.rollout.engine import RolloutEngine
 from tltrun.rollout.engine_config import EngineConfig, default_attn_impl

@@ -45,8 +45,9 @@ from dataclasses import dataclass
 
 import torch
 
+from tltrun.model.attention import causal_mask
 from tltrun.model.drafter import EagleDrafter, expand_tree
-from tltrun.model.kvcache import KVCache, StaticContext, causal_mask
+from tltrun.model.kvcache import KVCache, StaticContext
 from tltrun.rollout.interface import SamplingParams
 from tltrun.rollout.prefill import SlotEngine
 from tltrun.rollout.speculative import DraftTree

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tltrun.model.attention import ATTN_IMPLS
 from tltrun.model.config import check_device
 from tltrun.model.history_drafter import HistoryConfig
-from tltrun.model.kvcache import ATTN_IMPLS
 from tltrun.rollout.interface import Request, SamplingParams
 
 DTYPES = {

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tltrun.model.kvcache import KVCache, StaticContext, causal_mask
+from tltrun.model.attention import causal_mask
+from tltrun.model.kvcache import KVCache, StaticContext
 from tltrun.model.transformer import Transformer
 from tltrun.rollout.draft_graphs import (
     DraftBuffers,
