@@ -26,7 +26,7 @@ then ``finish_rollout()`` (``generate`` does exactly that). One ``step()``, as n
 
 On a GPU (issue #18) the defaults are bf16 weights and KV cache (sampling and acceptance in
 float32: ``logits_to_probs``), attention by each sequence's own length (``attn_impl="flex"``,
-``tltrun.model.kvcache``) and TLT's bucketed CUDA-graph pool (``tltrun.rollout.graphs``): the
+``tltrun.model.attention``) and TLT's bucketed CUDA-graph pool (``tltrun.rollout.graphs``): the
 first rollout's policy decides which decode, verify and EAGLE drafting steps are captured
 (``tltrun.rollout.draft_graphs``), a batch runs padded up to its bucket's graph; sampling,
 acceptance and everything without a graph run eagerly. ``cuda_graphs=True`` on a CPU runs the
