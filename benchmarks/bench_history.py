@@ -13,10 +13,11 @@ and the history drafter per batch bucket (``tlt-mix``): accept length per step a
 speedup vs NoSpec of each, once per bench_spec work directory (one per seed: each holds its own
 SFT target and offline drafter, ``bench_spec.py --seed S --work-dir W``), then the median and
 range over seeds and the issue's two checks (history accept length >= 2 from step 0; the mix's
-rollout speedup >= the better of tltbase and tlt-spot, paired by seed, within noise). Per seed
-also what a history draft could reach on tltbase's step-0 rollouts (``history_bounds``): the
-ceiling of any point-mass draft, and one drafted token's acceptance sampled from the history's
-continuation counts vs the most frequent continuation.
+rollout speedup >= the better of tltbase and tlt-spot, paired by seed, within noise), and #16's
+reward check (each run's mean reward per step against NoSpec's, paired by step, within noise;
+``reward_checks``). Per seed also what a history draft could reach on tltbase's step-0
+rollouts (``history_bounds``): the ceiling of any point-mass draft, and one drafted token's
+acceptance sampled from the history's continuation counts vs the most frequent continuation.
 
     .venv/bin/python benchmarks/bench_history.py --grpo --work-dirs runs/s0/spec,runs/s1/spec \
         --seeds 0,1 --out runs/bench_history_grpo [--task reasoning-gym:...]
@@ -192,6 +193,45 @@ def _history_checks(summary: list[dict], per_seed: list[dict]) -> dict:
     return checks
 
 
+def reward_checks(runs: tuple[str, ...], per_seed: list[dict]) -> dict:
+    """#16's reward check: each run's reward curve against NoSpec's, within noise. Paired by
+    step (the same prompts at the same step in every run of a seed): the mean over steps of
+    the run's minus NoSpec's mean reward, with its standard error from the spread of those
+    per-step differences. Within noise: the median difference over seeds is within 2 median
+    standard errors of 0. A run whose curve rises or falls with NoSpec's passes; SD that
+    changed what the policy samples would show as a difference in either direction."""
+    checks = {}
+    for name in runs:
+        if name == "nospec":
+            continue
+        pairs = []
+        for s in per_seed:
+            rows = {t["run"]: t for t in s["table"]}
+            diffs = [
+                a - b
+                for a, b in zip(
+                    rows[name]["reward_per_step"], rows["nospec"]["reward_per_step"], strict=True
+                )
+            ]
+            se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.inf
+            pairs.append({"seed": s["seed"], "diff": statistics.fmean(diffs), "se": se})
+        median_diff = statistics.median(p["diff"] for p in pairs)
+        median_se = statistics.median(p["se"] for p in pairs)
+        checks[name] = {
+            "per_seed": pairs,
+            "median_diff": median_diff,
+            "median_se": median_se,
+            "within_noise": abs(median_diff) <= 2.0 * median_se,
+        }
+        print(
+            f"{name} minus nospec, mean reward per step, paired by step: "
+            + ", ".join(f"seed {p['seed']} {p['diff']:+.3f} (se {p['se']:.3f})" for p in pairs)
+            + f"; median {median_diff:+.3f} vs 2 x median se {2.0 * median_se:.3f}: "
+            + ("within noise" if checks[name]["within_noise"] else "NOT within noise")
+        )
+    return checks
+
+
 def grpo(args: argparse.Namespace) -> dict:
     """The GRPO section over every (work dir, seed); returns the JSON written to --out."""
     bt = _bench_train()
@@ -274,6 +314,11 @@ def grpo(args: argparse.Namespace) -> dict:
                 "accept_len_mean_median": statistics.median(
                     statistics.fmean(r["accept_len_per_step"]) for r in rows
                 ),
+                "reward_mean_median": statistics.median(r["reward_mean_all"] for r in rows),
+                "reward_first_last_median": "{:.3f} -> {:.3f}".format(
+                    statistics.median(r["reward_per_step"][0] for r in rows),
+                    statistics.median(r["reward_per_step"][-1] for r in rows),
+                ),
             }
         )
     print(f"over {len(per_seed)} seed(s): median (range) per run")
@@ -291,17 +336,27 @@ def grpo(args: argparse.Namespace) -> dict:
                 "prefill_share_median": "prefill %",
                 "accept_len_step0_median": "accept step0",
                 "accept_len_mean_median": "accept mean",
+                "reward_mean_median": "reward",
+                "reward_first_last_median": "reward step 0 -> last",
             },
             {
                 "rollout_speedup_median": ".2f",
                 "step_speedup_median": ".2f",
                 "decode_speedup_median": ".2f",
                 "prefill_share_median": "{:.0%}",
+                "reward_mean_median": ".3f",
             },
-            left=("run", "rollout_speedup_range", "step_speedup_range", "decode_speedup_range"),
+            left=(
+                "run",
+                "rollout_speedup_range",
+                "step_speedup_range",
+                "decode_speedup_range",
+                "reward_first_last_median",
+            ),
         )
     )
     checks = _history_checks(summary, per_seed) if {"tltbase", "tlt-mix"} <= set(runs) else {}
+    checks["reward_vs_nospec"] = reward_checks(runs, per_seed)
     drifted = [f"seed {s['seed']}" for s in per_seed if s["drift_warnings"]]
     if drifted:
         print(

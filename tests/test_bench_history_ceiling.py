@@ -125,3 +125,30 @@ def test_the_mix_check_pairs_each_seed_with_its_better_single_drafter(mixes, rel
     ]
     assert checks["mix_minus_better_alone"][1]["diff"] == pytest.approx(mixes[1] - 1.45)
     assert checks["mix_ge_better_alone_within_noise"] is is_met
+
+
+def _seed_tables(seed: int, nospec: list[float], tlt: list[float]) -> dict:
+    return {
+        "seed": seed,
+        "table": [
+            {"run": "nospec", "reward_per_step": nospec},
+            {"run": "tlt-spot", "reward_per_step": tlt},
+        ],
+    }
+
+
+def test_reward_curves_that_differ_by_noise_pass_and_a_shifted_curve_fails():
+    rng = random.Random(0)
+    curve = [0.5 + 0.02 * t for t in range(20)]  # both runs learn at the same rate
+
+    def noisy(shift: float) -> list[float]:
+        return [c + shift + rng.gauss(0.0, 0.1) for c in curve]
+
+    same = [_seed_tables(s, noisy(0.0), noisy(0.0)) for s in (1, 2, 3)]
+    checks = bench_history.reward_checks(("nospec", "tlt-spot"), same)
+    assert set(checks) == {"tlt-spot"} and checks["tlt-spot"]["within_noise"]
+    assert len(checks["tlt-spot"]["per_seed"]) == 3
+    shifted = [_seed_tables(s, noisy(0.0), noisy(-0.3)) for s in (1, 2, 3)]
+    checks = bench_history.reward_checks(("nospec", "tlt-spot"), shifted)
+    assert not checks["tlt-spot"]["within_noise"]
+    assert checks["tlt-spot"]["median_diff"] == pytest.approx(-0.3, abs=0.1)

@@ -147,6 +147,7 @@ def compare_runs(results: dict, base: str = "nospec") -> list[dict]:
                 "prefill_time_ratio": prefill_time_ratio(res, base_engine),
                 "accept_len_last": log[-1]["accept_len"],
                 "accept_len_per_step": [r["accept_len"] for r in log],
+                "reward_per_step": [r["reward_mean"] for r in log],
                 "reward_mean_all": sum(r["reward_mean"] for r in log) / len(log),
                 "reward_last": log[-1]["reward_mean"],
                 "drafter_train_s": sum(r["drafter_train_s"] for r in log),
