@@ -6,10 +6,12 @@
 # OUT/grpo). About 30 minutes per seed on 2 otherwise idle CPU cores; run nothing beside it.
 #
 #   benchmarks/seeds.sh OUT SEED [SEED ...]
-#   TASK='reasoning-gym:tower_of_hanoi?min_disks=1&max_disks=4' \
-#     SPEC_ARGS='--num-layers 4 --hidden-size 256 --num-heads 4 --num-kv-heads 2 \
-#       --intermediate-size 704 --sft-steps 400 --sft-batch-tokens 4096 --train-max-new-tokens 512' \
-#     TRAIN_ARGS='--max-new-tokens 512' benchmarks/seeds.sh OUT 1 2 3
+#   TASK='reasoning-gym:tower_of_hanoi?min_disks=3&max_disks=3&max_pegs=3' RUNS=nospec,tlt-spot \
+#     SPEC_ARGS='--num-layers 8 --hidden-size 256 --num-heads 4 --num-kv-heads 2 \
+#       --intermediate-size 704 --sft-steps 600 --sft-batch-tokens 8192 --sft-lr 0.001' \
+#     TRAIN_ARGS='--max-new-tokens 256 --dtype bfloat16 --tlt-buckets spec' benchmarks/seeds.sh OUT 1 2 3
+# (an SFT recipe that learns hanoi, benchmarks/RESULTS.md; bench_spec fine-tunes at --num-threads,
+# default 1: a target made beforehand by `tltrun sft` in OUT/spec-seedS/target is reused)
 #
 # PYTHON (default: python) runs the scripts; a seed whose runs finished is not run again.
 # TRAIN_ARGS goes to bench_train.py and bench_history.py alike: --max-new-tokens, --num-steps.
