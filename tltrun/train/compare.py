@@ -127,6 +127,7 @@ def compare_runs(results: dict, base: str = "nospec") -> list[dict]:
         step = sum(r["step_s"] for r in log) / len(log)
         rate = tokens_per_s(res)
         decode_speedup, prefill_share = engine_split(res, base_engine)
+        rewards = [r["reward_mean"] for r in log]
         table.append(
             {
                 "run": name,
@@ -147,9 +148,9 @@ def compare_runs(results: dict, base: str = "nospec") -> list[dict]:
                 "prefill_time_ratio": prefill_time_ratio(res, base_engine),
                 "accept_len_last": log[-1]["accept_len"],
                 "accept_len_per_step": [r["accept_len"] for r in log],
-                "reward_per_step": [r["reward_mean"] for r in log],
-                "reward_mean_all": sum(r["reward_mean"] for r in log) / len(log),
-                "reward_last": log[-1]["reward_mean"],
+                "reward_per_step": rewards,
+                "reward_mean_all": sum(rewards) / len(rewards),
+                "reward_last": rewards[-1],
                 "drafter_train_s": sum(r["drafter_train_s"] for r in log),
                 "idle_worker_s": sum(r["idle_worker_s"] for r in log),
             }
