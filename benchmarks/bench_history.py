@@ -18,6 +18,9 @@ reward check (each run's mean reward per step against NoSpec's, paired by step, 
 ``reward_checks``). Per seed also what a history draft could reach on tltbase's step-0
 rollouts (``history_bounds``): the ceiling of any point-mass draft, and one drafted token's
 acceptance sampled from the history's continuation counts vs the most frequent continuation.
+On the built-in task also what no better SFT model could raise (``--reference`` alone prints
+just this, in a second): the history drafter replayed, and that ceiling, on the task's own
+reference solutions (a model that has learned the task exactly, at temperature 1).
 
     .venv/bin/python benchmarks/bench_history.py --grpo --work-dirs runs/s0/spec,runs/s1/spec \
         --seeds 0,1 --out runs/bench_history_grpo [--task reasoning-gym:...]
@@ -46,7 +49,7 @@ import sys
 import time
 from pathlib import Path
 
-from history_bounds import step0_bounds
+from history_bounds import reference_bounds, step0_bounds
 
 from tltrun.model.history_drafter import HistoryConfig, HistoryDrafter
 from tltrun.train.compare import compare_runs, drift_warnings
@@ -191,6 +194,30 @@ def _history_checks(summary: list[dict], per_seed: list[dict]) -> dict:
         + f"{'met' if checks['mix_ge_better_alone_within_noise'] else 'NOT met'} within noise"
     )
     return checks
+
+
+def print_reference(group_size: int) -> list[dict]:
+    """``reference_bounds`` for groups of ``group_size``, printed as a table."""
+    rows = reference_bounds(group_size=group_size)
+    print(
+        f"built-in task, reference solutions (a model that has learned the task exactly, at "
+        f"temperature 1; 64 prompts x {group_size}): accept length per verify of the history "
+        "drafter replayed in lockstep, as a chain and as a tree of 16 continuations, and the "
+        "ceiling of any point-mass history draft"
+    )
+    print(
+        format_table(
+            rows,
+            {
+                "draft_tokens": "draft tokens",
+                "replay_branches_1": "chain",
+                "replay_branches_16": "tree 16",
+                "ceiling": "ceiling",
+            },
+            {"replay_branches_1": ".2f", "replay_branches_16": ".2f", "ceiling": ".2f"},
+        )
+    )
+    return rows
 
 
 def reward_checks(runs: tuple[str, ...], per_seed: list[dict]) -> dict:
@@ -356,6 +383,7 @@ def grpo(args: argparse.Namespace) -> dict:
         )
     )
     checks = _history_checks(summary, per_seed) if {"tltbase", "tlt-mix"} <= set(runs) else {}
+    reference = print_reference(cfg.group_size) if args.task == "builtin" else None
     checks["reward_vs_nospec"] = reward_checks(runs, per_seed)
     drifted = [f"seed {s['seed']}" for s in per_seed if s["drift_warnings"]]
     if drifted:
@@ -364,7 +392,13 @@ def grpo(args: argparse.Namespace) -> dict:
             "warnings above): those seeds' speedups, and the checks that use them, are not "
             "comparable"
         )
-    result = {"config": vars(args), "per_seed": per_seed, "summary": summary, "checks": checks}
+    result = {
+        "config": vars(args),
+        "per_seed": per_seed,
+        "summary": summary,
+        "checks": checks,
+        "reference_bounds": reference,
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"wrote {out / 'results.json'}")
@@ -374,6 +408,12 @@ def grpo(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--grpo", action="store_true", help="run the GRPO section instead")
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="print only the history bounds on the built-in task's reference solutions",
+    )
+    parser.add_argument("--group-size", type=int, default=4, help="--reference: samples per prompt")
     parser.add_argument(
         "--work-dirs", default="runs/bench_spec", help="--grpo: bench_spec work dirs, one per seed"
     )
@@ -431,6 +471,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bench_history.json", help="JSON output path")
     args = parser.parse_args()
+    if args.reference:
+        rows = print_reference(args.group_size)
+        if args.out == "results/bench_history.json":
+            args.out = "results/bench_history_reference.json"
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(
+            json.dumps({"config": vars(args), "reference_bounds": rows}, indent=2) + "\n"
+        )
+        print(f"wrote {out}")
+        return
     if args.grpo:
         if args.out == "results/bench_history.json":
             args.out = "runs/bench_history_grpo"

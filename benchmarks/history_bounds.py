@@ -2,16 +2,21 @@
 ``benchmarks/bench_history.py --grpo``: the ceiling of any point-mass history draft
 (``point_mass_ceiling``), and the one-token acceptance of a draft sampled from the history's
 continuation counts against the most frequent continuation (``count_draft_acceptance``, p from
-the target), each from a run's step-0 rollout dump. Pure Python but for the target's forward.
+the target), each from a run's step-0 rollout dump; and both the history drafter replayed and
+the ceiling on the built-in task's own reference solutions (``reference_bounds``: what a model
+that has learned the task exactly would give). Pure Python but for the target's forward.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import statistics
 from pathlib import Path
 
-from tltrun.model.history_drafter import HistoryConfig
+from tltrun.model.history_drafter import HistoryConfig, HistoryDrafter
+from tltrun.model.tokenizer import CharTokenizer
+from tltrun.train.tasks import TaskConfig, sample_problem, worked_solution
 
 
 def _as_text(ids: list[int]) -> str:
@@ -164,3 +169,78 @@ def _step0_groups(run_dir: Path, model_dir: Path) -> list[tuple[list[int], list[
         )
         for rows in groups.values()
     ]
+
+
+def replay_lockstep(
+    prompt: list[int], responses: list[list[int]], draft_tokens: int, max_branches: int = 1
+) -> list[int]:
+    """The history drafter itself on one group's realized responses, generated in lockstep
+    (every unfinished sequence proposes, then every one commits: a sibling's tokens become
+    history at the next iteration): the longest prefix of the realized tokens that one of its
+    ``max_branches`` proposed continuations (``propose_tree``; 1: ``propose``'s chain) matches,
+    plus the target's own token. Replaying realized tokens gives the expected accept length
+    of point-mass drafts (see ``point_mass_ceiling``). Returns accepted + 1 per iteration."""
+    drafter = HistoryDrafter()
+    for k in range(len(responses)):
+        drafter.add(k, 0, prompt)
+    pos = [0] * len(responses)
+    accepts: list[int] = []
+    while True:
+        running = [k for k, r in enumerate(responses) if pos[k] < len(r)]
+        if not running:
+            return accepts
+        steps = {}
+        for k in running:
+            real = responses[k][pos[k] : pos[k] + draft_tokens]
+            best = 0
+            for branch in drafter.propose_tree(k, draft_tokens, max_branches):
+                a = 0
+                while a < len(branch) and a < len(real) and branch[a] == real[a]:
+                    a += 1
+                best = max(best, a)
+            steps[k] = min(best + 1, len(responses[k]) - pos[k])
+        for k, step in steps.items():
+            drafter.extend(k, responses[k][pos[k] : pos[k] + step])
+            pos[k] += step
+            accepts.append(step)
+
+
+def reference_bounds(
+    *,
+    group_size: int,
+    num_groups: int = 64,
+    draft_tokens: tuple[int, ...] = (2, 4, 8),
+    max_branches: tuple[int, ...] = (1, 16),
+    seed: int = 0,
+) -> list[dict]:
+    """The built-in task's reference solutions (``worked_solution``: a model that has learned
+    the task exactly, sampled at temperature 1; each sample draws its own check lines and
+    recheck passes), ``num_groups`` prompts x ``group_size`` samples in the character
+    tokenizer's ids, each ending in EOS: per chain length, the mean accept length of the
+    history drafter replayed in lockstep (``replay_lockstep``, one row per ``max_branches``)
+    and of ``point_mass_ceiling`` (no history draft, chain or tree, beats it). What no better
+    SFT model could raise: the task's own text bounds it."""
+    task, tok, rng = TaskConfig(), CharTokenizer(), random.Random(seed)
+    groups = []
+    for _ in range(num_groups):
+        problem = sample_problem(task, rng)
+        prompt = tok.encode(problem.prompt)
+        responses = [
+            tok.encode(worked_solution(problem, task, rng), add_bos=False, add_eos=True)
+            for _ in range(group_size)
+        ]
+        groups.append((prompt, responses))
+    rows = []
+    for k in draft_tokens:
+        row: dict = {"draft_tokens": k}
+        for b in max_branches:
+            row[f"replay_branches_{b}"] = statistics.fmean(
+                a for prompt, responses in groups for a in replay_lockstep(prompt, responses, k, b)
+            )
+        row["ceiling"] = statistics.fmean(
+            a
+            for prompt, responses in groups
+            for a in point_mass_ceiling(prompt, responses, max_draft_tokens=k)
+        )
+        rows.append(row)
+    return rows

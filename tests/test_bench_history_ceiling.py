@@ -66,6 +66,37 @@ def test_the_ceiling_bounds_what_the_history_drafter_proposes():
     assert len(chain) >= len(bound)  # fewer iterations: a longer mean accept length
 
 
+def test_the_lockstep_replay_copies_a_finished_sibling_through_the_drafter():
+    shared = list(range(100, 120))
+    own = list(range(200, 225)) + shared
+    accepts = history_bounds.replay_lockstep([1], [shared, own], draft_tokens=4)
+    # shared: 20 new tokens, 1 per iteration; own: 25 new ones, then shared[0] and shared[1]
+    # before [shared0, shared1] matches the finished sibling: its 18 further tokens 4 per
+    # draft + the bonus (as the ceiling's case above)
+    assert sorted(accepts) == [1] * 47 + [3, 5, 5, 5]
+    assert sum(accepts) == len(shared) + len(own)
+
+
+def test_a_tree_reaches_the_continuation_the_chain_does_not_pick():
+    # [1, 2] is followed by 3 and by 4 in the prompt; the chain follows one (3), the response
+    # takes the other: a tree of 2 continuations holds it (4 accepted + the bonus 9)
+    prompt, resp = [1, 2, 3, 1, 2, 4], [[1, 2, 4, 9]]
+    assert history_bounds.replay_lockstep(prompt, resp, 4, max_branches=1) == [1, 1, 1, 1]
+    assert history_bounds.replay_lockstep(prompt, resp, 4, max_branches=2) == [1, 1, 2]
+
+
+def test_reference_bounds_are_reproducible_accept_lengths_per_chain_length():
+    rows = history_bounds.reference_bounds(group_size=3, num_groups=4, draft_tokens=(2, 6))
+    assert rows == history_bounds.reference_bounds(group_size=3, num_groups=4, draft_tokens=(2, 6))
+    assert [r["draft_tokens"] for r in rows] == [2, 6]
+    for r in rows:
+        for key in ("replay_branches_1", "replay_branches_16", "ceiling"):
+            assert 1.0 <= r[key] <= r["draft_tokens"] + 1
+    assert rows != history_bounds.reference_bounds(
+        group_size=3, num_groups=4, draft_tokens=(2, 6), seed=1
+    )
+
+
 def test_sampled_history_draft_acceptance_is_the_overlap_of_p_and_the_counts():
     """[1, 2] is followed by 3 and by 4 in the prompt: at the third response token both
     continuations count once per indexed copy (q = 1/2, 1/2). The target there puts 1/2 on each:
