@@ -71,19 +71,68 @@ def test_interleaved_incremental_build_equals_a_from_scratch_build(seed):
     scratch = SuffixAutomaton()
     for s in strings:
         scratch.add_string(s)
-    # the same strings grown a few tokens at a time, interleaved at random
+    inc = _interleaved(strings, seed)  # the same strings, interleaved at random
+    assert inc.strings == strings
+    assert inc.num_states == scratch.num_states
+    assert _canonical(inc) == _canonical(scratch)
+
+
+def _interleaved(strings: list[list[int]], seed: int) -> SuffixAutomaton:
+    """``strings`` grown a few tokens at a time, interleaved at random."""
     rng = random.Random(100 + seed)
-    inc = SuffixAutomaton()
-    sids = [inc.add_string() for _ in strings]
+    sam = SuffixAutomaton()
+    sids = [sam.add_string() for _ in strings]
     done = [0] * len(strings)
     while any(d < len(s) for d, s in zip(done, strings, strict=True)):
         i = rng.choice([i for i, s in enumerate(strings) if done[i] < len(s)])
         step = rng.randint(1, 4)
-        inc.extend(sids[i], strings[i][done[i] : done[i] + step])
+        sam.extend(sids[i], strings[i][done[i] : done[i] + step])
         done[i] += step
-    assert inc.strings == strings
-    assert inc.num_states == scratch.num_states
-    assert _canonical(inc) == _canonical(scratch)
+    return sam
+
+
+def _num_occurrences(strings: list[list[int]], pattern: list[int]) -> int:
+    n = len(pattern)
+    return sum(s[i : i + n] == pattern for s in strings for i in range(len(s) - n + 1))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_counts_and_best_transitions_against_brute_force(seed):
+    """Built incrementally (interleaved) or in one pass (``from_strings``, a rebuild's way):
+    every occurring context's state counts its occurrences, and every state's best transition
+    leads to the most frequent next token, the token after its first end on a tie."""
+    strings = _random_strings(seed, num=4, alphabet=3, max_len=30)
+    rng = random.Random(seed)
+    for sam in (_interleaved(strings, seed), SuffixAutomaton.from_strings(strings)):
+        for _ in range(200):
+            context = [rng.randrange(3) for _ in range(rng.randint(1, 6))]
+            state, matched = sam.match(context)
+            if matched == len(context):
+                assert sam.count[state] == _num_occurrences(strings, context)
+            else:
+                assert _num_occurrences(strings, context) == 0
+        for u in range(sam.num_states):
+            trans = sam.trans[u]
+            if not trans:
+                assert sam.best[u] is None
+                continue
+            top = max(sam.count[v] for v in trans.values())
+            assert sam.count[trans[sam.best[u]]] == top
+            sid, pos = sam.first_end[u]
+            first = strings[sid][pos + 1] if sid >= 0 and pos + 1 < len(strings[sid]) else None
+            if first is not None and sam.count[trans[first]] == top:
+                assert sam.best[u] == first
+
+
+def test_a_draft_follows_the_continuation_most_occurrences_agree_on():
+    drafter = HistoryDrafter(HistoryConfig(ngram_min=2))
+    # [5, 6] is followed by 1 first, then by 2 twice: the draft takes 2, and after [6, 2] the
+    # 3 that both occurrences share
+    drafter.add("a", "g", [5, 6, 1, 9, 5, 6, 2, 3, 8, 5, 6, 2, 3, 7])
+    drafter.add("b", "g", [4, 5, 6])
+    assert drafter.propose("b", 2) == [2, 3]
+    tree = drafter.propose_tree("b", 2, max_branches=2)
+    assert tree[0] == [2, 3] and tree[1][0] == 1
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -7,10 +7,15 @@ Pure Python, no torch: ``tltrun.rollout.rollout_history`` turns proposals into a
 Index: one generalized suffix automaton (Blumer et al. 1985; the on-line generalized
 construction, which handles several strings grown in any interleaving) per prompt group, over
 token ids. Every stored string (a sequence: prompt then output) keeps its automaton state
-``last``, whose longest member is the whole string; appending a token is the usual amortized
-O(1) extension. Each state records ``first_end``, the (string, position) where its members
-first ended; a clone inherits its original's, which is also an end of the clone's members. So
-the tokens after ``first_end`` are a continuation of any context the state matches.
+``last``, whose longest member is the whole string. Each state records ``first_end``, the
+(string, position) where its members first ended (a clone inherits its original's, which is
+also an end of the clone's members), ``count``, how many positions of the group's strings its
+members end at (the occurrences of the contexts it holds), and ``best``, its transition to the
+highest count (ties: the token after ``first_end``). Appending a token is the usual amortized
+O(1) extension plus a walk up the previous state's suffix links, whose ``tok`` transitions are
+exactly the states the new position ends (each gets one more occurrence; each parent's
+``best`` is updated where its child's count grew): O(that path), which grows slowly with the
+history (``benchmarks/bench_history.py``'s ``extend us/token``).
 
 Proposal (``propose`` / ``propose_tree``): walk the automaton with the sequence's last
 ``ngram_max`` tokens from the root (matching statistics: on a missing transition follow suffix
@@ -19,14 +24,17 @@ occurs: the sequence itself is indexed, so this is the length-ngram_max suffix u
 sequence is shorter). A match that nothing follows anywhere (its only occurrences are tails:
 the sequence's own, running siblings') falls back along suffix links to a shorter context, down
 to ``ngram_min`` tokens, else nothing is proposed. The draft then walks d transitions, taking at
-each state the token after its first end (where that is a string's tail, its first
-transition): the first occurrence's continuation, carried on from another occurrence where that
-string stops. The cost is a walk of at most ngram_max + d tokens: independent of the history's
-length (``benchmarks/bench_history.py``). A tree's branches are the matched state's outgoing
-transitions (distinct next tokens, the chain's first), each continued by the same walk.
+each state its ``best`` token: the continuation most occurrences of the context read so far
+agree on (like SuffixDecoding's frequency-scored drafts, arXiv 2411.04975; following the first
+occurrence instead drafted 7% fewer accepted tokens per verify on hanoi's GRPO rollouts with
+chains of 4 and 8, and the same on the built-in task: benchmarks/RESULTS.md). The cost is a
+walk of at most ngram_max + d tokens: independent of the history's length. A tree's branches
+are the matched state's outgoing transitions (distinct next tokens: the chain's first, then
+the others in creation order), each continued by the same walk.
 
 Eviction rebuilds the automaton of the group that lost a sequence (suffix automata do not
-delete); it runs when a sequence is finished, never in a proposal.
+delete; ``SuffixAutomaton.from_strings`` counts in one pass at the end, not per token); it runs
+when a sequence is finished, never in a proposal.
 
 A history draft is deterministic given the committed tokens, so its draft distribution is a
 point mass and ``tltrun.rollout.speculative.verify`` with ``draft_probs=None`` keeps decoding
@@ -74,13 +82,20 @@ class SuffixAutomaton:
 
     State 0 is the root. Per state: ``length`` (its longest member), ``link`` (suffix link, -1
     at the root), ``trans`` (token -> state, in creation order), ``first_end`` ((string,
-    position) of the first end of its members; the root's is (-1, -1))."""
+    position) of the first end of its members; the root's is (-1, -1)), ``count`` (how many
+    positions of all strings its members end at: the occurrences of the context it holds; the
+    root's stays 0) and ``best`` (the token whose transition leads to the highest count; on ties
+    the token after ``first_end``, else the earliest to reach it; None without transitions)."""
 
     def __init__(self) -> None:
         self.length: list[int] = [0]
         self.link: list[int] = [-1]
         self.trans: list[dict[int, int]] = [{}]
         self.first_end: list[tuple[int, int]] = [(-1, -1)]
+        self.count: list[int] = [0]
+        self.best: list[int | None] = [None]
+        # False while ``from_strings`` builds: counts and best come from one pass at the end
+        self.is_counting = True
         self.strings: list[list[int]] = []
         self.last: list[int] = []  # per string: the state whose longest member is the string
 
@@ -104,20 +119,74 @@ class SuffixAutomaton:
         for tok in tokens:
             self._extend_one(sid, int(tok))
 
+    @classmethod
+    def from_strings(cls, strings: Iterable[Iterable[int]]) -> SuffixAutomaton:
+        """The automaton of ``strings`` (added in order), its counts and best transitions
+        computed in one pass at the end (O(states + transitions)) instead of a suffix-path
+        walk per token: a rebuild's way."""
+        sam = cls()
+        sam.is_counting = False
+        for tokens in strings:
+            sam.add_string(tokens)
+        sam._finish_counts()
+        sam.is_counting = True
+        return sam
+
+    def _finish_counts(self) -> None:
+        """Counts from the end positions (each string position ends at its prefix's state and
+        at every suffix-link ancestor's: propagated from the longest states down), then each
+        state's best transition by ``_count_end``'s rule (other ties: creation order)."""
+        count = [0] * self.num_states
+        for string in self.strings:
+            state = 0
+            for tok in string:  # walking a prefix from the root ends at the prefix's state
+                state = self.trans[state][tok]
+                count[state] += 1
+        by_length: list[list[int]] = [[] for _ in range(max(self.length) + 1)]
+        for v in range(1, self.num_states):
+            by_length[self.length[v]].append(v)
+        for bucket in reversed(by_length):
+            for v in bucket:
+                count[self.link[v]] += count[v]
+        count[0] = 0
+        self.count = count
+        for u in range(self.num_states):
+            first = self._first_next(u)
+            trans = self.trans[u]
+            self.best[u] = (
+                max(trans, key=lambda tok, t=trans, f=first: (count[t[tok]], tok == f))
+                if trans
+                else None
+            )
+
     def _new_state(
-        self, length: int, link: int, trans: dict[int, int], end: tuple[int, int]
+        self,
+        length: int,
+        link: int,
+        trans: dict[int, int],
+        end: tuple[int, int],
+        count: int = 0,
+        best: int | None = None,
     ) -> int:
         self.length.append(length)
         self.link.append(link)
         self.trans.append(trans)
         self.first_end.append(end)
+        self.count.append(count)
+        self.best.append(best)
         return len(self.length) - 1
 
     def _clone(self, p: int, q: int, tok: int) -> int:
         """Split q: a clone of length(p) + 1 takes q's shorter members; redirect p's suffix
-        path from q to the clone. The clone's ends include q's, so it inherits q's first end."""
+        path from q to the clone. The clone's ends include q's, so it inherits q's first end,
+        count (the new end is counted by ``_count_end``) and best transition (same targets)."""
         clone = self._new_state(
-            self.length[p] + 1, self.link[q], dict(self.trans[q]), self.first_end[q]
+            self.length[p] + 1,
+            self.link[q],
+            dict(self.trans[q]),
+            self.first_end[q],
+            self.count[q],
+            self.best[q],
         )
         while p != -1 and self.trans[p].get(tok) == q:
             self.trans[p][tok] = clone
@@ -134,6 +203,8 @@ class SuffixAutomaton:
             self.last[sid] = (
                 q if self.length[q] == self.length[last] + 1 else self._clone(last, q, tok)
             )
+            if self.is_counting:
+                self._count_end(last, tok)
             return
         cur = self._new_state(self.length[last] + 1, 0, {}, (sid, len(string) - 1))
         p = last
@@ -144,6 +215,35 @@ class SuffixAutomaton:
             q = self.trans[p][tok]
             self.link[cur] = q if self.length[q] == self.length[p] + 1 else self._clone(p, q, tok)
         self.last[sid] = cur
+        if self.is_counting:
+            self._count_end(last, tok)
+
+    def _count_end(self, last: int, tok: int) -> None:
+        """A string whose state was ``last`` grew by ``tok``: the new end position is one more
+        occurrence of every suffix of the grown string, whose states are the ``tok``
+        transitions of ``last``'s suffix-link path (every one has one after the extension,
+        consecutive ones may share a target: count it once). A state's ``tok`` parents all lie
+        on that path, so each ``best`` whose child's count grows is updated here: O(the path)."""
+        counted = -1
+        u = last
+        while u != -1:
+            v = self.trans[u][tok]
+            if v != counted:
+                self.count[v] += 1
+                counted = v
+            best = self.best[u]
+            if best is None or (
+                best != tok
+                and (self.count[v], tok == self._first_next(u))
+                > (self.count[self.trans[u][best]], best == self._first_next(u))
+            ):
+                self.best[u] = tok
+            u = self.link[u]
+
+    def _first_next(self, state: int) -> int | None:
+        """The token after the first end of ``state``'s members (None: that end is a tail)."""
+        sid, pos = self.first_end[state]
+        return self.strings[sid][pos + 1] if sid >= 0 and pos + 1 < len(self.strings[sid]) else None
 
     def match(self, context: list[int]) -> tuple[int, int]:
         """(state, length): the longest suffix of ``context`` that occurs in the index, as the
@@ -161,18 +261,14 @@ class SuffixAutomaton:
         return state, matched
 
     def next_token(self, state: int) -> int | None:
-        """The token that follows ``state``'s members where they first ended, else (that end
-        is a string's tail) the first token that follows them anywhere, else None."""
-        sid, pos = self.first_end[state]
-        if sid >= 0 and pos + 1 < len(self.strings[sid]):
-            return self.strings[sid][pos + 1]
-        return next(iter(self.trans[state]), None)
+        """The token most occurrences of ``state``'s members are followed by (``best``; O(1)),
+        None where nothing follows them."""
+        return self.best[state]
 
     def continuation(self, state: int, num_tokens: int) -> list[int]:
         """Up to ``num_tokens`` tokens continuing ``state``'s members: a walk along
-        transitions choosing ``next_token`` at each state (O(num_tokens)). It reads the first
-        occurrence's continuation and, where that string ends (a running sequence's tail),
-        carries on from another occurrence of the context read so far."""
+        transitions choosing ``next_token`` at each state (O(num_tokens)): at each step the
+        token most occurrences of the context read so far are followed by."""
         out: list[int] = []
         while len(out) < num_tokens:
             tok = self.next_token(state)
@@ -271,7 +367,7 @@ class HistoryDrafter:
             return []
         first = sam.continuation(state, num_tokens)
         branches = [first]
-        for tok, child in sam.trans[state].items():
+        for tok, child in sam.trans[state].items():  # the others in creation order: O(branches)
             if len(branches) >= max_branches:
                 break
             if tok != first[0]:
@@ -303,9 +399,9 @@ class HistoryDrafter:
         if not members:
             del self.automata[group]
             return
-        sam = SuffixAutomaton()
-        for _, stored in members:
-            stored.sid = sam.add_string(old.strings[stored.sid])
+        sam = SuffixAutomaton.from_strings(old.strings[stored.sid] for _, stored in members)
+        for sid, (_, stored) in enumerate(members):
+            stored.sid = sid
         self.automata[group] = sam
 
 
