@@ -425,6 +425,9 @@ class HistoryModel:
     # Measured: benchmarks/bench_history.py --sizes 1000,20000 --repeats 5 on this 2-core CPU
     # (pure Python): propose 2.3 us (chain of 6) / 3.0-3.2 us (tree of 4 x 6) per sequence,
     # index update 2.6-4.1 us per token, independent of the history's size. No drafter forward.
+    # Re-measured with drafts by the most frequent continuation (2026-11-27, 1k-1M history
+    # tokens, benchmarks/RESULTS.md): chain 1.3-1.4 us, tree 1.6-3.8 us, index update 2.1-3.0
+    # us per token, growing with the history (a suffix-link walk per token); the defaults stay.
     propose_s_per_seq: float = field(
         default=3e-6, metadata={"help": "host seconds to propose one sequence's history draft"}
     )
