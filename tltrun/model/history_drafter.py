@@ -232,12 +232,12 @@ class SuffixAutomaton:
                 self.count[v] += 1
                 counted = v
             best = self.best[u]
-            if best is None or (
-                best != tok
-                and (self.count[v], tok == self._first_next(u))
-                > (self.count[self.trans[u][best]], best == self._first_next(u))
-            ):
+            if best is None:
                 self.best[u] = tok
+            elif best != tok and self.count[v] >= self.count[self.trans[u][best]]:
+                first = self._first_next(u)  # ties: the first occurrence's next token
+                if self.count[v] > self.count[self.trans[u][best]] or tok == first:
+                    self.best[u] = tok
             u = self.link[u]
 
     def _first_next(self, state: int) -> int | None:
