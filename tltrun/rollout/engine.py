@@ -44,7 +44,8 @@ post-norm hidden state at position p < n, and the drafter cache holds the exact 
 
 Harvest (for drafter training, issue #5): with ``is_harvesting`` every finished request leaves a
 ``HarvestRecord`` (all token ids, prompt length, the target hidden state at every position but
-the last) in ``engine.harvest``; ``pop_harvest()`` hands them over and clears the buffer.
+the last) in ``engine.harvest``; ``pop_harvest()`` hands them over and clears the buffer. The
+record, slot compaction and in-place weight loads are ``tltrun.rollout.slot_state``.
 
 Run the tests: ``python -m pytest tests/test_engine.py -q``.
 """
@@ -67,6 +68,7 @@ from tltrun.rollout.interface import IterationRecord, Request, RolloutResult
 from tltrun.rollout.prefill import eagle_draft, prefill_prompts, reprefill_stale, slots_of
 from tltrun.rollout.rollout_history import RolloutHistory
 from tltrun.rollout.scheduler import Scheduler, Sequence
+from tltrun.rollout.slot_state import HarvestRecord, harvest_record, load_in_place, move_slots
 from tltrun.rollout.speculative import DraftTree, logits_to_probs, sample, verify
 from tltsim.policy import (
     DecodeObs,
@@ -75,17 +77,6 @@ from tltsim.policy import (
     SpecPolicy,
     update_accept_len_ema,
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class HarvestRecord:
-    """One finished request, for drafter training: hidden[p] is the target's post-norm hidden
-    state after reading token_ids[p] (so it predicts token_ids[p + 1])."""
-
-    request_id: str
-    token_ids: torch.Tensor  # (T,) long, prompt then response
-    num_prompt_tokens: int
-    hidden: torch.Tensor  # (T-1, C)
 
 
 @dataclass
@@ -267,7 +258,7 @@ class RolloutEngine:
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """GRPO weight sync: copy a (Hugging Face-named) state dict into the target in place.
         The drafter shares the target's embedding and LM head, so it follows automatically."""
-        _load_in_place(
+        load_in_place(
             self.model,
             state_dict,
             "target",
@@ -279,7 +270,7 @@ class RolloutEngine:
         """Spot-trainer sync: new drafter weights (tltrun.model.drafter state-dict names)."""
         if self.drafter is None:
             raise ValueError("update_drafter: this engine has no drafter")
-        _load_in_place(self.drafter, state_dict, "drafter", drop=set())
+        load_in_place(self.drafter, state_dict, "drafter", drop=set())
 
     # -----------------------------------------------------------------------------------------
     # Loop pieces
@@ -490,54 +481,9 @@ class RolloutEngine:
         released = sched.release_finished()
         for seq in released:
             if self.config.is_harvesting:
-                n = seq.num_tokens
-                ids = torch.tensor(
-                    list(seq.request.prompt_token_ids) + seq.output, dtype=torch.long
-                )
-                hidden = self.hidden[seq.slot, : n - 1].detach().cpu().clone()
-                self.harvest.append(
-                    HarvestRecord(
-                        request_id=seq.request.id,
-                        token_ids=ids,
-                        num_prompt_tokens=seq.num_prompt_tokens,
-                        hidden=hidden,
-                    )
-                )
+                self.harvest.append(harvest_record(seq, self.hidden))
         if not released:  # admission fills the lowest free slots: still 0..n-1 in order
             return
         moves = sched.compact()
         if moves:
-            self._move_slots(moves)
-
-    def _move_slots(self, moves: list[tuple[int, int]]) -> None:
-        """Copy running sequences' per-slot state (KV caches and lengths, tokens, hidden states)
-        to their new slots (``Scheduler.compact``; sources and destinations are disjoint)."""
-        src = torch.tensor([m[0] for m in moves], dtype=torch.long, device=self.device)
-        dst = torch.tensor([m[1] for m in moves], dtype=torch.long, device=self.device)
-        width = int(self.cache.lens[src].max()) + 1  # + the pending token / its hidden state
-        for cache in (self.cache, self.draft_cache):
-            if cache is not None:
-                cache.copy_positions(src, dst, width)
-                cache.lens[dst] = cache.lens[src]
-                cache.lens[src] = 0
-        self.tokens[dst] = self.tokens[src]
-        if self.hidden is not None:
-            w = min(width, self.hidden.shape[1])
-            self.hidden[dst, :w] = self.hidden[src, :w]
-
-
-def _load_in_place(
-    module: torch.nn.Module, state_dict: dict[str, torch.Tensor], what: str, drop: set[str]
-) -> None:
-    own = module.state_dict()
-    given = {k: v for k, v in state_dict.items() if k not in drop}
-    unexpected = sorted(set(given) - set(own))
-    missing = sorted(set(own) - set(given) - drop)
-    if unexpected or missing:
-        raise ValueError(f"{what} weights: unexpected {unexpected[:3]}, missing {missing[:3]}")
-    for name, tensor in given.items():
-        if tuple(tensor.shape) != tuple(own[name].shape):
-            raise ValueError(
-                f"{what} weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}"
-            )
-        own[name].copy_(tensor)
+            move_slots(moves, (self.cache, self.draft_cache), self.tokens, self.hidden)

@@ -30,8 +30,8 @@ import torch
 
 from tltrun.model.drafter import EagleDrafter, export_vllm
 from tltrun.model.transformer import Transformer
-from tltrun.rollout.engine import HarvestRecord
 from tltrun.rollout.interface import Request, RolloutResult, SamplingParams
+from tltrun.rollout.slot_state import HarvestRecord
 from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig
 from tltrun.train.drafter_training import records_from_outputs
 from tltsim.policy import SpecDecision, SpecPolicy, TLTConfig

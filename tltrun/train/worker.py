@@ -33,9 +33,10 @@ from tltrun.data.rewards import RewardPool, Shaping
 from tltrun.data.tokenizer import copy_tokenizer, load_tokenizer
 from tltrun.model.drafter import EagleDrafter, export_vllm, load_drafter
 from tltrun.model.hf_checkpoint import load_hf, save_hf
-from tltrun.rollout.engine import HarvestRecord, RolloutEngine
+from tltrun.rollout.engine import RolloutEngine
 from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import SamplingParams
+from tltrun.rollout.slot_state import HarvestRecord
 from tltrun.train import checkpoint as ckpt_io
 from tltrun.train import elastic
 from tltrun.train import state as ts
