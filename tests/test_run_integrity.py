@@ -22,6 +22,7 @@ from test_train import TASK, config
 from tiny_models import save_train_model
 
 from tltrun.model.config import CheckpointError
+from tltrun.train import run_logs
 from tltrun.train import state as ts
 from tltrun.train.launch import prepare_run_dir, run_train
 from tltrun.train.tasks import TaskConfig
@@ -226,7 +227,7 @@ def test_torn_last_log_line_is_dropped_with_a_warning(tmp_path):
     with (tmp_path / "log.jsonl").open("a") as f:
         f.write('{"step": 3, "reward_me')  # killed mid-append
     with pytest.warns(ts.RunDirWarning, match="log.jsonl: dropped a torn last line"):
-        ts.prepare_logs(tmp_path, 2)
+        run_logs.prepare_logs(tmp_path, 2)
     for name in ts.LOGS:  # rows of the steps the resumed run redoes are gone too
         assert (tmp_path / name).read_text() == '{"step": 0}\n{"step": 1}\n'
 
@@ -234,7 +235,7 @@ def test_torn_last_log_line_is_dropped_with_a_warning(tmp_path):
 def test_whole_last_row_without_newline_is_kept(tmp_path):
     fake_logs(tmp_path, 3)
     (tmp_path / "log.jsonl").write_text('{"step": 0}\n{"step": 1}\n{"step": 2}')
-    ts.prepare_logs(tmp_path, 3)
+    run_logs.prepare_logs(tmp_path, 3)
     assert (tmp_path / "log.jsonl").read_text().endswith('{"step": 2}\n')
 
 
@@ -251,7 +252,7 @@ def test_bad_logs_are_errors(tmp_path, log, expected):
     fake_logs(tmp_path, 3)
     (tmp_path / "log.jsonl").write_text(log)
     with pytest.raises(CheckpointError, match="log.jsonl: ") as err:
-        ts.prepare_logs(tmp_path, 3)
+        run_logs.prepare_logs(tmp_path, 3)
     assert expected in str(err.value)
     assert (tmp_path / "log.jsonl").read_text() == log  # nothing rewritten
 

@@ -293,7 +293,8 @@ def prepare_run_dir(
     a change of a field outside ``RESUME_NEUTRAL_FIELDS`` is refused with the list of changes
     unless ``is_override_config``, which appends them to ``config_history.jsonl`` (config.json
     is never rewritten). Then the newest intact checkpoint is chosen and the logs are cut to
-    its step (tltrun.train.state.select_checkpoint, prepare_logs)."""
+    its step (tltrun.train.state.select_checkpoint, tltrun.train.run_logs.prepare_logs)."""
+    from tltrun.train import run_logs
     from tltrun.train import state as train_state
 
     out = Path(cfg.out)
@@ -340,7 +341,7 @@ def prepare_run_dir(
             )
     resume_dir = train_state.select_checkpoint(out, cfg.num_workers)
     start_step = train_state.read_next_step(resume_dir) if resume_dir else 0
-    train_state.prepare_logs(out, start_step)
+    run_logs.prepare_logs(out, start_step)
     if old is None:
         write_json(out / "config.json", new)
     elif diff:

@@ -1,5 +1,5 @@
-"""Checkpoints and logs of ``tltrun train`` (tltrun.train.launch): atomic checkpoint directories, the
-per-step JSONL logs and the measured tlt-trace rebuilt from them, and the resume bookkeeping.
+"""Checkpoints of ``tltrun train`` (tltrun.train.launch): atomic checkpoint directories and the
+resume bookkeeping (the per-step JSONL logs and the measured trace: tltrun.train.run_logs).
 
 Checkpoint ``OUT/ckpt/step_NNNNNN`` (NNNNNN = completed steps = the next step to run):
 
@@ -26,7 +26,7 @@ included (barriers); the renamed directory is the "latest" marker. A kill at any
 leaves either the previous checkpoints or the new complete one; leftover ``.tmp_*``
 directories are deleted on resume.
 
-Resume (``select_checkpoint``, ``prepare_logs``): the newest checkpoint whose files all match
+Resume (``select_checkpoint``, ``run_logs.prepare_logs``): the newest checkpoint whose files all match
 its manifest is used; newer damaged ones (a flipped byte, a truncated or missing file, a
 missing or garbled manifest) are skipped with a ``RunDirWarning`` naming each file and how it
 differs, and none intact is a ``CheckpointError`` saying the same. Log rows of steps at or after
@@ -51,8 +51,6 @@ from pathlib import Path
 from typing import Any
 
 from tltsim.errors import TLTError, UsageError
-from tltsim.trace.files import save_trace
-from tltsim.trace.schema import trace_from_dict
 
 CKPT_RE = re.compile(r"^step_(\d{6})$")
 LOGS = ("log.jsonl", "trace_steps.jsonl")
@@ -67,7 +65,7 @@ class RunDirWarning(UserWarning):
     it as ``warning: ...``)."""
 
 
-def _checkpoint_error(message: str) -> TLTError:
+def checkpoint_error(message: str) -> TLTError:
     # CheckpointError lives beside the model loader, which imports torch; state.py's manifest
     # and log checks stay importable (and unit-testable) without it.
     from tltrun.model.config import CheckpointError
@@ -155,7 +153,7 @@ def effective_config(out: Path) -> dict[str, Any] | None:
                 section, _, name = key.partition(".")
                 config[section][name] = new
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
-        raise _checkpoint_error(
+        raise checkpoint_error(
             f"{out}: config.json or {CONFIG_HISTORY} is not what tltrun train wrote ({err!r})"
         ) from None
     return config
@@ -299,80 +297,11 @@ def select_checkpoint(out: Path, num_workers: int) -> Path | None:
         damaged.append((ckpt, problems))
     if damaged:
         detail = "; ".join(f"{p.name}: {', '.join(problems)}" for p, problems in damaged)
-        raise _checkpoint_error(f"{root}: no intact checkpoint to resume from ({detail})")
+        raise checkpoint_error(f"{root}: no intact checkpoint to resume from ({detail})")
     return None
 
 
-# ---- logs -----------------------------------------------------------------------------------
-
-
-def _log_rows(path: Path) -> list[str]:
-    """The complete JSON lines of ``path``, each an object with an int ``step``; a torn last
-    line (no newline: a kill mid-append) is dropped with a RunDirWarning; any other bad line is
-    a CheckpointError."""
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    tail = lines.pop()  # b"" when the file ends with a newline
-    rows = []
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        try:
-            row = json.loads(raw.decode())
-        except (UnicodeDecodeError, ValueError) as err:
-            raise _checkpoint_error(f"{path}: line {number} is not valid JSON ({err})") from None
-        if not isinstance(row, dict) or type(row.get("step")) is not int:
-            raise _checkpoint_error(f"{path}: line {number} has no integer 'step'")
-        rows.append(raw.decode())
-    if tail.strip():
-        try:
-            row = json.loads(tail.decode())
-            is_whole = isinstance(row, dict) and type(row.get("step")) is int
-        except (UnicodeDecodeError, ValueError):
-            is_whole = False
-        if is_whole:  # the row is whole, only its newline was lost
-            rows.append(tail.decode())
-        else:
-            warnings.warn(
-                f"{path}: dropped a torn last line ({len(tail)} bytes without a newline: "
-                "the run was killed while appending it)",
-                RunDirWarning,
-                stacklevel=3,
-            )
-    return rows
-
-
-def prepare_logs(out: Path, start_step: int) -> None:
-    """Validate ``log.jsonl`` and ``trace_steps.jsonl`` of a run resumed at ``start_step`` and
-    keep exactly their rows of steps ``0 .. start_step - 1``: later rows belong to steps the
-    resumed run redoes. A log without one of those steps (a ``next_step`` beyond the log) or
-    with steps out of order is a CheckpointError."""
-    for name in LOGS:
-        path = out / name
-        rows = _log_rows(path) if path.is_file() else []
-        steps = [json.loads(row)["step"] for row in rows]
-        kept = rows[:start_step]
-        if steps[:start_step] != list(range(min(start_step, len(steps)))):
-            raise _checkpoint_error(f"{path}: steps {_span(steps)}, expected 0, 1, 2, ... in order")
-        if len(kept) < start_step:
-            raise _checkpoint_error(
-                f"{path}: has steps {_span(steps)} but the checkpoint's next_step is "
-                f"{start_step} (next_step beyond the log)"
-            )
-        if kept != rows or (path.is_file() and not path.read_bytes().endswith(b"\n")):
-            _write_atomic(path, "".join(row + "\n" for row in kept))
-    # the rollout dumps of steps the resumed run redoes (rewritten as it redoes them)
-    for dump in sorted((out / "rollouts").glob("step_*.jsonl")):
-        if int(dump.stem.removeprefix("step_")) >= start_step:
-            dump.unlink()
-
-
-def _span(steps: list[int]) -> str:
-    if not steps:
-        return "none"
-    if steps == list(range(steps[0], steps[-1] + 1)):
-        return f"{steps[0]}..{steps[-1]}"
-    return ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
+# ---- JSON lines and atomic writes (also the logs': tltrun.train.run_logs) ----------------
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
@@ -392,21 +321,10 @@ def write_jsonl_atomic(path: Path, rows: list[dict[str, Any]]) -> None:
     """``path`` holding one JSON line per row, replaced whole (a kill leaves the old file or
     the new one, never a torn one)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
+    write_atomic(path, "".join(json.dumps(row) + "\n" for row in rows))
 
 
-def write_trace(out: Path, meta: dict[str, Any]) -> None:
-    """trace.json from trace_steps.jsonl (each row one tlt-trace step dict)."""
-    steps = read_jsonl(out / "trace_steps.jsonl")
-    trace = trace_from_dict(
-        {"format": "tlt-trace", "version": 1, "meta": meta, "steps": steps},
-        str(out / "trace_steps.jsonl"),
-    )
-    save_trace(trace, out / "trace.tmp.json")
-    os.replace(out / "trace.tmp.json", out / "trace.json")
-
-
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)

@@ -16,6 +16,7 @@ import torch
 
 from tltrun.rollout.interface import RolloutResult
 from tltrun.rollout.measured_trace import hardware_name, instance_prompts, measured_step
+from tltrun.train import run_logs
 from tltrun.train import state as ts
 from tltrun.train.config import TrainConfig
 from tltrun.train.responses import EvalSummary
@@ -112,7 +113,7 @@ def write_step_record(
     )
     step_dict = trace_to_dict(Trace(meta={}, steps=(trace_step,)))["steps"][0]
     ts.append_jsonl(out / "trace_steps.jsonl", step_dict)
-    ts.write_trace(out, trace_meta(cfg))
+    run_logs.write_trace(out, trace_meta(cfg))
     rewards = [r for g in gathered for r in g.rewards]
     lengths = np.array([len(o.output_token_ids) for o in outputs])
     summary = trace_step.measured

@@ -1,0 +1,105 @@
+"""The per-step logs of ``tltrun train``: ``log.jsonl`` and ``trace_steps.jsonl`` (one JSON line
+per RL step, appended and fsynced by rank 0: tltrun.train.step_log), the measured tlt-trace
+``trace.json`` rebuilt from the latter after every step, and their repair on resume.
+
+Resume (``prepare_logs``, called by tltrun.train.launch with the checkpoint's next step): rows
+of steps at or after the resumed step were written after that checkpoint, or by steps the run
+redoes, so they are dropped and no step is lost or repeated; a torn last line (a kill
+mid-append) is dropped with a ``RunDirWarning``; a log that stops before the checkpoint's step,
+or whose steps are out of order, is a ``CheckpointError`` naming the file. Every rewrite is
+atomic (temporary file, ``os.replace``). Checkpoints themselves: tltrun.train.state.
+
+Run the tests: ``python -m pytest tests/test_run_integrity.py -q``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from tltrun.train.state import LOGS, RunDirWarning, checkpoint_error, read_jsonl, write_atomic
+from tltsim.trace.files import save_trace
+from tltsim.trace.schema import trace_from_dict
+
+
+def _log_rows(path: Path) -> list[str]:
+    """The complete JSON lines of ``path``, each an object with an int ``step``; a torn last
+    line (no newline: a kill mid-append) is dropped with a RunDirWarning; any other bad line is
+    a CheckpointError."""
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline
+    rows = []
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode())
+        except (UnicodeDecodeError, ValueError) as err:
+            raise checkpoint_error(f"{path}: line {number} is not valid JSON ({err})") from None
+        if not isinstance(row, dict) or type(row.get("step")) is not int:
+            raise checkpoint_error(f"{path}: line {number} has no integer 'step'")
+        rows.append(raw.decode())
+    if tail.strip():
+        try:
+            row = json.loads(tail.decode())
+            is_whole = isinstance(row, dict) and type(row.get("step")) is int
+        except (UnicodeDecodeError, ValueError):
+            is_whole = False
+        if is_whole:  # the row is whole, only its newline was lost
+            rows.append(tail.decode())
+        else:
+            warnings.warn(
+                f"{path}: dropped a torn last line ({len(tail)} bytes without a newline: "
+                "the run was killed while appending it)",
+                RunDirWarning,
+                stacklevel=3,
+            )
+    return rows
+
+
+def prepare_logs(out: Path, start_step: int) -> None:
+    """Validate ``log.jsonl`` and ``trace_steps.jsonl`` of a run resumed at ``start_step`` and
+    keep exactly their rows of steps ``0 .. start_step - 1``: later rows belong to steps the
+    resumed run redoes. A log without one of those steps (a ``next_step`` beyond the log) or
+    with steps out of order is a CheckpointError."""
+    for name in LOGS:
+        path = out / name
+        rows = _log_rows(path) if path.is_file() else []
+        steps = [json.loads(row)["step"] for row in rows]
+        kept = rows[:start_step]
+        if steps[:start_step] != list(range(min(start_step, len(steps)))):
+            raise checkpoint_error(f"{path}: steps {_span(steps)}, expected 0, 1, 2, ... in order")
+        if len(kept) < start_step:
+            raise checkpoint_error(
+                f"{path}: has steps {_span(steps)} but the checkpoint's next_step is "
+                f"{start_step} (next_step beyond the log)"
+            )
+        if kept != rows or (path.is_file() and not path.read_bytes().endswith(b"\n")):
+            write_atomic(path, "".join(row + "\n" for row in kept))
+    # the rollout dumps of steps the resumed run redoes (rewritten as it redoes them)
+    for dump in sorted((out / "rollouts").glob("step_*.jsonl")):
+        if int(dump.stem.removeprefix("step_")) >= start_step:
+            dump.unlink()
+
+
+def _span(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    if steps == list(range(steps[0], steps[-1] + 1)):
+        return f"{steps[0]}..{steps[-1]}"
+    return ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
+
+
+def write_trace(out: Path, meta: dict[str, Any]) -> None:
+    """trace.json from trace_steps.jsonl (each row one tlt-trace step dict)."""
+    steps = read_jsonl(out / "trace_steps.jsonl")
+    trace = trace_from_dict(
+        {"format": "tlt-trace", "version": 1, "meta": meta, "steps": steps},
+        str(out / "trace_steps.jsonl"),
+    )
+    save_trace(trace, out / "trace.tmp.json")
+    os.replace(out / "trace.tmp.json", out / "trace.json")
