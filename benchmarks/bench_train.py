@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,6 +46,9 @@ from tltsim.cli.args import add_dataclass_args, dataclass_from_args
 from tltsim.cli.table import format_table
 from tltsim.errors import UsageError
 from tltsim.jsonio import write_json
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is not a package
+from spec_profile import crossover_batch, profile_buckets, read_spec_results  # noqa: E402
 
 # name -> (policy, spot training, drafters TLT's bandit may pick per bucket)
 RUN_SPECS = {
@@ -196,72 +198,17 @@ class BenchTrainConfig:
             )
 
 
-def crossover_batch(spec_results: dict) -> int:
-    """The largest batch size at which SD still pays, from bench_spec's rows (per batch size,
-    the speedup of each strategy): between the last measured batch whose best speedup is >= 1
-    and the next one, where it is < 1, the speedup is interpolated linearly in log2(batch) and
-    the crossing rounded down. E.g. 1.58x at batch 4 and 0.91x at 16 cross at batch 13."""
-    points = []
-    for row in sorted(spec_results["rows"], key=lambda r: r["batch"]):
-        best = max(v["speedup"] for k, v in row["runs"].items() if k != "off")
-        points.append((row["batch"], best))
-    for (b0, s0), (b1, s1) in zip(points, points[1:], strict=False):
-        if s0 >= 1 > s1:
-            x0, x1 = math.log2(b0), math.log2(b1)
-            return int(2 ** (x0 + (s0 - 1) / (s0 - s1) * (x1 - x0)))
-    return points[-1][0] if points[-1][1] >= 1 else 1
-
-
-def profile_buckets(spec_results: dict) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """(strategies, bucket starts) from bench_spec's rows: each measured batch size, in order,
-    is served by the SD strategy measured fastest at it, from that batch size on (the first
-    from batch 1); neighbours with the same strategy merge. E.g. 4_1_4 fastest at 1 and 4 and
-    2_1_2 at 8 give (4_1_4, 2_1_2) with starts (1, 8). TLT's buckets need one verify-token
-    count each, so a strategy that is fastest again after another one is a UsageError."""
-    strategies: list[str] = []
-    starts: list[int] = []
-    for row in sorted(spec_results["rows"], key=lambda r: r["batch"]):
-        runs = {k: v["speedup"] for k, v in row["runs"].items() if k != "off"}
-        if not runs:
-            continue
-        best = max(runs, key=runs.__getitem__)
-        if strategies and best == strategies[-1]:
-            continue
-        if best in strategies:
-            raise UsageError(
-                f"bench_spec results: {best} is fastest at batch {row['batch']} after "
-                f"{strategies[-1]} was fastest at a smaller batch; --tlt-buckets spec needs one "
-                "strategy per batch range (use --tlt-buckets fastrl)"
-            )
-        strategies.append(best)
-        starts.append(1 if not starts else row["batch"])
-    if not strategies:
-        raise UsageError("bench_spec results: no SD strategy was measured")
-    return tuple(strategies), tuple(starts)
-
-
-def read_spec_results(cfg: BenchTrainConfig, instead: str) -> dict:
-    path = Path(cfg.spec_results)
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise UsageError(
-            f"{path}: cannot read bench_spec results ({err}); run benchmarks/bench_spec.py or "
-            f"pass {instead}"
-        ) from None
-
-
 def tlt_threshold(cfg: BenchTrainConfig) -> int:
     if cfg.tlt_threshold > 0:
         return cfg.tlt_threshold
-    return crossover_batch(read_spec_results(cfg, "--tlt-threshold"))
+    return crossover_batch(read_spec_results(Path(cfg.spec_results), "--tlt-threshold"))
 
 
 def tlt_buckets(cfg: BenchTrainConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """(tlt_strategies, tlt_bucket_starts) of the TLT runs; () starts: the policy's default."""
     if cfg.tlt_buckets == "fastrl":
         return tuple(cfg.tlt_strategies), ()
-    return profile_buckets(read_spec_results(cfg, "--tlt-buckets fastrl"))
+    return profile_buckets(read_spec_results(Path(cfg.spec_results), "--tlt-buckets fastrl"))
 
 
 def task_fields(cfg: BenchTrainConfig) -> dict:

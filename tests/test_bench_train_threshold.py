@@ -15,6 +15,7 @@ _SPEC = importlib.util.spec_from_file_location("bench_train", _PATH)
 bench_train = importlib.util.module_from_spec(_SPEC)
 sys.modules["bench_train"] = bench_train  # dataclasses look their module up
 _SPEC.loader.exec_module(bench_train)
+import spec_profile  # noqa: E402  (benchmarks/ is on sys.path now: bench_train put it there)
 
 
 def _results(speedups: dict[int, dict[str, float]]) -> dict:
@@ -40,7 +41,7 @@ def _results(speedups: dict[int, dict[str, float]]) -> dict:
     ],
 )
 def test_crossover_batch(speedups, expected):
-    assert bench_train.crossover_batch(_results(speedups)) == expected
+    assert spec_profile.crossover_batch(_results(speedups)) == expected
 
 
 def test_chunk_ends():
@@ -130,7 +131,7 @@ def test_runs_alternate_in_chunks_and_each_resumes_to_the_full_run(tmp_path, cap
     ],
 )
 def test_profile_buckets(speedups, strategies, starts):
-    assert bench_train.profile_buckets(_results(speedups)) == (strategies, starts)
+    assert spec_profile.profile_buckets(_results(speedups)) == (strategies, starts)
 
 
 def test_profile_buckets_rejects_a_strategy_fastest_twice():
@@ -140,7 +141,7 @@ def test_profile_buckets_rejects_a_strategy_fastest_twice():
         8: {"a_1_a": 1.2, "b": 1.1},
     }
     with pytest.raises(bench_train.UsageError, match="fastest at batch 8 after b"):
-        bench_train.profile_buckets(_results(speedups))
+        spec_profile.profile_buckets(_results(speedups))
 
 
 def test_spec_buckets_reach_the_tlt_policy(tmp_path):
