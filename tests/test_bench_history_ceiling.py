@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_history  # noqa: E402  (benchmarks/ is not a package)
+import grpo_checks  # noqa: E402
 import history_bounds  # noqa: E402
 
 ceiling = history_bounds.point_mass_ceiling
@@ -148,7 +149,7 @@ def test_the_mix_check_pairs_each_seed_with_its_better_single_drafter(mixes, rel
         _seed(3, spot=1.45, base=1.00, mix=mixes[2], rel_se=rel_se),
     ]
     summary = [{"run": "tltbase", "accept_len_step0_median": 2.5}]
-    checks = bench_history._history_checks(summary, per_seed)
+    checks = grpo_checks.history_checks(summary, per_seed)
     assert [p["better_alone"] for p in checks["mix_minus_better_alone"]] == [
         "tlt-spot",
         "tltbase",
@@ -176,10 +177,10 @@ def test_reward_curves_that_differ_by_noise_pass_and_a_shifted_curve_fails():
         return [c + shift + rng.gauss(0.0, 0.1) for c in curve]
 
     same = [_seed_tables(s, noisy(0.0), noisy(0.0)) for s in (1, 2, 3)]
-    checks = bench_history.reward_checks(("nospec", "tlt-spot"), same)
+    checks = grpo_checks.reward_checks(("nospec", "tlt-spot"), same)
     assert set(checks) == {"tlt-spot"} and checks["tlt-spot"]["within_noise"]
     assert len(checks["tlt-spot"]["per_seed"]) == 3
     shifted = [_seed_tables(s, noisy(0.0), noisy(-0.3)) for s in (1, 2, 3)]
-    checks = bench_history.reward_checks(("nospec", "tlt-spot"), shifted)
+    checks = grpo_checks.reward_checks(("nospec", "tlt-spot"), shifted)
     assert not checks["tlt-spot"]["within_noise"]
     assert checks["tlt-spot"]["median_diff"] == pytest.approx(-0.3, abs=0.1)
