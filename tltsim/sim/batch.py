@@ -26,7 +26,7 @@ History-drafter decisions (``SpecDecision.drafter == "history"``, issue #20) cos
 verify alone (``verify_span_s``: no drafter forward) plus the drafter's host work per sequence
 and emitted token (``tltsim.sim.acceptance.HistoryModel``), and each request's accept lengths
 depend on its group's progress: FastBatch keeps every request's history key (finished-sibling
-fraction and history flag, ``StepRun.history_keys``) and re-samples the requests whose key
+fraction and history flag, ``StepHistory.keys``) and re-samples the requests whose key
 changed (a sibling finished) at the next span, as it does for all requests when the decision
 changes.
 
@@ -223,7 +223,7 @@ class FastBatch:
         from the history)."""
         if not (self.decision.enabled and self.decision.drafter == "history"):
             return np.zeros(ids.size)
-        return self.run.history_keys(ids, self.instance)
+        return self.run.history.keys(ids, self.instance)
 
     def remaining(self) -> np.ndarray:
         return (self.state[:, FINISH] - self.iters) * self.state[:, RATE]
@@ -255,7 +255,7 @@ class FastBatch:
         context, context_growth = self.cost_context()
         if decision.enabled and decision.drafter == "history":
             dt = verify_span_s(cost, b, context, decision.verify_tokens, n, context_growth)
-            dt += self.run.history_host_s(b * n, n * growth)
+            dt += self.run.history.host_s(b * n, n * growth)
         elif decision.enabled:
             dt = cost.sd_span_s(b, context, decision, n, context_growth)
         elif n == 1:  # warm-up checks and other one-iteration holds
@@ -335,7 +335,7 @@ class ExactBatch:
             emitted = int(adv.sum())
             self.rem -= adv
             if decision.drafter == "history":
-                dt += self.run.history_host_s(b, emitted)
+                dt += self.run.history.host_s(b, emitted)
         else:
             dt = cost.decode_iter_s(b, context, 1)
             emitted = b

@@ -22,7 +22,7 @@ means (floats, unrounded), so a bandit's reward is the span's mean throughput.
 History-drafter decisions (issue #20): the instance's batch draws each request's accept lengths
 from ``tltsim.sim.acceptance.HistoryModel`` at its own key, the fraction of its siblings that
 finished where its drafter can see them and whether earlier rollouts of its prompt are indexed
-(``StepRun.history_keys``); such iterations run no drafter forward and never re-prefill a
+(``tltsim.sim.step_history.StepHistory.keys``); such iterations run no drafter forward and never re-prefill a
 drafter (tltrun's engine builds no EAGLE cache for them). The next EAGLE span's first drafting
 step feeds the pairs they emitted (at most ``CATCHUP_PAIRS`` per request, else a drafter
 forward first), and the bandit's feedback charges that, and any re-prefill, to the decision
@@ -52,9 +52,10 @@ from tltsim.policy import (
     TrainDecision,
     update_accept_len_ema,
 )
-from tltsim.sim.acceptance import accept_len_pmf, history_accept_len_pmf
+from tltsim.sim.acceptance import accept_len_pmf
 from tltsim.sim.batch import AcceptDist, ExactBatch, FastBatch
 from tltsim.sim.metrics import Segment
+from tltsim.sim.step_history import StepHistory
 
 # Pending drafter pairs per request an EAGLE drafting step feeds in its first forward; a longer
 # lag is re-prefilled first. tltrun's RolloutEngine.catchup_pairs: its EngineConfig's
@@ -144,8 +145,7 @@ class InstanceRollout:
         done = self.batch.retire()
         if done.size:
             self.run.finish_s[done] = now_s
-            self.run.finish_instance[done] = self.index
-            self.run.num_done += int(done.size)
+            self.run.history.record_finished(done, self.index)
             self.num_finished += int(done.size)
             for g in self.run.prompt_index[done].tolist():
                 left = self.active_groups[g] - 1
@@ -351,17 +351,14 @@ class StepRun:
         self.last_decision: SpecDecision | None = None
         self.acceptance = sim.drafter_acceptance()
         self._dist_cache: dict[Any, AcceptDist] = {}  # decision or (decision, rate or key)
-        # History drafter (HistoryModel): per prompt, its responses in the step; per instance
-        # (scope "instance") or for the cluster (key -1), finished responses per prompt and
-        # whether earlier rollouts of the prompt are indexed (built on first use).
-        self.history = sim.history
-        self.history_rate = sim.request_history_rates(arrays)  # per response, or None
-        self.group_sizes = np.bincount(arrays.prompt_index) if arrays.prompt_index.size else None
-        self.prompt_ids = arrays.prompt_ids
-        self.finish_instance = np.full(arrays.response_tokens.size, -1)  # who finished each
-        self.num_done = 0
-        self._finished: dict[int, tuple[int, np.ndarray]] = {}  # scope -> (num_done, counts)
-        self._has_history: dict[int, np.ndarray] = {}
+        # the history drafter's view of the step (HistoryModel, issue #20)
+        self.history = StepHistory(
+            sim.history,
+            arrays.prompt_index,
+            arrays.prompt_ids,
+            rates=sim.request_history_rates(arrays),
+            indexed=sim.history_indexed,
+        )
         self.done: list[InstanceRollout] = []
         self.instances: list[InstanceRollout] = []
         self.train_decisions: list[tuple[float, TrainDecision]] = []  # (rollout time, decision)
@@ -380,71 +377,14 @@ class StepRun:
             dist = self._dist_cache[decision] = self.sim.accept_dist(decision, self.acceptance)
         return dist
 
-    # -- the history drafter's view of the step ------------------------------------------------
-
-    def _scope(self, instance: int) -> int:
-        return instance if self.history.scope == "instance" else -1
-
-    def _finished_counts(self, scope: int) -> np.ndarray:
-        """Finished responses per prompt that the history index of ``scope`` holds (-1: every
-        instance's), recounted only after a completion."""
-        cached = self._finished.get(scope)
-        if cached is not None and cached[0] == self.num_done:
-            return cached[1]
-        done = self.finish_instance >= 0 if scope < 0 else self.finish_instance == scope
-        counts = np.bincount(self.prompt_index[done], minlength=self.group_sizes.size)
-        self._finished[scope] = (self.num_done, counts)
-        return counts
-
-    def history_keys(self, ids: np.ndarray, instance: int) -> np.ndarray:
-        """Per request ``ids``: f + 2 h, f the fraction of its siblings finished where its
-        drafter sees them, h whether earlier rollouts of its prompt are indexed there
-        (``HistoryModel``). A finished sibling is one whose rollout ended (a request never
-        counts itself: it is running)."""
-        scope = self._scope(instance)
-        groups = self.prompt_index[ids.astype(np.int64)]
-        siblings = np.maximum(self.group_sizes[groups] - 1, 1)
-        f = self._finished_counts(scope)[groups] / siblings
-        has = self._has_history.get(scope)
-        if has is None:
-            has = self._has_history[scope] = self.sim.history_indexed(self.prompt_ids, scope)
-        return np.minimum(f, 1.0) + 2.0 * has[groups]
-
-    def history_host_s(self, num_proposals: float, num_tokens: float) -> float:
-        """Host seconds of the history drafter: proposals and indexing emitted tokens."""
-        h = self.history
-        return num_proposals * h.propose_s_per_seq + num_tokens * h.index_s_per_token
-
-    def _history_dists(
-        self, decision: SpecDecision, ids: np.ndarray, instance: int
-    ) -> list[tuple[AcceptDist, np.ndarray | None]]:
-        """Per distinct history key (or, replaying a measured run, per response's own rate)."""
-        keys = self.history_keys(ids, instance)
-        rates = None
-        if self.history_rate is not None:
-            rates = self.history_rate[ids.astype(np.int64)]
-            keys = np.where(np.isnan(rates), keys, 4.0 + rates)  # own rate: keys >= 4
-        out = []
-        for key in np.unique(keys).tolist():
-            dist = self._dist_cache.get((decision, key))
-            if dist is None:
-                if key >= 4.0:
-                    pmf = history_accept_len_pmf(decision, key - 4.0, self.history.sibling_rate)
-                else:
-                    h = key >= 2.0
-                    pmf = self.history.accept_len_pmf(decision, key - 2.0 * h, h)
-                dist = self._dist_cache[(decision, key)] = AcceptDist.of(pmf)
-            out.append((dist, np.flatnonzero(keys == key)))
-        return out
-
     def request_dists(
         self, decision: SpecDecision, ids: np.ndarray, instance: int = 0
     ) -> list[tuple[AcceptDist, np.ndarray | None]]:
         """(distribution, positions in ``ids`` that draw from it; None: all) for SD under
         ``decision`` on ``instance``: ``accept_dist`` unless responses carry their own rates;
-        for the history drafter, one per history key (``history_keys``)."""
+        for the history drafter, one per history key (``StepHistory.keys``)."""
         if decision.drafter == "history":
-            return self._history_dists(decision, ids, instance)
+            return self.history.dists(decision, ids, instance, self._dist_cache)
         if self.request_rate is None:
             return [(self.accept_dist(decision), None)]
         rates = self.request_rate[ids.astype(np.int64)]
