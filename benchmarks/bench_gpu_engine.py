@@ -32,6 +32,10 @@ Run (H100/H200, one call of under 10 minutes with ``--quick``):
 Without CUDA it says so and exits 0; ``--device cpu --smoke`` runs every section on a tiny
 model on the CPU (graphs run eagerly there, no pool memory): a check of the script, not numbers.
 Writes OUT_DIR/config.json and OUT_DIR/bench_gpu_engine.json and prints the tables.
+
+Beside it in benchmarks/: ``gpu_engine_models.py`` (the models, the roofline's byte counts, copy
+bandwidth), ``gpu_engine_timing.py`` (settings, engines per cell, alternating timings, the time
+budget), ``gpu_engine_where.py`` (the profiled ``where`` section).
 """
 
 from __future__ import annotations
@@ -39,12 +43,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import statistics
 import sys
 import time
-import traceback
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -52,55 +53,36 @@ import torch
 
 from tltrun.model import attention, transformer
 from tltrun.model.drafter import EagleDrafter
-from tltrun.profile.torch_engine import EngineProbe
 from tltrun.rollout.draft_graphs import draft_sources
 from tltrun.rollout.engine import RolloutEngine
 from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.graphs import CapturePlan, GraphPool, batch_buckets, capture_plan
-from tltrun.rollout.interface import SamplingParams
 from tltsim.cli.table import format_table
-from tltsim.policy import NoSpec, SpecDecision, SpecPolicy, StaticSpec, TLTAdaptive
+from tltsim.policy import SpecDecision, StaticSpec, TLTAdaptive
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is not a package
 from gpu_engine_models import (  # noqa: E402
     build_model,
     copy_bandwidth,
-    fill_random,
     fits,
     kv_bytes_per_token,
     sync,
     weight_bytes_per_token,
 )
-
-# GRPO samples at temperature 1.0 (tltrun train's default)
-SAMPLING = SamplingParams(temperature=1.0)
-
-
-@dataclass(frozen=True, kw_only=True)
-class BenchConfig:
-    device: str = "cuda"
-    shapes: tuple[str, ...] = ("Qwen2.5-0.5B", "Qwen2.5-1.5B", "Qwen2.5-7B")
-    batches: tuple[int, ...] = (1, 4, 16, 64, 256)
-    contexts: tuple[int, ...] = (1024, 8192)
-    sd_shapes: tuple[str, ...] = ("Qwen2.5-0.5B", "Qwen2.5-7B")
-    sd_strategies: tuple[str, ...] = ("4_1_4", "8_4_32")
-    sd_context: int = 1024
-    pool_shape: str = "Qwen2.5-7B"
-    hf_batches: tuple[int, ...] = (1, 16)
-    hf_context: int = 1024
-    hf_new_tokens: int = 64
-    warmup_iters: int = 3
-    timed_iters: int = 20
-    # timings per engine, eager and graphs alternating: a cell's figure is their median, its
-    # spread the min-max (issue standard: a target's figure is a median of >= 3 runs)
-    repeats: int = 3
-    seed: int = 0
-    attn_impl: str | None = None  # None: the engine's default (flex on CUDA)
-    # seconds after which remaining configurations are skipped (noted in their rows), so the
-    # JSON is written within one device call
-    budget_s: float = 540.0
-    is_smoke: bool = False
-    out_dir: str = "results/bench_gpu_engine"
+from gpu_engine_timing import (  # noqa: E402
+    COMPILED,
+    MODES,
+    SKIPPED,
+    BenchConfig,
+    Budget,
+    failure,
+    make_engine,
+    ratio_spread,
+    release,
+    time_cell,
+    time_forward,
+)
+from gpu_engine_where import bench_where  # noqa: E402
 
 
 def parse_config(argv: list[str] | None) -> BenchConfig:
@@ -148,165 +130,10 @@ def parse_config(argv: list[str] | None) -> BenchConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Engines (their models, the roofline's halves, memory: gpu_engine_models.py)
-# ---------------------------------------------------------------------------------------------
-
-
-def time_iterations(engine: RolloutEngine, probe: EngineProbe, policy, cfg: BenchConfig) -> float:
-    """Seconds per ``RolloutEngine.step`` (each ends with a device sync), median-free: the mean
-    of ``timed_iters`` back-to-back steps after ``warmup_iters`` (capture happened before).
-    A timing during which torch compiled something (an eager SD iteration's drafter catch-up
-    meets a new number of pending pairs as acceptance varies: another flex kernel, seconds) is
-    thrown away and taken again, up to ``MAX_TIMINGS`` times."""
-    for _ in range(MAX_TIMINGS):
-        warm_up(engine, probe, policy, cfg)
-        compiled = compile_count()
-        start = time.perf_counter()
-        for _ in range(cfg.timed_iters):
-            engine.step()
-        engine.sync()
-        step_s = (time.perf_counter() - start) / cfg.timed_iters
-        if compile_count() == compiled:
-            return step_s
-    raise RuntimeError(f"torch compiled during each of {MAX_TIMINGS} timings")
-
-
-MAX_TIMINGS = 4
-
-
-def warm_up(engine: RolloutEngine, probe: EngineProbe, policy, cfg: BenchConfig) -> None:
-    """The probe's state under ``policy``, then ``warmup_iters`` steps, synced: what every
-    timed or profiled series starts from."""
-    probe.rollback(policy)
-    for _ in range(cfg.warmup_iters):
-        engine.step()
-    engine.sync()
-
-
-def time_alternating(pairs: dict[str, tuple[RolloutEngine, EngineProbe]], policy,
-                     cfg: BenchConfig) -> dict[str, list[float]]:  # fmt: skip
-    """``cfg.repeats`` timings of each engine (``time_iterations``), the engines alternating, so
-    a slow spell of the machine reaches every contender alike."""
-    seconds: dict[str, list[float]] = {mode: [] for mode in pairs}
-    for _ in range(cfg.repeats):
-        for mode, (engine, probe) in pairs.items():
-            seconds[mode].append(time_iterations(engine, probe, policy, cfg))
-    return seconds
-
-
-# engine modes a cell compares: (name, CUDA-graph pool, compiled layers)
-MODES = (("eager", False, False), ("graphs", True, False))
-# the graphs engine with its layers' work around attention compiled (EngineConfig.compile_layers,
-# issue #18 item 5): timed at batch 1 of the first context, where kernel count sets the step
-COMPILED = ("compiled", True, True)
-
-
-def time_cell(make, policy, cfg: BenchConfig, device, on_graphs=None, modes=MODES):
-    """One cell's engines, one per mode (``make(is_graphs=, compile_layers=)``), all alive, timed
-    alternating (``time_alternating``); ``on_graphs(engine)`` then runs on the graphs engine.
-    Returns the timings and what ``on_graphs`` returned; the engines' memory goes back either
-    way."""
-    pairs = {}
-    try:
-        for mode, is_graphs, is_compiled in modes:
-            pairs[mode] = make(is_graphs=is_graphs, compile_layers=is_compiled)
-        seconds = time_alternating(pairs, policy, cfg)
-        return seconds, on_graphs(pairs["graphs"][0]) if on_graphs is not None else None
-    finally:
-        pairs.clear()
-        release(device)
-
-
-def ratio_spread(num: list[float], den: list[float]) -> tuple[float, str]:
-    """The median of the per-repeat ratios num/den, and their range as text."""
-    ratios = sorted(n / d for n, d in zip(num, den, strict=True))
-    return statistics.median(ratios), f"{ratios[0]:.2f}-{ratios[-1]:.2f}x"
-
-
-def compile_count() -> int:
-    """Graphs torch.compile has compiled in this process so far."""
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
-
-
-def time_forward(engine: RolloutEngine, batch: int, cfg: BenchConfig) -> float | None:
-    """Seconds of the decode forward alone: the pool's graph for ``batch`` replayed back to
-    back (uncaptured ``run`` on CPU), on the state the timed steps left. The difference to a
-    step is the engine's work around it: policy, sampling, bookkeeping, the sync."""
-    fwd = engine.graphs.decode_forward(batch) if engine.graphs is not None else None
-    if fwd is None:
-        return None
-    call = fwd.graph.replay if fwd.graph is not None else fwd.run
-    with torch.no_grad():
-        for _ in range(cfg.warmup_iters):
-            call()
-        engine.sync()
-        start = time.perf_counter()
-        for _ in range(cfg.timed_iters):
-            call()
-        engine.sync()
-    return (time.perf_counter() - start) / cfg.timed_iters
-
-
-def make_engine(model, drafter, batch: int, context: int, is_graphs: bool, cfg: BenchConfig,
-                max_verify_tokens: int = 1, policy: SpecPolicy | None = None,
-                compile_layers: bool = False) -> tuple[RolloutEngine, EngineProbe]:  # fmt: skip
-    margin = cfg.warmup_iters + cfg.timed_iters + 2
-    margin *= 1 + max_verify_tokens  # SD iterations emit up to verify depth + 1 tokens
-    engine = RolloutEngine(
-        model,
-        drafter,
-        EngineConfig(
-            max_running_requests=batch,
-            max_model_len=context + margin,
-            sampling=SAMPLING,
-            seed=cfg.seed,
-            device=cfg.device,
-            attn_impl=cfg.attn_impl,
-            cuda_graphs=is_graphs,
-            compile_layers=compile_layers,
-            graph_batch_sizes=(batch,),
-            max_verify_tokens=max_verify_tokens,
-        ),
-    )
-    # one pool for the probe's NoSpec set-up and the timed policy: one capture, not two
-    engine.prepare_graphs([NoSpec()] + ([policy] if policy is not None else []))
-    gen = torch.Generator(engine.device).manual_seed(cfg.seed)
-    fill_random(engine, context, gen)
-    probe = EngineProbe(engine, batch, context, margin, torch.Generator().manual_seed(cfg.seed))
-    return engine, probe
-
-
-# ---------------------------------------------------------------------------------------------
 # Sections
 # ---------------------------------------------------------------------------------------------
 
 
-class Budget:
-    """The run's time budget: ``is_over`` once ``budget_s`` have passed since the start;
-    ``share`` hands a section its part of what is left."""
-
-    def __init__(self, budget_s: float):
-        self.deadline = time.perf_counter() + budget_s
-
-    @property
-    def is_over(self) -> bool:
-        return time.perf_counter() > self.deadline
-
-    def share(self, fraction: float) -> Budget:
-        """A budget ending after ``fraction`` of the time left (never after this one), so one
-        slow section cannot starve those after it; time a section leaves unused passes on."""
-        part = Budget(0.0)
-        part.deadline = min(self.deadline, time.perf_counter() + fraction * self.remaining_s)
-        return part
-
-    @property
-    def remaining_s(self) -> float:
-        return max(0.0, self.deadline - time.perf_counter())
-
-
-SKIPPED = "skipped: time budget"
 # each section's part of the budget (of what is left when it starts): decode holds the issue's
 # roofline and graph targets, so it gets the most; the pool section captures one model's graphs
 SECTION_SHARES = {"decode": 0.42, "where": 0.06, "sd": 0.24, "pool": 0.11, "hf": 0.17}
@@ -368,121 +195,6 @@ def bench_decode(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budg
     rows.sort(key=lambda r: (cfg.shapes.index(r["shape"]), r["context"], r["batch"]))
     del models
     release(device)
-    return rows
-
-
-# device kernel names by what they compute, attention first (fused attention kernels may carry
-# "cutlass" or "gemm" in their names): flex, flash or Triton attention; cuBLAS / CUTLASS GEMMs and
-# GEMVs (aten::linear / mm on a CPU); everything else (norms, rotary, activations, sampling,
-# copies) is "other". An unrecognised name lands in "other": the costliest are listed by name.
-KERNEL_KINDS = (
-    ("attention", re.compile(r"flex|attention|attn|fmha|flash|sdpa", re.I)),
-    (
-        "gemm",
-        re.compile(
-            r"gemm|gemv|cutlass|xmma|cublas|matmul|splitk|linear|addmm|aten::b?mm$"
-            r"|_mm(_|$)",
-            re.I,
-        ),
-    ),
-)
-
-
-TOP_KERNELS = 12  # the costliest kernels a where row lists by name
-
-
-def kernel_kind(name: str) -> str:
-    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
-
-
-def profile_steps(engine: RolloutEngine, steps: int, device) -> dict:
-    """``steps`` engine steps under ``torch.profiler``: per step the wall time (inflated by the
-    profiler a little), the device's busy time (the kernels' durations summed: one stream, so
-    they do not overlap), and each kernel name's time and count. On CUDA the kernels are the
-    device's (a graph replay's kernels are traced one by one); on a CPU, the top-level aten ops
-    stand in for them (a check of the script). The gap between wall and busy is the time the
-    device waited for the host."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    is_cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda else [])
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        engine.sync()
-        wall_s = (time.perf_counter() - start) / steps
-    if is_cuda:
-        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    else:
-        events = [e for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
-    by_name: dict[str, list[float]] = {}
-    for e in events:
-        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us() / 1e3)
-    busy_ms = sum(map(sum, by_name.values())) / steps
-    kernels = sorted(
-        ({"name": n, "kind": kernel_kind(n), "ms_per_step": sum(t) / steps,
-          "per_step": len(t) / steps} for n, t in by_name.items()),
-        key=lambda k: -k["ms_per_step"],
-    )  # fmt: skip
-    return {"step_ms": 1e3 * wall_s, "busy_ms": busy_ms, "kernels": kernels,
-            "kernels_per_step": len(events) / steps}  # fmt: skip
-
-
-def bench_where(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budget) -> list[dict]:
-    """Where the batch-1 decode step's time goes (the roofline target's cell: the largest
-    shape, the first context), eager and graphs: device busy vs waiting for the host, and the
-    busy time by kernel kind (GEMM, attention, other) with the costliest kernels."""
-    shape, context, batch = cfg.shapes[-1], cfg.contexts[0], 1
-    if budget.is_over:
-        return [{"shape": shape, "note": SKIPPED}]
-    model = build_model(shape, device, dtype, cfg.seed)
-    weight_bytes = weight_bytes_per_token(model)
-    rows = []
-    try:
-        for mode, is_graphs, is_compiled in (MODES[1], COMPILED, MODES[0]):
-            row = {"shape": shape, "context": context, "batch": batch, "mode": mode}
-            if budget.is_over:
-                rows.append({**row, "note": SKIPPED})
-                continue
-            try:
-                engine, probe = make_engine(
-                    model, None, batch, context, is_graphs, cfg, compile_layers=is_compiled
-                )
-                warm_up(engine, probe, None, cfg)
-                prof = profile_steps(engine, cfg.timed_iters, device)
-            except Exception as e:  # noqa: BLE001 -- one mode's failure is its row's note
-                rows.append({**row, "note": failure(e)})
-                continue
-            finally:
-                engine = probe = None
-                release(device)
-            kinds = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
-            for k in prof["kernels"]:
-                kinds[k["kind"]] += k["ms_per_step"]
-            row |= {
-                "step_ms": prof["step_ms"],
-                "busy_ms": prof["busy_ms"],
-                "host_wait_ms": max(0.0, prof["step_ms"] - prof["busy_ms"]),
-                "kernels_per_step": prof["kernels_per_step"],
-                **{f"{kind}_ms": ms for kind, ms in kinds.items()},
-                "top_kernels": prof["kernels"][:TOP_KERNELS],
-            }
-            if prof["kernels_per_step"] == 0:  # CUPTI off, or graph replays not traced
-                row["note"] = "the profiler recorded no device kernels"
-            if device.type == "cuda" and kinds["gemm"] > 0:  # the weights' read rate
-                row["gemm_gb_per_s"] = weight_bytes / (kinds["gemm"] / 1e3) / 1e9
-                row["gemm_of_bandwidth"] = row["gemm_gb_per_s"] * 1e9 / bandwidth
-            rows.append(row)
-    finally:
-        del model
-        release(device)
-    print("costliest kernels per decode step (ms, launches, kind, name):")
-    for row in rows:
-        for k in row.get("top_kernels", ()):
-            print(f"  {row['mode']:>8}  {k['ms_per_step']:8.3f} ms  x{k['per_step']:<5.0f} "
-                  f"{k['kind']:<9}  {k['name'][:90]}")  # fmt: skip
     return rows
 
 
@@ -624,19 +336,6 @@ def bench_hf(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
         del hf
         release(device)
     return rows
-
-
-def failure(e: Exception) -> str:
-    """A failed configuration's note: the error's type and first line, and where it came from
-    in the log (the traceback is printed there)."""
-    traceback.print_exc()
-    first = str(e).splitlines()[0][:160] if str(e) else ""
-    return f"error: {type(e).__name__}: {first}"
-
-
-def release(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -319,7 +319,10 @@ def test_gpu_benchmark_script_runs_its_smoke_mode_on_cpu(tmp_path, capsys, monke
 
 
 def test_gpu_benchmark_sorts_kernel_names_by_kind(monkeypatch):
-    kind = load_gpu_bench(monkeypatch).kernel_kind
+    load_gpu_bench(monkeypatch)  # puts benchmarks/ on sys.path
+    import gpu_engine_where
+
+    kind = gpu_engine_where.kernel_kind
     assert kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64") == "gemm"
     assert kind("void gemv2T_kernel_val<int, int, __nv_bfloat16, float, 128, 16>") == "gemm"
     assert kind("triton_tem_fused_flex_attention_0") == "attention"
