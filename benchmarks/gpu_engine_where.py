@@ -13,18 +13,8 @@ from __future__ import annotations
 import re
 import time
 
+import gpu_engine_timing as timing
 from gpu_engine_models import build_model, weight_bytes_per_token
-from gpu_engine_timing import (
-    COMPILED,
-    MODES,
-    SKIPPED,
-    BenchConfig,
-    Budget,
-    failure,
-    make_engine,
-    release,
-    warm_up,
-)
 
 from tltrun.rollout.engine import RolloutEngine
 
@@ -87,34 +77,36 @@ def profile_steps(engine: RolloutEngine, steps: int, device) -> dict:
             "kernels_per_step": len(events) / steps}  # fmt: skip
 
 
-def bench_where(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budget) -> list[dict]:
+def bench_where(
+    cfg: timing.BenchConfig, device, dtype, bandwidth: float, budget: timing.Budget
+) -> list[dict]:
     """Where the batch-1 decode step's time goes (the roofline target's cell: the largest
     shape, the first context), eager and graphs: device busy vs waiting for the host, and the
     busy time by kernel kind (GEMM, attention, other) with the costliest kernels."""
     shape, context, batch = cfg.shapes[-1], cfg.contexts[0], 1
     if budget.is_over:
-        return [{"shape": shape, "note": SKIPPED}]
+        return [{"shape": shape, "note": timing.SKIPPED}]
     model = build_model(shape, device, dtype, cfg.seed)
     weight_bytes = weight_bytes_per_token(model)
     rows = []
     try:
-        for mode, is_graphs, is_compiled in (MODES[1], COMPILED, MODES[0]):
+        for mode, is_graphs, is_compiled in (timing.MODES[1], timing.COMPILED, timing.MODES[0]):
             row = {"shape": shape, "context": context, "batch": batch, "mode": mode}
             if budget.is_over:
-                rows.append({**row, "note": SKIPPED})
+                rows.append({**row, "note": timing.SKIPPED})
                 continue
             try:
-                engine, probe = make_engine(
+                engine, probe = timing.make_engine(
                     model, None, batch, context, is_graphs, cfg, compile_layers=is_compiled
                 )
-                warm_up(engine, probe, None, cfg)
+                timing.warm_up(engine, probe, None, cfg)
                 prof = profile_steps(engine, cfg.timed_iters, device)
             except Exception as e:  # noqa: BLE001 -- one mode's failure is its row's note
-                rows.append({**row, "note": failure(e)})
+                rows.append({**row, "note": timing.failure(e)})
                 continue
             finally:
                 engine = probe = None
-                release(device)
+                timing.release(device)
             kinds = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
             for k in prof["kernels"]:
                 kinds[k["kind"]] += k["ms_per_step"]
@@ -134,7 +126,7 @@ def bench_where(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budge
             rows.append(row)
     finally:
         del model
-        release(device)
+        timing.release(device)
     print("costliest kernels per decode step (ms, launches, kind, name):")
     for row in rows:
         for k in row.get("top_kernels", ()):
