@@ -122,6 +122,46 @@ def bench_size(num_tokens: int, args: argparse.Namespace) -> dict:
     }
 
 
+def bench_loop(num_tokens: int, cycle: int, max_draft_tokens: int, args) -> dict:
+    """A response that loops on a cycle of ``cycle`` tokens (RL's degenerate long-tail
+    responses), indexed token by token as decoding commits it, by a drafter whose statistics
+    reach ``max_draft_tokens`` past the match: microseconds per indexed token over the whole
+    response and over its last tenth (a cost that grows with the response shows there)."""
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(VOCAB) for _ in range(64)]
+    loop = [rng.randrange(VOCAB) for _ in range(cycle)]
+    history = HistoryDrafter(
+        HistoryConfig(
+            ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_draft_tokens=max_draft_tokens
+        )
+    )
+    history.add("loop", "group", prompt)
+    tail_from = num_tokens - num_tokens // 10
+    start = time.perf_counter()
+    for i in range(num_tokens):
+        if i == tail_from:
+            tail_start = time.perf_counter()
+        history.extend("loop", [loop[i % cycle]])
+    end = time.perf_counter()
+    return {
+        "loop_tokens": num_tokens,
+        "cycle_tokens": cycle,
+        "max_draft_tokens": max_draft_tokens,
+        "extend_us": (end - start) / num_tokens * 1e6,
+        "extend_tail_us": (end - tail_start) / (num_tokens - tail_from) * 1e6,
+    }
+
+
+LOOP_COLUMNS = {
+    "loop_tokens": "loop tokens",
+    "cycle_tokens": "cycle",
+    "max_draft_tokens": "max draft tokens",
+    "extend_us": "extend us/token",
+    "extend_tail_us": "last tenth us/token",
+}
+# statistics unbounded: what the drafter did before max_draft_tokens bounded them
+UNBOUNDED = 10**9
+
 COLUMNS = {
     "history_tokens": "history tokens",
     "propose_chain_us": "chain us/seq",
@@ -376,6 +416,11 @@ def main() -> None:
         "checked when tltbase and tlt-mix are among them",
     )
     parser.add_argument("--sizes", default="1000,100000,1000000", help="history sizes (tokens)")
+    parser.add_argument(
+        "--loop-sizes",
+        default="1000,4000,16000",
+        help="lengths (tokens) of the looping responses timed ('' : none)",
+    )
     parser.add_argument("--draft-steps", type=int, default=6, help="tokens per drafted chain")
     parser.add_argument("--topk", type=int, default=4, help="continuations per drafted tree")
     parser.add_argument("--ngram-min", type=int, default=HistoryConfig.ngram_min)
@@ -408,12 +453,28 @@ def main() -> None:
         rows.append(row)
         print(f"{size} tokens: built in {row['build_s']:.1f} s", flush=True)
     print(format_table(rows, COLUMNS, {"index_tokens_per_s": ",.0f", "history_tokens": ",d"}))
+    loops = []
+    for size in [int(s) for s in args.loop_sizes.split(",") if s]:
+        for cycle in (1, 3):
+            for depth in (HistoryConfig.max_draft_tokens, UNBOUNDED):
+                loops.append(bench_loop(size, cycle, depth, args))
+    if loops:
+        print("one response looping on a cycle of 1 or 3 tokens, indexed token by token:")
+        print(
+            format_table(
+                loops,
+                LOOP_COLUMNS,
+                {"extend_us": ".1f", "extend_tail_us": ".1f", "loop_tokens": ",d"},
+            ).replace(str(UNBOUNDED), "unbounded".rjust(len(str(UNBOUNDED))))
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(vars(args))
     meta["python"] = platform.python_version()
     meta["machine"] = platform.machine()
-    out.write_text(json.dumps({"config": meta, "proposal_cost": rows}, indent=2) + "\n")
+    out.write_text(
+        json.dumps({"config": meta, "proposal_cost": rows, "loop_cost": loops}, indent=2) + "\n"
+    )
     print(f"wrote {out}")
 
 

@@ -77,10 +77,12 @@ def test_interleaved_incremental_build_equals_a_from_scratch_build(seed):
     assert _canonical(inc) == _canonical(scratch)
 
 
-def _interleaved(strings: list[list[int]], seed: int) -> SuffixAutomaton:
+def _interleaved(
+    strings: list[list[int]], seed: int, count_depth: int | None = None
+) -> SuffixAutomaton:
     """``strings`` grown a few tokens at a time, interleaved at random."""
     rng = random.Random(100 + seed)
-    sam = SuffixAutomaton()
+    sam = SuffixAutomaton(count_depth)
     sids = [sam.add_string() for _ in strings]
     done = [0] * len(strings)
     while any(d < len(s) for d, s in zip(done, strings, strict=True)):
@@ -96,32 +98,87 @@ def _num_occurrences(strings: list[list[int]], pattern: list[int]) -> int:
     return sum(s[i : i + n] == pattern for s in strings for i in range(len(s) - n + 1))
 
 
+def _repetitive_strings(seed: int) -> list[list[int]]:
+    """Strings that loop on a short cycle (RL's degenerate long-tail responses) beside random
+    ones: long suffix-link paths, and clones that split the states a window points at."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(4):
+        cycle = [rng.randrange(3) for _ in range(rng.randint(1, 3))]
+        head = [rng.randrange(3) for _ in range(rng.randint(0, 5))]
+        out.append(head + cycle * rng.randint(3, 12))
+    return out
+
+
+@pytest.mark.parametrize("count_depth", [None, 3])
 @pytest.mark.parametrize("seed", range(6))
-def test_counts_and_best_transitions_against_brute_force(seed):
+def test_counts_and_best_transitions_against_brute_force(seed, count_depth):
     """Built incrementally (interleaved) or in one pass (``from_strings``, a rebuild's way):
     every occurring context's state counts its occurrences, and every state's best transition
-    leads to the most frequent next token, the token after its first end on a tie."""
-    strings = _random_strings(seed, num=4, alphabet=3, max_len=30)
+    leads to the most frequent next token, the token after its first end on a tie. With a
+    ``count_depth`` D, exactly so for contexts of at most D + 1 tokens, and best transitions
+    of states holding a context of at most D tokens (what a draft reads); then a few more
+    interleaved tokens, on the rebuilt automaton too, keep it so."""
+    depth = 10**9 if count_depth is None else count_depth
+    strings = _random_strings(seed, num=4, alphabet=3, max_len=30) + _repetitive_strings(seed)
     rng = random.Random(seed)
-    for sam in (_interleaved(strings, seed), SuffixAutomaton.from_strings(strings)):
-        for _ in range(200):
-            context = [rng.randrange(3) for _ in range(rng.randint(1, 6))]
+    rebuilt = SuffixAutomaton.from_strings(strings, count_depth)
+    more = [[rng.randrange(3) for _ in range(rng.randint(1, 9))] for _ in strings]
+    for sid, tokens in enumerate(more):
+        rebuilt.extend(sid, tokens)
+    grown = [s + m for s, m in zip(strings, more, strict=True)]
+    for sam, want in (
+        (_interleaved(strings, seed, count_depth), strings),
+        (SuffixAutomaton.from_strings(strings, count_depth), strings),
+        (rebuilt, grown),
+    ):
+        for _ in range(300):
+            context = [rng.randrange(3) for _ in range(rng.randint(1, min(8, depth + 1)))]
             state, matched = sam.match(context)
             if matched == len(context):
-                assert sam.count[state] == _num_occurrences(strings, context)
+                assert sam.count[state] == _num_occurrences(want, context)
             else:
-                assert _num_occurrences(strings, context) == 0
+                assert _num_occurrences(want, context) == 0
+        for sid, string in enumerate(want):  # where the next update's walk starts
+            m = min(depth, len(string))
+            assert sam.window_state(sid) == (sam.match(string[-m:] if m else [])[0], m)
         for u in range(sam.num_states):
             trans = sam.trans[u]
+            if u and sam.length[sam.link[u]] + 1 > depth:  # its shortest context is longer
+                continue
             if not trans:
                 assert sam.best[u] is None
                 continue
             top = max(sam.count[v] for v in trans.values())
             assert sam.count[trans[sam.best[u]]] == top
             sid, pos = sam.first_end[u]
-            first = strings[sid][pos + 1] if sid >= 0 and pos + 1 < len(strings[sid]) else None
+            first = want[sid][pos + 1] if sid >= 0 and pos + 1 < len(want[sid]) else None
             if first is not None and sam.count[trans[first]] == top:
                 assert sam.best[u] == first
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_bounded_index_drafts_what_an_unbounded_one_drafts(seed):
+    """``max_draft_tokens`` bounds the statistics kept (and the work per indexed token), never
+    the drafts up to that length: chains and trees equal an exact index's."""
+    rng = random.Random(seed)
+    strings = _random_strings(seed, num=3, alphabet=3, max_len=40) + _repetitive_strings(seed)
+    bounded = HistoryDrafter(HistoryConfig(ngram_min=1, ngram_max=3, max_draft_tokens=4))
+    exact = HistoryDrafter(HistoryConfig(ngram_min=1, ngram_max=3, max_draft_tokens=10**6))
+    for i, s in enumerate(strings):
+        for drafter in (bounded, exact):
+            drafter.add(i, "g", s[:1])
+    for _ in range(sum(map(len, strings))):
+        i = rng.randrange(len(strings))
+        n = len(bounded.tokens(i))
+        if n == len(strings[i]):
+            continue
+        for drafter in (bounded, exact):
+            drafter.extend(i, [strings[i][n]])
+        for d in (1, 4):
+            assert bounded.propose(i, d) == exact.propose(i, d)
+        assert bounded.propose_tree(i, 4, 3) == exact.propose_tree(i, 4, 3)
+    assert bounded.propose(0, 10) == exact.propose(0, 4)  # clamped to max_draft_tokens
 
 
 def test_a_draft_follows_the_continuation_most_occurrences_agree_on():

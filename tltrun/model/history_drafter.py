@@ -12,10 +12,14 @@ token ids. Every stored string (a sequence: prompt then output) keeps its automa
 also an end of the clone's members), ``count``, how many positions of the group's strings its
 members end at (the occurrences of the contexts it holds), and ``best``, its transition to the
 highest count (ties: the token after ``first_end``). Appending a token is the usual amortized
-O(1) extension plus a walk up the previous state's suffix links, whose ``tok`` transitions are
-exactly the states the new position ends (each gets one more occurrence; each parent's
-``best`` is updated where its child's count grew): O(that path), which grows slowly with the
-history (``benchmarks/bench_history.py``'s ``extend us/token``).
+O(1) extension plus a walk up the suffix links from the string's previous suffix of
+``count_depth`` tokens, whose ``tok`` transitions are exactly the states holding the suffixes
+the new position ends that a draft can read (each gets one more occurrence; each parent's
+``best`` is updated where its child's count grew): at most ``count_depth`` = ngram_max +
+max_draft_tokens - 1 states, however long the history. Unbounded, that walk follows the whole
+suffix-link path of the string's end, which grows with the string when it repeats itself: a
+response looping on one token cost 280 us per token at 8,000 tokens (O(length^2) in all) and
+6 us bounded (``benchmarks/bench_history.py``'s ``loop`` rows).
 
 Proposal (``propose`` / ``propose_tree``): walk the automaton with the sequence's last
 ``ngram_max`` tokens from the root (matching statistics: on a missing transition follow suffix
@@ -66,7 +70,18 @@ class HistoryConfig:
         metadata={"help": "tokens the history index keeps (oldest finished sequences evicted)"},
     )
 
+    # The deepest draft a proposal returns: counts and best transitions are kept exact only
+    # for contexts a draft can read (ngram_max + max_draft_tokens - 1 tokens), which bounds
+    # the work of indexing one token (SuffixAutomaton.count_depth).
+    max_draft_tokens: int = field(
+        default=64, metadata={"help": "the longest draft chain a proposal returns (tokens)"}
+    )
+
     def __post_init__(self) -> None:
+        if self.max_draft_tokens < 1:
+            raise ValueError(
+                f"HistoryConfig: max_draft_tokens must be >= 1, got {self.max_draft_tokens}"
+            )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
                 f"HistoryConfig: need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
@@ -85,9 +100,17 @@ class SuffixAutomaton:
     position) of the first end of its members; the root's is (-1, -1)), ``count`` (how many
     positions of all strings its members end at: the occurrences of the context it holds; the
     root's stays 0) and ``best`` (the token whose transition leads to the highest count; on ties
-    the token after ``first_end``, else the earliest to reach it; None without transitions)."""
+    the token after ``first_end``, else the earliest to reach it; None without transitions).
 
-    def __init__(self) -> None:
+    ``count_depth`` (None: no bound) bounds the contexts whose statistics are kept: ``best`` is
+    exact for every state holding a context of at most ``count_depth`` tokens, ``count`` for
+    every state holding one of at most ``count_depth + 1``; the others' may lag. A draft that
+    matched at most n tokens and walks d reads only states holding contexts of at most
+    n + d - 1 tokens. The bound matters for repetitive strings (a response looping on a few
+    tokens, common in RL's long tail): there the suffix-link path of a string's end grows with
+    the string, so an unbounded update costs O(length) per token, O(length^2) per string."""
+
+    def __init__(self, count_depth: int | None = None) -> None:
         self.length: list[int] = [0]
         self.link: list[int] = [-1]
         self.trans: list[dict[int, int]] = [{}]
@@ -98,6 +121,10 @@ class SuffixAutomaton:
         self.is_counting = True
         self.strings: list[list[int]] = []
         self.last: list[int] = []  # per string: the state whose longest member is the string
+        self.count_depth = count_depth
+        # per string: (state, m), a state holding a suffix of at least m = min(count_depth,
+        # length) tokens whose suffix-link ancestors include the one holding m (window_state)
+        self.window: list[tuple[int, int]] = []
 
     @property
     def num_states(self) -> int:
@@ -111,6 +138,7 @@ class SuffixAutomaton:
         """A new (empty) string, then ``extend`` it by ``tokens``; returns its index."""
         self.strings.append([])
         self.last.append(0)
+        self.window.append((0, 0))
         sid = len(self.strings) - 1
         self.extend(sid, tokens)
         return sid
@@ -120,15 +148,21 @@ class SuffixAutomaton:
             self._extend_one(sid, int(tok))
 
     @classmethod
-    def from_strings(cls, strings: Iterable[Iterable[int]]) -> SuffixAutomaton:
+    def from_strings(
+        cls, strings: Iterable[Iterable[int]], count_depth: int | None = None
+    ) -> SuffixAutomaton:
         """The automaton of ``strings`` (added in order), its counts and best transitions
         computed in one pass at the end (O(states + transitions)) instead of a suffix-path
         walk per token: a rebuild's way."""
-        sam = cls()
+        sam = cls(count_depth)
         sam.is_counting = False
         for tokens in strings:
             sam.add_string(tokens)
         sam._finish_counts()
+        for sid, string in enumerate(sam.strings):  # where each string's next update starts
+            m = len(string) if count_depth is None else min(count_depth, len(string))
+            state = sam.last[sid] if m == len(string) else sam.match(string[-m:])[0]
+            sam.window[sid] = (state, m)
         sam.is_counting = True
         return sam
 
@@ -204,7 +238,7 @@ class SuffixAutomaton:
                 q if self.length[q] == self.length[last] + 1 else self._clone(last, q, tok)
             )
             if self.is_counting:
-                self._count_end(last, tok)
+                self._count_end(sid, tok)
             return
         cur = self._new_state(self.length[last] + 1, 0, {}, (sid, len(string) - 1))
         p = last
@@ -216,16 +250,30 @@ class SuffixAutomaton:
             self.link[cur] = q if self.length[q] == self.length[p] + 1 else self._clone(p, q, tok)
         self.last[sid] = cur
         if self.is_counting:
-            self._count_end(last, tok)
+            self._count_end(sid, tok)
 
-    def _count_end(self, last: int, tok: int) -> None:
-        """A string whose state was ``last`` grew by ``tok``: the new end position is one more
+    def window_state(self, sid: int) -> tuple[int, int]:
+        """(state, m): the state holding string ``sid``'s suffix of m = min(count_depth, its
+        length) tokens, where its next count update starts. Recorded one state off when the
+        window kept its length (the next token's state may hold longer suffixes only), or
+        since split by clones (which take a state's shorter members and become its suffix
+        link): either way a suffix-link ancestor, found here."""
+        state, m = self.window[sid]
+        while state != 0 and self.length[self.link[state]] >= m:
+            state = self.link[state]
+        return state, m
+
+    def _count_end(self, sid: int, tok: int) -> None:
+        """String ``sid`` grew by ``tok`` (already extended): the new end position is one more
         occurrence of every suffix of the grown string, whose states are the ``tok``
-        transitions of ``last``'s suffix-link path (every one has one after the extension,
-        consecutive ones may share a target: count it once). A state's ``tok`` parents all lie
-        on that path, so each ``best`` whose child's count grows is updated here: O(the path)."""
+        transitions of the suffix-link path of the old string's end (every one has one after
+        the extension, consecutive ones may share a target: count it once). A state's ``tok``
+        parents all lie on that path, so each ``best`` whose child's count grows is updated
+        here. The walk starts at the old string's suffix of ``count_depth`` tokens (the
+        window), not its end: O(min(count_depth, the path)) per token."""
+        window, m = self.window_state(sid)
         counted = -1
-        u = last
+        u = window
         while u != -1:
             v = self.trans[u][tok]
             if v != counted:
@@ -239,6 +287,10 @@ class SuffixAutomaton:
                 if self.count[v] > self.count[self.trans[u][best]] or tok == first:
                     self.best[u] = tok
             u = self.link[u]
+        # the grown string's window: one token longer, or as long, one token on (if the state
+        # holds no suffix that short, ``window_state`` moves to its suffix link)
+        m = m + 1 if self.count_depth is None else min(m + 1, self.count_depth)
+        self.window[sid] = (self.trans[window][tok], m)
 
     def _first_next(self, state: int) -> int | None:
         """The token after the first end of ``state``'s members (None: that end is a tail)."""
@@ -300,6 +352,8 @@ class HistoryDrafter:
 
     def __init__(self, config: HistoryConfig | None = None):
         self.config = config or HistoryConfig()
+        # the longest context a proposal reads (SuffixAutomaton.count_depth)
+        self.count_depth = self.config.ngram_max + self.config.max_draft_tokens - 1
         self.automata: dict[Hashable, SuffixAutomaton] = {}
         self.sequences: dict[Hashable, _Stored] = {}  # insertion order = age (eviction order)
         self.num_tokens = 0
@@ -310,7 +364,9 @@ class HistoryDrafter:
     def add(self, key: Hashable, group: Hashable, tokens: Iterable[int]) -> None:
         if key in self.sequences:
             raise ValueError(f"history drafter: sequence {key!r} is already indexed")
-        sam = self.automata.setdefault(group, SuffixAutomaton())
+        sam = self.automata.get(group)
+        if sam is None:
+            sam = self.automata[group] = SuffixAutomaton(self.count_depth)
         tokens = list(tokens)
         self.sequences[key] = _Stored(group=group, sid=sam.add_string(tokens))
         self.num_tokens += len(tokens)
@@ -355,13 +411,16 @@ class HistoryDrafter:
         return sam, (state if matched >= cfg.ngram_min else -1), matched
 
     def propose(self, key: Hashable, num_tokens: int) -> list[int]:
-        """A draft chain of at most ``num_tokens`` tokens for sequence ``key`` (may be empty)."""
+        """A draft chain of at most ``num_tokens`` tokens (and ``max_draft_tokens``) for
+        sequence ``key`` (may be empty)."""
+        num_tokens = min(num_tokens, self.config.max_draft_tokens)
         sam, state, _ = self._match(key)
         return sam.continuation(state, num_tokens) if state >= 0 else []
 
     def propose_tree(self, key: Hashable, num_tokens: int, max_branches: int) -> list[list[int]]:
         """At most ``max_branches`` continuations of at most ``num_tokens`` tokens each, with
         distinct first tokens; the first is ``propose``'s chain."""
+        num_tokens = min(num_tokens, self.config.max_draft_tokens)
         sam, state, _ = self._match(key)
         if state < 0 or num_tokens < 1:
             return []
@@ -399,7 +458,9 @@ class HistoryDrafter:
         if not members:
             del self.automata[group]
             return
-        sam = SuffixAutomaton.from_strings(old.strings[stored.sid] for _, stored in members)
+        sam = SuffixAutomaton.from_strings(
+            (old.strings[stored.sid] for _, stored in members), self.count_depth
+        )
         for sid, (_, stored) in enumerate(members):
             stored.sid = sid
         self.automata[group] = sam

@@ -219,6 +219,7 @@ class EngineConfig:
             ngram_min=self.ngram_min,
             ngram_max=self.ngram_max,
             max_history_tokens=self.history_max_tokens,
+            max_draft_tokens=self.max_verify_tokens,  # no draft verifies more tokens
         )
 
     def check_requests(self, requests: list[Request], vocab_size: int) -> None:

@@ -427,7 +427,10 @@ class HistoryModel:
     # index update 2.6-4.1 us per token, independent of the history's size. No drafter forward.
     # Re-measured with drafts by the most frequent continuation (2026-11-27, 1k-1M history
     # tokens, benchmarks/RESULTS.md): chain 1.3-1.4 us, tree 1.6-3.8 us, index update 2.1-3.0
-    # us per token, growing with the history (a suffix-link walk per token); the defaults stay.
+    # us per token; the walk per token is bounded by the deepest context a draft reads since
+    # (2026-11-27, session 19): 2.2-3.8 us per token over 1k-1M tokens, 3.3-6.6 us in a
+    # response looping on 1-3 tokens (unbounded: 13-620 us, growing with the loop); the
+    # defaults stay.
     propose_s_per_seq: float = field(
         default=3e-6, metadata={"help": "host seconds to propose one sequence's history draft"}
     )
