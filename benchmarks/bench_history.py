@@ -34,7 +34,11 @@ the same group (grown to 300 tokens and indexed incrementally): ``propose`` (a c
 ``--draft-steps``), ``propose_tree`` (``--topk`` continuations of ``--draft-steps``) and the
 incremental index update (``extend`` of one token), each as the median over ``--repeats`` rounds
 of the mean per sequence. Also printed: indexing rate of the build and automaton states per
-token. Prints a table and writes JSON (``--out``). Pure Python, one core.
+token. Then two more tables (``benchmarks/history_cost.py``): one response looping on a cycle
+of 1 or 3 tokens, indexed token by token with the counted contexts bounded (the default) and
+not (``--loop-sizes``); and a long run at the 1M-token cap, 32 new prompts x 8 x 2,000 tokens
+per step, evicting just under the cap or down to ``evict_to_fraction`` of it
+(``--steady-steps``). Prints the tables and writes JSON (``--out``). Pure Python, one core.
 """
 
 from __future__ import annotations
@@ -42,136 +46,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 from grpo_checks import history_checks, reward_checks, table_row
 from history_bounds import reference_bounds, step0_bounds
+from history_cost import cost_tables
 
-from tltrun.model.history_drafter import HistoryConfig, HistoryDrafter
+from tltrun.model.history_drafter import HistoryConfig
 from tltrun.train.compare import compare_runs, drift_warnings
 from tltsim.cli.table import format_table
-
-VOCAB = 32_000
-RESPONSE_TOKENS = 1_000
-NUM_RUNNING = 64
-RUNNING_TOKENS = 300
-
-
-def synthetic_response(rng: random.Random, answer: list[int], num_tokens: int) -> list[int]:
-    """Spans of the reference answer (geometric lengths, mean 24) with a fresh token between."""
-    out: list[int] = []
-    while len(out) < num_tokens:
-        start = rng.randrange(len(answer))
-        span = min(int(rng.expovariate(1 / 24)) + 1, len(answer) - start)
-        out += answer[start : start + span]
-        out.append(rng.randrange(VOCAB))
-    return out[:num_tokens]
-
-
-def bench_size(num_tokens: int, args: argparse.Namespace) -> dict:
-    rng = random.Random(args.seed)
-    answer = [rng.randrange(VOCAB) for _ in range(args.answer_tokens)]
-    prompt = [rng.randrange(VOCAB) for _ in range(64)]
-    cfg = HistoryConfig(
-        ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_history_tokens=num_tokens * 2
-    )
-    history = HistoryDrafter(cfg)
-    start = time.perf_counter()
-    num_done = 0
-    while history.num_tokens < num_tokens:
-        size = min(RESPONSE_TOKENS, num_tokens - history.num_tokens)
-        response = synthetic_response(rng, answer, max(size - len(prompt), 1))
-        history.add(("old", num_done), "group", prompt + response)
-        history.finish(("old", num_done))
-        num_done += 1
-    build_s = time.perf_counter() - start
-    running = [synthetic_response(rng, answer, RUNNING_TOKENS) for _ in range(NUM_RUNNING)]
-    for i, response in enumerate(running):
-        history.add(("run", i), "group", prompt + response[: RUNNING_TOKENS // 2])
-        history.extend(("run", i), response[RUNNING_TOKENS // 2 :])
-
-    def per_seq_us(fn) -> float:
-        rounds = []
-        for _ in range(args.repeats):
-            t = time.perf_counter()
-            for i in range(NUM_RUNNING):
-                fn(("run", i))
-            rounds.append((time.perf_counter() - t) / NUM_RUNNING * 1e6)
-        return statistics.median(rounds)
-
-    chain_us = per_seq_us(lambda key: history.propose(key, args.draft_steps))
-    tree_us = per_seq_us(lambda key: history.propose_tree(key, args.draft_steps, args.topk))
-    drafted = [len(history.propose(("run", i), args.draft_steps)) for i in range(NUM_RUNNING)]
-    # last: it appends (a span of the answer, token by token, as decoding would)
-    extend_us = per_seq_us(lambda key: history.extend(key, [answer[rng.randrange(len(answer))]]))
-    sam = history.automata["group"]
-    return {
-        "history_tokens": num_tokens,
-        "indexed_tokens": history.num_tokens,
-        "build_s": build_s,
-        "index_tokens_per_s": num_tokens / build_s,
-        "states_per_token": sam.num_states / max(sam.num_tokens, 1),
-        "propose_chain_us": chain_us,
-        "propose_tree_us": tree_us,
-        "extend_one_token_us": extend_us,
-        "mean_drafted_tokens": sum(drafted) / len(drafted),  # before the extend rounds
-    }
-
-
-def bench_loop(num_tokens: int, cycle: int, max_draft_tokens: int, args) -> dict:
-    """A response that loops on a cycle of ``cycle`` tokens (RL's degenerate long-tail
-    responses), indexed token by token as decoding commits it, by a drafter whose statistics
-    reach ``max_draft_tokens`` past the match: microseconds per indexed token over the whole
-    response and over its last tenth (a cost that grows with the response shows there)."""
-    rng = random.Random(args.seed)
-    prompt = [rng.randrange(VOCAB) for _ in range(64)]
-    loop = [rng.randrange(VOCAB) for _ in range(cycle)]
-    history = HistoryDrafter(
-        HistoryConfig(
-            ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_draft_tokens=max_draft_tokens
-        )
-    )
-    history.add("loop", "group", prompt)
-    tail_from = num_tokens - num_tokens // 10
-    start = time.perf_counter()
-    for i in range(num_tokens):
-        if i == tail_from:
-            tail_start = time.perf_counter()
-        history.extend("loop", [loop[i % cycle]])
-    end = time.perf_counter()
-    return {
-        "loop_tokens": num_tokens,
-        "cycle_tokens": cycle,
-        "max_draft_tokens": max_draft_tokens,
-        "extend_us": (end - start) / num_tokens * 1e6,
-        "extend_tail_us": (end - tail_start) / (num_tokens - tail_from) * 1e6,
-    }
-
-
-LOOP_COLUMNS = {
-    "loop_tokens": "loop tokens",
-    "cycle_tokens": "cycle",
-    "max_draft_tokens": "max draft tokens",
-    "extend_us": "extend us/token",
-    "extend_tail_us": "last tenth us/token",
-}
-# statistics unbounded: what the drafter did before max_draft_tokens bounded them
-UNBOUNDED = 10**9
-
-COLUMNS = {
-    "history_tokens": "history tokens",
-    "propose_chain_us": "chain us/seq",
-    "propose_tree_us": "tree us/seq",
-    "extend_one_token_us": "extend us/token",
-    "mean_drafted_tokens": "drafted",
-    "index_tokens_per_s": "index tok/s",
-    "states_per_token": "states/token",
-}
-
 
 GRPO_RUNS = ("nospec", "tltbase", "tlt-frozen", "tlt-spot", "tlt-mix")
 
@@ -421,6 +306,15 @@ def main() -> None:
         default="1000,4000,16000",
         help="lengths (tokens) of the looping responses timed ('' : none)",
     )
+    parser.add_argument(
+        "--steady-steps", type=int, default=6, help="steps of the run at the cap (0: none)"
+    )
+    parser.add_argument(
+        "--steady-prompts", type=int, default=32, help="new prompts per step of that run"
+    )
+    parser.add_argument(
+        "--repeats-steady", type=int, default=1, help="runs at the cap per eviction rule"
+    )
     parser.add_argument("--draft-steps", type=int, default=6, help="tokens per drafted chain")
     parser.add_argument("--topk", type=int, default=4, help="continuations per drafted tree")
     parser.add_argument("--ngram-min", type=int, default=HistoryConfig.ngram_min)
@@ -446,34 +340,18 @@ def main() -> None:
             args.out = "runs/bench_history_grpo"
         grpo(args)
         return
-    sizes = [int(s) for s in args.sizes.split(",")]
-    rows = []
-    for size in sizes:
-        row = bench_size(size, args)
-        rows.append(row)
-        print(f"{size} tokens: built in {row['build_s']:.1f} s", flush=True)
-    print(format_table(rows, COLUMNS, {"index_tokens_per_s": ",.0f", "history_tokens": ",d"}))
-    loops = []
-    for size in [int(s) for s in args.loop_sizes.split(",") if s]:
-        for cycle in (1, 3):
-            for depth in (HistoryConfig.max_draft_tokens, UNBOUNDED):
-                loops.append(bench_loop(size, cycle, depth, args))
-    if loops:
-        print("one response looping on a cycle of 1 or 3 tokens, indexed token by token:")
-        print(
-            format_table(
-                loops,
-                LOOP_COLUMNS,
-                {"extend_us": ".1f", "extend_tail_us": ".1f", "loop_tokens": ",d"},
-            ).replace(str(UNBOUNDED), "unbounded".rjust(len(str(UNBOUNDED))))
-        )
+    tables = cost_tables(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(vars(args))
     meta["python"] = platform.python_version()
     meta["machine"] = platform.machine()
     out.write_text(
-        json.dumps({"config": meta, "proposal_cost": rows, "loop_cost": loops}, indent=2) + "\n"
+        json.dumps(
+            {"config": meta, **tables},
+            indent=2,
+        )
+        + "\n"
     )
     print(f"wrote {out}")
 

@@ -290,6 +290,40 @@ def test_eviction_drops_the_oldest_finished_sequences():
     assert history.propose("q2", 1) == [70]
 
 
+def test_eviction_frees_down_to_a_share_of_the_cap_and_drops_old_groups_whole(monkeypatch):
+    """Past the cap, the oldest finished sequences go until the index holds at most
+    ``evict_to_fraction`` of it, so the next sequences add without evicting; a group that
+    lost every sequence is dropped, one that lost some is rebuilt, once per round."""
+    rebuilt = []
+    build = SuffixAutomaton.from_strings.__func__
+
+    def spy(cls, strings, count_depth=None):
+        strings = list(strings)
+        rebuilt.append(len(strings))
+        return build(cls, strings, count_depth)
+
+    monkeypatch.setattr(SuffixAutomaton, "from_strings", classmethod(spy))
+    cfg = HistoryConfig(max_history_tokens=100, evict_to_fraction=0.7)
+    history = HistoryDrafter(cfg)
+    for i in range(10):  # groups a (4 x 10 tokens), b (4 x 10), c (2 x 10): 100 tokens
+        key = ("abc"[i // 4], i)
+        history.add(key, key[0], [i] * 10)
+        history.finish(key)
+    assert history.num_tokens == 100 and not rebuilt
+    history.add(("d", 0), "d", [50] * 10)  # 110 > 100: down to 70, the oldest four go
+    assert history.num_tokens == 70 and "a" not in history.automata
+    assert rebuilt == []  # group a went whole: nothing to rebuild
+    for i in range(3):  # 100 again: no eviction on the way
+        history.add(("d", i + 1), "d", [60 + i] * 10)
+    assert history.num_tokens == 100 and not rebuilt
+    history.add(("e", 0), "e", [70] * 20)  # 120: down to 70, b's four and c's first go
+    assert history.num_tokens == 70
+    assert "b" not in history.automata and rebuilt == [1]  # c keeps one sequence: rebuilt
+    assert [("c", 9) in history, ("c", 8) in history] == [True, False]
+    with pytest.raises(ValueError, match="evict_to_fraction"):
+        HistoryConfig(evict_to_fraction=0.0)
+
+
 # ---- verify: a point-mass draft is handled exactly ---------------------------------------------
 
 

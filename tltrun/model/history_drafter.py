@@ -55,7 +55,9 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, kw_only=True)
 class HistoryConfig:
-    """History drafter settings (mapped 1:1 onto ``EngineConfig`` fields)."""
+    """History drafter settings (``EngineConfig.history_config``: ngram_min, ngram_max and
+    max_history_tokens are its fields, max_draft_tokens is its max_verify_tokens;
+    evict_to_fraction keeps its default there)."""
 
     ngram_min: int = field(
         default=2, metadata={"help": "shortest context (tokens) a history draft may match"}
@@ -70,6 +72,15 @@ class HistoryConfig:
         metadata={"help": "tokens the history index keeps (oldest finished sequences evicted)"},
     )
 
+    # Eviction runs down to this fraction of max_history_tokens, not just under it: a group
+    # that loses some of its sequences is rebuilt, so evicting one sequence per new one (the
+    # steady state of a long run at the cap) rebuilt a group per added sequence, 5x the
+    # indexing's own time (bench_history.py's steady-state table); a round freeing 10% of
+    # the cap drops old groups whole, which needs no rebuild.
+    evict_to_fraction: float = field(
+        default=0.9,
+        metadata={"help": "evict the oldest finished sequences down to this share of the cap"},
+    )
     # The deepest draft a proposal returns: counts and best transitions are kept exact only
     # for contexts a draft can read (ngram_max + max_draft_tokens - 1 tokens), which bounds
     # the work of indexing one token (SuffixAutomaton.count_depth).
@@ -78,6 +89,10 @@ class HistoryConfig:
     )
 
     def __post_init__(self) -> None:
+        if not 0.0 < self.evict_to_fraction <= 1.0:
+            raise ValueError(
+                f"HistoryConfig: evict_to_fraction must be in (0, 1], got {self.evict_to_fraction}"
+            )
         if self.max_draft_tokens < 1:
             raise ValueError(
                 f"HistoryConfig: max_draft_tokens must be >= 1, got {self.max_draft_tokens}"
@@ -434,11 +449,13 @@ class HistoryDrafter:
         return branches
 
     def _evict(self) -> None:
-        """Drop the oldest finished sequences while the index holds more than
-        max_history_tokens, then rebuild the automata that lost one."""
-        excess = self.num_tokens - self.config.max_history_tokens
-        if excess <= 0:
+        """Once the index holds more than max_history_tokens, drop the oldest finished
+        sequences until it holds at most ``evict_to_fraction`` of that, then rebuild the
+        automata that lost some (not all) of their sequences."""
+        cap = self.config.max_history_tokens
+        if self.num_tokens <= cap:
             return
+        excess = self.num_tokens - int(self.config.evict_to_fraction * cap)
         dropped: set[Hashable] = set()
         for key, stored in list(self.sequences.items()):
             if excess <= 0:
