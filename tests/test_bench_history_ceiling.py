@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_history  # noqa: E402  (benchmarks/ is not a package)
 import grpo_checks  # noqa: E402
 import history_bounds  # noqa: E402
+
+from tltrun.model.history_drafter import HistoryConfig, HistoryDrafter  # noqa: E402
 
 ceiling = history_bounds.point_mass_ceiling
 
@@ -49,7 +50,7 @@ def test_the_ceiling_bounds_what_the_history_drafter_proposes():
     prompt = [rng.randrange(50) for _ in range(12)]
     group = [sum((rng.choice(words) for _ in range(12)), []) for _ in range(4)]
     bound = ceiling(prompt, group, max_draft_tokens=6)
-    drafter = bench_history.HistoryDrafter(bench_history.HistoryConfig())
+    drafter = HistoryDrafter(HistoryConfig())
     chain = []
     for k, resp in enumerate(group):  # own index only (the siblings add to the ceiling)
         drafter.add(("own", k), ("g", k), prompt)
