@@ -1,5 +1,5 @@
-"""benchmarks/history_bounds.py's bounds of history drafts on realized rollouts and
-bench_history.py's mix check."""
+"""benchmarks/history_bounds.py's bounds of history drafts on realized rollouts,
+bench_history.py's GRPO checks (benchmarks/grpo_checks.py) and its cost tables at toy sizes."""
 
 from __future__ import annotations
 
@@ -185,3 +185,31 @@ def test_reward_curves_that_differ_by_noise_pass_and_a_shifted_curve_fails():
     checks = grpo_checks.reward_checks(("nospec", "tlt-spot"), shifted)
     assert not checks["tlt-spot"]["within_noise"]
     assert checks["tlt-spot"]["median_diff"] == pytest.approx(-0.3, abs=0.1)
+
+
+def test_the_cost_benchmark_runs_and_writes_its_tables(tmp_path):
+    """benchmarks/bench_history.py's cost tables at toy sizes: every table printed and in the
+    JSON (the timings themselves are the benchmark's to report, not a test's)."""
+    import json
+    import subprocess
+
+    out = tmp_path / "h.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_history.py"
+    args = ["--sizes", "500", "--loop-sizes", "300", "--steady-steps", "2", "--repeats", "1"]
+    result = subprocess.run(
+        [sys.executable, str(script), *args, "--steady-prompts", "2", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    tables = json.loads(out.read_text())
+    assert [r["history_tokens"] for r in tables["proposal_cost"]] == [500]
+    assert [(r["cycle_tokens"], r["max_draft_tokens"]) for r in tables["loop_cost"]] == [
+        (1, 64),
+        (1, 10**9),
+        (3, 64),
+        (3, 10**9),
+    ]
+    assert [r["evict_to_fraction"] for r in tables["steady_state"]] == [1.0, 0.9]
+    assert "unbounded" in result.stdout and "step s at the cap" in result.stdout
