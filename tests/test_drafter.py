@@ -214,3 +214,35 @@ def test_an_fp32_drafter_trains_against_a_bf16_engine_target():
     logits, _ = trainable(records[0].token_ids[None, :4], records[0].hidden[None, :4],
                           torch.arange(4)[None], CausalContext())  # fmt: skip
     assert logits.dtype == torch.float32
+
+
+def test_a_long_record_trains_on_a_window_anywhere_in_its_response():
+    """make_batch: a record that fits, or any record without a generator, is cropped to its
+    head; a longer one with a generator to a window of max_seq_len pairs starting at its first
+    trained pair or later, every window start drawn, tokens, features, targets and the loss
+    mask shifted together."""
+    from tltrun.train.drafter_training import TrainRecord, make_batch
+
+    num_tokens, num_prompt, width = 40, 6, 8
+    ids = torch.arange(100, 100 + num_tokens)
+    feats = torch.arange(num_tokens - 1, dtype=torch.float32)[:, None].expand(-1, 3)  # f_p = p
+    record = TrainRecord(ids, num_prompt, feats)
+    head = make_batch([record], width)
+    assert head.tokens[0].tolist() == list(range(101, 101 + width))
+    short = TrainRecord(ids[:6], 2, feats[:5])
+    gen = torch.Generator().manual_seed(0)
+    assert make_batch([short], width, generator=gen).tokens[0, :5].tolist() == ids[1:6].tolist()
+    starts = set()
+    for _ in range(300):
+        b = make_batch([record], width, generator=gen)
+        o = int(b.hidden[0, 0, 0])  # the window's first pair
+        starts.add(o)
+        assert b.tokens[0].tolist() == list(range(101 + o, 101 + o + width))
+        assert b.hidden[0, :, 0].tolist() == list(range(o, o + width))
+        assert b.target[0, : width - 1, 0].tolist() == list(range(o + 1, o + width))
+        trained = [o + i for i in range(width) if b.loss_mask[0, i]]
+        assert trained == [
+            p for p in range(o, o + width - 1) if num_prompt - 2 <= p <= num_tokens - 3
+        ]
+    # first trained pair 4 .. the last window, pairs 31..38 of the 39
+    assert starts == set(range(num_prompt - 2, num_tokens - 1 - width + 1))

@@ -131,13 +131,32 @@ def records_from_outputs(
     return out
 
 
+def window_start(record: TrainRecord, max_seq_len: int, generator: torch.Generator | None) -> int:
+    """The first pair of ``record``'s window of ``max_seq_len`` pairs: 0 when it fits, or
+    without a generator (the head, as EAGLE's offline training truncates); else uniform over the
+    windows that start at the first trained pair or later, so a long response is trained where
+    SD drafts it, deep into the response (TLT speculates in the long tail; fastrl's spot
+    trainer crops to the response's end), not only in its first ``max_seq_len`` pairs."""
+    num_pairs = len(record.token_ids) - 1
+    if num_pairs <= max_seq_len or generator is None:
+        return 0
+    last = num_pairs - max_seq_len  # the window ends at the last pair
+    first = min(max(record.num_prompt_tokens - 2, 0), last)  # the first trained pair
+    return first + int(torch.randint(last - first + 1, (1,), generator=generator))
+
+
 def make_batch(
-    records: list[TrainRecord], max_seq_len: int, device: torch.device | str = "cpu"
+    records: list[TrainRecord],
+    max_seq_len: int,
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
 ) -> DrafterBatch:
-    """Pairs p = 0..T-2 of each record (cropped to max_seq_len pairs), right-padded.
+    """Pairs p = o..o+n-1 of each record (n = min(T - 1, max_seq_len); o its
+    ``window_start``, 0 unless it is longer and ``generator`` is given), right-padded.
 
     Position p is trained iff f_{p+1} exists (p <= T-3) and the token f_{p+1} predicts,
-    x_{p+2}, is a response token (p >= num_prompt_tokens - 2)."""
+    x_{p+2}, is a response token (p >= num_prompt_tokens - 2). Positions within a window
+    count from 0: the drafter's attention (RoPE) sees only relative offsets."""
     num_pairs = [min(len(r.token_ids) - 1, max_seq_len) for r in records]
     width = max(num_pairs)
     dim = records[0].hidden.shape[-1]
@@ -146,11 +165,12 @@ def make_batch(
     target = torch.zeros(len(records), width, dim)
     mask = torch.zeros(len(records), width, dtype=torch.bool)
     for b, (r, n) in enumerate(zip(records, num_pairs, strict=True)):
-        tokens[b, :n] = r.token_ids[1 : n + 1]
-        hidden[b, :n] = r.hidden[:n]
-        target[b, : n - 1] = r.hidden[1:n]
-        lo = max(r.num_prompt_tokens - 2, 0)
-        mask[b, lo : min(n - 1, len(r.token_ids) - 2)] = True
+        o = window_start(r, max_seq_len, generator)
+        tokens[b, :n] = r.token_ids[o + 1 : o + n + 1]
+        hidden[b, :n] = r.hidden[o : o + n]
+        target[b, : n - 1] = r.hidden[o + 1 : o + n]
+        lo = max(r.num_prompt_tokens - 2 - o, 0)
+        mask[b, lo : min(n - 1, len(r.token_ids) - 2 - o)] = True
     return DrafterBatch(tokens.to(device), hidden.to(device), target.to(device), mask.to(device))
 
 
@@ -220,7 +240,7 @@ def train_drafter(
     bar = tqdm(range(cfg.num_steps), desc="train-drafter", disable=not is_progress_shown)
     for _ in bar:
         idx = torch.randint(len(records), (cfg.batch_size,), generator=gen).tolist()
-        batch = make_batch([records[i] for i in idx], cfg.max_seq_len, device)
+        batch = make_batch([records[i] for i in idx], cfg.max_seq_len, device, gen)
         stats = drafter_train_step(drafter, batch, optimizer, cfg, noise_gen)
         history.append(stats)
         bar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1']:.2f}")

@@ -403,7 +403,8 @@ class SpotTrainer:
     def _train_one(self, buffer, opt, stats: SpotStats) -> None:
         t0 = self.clock()
         idx = torch.randint(len(buffer), (self.cfg.batch_size,), generator=self.data_gen)
-        batch = make_batch([buffer[i] for i in idx.tolist()], self.cfg.max_seq_len)
+        records = [buffer[i] for i in idx.tolist()]
+        batch = make_batch(records, self.cfg.max_seq_len, generator=self.data_gen)
         drafter_train_step(self.drafter, batch, opt, self.cfg, self.noise_gen)
         self.version += 1
         seconds = self.clock() - t0
