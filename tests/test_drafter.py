@@ -246,3 +246,14 @@ def test_a_long_record_trains_on_a_window_anywhere_in_its_response():
         ]
     # first trained pair 4 .. the last window, pairs 31..38 of the 39
     assert starts == set(range(num_prompt - 2, num_tokens - 1 - width + 1))
+
+
+def test_a_prompt_longer_than_the_window_still_trains_its_response():
+    """The head of a record whose prompt fills max_seq_len holds no trained pair; the drawn
+    window always holds some."""
+    from tltrun.train.drafter_training import TrainRecord, make_batch
+
+    record = TrainRecord(torch.arange(30), 20, torch.zeros(29, 3))
+    assert not make_batch([record], 12).loss_mask.any()  # the head: prompt only
+    gen = torch.Generator().manual_seed(1)
+    assert all(make_batch([record], 12, generator=gen).loss_mask.any() for _ in range(50))
