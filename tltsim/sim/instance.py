@@ -350,7 +350,7 @@ class StepRun:
         self.strategies_used = sim.strategies_used
         self.last_decision: SpecDecision | None = None
         self.acceptance = sim.drafter_acceptance()
-        self._dist_cache: dict[Any, AcceptDist] = {}  # decision or (decision, rate or key)
+        self._dist_cache: dict[Any, AcceptDist] = {}  # decision or (decision, rate)
         # the history drafter's view of the step (HistoryModel, issue #20)
         self.history = StepHistory(
             sim.history,
@@ -384,7 +384,7 @@ class StepRun:
         ``decision`` on ``instance``: ``accept_dist`` unless responses carry their own rates;
         for the history drafter, one per history key (``StepHistory.keys``)."""
         if decision.drafter == "history":
-            return self.history.dists(decision, ids, instance, self._dist_cache)
+            return self.history.dists(decision, ids, instance)
         if self.request_rate is None:
             return [(self.accept_dist(decision), None)]
         rates = self.request_rate[ids.astype(np.int64)]

@@ -6,7 +6,7 @@ has finished where its drafter sees them (``HistoryModel.scope``: its own instan
 per-engine index, or the whole cluster), ``h`` whether earlier rollouts of its prompt are
 indexed there (from earlier steps of the simulation). Replaying a measured run, a response
 may carry its own measured rate instead (keys >= 4: ``4 + rate``). Each distinct key is one
-accept-length distribution, cached with the step's other distributions.
+accept-length distribution, kept for the step.
 
 ``tltsim.sim.instance.StepRun`` owns one per step; the instances report each completion
 (``record_finished``) and their batches ask for keys and distributions (``tltsim.sim.batch``).
@@ -16,7 +16,6 @@ Tests: ``python -m pytest tests/test_history_sim.py -q``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
@@ -49,6 +48,7 @@ class StepHistory:
         self.num_done = 0
         self._finished: dict[int, tuple[int, np.ndarray]] = {}  # scope -> (num_done, counts)
         self._has_history: dict[int, np.ndarray] = {}
+        self._dists: dict[tuple[SpecDecision, float], AcceptDist] = {}  # (decision, key)
 
     def record_finished(self, ids: np.ndarray, instance: int) -> None:
         """Responses ``ids`` finished on ``instance``: their tokens are indexed there now."""
@@ -90,24 +90,24 @@ class StepHistory:
         )
 
     def dists(
-        self, decision: SpecDecision, ids: np.ndarray, instance: int, cache: dict[Any, AcceptDist]
+        self, decision: SpecDecision, ids: np.ndarray, instance: int
     ) -> list[tuple[AcceptDist, np.ndarray]]:
         """(distribution, positions in ``ids`` that draw from it) per distinct history key (or,
-        replaying a measured run, per response's own rate); ``cache`` keeps them by
-        (decision, key) for the step."""
+        replaying a measured run, per response's own rate), kept for the step by
+        (decision, key)."""
         keys = self.keys(ids, instance)
         if self.rates is not None:
             rates = self.rates[ids.astype(np.int64)]
             keys = np.where(np.isnan(rates), keys, 4.0 + rates)  # own rate: keys >= 4
         out = []
         for key in np.unique(keys).tolist():
-            dist = cache.get((decision, key))
+            dist = self._dists.get((decision, key))
             if dist is None:
                 if key >= 4.0:
                     pmf = history_accept_len_pmf(decision, key - 4.0, self.model.sibling_rate)
                 else:
                     h = key >= 2.0
                     pmf = self.model.accept_len_pmf(decision, key - 2.0 * h, h)
-                dist = cache[(decision, key)] = AcceptDist.of(pmf)
+                dist = self._dists[(decision, key)] = AcceptDist.of(pmf)
             out.append((dist, np.flatnonzero(keys == key)))
         return out
