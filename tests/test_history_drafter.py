@@ -14,7 +14,8 @@ import random
 import pytest
 import torch
 
-from tltrun.model.history_drafter import HistoryConfig, HistoryDrafter, SuffixAutomaton, tree_nodes
+from tltrun.model.history_drafter import HistoryConfig, HistoryDrafter, tree_nodes
+from tltrun.model.suffix_automaton import SuffixAutomaton
 from tltrun.rollout.speculative import DraftTree, verify_with_uniforms
 from tltsim.policy import (
     DecodeObs,
