@@ -58,7 +58,7 @@ from tltrun.model.history_drafter import HistoryConfig
 from tltrun.train.compare import compare_runs, drift_warnings
 from tltsim.cli.table import format_table
 
-GRPO_RUNS = ("nospec", "tltbase", "tlt-frozen", "tlt-spot", "tlt-mix")
+GRPO_RUNS = ("nospec", "tltbase", "tltbase-group", "tlt-frozen", "tlt-spot", "tlt-mix")
 
 
 def _bench_train():
@@ -150,7 +150,7 @@ def grpo(args: argparse.Namespace) -> dict:
             }
             print(
                 f"history drafter at step 0: accept {table_row(table, 'tltbase'):.2f}; "
-                f"ceiling of any point-mass history draft on these rollouts "
+                f"ceiling of any point-mass draft from the prompt's group on these rollouts "
                 f"{bounds['ceiling']:.2f}; one drafted token accepted with probability "
                 f"{bounds['point_mass']:.3f} as the most frequent continuation, "
                 f"{bounds['sampled']:.3f} sampled from the continuations' counts"

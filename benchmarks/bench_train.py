@@ -60,7 +60,11 @@ RUN_SPECS = {
     # between the spot-trained EAGLE drafter and the history drafter
     "tltbase": ("tltbase", False, ("eagle",)),
     "tlt-mix": ("tlt", True, ("eagle", "history")),
+    # TLT-Base whose history drafter drafts from the prompt's own group only (no cross-prompt
+    # index: HistoryConfig.is_cross_prompt), the drafter before that tier, for A/B runs
+    "tltbase-group": ("tltbase", False, ("eagle",)),
 }
+GROUP_HISTORY_RUNS = ("tltbase-group",)
 DEFAULT_RUNS = ("nospec", "static", "tlt-frozen", "tlt-spot")
 
 
@@ -378,6 +382,7 @@ def train_config(
         lr=cfg.lr,
         seed=cfg.seed,
         dtype=cfg.dtype,
+        is_history_cross_prompt=name not in GROUP_HISTORY_RUNS,
         checkpoint_every=cfg.chunk_steps or cfg.num_steps,
         keep_checkpoints=1,  # a chunk resumes from the newest; all of them filled this disk
         **task_fields(cfg),

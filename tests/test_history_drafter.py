@@ -222,7 +222,8 @@ def test_proposal_from_the_own_prompt():
 
 
 def test_proposal_from_a_sibling_and_not_from_another_group():
-    history = HistoryDrafter(HistoryConfig(ngram_min=2, ngram_max=4))
+    # the prompt's own group only (another group's sequences: tests/test_history_cross_prompt.py)
+    history = HistoryDrafter(HistoryConfig(ngram_min=2, ngram_max=4, is_cross_prompt=False))
     history.add("a", "g", [1, 2, 3, 40, 41, 42, 43, 44])
     history.add("b", "g", [1, 2, 3, 40])
     history.add("c", "other", [1, 2, 3, 40])
@@ -272,7 +273,8 @@ def test_tree_proposal_has_distinct_first_tokens():
 
 
 def test_eviction_drops_the_oldest_finished_sequences():
-    history = HistoryDrafter(HistoryConfig(ngram_min=2, ngram_max=4, max_history_tokens=20))
+    config = HistoryConfig(ngram_min=2, ngram_max=4, max_history_tokens=20, is_cross_prompt=False)
+    history = HistoryDrafter(config)
     history.add("old", "g", [1, 2, 50, 51, 52, 53])  # 6 tokens
     history.finish("old")
     history.add("new", "g", [1, 2, 60, 61, 62, 63])  # 12

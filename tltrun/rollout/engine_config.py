@@ -159,6 +159,14 @@ class EngineConfig:
             "(oldest finished responses evicted first)"
         },
     )
+    is_history_cross_prompt: bool = field(
+        default=HistoryConfig.is_cross_prompt,
+        metadata={"help": "the history drafter also drafts from other prompts' sequences"},
+    )
+    history_shared_max_tokens: int = field(
+        default=HistoryConfig.max_shared_tokens,
+        metadata={"help": "tokens the history drafter's cross-prompt index keeps"},
+    )
     # generation_config.json may list stop ids config.json does not (Qwen2.5-Instruct: both
     # <|im_end|> and <|endoftext|>); tltrun.data.tokenizer gathers them
     eos_token_ids: tuple[int, ...] = field(
@@ -191,7 +199,7 @@ class EngineConfig:
             raise ValueError(f"max_verify_tokens must be >= 1, got {self.max_verify_tokens}")
         if self.catchup_pairs is not None and self.catchup_pairs < 0:
             raise ValueError(f"catchup_pairs must be >= 0, got {self.catchup_pairs}")
-        self.history_config()  # validates ngram_min, ngram_max, history_max_tokens
+        self.history_config()  # validates the history drafter's fields
 
     @property
     def is_cuda(self) -> bool:
@@ -219,6 +227,8 @@ class EngineConfig:
             ngram_min=self.ngram_min,
             ngram_max=self.ngram_max,
             max_history_tokens=self.history_max_tokens,
+            is_cross_prompt=self.is_history_cross_prompt,
+            max_shared_tokens=self.history_shared_max_tokens,
             max_draft_tokens=self.max_verify_tokens,  # no draft verifies more tokens
         )
 

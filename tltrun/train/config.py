@@ -190,6 +190,11 @@ class TrainConfig:
         default=False,
         metadata={"help": "torch engine: torch.compile each layer's work around attention"},
     )
+    # the torch engine's EngineConfig.is_history_cross_prompt (tltrun.model.history_drafter)
+    is_history_cross_prompt: bool = field(
+        default=True,
+        metadata={"help": "torch engine: history drafts also from other prompts' responses"},
+    )
     # ---- your data, reward and evaluation (issue #16; tltrun.data) ----------------------------
     data: str | None = field(
         default=None,
