@@ -80,8 +80,9 @@ def print_reference(group_size: int) -> list[dict]:
     print(
         f"built-in task, reference solutions (a model that has learned the task exactly, at "
         f"temperature 1; 64 prompts x {group_size}): accept length per verify of the history "
-        "drafter replayed in lockstep, as a chain and as a tree of 16 continuations, and the "
-        "ceiling of any point-mass history draft"
+        "drafter replayed in lockstep one prompt's group at a time, as a chain and as a tree "
+        "of 16 continuations; the ceiling of any point-mass draft from the prompt's group; "
+        "the chain with the cross-prompt index, 2 and 64 prompts' groups running at once"
     )
     print(
         format_table(
@@ -90,9 +91,15 @@ def print_reference(group_size: int) -> list[dict]:
                 "draft_tokens": "draft tokens",
                 "replay_branches_1": "chain",
                 "replay_branches_16": "tree 16",
-                "ceiling": "ceiling",
+                "ceiling": "group ceiling",
+                "cross_prompt_2": "cross 2",
+                "cross_prompt_64": "cross 64",
             },
-            {"replay_branches_1": ".2f", "replay_branches_16": ".2f", "ceiling": ".2f"},
+            dict.fromkeys(
+                ("replay_branches_1", "replay_branches_16", "ceiling")
+                + ("cross_prompt_2", "cross_prompt_64"),
+                ".2f",
+            ),
         )
     )
     return rows

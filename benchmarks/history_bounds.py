@@ -174,34 +174,50 @@ def _step0_groups(run_dir: Path, model_dir: Path) -> list[tuple[list[int], list[
 def replay_lockstep(
     prompt: list[int], responses: list[list[int]], draft_tokens: int, max_branches: int = 1
 ) -> list[int]:
-    """The history drafter itself on one group's realized responses, generated in lockstep
-    (every unfinished sequence proposes, then every one commits: a sibling's tokens become
-    history at the next iteration): the longest prefix of the realized tokens that one of its
-    ``max_branches`` proposed continuations (``propose_tree``; 1: ``propose``'s chain) matches,
-    plus the target's own token. Replaying realized tokens gives the expected accept length
-    of point-mass drafts (see ``point_mass_ceiling``). Returns accepted + 1 per iteration."""
-    drafter = HistoryDrafter()
-    for k in range(len(responses)):
-        drafter.add(k, 0, prompt)
-    pos = [0] * len(responses)
+    """``replay_lockstep_groups`` of one group."""
+    return replay_lockstep_groups([(prompt, responses)], draft_tokens, max_branches)
+
+
+def replay_lockstep_groups(
+    groups: list[tuple[list[int], list[list[int]]]],
+    draft_tokens: int,
+    max_branches: int = 1,
+    is_cross_prompt: bool = True,
+) -> list[int]:
+    """The history drafter itself on the realized responses of ``groups`` (prompt, responses),
+    all generated in lockstep as one engine's running batch (every unfinished sequence
+    proposes, then every one commits: a sequence's tokens become history at the next
+    iteration): the longest prefix of the realized tokens that one of its ``max_branches``
+    proposed continuations (``propose_tree``; 1: ``propose``'s chain) matches, plus the
+    target's own token. With ``is_cross_prompt`` other groups' sequences are history too
+    (``HistoryConfig.is_cross_prompt``). Replaying realized tokens gives the expected accept
+    length of point-mass drafts (see ``point_mass_ceiling``). Returns accepted + 1 per
+    iteration."""
+    drafter = HistoryDrafter(HistoryConfig(is_cross_prompt=is_cross_prompt))
+    responses = {}
+    for g, (prompt, group) in enumerate(groups):
+        for k, response in enumerate(group):
+            drafter.add((g, k), g, prompt)
+            responses[(g, k)] = response
+    pos = dict.fromkeys(responses, 0)
     accepts: list[int] = []
     while True:
-        running = [k for k, r in enumerate(responses) if pos[k] < len(r)]
+        running = [key for key, r in responses.items() if pos[key] < len(r)]
         if not running:
             return accepts
         steps = {}
-        for k in running:
-            real = responses[k][pos[k] : pos[k] + draft_tokens]
+        for key in running:
+            real = responses[key][pos[key] : pos[key] + draft_tokens]
             best = 0
-            for branch in drafter.propose_tree(k, draft_tokens, max_branches):
+            for branch in drafter.propose_tree(key, draft_tokens, max_branches):
                 a = 0
                 while a < len(branch) and a < len(real) and branch[a] == real[a]:
                     a += 1
                 best = max(best, a)
-            steps[k] = min(best + 1, len(responses[k]) - pos[k])
-        for k, step in steps.items():
-            drafter.extend(k, responses[k][pos[k] : pos[k] + step])
-            pos[k] += step
+            steps[key] = min(best + 1, len(responses[key]) - pos[key])
+        for key, step in steps.items():
+            drafter.extend(key, responses[key][pos[key] : pos[key] + step])
+            pos[key] += step
             accepts.append(step)
 
 
@@ -211,15 +227,19 @@ def reference_bounds(
     num_groups: int = 64,
     draft_tokens: tuple[int, ...] = (2, 4, 8),
     max_branches: tuple[int, ...] = (1, 16),
+    concurrent_groups: tuple[int, ...] = (2, 64),
     seed: int = 0,
 ) -> list[dict]:
     """The built-in task's reference solutions (``worked_solution``: a model that has learned
     the task exactly, sampled at temperature 1; each sample draws its own check lines and
     recheck passes), ``num_groups`` prompts x ``group_size`` samples in the character
     tokenizer's ids, each ending in EOS: per chain length, the mean accept length of the
-    history drafter replayed in lockstep (``replay_lockstep``, one row per ``max_branches``)
-    and of ``point_mass_ceiling`` (no history draft, chain or tree, beats it). What no better
-    SFT model could raise: the task's own text bounds it."""
+    history drafter replayed in lockstep one group at a time (``replay_lockstep``, one row per
+    ``max_branches``), of ``point_mass_ceiling`` (no draft from the prompt's group, chain or
+    tree, beats it), and of the chain with the cross-prompt index when ``concurrent_groups``
+    groups run at once (``replay_lockstep_groups``: 2 is a worker's share of bench_history's
+    GRPO steps, 4 prompts on 2 workers; a run of 512 prompts on 8 workers has 64). What no
+    better SFT model could raise: the task's own text bounds it."""
     task, tok, rng = TaskConfig(), CharTokenizer(), random.Random(seed)
     groups = []
     for _ in range(num_groups):
@@ -242,5 +262,11 @@ def reference_bounds(
             for prompt, responses in groups
             for a in point_mass_ceiling(prompt, responses, max_draft_tokens=k)
         )
+        for n in concurrent_groups:
+            row[f"cross_prompt_{n}"] = statistics.fmean(
+                a
+                for i in range(0, num_groups, n)
+                for a in replay_lockstep_groups(groups[i : i + n], k)
+            )
         rows.append(row)
     return rows

@@ -37,12 +37,15 @@ def synthetic_response(rng: random.Random, answer: list[int], num_tokens: int) -
     return out[:num_tokens]
 
 
-def bench_size(num_tokens: int, args: argparse.Namespace) -> dict:
+def bench_size(num_tokens: int, is_cross_prompt: bool, args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     answer = [rng.randrange(VOCAB) for _ in range(args.answer_tokens)]
     prompt = [rng.randrange(VOCAB) for _ in range(64)]
     cfg = HistoryConfig(
-        ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_history_tokens=num_tokens * 2
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        max_history_tokens=num_tokens * 2,
+        is_cross_prompt=is_cross_prompt,
     )
     history = HistoryDrafter(cfg)
     start = time.perf_counter()
@@ -76,6 +79,7 @@ def bench_size(num_tokens: int, args: argparse.Namespace) -> dict:
     sam = history.automata["group"]
     return {
         "history_tokens": num_tokens,
+        "is_cross_prompt": is_cross_prompt,
         "indexed_tokens": history.num_tokens,
         "build_s": build_s,
         "index_tokens_per_s": num_tokens / build_s,
@@ -168,6 +172,7 @@ UNBOUNDED = 10**9
 
 COLUMNS = {
     "history_tokens": "history tokens",
+    "is_cross_prompt": "cross-prompt",
     "propose_chain_us": "chain us/seq",
     "propose_tree_us": "tree us/seq",
     "extend_one_token_us": "extend us/token",
@@ -182,10 +187,11 @@ def cost_tables(args: argparse.Namespace) -> dict[str, list[dict]]:
     ``--steady-steps``), printed; returned by name for the JSON."""
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
-    for size in sizes:
-        row = bench_size(size, args)
-        rows.append(row)
-        print(f"{size} tokens: built in {row['build_s']:.1f} s", flush=True)
+    for size in sizes:  # the index with and without its cross-prompt tier, one after the other
+        for is_cross_prompt in (False, True):
+            row = bench_size(size, is_cross_prompt, args)
+            rows.append(row)
+            print(f"{size} tokens, cross-prompt {is_cross_prompt}: built in {row['build_s']:.1f} s")
     print(format_table(rows, COLUMNS, {"index_tokens_per_s": ",.0f", "history_tokens": ",d"}))
     loops = []
     for size in [int(s) for s in args.loop_sizes.split(",") if s]:

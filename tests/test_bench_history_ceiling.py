@@ -79,6 +79,16 @@ def test_the_lockstep_replay_copies_a_finished_sibling_through_the_drafter():
     assert sum(accepts) == len(shared) + len(own)
 
 
+def test_the_cross_prompt_replay_copies_another_prompts_finished_response():
+    shared = list(range(100, 120))
+    groups = [([1], [shared]), ([2], [list(range(200, 225)) + shared])]
+    off = history_bounds.replay_lockstep_groups(groups, 4, is_cross_prompt=False)
+    on = history_bounds.replay_lockstep_groups(groups, 4)
+    assert off == [1] * (20 + 45)  # nothing to copy within either group
+    # as the sibling case above: the other prompt's finished response drafts 4 at a time
+    assert sorted(on) == [1] * 47 + [3, 5, 5, 5]
+
+
 def test_a_tree_reaches_the_continuation_the_chain_does_not_pick():
     # [1, 2] is followed by 3 and by 4 in the prompt; the chain follows one (3), the response
     # takes the other: a tree of 2 continuations holds it (4 accepted + the bonus 9)
@@ -88,15 +98,16 @@ def test_a_tree_reaches_the_continuation_the_chain_does_not_pick():
 
 
 def test_reference_bounds_are_reproducible_accept_lengths_per_chain_length():
-    rows = history_bounds.reference_bounds(group_size=3, num_groups=4, draft_tokens=(2, 6))
-    assert rows == history_bounds.reference_bounds(group_size=3, num_groups=4, draft_tokens=(2, 6))
+    settings = dict(group_size=3, num_groups=4, draft_tokens=(2, 6), concurrent_groups=(1, 4))
+    rows = history_bounds.reference_bounds(**settings)
+    assert rows == history_bounds.reference_bounds(**settings)
     assert [r["draft_tokens"] for r in rows] == [2, 6]
     for r in rows:
-        for key in ("replay_branches_1", "replay_branches_16", "ceiling"):
+        for key in ("replay_branches_1", "replay_branches_16", "ceiling", "cross_prompt_4"):
             assert 1.0 <= r[key] <= r["draft_tokens"] + 1
-    assert rows != history_bounds.reference_bounds(
-        group_size=3, num_groups=4, draft_tokens=(2, 6), seed=1
-    )
+        # one group at a time, the cross-prompt index holds only the group's own sequences
+        assert r["cross_prompt_1"] == r["replay_branches_1"]
+    assert rows != history_bounds.reference_bounds(**settings, seed=1)
 
 
 def test_sampled_history_draft_acceptance_is_the_overlap_of_p_and_the_counts():
@@ -204,7 +215,10 @@ def test_the_cost_benchmark_runs_and_writes_its_tables(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     tables = json.loads(out.read_text())
-    assert [r["history_tokens"] for r in tables["proposal_cost"]] == [500]
+    assert [(r["history_tokens"], r["is_cross_prompt"]) for r in tables["proposal_cost"]] == [
+        (500, False),
+        (500, True),
+    ]
     assert [(r["cycle_tokens"], r["max_draft_tokens"]) for r in tables["loop_cost"]] == [
         (1, 64),
         (1, 10**9),

@@ -1,8 +1,13 @@
 """Model-free history drafter (issue #20): draft chains and trees by matching a sequence's last
 n tokens against the rollout history of its prompt — its own prompt and output, its running and
 finished siblings (the same prompt id in this rollout), and earlier rollouts of the same prompt
-id, kept across steps up to ``max_history_tokens`` (oldest finished sequences evicted first).
-The index is ``tltrun.model.suffix_automaton``'s (one automaton per prompt group).
+id, kept across steps up to ``max_history_tokens`` (oldest finished sequences evicted first);
+and, with ``is_cross_prompt`` (the default), the engine's sequences of every other prompt: a
+shared index (SuffixDecoding's global tree, arXiv 2411.04975) drafts where the context it
+matches is strictly longer than in the prompt's own group, whose statistics win ties.
+The index is ``tltrun.model.suffix_automaton``'s (one automaton per prompt group; the shared
+one in two generations of at most ``max_shared_tokens / 2`` tokens each, the older dropped
+whole when the newer fills, its running sequences indexed anew).
 Pure Python, no torch: ``tltrun.rollout.rollout_history`` turns proposals into a ``DraftTree``.
 
 Proposal (``propose`` / ``propose_tree``): walk the automaton with the sequence's last
@@ -16,7 +21,8 @@ each state its ``best`` token: the continuation most occurrences of the context 
 agree on (like SuffixDecoding's frequency-scored drafts, arXiv 2411.04975; following the first
 occurrence instead drafted 7% fewer accepted tokens per verify on hanoi's GRPO rollouts with
 chains of 4 and 8, and the same on the built-in task: benchmarks/RESULTS.md). The cost is a
-walk of at most ngram_max + d tokens: independent of the history's length. A tree's branches
+walk of at most ngram_max + d tokens per index searched (the group's, two shared
+generations): independent of the history's length. A tree's branches
 are the matched state's outgoing transitions (distinct next tokens: the chain's first, then
 the others in creation order), each continued by the same walk.
 
@@ -220,6 +226,8 @@ class HistoryDrafter:
         context = self.tokens(key)[-cfg.ngram_max :]
         best = usable_match(self.automata[self.sequences[key].group], context, cfg.ngram_min)
         for generation in sorted(self.shared, reverse=True):
+            if best[2] == len(context):  # the whole context matched: nothing can be longer
+                break
             found = usable_match(self.shared[generation], context, cfg.ngram_min)
             if found[2] > best[2]:
                 best = found

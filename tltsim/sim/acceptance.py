@@ -430,12 +430,15 @@ class HistoryModel:
     # us per token; the walk per token is bounded by the deepest context a draft reads since
     # (2026-11-27, session 19): 2.2-3.8 us per token over 1k-1M tokens, 3.3-6.6 us in a
     # response looping on 1-3 tokens (unbounded: 13-620 us, growing with the loop); the
-    # defaults stay.
+    # defaults stayed. With the cross-prompt index (tltrun's default since session 20,
+    # 2026-11-27: every token indexed twice, a proposal walks up to three automata; the same
+    # script, both settings alternating): chain 1.9-2.6 us (1.7-1.8 without), index update
+    # 5.1-5.9 us per token (2.5-3.1 without), so the index default follows it.
     propose_s_per_seq: float = field(
         default=3e-6, metadata={"help": "host seconds to propose one sequence's history draft"}
     )
     index_s_per_token: float = field(
-        default=4e-6, metadata={"help": "host seconds to index one emitted token"}
+        default=6e-6, metadata={"help": "host seconds to index one emitted token"}
     )
 
     def __post_init__(self) -> None:
