@@ -105,3 +105,17 @@ def test_deterministic_run_resumed_matches_uninterrupted(model_dir, tmp_path, mo
     assert untimed(part) == untimed(whole)
     a, b = weights(whole), weights(part)
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_deterministic_tltbase_resumed_matches_uninterrupted(model_dir, tmp_path, monkeypatch):  # noqa: F811
+    # the history drafter's index (earlier steps' responses, which the cross-prompt tier
+    # drafts from) travels through the checkpoint: a resume drafts, so samples, the same
+    fields = dict(policy="tltbase", is_deterministic=True)
+    whole = run(model_dir, tmp_path / "a", monkeypatch, None, **fields, num_steps=4)
+    part = run(model_dir, tmp_path / "b", monkeypatch, None, **fields, num_steps=2)
+    cfg = config(
+        model_dir, part, num_steps=4, checkpoint_every=10, tlt_threshold=2, **fields
+    )  # fmt: skip
+    run_train(cfg, TASK, is_resume=True)
+    assert untimed(part) == untimed(whole)

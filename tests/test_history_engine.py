@@ -131,6 +131,38 @@ def test_engine_history_is_lazy_and_bounded_across_rollouts():
         assert 0 < eng.history.num_tokens <= 60  # all finished: evictable down to the bound
 
 
+def test_a_restored_history_index_drafts_and_samples_as_the_engine_that_wrote_it():
+    """A checkpoint between rollouts keeps the index (``RolloutHistory.state_dict``): an engine
+    that loads it, with the writer's sampling generator, samples the next rollout exactly as
+    the writer does; a fresh index (what a resume had before) samples differently."""
+    import io
+
+    sampled = dict(sampling=SamplingParams(temperature=1.0), seed=5, max_model_len=128)
+    policy = StaticSpec(strategy="history:4_1_4")
+    writer = _engine(**sampled)
+    writer.generate(_requests(3, group=2, seed=6, max_new=60), policy, 0)
+    buffer = io.BytesIO()  # the checkpoint's way: torch.save, then torch.load
+    torch.save(
+        {"history": writer.history.state_dict(), "rng": writer.generator.get_state()}, buffer
+    )
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=False)
+    restored, fresh = _engine(**sampled), _engine(**sampled)
+    assert restored.history.load_state_dict(state["history"])
+    assert restored.history.num_tokens == writer.history.num_tokens > 0
+    nxt = _requests(2, group=2, seed=7, max_new=60)  # new prompts: the cross-prompt tier drafts
+    outputs = {}
+    for name, eng in (("writer", writer), ("restored", restored), ("fresh", fresh)):
+        eng.generator.set_state(state["rng"])
+        result = eng.generate(nxt, policy, 1)
+        outputs[name] = [o.output_token_ids for o in result.outputs]
+    assert outputs["restored"] == outputs["writer"]
+    assert outputs["fresh"] != outputs["writer"]
+    # written with other settings: not restored, the index starts empty
+    other = _engine(**sampled, ngram_max=5)
+    assert not other.history.load_state_dict(state["history"]) and other.history.num_tokens == 0
+
+
 def test_greedy_switching_between_eagle_history_and_off():
     reqs = _requests(3, group=2, seed=2)
     want = [o.output_token_ids for o in _engine().generate(reqs, NoSpec()).outputs]

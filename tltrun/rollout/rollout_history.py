@@ -4,7 +4,8 @@ bookkeeping of the rollout in progress, and turns the drafter's proposals into t
 ``DraftTree`` that ``tltrun.rollout.speculative.verify`` checks.
 
 The engine calls ``start_rollout`` and ``finish_rollout`` around each rollout and ``draft`` for
-every speculative iteration whose decision names ``drafter="history"``. Indexing is lazy:
+every speculative iteration whose decision names ``drafter="history"``; ``tltrun train``'s
+checkpoints keep ``state_dict`` (the index reaches across steps: a resume must not forget it). Indexing is lazy:
 nothing is indexed until a policy first asks for a history draft; from then on every rollout is
 kept. A sequence is keyed by (rollout number, request id) and grouped by its ``prompt_id``
 (across rollouts) or, without one, by its prompt tokens within its own rollout.
@@ -50,6 +51,32 @@ class RolloutHistory:
     def num_tokens(self) -> int:
         """Tokens the index holds (at most ``max_history_tokens`` once all are finished)."""
         return self.drafter.num_tokens
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps between rollouts: the whole index (its automata, pickled
+        as they are, since a rebuild from the strings could break ties differently and so
+        draft, and sample, differently after a resume), whether it is in use, and the
+        rollout count its keys are numbered by."""
+        if self._rollout is not None:
+            raise RuntimeError("history state_dict: a rollout is in progress")
+        return {
+            "drafter": self.drafter,
+            "is_used": self.is_used,
+            "num_rollouts": self._num_rollouts,
+        }
+
+    def load_state_dict(self, state: dict) -> bool:
+        """Restore ``state_dict``'s state; False (and nothing restored: the index starts
+        empty) when it was written with other history settings."""
+        if self._rollout is not None:
+            raise RuntimeError("history load_state_dict: a rollout is in progress")
+        drafter = state["drafter"]
+        if not isinstance(drafter, HistoryDrafter) or drafter.config != self.drafter.config:
+            return False
+        self.drafter = drafter
+        self.is_used = bool(state["is_used"])
+        self._num_rollouts = int(state["num_rollouts"])
+        return True
 
     def start_rollout(self, sequences: list[Sequence]) -> None:
         """A rollout of ``sequences`` (its scheduler's, admitted in order) begins."""

@@ -267,6 +267,8 @@ class Worker:
         torch.set_rng_state(state["torch"])
         if "engine_generator" in state:  # the vLLM backend's sampling seeds are stateless
             self.engine.generator.set_state(state["engine_generator"])
+        if "history" in state and hasattr(self.engine, "history"):  # other settings: empty
+            self.engine.history.load_state_dict(state["history"])
         ts.load_policy_state(ckpt, self.rank, self.spec_policy)
         if self.spot is not None and "spot_data_generator" in state:
             self.spot.data_gen.set_state(state["spot_data_generator"])
@@ -290,6 +292,8 @@ class Worker:
         }
         if hasattr(self.engine, "generator"):  # torch engine; vLLM seeds per (step, request)
             state["engine_generator"] = self.engine.generator.get_state()
+        if hasattr(self.engine, "history"):  # the torch engine's history drafter index
+            state["history"] = self.engine.history.state_dict()
         if self.spot is not None:
             state["spot_data_generator"] = self.spot.data_gen.get_state()
             state["spot_noise_generator"] = self.spot.noise_gen.get_state()
