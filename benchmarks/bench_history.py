@@ -148,7 +148,7 @@ def grpo(args: argparse.Namespace) -> dict:
             "table": table,
             "drift_warnings": drift_warnings(table),  # print_table printed them
         }
-        if "tltbase" in runs:  # what any point-mass history draft could reach on its rollouts
+        if "tltbase" in runs:  # what a draft from the prompt's group could reach
             bounds = step0_bounds(out / f"seed{seed}" / "tltbase", Path(work) / "target")
             entry["history_ceiling_step0"] = bounds["ceiling"]
             entry["history_one_token_accept_step0"] = {

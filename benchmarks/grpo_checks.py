@@ -54,7 +54,7 @@ def history_checks(summary: list[dict], per_seed: list[dict]) -> dict:
     print(
         f"history accept length at step 0 (median): {history_step0:.2f} (target >= 2): "
         f"{'met' if checks['history_accept_len_step0_ge_2'] else 'NOT met'}; the ceiling of any "
-        f"point-mass history draft on the same rollouts (median): {ceiling:.2f}"
+        f"point-mass draft from the prompt's group on the same rollouts (median): {ceiling:.2f}"
     )
     print(
         "tlt-mix minus the better of tltbase and tlt-spot, rollout speedup, paired by seed: "

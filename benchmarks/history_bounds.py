@@ -1,5 +1,5 @@
 """What a history draft could reach on realized GRPO rollouts (issue #20), for
-``benchmarks/bench_history.py --grpo``: the ceiling of any point-mass history draft
+``benchmarks/bench_history.py --grpo``: the ceiling of any point-mass draft from the prompt's group
 (``point_mass_ceiling``), and the one-token acceptance of a draft sampled from the history's
 continuation counts against the most frequent continuation (``count_draft_acceptance``, p from
 the target), each from a run's step-0 rollout dump; and both the history drafter replayed and
@@ -38,16 +38,16 @@ def point_mass_ceiling(
     ngram_min: int = HistoryConfig.ngram_min,
     ngram_max: int = HistoryConfig.ngram_max,
 ) -> list[int]:
-    """The accept length per iteration that NO point-mass history draft can beat on one group's
-    realized responses (same prompt, generated in lockstep): at each iteration, every
-    continuation of every occurrence of the last n tokens (n from ngram_min to ngram_max) in
-    the index the history drafter sees at that moment (the prompt and the sequence's own
-    output, each sibling's first t tokens or all of it once finished) is tried, and the one
-    that matches the realized tokens longest counts (a tree of unbounded width, picked with
-    hindsight). Why this bounds a real run: a point-mass draft x is accepted with probability
-    p(x), which is the probability that the target's own sample is x, so replaying the
-    realized tokens gives a run's expected accept length. Returns accepted + 1 per iteration,
-    over all responses of the group."""
+    """The accept length per iteration that NO point-mass draft from the prompt's group (the
+    history drafter without its cross-prompt tier) can beat on one group's realized responses
+    (same prompt, generated in lockstep): at each iteration, every continuation of every
+    occurrence of the last n tokens (n from ngram_min to ngram_max) in the index the history
+    drafter sees at that moment (the prompt and the sequence's own output, each sibling's
+    first t tokens or all of it once finished) is tried, and the one that matches the realized
+    tokens longest counts (a tree of unbounded width, picked with hindsight). Why this bounds a
+    real run: a point-mass draft x is accepted with probability p(x), which is the probability
+    that the target's own sample is x, so replaying the realized tokens gives a run's expected
+    accept length. Returns accepted + 1 per iteration, over all responses of the group."""
     accepts: list[int] = []
     head = _as_text(prompt)
     texts = [_as_text(r) for r in responses]
