@@ -74,6 +74,7 @@ def test_interleaved_incremental_build_equals_a_from_scratch_build(seed):
         scratch.add_string(s)
     inc = _interleaved(strings, seed)  # the same strings, interleaved at random
     assert inc.strings == strings
+    assert inc.num_tokens == scratch.num_tokens == sum(map(len, strings))
     assert inc.num_states == scratch.num_states
     assert _canonical(inc) == _canonical(scratch)
 
@@ -133,6 +134,7 @@ def test_counts_and_best_transitions_against_brute_force(seed, count_depth):
         (SuffixAutomaton.from_strings(strings, count_depth), strings),
         (rebuilt, grown),
     ):
+        assert sam.num_tokens == sum(map(len, want))
         for _ in range(300):
             context = [rng.randrange(3) for _ in range(rng.randint(1, min(8, depth + 1)))]
             state, matched = sam.match(context)

@@ -54,6 +54,7 @@ class SuffixAutomaton:
         # False while ``from_strings`` builds: counts and best come from one pass at the end
         self.is_counting = True
         self.strings: list[list[int]] = []
+        self._num_tokens = 0  # sum of the strings' lengths
         self.last: list[int] = []  # per string: the state whose longest member is the string
         self.count_depth = count_depth
         # per string: (state, m), a state holding a suffix of at least m = min(count_depth,
@@ -66,7 +67,8 @@ class SuffixAutomaton:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(s) for s in self.strings)
+        """Tokens of all strings (kept as a count: the shared index asks once per sequence)."""
+        return self._num_tokens
 
     def add_string(self, tokens: Iterable[int] = ()) -> int:
         """A new (empty) string, then ``extend`` it by ``tokens``; returns its index."""
@@ -166,6 +168,7 @@ class SuffixAutomaton:
         string = self.strings[sid]
         last = self.last[sid]
         string.append(tok)
+        self._num_tokens += 1
         q = self.trans[last].get(tok)
         if q is not None:  # the extended string already occurs (another string, or a repeat)
             self.last[sid] = (
