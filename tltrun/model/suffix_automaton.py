@@ -3,20 +3,20 @@
 
 The history drafter keeps one generalized suffix automaton (Blumer et al. 1985; the on-line
 generalized construction, which handles several strings grown in any interleaving) per prompt
-group, over token ids. Every stored string (a sequence: prompt then output) keeps its automaton state
-``last``, whose longest member is the whole string. Each state records ``first_end``, the
-(string, position) where its members first ended (a clone inherits its original's, which is
-also an end of the clone's members), ``count``, how many positions of the group's strings its
-members end at (the occurrences of the contexts it holds), and ``best``, its transition to the
-highest count (ties: the token after ``first_end``). Appending a token is the usual amortized
-O(1) extension plus a walk up the suffix links from the string's previous suffix of
-``count_depth`` tokens, whose ``tok`` transitions are exactly the states holding the suffixes
-the new position ends that a draft can read (each gets one more occurrence; each parent's
-``best`` is updated where its child's count grew): at most ``count_depth`` = ngram_max +
-max_draft_tokens - 1 states, however long the history. Unbounded, that walk follows the whole
-suffix-link path of the string's end, which grows with the string when it repeats itself: a
-response looping on one token cost 280 us per token at 8,000 tokens (O(length^2) in all) and
-6 us bounded (``benchmarks/bench_history.py``'s ``loop`` rows).
+group, over token ids. Every stored string (a sequence: prompt then output) keeps its automaton
+state ``last``, whose longest member is the whole string. Each state records ``first_end``, the
+(string, position) where its members first ended (a clone inherits its original's, which is also
+an end of the clone's members), ``count``, how many positions of the group's strings its members
+end at (the occurrences of the contexts it holds), and ``best``, its transition to the highest
+count (ties: the token after ``first_end``). Appending a token is the usual amortized O(1)
+extension plus a walk up the suffix links from the string's previous suffix of ``count_depth``
+tokens, whose ``tok`` transitions are exactly the states holding the suffixes the new position
+ends that a draft can read (each gets one more occurrence; each parent's ``best`` is updated
+where its child's count grew): at most ``count_depth`` = ngram_max + max_draft_tokens - 1
+states, however long the history. Unbounded, that walk follows the whole suffix-link path of the
+string's end, which grows with the string when it repeats itself: a response looping on one
+token cost 280 us per token at 8,000 tokens (O(length^2) in all) and 6 us bounded
+(``benchmarks/bench_history.py``'s ``loop`` rows).
 
 Run the tests: ``python -m pytest tests/test_history_drafter.py -q``.
 """

@@ -5,10 +5,10 @@ bookkeeping of the rollout in progress, and turns the drafter's proposals into t
 
 The engine calls ``start_rollout`` and ``finish_rollout`` around each rollout and ``draft`` for
 every speculative iteration whose decision names ``drafter="history"``; ``tltrun train``'s
-checkpoints keep ``state_dict`` (the index reaches across steps: a resume must not forget it). Indexing is lazy:
-nothing is indexed until a policy first asks for a history draft; from then on every rollout is
-kept. A sequence is keyed by (rollout number, request id) and grouped by its ``prompt_id``
-(across rollouts) or, without one, by its prompt tokens within its own rollout.
+checkpoints keep ``state_dict`` (the index reaches across steps: a resume must not forget it).
+Indexing is lazy: nothing is indexed until a policy first asks for a history draft; from then on
+every rollout is kept. A sequence is keyed by (rollout number, request id) and grouped by its
+``prompt_id`` (across rollouts) or, without one, by its prompt tokens within its own rollout.
 
 Run the tests: ``python -m pytest tests/test_history_engine.py -q``.
 """

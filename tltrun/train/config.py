@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from tltrun.model.config import check_device
+from tltrun.model.history_drafter import HistoryConfig
 from tltrun.rollout.engine_config import DTYPES
 from tltsim.policy import POLICY_NAMES, make_policy
 from tltsim.policy.tlt_config import DRAFTER_EXPLORE
@@ -192,7 +193,7 @@ class TrainConfig:
     )
     # the torch engine's EngineConfig.is_history_cross_prompt (tltrun.model.history_drafter)
     is_history_cross_prompt: bool = field(
-        default=True,
+        default=HistoryConfig.is_cross_prompt,
         metadata={"help": "torch engine: history drafts also from other prompts' responses"},
     )
     # ---- your data, reward and evaluation (issue #16; tltrun.data) ----------------------------
