@@ -72,7 +72,7 @@ def test_cross_prompt_drafts_equal_the_two_index_reference(seed):
         group_only.add(key, group, prompt)
         everything.add(key, ONE_GROUP, prompt)
         targets[key] = [rng.randrange(4) for _ in range(rng.randint(5, 30))]
-    num_checked = 0
+    num_checked = num_from_other_prompts = 0
     while any(targets.values()):
         key = rng.choice([k for k, t in targets.items() if t])
         tok = targets[key].pop(0)
@@ -82,9 +82,11 @@ def test_cross_prompt_drafts_equal_the_two_index_reference(seed):
             want = _reference(group_only, everything, key, d)
             assert drafter.propose(key, d) == want
             num_checked += bool(want)
+            num_from_other_prompts += want != group_only.propose(key, d)
         tree = drafter.propose_tree(key, 6, 3)  # its first branch is the chain
         assert tree[:1] == ([want] if want else [])
-    assert num_checked > 50  # the comparison saw real drafts
+    assert num_checked > 50  # the comparison saw real drafts ...
+    assert num_from_other_prompts > 5  # ... and drafts the prompt's group alone would not make
 
 
 def test_generations_drop_the_oldest_whole_and_keep_running_sequences():
