@@ -111,12 +111,22 @@ def parse_config(argv: list[str] | None) -> BenchConfig:
         default=BenchConfig.budget_s,
         help="skip what remains after this many seconds (the JSON is still written)",
     )
+    p.add_argument(
+        "--sections",
+        default=",".join(BenchConfig.sections),
+        help="comma-separated sections to run, of " + ", ".join(BenchConfig.sections),
+    )
     a = p.parse_args(argv)  # fmt: skip
+    sections = tuple(x.strip() for x in a.sections.split(",") if x.strip())
+    unknown = sorted(set(sections) - set(BenchConfig.sections))
+    if unknown or not sections:
+        p.error(f"--sections: unknown {unknown or 'empty list'}; known: "
+                f"{', '.join(BenchConfig.sections)}")  # fmt: skip
     if a.repeats is not None and a.repeats < 1:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
     repeats = a.repeats if a.repeats is not None else 1 if a.smoke else BenchConfig.repeats
     base = dict(device=a.device, seed=a.seed, out_dir=a.out_dir, attn_impl=a.attn_impl,
-                budget_s=a.budget_s, repeats=repeats)  # fmt: skip
+                budget_s=a.budget_s, repeats=repeats, sections=sections)  # fmt: skip
     if a.smoke:
         return BenchConfig(**base, shapes=("tiny",), batches=(1, 4), contexts=(32,),
                            sd_shapes=("tiny",), sd_strategies=("2_1_2", "3_2_4"), sd_context=32,
@@ -397,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
           "tokens_per_s": "transformers generate tok/s", "note": "note"},
          {"tokens_per_s": ",.0f"}),
     )  # fmt: skip
-    shares_left = sum(SECTION_SHARES.values())
+    sections = tuple(x for x in sections if x[0] in cfg.sections)
+    shares_left = sum(SECTION_SHARES[x[0]] for x in sections)
     for key, run, columns, formats in sections:
         t0 = time.perf_counter()
         try:

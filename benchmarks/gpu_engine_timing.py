@@ -54,6 +54,8 @@ class BenchConfig:
     budget_s: float = 540.0
     is_smoke: bool = False
     out_dir: str = "results/bench_gpu_engine"
+    # which sections run (a later device call re-measures only what an earlier one missed)
+    sections: tuple[str, ...] = ("decode", "where", "sd", "pool", "hf")
 
 
 def time_iterations(engine: RolloutEngine, probe: EngineProbe, policy, cfg: BenchConfig) -> float:

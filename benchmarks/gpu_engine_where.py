@@ -20,14 +20,15 @@ from tltrun.rollout.engine import RolloutEngine
 
 # device kernel names by what they compute, attention first (fused attention kernels may carry
 # "cutlass" or "gemm" in their names): flex, flash or Triton attention; cuBLAS / CUTLASS GEMMs and
-# GEMVs (aten::linear / mm on a CPU); everything else (norms, rotary, activations, sampling,
+# GEMVs (cuBLAS's Hopper kernels are named nvjet_*, seen on an H200 with torch 2.11+cu130;
+# aten::linear / mm on a CPU); everything else (norms, rotary, activations, sampling,
 # copies) is "other". An unrecognised name lands in "other": the costliest are listed by name.
 KERNEL_KINDS = (
     ("attention", re.compile(r"flex|attention|attn|fmha|flash|sdpa", re.I)),
     (
         "gemm",
         re.compile(
-            r"gemm|gemv|cutlass|xmma|cublas|matmul|splitk|linear|addmm|aten::b?mm$"
+            r"gemm|gemv|cutlass|xmma|cublas|nvjet|matmul|splitk|linear|addmm|aten::b?mm$"
             r"|_mm(_|$)",
             re.I,
         ),

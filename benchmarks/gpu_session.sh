@@ -57,7 +57,8 @@ step() {  # step NAME SECONDS COMMAND...: run it under a time limit, its output 
     return
   fi
   local started=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  # SIGINT first: pytest then prints the failures so far, a benchmark writes what it has
+  timeout -s INT --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   echo "$name: exit $rc after $((SECONDS - started)) s (limit $limit s)" | tee -a "$OUT/steps.txt"
   [ $rc -eq 0 ] || failed+=("$name")
@@ -80,7 +81,8 @@ else
 fi
 if [ "$STAGE" != profile ]; then
   # without CUDA these are collected and skipped (each with its reason)
-  step pytest_gpu "${engine_limits[0]}" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rs \
+  step pytest_gpu "${engine_limits[0]}" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfEs \
+    --tb=short \
     tests/test_graphs.py tests/test_draft_graphs.py tests/test_kernels.py tests/test_train_data.py \
     tests/test_compiled_layers.py
   limit=$(limit_left "${engine_limits[1]}")
@@ -142,10 +144,17 @@ if [ "$STAGE" != engine ]; then
   fi
   rm -rf "$CKPT"
 fi
+# tltrun's CLI writes a failure's full traceback under /tmp: keep them with the logs
+if compgen -G "${TMPDIR:-/tmp}/tltrun-traceback-*.txt" >/dev/null; then
+  mkdir -p "$OUT/tracebacks" && cp "${TMPDIR:-/tmp}"/tltrun-traceback-*.txt "$OUT/tracebacks/"
+fi
 if [ "$STAGE" = all ]; then
   # what a person reads first, on standard output (a device call returns its tail)
   for log in pytest_gpu bench_gpu_engine checkpoint profile profile_sdpa bench_kernels; do
     [ -f "$OUT/$log.log" ] && { echo "=== $log"; tail -n 60 "$OUT/$log.log"; }
+  done
+  for tb in "$OUT"/tracebacks/*.txt; do
+    [ -f "$tb" ] && { echo "=== $tb"; tail -n 25 "$tb"; }
   done
   # a device call brings back at most 8 files: the profile and steps.txt stay, the rest is packed
   packed=$(mktemp -u).tgz

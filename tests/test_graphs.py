@@ -316,6 +316,16 @@ def test_gpu_benchmark_script_runs_its_smoke_mode_on_cpu(tmp_path, capsys, monke
         and "compiled/graphs" in out
         and json.loads((tmp_path / "config.json").read_text())["is_smoke"]
     )
+    # a later call re-measures only the sections it names
+    part = tmp_path / "part"
+    argv = ["--device", "cpu", "--smoke", "--out_dir", str(part), "--sections", "sd,pool"]
+    assert bench.main(argv) == 0
+    result = json.loads((part / "bench_gpu_engine.json").read_text())
+    assert {"sd", "pool"} <= set(result) and not {"decode", "where", "hf"} & set(result)
+    assert [r["batch"] for r in result["sd"]] == [1, 2, 1, 2]
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--smoke", "--sections", "sd,roofline"])
+    assert "unknown ['roofline']" in capsys.readouterr().err
 
 
 def test_gpu_benchmark_sorts_kernel_names_by_kind(monkeypatch):
@@ -325,6 +335,7 @@ def test_gpu_benchmark_sorts_kernel_names_by_kind(monkeypatch):
     kind = gpu_engine_where.kernel_kind
     assert kind("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64") == "gemm"
     assert kind("void gemv2T_kernel_val<int, int, __nv_bfloat16, float, 128, 16>") == "gemm"
+    assert kind("nvjet_sm90_tst_192x8_64x8_4x1_v_bz_NNT") == "gemm"  # H200, cu130 cuBLAS
     assert kind("triton_tem_fused_flex_attention_0") == "attention"
     assert kind("void flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128>>") == "attention"
     assert kind("fmha_cutlassF_bf16_aligned_64x64_rf_sm80") == "attention"  # not a GEMM

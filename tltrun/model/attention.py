@@ -261,6 +261,18 @@ def new_tokens_bucket(num_tokens: int) -> int:
     return 1 << (num_tokens - 1).bit_length()
 
 
+def pad_tree_mask(tree_mask: torch.Tensor, padded: int) -> torch.Tensor:
+    """``tree_mask`` (B,T,T) grown to (B,padded,padded): the padding rows see only their own
+    position, the real rows none of the padding. Device tensor ops alone, no value from the
+    host (an indexed assignment of a Python ``True`` copies a host scalar, which a CUDA graph
+    capture refuses)."""
+    b, tq = tree_mask.shape[0], tree_mask.shape[1]
+    eye = torch.eye(padded, dtype=torch.bool, device=tree_mask.device)
+    mask = eye.expand(b, padded, padded).clone()
+    mask[:, :tq, :tq] = tree_mask
+    return mask
+
+
 def _compiled_call(
     q, k_all, v_all, cache_lens, tree_mask, scale: float, is_folded: bool
 ) -> torch.Tensor:
@@ -273,11 +285,7 @@ def _compiled_call(
         # padding query rows, discarded after: each sees the committed keys and its own
         # position (never a real row's new keys: the real rows' mask columns stay False)
         q = F.pad(q, (0, 0, 0, padded - tq))
-        mask = torch.zeros(b, padded, padded, dtype=torch.bool, device=q.device)
-        mask[:, :tq, :tq] = tree_mask
-        extra = torch.arange(tq, padded, device=q.device)
-        mask[:, extra, extra] = True
-        tree_mask = mask
+        tree_mask = pad_tree_mask(tree_mask, padded)
     if head_dim < FLEX_MIN_HEAD_DIM:
         # zero-padded dims add nothing to q.k, and the padded output columns are dropped
         pad = (0, FLEX_MIN_HEAD_DIM - head_dim)

@@ -275,13 +275,14 @@ def _drafter_train_series(cfg: ProfileRunConfig, target, drafter, gen) -> list[S
         make_optimizer,
     )
 
-    trainee = EagleDrafter(drafter.config).to(drafter.fc.weight.dtype)
+    device = drafter.fc.weight.device
+    trainee = EagleDrafter(drafter.config).to(device=device, dtype=drafter.fc.weight.dtype)
     trainee.load_state_dict(drafter.state_dict())
     trainee.bind(target)
     dcfg = DrafterTrainConfig()
     optimizer = make_optimizer(trainee, dcfg)
     vocab, dim = drafter.config.vocab_size, drafter.config.hidden_size
-    noise = torch.Generator().manual_seed(cfg.seed)
+    noise = torch.Generator(device).manual_seed(cfg.seed)
     series = []
     for seq in cfg.train_tokens_per_seq:
         for batch in cfg.train_batches:
@@ -295,7 +296,7 @@ def _drafter_train_series(cfg: ProfileRunConfig, target, drafter, gen) -> list[S
             ]
 
             def update(r=records) -> None:
-                step_batch = make_batch(r, dcfg.max_seq_len, "cpu")
+                step_batch = make_batch(r, dcfg.max_seq_len, device)
                 drafter_train_step(trainee, step_batch, optimizer, dcfg, noise)
 
             key = ("drafter_train", batch, seq)

@@ -257,8 +257,11 @@ class SpotTrainer:
         self.optimizer = torch.optim.AdamW(
             drafter.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2)
         )
+        # batches go to the drafter's device, and the feature noise is drawn there (a CPU
+        # generator cannot draw on a GPU); window starts are drawn on the host
+        self.device = next(drafter.parameters()).device
         self.data_gen = torch.Generator().manual_seed(seed)
-        self.noise_gen = torch.Generator().manual_seed(seed + 1)
+        self.noise_gen = torch.Generator(self.device).manual_seed(seed + 1)
         self.version = 0  # drafter updates applied to this copy since the run began
         self.update_s = 1.0  # EMA of seconds per update; only a time cap would use it
         self.previous: list[TrainRecord] = []  # last step's harvest
@@ -404,7 +407,7 @@ class SpotTrainer:
         t0 = self.clock()
         idx = torch.randint(len(buffer), (self.cfg.batch_size,), generator=self.data_gen)
         records = [buffer[i] for i in idx.tolist()]
-        batch = make_batch(records, self.cfg.max_seq_len, generator=self.data_gen)
+        batch = make_batch(records, self.cfg.max_seq_len, self.device, self.data_gen)
         drafter_train_step(self.drafter, batch, opt, self.cfg, self.noise_gen)
         self.version += 1
         seconds = self.clock() - t0
