@@ -318,10 +318,12 @@ def test_gpu_benchmark_script_runs_its_smoke_mode_on_cpu(tmp_path, capsys, monke
     )
     # a later call re-measures only the sections it names
     part = tmp_path / "part"
-    argv = ["--device", "cpu", "--smoke", "--out_dir", str(part), "--sections", "sd,pool"]
+    argv = ["--device", "cpu", "--smoke", "--out_dir", str(part), "--sections", "pool,sd"]
     assert bench.main(argv) == 0
+    out = capsys.readouterr().out
     result = json.loads((part / "bench_gpu_engine.json").read_text())
     assert {"sd", "pool"} <= set(result) and not {"decode", "where", "hf"} & set(result)
+    assert out.index("\npool (") < out.index("\nsd (")  # in the order asked
     assert [r["batch"] for r in result["sd"]] == [1, 2, 1, 2]
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--smoke", "--sections", "sd,roofline"])
