@@ -134,8 +134,10 @@ if [ "$STAGE" != engine ]; then
   prof+=(--time-budget-s $((limit > 150 ? limit - 90 : (limit > 2 ? limit / 2 : 1))))
   step profile "$limit" "$PY" -m tltrun profile --model "$CKPT/target" \
     --drafter "$CKPT/drafter" --out "$OUT/profile_$name.csv" --no-progress-shown "${prof[@]}"
-  if [[ " ${failed[*]} " == *" profile "* ]] && [ "$SMOKE" != 1 ]; then
-    # the engine's default attention failed: the same grid with the dense masked SDPA
+  if [[ " ${failed[*]} " == *" profile "* ]] && [ "$SMOKE" != 1 ] &&
+    [ ! -f "$OUT/profile_$name.csv" ]; then
+    # the engine's default attention failed before anything was written (a training op's
+    # failure keeps the rollout rows): the same grid with the dense masked SDPA
     limit=$(limit_left 300)
     step profile_sdpa "$limit" "$PY" -m tltrun profile --model "$CKPT/target" \
       --drafter "$CKPT/drafter" --out "$OUT/profile_${name}_sdpa.csv" --no-progress-shown \

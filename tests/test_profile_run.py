@@ -22,6 +22,7 @@ from tiny_models import tiny_model
 from tltrun.cli.main import main
 from tltrun.model.drafter import EagleDrafter, export_vllm
 from tltrun.model.hf_checkpoint import save_hf
+from tltrun.profile import measure as measure_module
 from tltrun.profile.measure import ProfileRunConfig, run_profile
 from tltrun.profile.timing import Measure, Series
 from tltrun.profile.torch_engine import EngineProbe, fill_engine
@@ -93,6 +94,28 @@ def test_tiny_profile_is_valid_and_complete(model_dirs, tmp_path):
     assert meta["num_threads"] == 1 and "cores" in meta["hardware"]
     cost = ProfileCost(profile)  # every required op is present: no fallback needed
     assert cost.decode_iter_s(2, 2 * 16) > 0
+
+
+def test_a_failing_training_op_keeps_the_rollout_rows(model_dirs, tmp_path, monkeypatch, capsys):
+    target, drafter = model_dirs
+    out = tmp_path / "p.csv"
+
+    def broken(*args):
+        raise RuntimeError("index is on cpu, different from other tensors on cuda:0")
+
+    monkeypatch.setattr(
+        measure_module, "train_series", lambda *a: [Series(("train", 1, 8), broken)]
+    )
+    with pytest.raises(RuntimeError, match="index is on cpu"):
+        run_profile(tiny_grid(target, drafter, out, num_repeats=1), NOW)
+    profile = load_profile(out)
+    assert set(profile.ops) == set(OPS) - {"train", "drafter_train"}
+    assert len(profile.rows_of("decode")) == 4
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert meta["failed_ops"] == {
+        "train": "RuntimeError: index is on cpu, different from other tensors on cuda:0"
+    }
+    assert f"wrote the other {len(profile.rows)} points" in capsys.readouterr().err
 
 
 def test_without_drafter_only_target_ops(model_dirs, tmp_path):

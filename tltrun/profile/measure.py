@@ -60,6 +60,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -410,7 +411,20 @@ def run_profile(
                 cfg, target, drafter, measure, progress, between_rounds, between_series
             )
         gen = torch.Generator().manual_seed(cfg.seed + 1)
-        timed = measure.interleaved(train_series(cfg, target, drafter, gen), progress=progress)
+        try:
+            timed = measure.interleaved(train_series(cfg, target, drafter, gen), progress=progress)
+        except Exception as e:
+            # the rollout ops measured (most of a profile's time) are written before the error
+            # goes on to the CLI: an H200 run lost two minutes of them to a training-op bug
+            meta = profile_meta(cfg, now)
+            meta["failed_ops"] = {"train": f"{type(e).__name__}: {str(e)[:300]}"}
+            write_profile(rows, cfg.out, meta)
+            print(
+                f"tltrun profile: the training ops failed; wrote the other {len(rows)} points "
+                f"to {cfg.out} (its sidecar's failed_ops says why)",
+                file=sys.stderr,
+            )
+            raise
         rows += [measure.row(op, b, 0, seq, v) for (op, b, seq), v in timed.items()]
     write_profile(rows, cfg.out, profile_meta(cfg, now))
     return rows
