@@ -81,9 +81,13 @@ else
   engine_limits=(150 400)
 fi
 if [ "$STAGE" != profile ]; then
-  # without CUDA these are collected and skipped (each with its reason)
+  # without CUDA these are collected and skipped (each with its reason). Where pytest-xdist is
+  # installed (the GPU machines' image has it), four processes share the GPU: the tests' time
+  # is mostly torch.compile on the host (12 tests took over 140 s in one process on an H200)
+  parallel=()
+  "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 4)
   step pytest_gpu "${engine_limits[0]}" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfEs \
-    --tb=short \
+    --tb=short "${parallel[@]}" \
     tests/test_graphs.py tests/test_draft_graphs.py tests/test_kernels.py tests/test_train_data.py \
     tests/test_compiled_layers.py
   limit=$(limit_left "${engine_limits[1]}")
