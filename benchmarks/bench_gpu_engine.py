@@ -71,6 +71,7 @@ from gpu_engine_models import (  # noqa: E402
 )
 from gpu_engine_timing import (  # noqa: E402
     COMPILED,
+    FUSED,
     MODES,
     SKIPPED,
     BenchConfig,
@@ -173,7 +174,7 @@ def bench_decode(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budg
                     seconds, forward_s = time_cell(
                         partial(make_engine, model, None, batch, context, cfg=cfg), None, cfg,
                         device, partial(time_forward, batch=batch, cfg=cfg),
-                        MODES + (COMPILED,) if is_target else MODES,
+                        MODES + (COMPILED, FUSED) if is_target else MODES,
                     )  # fmt: skip
                 except Exception as e:  # noqa: BLE001 -- one cell's failure is its row's note
                     rows.append({**row, "note": failure(e)})
@@ -192,14 +193,21 @@ def bench_decode(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budg
                     )
                     if transformer.compile_failure is not None:
                         row["note"] = f"compiled ran eagerly: {transformer.compile_failure}"
+                if "fused" in seconds:
+                    row["fused_speedup"], row["fused_speedup_range"] = ratio_spread(
+                        seconds["graphs"], seconds["fused"]
+                    )
                 if batch == 1:
                     weight_bytes = weight_bytes_per_token(model)
                     kv_token = kv_bytes_per_token(model.config, dtype)
                     roofline = bandwidth / (weight_bytes + context * kv_token)
                     row["roofline_tokens_per_s"] = roofline
                     row["roofline_fraction"] = row["graphs_tokens_per_s"] / roofline
-                    if "compiled_tokens_per_s" in row:
-                        row["compiled_roofline_fraction"] = row["compiled_tokens_per_s"] / roofline
+                    for mode in ("compiled", "fused"):
+                        if f"{mode}_tokens_per_s" in row:
+                            row[f"{mode}_roofline_fraction"] = (
+                                row[f"{mode}_tokens_per_s"] / roofline
+                            )
                     if "forward_ms" in row:  # the graph alone: the engine step's host work out
                         row["forward_roofline_fraction"] = 1e3 / row["forward_ms"] / roofline
                 rows.append(row)
@@ -383,11 +391,15 @@ def main(argv: list[str] | None = None) -> int:
           "graph_speedup_range": "range", "roofline_fraction": "of roofline", "step_ms": "step ms", "forward_ms": "graph ms",
           "forward_roofline_fraction": "graph of roofline", "compiled_tokens_per_s": "compiled tok/s",
           "compiled_speedup": "compiled/graphs", "compiled_speedup_range": "range",
-          "compiled_roofline_fraction": "compiled of roofline", "note": "note"},
+          "compiled_roofline_fraction": "compiled of roofline", "fused_tokens_per_s": "fused tok/s",
+          "fused_speedup": "fused/graphs", "fused_speedup_range": "range",
+          "fused_roofline_fraction": "fused of roofline", "note": "note"},
          {"eager_tokens_per_s": ",.0f", "graphs_tokens_per_s": ",.0f", "graph_speedup": "{:.2f}x",
           "roofline_fraction": ".0%", "step_ms": ".2f", "forward_ms": ".2f",
           "forward_roofline_fraction": ".0%", "compiled_tokens_per_s": ",.0f",
-          "compiled_speedup": "{:.2f}x", "compiled_roofline_fraction": ".0%"}),
+          "compiled_speedup": "{:.2f}x", "compiled_roofline_fraction": ".0%",
+          "fused_tokens_per_s": ",.0f", "fused_speedup": "{:.2f}x",
+          "fused_roofline_fraction": ".0%"}),
         ("where", lambda b: bench_where(cfg, device, dtype, bandwidth, b),
          {"shape": "shape", "context": "context", "batch": "batch", "mode": "mode",
           "step_ms": "step ms", "busy_ms": "device busy ms", "host_wait_ms": "waits for host ms",

@@ -91,7 +91,7 @@ def bench_where(
     weight_bytes = weight_bytes_per_token(model)
     rows = []
     try:
-        for mode, is_graphs, is_compiled in (timing.MODES[1], timing.COMPILED, timing.MODES[0]):
+        for mode, is_graphs, is_compiled, _ in (timing.MODES[1], timing.COMPILED, timing.MODES[0]):
             row = {"shape": shape, "context": context, "batch": batch, "mode": mode}
             if budget.is_over:
                 rows.append({**row, "note": timing.SKIPPED})

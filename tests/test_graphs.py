@@ -304,6 +304,8 @@ def test_gpu_benchmark_script_runs_its_smoke_mode_on_cpu(tmp_path, capsys, monke
     # the compiled-layers engine at the roofline target's cell (batch 1, first context) only
     compiled = [(r["batch"], r["context"]) for r in result["decode"] if "compiled_speedup" in r]
     assert compiled == [(1, 32)]
+    fused = [(r["batch"], r["context"]) for r in result["decode"] if "fused_speedup" in r]
+    assert fused == [(1, 32)]  # and the fused q/k/v engine, on its own copy of the model
     assert [r["batch"] for r in result["sd"]] == [1, 2, 1, 2]
     where = {r["mode"]: r for r in result["where"]}  # the batch-1 step, profiled
     assert set(where) == {"graphs", "compiled", "eager"}

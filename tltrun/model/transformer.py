@@ -113,6 +113,44 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c, self.num_kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(c, self.num_kv_heads * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * d, c, bias=False)
+        # (weight, bias or None) of q, k and v stacked, once fuse_qkv ran: no-grad forwards
+        # then run one GEMM where they ran three
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse_qkv(self) -> None:
+        """Stack q, k and v into one projection for inference, as vLLM's ``QKVParallelLinear``:
+        at batch 1 on an H200 the three small GEMVs read their weights at 1.3 TB/s where the
+        MLP's reach 3.8-4.0 (benchmarks/RESULTS.md, session 21). The three parameters become
+        views of the stacked tensor, so state-dict names stay Hugging Face's and every in-place
+        update of them (``load_in_place``, an optimizer step) updates it; forwards that record
+        gradients (training) use the three as before. A dtype or device conversion re-stacks
+        (``_apply``), as does a deep copy; a parameter replaced by assignment breaks the link,
+        so fuse last."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        rows = [p.weight.shape[0] for p in projections]
+        weight = torch.cat([p.weight.detach() for p in projections])
+        if not self.q_proj.weight.is_contiguous():  # keep gemm_layout's column-major storage
+            weight = weight.t().contiguous().t()
+        # .data, not new Parameters: an optimizer (a spot trainer's) keeps the same objects
+        for p, view in zip(projections, weight.split(rows), strict=True):
+            p.weight.data = view
+        bias = None
+        if self.q_proj.bias is not None:
+            bias = torch.cat([p.bias.detach() for p in projections])
+            for p, view in zip(projections, bias.split(rows), strict=True):
+                p.bias.data = view
+        self.qkv = (weight, bias)
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)
+        if self.qkv is not None:  # the conversion gave each parameter its own new tensor
+            self.fuse_qkv()
+        return out
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if self.qkv is not None:  # a deep copy or unpickling clones each parameter alone
+            self.fuse_qkv()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
@@ -125,11 +163,15 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries (B,H,T,D) and keys/values (B,Hkv,T,D) of ``x`` (B,T,C), RoPE applied."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B,H,T,D)
-        k = (
-            self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        )  # (B,Hkv,T,D)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qkv is not None and not torch.is_grad_enabled():
+            qkv = F.linear(x, *self.qkv)
+            kv_width = self.num_kv_heads * self.head_dim
+            q, k, v = qkv.split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B,H,T,D)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B,Hkv,T,D)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = cos[:, None], sin[:, None]  # (B,1,T,D)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
@@ -241,6 +283,15 @@ def _piece(index: int, is_compiled: bool, *args):
                 stacklevel=2,
             )
     return (_before_attention, _after_attention)[index](*args)
+
+
+def fuse_qkv(module: nn.Module) -> nn.Module:
+    """``Attention.fuse_qkv`` for every attention of ``module`` (a ``Transformer`` or an EAGLE
+    drafter). Returns ``module``."""
+    for m in module.modules():
+        if isinstance(m, Attention):
+            m.fuse_qkv()
+    return module
 
 
 def set_compiled_layers(module: nn.Module, is_compiled: bool = True) -> nn.Module:

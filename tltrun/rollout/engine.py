@@ -60,7 +60,7 @@ import torch
 
 from tltrun.model.drafter import EagleDrafter, tree_layout
 from tltrun.model.kvcache import KVCache
-from tltrun.model.transformer import Transformer, set_compiled_layers
+from tltrun.model.transformer import Transformer, fuse_qkv, set_compiled_layers
 from tltrun.rollout.draft_graphs import draft_sources
 from tltrun.rollout.engine_config import DTYPES, EngineConfig
 from tltrun.rollout.graphs import CapturePlan, GraphPool, StaticForward, capture_plan
@@ -110,9 +110,11 @@ class RolloutEngine:
         if drafter is not None:
             drafter.to(device=self.device, dtype=dtype).eval()
             drafter.bind(self.model)
-        for module in (self.model, drafter):  # no-grad forwards only: training stays eager
-            if module is not None:
-                set_compiled_layers(module, config.compile_layers)
+        if config.fuse_qkv:  # before any capture: fusing re-points the q/k/v parameters
+            for module in (self.model, drafter):
+                if module is not None:
+                    fuse_qkv(module)
+        self._apply_layer_settings()
         cfg = model.config
         slots = config.max_running_requests
         self.max_tokens = config.max_model_len + config.max_verify_tokens + 1
@@ -161,9 +163,18 @@ class RolloutEngine:
         sched = Scheduler(requests, self.config.max_running_requests)
         if self.config.is_using_graphs:
             self._prepare_graphs(policy)
+        self._apply_layer_settings()
         policy.start_rollout(step)
         self._rollout = _Rollout(scheduler=sched, policy=policy, step=step, t0=self.clock())
         self.history.start_rollout(sched.sequences)
+
+    def _apply_layer_settings(self) -> None:
+        """Compiled layers (no-grad forwards; training stays eager) as this engine is set, at
+        construction and at each rollout's start: engines sharing one model (the GPU
+        benchmark's contenders) otherwise all ran the last-constructed one's setting."""
+        for module in (self.model, self.drafter):
+            if module is not None:
+                set_compiled_layers(module, self.config.compile_layers)
 
     @property
     def scheduler(self) -> Scheduler:
