@@ -111,7 +111,9 @@ def test_deterministic_run_resumed_matches_uninterrupted(model_dir, tmp_path, mo
 def test_deterministic_tltbase_resumed_matches_uninterrupted(model_dir, tmp_path, monkeypatch):  # noqa: F811
     # the history drafter's index (earlier steps' responses, which the cross-prompt tier
     # drafts from) travels through the checkpoint: a resume drafts, so samples, the same
-    fields = dict(policy="tltbase", is_deterministic=True)
+    # spot_max_epochs=2 as above: uncapped, the drafter's deterministic spot budgets took most
+    # of this test's 200 s, for a drafter tltbase never drafts with
+    fields = dict(policy="tltbase", is_deterministic=True, spot_max_epochs=2)
     whole = run(model_dir, tmp_path / "a", monkeypatch, None, **fields, num_steps=4)
     part = run(model_dir, tmp_path / "b", monkeypatch, None, **fields, num_steps=2)
     cfg = config(
