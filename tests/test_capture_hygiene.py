@@ -34,6 +34,7 @@ class HostTraffic(TorchDispatchMode):
         super().__init__()
         self.seen: list[str] = []
         self._lifted: set[int] = set()  # ids of tensors made from host data
+        self._kept: list[torch.Tensor] = []  # alive while the mode is: no id is reused
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
@@ -45,6 +46,7 @@ class HostTraffic(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if name == "aten.lift_fresh.default":
             self._lifted.add(id(out))
+            self._kept.append(out)
         return out
 
 

@@ -84,6 +84,16 @@ def test_optimizer_made_before_fusing_still_trains_the_fused_weights():
     torch.testing.assert_close(_logits(model), _logits(_unfused_copy(model)), atol=1e-6, rtol=1e-6)
 
 
+def test_fusing_again_moves_nothing():
+    model = fuse_qkv(tiny_model(seed=7, attention_bias=True))
+    stacks = [layer.self_attn.qkv for layer in model.model.layers]
+    fuse_qkv(model)  # a second engine on the same model: graphs captured over it stay valid
+    assert all(
+        layer.self_attn.qkv[0] is w and layer.self_attn.qkv[1] is b
+        for layer, (w, b) in zip(model.model.layers, stacks, strict=True)
+    )
+
+
 def test_copies_and_conversions_restack():
     model = fuse_qkv(tiny_model(seed=5, attention_bias=True))
     clone = copy.deepcopy(model)

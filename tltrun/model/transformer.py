@@ -125,8 +125,16 @@ class Attention(nn.Module):
         update of them (``load_in_place``, an optimizer step) updates it; forwards that record
         gradients (training) use the three as before. A dtype or device conversion re-stacks
         (``_apply``), as does a deep copy; a parameter replaced by assignment breaks the link,
-        so fuse last."""
+        so fuse last. Idempotent while the link holds: re-stacking would move the weights
+        that graphs captured over this model read."""
         projections = (self.q_proj, self.k_proj, self.v_proj)
+        if self.qkv is not None and all(
+            t.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
+            for stacked, name in zip(self.qkv, ("weight", "bias"), strict=True)
+            if stacked is not None
+            for t in (getattr(p, name) for p in projections)
+        ):
+            return
         rows = [p.weight.shape[0] for p in projections]
         weight = torch.cat([p.weight.detach() for p in projections])
         if not self.q_proj.weight.is_contiguous():  # keep gemm_layout's column-major storage
