@@ -50,7 +50,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from grpo_checks import history_checks, reward_checks, table_row
+from grpo_checks import history_accept_check, mix_check, reward_checks, table_row
 from history_bounds import reference_bounds, step0_bounds
 from history_cost import cost_tables
 
@@ -74,15 +74,26 @@ def _bench_train():
     return module
 
 
-def print_reference(group_size: int) -> list[dict]:
-    """``reference_bounds`` for groups of ``group_size``, printed as a table."""
-    rows = reference_bounds(group_size=group_size)
+def _accept(value: float | None) -> str:
+    """An accept length for a sentence; None: the step ran no SD iteration."""
+    return "- (no SD iteration)" if value is None else f"{value:.2f}"
+
+
+def print_reference(group_size: int, worker_prompts: int = 2) -> list[dict]:
+    """``reference_bounds`` for groups of ``group_size``, printed as a table; the cross-prompt
+    columns for ``worker_prompts`` (a worker's share of the GRPO runs' prompts) and 64 groups
+    running at once."""
+    concurrent = (worker_prompts, 64)
+    rows = reference_bounds(group_size=group_size, concurrent_groups=concurrent)
+    for row in rows:  # fixed keys for the table: the worker's share and 64
+        row["cross_prompt_worker"] = row[f"cross_prompt_{worker_prompts}"]
     print(
         f"built-in task, reference solutions (a model that has learned the task exactly, at "
         f"temperature 1; 64 prompts x {group_size}): accept length per verify of the history "
         "drafter replayed in lockstep one prompt's group at a time, as a chain and as a tree "
         "of 16 continuations; the ceiling of any point-mass draft from the prompt's group; "
-        "the chain with the cross-prompt index, 2 and 64 prompts' groups running at once"
+        f"the chain with the cross-prompt index, {worker_prompts} and 64 prompts' groups "
+        "running at once"
     )
     print(
         format_table(
@@ -92,12 +103,12 @@ def print_reference(group_size: int) -> list[dict]:
                 "replay_branches_1": "chain",
                 "replay_branches_16": "tree 16",
                 "ceiling": "group ceiling",
-                "cross_prompt_2": "cross 2",
+                "cross_prompt_worker": f"cross {worker_prompts}",
                 "cross_prompt_64": "cross 64",
             },
             dict.fromkeys(
                 ("replay_branches_1", "replay_branches_16", "ceiling")
-                + ("cross_prompt_2", "cross_prompt_64"),
+                + ("cross_prompt_worker", "cross_prompt_64"),
                 ".2f",
             ),
         )
@@ -130,6 +141,8 @@ def grpo(args: argparse.Namespace) -> dict:
             seed=seed,
             task=args.task,
             num_steps=args.num_steps,
+            prompts_per_step=args.prompts_per_step,
+            group_size=args.group_size,
             max_new_tokens=args.max_new_tokens,
             runs=runs,
             reuse_runs=args.reuse_runs,
@@ -156,7 +169,7 @@ def grpo(args: argparse.Namespace) -> dict:
                 "sampled": bounds["sampled"],
             }
             print(
-                f"history drafter at step 0: accept {table_row(table, 'tltbase'):.2f}; "
+                f"history drafter at step 0: accept {_accept(table_row(table, 'tltbase'))}; "
                 f"ceiling of any point-mass draft from the prompt's group on these rollouts "
                 f"{bounds['ceiling']:.2f}; one drafted token accepted with probability "
                 f"{bounds['point_mass']:.3f} as the most frequent continuation, "
@@ -168,7 +181,11 @@ def grpo(args: argparse.Namespace) -> dict:
         rows = [next(t for t in s["table"] if t["run"] == name) for s in per_seed]
         speedups = [r["rollout_speedup"] for r in rows]
         steps = [r["step_speedup"] for r in rows]
-        first = [r["accept_len_per_step"][0] for r in rows]
+        # a step without SD iterations logs accept length 0.0: left out, counted
+        first = [a for r in rows if (a := r["accept_len_per_step"][0])]
+        means = [
+            statistics.fmean(sd) for r in rows if (sd := [a for a in r["accept_len_per_step"] if a])
+        ]
         decodes = [r["decode_speedup"] for r in rows if r.get("decode_speedup") is not None]
         prefills = [r["prefill_share"] for r in rows if r.get("prefill_share") is not None]
         summary.append(
@@ -183,9 +200,12 @@ def grpo(args: argparse.Namespace) -> dict:
                     f"{min(decodes):.2f}-{max(decodes):.2f}" if decodes else None
                 ),
                 "prefill_share_median": statistics.median(prefills) if prefills else None,
-                "accept_len_step0_median": statistics.median(first),
-                "accept_len_mean_median": statistics.median(
-                    statistics.fmean(r["accept_len_per_step"]) for r in rows
+                "accept_len_step0_median": statistics.median(first) if first else None,
+                "accept_len_mean_median": statistics.median(means) if means else None,
+                "steps_without_sd": (
+                    sum(not a for r in rows for a in r["accept_len_per_step"])
+                    if name != "nospec"
+                    else None
                 ),
                 "reward_mean_median": statistics.median(r["reward_mean_all"] for r in rows),
                 "reward_first_last_median": "{:.3f} -> {:.3f}".format(
@@ -209,6 +229,7 @@ def grpo(args: argparse.Namespace) -> dict:
                 "prefill_share_median": "prefill %",
                 "accept_len_step0_median": "accept step0",
                 "accept_len_mean_median": "accept mean",
+                "steps_without_sd": "steps w/o SD",
                 "reward_mean_median": "reward",
                 "reward_first_last_median": "reward step 0 -> last",
             },
@@ -228,8 +249,14 @@ def grpo(args: argparse.Namespace) -> dict:
             ),
         )
     )
-    checks = history_checks(summary, per_seed) if {"tltbase", "tlt-mix"} <= set(runs) else {}
-    reference = print_reference(cfg.group_size) if args.task == "builtin" else None
+    checks = history_accept_check(summary, per_seed) if "tltbase" in runs else {}
+    if {"tltbase", "tlt-mix"} <= set(runs):
+        checks.update(mix_check(per_seed))
+    reference = (
+        print_reference(cfg.group_size, max(1, cfg.prompts_per_step // 2))  # 2 workers
+        if args.task == "builtin"
+        else None
+    )
     checks["reward_vs_nospec"] = reward_checks(runs, per_seed)
     drifted = [f"seed {s['seed']}" for s in per_seed if s["drift_warnings"]]
     if drifted:
@@ -259,7 +286,15 @@ def main() -> None:
         action="store_true",
         help="print only the history bounds on the built-in task's reference solutions",
     )
-    parser.add_argument("--group-size", type=int, default=4, help="--reference: samples per prompt")
+    parser.add_argument(
+        "--group-size", type=int, default=4, help="samples per prompt (--grpo: per RL step)"
+    )
+    parser.add_argument(
+        "--prompts-per-step",
+        type=int,
+        default=4,
+        help="--grpo: prompts per RL step, as bench_train.py's (2 workers share them)",
+    )
     parser.add_argument(
         "--work-dirs", default="runs/bench_spec", help="--grpo: bench_spec work dirs, one per seed"
     )

@@ -160,8 +160,7 @@ def test_the_mix_check_pairs_each_seed_with_its_better_single_drafter(mixes, rel
         _seed(2, spot=1.40, base=1.45, mix=mixes[1], rel_se=rel_se),  # history the better here
         _seed(3, spot=1.45, base=1.00, mix=mixes[2], rel_se=rel_se),
     ]
-    summary = [{"run": "tltbase", "accept_len_step0_median": 2.5}]
-    checks = grpo_checks.history_checks(summary, per_seed)
+    checks = grpo_checks.mix_check(per_seed)
     assert [p["better_alone"] for p in checks["mix_minus_better_alone"]] == [
         "tlt-spot",
         "tltbase",
@@ -169,6 +168,26 @@ def test_the_mix_check_pairs_each_seed_with_its_better_single_drafter(mixes, rel
     ]
     assert checks["mix_minus_better_alone"][1]["diff"] == pytest.approx(mixes[1] - 1.45)
     assert checks["mix_ge_better_alone_within_noise"] is is_met
+
+
+@pytest.mark.parametrize(
+    "step0, is_met",
+    [(2.1, True), (1.9, False), (None, False)],  # None: no SD at step 0
+)
+def test_the_history_accept_check_reads_step_0_and_fails_without_sd(step0, is_met, capsys):
+    summary = [{"run": "tltbase", "accept_len_step0_median": step0}]
+    checks = grpo_checks.history_accept_check(summary, [_seed(1, 1.5, 1.2, 1.4, 0.02)])
+    assert checks == {"history_accept_len_step0_ge_2": is_met}
+    printed = capsys.readouterr().out
+    assert ("no SD iteration at step 0" in printed) is (step0 is None)
+    assert ("NOT met" in printed) is not is_met
+
+
+def test_a_step_without_sd_is_no_step_0_accept_length():
+    table = [{"run": "tltbase", "accept_len_per_step": [0.0, 2.4]}]
+    assert grpo_checks.table_row(table, "tltbase") is None
+    table[0]["accept_len_per_step"][0] = 2.2
+    assert grpo_checks.table_row(table, "tltbase") == 2.2
 
 
 def _seed_tables(seed: int, nospec: list[float], tlt: list[float]) -> dict:
