@@ -147,6 +147,7 @@ def grpo(args: argparse.Namespace) -> dict:
             runs=runs,
             reuse_runs=args.reuse_runs,
             tlt_buckets=args.tlt_buckets,
+            tlt_threshold=args.tlt_threshold,
             tlt_explore_iters=args.tlt_explore_iters,
             tlt_drafter_explore=args.tlt_drafter_explore,
             tlt_history_strategies=tuple(s for s in args.tlt_history_strategies.split(",") if s),
@@ -288,6 +289,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--group-size", type=int, default=4, help="samples per prompt (--grpo: per RL step)"
+    )
+    parser.add_argument(
+        "--tlt-threshold",
+        type=int,
+        default=0,
+        help="--grpo: TLT's threshold, as bench_train.py's (0: each seed's bench_spec crossover)",
     )
     parser.add_argument(
         "--prompts-per-step",

@@ -319,7 +319,12 @@ def runs_to_do(configs: dict[str, TrainConfig], reuse_runs: bool) -> tuple[list[
 
 def run_all(cfg: BenchTrainConfig) -> dict:
     threshold = tlt_threshold(cfg)
-    print(f"TLT threshold: {threshold} (SD pays on this machine up to this batch size)")
+    why = (
+        "--tlt-threshold"
+        if cfg.tlt_threshold > 0
+        else "bench_spec: SD pays on this machine up to this batch size"
+    )
+    print(f"TLT threshold: {threshold} ({why})")
     strategies, starts = tlt_buckets(cfg)
     if starts:
         print(
