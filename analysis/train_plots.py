@@ -72,9 +72,9 @@ def _accept(runs, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for label, rows in runs:
         if any(r["accept_len"] > 0 for r in rows):
-            ax.plot(
-                [r["step"] for r in rows], [r["accept_len"] for r in rows], marker="o", label=label
-            )
+            # 0.0 is the log's "no SD iteration in this step": a gap in the line, not a point
+            accept = [r["accept_len"] if r["accept_len"] > 0 else float("nan") for r in rows]
+            ax.plot([r["step"] for r in rows], accept, marker="o", label=label)
     ax.set_xlabel("RL step")
     ax.set_ylabel("accept length (tokens / verify)")
     ax.legend(fontsize=7)
