@@ -25,7 +25,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def load_run(run: str | Path) -> tuple[str, list[dict]]:
-    """(label, log rows). Label: the run directory name + policy (+ "frozen" without spot)."""
+    """(label, log rows). Label: the run directory name + policy (+ whether its EAGLE drafter
+    is spot-trained or frozen, where the run has one)."""
     path = Path(run)
     log_file = path / "log.jsonl"
     if not log_file.is_file():
@@ -35,8 +36,12 @@ def load_run(run: str | Path) -> tuple[str, list[dict]]:
     config = path / "config.json"
     if config.is_file():
         train = json.loads(config.read_text())["train"]
-        spot = "spot" if train["is_spot_training"] else "frozen drafter"
-        label = f"{path.name} ({train['policy']}, {spot})"
+        drafters = train.get("tlt_drafters", ["eagle"])
+        if train["policy"] in ("nospec", "tltbase") or "eagle" not in drafters:
+            label = f"{path.name} ({train['policy']})"  # no learned drafter to train or freeze
+        else:
+            spot = "spot" if train["is_spot_training"] else "frozen drafter"
+            label = f"{path.name} ({train['policy']}, {spot})"
     return label, rows
 
 
