@@ -202,6 +202,7 @@ def grpo(args: argparse.Namespace) -> dict:
                 ),
                 "prefill_share_median": statistics.median(prefills) if prefills else None,
                 "accept_len_step0_median": statistics.median(first) if first else None,
+                "accept_len_step0_num_seeds": len(first),  # seeds whose step 0 ran SD
                 "accept_len_mean_median": statistics.median(means) if means else None,
                 "steps_without_sd": (
                     sum(not a for r in rows for a in r["accept_len_per_step"])

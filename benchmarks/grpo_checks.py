@@ -32,7 +32,10 @@ def history_accept_check(summary: list[dict], per_seed: list[dict]) -> dict:
     history_step0 = by["tltbase"]["accept_len_step0_median"]
     ceiling = statistics.median(s["history_ceiling_step0"] for s in per_seed)
     checks = {"history_accept_len_step0_ge_2": history_step0 is not None and history_step0 >= 2}
+    num_seeds = by["tltbase"].get("accept_len_step0_num_seeds", len(per_seed))
     shown = "no SD iteration at step 0" if history_step0 is None else f"{history_step0:.2f}"
+    if 0 < num_seeds < len(per_seed):
+        shown += f" over the {num_seeds} of {len(per_seed)} seeds whose step 0 ran SD"
     print(
         f"history accept length at step 0 (median): {shown} (target >= 2): "
         f"{'met' if checks['history_accept_len_step0_ge_2'] else 'NOT met'}; the ceiling of any "

@@ -183,6 +183,13 @@ def test_the_history_accept_check_reads_step_0_and_fails_without_sd(step0, is_me
     assert ("NOT met" in printed) is not is_met
 
 
+def test_the_history_accept_check_says_how_many_seeds_ran_sd_at_step_0(capsys):
+    summary = [{"run": "tltbase", "accept_len_step0_median": 2.3, "accept_len_step0_num_seeds": 2}]
+    per_seed = [_seed(s, 1.5, 1.2, 1.4, 0.02) for s in (1, 2, 3)]
+    assert grpo_checks.history_accept_check(summary, per_seed)["history_accept_len_step0_ge_2"]
+    assert "over the 2 of 3 seeds whose step 0 ran SD" in capsys.readouterr().out
+
+
 def test_a_step_without_sd_is_no_step_0_accept_length():
     table = [{"run": "tltbase", "accept_len_per_step": [0.0, 2.4]}]
     assert grpo_checks.table_row(table, "tltbase") is None
