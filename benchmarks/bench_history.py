@@ -182,10 +182,12 @@ def grpo(args: argparse.Namespace) -> dict:
         rows = [next(t for t in s["table"] if t["run"] == name) for s in per_seed]
         speedups = [r["rollout_speedup"] for r in rows]
         steps = [r["step_speedup"] for r in rows]
-        # a step without SD iterations logs accept length 0.0: left out, counted
-        first = [a for r in rows if (a := r["accept_len_per_step"][0])]
+        # a step without SD iterations has accept length None: left out, counted
+        first = [a for r in rows if (a := r["accept_len_per_step"][0]) is not None]
         means = [
-            statistics.fmean(sd) for r in rows if (sd := [a for a in r["accept_len_per_step"] if a])
+            statistics.fmean(sd)
+            for r in rows
+            if (sd := [a for a in r["accept_len_per_step"] if a is not None])
         ]
         decodes = [r["decode_speedup"] for r in rows if r.get("decode_speedup") is not None]
         prefills = [r["prefill_share"] for r in rows if r.get("prefill_share") is not None]
@@ -205,7 +207,7 @@ def grpo(args: argparse.Namespace) -> dict:
                 "accept_len_step0_num_seeds": len(first),  # seeds whose step 0 ran SD
                 "accept_len_mean_median": statistics.median(means) if means else None,
                 "steps_without_sd": (
-                    sum(not a for r in rows for a in r["accept_len_per_step"])
+                    sum(a is None for r in rows for a in r["accept_len_per_step"])
                     if name != "nospec"
                     else None
                 ),

@@ -450,10 +450,10 @@ def print_table(table: list[dict]) -> None:
     print(format_table(table, COLUMNS, FORMATS, left=("run",)))
     print("accept length per step:")
     for t in table:
-        # 0.0: no SD iteration ran in that step (the batch never shrank to the threshold)
+        # None: no SD iteration ran in that step (the batch never shrank to the threshold)
         print(
             f"  {t['run']:<12}"
-            + " ".join(f"{a:.2f}" if a else "-" for a in t["accept_len_per_step"])
+            + " ".join("-" if a is None else f"{a:.2f}" for a in t["accept_len_per_step"])
         )
     for line in drift_warnings(table):
         print(line)

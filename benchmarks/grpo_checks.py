@@ -20,9 +20,8 @@ import statistics
 
 def table_row(table: list[dict], run: str) -> float | None:
     """A run's step-0 accept length in bench_train's summary table; None when no SD iteration
-    ran in that step (the step log's 0.0: the batch never shrank to TLT's threshold)."""
-    first = next(t for t in table if t["run"] == run)["accept_len_per_step"][0]
-    return first or None
+    ran in that step (the batch never shrank to TLT's threshold)."""
+    return next(t for t in table if t["run"] == run)["accept_len_per_step"][0]
 
 
 def history_accept_check(summary: list[dict], per_seed: list[dict]) -> dict:

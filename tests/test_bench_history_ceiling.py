@@ -191,9 +191,21 @@ def test_the_history_accept_check_says_how_many_seeds_ran_sd_at_step_0(capsys):
 
 
 def test_a_step_without_sd_is_no_step_0_accept_length():
-    table = [{"run": "tltbase", "accept_len_per_step": [0.0, 2.4]}]
+    from tltrun.train.compare import compare_runs
+
+    def res(accepts: list[float]) -> dict:
+        log = [
+            {"rollout_s": 1.0, "step_s": 1.0, "response_tokens_mean": 1.0, "accept_len": a}
+            | {"reward_mean": 0.0, "drafter_train_s": 0.0, "idle_worker_s": 0.0}
+            for a in accepts
+        ]
+        return {"config": {"prompts_per_step": 1, "group_size": 1}, "log": log}
+
+    # the step log's 0.0 means no SD iteration ran in that step
+    table = compare_runs({"nospec": res([0.0, 0.0]), "tltbase": res([0.0, 2.4])})
+    assert table[1]["accept_len_per_step"] == [None, 2.4]
     assert grpo_checks.table_row(table, "tltbase") is None
-    table[0]["accept_len_per_step"][0] = 2.2
+    table = compare_runs({"nospec": res([0.0, 0.0]), "tltbase": res([2.2, 2.4])})
     assert grpo_checks.table_row(table, "tltbase") == 2.2
 
 

@@ -146,8 +146,9 @@ def compare_runs(results: dict, base: str = "nospec") -> list[dict]:
                 "decode_speedup": decode_speedup,
                 "prefill_share": prefill_share,
                 "prefill_time_ratio": prefill_time_ratio(res, base_engine),
-                "accept_len_last": log[-1]["accept_len"],
-                "accept_len_per_step": [r["accept_len"] for r in log],
+                # the log's 0.0 is "no SD iteration in this step": None here, shown as -
+                "accept_len_last": log[-1]["accept_len"] or None,
+                "accept_len_per_step": [r["accept_len"] or None for r in log],
                 "reward_per_step": rewards,
                 "reward_mean_all": sum(rewards) / len(rewards),
                 "reward_last": rewards[-1],
