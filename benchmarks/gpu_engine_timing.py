@@ -2,7 +2,7 @@
 (``BenchConfig``), engines built for one cell (``make_engine``: a ``RolloutEngine`` with its
 ``EngineProbe`` at a given batch and context, random caches), timings of engine steps with the
 contenders alternating (``time_cell``: eager vs CUDA graphs, and compiled layers; a timing
-during which torch compiled is taken again), the decode forward alone (``time_forward``) and
+during which torch compiled is taken again), the decode graph alone (``time_forward``) and
 the run's time budget (``Budget``: one device call must write its JSON).
 
 Not run directly; the script's CPU smoke mode exercises all of it
@@ -141,22 +141,29 @@ def compile_count() -> int:
 
 
 def time_forward(engine: RolloutEngine, batch: int, cfg: BenchConfig) -> float | None:
-    """Seconds of the decode forward alone: the pool's graph for ``batch`` replayed back to
-    back (uncaptured ``run`` on CPU), on the state the timed steps left. The difference to a
-    step is the engine's work around it: policy, sampling, bookkeeping, the sync."""
-    fwd = engine.graphs.decode_forward(batch) if engine.graphs is not None else None
-    if fwd is None:
+    """Seconds of the pool's decode iteration for ``batch`` alone (``StaticDecode``: forward,
+    sampling and the cache and token writes in one graph), replayed back to back (uncaptured
+    ``run`` on CPU) on the state the timed steps left; each replay advances the cache by one
+    token, so the lengths are put back after the warm-up and after the timing. The difference
+    to a step is the engine's host work around the replay: policy, the sync, bookkeeping."""
+    step = engine.graphs.decode_step(batch) if engine.graphs is not None else None
+    if step is None:
         return None
-    call = fwd.graph.replay if fwd.graph is not None else fwd.run
+    call = step.graph.replay if step.graph is not None else step.run
+    lens = engine.cache.lens.clone()
     with torch.no_grad():
+        step.num_real.fill_(batch)
         for _ in range(cfg.warmup_iters):
             call()
+        engine.cache.lens.copy_(lens)
         engine.sync()
         start = time.perf_counter()
         for _ in range(cfg.timed_iters):
             call()
         engine.sync()
-    return (time.perf_counter() - start) / cfg.timed_iters
+        seconds = (time.perf_counter() - start) / cfg.timed_iters
+        engine.cache.lens.copy_(lens)
+    return seconds
 
 
 def make_engine(model, drafter, batch: int, context: int, is_graphs: bool, cfg: BenchConfig,

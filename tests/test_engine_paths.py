@@ -55,18 +55,24 @@ GRAPH_POLICIES = {
 
 @pytest.mark.parametrize("name", sorted(GRAPH_POLICIES))
 def test_graph_pool_path_changes_no_output(name, monkeypatch):
-    # cuda_graphs=True on CPU: every decode/verify runs the pool's padded static forward
-    # eagerly (the forward a graph replays on CUDA), batches padded up to their bucket
+    # cuda_graphs=True on CPU: every decode/verify runs the pool's padded static step
+    # eagerly (what a graph replays on CUDA), batches padded up to their bucket
     from tltrun.rollout.graphs import StaticForward
+    from tltrun.rollout.static_decode import StaticDecode
 
     shapes = []
-    call = StaticForward.__call__
+    forward_call, decode_call = StaticForward.__call__, StaticDecode.__call__
 
-    def counting(self, ids, *rest):
+    def counting_forward(self, ids, *rest):
         shapes.append((ids.shape[0], self.batch))
-        return call(self, ids, *rest)
+        return forward_call(self, ids, *rest)
 
-    monkeypatch.setattr(StaticForward, "__call__", counting)
+    def counting_decode(self, num_real):
+        shapes.append((num_real, self.batch))
+        return decode_call(self, num_real)
+
+    monkeypatch.setattr(StaticForward, "__call__", counting_forward)
+    monkeypatch.setattr(StaticDecode, "__call__", counting_decode)
     reqs = make_requests(7, seed=31)
     want = [
         o.output_token_ids for o in engine(max_running_requests=5).generate(reqs, NoSpec()).outputs

@@ -28,7 +28,8 @@ On a GPU (issue #18) the defaults are bf16 weights and KV cache (sampling and ac
 float32: ``logits_to_probs``), attention by each sequence's own length (``attn_impl="flex"``,
 ``tltrun.model.attention``) and TLT's bucketed CUDA-graph pool (``tltrun.rollout.graphs``): the
 first rollout's policy decides which decode, verify and EAGLE drafting steps are captured
-(``tltrun.rollout.draft_graphs``), a batch runs padded up to its bucket's graph; sampling,
+(``tltrun.rollout.draft_graphs``), a batch runs padded up to its bucket's graph (a plain decode
+iteration, its sampling included, is one replay: ``tltrun.rollout.static_decode``); a verify's
 acceptance and everything without a graph run eagerly. ``cuda_graphs=True`` on a CPU runs the
 same padded static steps eagerly (the tests' path).
 
@@ -65,18 +66,21 @@ from tltrun.rollout.draft_graphs import draft_sources
 from tltrun.rollout.engine_config import DTYPES, EngineConfig
 from tltrun.rollout.graphs import CapturePlan, GraphPool, StaticForward, capture_plan
 from tltrun.rollout.interface import IterationRecord, Request, RolloutResult
-from tltrun.rollout.prefill import eagle_draft, prefill_prompts, reprefill_stale, slots_of
+from tltrun.rollout.prefill import (
+    eagle_draft,
+    prefill_prompts,
+    reprefill_stale,
+    slots_of,
+    stale_drafter,
+)
 from tltrun.rollout.rollout_history import RolloutHistory
 from tltrun.rollout.scheduler import Scheduler, Sequence
 from tltrun.rollout.slot_state import HarvestRecord, harvest_record, load_in_place, move_slots
 from tltrun.rollout.speculative import DraftTree, logits_to_probs, sample, verify
-from tltsim.policy import (
-    DecodeObs,
-    SpecDecision,
-    SpecFeedback,
-    SpecPolicy,
-    update_accept_len_ema,
-)
+from tltrun.rollout.static_decode import StaticDecode, decode_sources
+from tltsim.policy import DecodeObs, SpecDecision, SpecFeedback, SpecPolicy, update_accept_len_ema
+
+StaticStep = StaticForward | StaticDecode
 
 
 @dataclass
@@ -241,19 +245,20 @@ class RolloutEngine:
         self.graphs = None  # the old pool's memory goes back before the new one is captured
         is_capturing = self.device.type == "cuda"
         self.graphs = GraphPool(
-            self.model, self.cache, plan, cfg.attention, is_capturing, drafting=draft_sources(self)
-        )
+            self.model, self.cache, plan, cfg.attention, is_capturing,
+            drafting=draft_sources(self), decoding=decode_sources(self),
+        )  # fmt: skip
 
-    def _static_forward(self, running: list[Sequence], strategy: str) -> StaticForward | None:
-        """The pool's forward for this batch (``"off"``: plain decode), or None: no pool, no
-        bucket for it, or running slots not 0..n-1 (the scheduler keeps them so)."""
+    def _static_forward(self, running: list[Sequence], strategy: str) -> StaticStep | None:
+        """The pool's verify forward for this batch (``"off"``: its whole decode step), or None:
+        no pool, no bucket for it, or running slots not 0..n-1 (the scheduler keeps them so)."""
         if self.graphs is None:
             return None
         if any(s.slot != i for i, s in enumerate(running)):
             return None
         n = len(running)
         if strategy == "off":
-            return self.graphs.decode_forward(n)
+            return self.graphs.decode_step(n)
         return self.graphs.verify_forward(n, strategy)
 
     def sync(self) -> None:
@@ -329,13 +334,14 @@ class RolloutEngine:
             stale = self._stale_drafter(running)
             if stale:
                 records.append(self.reprefill_drafter(stale, decision))
-        slots = slots_of(running, self.device)
-        context_tokens = int(self.cache.lens[slots].sum())
+        # the cache holds all but each sequence's pending token (no device read for it)
+        context_tokens = sum(s.num_tokens for s in running) - len(running)
         start = self.clock()
         if decision.enabled:
+            slots = slots_of(running, self.device)
             new_tokens, accept_lens = self._spec_step(running, slots, decision)
         else:
-            new_tokens, accept_lens = self._plain_step(running, slots), ()
+            new_tokens, accept_lens = self._plain_step(running), ()
         self.sync()
         now = self.clock()
         num_kept = sum(
@@ -374,20 +380,21 @@ class RolloutEngine:
         )
         return records
 
-    def _plain_step(self, running: list[Sequence], slots: torch.Tensor) -> list[list[int]]:
-        lens = self.cache.lens[slots]  # (B,)
-        ids = self.tokens[slots, lens][:, None]  # (B,1) the pending tokens
+    def _plain_step(self, running: list[Sequence]) -> list[list[int]]:
         static = self._static_forward(running, "off")
-        if static is not None:  # padded to its bucket; a graph replay on CUDA
-            logits, hidden = static(ids)
+        if static is not None:  # padded to its bucket; one graph replay on CUDA
+            nxt = static(len(running))  # (B,) forward, sampling and writes as below
         else:
+            slots = slots_of(running, self.device)
+            lens = self.cache.lens[slots]  # (B,)
+            ids = self.tokens[slots, lens][:, None]  # (B,1) the pending tokens
             ctx = self.cache.context(slots, 1, impl=self.config.attention)
             logits, hidden = self.model(ids, lens[:, None], ctx)
-        if self.hidden is not None:
-            self.hidden[slots, lens] = hidden[:, 0]
-        self.cache.commit(slots, 1)
-        nxt = sample(logits_to_probs(logits[:, 0], self.config.sampling), self.generator)  # (B,)
-        self.tokens[slots, lens + 1] = nxt
+            if self.hidden is not None:
+                self.hidden[slots, lens] = hidden[:, 0]
+            self.cache.commit(slots, 1)
+            nxt = sample(logits_to_probs(logits[:, 0], self.config.sampling), self.generator)
+            self.tokens[slots, lens + 1] = nxt
         for s in running:
             s.is_drafter_fresh = False
         return [[t] for t in nxt.tolist()]
@@ -405,19 +412,7 @@ class RolloutEngine:
         return self.config.max_verify_tokens
 
     def _stale_drafter(self, running: list[Sequence]) -> list[Sequence]:
-        """Running sequences to re-prefill the drafter for: those it has seen nothing of (SD
-        switching on: the re-prefill feeds a group's shared prompt once) and those it lags
-        more than ``catchup_pairs`` pairs behind (a long span of history or plain iterations).
-        A shorter lag (EAGLE after a few history iterations) is caught up inside the drafting
-        step, sparing the separate drafter forward each switch between the drafters cost."""
-        behind = [s for s in running if not s.is_drafter_fresh]
-        if not behind:
-            return []
-        slots = slots_of(behind, self.device)
-        seen = self.draft_cache.lens[slots]
-        lag = (self.cache.lens[slots] - seen).tolist()
-        cap = self.catchup_pairs()
-        return [s for s, n, m in zip(behind, lag, seen.tolist(), strict=True) if n > cap or m == 0]
+        return stale_drafter(self, running, self.catchup_pairs())
 
     @torch.no_grad()
     def reprefill_drafter(self, stale: list[Sequence], decision: SpecDecision) -> IterationRecord:

@@ -20,14 +20,15 @@ Three parts, the first two plain Python (unit-tested on CPU, ``tests/test_graphs
   cuda_graphs.md). On CPU nothing is captured: the same static forwards run eagerly, which is
   how the padding is tested.
 
-What a graph holds: the target's forward (decode: one token per slot; verify: the draft tree's
-``verify_tokens + 1`` nodes with its tree mask), or the EAGLE drafter's catch-up and tree
-expansion (``StaticDraft``: its pending pairs padded to a fixed count, a batch with more drafts
-eagerly). Target sampling and acceptance run eagerly around them, as nano-vllm's
-``ModelRunner`` graphs the model forward only; the only draws inside a graph are those of
-sampled draft chains, from the engine's generator registered with the graph. Weight updates
-copy into the parameters in place (``RolloutEngine.update_weights`` / ``update_drafter``),
-which the graphs read at replay.
+What a graph holds: a whole plain decode iteration for an engine (``StaticDecode``: pending
+tokens in, the forward, sampling, the hidden-state, token and cache-length writes), the target's
+verify forward (the draft tree's ``verify_tokens + 1`` nodes with its tree mask), or the EAGLE
+drafter's catch-up and tree expansion (``StaticDraft``: its pending pairs padded to a fixed
+count, a batch with more drafts eagerly). Acceptance of a verify runs eagerly around its
+forward, as nano-vllm's ``ModelRunner`` graphs the model forward only; the draws inside graphs
+(a sampled decode, sampled draft chains) come from the engine's generator registered with the
+graph. Weight updates copy into the parameters in place (``RolloutEngine.update_weights`` /
+``update_drafter``), which the graphs read at replay.
 
 Run the tests: ``python -m pytest tests/test_graphs.py -q``.
 """
@@ -48,6 +49,7 @@ from tltrun.rollout.draft_graphs import (
     max_pending_pairs,
     num_tree_nodes,
 )
+from tltrun.rollout.static_decode import DecodeSources, StaticDecode
 from tltsim.policy import SpecDecision, SpecPolicy, StaticSpec, TLTAdaptive, bucket_arms
 
 # vLLM's default CUDA-graph capture sizes: 1, 2, 4, then multiples of 8 up to 256 (then of 16,
@@ -211,6 +213,8 @@ class StaticForward:
         self._causal = causal_mask(1, num_tokens, cache.lens.device)[0]  # (T,T)
         self.graph: torch.cuda.CUDAGraph | None = None
 
+    is_capturable = True  # draws nothing
+
     def run(self) -> None:
         """The captured forward: positions from the cache lengths at run time."""
         positions = self.cache.lens[: self.batch, None] + self.depth  # (B,T)
@@ -298,6 +302,7 @@ class GraphPool:
         is_capturing: bool,
         pool=None,
         drafting: DraftSources | None = None,
+        decoding: DecodeSources | None = None,
     ):
         device = cache.lens.device
         if is_capturing and device.type != "cuda":
@@ -328,6 +333,11 @@ class GraphPool:
             (b, s): StaticForward(model, cache, b, verify_nodes(s), impl, self.buffers)
             for b, s in plan.spec_graphs
         }
+        # an engine's decode iterations: forward and epilogue as one step (captured instead of
+        # the bare decode forward, which then runs only uncaptured: tests, profiles)
+        self.decode_steps = {
+            b: StaticDecode(fwd, decoding) for b, fwd in self.decode.items() if decoding
+        }
         self.max_pending = max_pending_pairs(tuple(s for _, s in plan.draft_graphs))
         steps = [(b, SpecDecision.parse(s)) for b, s in plan.draft_graphs]
         self.draft_buffers = None if drafting is None else DraftBuffers.for_steps(drafting, steps)
@@ -346,7 +356,8 @@ class GraphPool:
         stream = torch.cuda.Stream(device)
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_reserved(device)
-        forwards = [*self.decode.values(), *self.verify.values()]
+        decode = [self.decode_steps.get(b, fwd) for b, fwd in self.decode.items()]
+        forwards = [g for g in (*decode, *self.verify.values()) if g.is_capturable]
         # largest first: later, smaller graphs reuse the pool blocks the first ones freed
         for fwd in sorted(forwards, key=lambda f: f.batch * f.num_tokens, reverse=True):
             fwd.capture(self.pool, stream)
@@ -359,6 +370,11 @@ class GraphPool:
     def decode_forward(self, batch: int) -> StaticForward | None:
         b = self.plan.decode_bucket(batch)
         return None if b is None else self.decode[b]
+
+    def decode_step(self, batch: int) -> StaticDecode | None:
+        """The whole decode iteration for ``batch`` running slots (engines only), or None."""
+        b = self.plan.decode_bucket(batch)
+        return None if b is None else self.decode_steps.get(b)
 
     def verify_forward(self, batch: int, strategy: str) -> StaticForward | None:
         b = self.plan.spec_bucket(batch, strategy)

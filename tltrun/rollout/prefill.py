@@ -204,6 +204,21 @@ def _pending_pairs(
 
 
 @torch.no_grad()
+def stale_drafter(engine: SlotEngine, running: list[Sequence], cap: int) -> list[Sequence]:
+    """Running sequences to re-prefill the drafter for: those it has seen nothing of (SD
+    switching on: the re-prefill feeds a group's shared prompt once) and those it lags more
+    than ``cap`` pairs behind (``RolloutEngine.catchup_pairs``: a long span of history or plain
+    iterations). A shorter lag (EAGLE after a few history iterations) is caught up inside the
+    drafting step, sparing the separate drafter forward each switch between the drafters cost."""
+    behind = [s for s in running if not s.is_drafter_fresh]
+    if not behind:
+        return []
+    slots = slots_of(behind, engine.device)
+    seen = engine.draft_cache.lens[slots]
+    lag = (engine.cache.lens[slots] - seen).tolist()
+    return [s for s, n, m in zip(behind, lag, seen.tolist(), strict=True) if n > cap or m == 0]
+
+
 def reprefill_stale(
     engine: SlotEngine, stale: list[Sequence], decision: SpecDecision, t0: float
 ) -> IterationRecord:

@@ -1,0 +1,134 @@
+"""One plain decode iteration as a single device program (issue #18: the host work between
+graph replays). ``StaticDecode`` wraps the pool's decode forward of a batch bucket with
+everything the engine did eagerly around it: reading each slot's pending token, padding the
+free rows, sampling the next token, storing the hidden state, committing the KV cache and
+writing the token. Captured as ONE CUDA graph (``GraphPool``), an iteration costs the host one
+fill of the real-row count, one replay and one read of the sampled tokens, where the eager
+epilogue launched some 25 kernels from Python between replays (the H200's 7B batch-1 step spent
+0.8 ms of its 7.3 ms outside the graph: benchmarks/RESULTS.md, session 21). vLLM and SGLang keep
+sampling outside their graphs but overlap it with the next step (SGLang's overlap scheduler);
+gpt-fast compiles ``decode_one_token`` with its sampling inside, which this follows.
+
+Sampling is the engine's: ``logits_to_probs`` then one uniform per row by inverse CDF from the
+engine's generator (registered with the graph so each replay draws fresh numbers), or argmax at
+temperature 0 (the inverse CDF of a one-hot: the same token, no draw). A bucket draws one
+uniform per bucket row, padding included, so a sampled run equals the eager engine's token for
+token only where every batch has its own bucket; the distribution is the same either way.
+
+Run the tests: ``python -m pytest tests/test_static_decode.py -q``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tltrun.rollout.interface import SamplingParams
+from tltrun.rollout.speculative import logits_to_probs, sample_from_weights
+
+# Graph-safe custom generators (torch >= 2.5 on CUDA builds): without it a sampled decode step
+# is not captured (the engine then runs its eager epilogue)
+IS_GENERATOR_REGISTRABLE = hasattr(torch.cuda.CUDAGraph, "register_generator_state")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeSources:
+    """The engine state a decode iteration reads and writes (``tltrun.rollout.engine``'s
+    per-slot invariant): every slot's tokens and target hidden states by position (None when
+    the engine keeps none), the sampling settings and the engine's generator."""
+
+    tokens: torch.Tensor  # (slots, max_tokens) long; tokens[s, lens[s]] is the pending token
+    hidden: torch.Tensor | None  # (slots, max_tokens, C)
+    sampling: SamplingParams
+    generator: torch.Generator
+
+
+def decode_sources(engine) -> DecodeSources:
+    """What ``engine``'s decode steps read and write (a ``tltrun.rollout.prefill.SlotEngine``)."""
+    return DecodeSources(
+        tokens=engine.tokens,
+        hidden=engine.hidden,
+        sampling=engine.config.sampling,
+        generator=engine.generator,
+    )
+
+
+class StaticDecode:
+    """A plain decode iteration of slots ``0..batch-1`` around ``forward`` (the pool's
+    ``StaticForward`` of ``batch`` x 1 token): ``run`` is what a graph captures. The real rows
+    are the first ``num_real`` (a device scalar the host fills before each replay); the rest
+    are free slots, set to length 0 and left otherwise untouched (their KV entry at position 0
+    is scratch, as for every padded static forward)."""
+
+    def __init__(self, forward, sources: DecodeSources):
+        if forward.num_tokens != 1:
+            raise ValueError(f"a decode step forwards 1 token per row, got {forward.num_tokens}")
+        self.forward, self.sources, self.batch = forward, sources, forward.batch
+        self.num_tokens = 1  # per row, as the forward's (the pool orders captures by size)
+        device = sources.tokens.device
+        self.num_real = torch.zeros((), dtype=torch.long, device=device)
+        self.rows = torch.arange(self.batch, device=device)  # (B,)
+        self.tokens_out = torch.zeros(self.batch, dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    @property
+    def is_sampled(self) -> bool:
+        return not self.sources.sampling.is_greedy
+
+    @property
+    def is_capturable(self) -> bool:
+        return not self.is_sampled or IS_GENERATOR_REGISTRABLE
+
+    @torch.no_grad()
+    def run(self) -> None:
+        """The captured iteration. Everything is indexed by device tensors: no host reads."""
+        fwd, src, rows = self.forward, self.sources, self.rows
+        lens = fwd.cache.lens[: self.batch]  # (B,) a view: written in place
+        is_real = rows < self.num_real  # (B,)
+        lens.copy_(torch.where(is_real, lens, 0))  # free rows: length 0, attend to themselves
+        pos = lens.clone()  # (B,) each row's new position; tokens[row, pos] is pending
+        fwd.ids.copy_(src.tokens[rows, pos][:, None])  # (B,1)
+        fwd.depth.zero_()  # the shared buffers may hold a verify's layout
+        fwd.tree_mask.fill_(True)
+        fwd.run()  # logits_out (B,1,V), hidden_out (B,1,C); KV written at pos
+        logits = fwd.logits_out[:, 0]  # (B,V)
+        if self.is_sampled:
+            u = torch.rand(self.batch, generator=src.generator, device=rows.device)  # (B,)
+            nxt = sample_from_weights(logits_to_probs(logits, src.sampling), u)
+        else:  # the inverse CDF of the one-hot argmax is the argmax
+            nxt = logits.float().argmax(dim=-1)
+        if src.hidden is not None:
+            old = src.hidden[rows, pos]  # (B,C)
+            src.hidden[rows, pos] = torch.where(is_real[:, None], fwd.hidden_out[:, 0], old)
+        old_next = src.tokens[rows, pos + 1]
+        src.tokens[rows, pos + 1] = torch.where(is_real, nxt, old_next)
+        lens.copy_(pos + is_real.long())  # commit the real rows' new entry
+        self.tokens_out.copy_(nxt)
+
+    def capture(self, pool, stream: torch.cuda.Stream) -> None:
+        """Warm up on a side stream, then capture (the engine's generator registered when the
+        step samples). With no real row the warm-up changes nothing but free slots'
+        lengths and scratch KV entries: between rollouts only, as every capture."""
+        self.num_real.zero_()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.run()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        if self.is_sampled:
+            self.graph.register_generator_state(self.sources.generator)
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
+            self.run()
+
+    def __call__(self, num_real: int) -> torch.Tensor:
+        """Run the iteration for running slots ``0..num_real-1``; their next tokens (n,), a view
+        of the output buffer valid until this step's next call."""
+        if not 1 <= num_real <= self.batch:
+            raise ValueError(f"decode step of batch {self.batch}: got {num_real} slots")
+        self.num_real.fill_(num_real)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.run()
+        return self.tokens_out[:num_real]
