@@ -88,7 +88,8 @@ if [ "$STAGE" != profile ]; then
   "$PY" -c "import xdist" 2>/dev/null && parallel=(-n 4)
   step pytest_gpu "${engine_limits[0]}" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfEs \
     --tb=short "${parallel[@]}" \
-    tests/test_graphs.py tests/test_draft_graphs.py tests/test_kernels.py tests/test_train_data.py \
+    tests/test_graphs.py tests/test_static_decode.py tests/test_static_verify.py \
+    tests/test_draft_graphs.py tests/test_kernels.py tests/test_train_data.py \
     tests/test_compiled_layers.py
   limit=$(limit_left "${engine_limits[1]}")
   # the benchmark's own budget ends 70 s before its limit: the configuration in flight, the

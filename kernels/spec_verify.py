@@ -109,7 +109,8 @@ def next_token_weights(
     if k == 0:
         q_row = torch.zeros_like(p_row)
     elif draft_probs is None:  # point mass on the drafted token
-        q_row = torch.nn.functional.one_hot(draft_tokens[rows, q_pos].long(), p_row.shape[-1])
+        # one-hot by scatter: one_hot's range check reads the ids back (a host stall)
+        q_row = torch.zeros_like(p_row).scatter_(1, draft_tokens[rows, q_pos].long()[:, None], 1.0)
     else:
         q_row = draft_probs[rows, q_pos]  # (B, V) q_n
     residual = torch.clamp_min(p_row - torch.where(has_draft, q_row.float(), 0.0), 0.0)

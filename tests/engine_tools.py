@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import random
 
+import torch
 from tiny_models import VOCAB, tiny_model
 
 from tltrun.model.drafter import EagleDrafter
+from tltrun.model.kvcache import KVCache
 from tltrun.rollout.engine import RolloutEngine
 from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import Request, SamplingParams
+from tltrun.rollout.static_decode import DecodeSources
 from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord, train_drafter
 from tltsim.policy import NoSpec, SpecDecision, StaticSpec
 
@@ -50,6 +53,23 @@ def _trained_drafter() -> EagleDrafter:
 
 
 DRAFTER = _trained_drafter()
+
+
+def random_slots(num_slots: int, max_tokens: int, sampling: SamplingParams, seed: int):
+    """A target KV cache and the engine state a pool's decode and verify steps read
+    (``DecodeSources``), random: KV entries, lengths 1..29, tokens, hidden states."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = KVCache.for_model(TARGET.config, num_slots, max_tokens)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+    cache.lens.copy_(torch.randint(1, 30, (num_slots,), generator=gen))
+    sources = DecodeSources(
+        tokens=torch.randint(0, VOCAB, (num_slots, max_tokens), generator=gen),
+        hidden=torch.randn(num_slots, max_tokens, TARGET.config.hidden_size, generator=gen),
+        sampling=sampling,
+        generator=torch.Generator().manual_seed(3),
+    )
+    return cache, sources
 
 
 class RecordingPolicy:

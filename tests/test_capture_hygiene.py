@@ -20,7 +20,7 @@ from tltrun.rollout.graphs import CapturePlan, GraphPool
 from tltsim.policy import SpecDecision
 
 # reading a device value on the host
-READS = ("aten._local_scalar_dense.default", "aten.item.default")
+READS = ("aten._local_scalar_dense.default", "aten.item.default", "aten.equal.default")
 # what may consume a tensor made from a Python scalar: a fill of a slice (``x[:n] = 0``; copy_
 # of a 0-dim CPU tensor is a fill on the GPU). Anything else (index_put_ of ``x[idx] = True``,
 # arithmetic with ``torch.tensor(...)``) copies host memory to the device, which capture refuses

@@ -57,21 +57,21 @@ GRAPH_POLICIES = {
 def test_graph_pool_path_changes_no_output(name, monkeypatch):
     # cuda_graphs=True on CPU: every decode/verify runs the pool's padded static step
     # eagerly (what a graph replays on CUDA), batches padded up to their bucket
-    from tltrun.rollout.graphs import StaticForward
     from tltrun.rollout.static_decode import StaticDecode
+    from tltrun.rollout.static_verify import StaticVerify
 
     shapes = []
-    forward_call, decode_call = StaticForward.__call__, StaticDecode.__call__
+    verify_call, decode_call = StaticVerify.__call__, StaticDecode.__call__
 
-    def counting_forward(self, ids, *rest):
-        shapes.append((ids.shape[0], self.batch))
-        return forward_call(self, ids, *rest)
+    def counting_verify(self, tree, num_real):
+        shapes.append((num_real, self.batch))
+        return verify_call(self, tree, num_real)
 
     def counting_decode(self, num_real):
         shapes.append((num_real, self.batch))
         return decode_call(self, num_real)
 
-    monkeypatch.setattr(StaticForward, "__call__", counting_forward)
+    monkeypatch.setattr(StaticVerify, "__call__", counting_verify)
     monkeypatch.setattr(StaticDecode, "__call__", counting_decode)
     reqs = make_requests(7, seed=31)
     want = [

@@ -23,7 +23,8 @@ from tltrun.model.transformer import CausalContext
 from tltrun.rollout.engine import RolloutEngine
 from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import Request, SamplingParams
-from tltrun.rollout.speculative import logits_to_probs
+from tltrun.rollout.rollout_history import RolloutHistory
+from tltrun.rollout.speculative import DraftTree, logits_to_probs
 from tltsim.policy import NoSpec, SpecDecision, StaticSpec, make_policy
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -76,18 +77,38 @@ class Cycling:
         pass
 
 
-@pytest.mark.parametrize("ids", [True, False])
-def test_greedy_history_drafting_equals_plain_greedy(ids):
+def _count_static_verifies(monkeypatch) -> list[int]:
+    """Batch sizes of the pool's static verifies from now on (the graph path ran)."""
+    from tltrun.rollout.static_verify import StaticVerify
+
+    calls: list[int] = []
+    call = StaticVerify.__call__
+    monkeypatch.setattr(StaticVerify, "__call__", lambda s, t, n: calls.append(n) or call(s, t, n))
+    return calls
+
+
+@pytest.mark.parametrize("ids,graphs", [(True, False), (False, False), (True, True)])
+def test_greedy_history_drafting_equals_plain_greedy(ids, graphs, monkeypatch):
+    # graphs: the pool's static verify (on CPU uncaptured), trees padded to the full shape
+    calls = _count_static_verifies(monkeypatch)
+    draft = RolloutHistory.draft
+
+    def checked(self, *args, **kwargs):  # the engine skips the check (a device read): here
+        tree = draft(self, *args, **kwargs)
+        return DraftTree(tree.tokens, tree.parents)  # raises on a parent after its child
+
+    monkeypatch.setattr(RolloutHistory, "draft", checked)
     reqs = _requests(3, group=3, seed=1, ids=ids)
     want = [o.output_token_ids for o in _engine().generate(reqs, NoSpec()).outputs]
     for strategy in ("history:4_1_4", "history:1_1_1", "history:3_2_6", "history:5_4_16"):
-        eng = _engine()  # no EAGLE drafter loaded
+        eng = _engine(cuda_graphs=graphs)  # no EAGLE drafter loaded
         for step in range(2):  # the second rollout drafts from the first
             result = eng.generate(reqs, StaticSpec(strategy=strategy), step)
             assert [o.output_token_ids for o in result.outputs] == want, (strategy, step)
             hist = result.accept_hist_by_drafter()
             assert set(hist) == {"history"} and sum(hist["history"]) > 0
             assert all(it.drafter == "history" for it in result.iterations if it.accept_lens)
+        assert bool(calls) == graphs
         if ids:  # greedy repeats rollout 0, so rollout 1 accepts whole drafts
             assert max(hist["history"]) == hist["history"][-1]
         else:  # rollout-local groups are dropped when the rollout ends
@@ -218,18 +239,27 @@ def _target_joint() -> torch.Tensor:
     return p.reshape(SMALL_V, SMALL_V, SMALL_V)
 
 
-@pytest.mark.parametrize("strategy", ["history:2_1_2", "history:2_3_5"])
-def test_sampled_distribution_with_history_drafting_is_the_targets(strategy):
+@pytest.mark.parametrize(
+    "strategy,graphs",
+    [("history:2_1_2", False), ("history:2_3_5", False), ("history:2_3_5", True)],
+)
+def test_sampled_distribution_with_history_drafting_is_the_targets(strategy, graphs, monkeypatch):
+    # graphs: the pool's static verify, trees padded to the full shape, sibling ranks bounded
+    calls = _count_static_verifies(monkeypatch)
     reqs = [
         Request(f"r{i}", PROMPT, 3, ignore_eos=True, prompt_id="p") for i in range(NUM_RESPONSES)
     ]
     eng = RolloutEngine(
         SMALL,
         None,
-        EngineConfig(max_running_requests=500, max_model_len=16, seed=7, ngram_min=1, ngram_max=4),
-    )
+        EngineConfig(
+            max_running_requests=500, max_model_len=16, seed=7, ngram_min=1, ngram_max=4,
+            cuda_graphs=graphs,
+        ),
+    )  # fmt: skip
     result = eng.generate(reqs, StaticSpec(strategy=strategy))
     hist = result.accept_hist_by_drafter()["history"]
+    assert bool(calls) == graphs
     assert sum(hist[1:]) > 0.2 * sum(hist)  # drafts are accepted: the SD path really ran
     counts = torch.zeros(SMALL_V**3, dtype=torch.float64)
     for o in result.outputs:

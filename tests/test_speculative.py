@@ -464,7 +464,7 @@ def test_verify_invariants(case):
 def test_tree_walk_on_a_chain_matches_the_chain_kernel_path(num_seqs, k, vocab, has_q, seed):
     """The general tree walk and the spec_verify path agree on a chain with the same uniforms
     (decisions exactly; tokens too, as no uniform here lands within ~1e-7 of a CDF step)."""
-    from tltrun.rollout.speculative import _verify_tree
+    from tltrun.rollout.speculative import TreeShape, _verify_tree
 
     gen = torch.Generator().manual_seed(seed)
     target = torch.softmax(torch.randn(num_seqs, k + 1, vocab, generator=gen), -1)
@@ -475,9 +475,13 @@ def test_tree_walk_on_a_chain_matches_the_chain_kernel_path(num_seqs, k, vocab, 
     u_sample = torch.rand(num_seqs, generator=gen)
     by_kernel = verify_with_uniforms(tree, target, u_accept, u_sample, impl="ref")
     by_walk = _verify_tree(tree, target, u_accept, u_sample)
-    assert torch.equal(by_kernel.num_accepted, by_walk.num_accepted)
-    assert torch.equal(by_kernel.accepted_nodes, by_walk.accepted_nodes)
-    assert torch.equal(by_kernel.out_tokens, by_walk.out_tokens)
+    # the walk with the bounds a graph's verify passes (no reads of device values) too
+    bounds = TreeShape(max_depth=k, max_children=1, is_chain=False)
+    by_static_walk = _verify_tree(tree, target, u_accept, u_sample, bounds)
+    for walk in (by_walk, by_static_walk):
+        assert torch.equal(by_kernel.num_accepted, walk.num_accepted)
+        assert torch.equal(by_kernel.accepted_nodes, walk.accepted_nodes)
+        assert torch.equal(by_kernel.out_tokens, walk.out_tokens)
 
 
 def test_verify_is_reproducible_from_the_seed():

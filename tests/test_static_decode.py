@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_tools import DRAFTER, TARGET, engine, make_requests
+from engine_tools import DRAFTER, TARGET, engine, make_requests, random_slots
 from test_capture_hygiene import HostTraffic, compiled_flex_path  # noqa: F401 (a fixture)
 from tiny_models import VOCAB
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -64,17 +64,7 @@ def test_sampled_decode_step_differs_from_greedy_and_follows_the_seed():
 
 def _decode_state(bucket: int, sampling: SamplingParams):
     """A pool's decode step at ``bucket`` over random slot state (tokens, hidden, lengths)."""
-    gen = torch.Generator().manual_seed(bucket)
-    cache = KVCache.for_model(TARGET.config, bucket + 1, MAX_TOKENS)
-    cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
-    cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
-    cache.lens.copy_(torch.randint(1, 30, (bucket + 1,), generator=gen))
-    sources = DecodeSources(
-        tokens=torch.randint(0, VOCAB, (bucket + 1, MAX_TOKENS), generator=gen),
-        hidden=torch.randn(bucket + 1, MAX_TOKENS, TARGET.config.hidden_size, generator=gen),
-        sampling=sampling,
-        generator=torch.Generator().manual_seed(3),
-    )
+    cache, sources = random_slots(bucket + 1, MAX_TOKENS, sampling, seed=bucket)
     plan = CapturePlan(decode_buckets=(bucket,))
     pool = GraphPool(TARGET, cache, plan, "sdpa", is_capturing=False, decoding=sources)
     return pool, cache, sources

@@ -107,7 +107,11 @@ class KVCache:
         self.v[:, dst, :, :w] = self.v[:, src, :, :w]
 
     def compact(
-        self, slots: torch.Tensor, accepted_nodes: torch.Tensor, num_accepted: torch.Tensor
+        self,
+        slots: torch.Tensor,
+        accepted_nodes: torch.Tensor,
+        num_accepted: torch.Tensor,
+        is_static: bool = False,
     ) -> None:
         """Keep the accepted path of a verified tree written at ``lens + node`` by the last forward.
 
@@ -116,13 +120,15 @@ class KVCache:
         ``lens[b] + j``; afterwards ``lens += num_accepted + 1`` (the root and accepted drafts).
         Path node indices strictly increase (parents precede children), so position j's source
         is at or after j; gathering all sources before scattering makes the move overlap-safe.
+        ``is_static`` (a CUDA graph's verify): always move, without reading whether anything
+        moves first.
         """
         base = self.lens[slots]  # (B,)
         depth = torch.arange(accepted_nodes.shape[1], device=base.device)  # (D+1,)
         is_on_path = depth[None, :] <= num_accepted[:, None]
         src = base[:, None] + torch.where(is_on_path, accepted_nodes, depth[None, :])  # (B,D+1)
         dst = base[:, None] + depth[None, :]
-        if not torch.equal(src, dst):  # a chain's accepted prefix is already in place
+        if is_static or not torch.equal(src, dst):  # a chain's accepted path is in place
             rows = slots[:, None].expand_as(src)
             self.k[:, rows, :, dst] = self.k[:, rows, :, src]  # (B,D+1,layers,Hkv,D) both sides
             self.v[:, rows, :, dst] = self.v[:, rows, :, src]

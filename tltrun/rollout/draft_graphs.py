@@ -250,7 +250,8 @@ class StaticDraft:
             self.run()
         src.cache.lens[num_real : self.batch] = 0  # padding rows committed a scratch pair
         probs = None if self.probs_out is None else self.probs_out[:num_real]
-        return DraftTree(self.tokens_out[:num_real], self.parents_out[:num_real], probs)
+        tokens, parents = self.tokens_out[:num_real], self.parents_out[:num_real]
+        return DraftTree(tokens, parents, probs, is_checked=False)  # tests check the expansion
 
     def _pad(self, num_real: int) -> None:
         self.num_pending[num_real:].fill_(1)

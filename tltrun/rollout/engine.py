@@ -59,12 +59,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tltrun.model.drafter import EagleDrafter, tree_layout
+from tltrun.model.drafter import EagleDrafter
 from tltrun.model.kvcache import KVCache
 from tltrun.model.transformer import Transformer, fuse_qkv, set_compiled_layers
 from tltrun.rollout.draft_graphs import draft_sources
 from tltrun.rollout.engine_config import DTYPES, EngineConfig
-from tltrun.rollout.graphs import CapturePlan, GraphPool, StaticForward, capture_plan
+from tltrun.rollout.graphs import CapturePlan, GraphPool, capture_plan
 from tltrun.rollout.interface import IterationRecord, Request, RolloutResult
 from tltrun.rollout.prefill import (
     eagle_draft,
@@ -76,11 +76,10 @@ from tltrun.rollout.prefill import (
 from tltrun.rollout.rollout_history import RolloutHistory
 from tltrun.rollout.scheduler import Scheduler, Sequence
 from tltrun.rollout.slot_state import HarvestRecord, harvest_record, load_in_place, move_slots
-from tltrun.rollout.speculative import DraftTree, logits_to_probs, sample, verify
-from tltrun.rollout.static_decode import StaticDecode, decode_sources
+from tltrun.rollout.speculative import DraftTree, logits_to_probs, sample
+from tltrun.rollout.static_decode import StaticStep, decode_sources
+from tltrun.rollout.static_verify import verify_eagerly
 from tltsim.policy import DecodeObs, SpecDecision, SpecFeedback, SpecPolicy, update_accept_len_ema
-
-StaticStep = StaticForward | StaticDecode
 
 
 @dataclass
@@ -250,7 +249,7 @@ class RolloutEngine:
         )  # fmt: skip
 
     def _static_forward(self, running: list[Sequence], strategy: str) -> StaticStep | None:
-        """The pool's verify forward for this batch (``"off"``: its whole decode step), or None:
+        """The pool's whole verify for this batch (``"off"``: its decode step), or None:
         no pool, no bucket for it, or running slots not 0..n-1 (the scheduler keeps them so)."""
         if self.graphs is None:
             return None
@@ -259,7 +258,7 @@ class RolloutEngine:
         n = len(running)
         if strategy == "off":
             return self.graphs.decode_step(n)
-        return self.graphs.verify_forward(n, strategy)
+        return self.graphs.verify_step(n, strategy)
 
     def sync(self) -> None:
         """Wait for the device (a no-op on CPU): what a timer must call before reading."""
@@ -440,11 +439,9 @@ class RolloutEngine:
     def _spec_step(
         self, running: list[Sequence], slots: torch.Tensor, decision: SpecDecision
     ) -> tuple[list[list[int]], tuple[int, ...]]:
-        cfg = self.config
-        lens = self.cache.lens[slots]  # (B,) n: target cache length; tokens[n] is the root
         static = self._static_forward(running, decision.strategy)
         if decision.drafter == "history":
-            roots = self.tokens[slots, lens].tolist()  # (B,) pending last tokens
+            roots = [s.output[-1] for s in running]  # the pending last tokens (tokens[slot, n])
             # eager: verify only as many nodes as the longest proposal (a graph's are fixed)
             tree = self.history.draft(
                 running, roots, decision, self.device, is_trimmed=static is None
@@ -453,35 +450,17 @@ class RolloutEngine:
             tree = self._eagle_draft(
                 slots, decision, all(s.slot == i for i, s in enumerate(running))
             )
-        num_nodes = tree.tokens.shape[1]
-        depth, tree_mask = tree_layout(tree.parents, decision.draft_steps)
-        if static is not None:  # padded to its bucket; a graph replay on CUDA
-            logits, hidden = static(tree.tokens, depth, tree_mask)  # (B,N+1,V), (B,N+1,C)
+        if static is not None:  # padded to its bucket; one graph replay on CUDA
+            accepted, out = static(tree, len(running))
         else:
-            positions = lens[:, None] + depth  # RoPE: root at n, node at n + depth
-            ctx = self.cache.context(slots, num_nodes, tree_mask=tree_mask, impl=cfg.attention)
-            logits, hidden = self.model(tree.tokens, positions, ctx)  # (B,N+1,V), (B,N+1,C)
-        result = verify(
-            tree, logits_to_probs(logits, cfg.sampling), self.generator, impl=cfg.verify_impl
-        )
-        path = result.accepted_nodes  # (B,D+1)
-        pos = lens[:, None] + torch.arange(path.shape[1], device=self.device)[None]  # (B,D+1)
-        rows = slots[:, None]
-        if self.hidden is not None:
-            self.hidden[rows, pos] = hidden.gather(
-                1, path[..., None].expand(-1, -1, hidden.shape[-1])
-            )
-        self.tokens[rows, pos + 1] = result.out_tokens
-        self.cache.compact(slots, path, result.num_accepted)
-        accepted = result.num_accepted.tolist()
-        out = result.out_tokens.tolist()
+            accepted, out = verify_eagerly(self, slots, decision, tree)
         # After a history iteration the EAGLE drafter has not seen these pairs: its next
         # drafting step feeds them (``_stale_drafter``: a re-prefill first if too many).
         is_eagle = decision.drafter == "eagle"
         for s, n in zip(running, accepted, strict=True):
             s.is_drafter_fresh = is_eagle
             s.record_accept(n, decision.arm)
-        return [row[: n + 1] for row, n in zip(out, accepted, strict=True)], tuple(accepted)
+        return out, tuple(accepted)
 
     def _release(self, sched: Scheduler) -> None:
         released = sched.release_finished()

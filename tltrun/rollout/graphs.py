@@ -46,10 +46,12 @@ from tltrun.rollout.draft_graphs import (
     DraftBuffers,
     DraftSources,
     StaticDraft,
+    is_sampled_chain,
     max_pending_pairs,
     num_tree_nodes,
 )
 from tltrun.rollout.static_decode import DecodeSources, StaticDecode
+from tltrun.rollout.static_verify import StaticVerify, VerifyBuffers
 from tltsim.policy import SpecDecision, SpecPolicy, StaticSpec, TLTAdaptive, bucket_arms
 
 # vLLM's default CUDA-graph capture sizes: 1, 2, 4, then multiples of 8 up to 256 (then of 16,
@@ -338,6 +340,7 @@ class GraphPool:
         self.decode_steps = {
             b: StaticDecode(fwd, decoding) for b, fwd in self.decode.items() if decoding
         }
+        self.verify_steps = {} if decoding is None else self._verify_steps(decoding)
         self.max_pending = max_pending_pairs(tuple(s for _, s in plan.draft_graphs))
         steps = [(b, SpecDecision.parse(s)) for b, s in plan.draft_graphs]
         self.draft_buffers = None if drafting is None else DraftBuffers.for_steps(drafting, steps)
@@ -357,7 +360,8 @@ class GraphPool:
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_reserved(device)
         decode = [self.decode_steps.get(b, fwd) for b, fwd in self.decode.items()]
-        forwards = [g for g in (*decode, *self.verify.values()) if g.is_capturable]
+        verify = [self.verify_steps.get(key, fwd) for key, fwd in self.verify.items()]
+        forwards = [g for g in (*decode, *verify) if g.is_capturable]
         # largest first: later, smaller graphs reuse the pool blocks the first ones freed
         for fwd in sorted(forwards, key=lambda f: f.batch * f.num_tokens, reverse=True):
             fwd.capture(self.pool, stream)
@@ -375,6 +379,27 @@ class GraphPool:
         """The whole decode iteration for ``batch`` running slots (engines only), or None."""
         b = self.plan.decode_bucket(batch)
         return None if b is None else self.decode_steps.get(b)
+
+    def _verify_steps(self, decoding: DecodeSources) -> dict[tuple[int, str], StaticVerify]:
+        """A whole verify per planned (bucket, strategy), its draft-tree inputs shared."""
+        sampled = {
+            key: is_sampled_chain(SpecDecision.parse(key[1]), decoding.sampling)
+            for key in self.verify
+        }
+        shapes = [(b, fwd.num_tokens, sampled[(b, s)]) for (b, s), fwd in self.verify.items()]
+        vocab = self.buffers.logits.shape[-1]
+        self.verify_buffers = VerifyBuffers.for_steps(shapes, vocab, self.buffers.ids.device)
+        return {
+            (b, s): StaticVerify(
+                fwd, SpecDecision.parse(s), decoding, self.verify_buffers, sampled[(b, s)]
+            )
+            for (b, s), fwd in self.verify.items()
+        }
+
+    def verify_step(self, batch: int, strategy: str) -> StaticVerify | None:
+        """The whole verify for ``batch`` running slots under ``strategy`` (engines only)."""
+        b = self.plan.spec_bucket(batch, strategy)
+        return None if b is None else self.verify_steps.get((b, strategy))
 
     def verify_forward(self, batch: int, strategy: str) -> StaticForward | None:
         b = self.plan.spec_bucket(batch, strategy)

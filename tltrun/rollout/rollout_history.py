@@ -144,9 +144,11 @@ class RolloutHistory:
                 pars = pars + [0] * num_pad
             tokens.append([root] + toks + [pad] * num_pad)
             parents.append([0] + pars)
+        # not checked (a read of device values): padding and ``tree_nodes`` put parents first
         return DraftTree(
             torch.tensor(tokens, dtype=torch.long, device=device),
             torch.tensor(parents, dtype=torch.long, device=device),
+            is_checked=False,
         )
 
     def _current(self) -> _Indexed:

@@ -37,7 +37,7 @@ Tests: tests/test_speculative.py (exact distributions), tests/test_kernels.py (k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import torch
 
@@ -56,7 +56,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits = logits.float()
     vocab = logits.shape[-1]
     if params.is_greedy:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), vocab).float()
+        return point_mass(logits.argmax(dim=-1), vocab)
     scaled = logits / params.temperature  # (..., V)
     if params.top_k is not None and params.top_k < vocab:
         kth_largest = torch.topk(scaled, params.top_k, dim=-1).values[..., -1:]  # (..., 1)
@@ -71,6 +71,14 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         probs = torch.where(is_kept, probs, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def point_mass(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(...) token ids -> (..., V) float32 one-hot rows: ``one_hot(tokens).float()`` without
+    its range check, which reads the ids back on the host (a stall, and refused by a CUDA
+    graph's capture)."""
+    out = torch.zeros(*tokens.shape, vocab, device=tokens.device)
+    return out.scatter_(-1, tokens.unsqueeze(-1), 1.0)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -95,8 +103,12 @@ class DraftTree:
     tokens: torch.Tensor
     parents: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    # False: shapes only, no check of the parents' values (a read of device values, which a
+    # CUDA graph cannot do and which would stall the host each iteration): for trees the
+    # engine's own static steps built, whose construction the tests check
+    is_checked: InitVar[bool] = True
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, is_checked: bool) -> None:
         if self.tokens.dim() != 2 or self.tokens.shape != self.parents.shape:
             raise ValueError(
                 f"tokens and parents must both be (B, N+1), got "
@@ -106,9 +118,11 @@ class DraftTree:
         if num_nodes < 1:
             raise ValueError("a draft tree needs its root (node 0)")
         node_ids = torch.arange(num_nodes, device=self.parents.device)
-        is_valid = (self.parents[:, 0] == 0).all() and (
-            (self.parents[:, 1:] >= 0) & (self.parents[:, 1:] < node_ids[1:])
-        ).all()
+        is_valid = (
+            not is_checked
+            or (self.parents[:, 0] == 0).all()
+            and ((self.parents[:, 1:] >= 0) & (self.parents[:, 1:] < node_ids[1:])).all()
+        )
         if not is_valid:
             raise ValueError("parents must satisfy parents[:, 0] == 0 and 0 <= parents[:, i] < i")
         if self.draft_probs is not None and (
@@ -160,9 +174,10 @@ class DraftTree:
             mask[:, i] |= mask[rows, self.parents[:, i]]  # the parent's row is final already
         return mask
 
-    def children(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def children(self, max_children: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, N+1, R) child node ids in trial order, and (B, N+1, R) bool validity, where R
-        is the largest number of children of any node (at least 1)."""
+        is the largest number of children of any node (at least 1), or ``max_children`` (no
+        read of device values): children of a higher rank are then left out."""
         num_seqs, num_nodes = self.tokens.shape
         device = self.tokens.device
         node_ids = torch.arange(num_nodes, device=device)
@@ -174,14 +189,42 @@ class DraftTree:
             & is_drafted
         )  # (B, i, j)
         rank = is_earlier_sibling.sum(dim=2)  # (B, N+1)
-        max_children = int(rank[:, 1:].max()) + 1 if num_nodes > 1 else 1
-        children = torch.zeros((num_seqs, num_nodes, max_children), dtype=torch.long, device=device)
+        if max_children is None:
+            max_children = int(rank[:, 1:].max()) + 1 if num_nodes > 1 else 1
+        # one spare rank column takes the children left out, then is dropped
+        children = torch.zeros(
+            (num_seqs, num_nodes, max_children + 1), dtype=torch.long, device=device
+        )
         has_child = torch.zeros_like(children, dtype=torch.bool)
         rows = torch.arange(num_seqs, device=device).unsqueeze(1).expand(-1, num_nodes - 1)
         drafted = node_ids[1:].expand(num_seqs, -1)
-        children[rows, self.parents[:, 1:], rank[:, 1:]] = drafted
-        has_child[rows, self.parents[:, 1:], rank[:, 1:]] = True
-        return children, has_child
+        rank = rank[:, 1:].clamp(max=max_children)
+        children[rows, self.parents[:, 1:], rank] = drafted
+        # a device tensor of True, not a Python True: no host-to-device copy (capture refuses it)
+        has_child[rows, self.parents[:, 1:], rank] = torch.ones_like(drafted, dtype=torch.bool)
+        return children[..., :max_children], has_child[..., :max_children]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TreeShape:
+    """Bounds of the draft trees of one strategy, known before they are drafted: depth at most
+    ``max_depth`` (its draft steps), siblings tried up to rank ``max_children`` (its top-k: an
+    EAGLE tree has at most top-k children per node; the history drafter's has at most top-k
+    distinct ones, the rest copies of the root's first child, which the walk rejects with it,
+    leaving p unchanged, so leaving them out changes nothing), a chain when top-k is 1."""
+
+    max_depth: int
+    max_children: int
+    is_chain: bool
+
+    @classmethod
+    def of(cls, decision) -> TreeShape:
+        """The bounds of ``decision``'s trees (a ``tltsim.policy.SpecDecision``)."""
+        return cls(
+            max_depth=decision.draft_steps,
+            max_children=decision.topk,
+            is_chain=decision.topk == 1,
+        )
 
 
 @dataclass
@@ -222,13 +265,16 @@ def verify_with_uniforms(
     u_accept: torch.Tensor,
     u_sample: torch.Tensor,
     impl: str = "ref",
+    shape: TreeShape | None = None,
 ) -> VerifyResult:
     """Deterministic core of verify: node i's accept test uses u_accept[:, i - 1] (B, N); the
     emitted correction / bonus token uses u_sample (B,).
 
     A chain is verified by kernels.spec_verify with ``impl`` ("ref": torch, "triton": the fused
     kernel). A branching tree is walked in torch whatever ``impl`` is (a few gathers per depth
-    level and sibling; there is no tree-verify kernel)."""
+    level and sibling; there is no tree-verify kernel). ``shape``: the tree's bounds known in
+    advance, so nothing is read from the device (a CUDA graph's verify); the result is then
+    ``shape.max_depth + 1`` wide."""
     num_seqs, num_nodes = tree.tokens.shape
     if target_probs.dim() != 3 or target_probs.shape[:2] != (num_seqs, num_nodes):
         raise ValueError(
@@ -245,11 +291,11 @@ def verify_with_uniforms(
             f"u_accept must be (B, N) = {(num_seqs, num_nodes - 1)} and u_sample "
             f"(B,), got {tuple(u_accept.shape)} and {tuple(u_sample.shape)}"
         )
-    if tree.is_chain:
+    if tree.is_chain if shape is None else shape.is_chain:
         return _verify_chain(tree, target_probs, u_accept, u_sample, impl)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    return _verify_tree(tree, target_probs, u_accept, u_sample)
+    return _verify_tree(tree, target_probs, u_accept, u_sample, shape)
 
 
 def _verify_chain(tree, target_probs, u_accept, u_sample, impl) -> VerifyResult:
@@ -277,16 +323,16 @@ def _rejection_update(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(p.dtype).tiny), p)
 
 
-def _verify_tree(tree, target_probs, u_accept, u_sample) -> VerifyResult:
+def _verify_tree(tree, target_probs, u_accept, u_sample, shape=None) -> VerifyResult:
     """The multi-candidate walk of the module docstring, vectorised over the batch; loops over
     depth levels and sibling ranks."""
     num_seqs, _ = tree.tokens.shape
     vocab = target_probs.shape[2]
     device = target_probs.device
     rows = torch.arange(num_seqs, device=device)
-    children, has_child = tree.children()  # (B, N+1, R)
+    children, has_child = tree.children(None if shape is None else shape.max_children)
     u_node = torch.cat([torch.zeros_like(u_accept[:, :1]), u_accept], dim=1)  # (B, N+1)
-    max_depth = int(tree.depth.max())
+    max_depth = int(tree.depth.max()) if shape is None else shape.max_depth
     node = torch.zeros(num_seqs, dtype=torch.long, device=device)  # current node per sequence
     p = target_probs[:, 0].float()  # (B, V) target distribution at node, after rejections
     is_walking = torch.ones(num_seqs, dtype=torch.bool, device=device)
@@ -298,7 +344,7 @@ def _verify_tree(tree, target_probs, u_accept, u_sample) -> VerifyResult:
             is_tried = is_walking & ~has_moved & has_child[rows, node, rank]
             x = tree.tokens[rows, child]  # (B,)
             if tree.draft_probs is None:
-                q = torch.nn.functional.one_hot(x, vocab).float()  # point mass on x
+                q = point_mass(x, vocab)  # (B, V)
             else:
                 q = tree.draft_probs[rows, child].float()  # (B, V)
             p_x = p.gather(1, x.unsqueeze(1)).squeeze(1)

@@ -34,14 +34,16 @@ IS_GENERATOR_REGISTRABLE = hasattr(torch.cuda.CUDAGraph, "register_generator_sta
 
 @dataclass(frozen=True, kw_only=True)
 class DecodeSources:
-    """The engine state a decode iteration reads and writes (``tltrun.rollout.engine``'s
-    per-slot invariant): every slot's tokens and target hidden states by position (None when
-    the engine keeps none), the sampling settings and the engine's generator."""
+    """The engine state a decode or verify iteration reads and writes
+    (``tltrun.rollout.engine``'s per-slot invariant): every slot's tokens and target hidden
+    states by position (None when the engine keeps none), the sampling settings, the engine's
+    generator and the chain verification's implementation (``EngineConfig.verify_impl``)."""
 
     tokens: torch.Tensor  # (slots, max_tokens) long; tokens[s, lens[s]] is the pending token
     hidden: torch.Tensor | None  # (slots, max_tokens, C)
     sampling: SamplingParams
     generator: torch.Generator
+    verify_impl: str = "ref"
 
 
 def decode_sources(engine) -> DecodeSources:
@@ -51,10 +53,65 @@ def decode_sources(engine) -> DecodeSources:
         hidden=engine.hidden,
         sampling=engine.config.sampling,
         generator=engine.generator,
+        verify_impl=engine.config.verify_impl,
     )
 
 
-class StaticDecode:
+def capture_graph(
+    run, pool, stream: torch.cuda.Stream, generator: torch.Generator | None
+) -> torch.cuda.CUDAGraph:
+    """``run`` warmed up on a side stream (cuBLAS workspaces, compiled kernels), then captured
+    into ``pool``, with ``generator`` registered when it draws (each replay then advances its
+    Philox offset, as the default CUDA generator's)."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    if generator is not None:
+        graph.register_generator_state(generator)
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        run()
+    return graph
+
+
+class StaticStep:
+    """What the pool's whole-iteration steps share: the engine state they read and write, the
+    real-row count the host fills before each call, one graph captured with no real row and
+    replayed per call (on CPU, or where capture is off, ``run`` uncaptured)."""
+
+    sources: DecodeSources
+    num_real: torch.Tensor  # () long: the rows 0..num_real-1 are running slots
+    graph: torch.cuda.CUDAGraph | None
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def is_sampled(self) -> bool:
+        return not self.sources.sampling.is_greedy
+
+    @property
+    def is_capturable(self) -> bool:
+        return not self.is_sampled or IS_GENERATOR_REGISTRABLE
+
+    def capture(self, pool, stream: torch.cuda.Stream) -> None:
+        """Capture with no real row: the warm-up changes nothing but free slots' lengths and
+        scratch KV entries (between rollouts only, as every capture)."""
+        self.num_real.zero_()
+        generator = self.sources.generator if self.is_sampled else None
+        self.graph = capture_graph(self.run, pool, stream, generator)
+
+    def launch(self, num_real: int) -> None:
+        """Run the step for running slots ``0..num_real-1``: a replay where captured."""
+        self.num_real.fill_(num_real)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.run()
+
+
+class StaticDecode(StaticStep):
     """A plain decode iteration of slots ``0..batch-1`` around ``forward`` (the pool's
     ``StaticForward`` of ``batch`` x 1 token): ``run`` is what a graph captures. The real rows
     are the first ``num_real`` (a device scalar the host fills before each replay); the rest
@@ -71,14 +128,6 @@ class StaticDecode:
         self.rows = torch.arange(self.batch, device=device)  # (B,)
         self.tokens_out = torch.zeros(self.batch, dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
-
-    @property
-    def is_sampled(self) -> bool:
-        return not self.sources.sampling.is_greedy
-
-    @property
-    def is_capturable(self) -> bool:
-        return not self.is_sampled or IS_GENERATOR_REGISTRABLE
 
     @torch.no_grad()
     def run(self) -> None:
@@ -106,29 +155,10 @@ class StaticDecode:
         lens.copy_(pos + is_real.long())  # commit the real rows' new entry
         self.tokens_out.copy_(nxt)
 
-    def capture(self, pool, stream: torch.cuda.Stream) -> None:
-        """Warm up on a side stream, then capture (the engine's generator registered when the
-        step samples). With no real row the warm-up changes nothing but free slots'
-        lengths and scratch KV entries: between rollouts only, as every capture."""
-        self.num_real.zero_()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.run()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        if self.is_sampled:
-            self.graph.register_generator_state(self.sources.generator)
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
-            self.run()
-
     def __call__(self, num_real: int) -> torch.Tensor:
         """Run the iteration for running slots ``0..num_real-1``; their next tokens (n,), a view
         of the output buffer valid until this step's next call."""
         if not 1 <= num_real <= self.batch:
             raise ValueError(f"decode step of batch {self.batch}: got {num_real} slots")
-        self.num_real.fill_(num_real)
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self.run()
+        self.launch(num_real)
         return self.tokens_out[:num_real]
