@@ -286,3 +286,41 @@ def test_captured_verify_step_replays_the_uncaptured_one(strategy):
         assert captured(tree, 3) == eager(tree, 3)
         torch.testing.assert_close(src.hidden, e_src.hidden, atol=1e-4, rtol=1e-4)
         assert torch.equal(src.tokens, e_src.tokens) and torch.equal(cache.lens, e_cache.lens)
+
+
+def test_a_tree_verify_launches_a_fixed_number_of_ops_per_depth_level(monkeypatch):
+    # what an 8_4_32 verify graph holds besides the forward: the point-mass walk tests a node's
+    # siblings at once (345-359 ops, greedy / sampled); rank by rank it was 971-985 (session 23)
+    from tltrun.rollout.graphs import StaticForward
+
+    counter = _OpsOutside()
+    forward = StaticForward.run
+
+    def inside(self):
+        counter.depth += 1
+        try:
+            forward(self)
+        finally:
+            counter.depth -= 1
+
+    monkeypatch.setattr(StaticForward, "run", inside)
+    counts = {}
+    for depth in (4, 8):
+        pool, _, _ = _verify_state(4, f"{depth}_4_32", SAMPLED)
+        step = pool.verify_steps[(4, f"{depth}_4_32")]
+        step.parents_in.copy_(torch.tensor([0] + [max(0, (i - 1) // 4) for i in range(1, 33)]))
+        step.num_real.fill_(3)
+        counter.ops = []
+        with torch.no_grad(), counter:
+            step.run()
+        counts[depth] = sum(op not in VIEW_OPS for op in counter.ops)
+    per_level = (counts[8] - counts[4]) / 4
+    assert counts[8] < 400 and per_level < 40, counts  # rank by rank: 111 a level
+
+
+VIEW_OPS = {
+    "aten.slice.Tensor", "aten.view.default", "aten.select.int", "aten.unsqueeze.default",
+    "aten.expand.default", "aten.t.default", "aten.lift_fresh.default", "aten.alias.default",
+    "aten._unsafe_view.default", "aten.transpose.int", "aten.squeeze.dim", "aten.unbind.int",
+    "aten.permute.default", "aten.detach.default",
+}  # fmt: skip

@@ -22,9 +22,11 @@ Notation: p is a target probability, q a draft probability, x a drafted token, u
   removed). This is sequential inversion of p ("is it x1? else is it x2? ..."), so it is
   lossless too, and with a greedy target (p one-hot at the argmax) it reduces to "accept while
   the draft equals the argmax". The history drafter (tltrun.model.history_drafter, issue #20)
-  drafts this way: its drafts are a deterministic function of committed tokens. Passing the
-  one-hot q explicitly gives the same result bit for bit (p(x)/1, and max(p - one_hot, 0) is p
-  with x removed; no 0/0 arises), which tests/test_history_drafter.py checks.
+  drafts this way: its drafts are a deterministic function of committed tokens. The walk
+  tests a node's point-mass siblings all at once (``_walk_point_masses``: after rejecting
+  x_1..x_{j-1}, x_j is accepted iff u_j < p(x_j) / (1 - sum_{i<j} p(x_i))); passing the one-hot
+  q explicitly walks rank by rank and makes the same decisions but where u lies within float
+  rounding of a ratio, which tests/test_history_drafter.py checks on 2,000 trees.
 
 Greedy decoding is temperature 0: p is the one-hot argmax, so the same code path applies.
 
@@ -325,17 +327,32 @@ def _rejection_update(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def _verify_tree(tree, target_probs, u_accept, u_sample, shape=None) -> VerifyResult:
     """The multi-candidate walk of the module docstring, vectorised over the batch; loops over
-    depth levels and sibling ranks."""
-    num_seqs, _ = tree.tokens.shape
-    vocab = target_probs.shape[2]
-    device = target_probs.device
-    rows = torch.arange(num_seqs, device=device)
+    depth levels (and, with explicit draft distributions, sibling ranks)."""
     children, has_child = tree.children(None if shape is None else shape.max_children)
     u_node = torch.cat([torch.zeros_like(u_accept[:, :1]), u_accept], dim=1)  # (B, N+1)
     max_depth = int(tree.depth.max()) if shape is None else shape.max_depth
-    node = torch.zeros(num_seqs, dtype=torch.long, device=device)  # current node per sequence
+    walk = _walk_point_masses if tree.draft_probs is None else _walk_siblings
+    path, weights = walk(tree, target_probs, children, has_child, u_node, max_depth)
+    accepted_nodes = torch.stack(path, dim=1)  # (B, D+1), stopped walks repeat their node
+    num_accepted = (accepted_nodes[:, 1:] != accepted_nodes[:, :-1]).sum(dim=1)
+    next_token = sample_from_weights(weights, u_sample)
+    steps = torch.arange(max_depth + 1, device=target_probs.device)
+    out_tokens = torch.where(
+        steps < num_accepted.unsqueeze(1),
+        tree.tokens.gather(1, _shift_left(accepted_nodes)),
+        next_token.unsqueeze(1),
+    )
+    return VerifyResult(num_accepted, accepted_nodes, out_tokens)
+
+
+def _walk_siblings(tree, target_probs, children, has_child, u_node, max_depth):
+    """The walk trying one sibling rank at a time (explicit draft distributions q): the path
+    (D+1 tensors (B,) of node ids) and the weights the emitted token is drawn from (B, V)."""
+    num_seqs = tree.tokens.shape[0]
+    rows = torch.arange(num_seqs, device=target_probs.device)
+    node = torch.zeros_like(rows)  # current node per sequence
     p = target_probs[:, 0].float()  # (B, V) target distribution at node, after rejections
-    is_walking = torch.ones(num_seqs, dtype=torch.bool, device=device)
+    is_walking = torch.ones(num_seqs, dtype=torch.bool, device=rows.device)
     path = [node]
     for _ in range(max_depth):
         has_moved = torch.zeros_like(is_walking)
@@ -343,10 +360,7 @@ def _verify_tree(tree, target_probs, u_accept, u_sample, shape=None) -> VerifyRe
             child = children[rows, node, rank]  # (B,)
             is_tried = is_walking & ~has_moved & has_child[rows, node, rank]
             x = tree.tokens[rows, child]  # (B,)
-            if tree.draft_probs is None:
-                q = point_mass(x, vocab)  # (B, V)
-            else:
-                q = tree.draft_probs[rows, child].float()  # (B, V)
+            q = tree.draft_probs[rows, child].float()  # (B, V)
             p_x = p.gather(1, x.unsqueeze(1)).squeeze(1)
             q_x = q.gather(1, x.unsqueeze(1)).squeeze(1)
             is_ok = is_tried & (u_node[rows, child] < p_x / q_x)  # same test as the chain
@@ -357,16 +371,51 @@ def _verify_tree(tree, target_probs, u_accept, u_sample, shape=None) -> VerifyRe
         p = torch.where(has_moved.unsqueeze(1), target_probs[rows, node].float(), p)
         is_walking &= has_moved
         path.append(node)
-    accepted_nodes = torch.stack(path, dim=1)  # (B, D+1), stopped walks repeat their node
-    num_accepted = (accepted_nodes[:, 1:] != accepted_nodes[:, :-1]).sum(dim=1)
-    next_token = sample_from_weights(p, u_sample)
-    steps = torch.arange(max_depth + 1, device=device)
-    out_tokens = torch.where(
-        steps < num_accepted.unsqueeze(1),
-        tree.tokens.gather(1, _shift_left(accepted_nodes)),
-        next_token.unsqueeze(1),
-    )
-    return VerifyResult(num_accepted, accepted_nodes, out_tokens)
+    return path, p
+
+
+def _walk_point_masses(tree, target_probs, children, has_child, u_node, max_depth):
+    """The walk for deterministic drafts (draft_probs None: every tree the engine verifies),
+    all siblings of a node in one step. Rejecting point masses x_1..x_{j-1} leaves the node's
+    target row p with their mass removed, renormalised, so x_j is accepted iff
+
+        u_j < p(x_j) / (sum(p) - sum_{i<j} p(x_i))     (0 if x_j repeats an earlier sibling)
+
+    and the first sibling passing its test is the one the rank-by-rank walk accepts; where the
+    walk stops the token is drawn from p with every sibling's mass removed (all were tried
+    there; ``sample_from_weights`` normalises). The same decisions as ``_walk_siblings`` with
+    explicit one-hot q, except where u lies within float32 rounding of the ratio (the two
+    round the renormalisation differently). Per depth level a fixed number of ops, not one
+    set per rank: a CUDA graph of an 8_4_32 verify launches a quarter as many kernels."""
+    num_seqs, device = tree.tokens.shape[0], target_probs.device
+    rows = torch.arange(num_seqs, device=device)
+    num_ranks = children.shape[2]
+    is_earlier = torch.ones(num_ranks, num_ranks, dtype=torch.bool, device=device).tril(-1)
+    node = torch.zeros_like(rows)  # current node per sequence
+    is_walking = torch.ones(num_seqs, dtype=torch.bool, device=device)
+    path = [node]
+    for _ in range(max_depth):
+        child = children[rows, node]  # (B, R) in trial order
+        is_tried = has_child[rows, node] & is_walking[:, None]  # (B, R)
+        x = tree.tokens.gather(1, child)  # (B, R)
+        p = target_probs[rows, node].float()  # (B, V)
+        # [b, j, i]: sibling i < j was tried with the same token: x_j's mass is gone already
+        is_repeat = ((x[:, :, None] == x[:, None, :]) & is_earlier & is_tried[:, None, :]).any(2)
+        p_x = torch.where(is_tried & ~is_repeat, p.gather(1, x), 0.0)  # (B, R) mass removed
+        mass = p.sum(dim=1, keepdim=True) - (p_x.cumsum(dim=1) - p_x)  # (B, R) left before j
+        is_ok = is_tried & (u_node.gather(1, child) < p_x / mass)
+        is_moved = is_ok.any(dim=1)
+        first = is_ok.to(torch.uint8).argmax(dim=1, keepdim=True)  # (B, 1) first passing rank
+        node = torch.where(is_moved, child.gather(1, first)[:, 0], node)
+        is_walking &= is_moved
+        path.append(node)
+    # where each walk stopped, all its node's children were tried and rejected
+    x = tree.tokens.gather(1, children[rows, node])  # (B, R)
+    p = target_probs[rows, node].float()  # (B, V)
+    is_left = (~has_child[rows, node]).float()  # 0 at the tokens to remove
+    weights = p * torch.ones_like(p).scatter_reduce(1, x, is_left, reduce="amin")
+    # as ``_rejection_update``: a residual that vanished (rounding only) keeps p
+    return path, torch.where(weights.sum(dim=1, keepdim=True) > 0, weights, p)
 
 
 def _shift_left(accepted_nodes: torch.Tensor) -> torch.Tensor:
