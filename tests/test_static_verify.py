@@ -217,6 +217,23 @@ class _OpsOutside(TorchDispatchMode):
             self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
 
+    @classmethod
+    def of(cls, monkeypatch, *graph_bodies) -> _OpsOutside:
+        """A counter that leaves out the ``run`` of every class in ``graph_bodies``."""
+        counter = cls()
+        for body in graph_bodies:
+            run = body.run
+
+            def inside(self, run=run):
+                counter.depth += 1
+                try:
+                    run(self)
+                finally:
+                    counter.depth -= 1
+
+            monkeypatch.setattr(body, "run", inside)
+        return counter
+
 
 @pytest.mark.parametrize("strategy", ["4_1_4", "8_4_32", "history:4_2_8"])
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED])
@@ -225,18 +242,7 @@ def test_a_pooled_sd_iteration_reads_the_device_once(strategy, sampling, monkeyp
     # device values 5-39 times (chain 4 to tree 8_4_32, batch 4, session 23, counted as here);
     # under the pool, what is left: the drafting step's check that the pending pairs fit (one
     # read; none for the history drafter) and the copies of the tree in
-    counter = _OpsOutside()
-    for cls in (StaticVerify, StaticDraft):
-        run = cls.run
-
-        def inside(self, run=run):
-            counter.depth += 1
-            try:
-                run(self)
-            finally:
-                counter.depth -= 1
-
-        monkeypatch.setattr(cls, "run", inside)
+    counter = _OpsOutside.of(monkeypatch, StaticVerify, StaticDraft)
     eng = engine(DRAFTER, cuda_graphs=True, sampling=sampling)
     reqs = [Request(f"r{i}", (5 + i, 9), 40, ignore_eos=True) for i in range(4)]
     eng.start_rollout(reqs, StaticSpec(strategy=strategy))
@@ -293,17 +299,7 @@ def test_a_tree_verify_launches_a_fixed_number_of_ops_per_depth_level(monkeypatc
     # siblings at once (345-359 ops, greedy / sampled); rank by rank it was 971-985 (session 23)
     from tltrun.rollout.graphs import StaticForward
 
-    counter = _OpsOutside()
-    forward = StaticForward.run
-
-    def inside(self):
-        counter.depth += 1
-        try:
-            forward(self)
-        finally:
-            counter.depth -= 1
-
-    monkeypatch.setattr(StaticForward, "run", inside)
+    counter = _OpsOutside.of(monkeypatch, StaticForward)
     counts = {}
     for depth in (4, 8):
         pool, _, _ = _verify_state(4, f"{depth}_4_32", SAMPLED)
