@@ -100,7 +100,15 @@ def test_greedy_history_drafting_equals_plain_greedy(ids, graphs, monkeypatch):
     monkeypatch.setattr(RolloutHistory, "draft", checked)
     reqs = _requests(3, group=3, seed=1, ids=ids)
     want = [o.output_token_ids for o in _engine().generate(reqs, NoSpec()).outputs]
-    for strategy in ("history:4_1_4", "history:1_1_1", "history:3_2_6", "history:5_4_16"):
+    # 3_2_12: EAGLE's beam offers 10 nodes, so its verify graph (shared) holds 10, not 12
+    strategies = (
+        "history:4_1_4",
+        "history:1_1_1",
+        "history:3_2_6",
+        "history:5_4_16",
+        "history:3_2_12",
+    )
+    for strategy in strategies:
         eng = _engine(cuda_graphs=graphs)  # no EAGLE drafter loaded
         for step in range(2):  # the second rollout drafts from the first
             result = eng.generate(reqs, StaticSpec(strategy=strategy), step)

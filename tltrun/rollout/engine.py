@@ -444,8 +444,9 @@ class RolloutEngine:
             roots = [s.output[-1] for s in running]  # the pending last tokens (tokens[slot, n])
             # eager: verify only as many nodes as the longest proposal (a graph's are fixed)
             tree = self.history.draft(
-                running, roots, decision, self.device, is_trimmed=static is None
-            )
+                running, roots, decision, self.device, is_trimmed=static is None,
+                max_drafted=None if static is None else static.num_tokens - 1,
+            )  # fmt: skip
         else:
             tree = self._eagle_draft(
                 slots, decision, all(s.slot == i for i, s in enumerate(running))

@@ -105,6 +105,7 @@ class RolloutHistory:
         device: torch.device,
         *,
         is_trimmed: bool = False,
+        max_drafted: int | None = None,
     ) -> DraftTree:
         """The history drafter's tree for ``running`` (whose pending last tokens are ``roots``)
         under ``decision``: a chain of verify_tokens tokens (topk 1; a chain's verify_tokens is
@@ -117,20 +118,22 @@ class RolloutHistory:
         eager forward, whose shape may change per iteration) pads only up to the batch's
         longest proposal (at least one node), so an iteration where the history matches
         little verifies little (SuffixDecoding's adaptive speculation length, arXiv
-        2411.04975, per batch); a CUDA graph needs the strategy's full shape."""
+        2411.04975, per batch); a CUDA graph needs a fixed shape: ``max_drafted`` nodes, the
+        shape of the strategy's verify graph (which EAGLE's tree sets: fewer than verify_tokens
+        where its beam offers fewer, 10 for 3_2_12), by default verify_tokens."""
         rollout = self._current()
         self.is_used = True
         self._sync(rollout)
+        num_drafted = decision.verify_tokens if max_drafted is None else max_drafted
         proposals = []  # per sequence: (tokens, parents) of its real nodes
         for seq in running:
             key = _key(rollout, seq)
             if decision.is_chain:  # a chain's verify_tokens <= draft_steps
-                toks = self.drafter.propose(key, decision.verify_tokens)
+                toks = self.drafter.propose(key, num_drafted)
                 proposals.append((toks, list(range(len(toks)))))  # node i's parent is i - 1
             else:
                 branches = self.drafter.propose_tree(key, decision.draft_steps, decision.topk)
-                proposals.append(tree_nodes(branches, decision.verify_tokens))
-        num_drafted = decision.verify_tokens
+                proposals.append(tree_nodes(branches, num_drafted))
         if is_trimmed:
             num_drafted = max(1, max(len(toks) for toks, _ in proposals))
         tokens, parents = [], []
