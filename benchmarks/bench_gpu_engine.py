@@ -57,6 +57,7 @@ from tltrun.rollout.draft_graphs import draft_sources
 from tltrun.rollout.engine import RolloutEngine
 from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.graphs import CapturePlan, GraphPool, batch_buckets, capture_plan
+from tltrun.rollout.static_decode import decode_sources
 from tltsim.cli.table import format_table
 from tltsim.policy import SpecDecision, StaticSpec, TLTAdaptive
 
@@ -279,12 +280,14 @@ def bench_pool(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
     cache = cache_engine.cache
     impl = cache_engine.config.attention
     drafting = draft_sources(cache_engine)
+    decoding = decode_sources(cache_engine)  # the engine's pools: whole decode and verify steps
 
     def measure(plans: list[CapturePlan]) -> tuple[int, int]:
         release(device)
         before = torch.cuda.memory_reserved(device)
         pools = [
-            GraphPool(model, cache, p, impl, is_capturing=True, drafting=drafting) for p in plans
+            GraphPool(model, cache, p, impl, True, drafting=drafting, decoding=decoding)
+            for p in plans
         ]
         sync(device)
         used = torch.cuda.memory_reserved(device) - before
