@@ -51,6 +51,7 @@ from tltrun.model.kvcache import KVCache, StaticContext
 from tltrun.rollout.interface import SamplingParams
 from tltrun.rollout.prefill import SlotEngine
 from tltrun.rollout.speculative import DraftTree
+from tltrun.rollout.static_decode import IS_GENERATOR_REGISTRABLE, capture_graph
 from tltsim.policy import SpecDecision
 
 
@@ -103,11 +104,6 @@ def num_tree_nodes(decision: SpecDecision) -> int:
 def is_sampled_chain(decision: SpecDecision, sampling: SamplingParams) -> bool:
     """Whether drafting ``decision`` draws random numbers (a chain at temperature > 0)."""
     return decision.is_chain and not sampling.is_greedy
-
-
-# Graph-safe custom generators (torch >= 2.5 on CUDA builds); without it only drafting that
-# draws nothing is captured
-IS_GENERATOR_REGISTRABLE = hasattr(torch.cuda.CUDAGraph, "register_generator_state")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,19 +211,11 @@ class StaticDraft:
     def capture(self, pool, stream: torch.cuda.Stream) -> None:
         """Warm up on a side stream, then capture (with the engine's generator registered when
         drafting samples). Scratch entries go to free slots: between rollouts only."""
-        cache = self.sources.cache
         self._pad(0)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.run()
-        torch.cuda.current_stream().wait_stream(stream)
-        self._pad(0)  # the warm-up committed its scratch pairs
-        self.graph = torch.cuda.CUDAGraph()
-        if self.probs_out is not None:
-            self.graph.register_generator_state(self.sources.generator)
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
-            self.run()
-        cache.lens[: self.batch] = 0
+        generator = None if self.probs_out is None else self.sources.generator
+        # the warm-up committed its scratch pairs: padded again before the capture
+        self.graph = capture_graph(self.run, pool, stream, generator, lambda: self._pad(0))
+        self.sources.cache.lens[: self.batch] = 0
 
     def __call__(self, num_real: int) -> DraftTree | None:
         """The tree of running slots ``0..num_real-1`` (views of the shared output buffers,

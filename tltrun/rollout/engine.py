@@ -29,8 +29,9 @@ float32: ``logits_to_probs``), attention by each sequence's own length (``attn_i
 ``tltrun.model.attention``) and TLT's bucketed CUDA-graph pool (``tltrun.rollout.graphs``): the
 first rollout's policy decides which decode, verify and EAGLE drafting steps are captured
 (``tltrun.rollout.draft_graphs``), a batch runs padded up to its bucket's graph (a plain decode
-iteration, its sampling included, is one replay: ``tltrun.rollout.static_decode``); a verify's
-acceptance and everything without a graph run eagerly. ``cuda_graphs=True`` on a CPU runs the
+iteration, its sampling included, is one replay: ``tltrun.rollout.static_decode``; so is a
+verify with its acceptance: ``tltrun.rollout.static_verify``); everything without a graph runs
+eagerly. ``cuda_graphs=True`` on a CPU runs the
 same padded static steps eagerly (the tests' path).
 
 The pieces of a step are public too (``prefill``, ``draft``, ``reprefill_drafter``, ``sync``), so
@@ -248,7 +249,7 @@ class RolloutEngine:
             drafting=draft_sources(self), decoding=decode_sources(self),
         )  # fmt: skip
 
-    def _static_forward(self, running: list[Sequence], strategy: str) -> StaticStep | None:
+    def _static_step(self, running: list[Sequence], strategy: str) -> StaticStep | None:
         """The pool's whole verify for this batch (``"off"``: its decode step), or None:
         no pool, no bucket for it, or running slots not 0..n-1 (the scheduler keeps them so)."""
         if self.graphs is None:
@@ -380,7 +381,7 @@ class RolloutEngine:
         return records
 
     def _plain_step(self, running: list[Sequence]) -> list[list[int]]:
-        static = self._static_forward(running, "off")
+        static = self._static_step(running, "off")
         if static is not None:  # padded to its bucket; one graph replay on CUDA
             nxt = static(len(running))  # (B,) forward, sampling and writes as below
         else:
@@ -439,7 +440,7 @@ class RolloutEngine:
     def _spec_step(
         self, running: list[Sequence], slots: torch.Tensor, decision: SpecDecision
     ) -> tuple[list[list[int]], tuple[int, ...]]:
-        static = self._static_forward(running, decision.strategy)
+        static = self._static_step(running, decision.strategy)
         if decision.drafter == "history":
             roots = [s.output[-1] for s in running]  # the pending last tokens (tokens[slot, n])
             # eager: verify only as many nodes as the longest proposal (a graph's are fixed)

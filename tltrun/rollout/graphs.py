@@ -20,14 +20,16 @@ Three parts, the first two plain Python (unit-tested on CPU, ``tests/test_graphs
   cuda_graphs.md). On CPU nothing is captured: the same static forwards run eagerly, which is
   how the padding is tested.
 
-What a graph holds: a whole plain decode iteration for an engine (``StaticDecode``: pending
-tokens in, the forward, sampling, the hidden-state, token and cache-length writes), the target's
-verify forward (the draft tree's ``verify_tokens + 1`` nodes with its tree mask), or the EAGLE
+What a graph holds, for an engine: a whole plain decode iteration (``StaticDecode``: pending
+tokens in, the forward, sampling, the hidden-state, token and cache-length writes), a whole SD
+verify (``StaticVerify``: the draft tree's ``verify_tokens + 1`` nodes through the forward with
+its tree mask, acceptance, the accepted path's writes and KV compaction), or the EAGLE
 drafter's catch-up and tree expansion (``StaticDraft``: its pending pairs padded to a fixed
-count, a batch with more drafts eagerly). Acceptance of a verify runs eagerly around its
-forward, as nano-vllm's ``ModelRunner`` graphs the model forward only; the draws inside graphs
-(a sampled decode, sampled draft chains) come from the engine's generator registered with the
-graph. Weight updates copy into the parameters in place (``RolloutEngine.update_weights`` /
+count, a batch with more drafts eagerly). nano-vllm's ``ModelRunner`` graphs the model forward
+only; here the host's work between replays is the draft tree's copy in and one read of the
+results. A pool made without the engine's state (``decoding``; tests) captures the bare
+forwards. The draws inside graphs (sampled decode and verify, sampled draft chains) come from
+the engine's generator registered with the graph. Weight updates copy into the parameters in place (``RolloutEngine.update_weights`` /
 ``update_drafter``), which the graphs read at replay.
 
 Run the tests: ``python -m pytest tests/test_graphs.py -q``.
@@ -50,7 +52,7 @@ from tltrun.rollout.draft_graphs import (
     max_pending_pairs,
     num_tree_nodes,
 )
-from tltrun.rollout.static_decode import DecodeSources, StaticDecode
+from tltrun.rollout.static_decode import DecodeSources, StaticDecode, capture_graph
 from tltrun.rollout.static_verify import StaticVerify, VerifyBuffers
 from tltsim.policy import SpecDecision, SpecPolicy, StaticSpec, TLTAdaptive, bucket_arms
 
@@ -228,13 +230,7 @@ class StaticForward:
     def capture(self, pool, stream: torch.cuda.Stream) -> None:
         """Warm up on a side stream (cuBLAS workspaces, compiled kernels), then capture."""
         self._pad(0)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.run()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
-            self.run()
+        self.graph = capture_graph(self.run, pool, stream, None)
 
     def __call__(
         self,

@@ -27,8 +27,8 @@ import torch
 from tltrun.rollout.interface import SamplingParams
 from tltrun.rollout.speculative import logits_to_probs, sample_from_weights
 
-# Graph-safe custom generators (torch >= 2.5 on CUDA builds): without it a sampled decode step
-# is not captured (the engine then runs its eager epilogue)
+# Graph-safe custom generators (torch >= 2.5 on CUDA builds): without it no step that draws
+# (sampled decode, verify or chain drafting) is captured; such a step then runs uncaptured
 IS_GENERATOR_REGISTRABLE = hasattr(torch.cuda.CUDAGraph, "register_generator_state")
 
 
@@ -58,15 +58,18 @@ def decode_sources(engine) -> DecodeSources:
 
 
 def capture_graph(
-    run, pool, stream: torch.cuda.Stream, generator: torch.Generator | None
+    run, pool, stream: torch.cuda.Stream, generator: torch.Generator | None, after_warm_up=None
 ) -> torch.cuda.CUDAGraph:
     """``run`` warmed up on a side stream (cuBLAS workspaces, compiled kernels), then captured
     into ``pool``, with ``generator`` registered when it draws (each replay then advances its
-    Philox offset, as the default CUDA generator's)."""
+    Philox offset, as the default CUDA generator's); ``after_warm_up()`` runs in between (undo
+    what the warm-up committed). Every graph of the pool is captured this way."""
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         run()
     torch.cuda.current_stream().wait_stream(stream)
+    if after_warm_up is not None:
+        after_warm_up()
     graph = torch.cuda.CUDAGraph()
     if generator is not None:
         graph.register_generator_state(generator)
