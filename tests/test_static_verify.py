@@ -320,3 +320,24 @@ VIEW_OPS = {
     "aten._unsafe_view.default", "aten.transpose.int", "aten.squeeze.dim", "aten.unbind.int",
     "aten.permute.default", "aten.detach.default",
 }  # fmt: skip
+
+
+def test_sampled_chains_verify_the_drafting_buffer_in_place():
+    from tltrun.rollout.static_verify import _copy_in
+
+    eng = engine(DRAFTER, sampling=SAMPLED, cuda_graphs=True)
+    eng.prepare_graphs([StaticSpec(strategy="4_1_4")])
+    pool = eng.graphs
+    assert pool.verify_buffers.probs is pool.draft_buffers.probs  # one buffer, not two
+    drafted = pool.drafts[(4, "4_1_4")].probs_out[:3]
+    verify = pool.verify_steps[(4, "4_1_4")]
+    assert drafted.data_ptr() == verify.probs_in.data_ptr()  # the same view: nothing copied
+    # another view of the same buffer (another bucket's drafting step) goes through a copy
+    buf = torch.arange(24.0)
+    dst, src = buf[:12].view(2, 2, 3), buf[6:18].view(2, 2, 3)
+    want = src.clone()
+    _copy_in(dst, src)
+    assert torch.equal(dst, want)
+    fresh = torch.rand(2, 2, 3)
+    _copy_in(dst, fresh)
+    assert torch.equal(dst, fresh)

@@ -336,10 +336,10 @@ class GraphPool:
         self.decode_steps = {
             b: StaticDecode(fwd, decoding) for b, fwd in self.decode.items() if decoding
         }
-        self.verify_steps = {} if decoding is None else self._verify_steps(decoding)
         self.max_pending = max_pending_pairs(tuple(s for _, s in plan.draft_graphs))
         steps = [(b, SpecDecision.parse(s)) for b, s in plan.draft_graphs]
         self.draft_buffers = None if drafting is None else DraftBuffers.for_steps(drafting, steps)
+        self.verify_steps = {} if decoding is None else self._verify_steps(decoding)
         self.drafts = {
             (b, d.strategy): StaticDraft(drafting, b, d, self.max_pending, self.draft_buffers)
             for b, d in steps
@@ -384,7 +384,12 @@ class GraphPool:
         }
         shapes = [(b, fwd.num_tokens, sampled[(b, s)]) for (b, s), fwd in self.verify.items()]
         vocab = self.buffers.logits.shape[-1]
-        self.verify_buffers = VerifyBuffers.for_steps(shapes, vocab, self.buffers.ids.device)
+        # sampled chains' draft distributions: the drafting steps' output buffer, read in place
+        # (the same views where the buckets coincide, as the plan makes them; StaticVerify)
+        drafted = None if self.draft_buffers is None else self.draft_buffers.probs
+        self.verify_buffers = VerifyBuffers.for_steps(
+            shapes, vocab, self.buffers.ids.device, probs=drafted
+        )
         return {
             (b, s): StaticVerify(
                 fwd, SpecDecision.parse(s), decoding, self.verify_buffers, sampled[(b, s)]

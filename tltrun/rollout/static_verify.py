@@ -47,14 +47,20 @@ class VerifyBuffers:
     probs: torch.Tensor | None  # (rows * V,) float32: strategies whose EAGLE chain samples
 
     @classmethod
-    def for_steps(cls, shapes: list[tuple[int, int, bool]], vocab: int, device) -> VerifyBuffers:
-        """``shapes``: (batch, nodes, is_sampled_chain) of every verify step of the pool."""
+    def for_steps(
+        cls, shapes: list[tuple[int, int, bool]], vocab: int, device, probs=None
+    ) -> VerifyBuffers:
+        """``shapes``: (batch, nodes, is_sampled_chain) of every verify step of the pool.
+        ``probs``: a buffer to use for the draft distributions where it is large enough (the
+        drafting steps' output: a sampled chain drafted by its graph is then not copied)."""
         rows = max((b * n for b, n, _ in shapes), default=0)
-        sampled = max((b * n for b, n, is_sampled in shapes if is_sampled), default=0)
+        sampled = max((b * n for b, n, is_sampled in shapes if is_sampled), default=0) * vocab
+        if sampled and (probs is None or probs.numel() < sampled):
+            probs = torch.zeros(sampled, device=device)
         return cls(
             tokens=torch.zeros(rows, dtype=torch.long, device=device),
             parents=torch.zeros(rows, dtype=torch.long, device=device),
-            probs=torch.zeros(sampled * vocab, device=device) if sampled else None,
+            probs=probs if sampled else None,
         )
 
 
@@ -143,7 +149,7 @@ class StaticVerify(StaticStep):
         self.parents_in[:n].copy_(tree.parents)
         if self.probs_in is not None:  # point-mass drafts (history, greedy) as one-hot rows
             if tree.draft_probs is not None:
-                self.probs_in[:n].copy_(tree.draft_probs)
+                _copy_in(self.probs_in[:n], tree.draft_probs)
             else:
                 self.probs_in[:n].zero_().scatter_(2, tree.tokens[..., None], 1.0)
         elif tree.draft_probs is not None:
@@ -152,6 +158,17 @@ class StaticVerify(StaticStep):
         rows = self.out[:n].tolist()  # the step's one read of device values
         accepted = [row[0] for row in rows]
         return accepted, [row[1 : a + 2] for row, a in zip(rows, accepted, strict=True)]
+
+
+def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[...] = src``, where ``src`` may be a view of ``dst``'s buffer: the drafting graph's
+    output for this bucket is the same view (nothing to copy); another view of that buffer is
+    copied through a temporary (overlapping views of different strides)."""
+    if src.data_ptr() == dst.data_ptr() and src.stride() == dst.stride():
+        return
+    if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr():
+        src = src.clone()
+    dst.copy_(src)
 
 
 def verify_eagerly(
