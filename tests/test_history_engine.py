@@ -249,10 +249,16 @@ def _target_joint() -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "strategy,graphs",
-    [("history:2_1_2", False), ("history:2_3_5", False), ("history:2_3_5", True)],
+    [
+        ("history:2_1_2", False),
+        ("history:2_3_5", False),
+        ("history:2_3_5", True),
+        ("history:2_1_2", True),
+    ],  # fmt: skip
 )
 def test_sampled_distribution_with_history_drafting_is_the_targets(strategy, graphs, monkeypatch):
-    # graphs: the pool's static verify, trees padded to the full shape, sibling ranks bounded
+    # graphs: the pool's static verify, trees padded to the full shape, sibling ranks bounded;
+    # a chain's verify graph (sampled: EAGLE's chains carry q) gets the drafts as one-hot q
     calls = _count_static_verifies(monkeypatch)
     reqs = [
         Request(f"r{i}", PROMPT, 3, ignore_eos=True, prompt_id="p") for i in range(NUM_RESPONSES)
