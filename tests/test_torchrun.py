@@ -400,3 +400,26 @@ def test_fsdp_size_shards_the_actor_of_tltrun_train(model_dir, tmp_path):  # noq
     for name, full in weights[1].items():
         torch.testing.assert_close(weights[2][name], full, rtol=1e-4, atol=1e-5)
     assert len(set(logs[2][-1]["actor_sha1"])) == 1  # every engine got the same gathered weights
+
+
+def test_launch_fields_unknown_to_this_torch_are_left_out(monkeypatch):
+    # torch 2.11's LaunchConfig has no shutdown_timeout (the H200 image of session 23 raised
+    # TypeError there); the local launcher passes only what this torch's LaunchConfig takes
+    from dataclasses import dataclass
+
+    import torch.distributed.launcher.api as launcher_api
+
+    from tltrun.train.elastic import _launch_fields
+
+    assert _launch_fields(min_nodes=1, shutdown_timeout=5) == {
+        "min_nodes": 1,
+        "shutdown_timeout": 5,
+    }
+
+    @dataclass
+    class OlderLaunchConfig:  # the fields torch 2.11 has, in part
+        min_nodes: int
+        max_nodes: int
+
+    monkeypatch.setattr(launcher_api, "LaunchConfig", OlderLaunchConfig)
+    assert _launch_fields(min_nodes=1, shutdown_timeout=5) == {"min_nodes": 1}

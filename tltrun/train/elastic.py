@@ -20,6 +20,7 @@ every failed rank, so a dead rank ends the job instead of leaving the others in 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import signal
@@ -109,7 +110,8 @@ def launch_local(num_procs: int, entry: Callable, args: tuple, log_dir: Path) ->
 
     # The agent logs every rank's start and stop; the launcher reports a failure in one line.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR + 10)
-    config = LaunchConfig(
+    config = LaunchConfig(**_launch_fields(
+
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=num_procs,
@@ -121,8 +123,18 @@ def launch_local(num_procs: int, entry: Callable, args: tuple, log_dir: Path) ->
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-    )
+    ))  # fmt: skip
     elastic_launch(config, entry)(*args)
+
+
+def _launch_fields(**fields) -> dict:
+    """``fields`` less those this torch's ``LaunchConfig`` does not have: ``shutdown_timeout``
+    is newer than torch 2.11 (the GPU image of session 23 raised TypeError on it), whose agent
+    then waits its own default after SIGTERM."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    known = inspect.signature(LaunchConfig).parameters
+    return {name: value for name, value in fields.items() if name in known}
 
 
 @dataclass(frozen=True, kw_only=True)
