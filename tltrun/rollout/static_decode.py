@@ -105,6 +105,21 @@ class StaticStep:
         generator = self.sources.generator if self.is_sampled else None
         self.graph = capture_graph(self.run, pool, stream, generator)
 
+    def pad_rows(self, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inside ``run``: which of the bucket's rows are real (B,) bool, with the free rows'
+        cache ``lens`` (a view, written in place) set to 0 so they attend to themselves, and
+        the rows' lengths now (B,), a copy: the position of each row's first new token."""
+        is_real = self.rows < self.num_real
+        lens.copy_(torch.where(is_real, lens, 0))
+        return is_real, lens.clone()
+
+    @staticmethod
+    def write_real(buf: torch.Tensor, index: tuple, new: torch.Tensor, is_real: torch.Tensor):
+        """``buf[index] = new`` on the real rows only (``is_real`` (B,), rows first in
+        ``new``): a free row's entries keep their values."""
+        mask = is_real.view(-1, *([1] * (new.dim() - 1)))
+        buf[index] = torch.where(mask, new, buf[index])
+
     def launch(self, num_real: int) -> None:
         """Run the step for running slots ``0..num_real-1``: a replay where captured."""
         self.num_real.fill_(num_real)
@@ -137,9 +152,7 @@ class StaticDecode(StaticStep):
         """The captured iteration. Everything is indexed by device tensors: no host reads."""
         fwd, src, rows = self.forward, self.sources, self.rows
         lens = fwd.cache.lens[: self.batch]  # (B,) a view: written in place
-        is_real = rows < self.num_real  # (B,)
-        lens.copy_(torch.where(is_real, lens, 0))  # free rows: length 0, attend to themselves
-        pos = lens.clone()  # (B,) each row's new position; tokens[row, pos] is pending
+        is_real, pos = self.pad_rows(lens)  # pos (B,): tokens[row, pos] is pending
         fwd.ids.copy_(src.tokens[rows, pos][:, None])  # (B,1)
         fwd.depth.zero_()  # the shared buffers may hold a verify's layout
         fwd.tree_mask.fill_(True)
@@ -151,10 +164,8 @@ class StaticDecode(StaticStep):
         else:  # the inverse CDF of the one-hot argmax is the argmax
             nxt = logits.float().argmax(dim=-1)
         if src.hidden is not None:
-            old = src.hidden[rows, pos]  # (B,C)
-            src.hidden[rows, pos] = torch.where(is_real[:, None], fwd.hidden_out[:, 0], old)
-        old_next = src.tokens[rows, pos + 1]
-        src.tokens[rows, pos + 1] = torch.where(is_real, nxt, old_next)
+            self.write_real(src.hidden, (rows, pos), fwd.hidden_out[:, 0], is_real)  # (B,C)
+        self.write_real(src.tokens, (rows, pos + 1), nxt, is_real)
         lens.copy_(pos + is_real.long())  # commit the real rows' new entry
         self.tokens_out.copy_(nxt)
 

@@ -102,9 +102,7 @@ class StaticVerify(StaticStep):
         fwd, src, rows, batch = self.forward, self.sources, self.rows, self.batch
         cache = fwd.cache
         lens = cache.lens[:batch]  # (B,) a view: written in place
-        is_real = rows < self.num_real  # (B,)
-        lens.copy_(torch.where(is_real, lens, 0))
-        base = lens.clone()  # (B,) the root's position
+        is_real, base = self.pad_rows(lens)  # base (B,): the root's position
         parents = torch.where(is_real[:, None], self.parents_in, self._chain)  # (B,N)
         tokens = self.tokens_in
         depth, mask = tree_layout(parents, self.shape.max_depth)  # (B,N), (B,N,N)
@@ -127,10 +125,8 @@ class StaticVerify(StaticStep):
         at = rows[:, None]
         if src.hidden is not None:
             new = fwd.hidden_out.gather(1, path[..., None].expand(-1, -1, fwd.hidden_out.shape[-1]))
-            src.hidden[at, pos] = torch.where(is_real[:, None, None], new, src.hidden[at, pos])
-        src.tokens[at, pos + 1] = torch.where(
-            is_real[:, None], result.out_tokens, src.tokens[at, pos + 1]
-        )
+            self.write_real(src.hidden, (at, pos), new, is_real)  # (B,W,C)
+        self.write_real(src.tokens, (at, pos + 1), result.out_tokens, is_real)
         cache.compact(rows, path, result.num_accepted, is_static=True)  # lens = base + n + 1
         lens.copy_(torch.where(is_real, lens, 0))
         self.out[:, 0] = result.num_accepted
@@ -195,6 +191,5 @@ def verify_eagerly(
         )
     engine.tokens[rows, pos + 1] = result.out_tokens
     engine.cache.compact(slots, path, result.num_accepted)
-    accepted = result.num_accepted.tolist()
-    out = result.out_tokens.tolist()
-    return accepted, [row[: n + 1] for row, n in zip(out, accepted, strict=True)]
+    rows = torch.cat([result.num_accepted[:, None], result.out_tokens], dim=1).tolist()  # one read
+    return [r[0] for r in rows], [r[1 : r[0] + 2] for r in rows]
