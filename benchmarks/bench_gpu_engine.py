@@ -71,10 +71,9 @@ from gpu_engine_models import (  # noqa: E402
     weight_bytes_per_token,
 )
 from gpu_engine_timing import (  # noqa: E402
-    COMPILED,
-    FUSED,
     MODES,
     SKIPPED,
+    TARGET_MODES,
     BenchConfig,
     Budget,
     failure,
@@ -175,7 +174,7 @@ def bench_decode(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budg
                     seconds, forward_s = time_cell(
                         partial(make_engine, model, None, batch, context, cfg=cfg), None, cfg,
                         device, partial(time_forward, batch=batch, cfg=cfg),
-                        MODES + (COMPILED, FUSED) if is_target else MODES,
+                        MODES + TARGET_MODES if is_target else MODES,
                     )  # fmt: skip
                 except Exception as e:  # noqa: BLE001 -- one cell's failure is its row's note
                     rows.append({**row, "note": failure(e)})
@@ -188,23 +187,20 @@ def bench_decode(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budg
                 row["graph_speedup"], row["graph_speedup_range"] = ratio_spread(
                     seconds["eager"], seconds["graphs"]
                 )
-                if "compiled" in seconds:
-                    row["compiled_speedup"], row["compiled_speedup_range"] = ratio_spread(
-                        seconds["graphs"], seconds["compiled"]
-                    )
-                    if transformer.compile_failure is not None:
-                        row["note"] = f"compiled ran eagerly: {transformer.compile_failure}"
-                if "fused" in seconds:
-                    row["fused_speedup"], row["fused_speedup_range"] = ratio_spread(
-                        seconds["graphs"], seconds["fused"]
-                    )
+                for mode, *_ in TARGET_MODES:
+                    if mode in seconds:
+                        row[f"{mode}_speedup"], row[f"{mode}_speedup_range"] = ratio_spread(
+                            seconds["graphs"], seconds[mode]
+                        )
+                if "compiled" in seconds and transformer.compile_failure is not None:
+                    row["note"] = f"compiled ran eagerly: {transformer.compile_failure}"
                 if batch == 1:
                     weight_bytes = weight_bytes_per_token(model)
                     kv_token = kv_bytes_per_token(model.config, dtype)
                     roofline = bandwidth / (weight_bytes + context * kv_token)
                     row["roofline_tokens_per_s"] = roofline
                     row["roofline_fraction"] = row["graphs_tokens_per_s"] / roofline
-                    for mode in ("compiled", "fused"):
+                    for mode, *_ in TARGET_MODES:
                         if f"{mode}_tokens_per_s" in row:
                             row[f"{mode}_roofline_fraction"] = (
                                 row[f"{mode}_tokens_per_s"] / roofline
@@ -396,13 +392,17 @@ def main(argv: list[str] | None = None) -> int:
           "compiled_speedup": "compiled/graphs", "compiled_speedup_range": "range",
           "compiled_roofline_fraction": "compiled of roofline", "fused_tokens_per_s": "fused tok/s",
           "fused_speedup": "fused/graphs", "fused_speedup_range": "range",
-          "fused_roofline_fraction": "fused of roofline", "note": "note"},
+          "fused_roofline_fraction": "fused of roofline",
+          "compiled_fused_tokens_per_s": "compiled+fused tok/s",
+          "compiled_fused_speedup": "compiled+fused/graphs", "compiled_fused_speedup_range": "range",
+          "compiled_fused_roofline_fraction": "compiled+fused of roofline", "note": "note"},
          {"eager_tokens_per_s": ",.0f", "graphs_tokens_per_s": ",.0f", "graph_speedup": "{:.2f}x",
           "roofline_fraction": ".0%", "step_ms": ".2f", "forward_ms": ".2f",
           "forward_roofline_fraction": ".0%", "compiled_tokens_per_s": ",.0f",
           "compiled_speedup": "{:.2f}x", "compiled_roofline_fraction": ".0%",
           "fused_tokens_per_s": ",.0f", "fused_speedup": "{:.2f}x",
-          "fused_roofline_fraction": ".0%"}),
+          "fused_roofline_fraction": ".0%", "compiled_fused_tokens_per_s": ",.0f",
+          "compiled_fused_speedup": "{:.2f}x", "compiled_fused_roofline_fraction": ".0%"}),
         ("where", lambda b: bench_where(cfg, device, dtype, bandwidth, b),
          {"shape": "shape", "context": "context", "batch": "batch", "mode": "mode",
           "step_ms": "step ms", "busy_ms": "device busy ms", "host_wait_ms": "waits for host ms",

@@ -101,17 +101,22 @@ def time_alternating(pairs: dict[str, tuple[RolloutEngine, EngineProbe]], policy
     return seconds
 
 
-# engine modes a cell compares: (name, CUDA-graph pool, compiled layers, fused q/k/v)
+# engine modes a cell compares: (name, CUDA-graph pool, compiled layers, fused projections)
 MODES = (("eager", False, False, False), ("graphs", True, False, False))
 # the graphs engine with its layers' work around attention compiled (EngineConfig.compile_layers,
-# issue #18 item 5), and with one q/k/v projection (EngineConfig.fuse_qkv): timed at batch 1 of
-# the first context, where kernel count and GEMV width set the step
+# issue #18 item 5), with one q/k/v and one gate/up projection (EngineConfig.fuse_projections),
+# and with both: timed at batch 1 of the first context, where kernel count and GEMV width set
+# the step
 COMPILED = ("compiled", True, True, False)
 FUSED = ("fused", True, False, True)
+COMPILED_FUSED = ("compiled_fused", True, True, True)
+# the modes timed beside graphs at the roofline target's cell, each also as a ratio over graphs
+TARGET_MODES = (COMPILED, FUSED, COMPILED_FUSED)
 
 
 def time_cell(make, policy, cfg: BenchConfig, device, on_graphs=None, modes=MODES):
-    """One cell's engines, one per mode (``make(is_graphs=, compile_layers=, fuse_qkv=)``), all
+    """One cell's engines, one per mode (``make(is_graphs=, compile_layers=,
+    fuse_projections=)``), all
     alive, timed
     alternating (``time_alternating``); ``on_graphs(engine)`` then runs on the graphs engine.
     Returns the timings and what ``on_graphs`` returned; the engines' memory goes back either
@@ -119,7 +124,9 @@ def time_cell(make, policy, cfg: BenchConfig, device, on_graphs=None, modes=MODE
     pairs = {}
     try:
         for mode, is_graphs, is_compiled, is_fused in modes:
-            pairs[mode] = make(is_graphs=is_graphs, compile_layers=is_compiled, fuse_qkv=is_fused)
+            pairs[mode] = make(
+                is_graphs=is_graphs, compile_layers=is_compiled, fuse_projections=is_fused
+            )
         seconds = time_alternating(pairs, policy, cfg)
         return seconds, on_graphs(pairs["graphs"][0]) if on_graphs is not None else None
     finally:
@@ -169,10 +176,10 @@ def time_forward(engine: RolloutEngine, batch: int, cfg: BenchConfig) -> float |
 def make_engine(model, drafter, batch: int, context: int, is_graphs: bool, cfg: BenchConfig,
                 max_verify_tokens: int = 1, policy: SpecPolicy | None = None,
                 compile_layers: bool = False,
-                fuse_qkv: bool = False) -> tuple[RolloutEngine, EngineProbe]:  # fmt: skip
+                fuse_projections: bool = False) -> tuple[RolloutEngine, EngineProbe]:  # fmt: skip
     """An engine and its probe. A fused engine gets its own copy of the model: fusing re-points
-    the q/k/v parameters, which the graphs of the cell's other engines read."""
-    if fuse_qkv:
+    the projections' parameters, which the graphs of the cell's other engines read."""
+    if fuse_projections:
         model, drafter = copy.deepcopy(model), None if drafter is None else copy.deepcopy(drafter)
         if drafter is not None:
             drafter.bind(model)
@@ -190,7 +197,7 @@ def make_engine(model, drafter, batch: int, context: int, is_graphs: bool, cfg: 
             attn_impl=cfg.attn_impl,
             cuda_graphs=is_graphs,
             compile_layers=compile_layers,
-            fuse_qkv=fuse_qkv,
+            fuse_projections=fuse_projections,
             graph_batch_sizes=(batch,),
             max_verify_tokens=max_verify_tokens,
         ),

@@ -82,7 +82,8 @@ def bench_where(
     cfg: timing.BenchConfig, device, dtype, bandwidth: float, budget: timing.Budget
 ) -> list[dict]:
     """Where the batch-1 decode step's time goes (the roofline target's cell: the largest
-    shape, the first context), eager and graphs: device busy vs waiting for the host, and the
+    shape, the first context), eager, graphs, compiled layers, and compiled layers with fused
+    projections: device busy vs waiting for the host, and the
     busy time by kernel kind (GEMM, attention, other) with the costliest kernels."""
     shape, context, batch = cfg.shapes[-1], cfg.contexts[0], 1
     if budget.is_over:
@@ -91,14 +92,22 @@ def bench_where(
     weight_bytes = weight_bytes_per_token(model)
     rows = []
     try:
-        for mode, is_graphs, is_compiled, _ in (timing.MODES[1], timing.COMPILED, timing.MODES[0]):
+        modes = (timing.MODES[1], timing.COMPILED, timing.COMPILED_FUSED, timing.MODES[0])
+        for mode, is_graphs, is_compiled, is_fused in modes:
             row = {"shape": shape, "context": context, "batch": batch, "mode": mode}
             if budget.is_over:
                 rows.append({**row, "note": timing.SKIPPED})
                 continue
             try:
                 engine, probe = timing.make_engine(
-                    model, None, batch, context, is_graphs, cfg, compile_layers=is_compiled
+                    model,
+                    None,
+                    batch,
+                    context,
+                    is_graphs,
+                    cfg,
+                    compile_layers=is_compiled,
+                    fuse_projections=is_fused,
                 )
                 timing.warm_up(engine, probe, None, cfg)
                 prof = profile_steps(engine, cfg.timed_iters, device)
@@ -131,6 +140,6 @@ def bench_where(
     print("costliest kernels per decode step (ms, launches, kind, name):")
     for row in rows:
         for k in row.get("top_kernels", ()):
-            print(f"  {row['mode']:>8}  {k['ms_per_step']:8.3f} ms  x{k['per_step']:<5.0f} "
+            print(f"  {row['mode']:>14}  {k['ms_per_step']:8.3f} ms  x{k['per_step']:<5.0f} "
                   f"{k['kind']:<9}  {k['name'][:90]}")  # fmt: skip
     return rows

@@ -16,7 +16,12 @@ from tiny_models import VOCAB, tiny_config, tiny_model
 
 from tltrun.model import transformer
 from tltrun.model.drafter import EagleDrafter
-from tltrun.model.transformer import CausalContext, Transformer, fuse_qkv, set_compiled_layers
+from tltrun.model.transformer import (
+    CausalContext,
+    Transformer,
+    fuse_projections,
+    set_compiled_layers,
+)
 from tltrun.rollout.engine import RolloutEngine
 from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import Request, SamplingParams
@@ -59,14 +64,14 @@ def test_compiled_layers_generate_the_eager_engines_tokens(monkeypatch):
 @pytest.mark.parametrize("fused", [False, True])
 def test_one_compile_serves_every_layer(monkeypatch, fused):
     """The pieces take the layer as an argument: dynamo guards on its structure, not its identity,
-    so a deeper model compiles the same number of graphs (none per layer); with q/k/v fused too
+    so a deeper model compiles the same number of graphs (none per layer); with q/k/v and gate/up fused too
     (each layer's stacked tensor an input, not a constant)."""
     monkeypatch.setattr(transformer, "compile_failure", None)
     torch._dynamo.reset()
     counts = []
     for layers in (2, 6):
         model = Transformer(tiny_config(num_hidden_layers=layers, attention_bias=fused))
-        model = set_compiled_layers(fuse_qkv(model) if fused else model).eval()
+        model = set_compiled_layers(fuse_projections(model) if fused else model).eval()
         ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
         positions = torch.arange(5).expand(2, -1)
         start = _compiles()

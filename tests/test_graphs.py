@@ -304,11 +304,12 @@ def test_gpu_benchmark_script_runs_its_smoke_mode_on_cpu(tmp_path, capsys, monke
     # the compiled-layers engine at the roofline target's cell (batch 1, first context) only
     compiled = [(r["batch"], r["context"]) for r in result["decode"] if "compiled_speedup" in r]
     assert compiled == [(1, 32)]
-    fused = [(r["batch"], r["context"]) for r in result["decode"] if "fused_speedup" in r]
-    assert fused == [(1, 32)]  # and the fused q/k/v engine, on its own copy of the model
+    for mode in ("fused", "compiled_fused"):  # and the fused engines, each on its own model copy
+        fused = [(r["batch"], r["context"]) for r in result["decode"] if f"{mode}_speedup" in r]
+        assert fused == [(1, 32)]
     assert [r["batch"] for r in result["sd"]] == [1, 2, 1, 2]
     where = {r["mode"]: r for r in result["where"]}  # the batch-1 step, profiled
-    assert set(where) == {"graphs", "compiled", "eager"}
+    assert set(where) == {"graphs", "compiled", "compiled_fused", "eager"}
     for row in where.values():
         assert row["busy_ms"] > 0 and row["kernels_per_step"] > 0 and row["gemm_ms"] > 0
         assert row["top_kernels"][0]["ms_per_step"] >= row["top_kernels"][-1]["ms_per_step"]

@@ -101,7 +101,73 @@ class CausalContext:
         )
 
 
-class Attention(nn.Module):
+class StackedProjections(nn.Module):
+    """A module whose no-grad forwards may run several ``nn.Linear`` of one input as one GEMM,
+    as vLLM's ``QKVParallelLinear`` (q, k, v) and ``MergedColumnParallelLinear`` (gate, up)
+    do: at batch 1 on an H200 the three small q/k/v GEMVs read their weights at 1.3 TB/s where
+    the MLP's reach 3.8-4.0 (benchmarks/RESULTS.md, session 21), and every GEMM of a captured
+    step is a kernel the graph replays.
+
+    ``fuse_projections`` stacks the linears named in ``STACKS`` (output rows in that order);
+    the parameters become views of the stacked tensor, so state-dict names stay Hugging Face's
+    and every in-place update of them (``load_in_place``, an optimizer step) updates it;
+    forwards that record gradients (training) use the linears apart as before. A dtype or
+    device conversion re-stacks (``_apply``), as does a deep copy; a parameter replaced by
+    assignment breaks the link, so fuse last. Idempotent while the link holds: re-stacking
+    would move the weights that graphs captured over this model read."""
+
+    STACKS: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        # (weight, bias or None) of the STACKS linears, once fuse_projections ran
+        self.stacked: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse_projections(self) -> None:
+        linears = [getattr(self, name) for name in self.STACKS]
+        if self.stacked is not None and all(
+            t.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
+            for stacked, name in zip(self.stacked, ("weight", "bias"), strict=True)
+            if stacked is not None
+            for t in (getattr(p, name) for p in linears)
+        ):
+            return
+        rows = [p.weight.shape[0] for p in linears]
+        weight = torch.cat([p.weight.detach() for p in linears])
+        if not linears[0].weight.is_contiguous():  # keep gemm_layout's column-major storage
+            weight = weight.t().contiguous().t()
+        # .data, not new Parameters: an optimizer (a spot trainer's) keeps the same objects
+        for p, view in zip(linears, weight.split(rows), strict=True):
+            p.weight.data = view
+        bias = None
+        if linears[0].bias is not None:
+            bias = torch.cat([p.bias.detach() for p in linears])
+            for p, view in zip(linears, bias.split(rows), strict=True):
+                p.bias.data = view
+        self.stacked = (weight, bias)
+
+    def stacked_linear(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x`` through the stacked linears in one GEMM (their outputs side by side), or None
+        where they run apart (not fused, or a forward that records gradients)."""
+        if self.stacked is None or torch.is_grad_enabled():
+            return None
+        return F.linear(x, *self.stacked)
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)
+        if self.stacked is not None:  # the conversion gave each parameter its own new tensor
+            self.fuse_projections()
+        return out
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if self.stacked is not None:  # a deep copy or unpickling clones each parameter alone
+            self.fuse_projections()
+
+
+class Attention(StackedProjections):
+    STACKS = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
@@ -113,52 +179,6 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c, self.num_kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(c, self.num_kv_heads * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * d, c, bias=False)
-        # (weight, bias or None) of q, k and v stacked, once fuse_qkv ran: no-grad forwards
-        # then run one GEMM where they ran three
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
-
-    def fuse_qkv(self) -> None:
-        """Stack q, k and v into one projection for inference, as vLLM's ``QKVParallelLinear``:
-        at batch 1 on an H200 the three small GEMVs read their weights at 1.3 TB/s where the
-        MLP's reach 3.8-4.0 (benchmarks/RESULTS.md, session 21). The three parameters become
-        views of the stacked tensor, so state-dict names stay Hugging Face's and every in-place
-        update of them (``load_in_place``, an optimizer step) updates it; forwards that record
-        gradients (training) use the three as before. A dtype or device conversion re-stacks
-        (``_apply``), as does a deep copy; a parameter replaced by assignment breaks the link,
-        so fuse last. Idempotent while the link holds: re-stacking would move the weights
-        that graphs captured over this model read."""
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        if self.qkv is not None and all(
-            t.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
-            for stacked, name in zip(self.qkv, ("weight", "bias"), strict=True)
-            if stacked is not None
-            for t in (getattr(p, name) for p in projections)
-        ):
-            return
-        rows = [p.weight.shape[0] for p in projections]
-        weight = torch.cat([p.weight.detach() for p in projections])
-        if not self.q_proj.weight.is_contiguous():  # keep gemm_layout's column-major storage
-            weight = weight.t().contiguous().t()
-        # .data, not new Parameters: an optimizer (a spot trainer's) keeps the same objects
-        for p, view in zip(projections, weight.split(rows), strict=True):
-            p.weight.data = view
-        bias = None
-        if self.q_proj.bias is not None:
-            bias = torch.cat([p.bias.detach() for p in projections])
-            for p, view in zip(projections, bias.split(rows), strict=True):
-                p.bias.data = view
-        self.qkv = (weight, bias)
-
-    def _apply(self, fn, recurse: bool = True):
-        out = super()._apply(fn, recurse)
-        if self.qkv is not None:  # the conversion gave each parameter its own new tensor
-            self.fuse_qkv()
-        return out
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        if self.qkv is not None:  # a deep copy or unpickling clones each parameter alone
-            self.fuse_qkv()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
@@ -171,8 +191,8 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries (B,H,T,D) and keys/values (B,Hkv,T,D) of ``x`` (B,T,C), RoPE applied."""
         b, t, _ = x.shape
-        if self.qkv is not None and not torch.is_grad_enabled():
-            qkv = F.linear(x, *self.qkv)
+        qkv = self.stacked_linear(x)  # (B,T,(H+2Hkv)D) or None
+        if qkv is not None:
             kv_width = self.num_kv_heads * self.head_dim
             q, k, v = qkv.split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
         else:
@@ -191,7 +211,9 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
-class MLP(nn.Module):
+class MLP(StackedProjections):
+    STACKS = ("gate_proj", "up_proj")
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -199,7 +221,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.stacked_linear(x)  # (B,T,2I) or None
+        if gate_up is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -293,12 +320,12 @@ def _piece(index: int, is_compiled: bool, *args):
     return (_before_attention, _after_attention)[index](*args)
 
 
-def fuse_qkv(module: nn.Module) -> nn.Module:
-    """``Attention.fuse_qkv`` for every attention of ``module`` (a ``Transformer`` or an EAGLE
-    drafter). Returns ``module``."""
+def fuse_projections(module: nn.Module) -> nn.Module:
+    """``StackedProjections.fuse_projections`` for every attention (q, k, v) and MLP (gate, up)
+    of ``module`` (a ``Transformer`` or an EAGLE drafter). Returns ``module``."""
     for m in module.modules():
-        if isinstance(m, Attention):
-            m.fuse_qkv()
+        if isinstance(m, StackedProjections):
+            m.fuse_projections()
     return module
 
 

@@ -62,7 +62,7 @@ import torch
 
 from tltrun.model.drafter import EagleDrafter
 from tltrun.model.kvcache import KVCache
-from tltrun.model.transformer import Transformer, fuse_qkv, set_compiled_layers
+from tltrun.model.transformer import Transformer, fuse_projections, set_compiled_layers
 from tltrun.rollout.draft_graphs import draft_sources
 from tltrun.rollout.engine_config import DTYPES, EngineConfig
 from tltrun.rollout.graphs import CapturePlan, GraphPool, capture_plan
@@ -114,10 +114,10 @@ class RolloutEngine:
         if drafter is not None:
             drafter.to(device=self.device, dtype=dtype).eval()
             drafter.bind(self.model)
-        if config.fuse_qkv:  # before any capture: fusing re-points the q/k/v parameters
+        if config.fuse_projections:  # before any capture: fusing re-points the parameters
             for module in (self.model, drafter):
                 if module is not None:
-                    fuse_qkv(module)
+                    fuse_projections(module)
         self._apply_layer_settings()
         cfg = model.config
         slots = config.max_running_requests

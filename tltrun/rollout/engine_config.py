@@ -90,15 +90,20 @@ class EngineConfig:
             "step; compiles at start-up; falls back to eager with a warning if it fails)"
         },
     )
-    # one stacked q/k/v projection for no-grad forwards (tltrun.model.transformer.Attention.
-    # fuse_qkv; vLLM's QKVParallelLinear): on an H200 the three small batch-1 GEMVs read at a
-    # third of the MLP's bandwidth (benchmarks/RESULTS.md, session 21). Off by default until a
-    # GPU run measures it (bench_gpu_engine.py's fused column). Fusing re-points the model's
-    # q/k/v parameters: an engine fuses at construction, before it captures anything, and
-    # other engines must not share a model that one of them fuses after they captured
-    fuse_qkv: bool = field(
+    # one stacked q/k/v and one stacked gate/up projection for no-grad forwards
+    # (tltrun.model.transformer.StackedProjections; vLLM's QKVParallelLinear and
+    # MergedColumnParallelLinear): on an H200 the three small batch-1 q/k/v GEMVs read at a
+    # third of the MLP's bandwidth (benchmarks/RESULTS.md, session 21); q/k/v stacked alone
+    # gave 1.10x over graphs at 7B batch 1 (session 23, one run). Off by default until medians
+    # of runs measure it (bench_gpu_engine.py's fused columns). Fusing re-points the model's
+    # parameters: an engine fuses at construction, before it captures anything, and other
+    # engines must not share a model that one of them fuses after they captured
+    fuse_projections: bool = field(
         default=False,
-        metadata={"help": "one GEMM for q, k and v in rollout forwards (fewer, larger GEMVs)"},
+        metadata={
+            "help": "one GEMM for q, k and v and one for gate and up in rollout forwards "
+            "(fewer, larger GEMVs)"
+        },
     )
     # vLLM's --cuda-graph-sizes / SGLang's --cuda-graph-bs; () = vLLM's default capture sizes
     # up to max_running_requests (tltrun.rollout.graphs.batch_buckets)

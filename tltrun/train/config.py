@@ -191,10 +191,13 @@ class TrainConfig:
         default=False,
         metadata={"help": "torch engine: torch.compile each layer's work around attention"},
     )
-    # the torch engine's EngineConfig.fuse_qkv (off by default)
-    fuse_qkv: bool = field(
+    # the torch engine's EngineConfig.fuse_projections (off by default)
+    fuse_projections: bool = field(
         default=False,
-        metadata={"help": "torch engine: one GEMM for q, k and v in rollout forwards"},
+        metadata={
+            "help": "torch engine: one GEMM for q, k and v and one for gate and up in rollout "
+            "forwards"
+        },
     )
     # the torch engine's EngineConfig.is_history_cross_prompt (tltrun.model.history_drafter)
     is_history_cross_prompt: bool = field(

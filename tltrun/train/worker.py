@@ -207,7 +207,7 @@ class Worker:
                     is_harvesting=is_harvesting,
                     eos_token_ids=self.tok.eos_ids,
                     compile_layers=cfg.compile_layers,
-                    fuse_qkv=cfg.fuse_qkv,
+                    fuse_projections=cfg.fuse_projections,
                     is_history_cross_prompt=cfg.is_history_cross_prompt,
                 ),
                 clock=self.clock,

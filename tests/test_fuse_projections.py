@@ -1,7 +1,7 @@
-"""``EngineConfig.fuse_qkv`` (issue #18): q, k and v as one stacked projection in no-grad
-forwards, their parameters views of the stacked tensor, so that every in-place update of them
-(weight sync, an optimizer step) reaches it; and the per-engine layer settings of engines that
-share one model."""
+"""``EngineConfig.fuse_projections`` (issue #18): q, k and v as one stacked projection and gate
+and up as another in no-grad forwards, their parameters views of the stacked tensors, so that
+every in-place update of them (weight sync, an optimizer step) reaches them; and the per-engine
+layer settings of engines that share one model."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import copy
 import pytest
 import torch
 from tiny_models import VOCAB, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tltrun.model.drafter import EagleDrafter
-from tltrun.model.transformer import CausalContext, fuse_qkv
+from tltrun.model.transformer import CausalContext, StackedProjections, fuse_projections
 from tltrun.rollout.engine import RolloutEngine
 from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import Request, SamplingParams
@@ -28,11 +29,20 @@ def _logits(model) -> torch.Tensor:
         return model(IDS, POSITIONS, CausalContext())[0]
 
 
+def _stacks(model) -> list[StackedProjections]:
+    stacks = [m for m in model.modules() if isinstance(m, StackedProjections)]
+    assert len(stacks) == 2 * len(model.model.layers)  # an attention and an MLP a layer
+    return stacks
+
+
+def _stacks_of_drafter(drafter) -> list[StackedProjections]:
+    return [m for m in drafter.modules() if isinstance(m, StackedProjections)]
+
+
 def _shares_stack(model) -> bool:
-    for layer in model.model.layers:
-        att = layer.self_attn
-        weight, bias = att.qkv
-        for p in (att.q_proj, att.k_proj, att.v_proj):
+    for m in _stacks(model):
+        weight, bias = m.stacked
+        for p in (getattr(m, name) for name in m.STACKS):
             if p.weight.untyped_storage().data_ptr() != weight.untyped_storage().data_ptr():
                 return False
             if bias is not None and (
@@ -45,35 +55,69 @@ def _shares_stack(model) -> bool:
 def _unfused_copy(model):
     """The same weights without the stacked path (a reference forward)."""
     ref = copy.deepcopy(model)
-    for layer in ref.model.layers:
-        layer.self_attn.qkv = None
+    for m in _stacks(ref):
+        m.stacked = None
     return ref
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_forward_equals_the_three_projections(bias):
+def test_fused_forward_equals_the_projections_apart(bias):
     model = tiny_model(seed=2, attention_bias=bias)
     want = _logits(model)
     names = {k: v.clone() for k, v in model.state_dict().items()}
-    fuse_qkv(model)
+    fuse_projections(model)
     assert _shares_stack(model)
     torch.testing.assert_close(_logits(model), want, atol=1e-6, rtol=1e-6)
     # the checkpoint's names and values are unchanged: Hugging Face's layout on disk
     assert list(model.state_dict()) == list(names)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in names.items())
-    # an in-place update of q (load_in_place, weight sync) reaches the stacked forward
-    with torch.no_grad():
-        model.model.layers[0].self_attn.q_proj.weight.mul_(-1.0)
-    got = _logits(model)
-    assert not torch.allclose(got, want)
-    torch.testing.assert_close(got, _logits(_unfused_copy(model)), atol=1e-6, rtol=1e-6)
+    # an in-place update of q or up (load_in_place, weight sync) reaches the stacked forward
+    for update in (
+        model.model.layers[0].self_attn.q_proj.weight,
+        model.model.layers[1].mlp.up_proj.weight,
+    ):
+        with torch.no_grad():
+            update.mul_(-1.0)
+        got = _logits(model)
+        assert not torch.allclose(got, want)
+        torch.testing.assert_close(got, _logits(_unfused_copy(model)), atol=1e-6, rtol=1e-6)
+        want = got
+
+
+class _CountGemms(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_fused_layer_runs_four_gemms_where_it_ran_seven(bias):
+    model = tiny_model(seed=2, attention_bias=bias)
+    counts = []
+    for fused in (False, True):
+        if fused:
+            fuse_projections(model)
+        with _CountGemms() as gemms:
+            _logits(model)
+        counts.append(gemms.count)
+    num_layers = len(model.model.layers)
+    # q, k, v, o, gate, up, down a layer, then one: q/k/v, o, gate/up, down; and the LM head
+    assert counts == [7 * num_layers + 1, 4 * num_layers + 1]
+    with _CountGemms() as gemms, torch.enable_grad():  # training forwards run them apart
+        model(IDS, POSITIONS, CausalContext())
+    assert gemms.count == 7 * num_layers + 1
 
 
 def test_optimizer_made_before_fusing_still_trains_the_fused_weights():
     model = tiny_model(seed=4, attention_bias=True)
     first = model.model.layers[0].self_attn.k_proj.weight
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    fuse_qkv(model)
+    fuse_projections(model)
     assert model.model.layers[0].self_attn.k_proj.weight is first  # same Parameter objects
     model.train()
     loss = model(IDS, POSITIONS, CausalContext())[0].float().square().mean()
@@ -85,21 +129,23 @@ def test_optimizer_made_before_fusing_still_trains_the_fused_weights():
 
 
 def test_fusing_again_moves_nothing():
-    model = fuse_qkv(tiny_model(seed=7, attention_bias=True))
-    stacks = [layer.self_attn.qkv for layer in model.model.layers]
-    fuse_qkv(model)  # a second engine on the same model: graphs captured over it stay valid
+    model = fuse_projections(tiny_model(seed=7, attention_bias=True))
+    stacks = [m.stacked for m in _stacks(model)]
+    fuse_projections(model)  # a second engine on the same model: graphs captured over it stay valid
     assert all(
-        layer.self_attn.qkv[0] is w and layer.self_attn.qkv[1] is b
-        for layer, (w, b) in zip(model.model.layers, stacks, strict=True)
+        m.stacked[0] is w and m.stacked[1] is b
+        for m, (w, b) in zip(_stacks(model), stacks, strict=True)
     )
 
 
 def test_copies_and_conversions_restack():
-    model = fuse_qkv(tiny_model(seed=5, attention_bias=True))
+    model = fuse_projections(tiny_model(seed=5, attention_bias=True))
     clone = copy.deepcopy(model)
     assert _shares_stack(clone)  # a deep copy clones each parameter alone: re-stacked
     model.to(torch.bfloat16)
-    assert _shares_stack(model) and model.model.layers[0].self_attn.qkv[0].dtype == torch.bfloat16
+    assert _shares_stack(model) and all(
+        m.stacked[0].dtype == torch.bfloat16 for m in _stacks(model)
+    )
     with torch.no_grad():
         clone.model.layers[1].self_attn.v_proj.bias.add_(1.0)
     torch.testing.assert_close(_logits(clone), _logits(_unfused_copy(clone)), atol=1e-6, rtol=1e-6)
@@ -121,9 +167,11 @@ def test_a_fused_engine_generates_and_syncs_weights_as_an_unfused_one(graphs):
     plain = _engine(copy.deepcopy(base), None)
     target = copy.deepcopy(base)
     fused = _engine(
-        target, EagleDrafter.for_target(target, seed=1), fuse_qkv=True, cuda_graphs=graphs
+        target, EagleDrafter.for_target(target, seed=1), fuse_projections=True, cuda_graphs=graphs
     )
-    assert _shares_stack(fused.model) and fused.drafter.layers[0].self_attn.qkv is not None
+    drafter_stacks = _stacks_of_drafter(fused.drafter)  # its layer's attention and MLP
+    assert _shares_stack(fused.model) and len(drafter_stacks) == 2
+    assert all(m.stacked is not None for m in drafter_stacks)
     want = tokens(plain, NoSpec())
     assert tokens(fused, NoSpec()) == want
     assert tokens(fused, StaticSpec(strategy="3_2_6")) == want  # lossless SD through it
