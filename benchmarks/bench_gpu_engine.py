@@ -95,6 +95,13 @@ def parse_config(argv: list[str] | None) -> BenchConfig:
         help="0.5B and 7B shapes, batches 1/16/256, fewer iterations: one 10-minute call",
     )
     p.add_argument("--smoke", action="store_true", help="tiny model, tiny sizes: checks the script")
+    p.add_argument(
+        "--targets",
+        action="store_true",
+        help="only the cells the issue's targets rest on (batch 1, 1k context; the pool "
+        "without its naive row), sections decode,pool unless --sections: one run of several "
+        "(benchmarks/gpu_targets.py takes their medians)",
+    )
     p.add_argument("--out_dir", default=BenchConfig.out_dir, help="where the JSON goes")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, caches and sampling")
     p.add_argument("--repeats", type=int, default=None,
@@ -114,11 +121,14 @@ def parse_config(argv: list[str] | None) -> BenchConfig:
     )
     p.add_argument(
         "--sections",
-        default=",".join(BenchConfig.sections),
+        default=None,
         help="comma-separated sections to run, in this order, of "
-        + ", ".join(BenchConfig.sections),
+        + ", ".join(BenchConfig.sections)
+        + " (default: all; decode,pool with --targets)",
     )
     a = p.parse_args(argv)  # fmt: skip
+    if a.sections is None:
+        a.sections = "decode,pool" if a.targets else ",".join(BenchConfig.sections)
     sections = tuple(x.strip() for x in a.sections.split(",") if x.strip())
     unknown = sorted(set(sections) - set(BenchConfig.sections))
     if unknown or not sections or len(set(sections)) < len(sections):
@@ -128,12 +138,17 @@ def parse_config(argv: list[str] | None) -> BenchConfig:
         p.error(f"--repeats must be >= 1, got {a.repeats}")
     repeats = a.repeats if a.repeats is not None else 1 if a.smoke else BenchConfig.repeats
     base = dict(device=a.device, seed=a.seed, out_dir=a.out_dir, attn_impl=a.attn_impl,
-                budget_s=a.budget_s, repeats=repeats, sections=sections)  # fmt: skip
+                budget_s=a.budget_s, repeats=repeats, sections=sections,
+                is_targets_only=a.targets)  # fmt: skip
     if a.smoke:
-        return BenchConfig(**base, shapes=("tiny",), batches=(1, 4), contexts=(32,),
+        return BenchConfig(**base, shapes=("tiny",), batches=(1,) if a.targets else (1, 4),
+                           contexts=(32,),
                            sd_shapes=("tiny",), sd_strategies=("2_1_2", "3_2_4"), sd_context=32,
                            pool_shape="tiny", hf_batches=(1, 2), hf_context=16, hf_new_tokens=4,
                            warmup_iters=1, timed_iters=2, is_smoke=True)  # fmt: skip
+    if a.targets:
+        return BenchConfig(**base, shapes=("Qwen2.5-0.5B", "Qwen2.5-7B"), batches=(1,),
+                           contexts=(1024,), warmup_iters=3, timed_iters=10)  # fmt: skip
     if a.quick:
         return BenchConfig(**base, shapes=("Qwen2.5-0.5B", "Qwen2.5-7B"), batches=(1, 16, 256),
                            sd_shapes=("Qwen2.5-0.5B",), warmup_iters=3, timed_iters=10,
@@ -170,6 +185,8 @@ def bench_decode(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budg
                     rows.append({**row, "note": "KV cache does not fit"})
                     continue
                 is_target = batch == 1 and context == cfg.contexts[0]
+                if cfg.is_targets_only:  # the roofline target's shape alone
+                    is_target = is_target and shape == cfg.shapes[-1]
                 try:
                     seconds, forward_s = time_cell(
                         partial(make_engine, model, None, batch, context, cfg=cfg), None, cfg,
@@ -296,12 +313,13 @@ def bench_pool(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
     single_name = f"single strategy ({strategies[0]})"
     # the target (bucketed vs single) first, measured as a pair once begun: a budget
     # cut spares it (a 60 s H200 call of session 21 ended inside the pair, nothing printed)
-    for name, plans in (
+    pools = (
         ("bucketed (TLT plan, one pool)", [plan]),
         (single_name, [dataclasses.replace(
             every_bucket(strategies[0]), decode_buckets=plan.decode_buckets)]),
         ("naive (a pool per strategy, every bucket)", [decode] + [every_bucket(s) for s in strategies]),
-    ):  # fmt: skip
+    )  # fmt: skip
+    for name, plans in pools[:2] if cfg.is_targets_only else pools:
         is_pair_begun = name == single_name and "memory_gib" in rows[0]
         if budget.is_over and not is_pair_begun:
             rows.append({"pool": name, "note": SKIPPED})

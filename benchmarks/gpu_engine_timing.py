@@ -57,6 +57,11 @@ class BenchConfig:
     out_dir: str = "results/bench_gpu_engine"
     # which sections run (a later device call re-measures only what an earlier one missed)
     sections: tuple[str, ...] = ("decode", "where", "sd", "pool", "hf")
+    # only the cells issue #18's targets rest on (--targets): batch 1 at the first context,
+    # the extra engine modes at the largest shape alone, the pool without its naive row; one
+    # such run a process, several runs with fresh seeds give the targets' medians
+    # (benchmarks/gpu_targets.py)
+    is_targets_only: bool = False
 
 
 def time_iterations(engine: RolloutEngine, probe: EngineProbe, policy, cfg: BenchConfig) -> float:

@@ -83,6 +83,91 @@ def test_stage_all_runs_every_step_in_one_call_and_packs_what_comes_back(tmp_pat
     assert "=== bench_gpu_engine" in result.stdout  # the tables, on standard output
 
 
+def test_stage_targets_runs_the_target_cells_per_seed_and_takes_their_medians(tmp_path):
+    import json
+    import tarfile
+
+    out = tmp_path / "targets"
+    result = run("targets", out, SMOKE="1", TOTAL_S="300")
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = (out / "steps.txt").read_text()
+    for name in ("targets_seed_0", "targets_seed_1", "targets_seed_2", "targets_summary",
+                 "pytest_recipe"):  # fmt: skip
+        assert f"{name}: exit 0" in steps, steps
+    assert sorted(p.name for p in files_back(out)) == ["results.tgz", "steps.txt", "targets.json"]
+    summary = json.loads((out / "targets.json").read_text())
+    assert summary["runs"] == ["seed_0", "seed_1", "seed_2"]
+    figures = {f["figure"]: f for f in summary["figures"]}
+    graphs = figures["graphs over eager, batch 1"]
+    assert graphs["num_runs"] == 3 and graphs["verdict"] in ("met", "NOT met")
+    assert graphs["min"] <= graphs["median"] <= graphs["max"]
+    # three processes, three seeds: three different timings, not one copied
+    assert len(set(graphs["values"].values())) == 3
+    assert figures["bucketed pool over a single strategy"]["verdict"] == "n < 3: not a result"
+    with tarfile.open(out / "results.tgz") as tar:
+        names = tar.getnames()
+    assert "./targets/seed_2/bench_gpu_engine.json" in names
+    assert "issue #18 targets over 3 runs" in result.stdout
+
+
+def test_target_summary_refuses_runs_that_are_not_target_runs(tmp_path, capsys):
+    import json
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import gpu_targets
+
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "config.json").write_text(json.dumps({"is_targets_only": False}))
+    (full / "bench_gpu_engine.json").write_text("{}")
+    assert gpu_targets.main([str(full), str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert "not a --targets run" in err and "missing: no readable benchmark result" in err
+
+
+def _target_run(seed: int, roofline: float, speedup: float, pool: float | None) -> tuple:
+    config = {"is_targets_only": True, "shapes": ["small", "large"], "contexts": [1024],
+              "pool_shape": "large"}  # fmt: skip
+    cell = {"batch": 1, "context": 1024}
+    result = {
+        "decode": [  # other cells first: the summary must pick the batch-1 cell of its shape
+            {"batch": 16, "context": 1024, "shape": "large", "roofline_fraction": 0.99},
+            {"batch": 1, "context": 8192, "shape": "large", "roofline_fraction": 0.98},
+            {**cell, "shape": "small", "graph_speedup": speedup, "roofline_fraction": 0.01},
+            {**cell, "shape": "large", "graph_speedup": 9.0, "roofline_fraction": roofline},
+        ],
+        "pool": [{"pool": "bucketed (TLT plan, one pool)", "vs_single": pool}]
+        if pool is not None
+        else [{"pool": "all", "note": "skipped"}],
+    }
+    return f"seed_{seed}", config, result
+
+
+def test_target_summary_takes_medians_of_the_right_cells_and_needs_three_runs():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import gpu_targets
+
+    runs = [
+        _target_run(0, 0.5, 2.5, 1.2),
+        _target_run(1, 0.7, 1.5, 1.6),
+        _target_run(2, 0.6, 3.0, None),
+    ]
+    rows = {r["figure"]: r for r in gpu_targets.summarise(runs)}
+    roofline = rows["decode of roofline, graphs"]  # the large shape's batch-1 cell only
+    assert (roofline["median"], roofline["min"], roofline["max"]) == (0.6, 0.5, 0.7)
+    assert roofline["verdict"] == "NOT met" and roofline["shape"] == "large"
+    speedup = rows["graphs over eager, batch 1"]  # the small shape's
+    assert speedup["median"] == 2.5 and speedup["verdict"] == "met"
+    pool = rows["bucketed pool over a single strategy"]  # a ceiling, two runs of three
+    assert pool["num_runs"] == 2 and pool["verdict"] == "n < 3: not a result"
+    assert rows["decode of roofline, compiled layers"]["num_runs"] == 0
+    runs[2] = _target_run(2, 0.6, 3.0, 1.4)
+    pool = {r["figure"]: r for r in gpu_targets.summarise(runs)}[
+        "bucketed pool over a single strategy"
+    ]
+    assert pool["median"] == 1.4 and pool["verdict"] == "met"
+
+
 def test_stage_all_skips_what_its_deadline_leaves_no_time_for(tmp_path):
     out = tmp_path / "late"
     result = run("all", out, SMOKE="1", TOTAL_S="20")  # 15 s stay for packing: 5 s for steps
