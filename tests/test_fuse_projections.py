@@ -85,29 +85,35 @@ def test_fused_forward_equals_the_projections_apart(bias):
 
 
 class _CountGemms(TorchDispatchMode):
+    """GEMMs (``count``) and RoPE rotations (``flips``: one per ``apply_rope`` call)."""
+
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.count = self.flips = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
             self.count += 1
+        self.flips += func is torch.ops.aten.flip.default
         return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_fused_layer_runs_four_gemms_where_it_ran_seven(bias):
+def test_a_fused_layer_runs_four_gemms_where_it_ran_seven_and_one_rotation(bias):
     model = tiny_model(seed=2, attention_bias=bias)
-    counts = []
+    counts, flips = [], []
     for fused in (False, True):
         if fused:
             fuse_projections(model)
         with _CountGemms() as gemms:
             _logits(model)
         counts.append(gemms.count)
+        flips.append(gemms.flips)
     num_layers = len(model.model.layers)
     # q, k, v, o, gate, up, down a layer, then one: q/k/v, o, gate/up, down; and the LM head
     assert counts == [7 * num_layers + 1, 4 * num_layers + 1]
+    # RoPE: q and k apart, then both in one call (they lie side by side in the stacked output)
+    assert flips == [2 * num_layers, num_layers]
     with _CountGemms() as gemms, torch.enable_grad():  # training forwards run them apart
         model(IDS, POSITIONS, CausalContext())
     assert gemms.count == 7 * num_layers + 1

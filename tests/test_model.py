@@ -206,3 +206,25 @@ def test_reduce_grads_goes_through_one_flat_tensor_and_keeps_layouts():
     assert seen == [6 * 4 + 4]
     assert torch.equal(lin.weight.grad, 2 * before) and torch.equal(lin.bias.grad, torch.zeros(4))
     assert lin.weight.grad.stride() == lin.weight.stride() == (1, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_hugging_faces_rotate_half_formula_bit_for_bit(dtype):
+    """``apply_rope`` with ``Rotary``'s signed sine gives exactly the products of Hugging
+    Face's ``q * cos + rotate_half(q) * sin`` (its rotate_half: ``cat(-x2, x1)``)."""
+    from tiny_models import tiny_config
+
+    from tltrun.model.transformer import Rotary, apply_rope
+
+    cfg = tiny_config(rope_theta=1e6)
+    gen = torch.Generator().manual_seed(0)
+    positions = torch.randint(0, 4096, (2, 5), generator=gen)
+    x = torch.randn(2, 4, 5, cfg.head_dim, generator=gen).to(dtype)  # (B,H,T,D)
+    freqs = positions[..., None].float() * Rotary(cfg).inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    half = cfg.head_dim // 2
+    want = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    got_cos, signed_sin = Rotary(cfg)(positions, dtype)
+    assert torch.equal(got_cos[:, None], cos)
+    assert torch.equal(apply_rope(x, got_cos[:, None], signed_sin[:, None]), want)

@@ -62,9 +62,15 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of ``x`` (..., D) in Hugging Face's half-split layout, ``x cos + rotate_half(x) sin``
+    with ``rotate_half(x) = cat(-x2, x1)``, computed as ``x cos + cat(x2, x1) cat(-s1, s2)``
+    (``Rotary`` returns the sine with rotate_half's sign in it): the same products (negation is
+    exact), four kernels instead of five (no negation), and one call rotates q and k together
+    where they lie side by side (``Attention.project``). Every decoder layer of a decode step
+    runs this: under CUDA graphs without compiled layers each kernel is a replayed launch."""
+    swapped = x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)  # cat(x2, x1)
+    return x * cos + swapped * signed_sin
 
 
 class RMSNorm(nn.Module):
@@ -187,23 +193,23 @@ class Attention(StackedProjections):
         return self.output(ctx.attend(self.layer, q, k, v))
 
     def project(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries (B,H,T,D) and keys/values (B,Hkv,T,D) of ``x`` (B,T,C), RoPE applied."""
+        """Queries (B,H,T,D) and keys/values (B,Hkv,T,D) of ``x`` (B,T,C), RoPE applied
+        (``cos``, ``signed_sin``: (B,T,D) from ``Rotary``)."""
         b, t, _ = x.shape
+        h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        cos, signed_sin = cos[:, None], signed_sin[:, None]  # (B,1,T,D)
         qkv = self.stacked_linear(x)  # (B,T,(H+2Hkv)D) or None
-        if qkv is not None:
-            kv_width = self.num_kv_heads * self.head_dim
-            q, k, v = qkv.split([self.num_heads * self.head_dim, kv_width, kv_width], dim=-1)
+        if qkv is not None:  # q and k side by side: one rotation of both
+            qk = qkv[..., : (h + h_kv) * d].view(b, t, h + h_kv, d).transpose(1, 2)
+            q, k = apply_rope(qk, cos, signed_sin).split([h, h_kv], dim=1)  # (B,H|Hkv,T,D)
+            v = qkv[..., (h + h_kv) * d :]
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # (B,H,T,D)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B,Hkv,T,D)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]  # (B,1,T,D)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        return q, k, v
+            q = self.q_proj(x).view(b, t, h, d).transpose(1, 2)  # (B,H,T,D)
+            k = self.k_proj(x).view(b, t, h_kv, d).transpose(1, 2)  # (B,Hkv,T,D)
+            q, k, v = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin), self.v_proj(x)
+        return q, k, v.view(b, t, h_kv, d).transpose(1, 2)  # v: (B,Hkv,T,D)
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """The attention output (B,H,T,D) through ``o_proj``: (B,T,C)."""
@@ -341,7 +347,8 @@ def set_compiled_layers(module: nn.Module, is_compiled: bool = True) -> nn.Modul
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for arbitrary (B,T) positions (tree nodes sit at root position + depth)."""
+    """RoPE tables for arbitrary (B,T) positions (tree nodes sit at root position + depth):
+    ``(cos, signed_sin)``, each (B,T,D), the sine's first half negated (``apply_rope``)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -357,8 +364,9 @@ class Rotary(nn.Module):
             # CUDA graph (tltrun.rollout.graphs), and costs a transfer per step besides
             self.inv_freq = self.inv_freq.to(positions.device)  # (D/2,) float32
         freqs = positions[..., None].float() * self.inv_freq  # (B,T,D/2) in float32
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        # (B,T,D) each: cos of both halves, and the sine with rotate_half's sign (apply_rope)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------
