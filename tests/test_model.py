@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tltrun.model.config import CheckpointError, ModelConfig, read_config
 from tltrun.model.hf_checkpoint import load_hf, save_hf
@@ -228,3 +229,42 @@ def test_rope_is_hugging_faces_rotate_half_formula_bit_for_bit(dtype):
     got_cos, signed_sin = Rotary(cfg)(positions, dtype)
     assert torch.equal(got_cos[:, None], cos)
     assert torch.equal(apply_rope(x, got_cos[:, None], signed_sin[:, None]), want)
+
+
+CPU_AND_CUDA = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="needs CUDA: its fused kernel"
+            ),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_hugging_faces_order_bit_for_bit(device, dtype):
+    """Hugging Face's Qwen2RMSNorm, ``weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)``,
+    exactly on CPU; on CUDA (whose fused kernel reduces in its own order) exactly the float32
+    norm rounded to ``dtype`` afterwards, the earlier form of this layer."""
+    from tltrun.model.transformer import RMSNorm
+
+    gen = torch.Generator().manual_seed(1)
+    x = (3 * torch.randn(4, 7, 896, generator=gen)).to(device, dtype)
+    norm = RMSNorm(896, 1e-6).to(device)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(896, generator=gen))
+    norm = norm.to(dtype)
+    h = x.float()
+    hf = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    rounded_after = norm.weight * F.rms_norm(h, (896,), eps=1e-6).to(dtype)
+    with torch.no_grad():
+        got = norm(x)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, rounded_after, atol=0, rtol=0)
+    if device == "cpu":
+        torch.testing.assert_close(got, hf, atol=0, rtol=0)
