@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import cuda_param
 
 from tltrun.model.config import CheckpointError, ModelConfig, read_config
 from tltrun.model.hf_checkpoint import load_hf, save_hf
@@ -231,21 +232,7 @@ def test_rope_is_hugging_faces_rotate_half_formula_bit_for_bit(dtype):
     assert torch.equal(apply_rope(x, got_cos[:, None], signed_sin[:, None]), want)
 
 
-CPU_AND_CUDA = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(
-                not torch.cuda.is_available(), reason="needs CUDA: its fused kernel"
-            ),
-        ],
-    ),
-]
-
-
-@pytest.mark.parametrize("device", CPU_AND_CUDA)
+@pytest.mark.parametrize("device", ["cpu", cuda_param("its fused kernel")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_is_hugging_faces_order_bit_for_bit(device, dtype):
     """Hugging Face's Qwen2RMSNorm, ``weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)``,

@@ -24,7 +24,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import cuda_param, tiny_model
 
 from tltrun.cli.main import main
 from tltrun.data.tokenizer import load_tokenizer
@@ -284,15 +284,7 @@ def test_resume_after_sigkill_reproduces_the_rollouts(bpe_model, data_dir, tmp_p
     "device",
     [
         pytest.param("cpu", marks=pytest.mark.slow),
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(
-                    not torch.cuda.is_available(), reason="needs CUDA: bf16 training on a GPU"
-                ),
-            ],
-        ),
+        cuda_param("bf16 training on a GPU"),
     ],
 )
 def test_the_gpu_recipe_trains_one_worker_in_mixed_precision(bpe_model, data_dir, tmp_path, device):

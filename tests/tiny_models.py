@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tltrun.model.config import ModelConfig
@@ -17,6 +18,18 @@ EOS = 3
 # Tiny matmuls gain nothing from intra-op threads, and on the shared 2-core test machine
 # OpenMP spin-waiting makes them ~20x slower under load: run the tltrun tests single-threaded.
 torch.set_num_threads(1)
+
+
+def cuda_param(reason: str):
+    """The ``device`` parameter "cuda" of a test that also runs on "cpu": marked gpu (the GPU
+    session's ``pytest -m gpu``), skipped with ``needs CUDA: reason`` where there is none."""
+    return pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason=f"needs CUDA: {reason}"),
+        ],
+    )
 
 
 def tiny_config(**overrides) -> ModelConfig:
