@@ -82,8 +82,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Hugging Face's order: normalise in float32, round to x's dtype, then the weight in
         # x's dtype. F.rms_norm upcasts bf16/fp16 input itself and rounds its result once (its
-        # CPU decomposition; CUDA's fused kernel): one op, not x.float(), seven ops and .to()
-        # (the per-op overhead of a batch-1 step on CPU; on CUDA two kernels where four ran).
+        # CPU decomposition; CUDA's fused kernel), so no x.float() and .to() around it: on CUDA
+        # two kernels a norm where four ran (each a launch a captured decode step replays).
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
