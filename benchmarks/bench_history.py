@@ -257,7 +257,8 @@ def grpo(args: argparse.Namespace) -> dict:
     if {"tltbase", "tlt-mix"} <= set(runs):
         checks.update(mix_check(per_seed))
     reference = (
-        print_reference(cfg.group_size, max(1, cfg.prompts_per_step // 2))  # 2 workers
+        # a worker's share of a step's prompts, as bench_train.py's runs split them
+        print_reference(cfg.group_size, max(1, cfg.prompts_per_step // bt.NUM_WORKERS))
         if args.task == "builtin"
         else None
     )

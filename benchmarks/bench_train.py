@@ -65,6 +65,8 @@ RUN_SPECS = {
     "tltbase-group": ("tltbase", False, ("eagle",)),
 }
 GROUP_HISTORY_RUNS = ("tltbase-group",)
+# gloo workers of every run: two, one per core of the project's 2-core machine
+NUM_WORKERS = 2
 DEFAULT_RUNS = ("nospec", "static", "tlt-frozen", "tlt-spot")
 
 
@@ -368,7 +370,7 @@ def train_config(
         model_dir=cfg.model_dir,
         out=str(Path(cfg.out) / name),
         drafter_dir=cfg.drafter_dir,
-        num_workers=2,
+        num_workers=NUM_WORKERS,
         num_steps=cfg.num_steps,
         prompts_per_step=cfg.prompts_per_step,
         group_size=cfg.group_size,
