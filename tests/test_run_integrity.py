@@ -341,6 +341,23 @@ def test_cli_errors_are_one_line_before_any_worker(model_dir, tmp_path, capsys):
     assert code == 2 and err == "error: --override-config applies to --resume only"
 
 
+def test_resume_reads_an_older_runs_config_under_current_names(model_dir, tmp_path, capsys):
+    """A run written before a field was renamed (fuse_qkv) or removed resumes: the renamed
+    setting is kept and still checked, the removed one is not the user's to lose."""
+    out = tmp_path / "run"
+    make_fake_run(model_dir, out)
+    saved = json.loads((out / "config.json").read_text())
+    del saved["train"]["fuse_projections"]
+    saved["train"] |= {"fuse_qkv": True, "a_field_since_removed": 1}
+    (out / "config.json").write_text(json.dumps(saved))
+    assert ts.effective_config(out)["train"]["fuse_projections"] is True
+    assert "fuse_qkv" not in ts.effective_config(out)["train"]
+    code, err = cli(["train", "--out", str(out), "--resume", "--lr", "0.5"], capsys)
+    assert code == 2 and "settings that change the run (lr: 0.01 -> 0.5)" in err
+    code, err = cli(["train", "--out", str(out), "--resume", "--no-fuse-projections"], capsys)
+    assert code == 2 and "settings that change the run (fuse_projections: True -> False)" in err
+
+
 def test_fresh_run_into_a_directory_with_checkpoints_is_refused(model_dir, tmp_path):
     """A fresh run would leave the earlier run's checkpoints where --resume looks for them."""
     make_fake_run(model_dir, tmp_path)

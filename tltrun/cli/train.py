@@ -103,14 +103,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
         stored = train_state.effective_config(Path(args.out or raw["out"]))
     if stored is not None:
         try:
-            base = TrainConfig(**{**_tuples(stored["train"]), **raw})
+            base = TrainConfig(**{**_tuples(stored["train"], TrainConfig), **raw})
         except (KeyError, TypeError, ValueError) as err:
             raise UsageError(f"{args.out or raw['out']}/config.json: {err}") from None
     cfg = dataclass_from_args(TrainConfig, args, base=base)
     if "?" in (cfg.model_dir, cfg.out):
         raise UsageError("--model-dir and --out are required")
     try:
-        stored_task = _tuples(stored["task"]) if stored else asdict(launch.task_for(cfg.model_dir))
+        stored_task = (
+            _tuples(stored["task"], TaskConfig)
+            if stored
+            else asdict(launch.task_for(cfg.model_dir))
+        )
         task_base = TaskConfig(**{**stored_task, **task_raw})
     except (KeyError, TypeError, ValueError) as err:
         raise UsageError(f"[task] section: {err}") from None
@@ -137,9 +141,12 @@ def _check_inputs(cfg: TrainConfig) -> None:
         safetensors_shapes(Path(cfg.drafter_dir) / "model.safetensors")
 
 
-def _tuples(section: dict[str, Any]) -> dict[str, Any]:
-    """config.json's lists back into the frozen dataclasses' tuples."""
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in section.items()}
+def _tuples(section: dict[str, Any], cls: type) -> dict[str, Any]:
+    """config.json's fields that ``cls`` still has (one a code change removed since the run
+    started is not the user's setting: ``tltrun.train.state.config_diff``), lists back into the
+    frozen dataclasses' tuples."""
+    names = {f.name for f in fields(cls)}
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in section.items() if k in names}
 
 
 _default_showwarning = warnings.showwarning

@@ -139,10 +139,17 @@ def config_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list]:
     return {k: [old[k], new[k]] for k in sorted(set(old) & set(new)) if old[k] != new[k]}
 
 
+# Fields renamed since a run may have written them, by config.json section: a resume reads an
+# older run's settings under the current names (a field only one side has is not compared,
+# config_diff, so a renamed one would otherwise drop out of the resume's check)
+RENAMED_FIELDS = {"train": {"fuse_qkv": "fuse_projections"}}  # when gate/up were stacked too
+
+
 def effective_config(out: Path) -> dict[str, Any] | None:
     """The run's settings now: the first run's ``config.json`` with every override of
-    ``config_history.jsonl`` applied in order (None: no config.json). Keys of the diffs are
-    ``section.field`` (``train.lr``)."""
+    ``config_history.jsonl`` applied in order (None: no config.json), fields renamed since
+    (``RENAMED_FIELDS``) under their current names. Keys of the diffs are ``section.field``
+    (``train.lr``)."""
     path = out / "config.json"
     if not path.is_file():
         return None
@@ -152,6 +159,11 @@ def effective_config(out: Path) -> dict[str, Any] | None:
             for key, (_, new) in line["diff"].items():
                 section, _, name = key.partition(".")
                 config[section][name] = new
+        for section, renames in RENAMED_FIELDS.items():
+            values = config.get(section, {})
+            for old, new in renames.items():
+                if old in values and new not in values:
+                    values[new] = values.pop(old)
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
         raise checkpoint_error(
             f"{out}: config.json or {CONFIG_HISTORY} is not what tltrun train wrote ({err!r})"
