@@ -9,6 +9,8 @@ its uncompiled function with the mode off inside: on a GPU that part is inductor
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from test_draft_graphs import GREEDY, MAX_TOKENS, SAMPLED, TARGET, _slot_state, _static_step
@@ -16,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from tltrun.model import attention
 from tltrun.model.kvcache import KVCache
+from tltrun.model.transformer import fuse_projections
 from tltrun.rollout.graphs import CapturePlan, GraphPool
 from tltsim.policy import SpecDecision
 
@@ -103,12 +106,14 @@ def test_padded_tree_mask_equals_the_indexed_construction():
 
 
 @pytest.mark.parametrize("impl", ["flex", "sdpa"])
-@pytest.mark.parametrize("strategy", ["4_1_4", "3_2_6"])
-def test_every_graph_body_of_the_pool_is_capturable(impl, strategy, compiled_flex_path):
+@pytest.mark.parametrize("strategy,fused", [("4_1_4", False), ("3_2_6", False), ("3_2_6", True)])
+def test_every_graph_body_of_the_pool_is_capturable(impl, strategy, fused, compiled_flex_path):
+    """``fused``: with stacked projections (``EngineConfig.fuse_projections``)."""
     plan = CapturePlan(decode_buckets=(1, 4), spec_graphs=((1, strategy), (4, strategy)))
     cache = KVCache.for_model(TARGET.config, 4, MAX_TOKENS)
     cache.lens.copy_(torch.tensor([9, 3, 17, 1]))
-    pool = GraphPool(TARGET, cache, plan, impl, is_capturing=False)
+    target = fuse_projections(copy.deepcopy(TARGET)) if fused else TARGET
+    pool = GraphPool(target, cache, plan, impl, is_capturing=False)
     forwards = [*pool.decode.values(), *pool.verify.values()]
     assert len(forwards) == 4
     for fwd in forwards:
