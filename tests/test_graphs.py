@@ -394,3 +394,8 @@ def test_cuda_engine_defaults_and_lossless_sd_with_graphs():
     for policy in (NoSpec(), StaticSpec(strategy="3_2_6"), StaticSpec(strategy="4_1_4")):
         _, got = run(policy, dtype="float32")
         assert got == want, policy
+    # stacked projections: SD through the graphs equals the same engine's plain greedy (the
+    # stacked GEMMs' own rounding on both sides; CPU tests compare stacked with apart)
+    _, want = run(NoSpec(), dtype="float32", cuda_graphs=False, fuse_projections=True)
+    _, got = run(StaticSpec(strategy="3_2_6"), dtype="float32", fuse_projections=True)
+    assert got == want
