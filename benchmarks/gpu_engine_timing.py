@@ -121,9 +121,8 @@ TARGET_MODES = (COMPILED, FUSED, COMPILED_FUSED)
 
 def time_cell(make, policy, cfg: BenchConfig, device, on_graphs=None, modes=MODES):
     """One cell's engines, one per mode (``make(is_graphs=, compile_layers=,
-    fuse_projections=)``), all
-    alive, timed
-    alternating (``time_alternating``); ``on_graphs(engine)`` then runs on the graphs engine.
+    fuse_projections=)``), all alive, timed alternating (``time_alternating``);
+    ``on_graphs(engine)`` then runs on the graphs engine.
     Returns the timings and what ``on_graphs`` returned; the engines' memory goes back either
     way."""
     pairs = {}

@@ -117,8 +117,8 @@ if [ "$STAGE" = targets ]; then
   # the CUDA tests that have not passed on a GPU: the training recipe (session 23: torch 2.11's
   # LaunchConfig) and RMSNorm's rounding through CUDA's fused kernel;
   # RECIPE=0 leaves it out (a second call of a session that has run it)
-  [ "${RECIPE:-1}" = 1 ] && step pytest_recipe "$(limit_left 120)" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfEs \
-    --tb=short tests/test_train_data.py tests/test_model.py
+  [ "${RECIPE:-1}" = 1 ] && step pytest_recipe 120 "$PY" -m pytest -q -p no:cacheprovider \
+    -m gpu -rfEs --tb=short tests/test_train_data.py tests/test_model.py
 fi
 if [ "$STAGE" = engine ] || [ "$STAGE" = all ]; then
   # without CUDA these are collected and skipped (each with its reason). Where pytest-xdist is
