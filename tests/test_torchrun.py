@@ -411,15 +411,21 @@ def test_launch_fields_unknown_to_this_torch_are_left_out(monkeypatch):
 
     from tltrun.train.elastic import _launch_fields
 
-    assert _launch_fields(min_nodes=1, shutdown_timeout=5) == {
-        "min_nodes": 1,
-        "shutdown_timeout": 5,
-    }
+    @dataclass
+    class NewerLaunchConfig:  # the fields torch 2.13 has, in part
+        min_nodes: int
+        shutdown_timeout: int
 
     @dataclass
     class OlderLaunchConfig:  # the fields torch 2.11 has, in part
         min_nodes: int
         max_nodes: int
 
+    # the real class is read at each call (not the installed torch's, whichever that is)
+    monkeypatch.setattr(launcher_api, "LaunchConfig", NewerLaunchConfig)
+    assert _launch_fields(min_nodes=1, shutdown_timeout=5) == {
+        "min_nodes": 1,
+        "shutdown_timeout": 5,
+    }
     monkeypatch.setattr(launcher_api, "LaunchConfig", OlderLaunchConfig)
     assert _launch_fields(min_nodes=1, shutdown_timeout=5) == {"min_nodes": 1}
