@@ -16,6 +16,7 @@ from tiny_models import VOCAB, tiny_config, tiny_model
 
 from tltrun.model import transformer
 from tltrun.model.drafter import EagleDrafter
+from tltrun.model.kvcache import KVCache, StaticContext
 from tltrun.model.transformer import (
     CausalContext,
     Transformer,
@@ -84,6 +85,48 @@ def test_one_compile_serves_every_layer(monkeypatch, fused):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert counts[0] == 2, counts  # the piece before attention and the piece after it
     assert counts[1] == 0, counts  # six layers: served by the two-layer model's compiles
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_compiled_layers_write_the_static_cache_themselves(monkeypatch, fused):
+    """Under a ``StaticContext`` (the graph pool's forwards) a compiled layer stores its new keys
+    and values itself (``kv_write``): ``attend`` is handed none, and the cache, logits and
+    hidden states are what the uncompiled layers give (slot lengths differ per row, tree mask)."""
+    monkeypatch.setattr(transformer, "compile_failure", None)
+    cfg = tiny_config(attention_bias=fused)
+    model = Transformer(cfg).eval()
+    if fused:
+        fuse_projections(model)
+    gen = torch.Generator().manual_seed(4)
+    batch, num_tokens = 3, 4
+    ids = torch.randint(0, VOCAB, (batch, num_tokens), generator=gen)
+    tree_mask = torch.ones(batch, num_tokens, num_tokens, dtype=torch.bool).tril()
+    tree_mask[:, 3, 2] = False  # token 3 is token 2's sibling
+    handed = []
+    real_attend = StaticContext.attend
+
+    def attend(self, layer, q, k, v):
+        handed.append((layer, k is None, v is None))
+        return real_attend(self, layer, q, k, v)
+
+    monkeypatch.setattr(StaticContext, "attend", attend)
+    results = []
+    for is_compiled in (False, True):
+        cache = KVCache.for_model(cfg, num_slots=4, max_tokens=16)
+        cache.k.normal_(generator=torch.Generator().manual_seed(5))  # a committed context
+        cache.v.normal_(generator=torch.Generator().manual_seed(6))
+        cache.lens[:batch] = torch.tensor([5, 0, 9])
+        positions = cache.lens[:batch, None] + torch.arange(num_tokens)
+        set_compiled_layers(model, is_compiled)
+        handed.clear()
+        with torch.no_grad():
+            logits, hidden = model(ids, positions, StaticContext(cache, batch, tree_mask, "sdpa"))
+        layers = range(cfg.num_hidden_layers)
+        assert handed == [(layer, is_compiled, is_compiled) for layer in layers]
+        results.append((logits, hidden, cache.k.clone(), cache.v.clone()))
+    assert transformer.compile_failure is None
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_training_forwards_stay_eager():

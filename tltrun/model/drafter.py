@@ -141,6 +141,9 @@ class DraftContext:
     def side_len(self) -> int:
         return self.side_k.shape[2]
 
+    def kv_write(self, layer: int) -> None:
+        return None
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.side_k = torch.cat((self.side_k, k), dim=2)
         self.side_v = torch.cat((self.side_v, v), dim=2)

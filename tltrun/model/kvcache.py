@@ -35,6 +35,7 @@ from tltrun.model.attention import (
     masked_attention,
 )
 from tltrun.model.config import ModelConfig
+from tltrun.model.transformer import KVWrite
 
 
 class KVCache:
@@ -54,6 +55,9 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lens = torch.zeros(num_slots, dtype=torch.long, device=device)
+        # (num_layers,1,1): a layer's index as a tensor, for writes inside a compiled layer
+        # (``StaticContext.kv_write``; one compile then serves every layer)
+        self.layer_ids = torch.arange(num_layers, device=device).view(-1, 1, 1)
         self.max_tokens = max_tokens
         self.head_dim = head_dim
 
@@ -189,6 +193,9 @@ class CacheContext:
         if torch.equal(slots, torch.arange(first, first + batch, device=device)):
             self.slot_range = slice(first, first + batch)
 
+    def kv_write(self, layer: int) -> None:
+        return None  # the valid new tokens are a gather (padding rows and columns left out)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not self.is_in_place:
             out = self._attend_separately(layer, q, k, v)
@@ -254,11 +261,19 @@ class StaticContext:
         if impl == "sdpa":
             self.mask = in_place_mask(self.cache_lens, cache.max_tokens, tree_mask)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def kv_write(self, layer: int) -> KVWrite:
+        """Every new token is valid: a compiled layer writes them where ``attend`` would."""
         cache = self.cache
-        # (B,T,Hkv,D) on both sides: advanced indices (slot, position) around the head slice
-        cache.k[layer, self._write_slots, :, self._write_pos] = k.transpose(1, 2)
-        cache.v[layer, self._write_slots, :, self._write_pos] = v.transpose(1, 2)
+        return cache.k, cache.v, cache.layer_ids[layer], self._write_slots, self._write_pos
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> torch.Tensor:
+        cache = self.cache
+        if k is not None:  # else the layer wrote them (kv_write)
+            # (B,T,Hkv,D) on both sides: advanced indices (slot, position) around the head slice
+            cache.k[layer, self._write_slots, :, self._write_pos] = k.transpose(1, 2)
+            cache.v[layer, self._write_slots, :, self._write_pos] = v.transpose(1, 2)
         k_all = cache.k[layer, self.rows]  # (B,Hkv,max_tokens,D) a view
         v_all = cache.v[layer, self.rows]
         scale = cache.head_dim**-0.5

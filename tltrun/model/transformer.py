@@ -87,12 +87,28 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
+# Where a layer's compiled projection may write its new keys and values itself: the cache's K
+# and V (num_layers, slots, Hkv, max_tokens, D), then the layer (1,1), slot (B,T) and position
+# (B,T) indices of ``k_cache[layer, slot, :, position] = k``. Inductor then stores them from
+# the kernel that applies RoPE, where the attention context would launch two index_put_ kernels
+# a layer (56 of a 7B batch-1 decode step's, 0.20 ms on the H200: benchmarks/RESULTS.md,
+# session 21's compiled row); vLLM's reshape_and_cache serves the same end.
+KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class AttentionContext(Protocol):
     """Where keys/values live. ``q`` (B,H,T,D) and ``k``/``v`` (B,Hkv,T,D) are post-RoPE."""
 
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor: ...
+        self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Attention of ``q``; ``k`` and ``v`` are None where the layer wrote them to
+        ``kv_write(layer)`` itself."""
+        ...
+
+    def kv_write(self, layer: int) -> KVWrite | None:
+        """Where the layer may write its new keys and values before ``attend``, or None."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -101,6 +117,9 @@ class CausalContext:
 
     Right padding is harmless: a valid query never attends to a later (padded) key.
     """
+
+    def kv_write(self, layer: int) -> None:
+        return None
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(
@@ -254,8 +273,10 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         is_compiled = self.is_compiled and not torch.is_grad_enabled()
-        q, k, v = _piece(0, is_compiled, self, x, cos, sin)
-        return _piece(1, is_compiled, self, x, ctx.attend(self.self_attn.layer, q, k, v))
+        layer = self.self_attn.layer
+        write = ctx.kv_write(layer) if is_compiled else None
+        q, k, v = _piece(0, is_compiled, self, x, cos, sin, write)
+        return _piece(1, is_compiled, self, x, ctx.attend(layer, q, k, v))
 
 
 # A decoder layer's work in two pieces around the attention context's ``attend`` (which reads
@@ -269,9 +290,20 @@ class DecoderLayer(nn.Module):
 
 
 def _before_attention(
-    layer: DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+    layer: DecoderLayer,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    write: KVWrite | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+    if write is None:
+        return q, k, v
+    k_cache, v_cache, layer_index, slots, positions = write
+    # (B,T,Hkv,D) on both sides: advanced indices (layer, slot, position) around the head slice
+    k_cache[layer_index, slots, :, positions] = k.transpose(1, 2)
+    v_cache[layer_index, slots, :, positions] = v.transpose(1, 2)
+    return q, None, None
 
 
 def _after_attention(layer: DecoderLayer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
