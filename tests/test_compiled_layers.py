@@ -145,7 +145,10 @@ def test_training_forwards_stay_eager():
         torch.testing.assert_close(a, b)
 
 
-def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch, graphs):
+    """Eagerly run pieces do what the compiled ones would: with the graph pool's forwards (CPU:
+    uncaptured) the piece before attention writes the KV cache itself (``kv_write``)."""
     from torch._dynamo.exc import TorchDynamoException
 
     def broken(*args):
@@ -155,7 +158,7 @@ def test_a_failed_compile_warns_once_and_runs_eagerly(monkeypatch):
     monkeypatch.setattr(transformer, "compiled_pieces", lambda: (broken, broken))
     want = _generate(NoSpec())
     with pytest.warns(RuntimeWarning, match="no compiler for this device"):
-        got = _generate(NoSpec(), compile_layers=True)
+        got = _generate(NoSpec(), compile_layers=True, cuda_graphs=graphs)
     assert got == want
     assert "TorchDynamoException" in transformer.compile_failure
 
