@@ -35,7 +35,7 @@ from tltrun.model.attention import (
     masked_attention,
 )
 from tltrun.model.config import ModelConfig
-from tltrun.model.transformer import KVWrite
+from tltrun.model.transformer import KVWrite, write_kv
 
 
 class KVCache:
@@ -271,9 +271,7 @@ class StaticContext:
     ) -> torch.Tensor:
         cache = self.cache
         if k is not None:  # else the layer wrote them (kv_write)
-            # (B,T,Hkv,D) on both sides: advanced indices (slot, position) around the head slice
-            cache.k[layer, self._write_slots, :, self._write_pos] = k.transpose(1, 2)
-            cache.v[layer, self._write_slots, :, self._write_pos] = v.transpose(1, 2)
+            write_kv(self.kv_write(layer), k, v)
         k_all = cache.k[layer, self.rows]  # (B,Hkv,max_tokens,D) a view
         v_all = cache.v[layer, self.rows]
         scale = cache.head_dim**-0.5

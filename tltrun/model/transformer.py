@@ -96,6 +96,14 @@ class RMSNorm(nn.Module):
 KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+def write_kv(write: KVWrite, k: torch.Tensor, v: torch.Tensor) -> None:
+    """New keys and values (B,Hkv,T,D) to the cache positions ``write`` names."""
+    k_cache, v_cache, layer_index, slots, positions = write
+    # (B,T,Hkv,D) on both sides: advanced indices (layer, slot, position) around the head slice
+    k_cache[layer_index, slots, :, positions] = k.transpose(1, 2)
+    v_cache[layer_index, slots, :, positions] = v.transpose(1, 2)
+
+
 class AttentionContext(Protocol):
     """Where keys/values live. ``q`` (B,H,T,D) and ``k``/``v`` (B,Hkv,T,D) are post-RoPE."""
 
@@ -299,10 +307,7 @@ def _before_attention(
     q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin)
     if write is None:
         return q, k, v
-    k_cache, v_cache, layer_index, slots, positions = write
-    # (B,T,Hkv,D) on both sides: advanced indices (layer, slot, position) around the head slice
-    k_cache[layer_index, slots, :, positions] = k.transpose(1, 2)
-    v_cache[layer_index, slots, :, positions] = v.transpose(1, 2)
+    write_kv(write, k, v)
     return q, None, None
 
 
