@@ -406,3 +406,27 @@ def test_fuzz_replay_numeric_flags(flags, files, tmp_path, capsys):
     for flag, value in flags:
         argv += [f"{flag}={value}"]  # = keeps a value like -1 from reading as a flag
     _assert_ok_or_one_error(*run("tltsim", argv, capsys))
+
+
+def test_config_values_take_their_fields_types():
+    """``typed_fields`` (tltrun train --config, the sweep spec's settings): integers widen to
+    floats, arrays become tuples, null stays null where the field allows it, names it does not
+    know pass to the caller's unknown-field check; anything else is one error naming the file
+    and field."""
+    from tltrun.train.config import TrainConfig
+    from tltsim.errors import UsageError
+    from tltsim.jsonio import typed_fields
+
+    given_values = {"lr": 1, "tlt_strategies": ["4_1_4"], "drafter_dir": None, "num_steps": 3}
+    got = typed_fields(TrainConfig, {**given_values, "bogus": "x"}, "c.toml")
+    assert got == {"lr": 1.0, "tlt_strategies": ("4_1_4",), "drafter_dir": None,
+                   "num_steps": 3, "bogus": "x"}  # fmt: skip
+    assert type(got["lr"]) is float
+    for name, value, expected in [
+        ("num_steps", None, "an integer"),  # null only where the field is optional
+        ("tlt_strategies", "4_1_4", "a list"),
+        ("drafter_dir", 3, "a string"),
+        ("lr", False, "a number"),
+    ]:
+        with pytest.raises(UsageError, match=rf"^c\.toml: {name}: expected {expected}, got "):
+            typed_fields(TrainConfig, {name: value}, "c.toml")

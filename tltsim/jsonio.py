@@ -5,13 +5,16 @@ dictionaries hold, so every output directory's ``config.json`` / ``summary.json`
 the same way by tltsim, tltrun and the benchmarks. ``read_text`` / ``parse_json`` /
 ``read_json`` are the input side every loader of a user's file uses, so binary garbage
 (UnicodeDecodeError), pathological nesting (RecursionError) and a directory in place of a file
-all become one ``TLTError`` line naming the file instead of a traceback.
+all become one ``TLTError`` line naming the file instead of a traceback. ``typed_fields``
+checks a config file's values against the dataclass they configure, before any run starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +72,49 @@ def parse_json(text: str | bytes, where: str, error: type[TLTError] = UsageError
 def read_json(path: str | Path, what: str = "JSON file", error: type[TLTError] = UsageError) -> Any:
     """``parse_json(read_text(path))``: one ``error`` line for every way the file can be bad."""
     return parse_json(read_text(path, what, error), str(path), error)
+
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def typed_fields(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
+    """``values`` (a TOML/JSON table of ``cls``'s fields) checked against the fields' types:
+    an ``int`` field takes an integer (not true/false, not 1.5), a ``float`` field any number
+    (an integer becomes a float), a ``bool`` field true or false, a ``str`` field a string, a
+    ``tuple[T, ...]`` field a list of those (returned as a tuple), ``X | None`` also null. Other
+    types and unknown names pass unchanged (the caller reports unknown names). A mismatch is
+    one UsageError: ``where``, the field, what was expected and what was given, where the
+    dataclass would have taken a wrong type silently or failed later with a Python message."""
+    hints = typing.get_type_hints(cls)
+    checked = dict(values)
+    for name, value in values.items():
+        if name in hints:
+            checked[name] = typed_value(hints[name], value, f"{where}: {name}")
+    return checked
+
+
+def typed_value(tp: Any, value: Any, where: str) -> Any:
+    """One value of a field of type ``tp`` (``typed_fields``' rules)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        return typed_value(rest[0], value, where) if len(rest) == 1 else value
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if not isinstance(value, list | tuple):
+            raise UsageError(f"{where}: expected a list, got {_shown(value)}")
+        return tuple(typed_value(args[0], item, f"{where}[{i}]") for i, item in enumerate(value))
+    if tp not in _TYPE_WORDS:
+        return value
+    if not (type(value) is tp or (tp is float and type(value) is int)):
+        raise UsageError(f"{where}: expected {_TYPE_WORDS[tp]}, got {_shown(value)}")
+    return float(value) if tp is float else value
+
+
+def _shown(value: Any) -> str:
+    """A value as the config file spells it (true, "one", 1.5), else as Python does."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)

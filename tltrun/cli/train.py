@@ -28,7 +28,7 @@ from tltrun.train.config import TrainConfig
 from tltrun.train.tasks import TaskConfig
 from tltsim.cli.args import add_dataclass_args, dataclass_from_args
 from tltsim.errors import UsageError
-from tltsim.jsonio import parse_json, read_text
+from tltsim.jsonio import parse_json, read_text, typed_fields
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -47,12 +47,15 @@ def load_config_file(path: str) -> dict[str, Any]:
         )
     if not isinstance(raw.get("task", {}), dict):
         raise UsageError(f"--config {path}: [task] must be a table of TaskConfig fields")
-    # TOML / JSON arrays -> tuples (the frozen dataclass's tuple fields)
-    raw = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
     known = {f.name for f in fields(TrainConfig)}
     unknown = sorted(set(raw) - known - {"task"})
     if unknown:
         raise UsageError(f"--config {path}: unknown field(s) {', '.join(unknown)}")
+    # each value of the field's type (TOML / JSON arrays -> the frozen dataclass's tuples)
+    task = raw.pop("task", None)
+    raw = typed_fields(TrainConfig, raw, f"--config {path}")
+    if task is not None:
+        raw["task"] = typed_fields(TaskConfig, task, f"--config {path} [task]")
     return raw
 
 

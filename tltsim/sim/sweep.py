@@ -42,6 +42,7 @@ import multiprocessing
 import os
 import random
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -52,7 +53,7 @@ from tqdm import tqdm
 
 from tltsim.cost.presets import apply_preset
 from tltsim.errors import UsageError
-from tltsim.jsonio import read_text, write_json
+from tltsim.jsonio import read_text, typed_value, write_json
 from tltsim.policy import POLICY_NAMES, SpotTrainerConfig, TLTConfig, make_policy
 from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.config import MAX_SEED, SimConfig
@@ -65,6 +66,7 @@ from tltsim.trace.schema import Trace, TraceError
 MAX_SWEEP_POINTS = 100_000
 SECTIONS = {"tlt": TLTConfig, "drafter": DrafterDynamics, "spot": SpotTrainerConfig}
 TOP_KEYS = {"policy", "preset", "static_strategy", "is_spot_training"}
+TOP_KEY_TYPES = {"policy": str, "preset": str, "static_strategy": str, "is_spot_training": bool}
 # Settings that only matter when the policy speculates: a NoSpec baseline drops them.
 SPEC_ONLY = {"static_strategy", "is_spot_training"}
 # Boolean settings whose ``is_`` a spec may leave out, as their flags do (--spot-training).
@@ -134,6 +136,18 @@ def _check_key(key: str, source: str) -> None:
         )
 
 
+def _check_value(key: str, value: Any, source: str) -> None:
+    """A value of the setting's type (``typed_value``: an integer setting takes no 1.5, no
+    "abc" and no true), checked when the spec is read, not in a worker's simulation."""
+    name = canonical_key(key)
+    section, _, field_name = name.partition(".")
+    if field_name:
+        tp = typing.get_type_hints(SECTIONS[section])[field_name]
+    else:
+        tp = TOP_KEY_TYPES.get(name) or typing.get_type_hints(SimConfig)[name]
+    typed_value(tp, value, f"{source}: {key}")
+
+
 def load_spec(path: Path) -> SweepSpec:
     try:
         raw = tomllib.loads(read_text(path, "sweep spec"))
@@ -164,8 +178,11 @@ def load_spec(path: Path) -> SweepSpec:
         _check_key(key, f"{path} [grid]")
         if not isinstance(values, list) or not values:
             raise UsageError(f"{path} [grid]: {key!r} must be a non-empty list")
-    for key in raw.get("fixed", {}):
+        for value in values:
+            _check_value(key, value, f"{path} [grid]")
+    for key, value in raw.get("fixed", {}).items():
         _check_key(key, f"{path} [fixed]")
+        _check_value(key, value, f"{path} [fixed]")
     rnd = raw.get("random", {})
     for key, dist in rnd.items():
         if key in ("num_points", "seed"):
@@ -176,6 +193,8 @@ def load_spec(path: Path) -> SweepSpec:
                 f"{path} [random]: {key!r} must be {{low = .., high = ..}} or {{choices = [..]}}"
             )
         _check_dist(dist, f"{path} [random]: {key!r}")
+        for value in dist.get("choices", [dist.get("low"), dist.get("high")]):
+            _check_value(key, value, f"{path} [random]")
     if rnd and not (
         type(rnd.get("num_points")) is int and 1 <= rnd["num_points"] <= MAX_SWEEP_POINTS
     ):
