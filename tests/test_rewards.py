@@ -202,6 +202,9 @@ def test_bad_reward_flags_are_one_line(tmp_path, user_module):
         with pytest.raises(UsageError) as err:
             parse_reward(text)
         assert expected in str(err.value) and "\n" not in str(err.value), (text, str(err.value))
+    # a reasoning-gym --data without --reward implies its task's scorer: the error names --data
+    with pytest.raises(UsageError, match=r"^--data reasoning-gym task 'basic_arithmetc': unknown"):
+        parse_reward("reasoning-gym:basic_arithmetc", flag="--data")
     with pytest.raises(UsageError, match="--reward-timeout-s"):
         RewardPool(parse_reward("exact"), timeout_s=0)
     with pytest.raises(UsageError, match="--reward-errors"):

@@ -136,3 +136,20 @@ def test_task_prints_samples_and_length_statistics(capsys):
     assert printed.count("answer: ") >= 2
     assert "response chars over 32 prompts x 4 samples:" in printed
     assert main(["task", "--num-prompts", "0"]) == 2
+
+
+def test_a_bad_data_row_stops_the_run_or_is_skipped_with_a_warning(tmp_path):
+    from tltrun.data.dataset import DataError, SkippedRowsWarning
+    from tltrun.train.sft import data_pairs
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(
+        '{"prompt": "1+1=", "response": "2"}\n{"prompt": \n{"prompt": "2+2=", "response": "4"}\n'
+    )
+    cfg = SFTConfig(out=str(tmp_path / "o"), data=str(path))
+    # the error's advice names a flag tltrun sft has (it once named one only train had)
+    with pytest.raises(DataError, match=r"d\.jsonl:2: bad JSON .*--skip-bad-rows skips"):
+        data_pairs(cfg, seed=0, num_rows=10)
+    skipping = SFTConfig(out=str(tmp_path / "o"), data=str(path), skip_bad_rows=True)
+    with pytest.warns(SkippedRowsWarning, match=r"skipped 1 bad rows of .*d\.jsonl:2: bad JSON"):
+        assert data_pairs(skipping, seed=0, num_rows=10) == [("1+1=", "2"), ("2+2=", "4")]

@@ -85,6 +85,10 @@ class DataSpec:
         return self.path.startswith(GYM_PREFIX)
 
 
+class SkippedRowsWarning(UserWarning):
+    """Bad rows were skipped (``--skip-bad-rows``): how many, and the first one's reason."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoadedData:
     """The usable rows of a source and what was skipped."""

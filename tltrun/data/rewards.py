@@ -160,9 +160,10 @@ def apply_shaping(
 # --- parsing --reward ---------------------------------------------------------------------------
 
 
-def parse_reward(text: str) -> RewardSpec:
+def parse_reward(text: str, *, flag: str = "--reward") -> RewardSpec:
     """``--reward`` text -> RewardSpec, checked now (pattern compiled, task known, module imported
-    and its function found) so a bad value fails before any worker starts."""
+    and its function found) so a bad value fails before any worker starts. ``flag``: where the
+    text came from, for the error (``--data`` when a reasoning-gym task's own reward is implied)."""
     text = text.strip()
     kind, _, arg = text.partition(":")
     if text in ("builtin", "math", "exact"):
@@ -173,7 +174,7 @@ def parse_reward(text: str) -> RewardSpec:
     if kind == "reasoning-gym":
         from tltrun.data.gym import check_task
 
-        check_task(arg, what="--reward reasoning-gym task")
+        check_task(arg, what=f"{flag} reasoning-gym task")
         return RewardSpec(kind="reasoning-gym", arg=arg)
     path, sep, function = text.rpartition(":")
     if sep and path.endswith(".py"):

@@ -145,4 +145,5 @@ def load_run_data(
 def reward_spec(cfg: TrainConfig) -> RewardSpec:
     """The run's reward (``TrainConfig.reward_name``), checked: a user module is imported once
     here so a missing file or function is one error line before any worker starts."""
-    return parse_reward(cfg.reward_name)
+    # without --reward, a reasoning-gym --data implies its task's scorer: name --data if bad
+    return parse_reward(cfg.reward_name, flag="--reward" if cfg.reward else "--data")

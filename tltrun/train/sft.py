@@ -33,6 +33,7 @@ import json
 import math
 import random
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -159,7 +160,7 @@ def batch_stream(task: TaskConfig, tok: CharTokenizer, batch_tokens: int, rng: r
 def data_pairs(cfg: SFTConfig, *, seed: int, num_rows: int) -> list[tuple[str, str]]:
     """(prompt, response) pairs of ``cfg.data``: reasoning-gym problems generated from ``seed``,
     or the file's rows (``seed`` and ``num_rows`` then unused: a file holds what it holds)."""
-    from tltrun.data.dataset import DataError, DataSpec, load_rows
+    from tltrun.data.dataset import DataError, DataSpec, SkippedRowsWarning, load_rows
     from tltrun.data.rows import GYM_PREFIX
 
     assert cfg.data is not None
@@ -169,9 +170,18 @@ def data_pairs(cfg: SFTConfig, *, seed: int, num_rows: int) -> list[tuple[str, s
         answer_key=cfg.response_key,
         num_rows=num_rows if cfg.data.startswith(GYM_PREFIX) else None,
         seed=seed,
+        is_skip_bad_rows=cfg.skip_bad_rows,
     )
+    loaded = load_rows(spec)
+    if loaded.num_skipped:
+        warnings.warn(
+            f"--skip-bad-rows: skipped {loaded.num_skipped} bad rows of {cfg.data}, first: "
+            f"{loaded.skipped[0]}",
+            SkippedRowsWarning,
+            stacklevel=2,
+        )
     pairs = []
-    for row in load_rows(spec).rows:
+    for row in loaded.rows:
         if not isinstance(row.prompt, str) or row.answer is None:
             raise DataError(
                 f"{row.source}: tltrun sft trains the character tokenizer on plain-text prompts "
@@ -358,7 +368,8 @@ def evaluate_pairs(
         return {"greedy": {"accuracy": None, "num_prompts": 0}}
     gym = cfg.data.startswith(GYM_PREFIX)
     spec = parse_reward(
-        GYM_PREFIX + cfg.data.removeprefix(GYM_PREFIX).split("?")[0] if gym else "exact"
+        GYM_PREFIX + cfg.data.removeprefix(GYM_PREFIX).split("?")[0] if gym else "exact",
+        flag="--data",
     )
     max_new = min(cfg.max_new_tokens, 2 * max(len(r) for _, r in pairs) + 1)
     prompts = [tuple(tok.encode(p, add_bos=True)) for p, _ in pairs]

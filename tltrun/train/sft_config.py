@@ -87,6 +87,10 @@ class SFTConfig:
     data_num_rows: int = field(
         default=10_000, metadata={"help": "reasoning-gym: training problems generated"}
     )
+    skip_bad_rows: bool = field(
+        default=False,
+        metadata={"help": "skip (and count) bad --data rows instead of stopping at the first"},
+    )
     # On a shared machine 1 thread was 3x faster than 2 oversubscribed ones (measured here).
     num_threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads (default: torch's, one per core)"}
