@@ -15,7 +15,6 @@ paths.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -23,19 +22,33 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from tltsim.jsonio import parse_json, read_json, read_text  # noqa: E402
+
+# what every log.jsonl row of tltrun train holds and the figures read (numbers)
+PLOTTED_KEYS = ("step", "reward_mean", "accept_len", "rollout_s", "train_s", "step_s",
+                "drafter_train_s")  # fmt: skip
+
 
 def load_run(run: str | Path) -> tuple[str, list[dict]]:
     """(label, log rows). Label: the run directory name + policy (+ whether its EAGLE drafter
-    is spot-trained or frozen, where the run has one)."""
+    is spot-trained or frozen, where the run has one). A log or config that is not what
+    ``tltrun train`` writes is one ValueError naming the file, the line and the key."""
     path = Path(run)
     log_file = path / "log.jsonl"
     if not log_file.is_file():
         raise ValueError(f"{path}: no log.jsonl (not a tltrun train output directory)")
-    rows = [json.loads(line) for line in log_file.read_text().splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(read_text(log_file, "tltrun train log").splitlines(), 1):
+        if line.strip():
+            rows.append(_checked_row(parse_json(line, f"{log_file}:{number}"), log_file, number))
+    if not rows:
+        raise ValueError(f"{log_file}: no steps logged yet")
     label = path.name
     config = path / "config.json"
     if config.is_file():
-        train = json.loads(config.read_text())["train"]
+        train = read_json(config, "tltrun train config").get("train")
+        if not isinstance(train, dict) or not {"policy", "is_spot_training"} <= set(train):
+            raise ValueError(f"{config}: no train settings (not a tltrun train config.json)")
         drafters = train.get("tlt_drafters", ["eagle"])
         if train["policy"] in ("nospec", "tltbase") or "eagle" not in drafters:
             label = f"{path.name} ({train['policy']})"  # no learned drafter to train or freeze
@@ -43,6 +56,17 @@ def load_run(run: str | Path) -> tuple[str, list[dict]]:
             spot = "spot" if train["is_spot_training"] else "frozen drafter"
             label = f"{path.name} ({train['policy']}, {spot})"
     return label, rows
+
+
+def _checked_row(row: object, log_file: Path, number: int) -> dict:
+    if not isinstance(row, dict):
+        raise ValueError(f"{log_file}:{number}: expected a JSON object (one step), got {row!r}")
+    for key in PLOTTED_KEYS:
+        if key not in row:
+            raise ValueError(f"{log_file}:{number}: no {key!r} (not a tltrun train log row)")
+        if type(row[key]) not in (int, float):
+            raise ValueError(f"{log_file}:{number}: {key!r}: expected a number, got {row[key]!r}")
+    return row
 
 
 def _reward(runs, out: Path) -> Path:
@@ -82,7 +106,10 @@ def _accept(runs, out: Path) -> Path:
             ax.plot([r["step"] for r in rows], accept, marker="o", label=label)
     ax.set_xlabel("RL step")
     ax.set_ylabel("accept length (tokens / verify)")
-    ax.legend(fontsize=7)
+    if ax.get_lines():
+        ax.legend(fontsize=7)
+    else:  # no run speculated (NoSpec runs only): say so instead of an empty legend
+        ax.text(0.5, 0.5, "no SD iterations in these runs", ha="center", transform=ax.transAxes)
     ax.grid(alpha=0.3)
     return _save(fig, out / "accept_len.png")
 

@@ -26,7 +26,7 @@ from tltrun.train import launch
 from tltrun.train import state as train_state
 from tltrun.train.config import TrainConfig
 from tltrun.train.tasks import TaskConfig
-from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.errors import UsageError
 from tltsim.jsonio import parse_json, read_text, typed_fields
 
@@ -166,6 +166,8 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 def _cmd_report(args: argparse.Namespace) -> int:
     from analysis.train_plots import report
 
+    if args.out:
+        check_out_dir(args.out)
     try:
         paths = report(args.runs, args.out)
     except ValueError as err:

@@ -29,7 +29,6 @@ a fixed ``--num-threads``: float reductions depend on the thread count). The com
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -49,7 +48,7 @@ from tltrun.train.sft_config import SFTConfig
 from tltrun.train.sft_eval import evaluate
 from tltrun.train.tasks import Example, TaskConfig, length_stats, make_examples
 from tltsim.errors import UsageError
-from tltsim.jsonio import write_json
+from tltsim.jsonio import read_json, typed_fields, write_json
 
 IGNORE_INDEX = -100  # torch cross_entropy's ignore_index: prompt and padding positions
 # LlamaConfig.initializer_range's default (transformers), used by its _init_weights
@@ -438,8 +437,17 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, show_progress: bool = True) 
     config_path = Path(checkpoint_dir) / "sft_config.json"
     if not config_path.is_file():
         raise UsageError(f"{checkpoint_dir}: no sft_config.json (not a checkpoint of tltrun sft)")
-    resolved = json.loads(config_path.read_text())
-    cfg, task = SFTConfig(**resolved["sft"]), TaskConfig(**resolved["task"])
+    resolved = read_json(config_path, "tltrun sft config")
+    if not isinstance(resolved, dict):
+        raise UsageError(f"{config_path}: expected an object with sft and task sections")
+    try:
+        sft, task_fields = resolved["sft"], resolved["task"]
+        cfg = SFTConfig(**typed_fields(SFTConfig, sft, f"{config_path} [sft]"))
+        task = TaskConfig(**typed_fields(TaskConfig, task_fields, f"{config_path} [task]"))
+    except (KeyError, TypeError, ValueError) as err:  # not the sections tltrun sft writes
+        raise UsageError(
+            f"{config_path}: not a tltrun sft config ({type(err).__name__}: {err})"
+        ) from None
     if cfg.data is not None:
         from tltrun.model.hf_checkpoint import load_hf
 
