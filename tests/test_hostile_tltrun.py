@@ -11,6 +11,8 @@ Run: ``python -m pytest tests/test_hostile_tltrun.py -q``.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import test_hostile
 import torch
@@ -105,6 +107,14 @@ TLTRUN_CASES = {
     "same: train --tlt-strategies zz": swap(TRAIN, "--tlt-strategies zz"),
     "same: generate --dtype float8": swap(GEN, "--dtype float8"),
     "same: generate --strategy zz": swap(GEN, "--policy static --strategy zz --drafter {drafter}"),
+    "same: bench --strategy zz": swap(BENCH, "--strategy zz --drafter {drafter}", policy="static"),
+    "same: profile --attn-impl zz": "profile --model {model} --out {tmp}/p.csv --attn-impl zz",
+    # Triton kernels on a CPU without Triton's interpreter: named before the model loads
+    "triton: generate --attn-impl triton": swap(GEN, "--attn-impl triton"),
+    "triton: generate --verify-impl triton": swap(
+        GEN, "--verify-impl triton --policy static --strategy 2_1_2 --drafter {drafter}"
+    ),
+    "triton: profile --attn-impl triton": "profile --model {model} --out {tmp}/p.csv --attn-impl triton",
     # devices this machine lacks
     "device: generate --device nope": swap(GEN, "--device nope"),
     "device: train --device nope": swap(TRAIN, "--device nope"),
@@ -156,3 +166,45 @@ def test_suspicious_prompts_warn_once_with_counts(files, tmp_path, capsys):
     assert len(warnings) == 1, err
     assert "1 empty prompt(s); 2 prompt(s) with 3 character(s)" in warnings[0]
     assert "Traceback" not in out + err
+
+
+# (file name, content) of a damaged run directory for ``tltrun report`` / ``tltrun sft-eval``
+DAMAGED_RUNS = {
+    "report: log row without step": ("report", "log.jsonl", b"{}\n"),
+    "report: log row a list": ("report", "log.jsonl", b"[1, 2]\n"),
+    "report: reward not a number": ("report", "log.jsonl", b'{"step": 0, "reward_mean": "x"}\n'),
+    "report: empty log": ("report", "log.jsonl", b""),
+    "report: torn log": ("report", "log.jsonl", b'{"step": 0, "reward_mean": 0.5, "acc'),
+    "report: binary log": ("report", "log.jsonl", bytes(range(128, 256))),
+    "sft-eval: config without sft": ("sft-eval", "sft_config.json", b'{"task": {}}'),
+    "sft-eval: config a list": ("sft-eval", "sft_config.json", b"[1, 2]"),
+    "sft-eval: binary config": ("sft-eval", "sft_config.json", bytes(range(128, 256))),
+    "sft-eval: a field of the wrong type": (
+        "sft-eval",
+        "sft_config.json",
+        b'{"sft": {"out": "o", "num_steps": "x"}, "task": {}}',
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("command, name, content", DAMAGED_RUNS.values(), ids=DAMAGED_RUNS.keys())
+def test_damaged_run_directories_are_one_error_line(command, name, content, tmp_path, capsys):
+    """``report`` and ``sft-eval`` read what train and sft wrote: a damaged file is one error
+    naming it (they once ended in KeyError, TypeError or ZeroDivisionError)."""
+    (tmp_path / name).write_bytes(content)
+    rc, out, err = run("tltrun", [command, str(tmp_path)], capsys)
+    assert_one_error_line(rc, out, err)
+    assert f"{tmp_path / name}" in err
+
+
+def test_report_out_that_cannot_be_written_names_the_flag(files, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    row = dict.fromkeys(("step", "reward_mean", "accept_len", "rollout_s", "train_s", "step_s",
+                         "drafter_train_s"), 0)  # fmt: skip
+    (run_dir / "log.jsonl").write_text(json.dumps(row) + "\n")
+    rc, out, err = run("tltrun", ["report", str(run_dir), "--out", files["file"]], capsys)
+    assert_one_error_line(rc, out, err)
+    assert err.startswith(f"error: --out {files['file']}: ")
+    rc, out, err = run("tltrun", ["report", str(run_dir), "--out", str(tmp_path / "figs")], capsys)
+    assert rc == 0 and (tmp_path / "figs" / "reward.png").is_file()

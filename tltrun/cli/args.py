@@ -79,7 +79,7 @@ def engine_config_from_args(
         values["cuda_graphs"] = False
     values.update(fixed)
     try:
-        return EngineConfig(sampling=dataclass_from_args(SamplingParams, args), **values)
+        cfg = EngineConfig(sampling=dataclass_from_args(SamplingParams, args), **values)
     except TypeError as err:
         missing = str(err).split("argument")[-1].strip(": ")
         raise UsageError(
@@ -87,6 +87,25 @@ def engine_config_from_args(
         ) from None
     except ValueError as err:
         raise UsageError(f"EngineConfig: {err}") from None
+    check_triton_impls(cfg.device, attn_impl=cfg.attn_impl, verify_impl=cfg.verify_impl)
+    return cfg
+
+
+def check_triton_impls(device: str, **impls: str | None) -> None:
+    """A Triton implementation asked for where Triton cannot run (a CPU without its
+    interpreter) is one UsageError naming the flag, before a model is loaded."""
+    asked = [name for name, impl in impls.items() if impl == "triton"]
+    if not asked:
+        return
+    import torch
+
+    from kernels.spec_verify import triton_runnable_on
+
+    is_ok, why = triton_runnable_on(torch.device(device))
+    if not is_ok:
+        flag = "--" + asked[0].replace("_", "-")
+        reason = why.removeprefix("impl='triton' ")
+        raise UsageError(f"{flag} triton: {reason}")
 
 
 def check_kv_cache_fits(model_dir: str, engine_cfg: EngineConfig) -> None:

@@ -14,6 +14,7 @@ import datetime
 import time
 from pathlib import Path
 
+from tltrun.cli.args import check_triton_impls
 from tltrun.profile import measure
 from tltsim.cli.args import add_dataclass_args, check_out_file, dataclass_from_args
 
@@ -21,6 +22,8 @@ from tltsim.cli.args import add_dataclass_args, check_out_file, dataclass_from_a
 def cmd_profile(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(measure.ProfileRunConfig, args)
     check_out_file(cfg.out)
+    if cfg.backend == "torch":
+        check_triton_impls(cfg.device, attn_impl=cfg.attn_impl)
     start = time.perf_counter()
     rows = measure.run_profile(cfg, datetime.datetime.now(datetime.UTC))
     ops = sorted({r.op for r in rows})

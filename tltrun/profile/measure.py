@@ -166,7 +166,8 @@ class ProfileRunConfig:
         default=None,
         metadata={
             "help": "attention implementation (EngineConfig.attn_impl; default: the engine's, "
-            "flex on CUDA, sdpa on CPU)"
+            "flex on CUDA, sdpa on CPU)",
+            "choices": attention.ATTN_IMPLS,
         },
     )
     # GRPO samples at 1.0
@@ -196,6 +197,10 @@ class ProfileRunConfig:
         for name in ("model", "out"):
             if not getattr(self, name):
                 raise ValueError(f"--{name} is required")
+        if self.attn_impl is not None and self.attn_impl not in attention.ATTN_IMPLS:
+            raise ValueError(
+                f"--attn-impl {self.attn_impl!r}: expected one of {attention.ATTN_IMPLS}"
+            )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if not self.out.endswith(".csv"):

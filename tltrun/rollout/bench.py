@@ -31,7 +31,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tltsim.errors import UsageError
-from tltsim.policy import DEFAULT_POLICY_NAMES, POLICY_NAMES
+from tltsim.policy import DEFAULT_POLICY_NAMES, POLICY_NAMES, make_policy
 from tltsim.trace.schema import Prompt, Response, Step, Trace, TraceError
 
 BACKENDS = ("torch", "vllm")
@@ -90,6 +90,11 @@ class BenchConfig:
             )
         if not self.length_scale > 0:
             raise ValueError(f"--length-scale must be > 0, got {self.length_scale}")
+        if "static" in self.policy:  # the static policy's strategy, before any engine starts
+            try:
+                make_policy("static", strategy=self.strategy)
+            except ValueError as err:
+                raise ValueError(f"--strategy: {err}") from None
 
 
 def scale_step(step: Step, scale: float) -> Step:
@@ -138,7 +143,6 @@ def run_bench(cfg: BenchConfig, engine_cfg, trace: Trace) -> dict[str, Any]:
     from tltrun.model.hf_checkpoint import load_hf
     from tltrun.rollout.engine_config import DTYPES
     from tltrun.rollout.measured_trace import hardware_name, measured_step, requests_from_step
-    from tltsim.policy import make_policy
     from tltsim.trace.files import save_trace
 
     steps = select_steps(trace, cfg, engine_cfg.max_model_len)
