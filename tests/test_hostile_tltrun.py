@@ -109,6 +109,9 @@ TLTRUN_CASES = {
     "same: generate --strategy zz": swap(GEN, "--policy static --strategy zz --drafter {drafter}"),
     "same: bench --strategy zz": swap(BENCH, "--strategy zz --drafter {drafter}", policy="static"),
     "same: profile --attn-impl zz": "profile --model {model} --out {tmp}/p.csv --attn-impl zz",
+    "silent: generate --eos-token-ids outside the vocabulary": swap(
+        GEN, "--eos-token-ids=-1,100000"
+    ),
     # Triton kernels on a CPU without Triton's interpreter: named before the model loads
     "triton: generate --attn-impl triton": swap(GEN, "--attn-impl triton"),
     "triton: generate --verify-impl triton": swap(

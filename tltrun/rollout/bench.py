@@ -207,7 +207,10 @@ def _make_backend(backend: str, policy: str, cfg: BenchConfig, engine_cfg, targe
 
     if backend == "torch":
         uses_eagle = policy not in MODEL_FREE_POLICIES
-        return RolloutEngine(target, drafter if uses_eagle else None, engine_cfg)
+        try:  # settings the engine checks against the model (EOS ids in its vocabulary)
+            return RolloutEngine(target, drafter if uses_eagle else None, engine_cfg)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     try:
         from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig
     except ImportError as err:

@@ -120,6 +120,11 @@ class RolloutEngine:
                     fuse_projections(module)
         self._apply_layer_settings()
         cfg = model.config
+        if any(not 0 <= i < cfg.vocab_size for i in config.eos_token_ids):
+            raise ValueError(  # such an id never stops a response
+                f"eos_token_ids {list(config.eos_token_ids)}: outside the model's vocabulary "
+                f"[0, {cfg.vocab_size})"
+            )
         slots = config.max_running_requests
         self.max_tokens = config.max_model_len + config.max_verify_tokens + 1
         self.cache = KVCache.for_model(cfg, slots, self.max_tokens, dtype, self.device)
