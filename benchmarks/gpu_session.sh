@@ -49,6 +49,8 @@ SMOKE=${SMOKE:-0}
 cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$OUT" || exit 2
+# tracebacks newer than this mark are this session's (others may sit in /tmp from earlier runs)
+start_mark=$(mktemp)
 failed=()
 # stage all: one deadline for every step; RESERVE seconds stay for packing OUT
 RESERVE=15
@@ -196,10 +198,13 @@ if [ "$STAGE" = profile ] || [ "$STAGE" = all ]; then
   fi
   rm -rf "$CKPT"
 fi
-# tltrun's CLI writes a failure's full traceback under /tmp: keep them with the logs
-if compgen -G "${TMPDIR:-/tmp}/tltrun-traceback-*.txt" >/dev/null; then
-  mkdir -p "$OUT/tracebacks" && cp "${TMPDIR:-/tmp}"/tltrun-traceback-*.txt "$OUT/tracebacks/"
+# tltrun's CLI writes a failure's full traceback under /tmp: keep this session's with the logs
+mapfile -t tracebacks < <(find "${TMPDIR:-/tmp}" -maxdepth 1 -name 'tltrun-traceback-*.txt' \
+  -newer "$start_mark")
+if [ ${#tracebacks[@]} -gt 0 ]; then
+  mkdir -p "$OUT/tracebacks" && cp "${tracebacks[@]}" "$OUT/tracebacks/"
 fi
+rm -f "$start_mark"
 if [ "$STAGE" = all ] || [ "$STAGE" = targets ]; then
   # what a person reads first, on standard output (a device call returns its tail)
   for log in pytest_gpu bench_gpu_engine checkpoint profile profile_sdpa bench_kernels \
