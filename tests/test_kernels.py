@@ -203,20 +203,15 @@ def interpreter_incompatibility(
     this CPU check; the compiled kernels are unaffected)."""
     import numpy
     import triton
+    from packaging.version import Version
 
-    triton_v = _release(triton_version or triton.__version__)
-    numpy_v = _release(numpy_version or numpy.__version__)
-    if triton_v < (3, 7) and numpy_v >= (2, 4):
-        return (f"Triton {triton_version or triton.__version__}'s interpreter cannot run beside "
-                f"numpy {numpy_version or numpy.__version__} (int() of a one-element array, an "
-                "error since numpy 2.4; fixed in Triton 3.7): the CPU check of the kernels "
-                "needs Triton >= 3.7 or numpy < 2.4")  # fmt: skip
+    triton_version = triton_version or triton.__version__
+    numpy_version = numpy_version or numpy.__version__
+    if Version(triton_version).release < (3, 7) and Version(numpy_version).release >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter cannot run beside numpy {numpy_version} "
+                "(int() of a one-element array, an error since numpy 2.4; fixed in Triton 3.7): "
+                "the CPU check of the kernels needs Triton >= 3.7 or numpy < 2.4")  # fmt: skip
     return None
-
-
-def _release(version: str) -> tuple[int, int]:
-    major, minor = version.split("+")[0].split(".")[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
 def test_interpreter_incompatibility_rule():

@@ -103,9 +103,7 @@ def check_triton_impls(device: str, **impls: str | None) -> None:
 
     is_ok, why = triton_runnable_on(torch.device(device))
     if not is_ok:
-        flag = "--" + asked[0].replace("_", "-")
-        reason = why.removeprefix("impl='triton' ")
-        raise UsageError(f"{flag} triton: {reason}")
+        raise UsageError(f"--{asked[0].replace('_', '-')} triton: {why}")
 
 
 def check_kv_cache_fits(model_dir: str, engine_cfg: EngineConfig) -> None:
