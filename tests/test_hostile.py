@@ -307,6 +307,27 @@ def test_internal_error_is_one_line_with_the_traceback_in_a_file(monkeypatch, ca
     path.unlink()
 
 
+def test_an_error_erases_the_progress_bar_it_interrupts(monkeypatch, capsys):
+    """A command failing while its progress bar is drawn: the bar's line is erased and closed,
+    so the error starts a line of its own and no bar is redrawn after it at exit."""
+    from tqdm import tqdm
+
+    from tltsim.cli import trace as trace_cli
+    from tltsim.errors import UsageError
+
+    def fails_midway(_args):
+        bar = tqdm(total=4, desc="work")
+        bar.update()
+        raise UsageError("bad input")
+
+    monkeypatch.setattr(trace_cli, "_cmd_validate", fails_midway)
+    rc, _, err = run("tltsim", ["validate", "x.json"], capsys)
+    drawn, _, error = err.rpartition("error: ")
+    assert rc == 2 and error == "bad input\n", err
+    assert "work:" in drawn and drawn.endswith("\r"), repr(drawn)  # drawn, then erased
+    assert not list(tqdm._instances)  # closed: nothing left to redraw
+
+
 # --- fuzzing ----------------------------------------------------------------------------------
 
 JSON_LEAVES = st.one_of(

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from tltsim.errors import TLTError, UsageError
 
 
@@ -44,9 +46,13 @@ def run_command(
     results) exit 2; Ctrl-C exits 130; any other exception is a bug: exit 1 and its traceback
     goes to a file named in the line, so the terminal never shows a traceback."""
     try:
-        with warnings.catch_warnings():
-            warnings.showwarning = _show_warning
-            return int(func(args) or 0)
+        try:
+            with warnings.catch_warnings():
+                warnings.showwarning = _show_warning
+                return int(func(args) or 0)
+        except BaseException:
+            _erase_progress_bars()
+            raise
     except TLTError as err:
         print(f"error: {err}", file=sys.stderr)
         return getattr(err, "exit_code", 2)
@@ -60,6 +66,15 @@ def run_command(
         return 2
     except Exception as err:  # noqa: BLE001 - the last line of defence, reported as a bug
         return _internal_error(err, prog)
+
+
+def _erase_progress_bars() -> None:
+    """Close the progress bars a failed command left open, erasing their lines: otherwise the
+    error line is written onto the bar's line and the bar is drawn again after it at exit."""
+    # tqdm's registry of open bars, the one tqdm.write clears and redraws
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.leave = False
+        bar.close()
 
 
 def check_out_dir(path: str | Path, flag: str = "--out") -> Path:
