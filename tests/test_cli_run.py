@@ -264,6 +264,10 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
             ],
             "--backend torch,sglang",
         ),
+        (
+            ["bench", "--trace", "T", "--model", "M", "--out", "y", "--steps", "0,0", *ENGINE],
+            "--steps names step 0 more than once",
+        ),
     ],
 )
 def test_errors_are_one_line_exit_2(dirs, argv, message, capsys):

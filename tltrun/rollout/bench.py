@@ -88,6 +88,9 @@ class BenchConfig:
             raise ValueError(
                 f"--backend {','.join(self.backend)}: expected names among {', '.join(BACKENDS)}"
             )
+        repeated = sorted({i for i in self.steps if self.steps.count(i) > 1})
+        if repeated:  # a step replayed twice would count its rollout twice in the totals
+            raise ValueError(f"--steps names step {repeated[0]} more than once")
         if not self.length_scale > 0:
             raise ValueError(f"--length-scale must be > 0, got {self.length_scale}")
         if "static" in self.policy:  # the static policy's strategy, before any engine starts
