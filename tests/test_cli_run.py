@@ -268,6 +268,38 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
             ["bench", "--trace", "T", "--model", "M", "--out", "y", "--steps", "0,0", *ENGINE],
             "--steps names step 0 more than once",
         ),
+        (
+            [
+                "generate",
+                "--model",
+                "M",
+                "--prompts",
+                "P",
+                "--out",
+                "y",
+                "--instance",
+                "-1",
+                *ENGINE,
+            ],
+            "instance must be >= 0",
+        ),
+        # the engine's error comes while bench's progress bar is drawn: still one line
+        (
+            [
+                "bench",
+                "--trace",
+                "T",
+                "--model",
+                "M",
+                "--out",
+                "y",
+                "--policy",
+                "nospec",
+                "--eos-token-ids=-1",
+                *ENGINE,
+            ],
+            "outside the model's vocabulary",
+        ),
     ],
 )
 def test_errors_are_one_line_exit_2(dirs, argv, message, capsys):
@@ -282,9 +314,30 @@ def test_errors_are_one_line_exit_2(dirs, argv, message, capsys):
         for a in argv
     ]
     assert main(argv) == 2  # in-process: no exception escaped main
-    err = capsys.readouterr().err
+    # what a terminal shows: a progress bar drawn before the error is erased by a "\r" line
+    drawn, _, err = capsys.readouterr().err.rpartition("\r")
+    assert "\n" not in drawn
     assert err.startswith("error: ") and err.count("\n") == 1
     assert message in err
+
+
+@pytest.mark.parametrize(
+    "row,flags,message",
+    [
+        ({"max_new_tokens": 0}, ["--max-new-tokens", "4"], "must be an integer >= 1, got 0"),
+        ({"max_new_tokens": "8"}, [], "must be an integer >= 1, got '8'"),
+        ({}, [], "no 'max_new_tokens' (and no --max-new-tokens given)"),
+    ],
+)
+def test_prompt_max_new_tokens_errors_name_the_value(dirs, tmp_path, capsys, row, flags, message):
+    """A row's own bad max_new_tokens is reported as the row's value, not as a missing flag."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt_token_ids": [1, 2], **row}) + "\n")
+    argv = ["generate", "--model", str(dirs / "model"), "--prompts", str(prompts)]
+    assert main([*argv, "--out", str(tmp_path / "o"), *flags, *ENGINE]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {prompts} line 1: ") and err.count("\n") == 1, err
+    assert message in err, err
 
 
 def test_bad_prompt_line_names_file_and_line(dirs, tmp_path):

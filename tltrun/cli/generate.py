@@ -158,8 +158,10 @@ def read_prompts(path: str, model_dir: str, cfg: GenerateConfig) -> tuple[list[R
         else:
             raise UsageError(f"{where}: needs 'prompt_token_ids' or 'prompt'")
         max_new = obj.get("max_new_tokens", cfg.max_new_tokens)
-        if type(max_new) is not int or max_new < 1:
-            raise UsageError(f"{where}: no valid 'max_new_tokens' (and no --max-new-tokens given)")
+        if "max_new_tokens" in obj and (type(max_new) is not int or max_new < 1):
+            raise UsageError(f"{where}: 'max_new_tokens' must be an integer >= 1, got {max_new!r}")
+        if max_new is None:
+            raise UsageError(f"{where}: no 'max_new_tokens' (and no --max-new-tokens given)")
         if (len(requests) + cfg.group_size) > MAX_REQUESTS:
             raise UsageError(
                 f"--prompts {path}: more than {MAX_REQUESTS} requests (prompts x --group-size)"

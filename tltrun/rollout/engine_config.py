@@ -210,6 +210,8 @@ class EngineConfig:
             raise ValueError(
                 f"graph_batch_sizes must increase within 1..max_running_requests, got {sizes}"
             )
+        if self.instance < 0:  # the policy's DecodeObs.instance: an index, as in the simulator
+            raise ValueError(f"instance must be >= 0, got {self.instance}")
         if self.max_verify_tokens < 1:
             raise ValueError(f"max_verify_tokens must be >= 1, got {self.max_verify_tokens}")
         if self.catchup_pairs is not None and self.catchup_pairs < 0:
