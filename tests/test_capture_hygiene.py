@@ -65,12 +65,9 @@ def _unguarded(fn):
 def compiled_flex_path(monkeypatch):
     """The GPU's flex path (padding, folding, the compiled call) on the CPU, uncompiled."""
     monkeypatch.setattr(attention, "compile_on_cpu", True)
-    monkeypatch.setattr(
-        attention, "_compiled_flex_by_lens", lambda: _unguarded(attention._flex_by_lens)
-    )
-    monkeypatch.setattr(
-        attention, "_compiled_flex_folded", lambda: _unguarded(attention._flex_folded)
-    )
+    for name in ("symbolic_batch", "static_batch"):
+        fn = _unguarded(getattr(attention, f"_flex_{name}"))
+        monkeypatch.setattr(attention, f"_compiled_flex_{name}", lambda fn=fn: fn)
     monkeypatch.setattr(attention, "flex_fallbacks", {})
 
 

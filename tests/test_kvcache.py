@@ -221,10 +221,17 @@ def test_compiled_flex_matches_the_dense_reference_across_shapes(monkeypatch):
     assert counters["stats"]["unique_graphs"] == before
 
 
-@pytest.mark.parametrize("is_folded", [False, True])
+@pytest.mark.parametrize(
+    "form",
+    [
+        "eager",
+        "eager folded",
+        pytest.param("compiled symbolic batch", marks=pytest.mark.slow),
+        pytest.param("compiled static batch", marks=pytest.mark.slow),
+    ],
+)
 @pytest.mark.parametrize("lens_kind", ["block_edges", "random"])
-@pytest.mark.parametrize("is_compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_flex_block_mask_matches_the_dense_reference(is_folded, lens_kind, is_compiled):
+def test_flex_block_mask_matches_the_dense_reference(form, lens_kind):
     """The block mask (full blocks below each committed length, partial ones over its end and
     its new tokens) and the folding of query heads onto their KV head: every mistake in which
     keys a query sees changes the output. Eager flex evaluates mask_mod on every block, so only
@@ -236,11 +243,48 @@ def test_flex_block_mask_matches_the_dense_reference(is_folded, lens_kind, is_co
         expected = attention.grouped_attention(
             q, k, v, attention.in_place_mask(lens, k.shape[2], tree), scale
         )
-    if is_compiled:
-        out = attention._compiled_call(q, k, v, lens, tree, scale, is_folded)
+    if form.startswith("compiled"):
+        out = attention._compiled_call(q, k, v, lens, tree, scale, form.endswith("static batch"))
     else:
-        out = attention._flex_by_lens(q, k, v, lens, tree, scale, is_folded=is_folded)
+        out = attention._flex_by_lens(q, k, v, lens, tree, scale, is_folded=form.endswith("folded"))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch,is_static_batch", [(3, False), (40, True), (2, True)])
+@pytest.mark.parametrize("num_new", [1, 5])
+def test_the_compiled_flex_path_folds_query_heads_at_every_batch(
+    monkeypatch, batch, is_static_batch, num_new
+):
+    """What the GPU's compiled kernel is handed (the compiles replaced by their Python
+    functions, flex_attention by a recorder): every batch, static or symbolic, attends with
+    the G query heads of a KV head folded into its query rows, in a tile of the next power of
+    two of those rows (16 at least), never one program per query head with a 128-row tile."""
+    from torch.nn.attention import flex_attention as flex_module
+
+    calls = []
+    real = flex_module.flex_attention
+
+    def recorder(q, k, v, **kwargs):
+        calls.append((q.shape, k.shape, kwargs["enable_gqa"], kwargs["kernel_options"]))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(flex_module, "flex_attention", recorder)
+    monkeypatch.setattr(attention, "compile_on_cpu", True)
+    monkeypatch.setattr(attention, "flex_fallbacks", {})
+    for name in ("symbolic_batch", "static_batch"):
+        fn = getattr(attention, f"_flex_{name}")
+        monkeypatch.setattr(attention, f"_compiled_flex_{name}", lambda fn=fn: fn)
+    args, expected = _flex_case(batch, num_new, 300, 16)
+    out = attention.flex_attention_by_lens(*args, is_static_batch=is_static_batch)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    rows = 2 * attention.new_tokens_bucket(num_new)  # 4 query heads on 2 KV heads: G = 2
+    assert calls == [((batch, 2, rows, 16), (batch, 2, 300, 16), False, {"BLOCK_M": 16})]
+
+
+def test_query_tile_rows():
+    assert [attention.query_block_rows(r) for r in (1, 7, 16, 17, 100, 448)] == [
+        16, 16, 16, 32, 128, 128
+    ]  # fmt: skip
 
 
 def test_a_failed_flex_compile_runs_the_dense_attention_and_says_so(monkeypatch):
@@ -249,7 +293,7 @@ def test_a_failed_flex_compile_runs_the_dense_attention_and_says_so(monkeypatch)
 
     monkeypatch.setattr(attention, "compile_on_cpu", True)
     monkeypatch.setattr(attention, "flex_fallbacks", {})
-    monkeypatch.setattr(attention, "_compiled_flex_by_lens", lambda: broken)
+    monkeypatch.setattr(attention, "_compiled_flex_symbolic_batch", lambda: broken)
     args, expected = _flex_case(2, 3, 64, 16)
     with pytest.warns(RuntimeWarning, match="batch 2, 3 new tokens, key width 64"):
         out = attention.flex_attention_by_lens(*args)

@@ -104,10 +104,10 @@ compile_on_cpu = False
 # compute-bound, and every prompt length would be another compile
 FLEX_MAX_NEW_TOKENS = FLEX_BLOCK_TOKENS
 # graph batches up to this many sequences compile with a static batch (the split-KV decoding
-# kernel, see _compiled_flex_folded): the long tail's batches, where one sequence's context must
-# be spread over the GPU; larger batches fill it with sequences already
+# kernel, see _compiled_flex_static_batch): the long tail's batches, where one sequence's
+# context must be spread over the GPU; larger batches fill it with sequences already
 FLEX_DECODING_MAX_BATCH = 16
-# (dtype, batch, new tokens, key width, head dim, folded) -> why the compiled kernel failed for that
+# (dtype, batch, new tokens, key width, head dim, static batch) -> why the compiled kernel failed for that
 # shape, which then runs the dense masked SDPA (warned once; reports list these)
 flex_fallbacks: dict[tuple, str] = {}
 
@@ -125,34 +125,49 @@ def _raise_recompile_limits() -> None:
     config.fail_on_recompile_limit_hit = True
 
 
-@functools.cache
-def _compiled_flex_by_lens():
-    """``_flex_by_lens`` compiled once per process, for GPUs: eager flex_attention is torch's
-    dense reference (correct everywhere, fast nowhere); compiled, it is a block-sparse Triton
-    kernel. The block mask is built inside the compiled function, so the batch and the key width
-    become symbolic sizes there once they vary (one compile serves them all) rather than Python
-    constants that each new shape would recompile for. The number of new tokens stays a
-    constant (``flex_attention_by_lens`` marks it static): a symbolic one broke inductor's CPU
-    code generation with torch 2.13, and a run has only a few (decode, each strategy's tree)."""
-    _raise_recompile_limits()
-    return torch.compile(_flex_by_lens)
+def _flex_symbolic_batch(q, k_all, v_all, cache_lens, tree_mask, scale: float) -> torch.Tensor:
+    """``_flex_by_lens`` with the query heads folded, for the symbolic-batch compile."""
+    return _flex_by_lens(q, k_all, v_all, cache_lens, tree_mask, scale, is_folded=True)
 
 
-def _flex_folded(q, k_all, v_all, cache_lens, tree_mask, scale: float) -> torch.Tensor:
-    """``_flex_by_lens`` with the query heads folded; its own function (its own code object,
-    so dynamo keeps its static-batch compiles apart from the symbolic-batch ones)."""
+def _flex_static_batch(q, k_all, v_all, cache_lens, tree_mask, scale: float) -> torch.Tensor:
+    """The same for the static-batch compiles: its own function (its own code object, so
+    dynamo keeps them apart from the symbolic-batch one)."""
     return _flex_by_lens(q, k_all, v_all, cache_lens, tree_mask, scale, is_folded=True)
 
 
 @functools.cache
-def _compiled_flex_folded():
+def _compiled_flex_symbolic_batch():
+    """``_flex_symbolic_batch`` compiled once per process, for GPUs: eager flex_attention is
+    torch's dense reference (correct everywhere, fast nowhere); compiled, it is a block-sparse
+    Triton kernel. The block mask is built inside the compiled function, so the batch and the
+    key width become symbolic sizes there once they vary (one compile serves them all) rather
+    than Python constants that each new shape would recompile for. The number of new tokens
+    stays a constant (``flex_attention_by_lens`` marks it static): a symbolic one broke
+    inductor's CPU code generation with torch 2.13, and a run has only a few (decode, each
+    strategy's tree)."""
+    _raise_recompile_limits()
+    return torch.compile(_flex_symbolic_batch)
+
+
+@functools.cache
+def _compiled_flex_static_batch():
     """The small-batch graph path, compiled with a static batch: torch inductor's split-KV
     decoding kernel (``flex_decoding``), which spreads one sequence's context over the GPU,
     is chosen only for a static batch, fewer than 128 query rows and a power-of-two ratio of
     query to KV heads; folding the heads makes that ratio 1 (the Qwen2.5 shapes have 7 and 6).
     One compile per (graph bucket, new tokens) of the capture plan."""
     _raise_recompile_limits()
-    return torch.compile(_flex_folded)
+    return torch.compile(_flex_static_batch)
+
+
+def query_block_rows(rows: int) -> int:
+    """The flex kernel's query tile (``BLOCK_M``) for ``rows`` query rows per program: the next
+    power of two, at least 16 (the smallest ``tl.dot`` tile; what inductor's decoding kernel
+    picks itself) and at most the block mask's 128. Inductor's main kernel would take 128 on
+    an H100/H200 in bf16 at head dim 128 (``h100_default_flex_config``): for a decode's few
+    rows it computes and exponentiates a 128-row tile of which 1-7 rows are real."""
+    return min(FLEX_BLOCK_TOKENS, max(16, 1 << (rows - 1).bit_length()))
 
 
 def _flex_by_lens(
@@ -204,7 +219,13 @@ def _flex_by_lens(
         compute_q_blocks=False,
     )
     out = flex_attention(
-        q, k_all, v_all, block_mask=block_mask, scale=scale, enable_gqa=not is_folded
+        q,
+        k_all,
+        v_all,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=not is_folded,
+        kernel_options={"BLOCK_M": query_block_rows(rows)},
     )
     return out.reshape(b, num_heads, tq, head_dim)
 
@@ -221,22 +242,27 @@ def flex_attention_by_lens(
     """The attention of ``in_place_mask`` with flex_attention: key p is visible to query i iff
     p < cache_lens[b], or p holds new token j = p - cache_lens[b] and tree_mask[b, i, j]. The
     block mask lists, per sequence, only the KV blocks below cache_lens[b] + Tq, built with
-    tensor ops alone (no host sync: capturable in a CUDA graph). ``is_static_batch``: a graph's
-    fixed batch, which at up to ``FLEX_DECODING_MAX_BATCH`` sequences and under 128 query
-    rows compiles per batch for the split-KV decoding kernel. Returns (B,H,Tq,D)."""
+    tensor ops alone (no host sync: capturable in a CUDA graph). Compiled (CUDA), the query heads
+    are folded onto their KV head, as FlashAttention's and FlashInfer's decode kernels pack
+    them: one program reads a KV head's blocks once for all its G query heads, where one
+    program per query head reads them G times and, at a decode's one row, fills a 128-row tile
+    with a single real row (H200, session 23: 7B decode at batch 256 and 1k context took 56 ms
+    a step, about 13 TFLOP of such tiles). ``is_static_batch``: a graph's fixed batch, which at
+    up to ``FLEX_DECODING_MAX_BATCH`` sequences and under 128 query rows compiles per batch for
+    the split-KV decoding kernel. Returns (B,H,Tq,D)."""
     is_compiled = q.device.type == "cuda" or compile_on_cpu
     if not is_compiled:
         return _flex_by_lens(q, k_all, v_all, cache_lens, tree_mask, scale)
     b, num_heads, tq, head_dim = q.shape
-    is_folded = (
+    is_static = (
         is_static_batch
         and b <= FLEX_DECODING_MAX_BATCH
         and num_heads // k_all.shape[1] * new_tokens_bucket(tq) < FLEX_BLOCK_TOKENS
     )
-    key = (q.dtype, b, tq, k_all.shape[2], head_dim, is_folded)
+    key = (q.dtype, b, tq, k_all.shape[2], head_dim, is_static)
     if tq <= FLEX_MAX_NEW_TOKENS and key not in flex_fallbacks:
         try:
-            return _compiled_call(q, k_all, v_all, cache_lens, tree_mask, scale, is_folded)
+            return _compiled_call(q, k_all, v_all, cache_lens, tree_mask, scale, is_static)
         except Exception as e:  # noqa: BLE001 -- a compile failure: this shape runs dense
             if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise
@@ -274,11 +300,11 @@ def pad_tree_mask(tree_mask: torch.Tensor, padded: int) -> torch.Tensor:
 
 
 def _compiled_call(
-    q, k_all, v_all, cache_lens, tree_mask, scale: float, is_folded: bool
+    q, k_all, v_all, cache_lens, tree_mask, scale: float, is_static: bool
 ) -> torch.Tensor:
     import torch._dynamo
 
-    fn = _compiled_flex_folded() if is_folded else _compiled_flex_by_lens()
+    fn = _compiled_flex_static_batch() if is_static else _compiled_flex_symbolic_batch()
     b, _, tq, head_dim = q.shape
     padded = new_tokens_bucket(tq)
     if padded > tq:
@@ -294,7 +320,7 @@ def _compiled_call(
         torch._dynamo.mark_static(t, dim)
     batched = (q, k_all, v_all, cache_lens, tree_mask)
     for t in batched:
-        if is_folded:  # one compile per graph bucket: the split-KV kernel needs it static
+        if is_static:  # one compile per graph bucket: the split-KV kernel needs it static
             torch._dynamo.mark_static(t, 0)
         else:  # symbolic from the first compile on (sizes 1 and 0 aside)
             torch._dynamo.maybe_mark_dynamic(t, 0)
