@@ -15,7 +15,8 @@ alternating, the ratio's min-max printed beside it.
   copy bandwidth. Issue targets: 7B, batch 1, 1k context >= 80% of the roofline; graphs >= 2x
   eager at batch 1 for the 0.5B shape.
 * ``where``: the batch-1 decode step of the roofline target's cell (largest shape, first
-  context) under ``torch.profiler``, graphs and eager: the device's busy time vs the step's wall
+  context) under ``torch.profiler``, graphs and eager (and graphs at batch 64, above TLT's SD
+  threshold, where attention's batch costs show): the device's busy time vs the step's wall
   time (the rest: the device waiting for the host), busy time by kernel kind (GEMM, attention,
   other), the GEMMs' weight read rate, and the costliest kernels by name.
 * ``sd``: one SD iteration (``StaticSpec``: chain 4_1_4, tree 8_4_32) per batch bucket up to

@@ -37,6 +37,10 @@ KERNEL_KINDS = (
 
 
 TOP_KERNELS = 12  # the costliest kernels a where row lists by name
+# the batch of the extra graphs row: a decode batch above TLT's default SD threshold (32), where
+# the rollout spends its first, busiest iterations; batch 1 alone hides attention's batch costs
+# (session 23: 7B at batch 256 took 56 ms a step, 8x batch 1's, ~2.3x weights and KV read once)
+LARGE_BATCH = 64
 
 
 def kernel_kind(name: str) -> str:
@@ -83,17 +87,20 @@ def bench_where(
 ) -> list[dict]:
     """Where the batch-1 decode step's time goes (the roofline target's cell: the largest
     shape, the first context), eager, graphs, compiled layers, and compiled layers with fused
-    projections: device busy vs waiting for the host, and the
-    busy time by kernel kind (GEMM, attention, other) with the costliest kernels."""
-    shape, context, batch = cfg.shapes[-1], cfg.contexts[0], 1
+    projections, then graphs at the largest decode batch up to ``LARGE_BATCH``: device busy vs
+    waiting for the host, and the busy time by kernel kind (GEMM, attention, other) with the
+    costliest kernels."""
+    shape, context = cfg.shapes[-1], cfg.contexts[0]
+    large = max(b for b in (1, *cfg.batches) if b <= LARGE_BATCH)
     if budget.is_over:
         return [{"shape": shape, "note": timing.SKIPPED}]
     model = build_model(shape, device, dtype, cfg.seed)
     weight_bytes = weight_bytes_per_token(model)
     rows = []
     try:
-        modes = (timing.MODES[1], timing.COMPILED, timing.COMPILED_FUSED, timing.MODES[0])
-        for mode, is_graphs, is_compiled, is_fused in modes:
+        modes = [(m, 1) for m in (timing.MODES[1], timing.COMPILED, timing.COMPILED_FUSED)]
+        modes += [(timing.MODES[0], 1)] + ([(timing.MODES[1], large)] if large > 1 else [])
+        for (mode, is_graphs, is_compiled, is_fused), batch in modes:
             row = {"shape": shape, "context": context, "batch": batch, "mode": mode}
             if budget.is_over:
                 rows.append({**row, "note": timing.SKIPPED})
@@ -140,6 +147,7 @@ def bench_where(
     print("costliest kernels per decode step (ms, launches, kind, name):")
     for row in rows:
         for k in row.get("top_kernels", ()):
-            print(f"  {row['mode']:>14}  {k['ms_per_step']:8.3f} ms  x{k['per_step']:<5.0f} "
+            label = f"{row['mode']} b{row['batch']}"
+            print(f"  {label:>18}  {k['ms_per_step']:8.3f} ms  x{k['per_step']:<5.0f} "
                   f"{k['kind']:<9}  {k['name'][:90]}")  # fmt: skip
     return rows
