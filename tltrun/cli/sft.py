@@ -1,6 +1,7 @@
 """``tltrun sft``, ``tltrun sft-eval`` and ``tltrun task``: the built-in task's starting policy.
 
     tltrun sft --out runs/sft                   # train, save the checkpoint, evaluate
+    tltrun sft --out runs/sft --resume          # continue a killed run with its settings
     tltrun sft-eval runs/sft                    # re-run only the held-out evaluation
     tltrun task --num-prompts 4 --seed 0        # sample problems and the length statistics
 
@@ -16,7 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from tltrun.train import sft
+from tltrun.train import resumable, sft
 from tltrun.train.sft_config import SFTConfig
 from tltrun.train.tasks import TaskConfig, length_stats, make_examples
 from tltsim.cli.args import add_dataclass_args, dataclass_from_args
@@ -87,11 +88,23 @@ def summary_table(metrics: dict[str, Any]) -> str:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    cfg = dataclass_from_args(SFTConfig, args)
-    task = dataclass_from_args(TaskConfig, args, prefix="task-")
+    if args.resume:
+        if not args.out:
+            raise UsageError("--resume needs --out, the directory of the run to continue")
+        out = Path(args.out)
+        if not resumable.is_resumable(out, "tltrun sft", finished_file="metrics.json"):
+            print(f"{out}: the run already finished (metrics.json is written); nothing to resume")
+            return 0
+        recorded = resumable.recorded_configs(out / "sft_config.json", sft.CONFIG_SECTIONS)
+        cfg = dataclass_from_args(SFTConfig, args, base=recorded["sft"])
+        task = dataclass_from_args(TaskConfig, args, prefix="task-", base=recorded["task"])
+        resumable.refuse_changes(out / "sft_config.json", recorded, {"sft": cfg, "task": task})
+    else:
+        cfg = dataclass_from_args(SFTConfig, args)
+        task = dataclass_from_args(TaskConfig, args, prefix="task-")
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise UsageError(f"--out {cfg.out}: exists and is not a directory")
-    metrics = sft.run_sft(cfg, task)
+    metrics = sft.run_sft(cfg, task, is_resume=args.resume)
     print(summary_table(metrics))
     print(f"checkpoint and metrics.json written to {cfg.out}")
     return 0
@@ -128,6 +141,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "sft",
         help="train a small model on the built-in task's worked solutions",
         description=sft.__doc__.split("\n\n")[0],
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the killed run in --out from its last state, with its sft_config.json",
     )
     add_dataclass_args(parser, SFTConfig)
     add_dataclass_args(parser, TaskConfig, prefix="task-")

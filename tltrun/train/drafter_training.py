@@ -18,6 +18,10 @@ Data: ``TrainRecord``s (token ids, prompt length, target hidden states); the eng
 for plain generations (e.g. the JSONL written by ``tltrun generate``).
 
 Run: ``tltrun train-drafter --model DIR --data generations.jsonl --out DIR`` (see tltrun.cli.generate).
+Every ``--checkpoint-every`` steps (and after the last) ``OUT/resume_state.pt`` holds the drafter,
+AdamW state, history so far and the states of the batch (``gen``) and noise (``noise_gen``)
+generators; ``--resume`` continues a killed run from it and ends bitwise as the uninterrupted run
+(tltrun.train.resumable).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from tqdm import tqdm
 
 from tltrun.model.drafter import EagleDrafter
 from tltrun.model.transformer import CausalContext, Transformer
+from tltrun.train.resumable import Checkpointing, fingerprint
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,11 @@ class DrafterTrainConfig:
             0 <= self.regression_weight < math.inf and 0 <= self.classification_weight < math.inf
         ):
             raise ValueError("loss weights must be finite and >= 0")
+        if self.regression_weight == 0 and self.classification_weight == 0:
+            raise ValueError(
+                "regression_weight and classification_weight are both 0: the loss would be 0 "
+                "and nothing would train; give one of them a weight > 0"
+            )
 
 
 @dataclass(frozen=True)
@@ -228,8 +238,10 @@ def train_drafter(
     records: list[TrainRecord],
     cfg: DrafterTrainConfig,
     is_progress_shown: bool = True,
+    checkpointing: Checkpointing | None = None,
 ) -> list[dict[str, float]]:
-    """``cfg.num_steps`` steps on batches drawn (seeded) from ``records``; returns the history."""
+    """``cfg.num_steps`` steps on batches drawn (seeded) from ``records``, writing and resuming
+    from the state ``checkpointing`` names; returns the history."""
     if not records:
         raise ValueError("train_drafter: no training records")
     device = drafter.fc.weight.device
@@ -237,11 +249,30 @@ def train_drafter(
     noise_gen = torch.Generator(device).manual_seed(cfg.seed + 1)
     optimizer = make_optimizer(drafter, cfg)
     history = []
-    bar = tqdm(range(cfg.num_steps), desc="train-drafter", disable=not is_progress_shown)
-    for _ in bar:
+    data_sha256 = None
+    if checkpointing is not None:  # the records' tokens (their hidden states follow from them)
+        data_sha256 = fingerprint(
+            chunk
+            for r in records
+            for chunk in (
+                r.token_ids.cpu().numpy().tobytes(),
+                r.num_prompt_tokens.to_bytes(8, "little"),
+            )
+        )
+    if checkpointing is not None and checkpointing.is_resume:
+        state = checkpointing.load(drafter, optimizer, data_sha256)
+        history = state["log"]
+        gen.set_state(state["gen"])
+        noise_gen.set_state(state["noise_gen"])
+    bar = tqdm(range(len(history), cfg.num_steps), desc="train-drafter", initial=len(history),
+               total=cfg.num_steps, disable=not is_progress_shown)  # fmt: skip
+    for step in bar:
         idx = torch.randint(len(records), (cfg.batch_size,), generator=gen).tolist()
         batch = make_batch([records[i] for i in idx], cfg.max_seq_len, device, gen)
         stats = drafter_train_step(drafter, batch, optimizer, cfg, noise_gen)
         history.append(stats)
         bar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1']:.2f}")
+        if checkpointing is not None and checkpointing.is_due(step + 1, cfg.num_steps):
+            checkpointing.save(step + 1, drafter, optimizer, history, data_sha256,
+                               gen=gen.get_state(), noise_gen=noise_gen.get_state())  # fmt: skip
     return history

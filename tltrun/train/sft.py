@@ -25,6 +25,12 @@ seeds 0-2, range 24-94%: whether the label lookup forms within the budget is see
 ``tltrun sft-eval DIR`` (``evaluate_checkpoint``). Every run is reproducible from ``--seed`` (at
 a fixed ``--num-threads``: float reductions depend on the thread count). The command line is
 ``tltrun.cli.sft``.
+
+Kills: every ``--checkpoint-every`` steps (and after the last) ``OUT/resume_state.pt`` holds the
+weights, AdamW state and log so far; ``tltrun sft --out DIR --resume`` continues a killed run
+with its recorded settings (sft_config.json) and ends bitwise as the uninterrupted run. The data
+position is the step: the batch stream is made again from the seed and the trained batches are
+skipped. The state is deleted once metrics.json is written (tltrun.train.resumable says why).
 """
 
 from __future__ import annotations
@@ -44,12 +50,16 @@ from tltrun.model.config import ModelConfig
 from tltrun.model.hf_checkpoint import save_hf
 from tltrun.model.tokenizer import CharTokenizer
 from tltrun.model.transformer import CausalContext, Transformer
+from tltrun.train import resumable
+from tltrun.train.resumable import Checkpointing
 from tltrun.train.sft_config import SFTConfig
 from tltrun.train.sft_eval import evaluate
 from tltrun.train.tasks import Example, TaskConfig, length_stats, make_examples
 from tltsim.errors import UsageError
-from tltsim.jsonio import read_json, typed_fields, write_json
+from tltsim.jsonio import write_json
 
+# sft_config.json's sections
+CONFIG_SECTIONS = {"sft": SFTConfig, "task": TaskConfig}
 IGNORE_INDEX = -100  # torch cross_entropy's ignore_index: prompt and padding positions
 # LlamaConfig.initializer_range's default (transformers), used by its _init_weights
 INIT_STD = 0.02
@@ -233,9 +243,11 @@ def train(
     rng: random.Random,
     show_progress: bool = True,
     pairs: list[tuple[str, str]] | None = None,
+    checkpointing: Checkpointing | None = None,
 ) -> list[dict[str, float]]:
     """Run ``cfg.num_steps`` optimiser steps (on ``pairs`` when given, else on fresh built-in
-    task examples); returns the per-step log."""
+    task examples), writing and resuming from the state ``checkpointing`` names; returns the
+    per-step log."""
     decay = [p for p in model.parameters() if p.ndim >= 2]  # matrices and embeddings
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # RMSNorm gains: no decay
     optimizer = torch.optim.AdamW(
@@ -253,7 +265,16 @@ def train(
         else batch_stream(task, tok, cfg.batch_tokens, rng)
     )
     log = []
-    bar = tqdm(range(cfg.num_steps), desc="sft", unit="step", disable=not show_progress)
+    data_sha256 = None
+    if pairs is not None and checkpointing is not None:
+        data_sha256 = resumable.fingerprint(s.encode() for pair in pairs for s in pair)
+    if checkpointing is not None and checkpointing.is_resume:
+        state = checkpointing.load(model, optimizer, data_sha256)
+        log = state["log"]
+        for _ in range(state["next_step"]):  # the data position: one batch per step done
+            next(stream)
+    bar = tqdm(range(len(log), cfg.num_steps), desc="sft", unit="step",
+               disable=not show_progress, initial=len(log), total=cfg.num_steps)  # fmt: skip
     for step in bar:
         batch = collate(next(stream), tok.pad_id)
         for group in optimizer.param_groups:
@@ -275,25 +296,35 @@ def train(
             }
         )
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        if checkpointing is not None and checkpointing.is_due(step + 1, cfg.num_steps):
+            checkpointing.save(step + 1, model, optimizer, log, data_sha256)
     model.eval()
     return log
 
 
-def run_sft(cfg: SFTConfig, task: TaskConfig, show_progress: bool = True) -> dict[str, Any]:
-    """Train, save the checkpoint and evaluate; returns the metrics written to metrics.json."""
+def run_sft(
+    cfg: SFTConfig, task: TaskConfig, show_progress: bool = True, is_resume: bool = False
+) -> dict[str, Any]:
+    """Train, save the checkpoint and evaluate; returns the metrics written to metrics.json.
+    ``is_resume``: continue the run in ``cfg.out`` from its state (``cfg`` and ``task`` are
+    its recorded ones: tltrun.cli.sft checks them)."""
     previous_threads = torch.get_num_threads()
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     try:
-        return _run_sft(cfg, task, show_progress)
+        return _run_sft(cfg, task, show_progress, is_resume)
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _run_sft(cfg: SFTConfig, task: TaskConfig, show_progress: bool) -> dict[str, Any]:
+def _run_sft(
+    cfg: SFTConfig, task: TaskConfig, show_progress: bool, is_resume: bool
+) -> dict[str, Any]:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "sft_config.json", {"sft": asdict(cfg), "task": asdict(task)})
+    if not is_resume:  # a resume keeps the recorded config: it is the run's
+        resumable.start_fresh(out, "tltrun sft", finished_file="metrics.json")
+        write_json(out / "sft_config.json", {"sft": asdict(cfg), "task": asdict(task)})
     tok = CharTokenizer()
     init_seed, data_seed, eval_seed = stream_seeds(cfg.seed)
     pairs = eval_pairs = None
@@ -306,7 +337,10 @@ def _run_sft(cfg: SFTConfig, task: TaskConfig, show_progress: bool) -> dict[str,
     model = build_model(cfg, task, tok, init_seed, max_tokens)
     num_params = sum(p.numel() for p in model.parameters())
     start_s = time.perf_counter()
-    log = train(cfg, task, model, tok, random.Random(data_seed), show_progress, pairs)
+    checkpoints = Checkpointing(
+        out=out, command="tltrun sft", every=cfg.checkpoint_every, is_resume=is_resume
+    )
+    log = train(cfg, task, model, tok, random.Random(data_seed), show_progress, pairs, checkpoints)
     train_s = time.perf_counter() - start_s
     save_checkpoint(model, tok, out)
     eval_start_s = time.perf_counter()
@@ -330,6 +364,7 @@ def _run_sft(cfg: SFTConfig, task: TaskConfig, show_progress: bool) -> dict[str,
         "train_log": log,
     }
     write_json(out / "metrics.json", metrics)
+    resumable.finish(out)
     return metrics
 
 
@@ -437,17 +472,8 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, show_progress: bool = True) 
     config_path = Path(checkpoint_dir) / "sft_config.json"
     if not config_path.is_file():
         raise UsageError(f"{checkpoint_dir}: no sft_config.json (not a checkpoint of tltrun sft)")
-    resolved = read_json(config_path, "tltrun sft config")
-    if not isinstance(resolved, dict):
-        raise UsageError(f"{config_path}: expected an object with sft and task sections")
-    try:
-        sft, task_fields = resolved["sft"], resolved["task"]
-        cfg = SFTConfig(**typed_fields(SFTConfig, sft, f"{config_path} [sft]"))
-        task = TaskConfig(**typed_fields(TaskConfig, task_fields, f"{config_path} [task]"))
-    except (KeyError, TypeError, ValueError) as err:  # not the sections tltrun sft writes
-        raise UsageError(
-            f"{config_path}: not a tltrun sft config ({type(err).__name__}: {err})"
-        ) from None
+    recorded = resumable.recorded_configs(config_path, CONFIG_SECTIONS)
+    cfg, task = recorded["sft"], recorded["task"]
     if cfg.data is not None:
         from tltrun.model.hf_checkpoint import load_hf
 

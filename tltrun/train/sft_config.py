@@ -1,7 +1,8 @@
 """``SFTConfig``: the settings of ``tltrun sft`` (``tltrun.train.sft``), one field per command-line
 flag (``tltrun.cli.sft`` builds the parser from the fields' ``help`` metadata). Values are checked
 when the config is built: a bad flag is one error line, and a model too large for this machine's
-memory to train is refused before anything starts.
+memory to train is refused before anything starts. ``--resume`` is the command's own flag, not a
+field: it says how to start, not what the run is (tltrun.train.resumable).
 """
 
 from __future__ import annotations
@@ -95,6 +96,13 @@ class SFTConfig:
     num_threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads (default: torch's, one per core)"}
     )
+    # The resumable state (tltrun.train.resumable: weights + AdamW, 12 bytes per parameter) is
+    # 2.5 MB at the defaults and took 12 ms to write and fsync on this machine; 100 steps are
+    # ~12 s of the default run, so a kill loses at most that for a cost of ~0.1%.
+    checkpoint_every: int = field(
+        default=100,
+        metadata={"help": "write the state --resume continues from every N steps (0: never)"},
+    )
 
     def __post_init__(self) -> None:
         if not self.out:
@@ -114,7 +122,13 @@ class SFTConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("num_steps", "warmup_steps", "num_eval_prompts", "num_sample_prompts"):
+        for name in (
+            "num_steps",
+            "warmup_steps",
+            "num_eval_prompts",
+            "num_sample_prompts",
+            "checkpoint_every",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.hidden_size % self.num_heads:
@@ -144,6 +158,7 @@ class SFTConfig:
             "warmup_steps",
             "num_eval_prompts",
             "num_sample_prompts",
+            "checkpoint_every",
         ):
             if getattr(self, name) >= 2**31:
                 raise ValueError(f"{name} must be < 2^31, got {getattr(self, name)}")

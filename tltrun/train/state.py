@@ -212,7 +212,7 @@ def write_manifest(ckpt_dir: Path) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, ckpt_dir / MANIFEST)
-    _fsync_dir(ckpt_dir)
+    fsync_dir(ckpt_dir)
 
 
 def _read_manifest(ckpt_dir: Path) -> tuple[dict[str, dict] | None, str]:
@@ -387,7 +387,7 @@ def commit(tmp_dir: Path, final_dir: Path) -> None:
         os.rename(final_dir, old)
         shutil.rmtree(old)
     os.rename(tmp_dir, final_dir)
-    _fsync_dir(final_dir.parent)
+    fsync_dir(final_dir.parent)
 
 
 def prune_checkpoints(out: Path, keep: int, committed: int) -> list[Path]:
@@ -410,7 +410,7 @@ def prune_checkpoints(out: Path, keep: int, committed: int) -> list[Path]:
     return doomed
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
