@@ -335,8 +335,14 @@ def test_refusals_are_one_error_line(argv, says, run_dirs, capsys):
 def test_a_fresh_run_over_a_finished_one_is_not_taken_for_finished(tmp_path):
     """A fresh run into a finished run's directory drops its finish file: killed before its
     first state, it is "no state to resume from", not "already finished"."""
+
+    def resume():
+        return resumable.configs_to_resume(
+            str(tmp_path), "tltrun sft", "sft_config.json", "metrics.json", sft.CONFIG_SECTIONS
+        )
+
     (tmp_path / "metrics.json").write_text("{}")
-    assert not resumable.is_resumable(tmp_path, "tltrun sft", finished_file="metrics.json")
+    assert resume() is None  # finished
     resumable.start_fresh(tmp_path, "tltrun sft", finished_file="metrics.json")
     with pytest.raises(UsageError, match="no resume_state.pt to resume from"):
-        resumable.is_resumable(tmp_path, "tltrun sft", finished_file="metrics.json")
+        resume()

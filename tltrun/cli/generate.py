@@ -279,13 +279,15 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
     sections = {"train_drafter": TrainDrafterConfig, "train": DrafterTrainConfig}
     if args.resume:
-        if not args.out:
-            raise UsageError("--resume needs --out, the directory of the run to continue")
-        out = Path(args.out)
-        if not resumable.is_resumable(out, "tltrun train-drafter", finished_file="history.json"):
-            print(f"{out}: the run already finished (history.json is written); nothing to resume")
+        recorded = resumable.configs_to_resume(
+            args.out, "tltrun train-drafter", "train_config.json", "history.json", sections
+        )
+        if recorded is None:
+            print(
+                f"{args.out}: the run already finished (history.json is written); nothing to resume"
+            )
             return 0
-        recorded = resumable.recorded_configs(out / "train_config.json", sections)
+        out = Path(args.out)
         cfg = dataclass_from_args(TrainDrafterConfig, args, base=recorded["train_drafter"])
         train_cfg = dataclass_from_args(
             DrafterTrainConfig, args, prefix="train-", base=recorded["train"]

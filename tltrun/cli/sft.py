@@ -89,13 +89,15 @@ def summary_table(metrics: dict[str, Any]) -> str:
 
 def _cmd_sft(args: argparse.Namespace) -> int:
     if args.resume:
-        if not args.out:
-            raise UsageError("--resume needs --out, the directory of the run to continue")
-        out = Path(args.out)
-        if not resumable.is_resumable(out, "tltrun sft", finished_file="metrics.json"):
-            print(f"{out}: the run already finished (metrics.json is written); nothing to resume")
+        recorded = resumable.configs_to_resume(
+            args.out, "tltrun sft", "sft_config.json", "metrics.json", sft.CONFIG_SECTIONS
+        )
+        if recorded is None:
+            print(
+                f"{args.out}: the run already finished (metrics.json is written); nothing to resume"
+            )
             return 0
-        recorded = resumable.recorded_configs(out / "sft_config.json", sft.CONFIG_SECTIONS)
+        out = Path(args.out)
         cfg = dataclass_from_args(SFTConfig, args, base=recorded["sft"])
         task = dataclass_from_args(TaskConfig, args, prefix="task-", base=recorded["task"])
         resumable.refuse_changes(out / "sft_config.json", recorded, {"sft": cfg, "task": task})

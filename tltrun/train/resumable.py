@@ -160,18 +160,23 @@ def start_fresh(out: Path, command: str, finished_file: str) -> None:
     (out / finished_file).unlink(missing_ok=True)
 
 
-def is_resumable(out: Path, command: str, finished_file: str) -> bool:
-    """Whether ``out`` holds a state to resume (True) or a finished run (False: the caller
-    says so and stops); neither is a UsageError."""
-    if (out / STATE_FILE).is_file():
-        return True
-    if (out / finished_file).is_file():
-        return False
-    raise UsageError(
-        f"{out}: no {STATE_FILE} to resume from (not a {command} run, one with "
-        "--checkpoint-every 0, or one stopped before its first state); start it again "
-        "without --resume"
-    )
+def configs_to_resume(
+    out: str | None, command: str, config_file: str, finished_file: str, sections: dict[str, type]
+) -> dict[str, Any] | None:
+    """``--resume``'s start: the run's recorded configs (``recorded_configs`` of
+    ``out/config_file``) when ``out`` holds a state to resume, None when the run finished (the
+    caller says so and stops); neither is a UsageError."""
+    if not out:
+        raise UsageError("--resume needs --out, the directory of the run to continue")
+    if not (Path(out) / STATE_FILE).is_file():
+        if (Path(out) / finished_file).is_file():
+            return None
+        raise UsageError(
+            f"{out}: no {STATE_FILE} to resume from (not a {command} run, one with "
+            "--checkpoint-every 0, or one stopped before its first state); start it again "
+            "without --resume"
+        )
+    return recorded_configs(Path(out) / config_file, sections)
 
 
 def finish(out: Path) -> None:
