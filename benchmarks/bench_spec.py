@@ -183,7 +183,7 @@ def stage_target(cfg: BenchSpecConfig, out: Path) -> None:
         pairs = data_pairs(sft, seed=cfg.seed, num_rows=sft.data_num_rows)
         max_tokens = 2 + max(len(p) + len(r) for p, r in pairs) + cfg.train_max_new_tokens
     model = build_model(sft, task, tok, cfg.seed, max_tokens)
-    log = train(sft, task, model, tok, random.Random(cfg.seed + 1), pairs=pairs)
+    log, _ = train(sft, task, model, tok, random.Random(cfg.seed + 1), pairs=pairs)
     save_checkpoint(model, tok, out)
     write_json(out / "sft_log.json", {"sft": asdict(sft), "log": log})
 
@@ -225,6 +225,11 @@ def stage_drafter_data(cfg: BenchSpecConfig, work: Path) -> None:
 
 
 def stage_drafter(cfg: BenchSpecConfig, work: Path) -> None:
+    from tltrun.train.resumable import STATE_FILE
+
+    if (work / "drafter" / STATE_FILE).is_file():  # a killed earlier run: continue it
+        run_cli(["train-drafter", "--out", str(work / "drafter"), "--resume"])
+        return
     run_cli(
         [
             "train-drafter",

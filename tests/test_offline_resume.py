@@ -74,19 +74,22 @@ def test_sft_stopped_and_resumed_ends_as_the_uninterrupted_run(tmp_path, monkeyp
         num_calls[0] += 1
         if num_calls[0] == 5:
             raise KeyboardInterrupt
+        time.sleep(0.5)  # the first process's steps are slow: its seconds must count
         return real_loss(model, batch)
 
     monkeypatch.setattr(sft, "response_loss", ctrl_c_at_step_4)
     assert main(["sft", "--out", str(stopped), *SFT_FLAGS.split()]) == 130
     assert not (stopped / "metrics.json").exists()
     state = torch.load(stopped / STATE_FILE, weights_only=True)
-    assert state["next_step"] == 3 and len(state["log"]) == 3
+    assert state["next_step"] == 3 and len(state["log"]) == 3 and state["train_s"] >= 1.5
     monkeypatch.setattr(sft, "response_loss", real_loss)
     capsys.readouterr()
     # --checkpoint-every does not change the run: a resume may change it
     assert main(["sft", "--out", str(stopped), "--resume", "--checkpoint-every", "2"]) == 0
     assert_bitwise_equal(whole, stopped, "model.safetensors", "metrics.json", "train_log")
     assert not (stopped / STATE_FILE).exists()
+    # metrics.json's training time is the whole run's, the killed process's seconds included
+    assert json.loads((stopped / "metrics.json").read_text())["train_s"] >= state["train_s"]
     capsys.readouterr()
     assert main(["sft", "--out", str(stopped), "--resume"]) == 0  # finished: one line, exit 0
     out, err = capsys.readouterr()

@@ -11,7 +11,8 @@ per-step rows so far), ``data_sha256`` (a fingerprint of the training data: a re
 data that changed; None for the built-in task, which the seed makes) and what the command needs
 to continue its random streams (train-drafter: its two ``torch.Generator`` states; sft makes its
 batch stream again from the seed and skips the ``next_step`` batches already trained on: one
-batch per step, 1.7 s for the 4000 of a default run on this CPU).
+batch per step, 1.7 s for the 4000 of a default run on this CPU) and its clock (sft:
+``train_s``, the training seconds so far, so that metrics.json's covers the whole run).
 
 Atomicity: written to ``resume_state.pt.tmp`` in the same directory, flushed, fsynced and
 renamed over the previous state (``os.replace``, then the directory fsynced): a kill at any
@@ -77,7 +78,7 @@ class Checkpointing:
         optimizer: torch.optim.Optimizer,
         log: list[dict[str, Any]],
         data_sha256: str | None,
-        **extra: torch.Tensor,
+        **extra: Any,
     ) -> None:
         """Write ``OUT/resume_state.pt`` atomically (the module docstring)."""
         state = {

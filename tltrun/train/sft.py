@@ -244,10 +244,10 @@ def train(
     show_progress: bool = True,
     pairs: list[tuple[str, str]] | None = None,
     checkpointing: Checkpointing | None = None,
-) -> list[dict[str, float]]:
+) -> tuple[list[dict[str, float]], float]:
     """Run ``cfg.num_steps`` optimiser steps (on ``pairs`` when given, else on fresh built-in
     task examples), writing and resuming from the state ``checkpointing`` names; returns the
-    per-step log."""
+    per-step log and the seconds spent training, those before a resume included."""
     decay = [p for p in model.parameters() if p.ndim >= 2]  # matrices and embeddings
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # RMSNorm gains: no decay
     optimizer = torch.optim.AdamW(
@@ -265,14 +265,16 @@ def train(
         else batch_stream(task, tok, cfg.batch_tokens, rng)
     )
     log = []
+    earlier_s = 0.0  # training seconds of the processes before a resume
     data_sha256 = None
     if pairs is not None and checkpointing is not None:
         data_sha256 = resumable.fingerprint(s.encode() for pair in pairs for s in pair)
     if checkpointing is not None and checkpointing.is_resume:
         state = checkpointing.load(model, optimizer, data_sha256)
-        log = state["log"]
+        log, earlier_s = state["log"], state["train_s"]
         for _ in range(state["next_step"]):  # the data position: one batch per step done
             next(stream)
+    start_s = time.perf_counter()
     bar = tqdm(range(len(log), cfg.num_steps), desc="sft", unit="step",
                disable=not show_progress, initial=len(log), total=cfg.num_steps)  # fmt: skip
     for step in bar:
@@ -297,9 +299,10 @@ def train(
         )
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if checkpointing is not None and checkpointing.is_due(step + 1, cfg.num_steps):
-            checkpointing.save(step + 1, model, optimizer, log, data_sha256)
+            train_s = earlier_s + time.perf_counter() - start_s
+            checkpointing.save(step + 1, model, optimizer, log, data_sha256, train_s=train_s)
     model.eval()
-    return log
+    return log, earlier_s + time.perf_counter() - start_s
 
 
 def run_sft(
@@ -336,12 +339,12 @@ def _run_sft(
         max_tokens = 2 + max(len(p) + len(r) for p, r in pairs + eval_pairs)
     model = build_model(cfg, task, tok, init_seed, max_tokens)
     num_params = sum(p.numel() for p in model.parameters())
-    start_s = time.perf_counter()
     checkpoints = Checkpointing(
         out=out, command="tltrun sft", every=cfg.checkpoint_every, is_resume=is_resume
     )
-    log = train(cfg, task, model, tok, random.Random(data_seed), show_progress, pairs, checkpoints)
-    train_s = time.perf_counter() - start_s
+    log, train_s = train(
+        cfg, task, model, tok, random.Random(data_seed), show_progress, pairs, checkpoints
+    )
     save_checkpoint(model, tok, out)
     eval_start_s = time.perf_counter()
     if eval_pairs is not None:
