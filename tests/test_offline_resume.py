@@ -335,6 +335,23 @@ def test_refusals_are_one_error_line(argv, says, run_dirs, capsys):
     assert all((Path(run_dirs[d]) / STATE_FILE).is_file() for d in ("sft", "drafter"))
 
 
+@pytest.mark.parametrize(
+    "argv, holder",
+    [(SFT_RUN, "sft"), (DRAFTER_RUN, "drafter"), ("sft --out {empty} --num-steps 1", "empty")],
+)
+def test_a_second_process_on_the_same_out_is_refused(argv, holder, run_dirs, capsys):
+    """Two runs in one directory would overwrite each other's state: the second is refused
+    while the first holds the directory's lock (``RunLock``, as tltrun train's launcher)."""
+    from tltrun.train.state import RunLock
+
+    with RunLock(Path(run_dirs[holder]), "tltrun train-drafter"):
+        rc, out, err = run("tltrun", argv.format(**run_dirs).split(), capsys)
+    assert_one_error_line(rc, out, err)
+    assert "another tltrun train-drafter is running in this directory" in err
+    assert f"(tltrun train-drafter pid {os.getpid()} holds " in err
+    assert not (Path(run_dirs["empty"]) / "sft_config.json").exists()  # refused before writing
+
+
 def test_a_fresh_run_over_a_finished_one_is_not_taken_for_finished(tmp_path):
     """A fresh run into a finished run's directory drops its finish file: killed before its
     first state, it is "no state to resume from", not "already finished"."""

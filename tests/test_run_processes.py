@@ -62,7 +62,7 @@ def test_second_process_on_the_same_out_is_refused(model_dir, tmp_path, capsys):
         holder.kill()  # SIGKILL: the kernel drops the lock with the process
         holder.wait()
     with ts.RunLock(out):
-        assert (out / ts.LOCK).read_text() == f"pid {os.getpid()}\n"
+        assert (out / ts.LOCK).read_text() == f"tltrun train pid {os.getpid()}\n"
 
 
 @pytest.mark.slow

@@ -268,14 +268,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from tltrun.model.drafter import EagleDrafter, export_vllm, load_drafter
-    from tltrun.model.hf_checkpoint import load_hf
     from tltrun.train import resumable
-    from tltrun.train.drafter_training import (
-        DrafterTrainConfig,
-        records_from_outputs,
-        train_drafter,
-    )
+    from tltrun.train.drafter_training import DrafterTrainConfig
+    from tltrun.train.state import RunLock
 
     sections = {"train_drafter": TrainDrafterConfig, "train": DrafterTrainConfig}
     if args.resume:
@@ -299,6 +294,17 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         cfg = dataclass_from_args(TrainDrafterConfig, args)
         train_cfg = dataclass_from_args(DrafterTrainConfig, args, prefix="train-")
         out = check_out_dir(cfg.out)
+    with RunLock(out, "tltrun train-drafter"):
+        return _train_drafter(cfg, train_cfg, out, args.resume)
+
+
+def _train_drafter(cfg: TrainDrafterConfig, train_cfg, out: Path, is_resume: bool) -> int:
+    from tltrun.model.drafter import EagleDrafter, export_vllm, load_drafter
+    from tltrun.model.hf_checkpoint import load_hf
+    from tltrun.train import resumable
+    from tltrun.train.drafter_training import records_from_outputs, train_drafter
+
+    if not is_resume:
         resumable.start_fresh(out, "tltrun train-drafter", finished_file="history.json")
         write_json(out / "train_config.json", config_dict(train_drafter=cfg, train=train_cfg))
     target = load_hf(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
@@ -310,7 +316,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     sequences = _read_generations(cfg.data, target.config.vocab_size)
     records = records_from_outputs(target, sequences)
     checkpoints = resumable.Checkpointing(
-        out=out, command="tltrun train-drafter", every=cfg.checkpoint_every, is_resume=args.resume
+        out=out, command="tltrun train-drafter", every=cfg.checkpoint_every, is_resume=is_resume
     )
     history = train_drafter(drafter, records, train_cfg, checkpointing=checkpoints)
     tail = history[-min(len(history), 20) :] if history else [{}]

@@ -19,8 +19,9 @@ from typing import Any
 
 from tltrun.train import resumable, sft
 from tltrun.train.sft_config import SFTConfig
+from tltrun.train.state import RunLock
 from tltrun.train.tasks import TaskConfig, length_stats, make_examples
-from tltsim.cli.args import add_dataclass_args, dataclass_from_args
+from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.cli.table import format_table
 from tltsim.errors import UsageError
 
@@ -104,9 +105,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     else:
         cfg = dataclass_from_args(SFTConfig, args)
         task = dataclass_from_args(TaskConfig, args, prefix="task-")
-    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
-        raise UsageError(f"--out {cfg.out}: exists and is not a directory")
-    metrics = sft.run_sft(cfg, task, is_resume=args.resume)
+    with RunLock(check_out_dir(cfg.out), "tltrun sft"):
+        metrics = sft.run_sft(cfg, task, is_resume=args.resume)
     print(summary_table(metrics))
     print(f"checkpoint and metrics.json written to {cfg.out}")
     return 0

@@ -99,10 +99,13 @@ class RunLock:
     """An advisory ``fcntl.flock`` on ``OUT/run.lock``, held by the launcher for the run's life
     (``with RunLock(out):``): a second launcher on the same directory gets a UsageError instead
     of interleaving logs and checkpoints. The kernel releases it when the holder dies, however
-    it dies, so a killed run never leaves a stale lock behind."""
+    it dies, so a killed run never leaves a stale lock behind. The file names the holder,
+    ``<command> pid <pid>`` (``tltrun sft`` and ``tltrun train-drafter`` lock their --out too),
+    and the refusal quotes it."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, command: str = "tltrun train"):
         self.path = out / LOCK
+        self.command = command
         self._file = None
 
     def __enter__(self) -> RunLock:
@@ -113,13 +116,14 @@ class RunLock:
             f.seek(0)
             holder = f.read().strip() or "another process"
             f.close()
+            command = holder.rpartition(" pid ")[0] or "run"  # "pid N": a lock of older code
             raise UsageError(
-                f"{self.path.parent}: another tltrun train is running in this directory "
+                f"{self.path.parent}: another {command} is running in this directory "
                 f"({holder} holds {self.path}); wait for it or use another --out"
             ) from None
         f.seek(0)
         f.truncate()
-        f.write(f"pid {os.getpid()}\n")
+        f.write(f"{self.command} pid {os.getpid()}\n")
         f.flush()
         self._file = f
         return self
