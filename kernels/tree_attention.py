@@ -37,6 +37,8 @@ if HAS_TRITON:
     import triton.language as tl
 
 BLOCK_L = 64  # prefix keys per step: a (64 x D) tile, the usual flash-attention tile height
+# query rows per program at most: a (64 x D) float32 accumulator in registers, as BLOCK_L's tile
+MAX_BLOCK_R = 64
 
 
 def _check_shapes(q, k_cache, v_cache, cache_lens, k_new, v_new, tree_mask) -> None:
@@ -102,7 +104,11 @@ def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def tree_attention_triton(q, k_cache, v_cache, cache_lens, k_new, v_new, tree_mask, scale):
-    """Run ``_tree_attention_kernel``: one program per (sequence, query head)."""
+    """Run ``_tree_attention_kernel``: one program per (sequence, KV head, block of query rows).
+    The G query heads of a KV head are folded into its rows (G x T of them, head-major), as
+    FlashAttention's and FlashInfer's decode kernels pack GQA: each program reads the KV head's
+    prefix once for up to ``MAX_BLOCK_R`` rows, where one program per query head read it G
+    times and filled a 16-row tile with a decode's single row."""
     _check_shapes(q, k_cache, v_cache, cache_lens, k_new, v_new, tree_mask)
     is_ok, why = triton_runnable_on(q.device)
     if not is_ok:
@@ -111,21 +117,25 @@ def tree_attention_triton(q, k_cache, v_cache, cache_lens, k_new, v_new, tree_ma
         _last_dim_contiguous, (q, k_cache, v_cache, k_new, v_new)
     )
     num_seqs, num_heads, num_tokens, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    num_rows = num_heads // num_kv_heads * num_tokens  # per KV head: G heads x T tokens
     mask = tree_mask.to(torch.int8).contiguous()  # (B, T, T)
     lens = cache_lens.to(device=q.device, dtype=torch.int32).contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     # tl.dot needs tiles of at least 16 on GPUs; fp32 inputs use IEEE products (not TF32) so the
     # kernel matches the float32 reference.
+    block_r = min(MAX_BLOCK_R, max(16, triton.next_power_of_2(num_rows)))
     block_t = max(16, triton.next_power_of_2(num_tokens))
     block_d = max(16, triton.next_power_of_2(head_dim))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _tree_attention_kernel[(num_seqs, num_heads)](
+    grid = (num_seqs, num_kv_heads, triton.cdiv(num_rows, block_r))
+    _tree_attention_kernel[grid](
         q, k_cache, v_cache, lens, k_new, v_new, mask, out, float(scale),
-        num_tokens, head_dim, num_heads // k_cache.shape[1], k_cache.shape[2],
+        num_tokens, head_dim, num_heads // num_kv_heads, k_cache.shape[2],
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
         *k_new.stride()[:3], *v_new.stride()[:3], *out.stride()[:3],
-        BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_L=BLOCK_L, DOT_PRECISION=precision,
-        num_warps=4, enable_fp_fusion=True,
+        BLOCK_R=block_r, BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_L=BLOCK_L,
+        DOT_PRECISION=precision, num_warps=4, enable_fp_fusion=True,
     )  # fmt: skip
     return out
 
@@ -151,26 +161,31 @@ if HAS_TRITON:
         T, D, GROUP, L,
         sq_b, sq_h, sq_t, skc_b, skc_h, skc_l, svc_b, svc_h, svc_l,
         skn_b, skn_h, skn_t, svn_b, svn_h, svn_t, so_b, so_h, so_t,
-        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_L: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1).to(tl.int64)
-        kv_h = h // GROUP
+        kv_h = tl.program_id(1).to(tl.int64)
+        # this program's query rows: row r of KV head kv_h is query head kv_h * GROUP + r // T
+        # (the heads reading kv_h, as Hugging Face's repeat_kv) at verify token r % T
+        offs_r = tl.program_id(2).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        in_r = offs_r < GROUP * T
+        h = kv_h * GROUP + offs_r // T  # (BLOCK_R,)
+        t = offs_r % T
         offs_t = tl.arange(0, BLOCK_T)
         offs_d = tl.arange(0, BLOCK_D)
         in_t = offs_t < T
         in_d = offs_d < D
         q = tl.load(
-            q_ptr + b * sq_b + h * sq_h + offs_t[:, None] * sq_t + offs_d[None, :],
-            mask=in_t[:, None] & in_d[None, :],
+            q_ptr + b * sq_b + h[:, None] * sq_h + t[:, None] * sq_t + offs_d[None, :],
+            mask=in_r[:, None] & in_d[None, :],
             other=0.0,
-        )  # (BLOCK_T, BLOCK_D)
-        # A finite start for the running max: padded rows (t >= T) see only -inf scores and
-        # must not produce exp(-inf - -inf) = NaN in the update (they are never stored anyway).
-        row_max = tl.full((BLOCK_T,), -1.0e30, tl.float32)
-        row_sum = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        )  # (BLOCK_R, BLOCK_D)
+        # A finite start for the running max: padded rows (r >= GROUP * T) see only -inf
+        # scores and must not produce exp(-inf - -inf) = NaN in the update (never stored).
+        row_max = tl.full((BLOCK_R,), -1.0e30, tl.float32)
+        row_sum = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
 
         cache_len = tl.load(lens_ptr + b)
         for start in range(0, cache_len, BLOCK_L):  # the sequence's valid KV prefix
@@ -188,7 +203,7 @@ if HAS_TRITON:
                 other=0.0,
             )
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-            scores = tl.where(in_l[None, :], scores, float("-inf"))  # (BLOCK_T, BLOCK_L)
+            scores = tl.where(in_l[None, :], scores, float("-inf"))  # (BLOCK_R, BLOCK_L)
             acc, row_max, row_sum = _online_softmax_step(
                 acc, row_max, row_sum, scores, v, DOT_PRECISION
             )
@@ -206,19 +221,19 @@ if HAS_TRITON:
             other=0.0,
         )
         is_visible = tl.load(
-            mask_ptr + b * T * T + offs_t[:, None] * T + offs_t[None, :],
-            mask=in_t[:, None] & in_t[None, :],
+            mask_ptr + b * T * T + t[:, None] * T + offs_t[None, :],
+            mask=in_r[:, None] & in_t[None, :],
             other=0,
-        )  # (BLOCK_T, BLOCK_T)
+        )  # (BLOCK_R, BLOCK_T): row r's token t sees new token j
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         scores = tl.where(is_visible != 0, scores, float("-inf"))
         acc, row_max, row_sum = _online_softmax_step(
             acc, row_max, row_sum, scores, v, DOT_PRECISION
         )
 
-        out = acc / tl.where(in_t, row_sum, 1.0)[:, None]  # padded rows: avoid 0 / 0
+        out = acc / tl.where(in_r, row_sum, 1.0)[:, None]  # padded rows: avoid 0 / 0
         tl.store(
-            out_ptr + b * so_b + h * so_h + offs_t[:, None] * so_t + offs_d[None, :],
+            out_ptr + b * so_b + h[:, None] * so_h + t[:, None] * so_t + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),
-            mask=in_t[:, None] & in_d[None, :],
+            mask=in_r[:, None] & in_d[None, :],
         )

@@ -46,8 +46,10 @@ SPEC_SHAPES = [(1, 1, 151), (1, 8, 1000), (7, 3, 1000), (5, 1, 151), (3, 0, 37),
                (9, 8, 300)]  # fmt: skip
 # (B, H, Hkv, T, D, L): empty cache and a single token, GQA, odd head dim and cache length,
 # T above the 16-row tile, MHA
+# (B, H, Hkv, T, D, L); the kernel folds G = H / Hkv heads into G x T rows per KV head, in
+# blocks of up to 64: Qwen2.5's G = 7 at a decode's one row, and 4 x 20 rows over two blocks
 TREE_SHAPES = [(1, 1, 1, 1, 8, 0), (3, 4, 2, 5, 24, 70), (2, 4, 2, 17, 64, 130),
-               (2, 6, 6, 7, 16, 64)]  # fmt: skip
+               (2, 6, 6, 7, 16, 64), (2, 7, 1, 1, 16, 90), (2, 8, 2, 20, 16, 40)]  # fmt: skip
 BOUNDARY_TOL_PROBS = 1e-12  # float64 CDFs summed in different orders (relative)
 BOUNDARY_TOL_LOGITS = 1e-5  # softmax in a different order: a few float32 ulps (relative)
 TEMPERATURE = 0.7
