@@ -145,3 +145,32 @@ def check_kv_cache_fits(model_dir: str, engine_cfg: EngineConfig) -> None:
 
 def config_dict(**configs: Any) -> dict[str, Any]:
     return {name: dataclasses.asdict(c) for name, c in configs.items()}
+
+
+def offline_configs_from_args(
+    args: argparse.Namespace,
+    sections: dict[str, tuple[type, str]],
+    *,
+    command: str,
+    config_file: str,
+    finished_file: str,
+) -> dict[str, Any] | None:
+    """The configs of ``tltrun sft`` / ``train-drafter`` (section name -> (dataclass, flag
+    prefix)): from the flags, or with ``--resume`` the run's recorded ones with the flags applied,
+    refused where they change the run (``tltrun.train.resumable``). None: ``--resume`` of a run
+    that finished (the caller says so)."""
+    from pathlib import Path
+
+    from tltrun.train import resumable
+
+    if not args.resume:
+        return {name: dataclass_from_args(cls, args, prefix=prefix)
+                for name, (cls, prefix) in sections.items()}  # fmt: skip
+    classes = {name: cls for name, (cls, _) in sections.items()}
+    recorded = resumable.configs_to_resume(args.out, command, config_file, finished_file, classes)
+    if recorded is None:
+        return None
+    given = {name: dataclass_from_args(cls, args, prefix=prefix, base=recorded[name])
+             for name, (cls, prefix) in sections.items()}  # fmt: skip
+    resumable.refuse_changes(Path(args.out) / config_file, recorded, given)
+    return given

@@ -30,6 +30,7 @@ from tltrun.cli.args import (
     config_dict,
     engine_config_from_args,
     engine_defaults,
+    offline_configs_from_args,
 )
 from tltrun.model.config import check_device
 from tltrun.rollout.engine_config import DTYPES
@@ -268,32 +269,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from tltrun.train import resumable
     from tltrun.train.drafter_training import DrafterTrainConfig
     from tltrun.train.state import RunLock
 
-    sections = {"train_drafter": TrainDrafterConfig, "train": DrafterTrainConfig}
-    if args.resume:
-        recorded = resumable.configs_to_resume(
-            args.out, "tltrun train-drafter", "train_config.json", "history.json", sections
-        )
-        if recorded is None:
-            print(
-                f"{args.out}: the run already finished (history.json is written); nothing to resume"
-            )
-            return 0
-        out = Path(args.out)
-        cfg = dataclass_from_args(TrainDrafterConfig, args, base=recorded["train_drafter"])
-        train_cfg = dataclass_from_args(
-            DrafterTrainConfig, args, prefix="train-", base=recorded["train"]
-        )
-        resumable.refuse_changes(
-            out / "train_config.json", recorded, {"train_drafter": cfg, "train": train_cfg}
-        )
-    else:
-        cfg = dataclass_from_args(TrainDrafterConfig, args)
-        train_cfg = dataclass_from_args(DrafterTrainConfig, args, prefix="train-")
-        out = check_out_dir(cfg.out)
+    configs = offline_configs_from_args(
+        args,
+        {"train_drafter": (TrainDrafterConfig, ""), "train": (DrafterTrainConfig, "train-")},
+        command="tltrun train-drafter",
+        config_file="train_config.json",
+        finished_file="history.json",
+    )
+    if configs is None:
+        print(f"{args.out}: the run already finished (history.json is written); nothing to resume")
+        return 0
+    cfg, train_cfg = configs["train_drafter"], configs["train"]
+    out = Path(args.out) if args.resume else check_out_dir(cfg.out)
     with RunLock(out, "tltrun train-drafter"):
         return _train_drafter(cfg, train_cfg, out, args.resume)
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-from pathlib import Path
 from typing import Any
 
-from tltrun.train import resumable, sft
+from tltrun.cli.args import offline_configs_from_args
+from tltrun.train import sft
 from tltrun.train.sft_config import SFTConfig
 from tltrun.train.state import RunLock
 from tltrun.train.tasks import TaskConfig, length_stats, make_examples
-from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
+from tltsim.cli.args import add_dataclass_args, check_out_dir
 from tltsim.cli.table import format_table
 from tltsim.errors import UsageError
 
@@ -89,22 +89,17 @@ def summary_table(metrics: dict[str, Any]) -> str:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    if args.resume:
-        recorded = resumable.configs_to_resume(
-            args.out, "tltrun sft", "sft_config.json", "metrics.json", sft.CONFIG_SECTIONS
-        )
-        if recorded is None:
-            print(
-                f"{args.out}: the run already finished (metrics.json is written); nothing to resume"
-            )
-            return 0
-        out = Path(args.out)
-        cfg = dataclass_from_args(SFTConfig, args, base=recorded["sft"])
-        task = dataclass_from_args(TaskConfig, args, prefix="task-", base=recorded["task"])
-        resumable.refuse_changes(out / "sft_config.json", recorded, {"sft": cfg, "task": task})
-    else:
-        cfg = dataclass_from_args(SFTConfig, args)
-        task = dataclass_from_args(TaskConfig, args, prefix="task-")
+    configs = offline_configs_from_args(
+        args,
+        {"sft": (SFTConfig, ""), "task": (TaskConfig, "task-")},
+        command="tltrun sft",
+        config_file="sft_config.json",
+        finished_file="metrics.json",
+    )
+    if configs is None:
+        print(f"{args.out}: the run already finished (metrics.json is written); nothing to resume")
+        return 0
+    cfg, task = configs["sft"], configs["task"]
     with RunLock(check_out_dir(cfg.out), "tltrun sft"):
         metrics = sft.run_sft(cfg, task, is_resume=args.resume)
     print(summary_table(metrics))
