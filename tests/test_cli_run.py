@@ -192,6 +192,11 @@ def test_engine_size_defaults_are_capped(dirs):
     }
 
 
+def cli_words(line: str) -> list[str]:
+    """A command line of the table below, with the engine flags."""
+    return line.split() + ENGINE
+
+
 def _cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "tltrun.cli.main", *argv], capture_output=True, text=True
@@ -265,39 +270,16 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
             "--backend torch,sglang",
         ),
         (
-            ["bench", "--trace", "T", "--model", "M", "--out", "y", "--steps", "0,0", *ENGINE],
+            cli_words("bench --trace T --model M --out y --steps 0,0"),
             "--steps names step 0 more than once",
         ),
         (
-            [
-                "generate",
-                "--model",
-                "M",
-                "--prompts",
-                "P",
-                "--out",
-                "y",
-                "--instance",
-                "-1",
-                *ENGINE,
-            ],
+            cli_words("generate --model M --prompts P --out y --instance -1"),
             "instance must be >= 0",
         ),
         # the engine's error comes while bench's progress bar is drawn: still one line
         (
-            [
-                "bench",
-                "--trace",
-                "T",
-                "--model",
-                "M",
-                "--out",
-                "y",
-                "--policy",
-                "nospec",
-                "--eos-token-ids=-1",
-                *ENGINE,
-            ],
+            cli_words("bench --trace T --model M --out y --policy nospec --eos-token-ids=-1"),
             "outside the model's vocabulary",
         ),
     ],
