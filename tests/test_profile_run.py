@@ -24,7 +24,7 @@ from tltrun.model.drafter import EagleDrafter, export_vllm
 from tltrun.model.hf_checkpoint import save_hf
 from tltrun.profile import measure as measure_module
 from tltrun.profile.measure import ProfileRunConfig, run_profile
-from tltrun.profile.timing import Measure, Series
+from tltrun.profile.timing import Interruption, Measure, Series
 from tltrun.profile.torch_engine import EngineProbe, fill_engine
 from tltrun.rollout.engine import RolloutEngine
 from tltrun.rollout.engine_config import EngineConfig
@@ -389,3 +389,83 @@ def test_profile_with_a_time_budget_writes_rows_of_fewer_samples(model_dirs, tmp
     assert {r.num_repeats for r in profile.rows} == {1}  # of the grid's 3
     meta = json.loads(out.with_suffix(".json").read_text())
     assert meta["config"]["time_budget_s"] == 1e-3 and meta["flex_fallbacks"] == []
+
+
+def test_ctrl_c_after_a_complete_round_keeps_the_completed_rounds():
+    """Ctrl-C ends the rounds; with an ``Interruption`` to report to, the completed rounds'
+    samples come back (the interrupted round's dropped); without one, or before the first round
+    ended, it propagates."""
+
+    def ctrl_c_in_round(n: int):
+        count = [0]
+
+        def fn():
+            count[0] += 1
+            if count[0] == n:
+                raise KeyboardInterrupt
+
+        return fn
+
+    series = [Series(("a",), lambda: None), Series(("b",), ctrl_c_in_round(3))]
+    interruption = Interruption()
+    timed = Measure(0, 5, "mean", interruption=interruption).interleaved(series)
+    assert interruption.is_set and [len(v) for v in timed.values()] == [2, 2]
+    with pytest.raises(KeyboardInterrupt):  # nobody to report to
+        Measure(0, 5, "mean").interleaved([Series(("b",), ctrl_c_in_round(3))])
+    with pytest.raises(KeyboardInterrupt):  # no round complete
+        Measure(0, 5, "mean", interruption=Interruption()).interleaved(
+            [Series(("b",), ctrl_c_in_round(1))]
+        )
+
+
+@pytest.mark.parametrize("where", ["rollout", "training"])
+def test_an_interrupted_profile_writes_its_completed_rounds(
+    model_dirs, tmp_path, where, monkeypatch, capsys
+):
+    """Ctrl-C (or SIGTERM, which tltrun profile maps onto it) after the rollout ops' second
+    round, or in the training ops' first: the points measured so far are written, with the
+    rounds each has and the sidecar saying when it stopped; then the interrupt goes on."""
+    target, drafter = model_dirs
+    out = tmp_path / "p.csv"
+
+    def ctrl_c(*args) -> None:
+        raise KeyboardInterrupt
+
+    def after_round(r: int) -> None:
+        if where == "rollout" and r == 1:
+            ctrl_c()
+
+    if where == "training":
+        real = measure_module.train_series
+        monkeypatch.setattr(
+            measure_module, "train_series", lambda *a: [Series(("train", 1, 8), ctrl_c), *real(*a)]
+        )
+    with pytest.raises(KeyboardInterrupt):
+        run_profile(tiny_grid(target, drafter, out), NOW, between_rounds=after_round)
+    profile = load_profile(out)
+    assert set(profile.ops) == set(OPS) - {"train", "drafter_train"}
+    assert {r.num_repeats for r in profile.rows} == ({2} if where == "rollout" else {3})
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert where in meta["interrupted"]
+    assert (
+        f"wrote the {len(profile.rows)} points of the completed rounds" in capsys.readouterr().err
+    )
+
+
+def test_sigterm_ends_tltrun_profile_as_ctrl_c(model_dirs, tmp_path, monkeypatch, capsys):
+    """``timeout`` and schedulers send SIGTERM: tltrun profile takes it as Ctrl-C (exit 130,
+    so run_profile writes the completed rounds), and puts the previous handler back."""
+    import os
+    import signal
+
+    def terminated(cfg, now):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("SIGTERM was not turned into KeyboardInterrupt")
+
+    monkeypatch.setattr(measure_module, "run_profile", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    target, _ = model_dirs
+    assert main(["profile", "--model", str(target), "--out", str(tmp_path / "p.csv")]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    assert signal.getsignal(signal.SIGTERM) is before

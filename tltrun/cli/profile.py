@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -25,7 +27,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if cfg.backend == "torch":
         check_triton_impls(cfg.device, attn_impl=cfg.attn_impl)
     start = time.perf_counter()
-    rows = measure.run_profile(cfg, datetime.datetime.now(datetime.UTC))
+    # SIGTERM (what `timeout` and job schedulers send) ends the profile as Ctrl-C does: the
+    # completed rounds are written (measure.run_profile) instead of lost
+    is_main = threading.current_thread() is threading.main_thread()  # where handlers may go
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if is_main else None
+    try:
+        rows = measure.run_profile(cfg, datetime.datetime.now(datetime.UTC))
+    finally:
+        if is_main:
+            signal.signal(signal.SIGTERM, previous)
     ops = sorted({r.op for r in rows})
     print(
         f"{len(rows)} points ({', '.join(ops)}) measured in {time.perf_counter() - start:.0f} s; "

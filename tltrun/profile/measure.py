@@ -71,7 +71,7 @@ import torch
 from tqdm import tqdm
 
 from tltrun.model import attention
-from tltrun.profile.timing import CLOCKS, STATISTICS, Measure, Series
+from tltrun.profile.timing import CLOCKS, STATISTICS, Interruption, Measure, Series
 from tltsim.cost.profile import ProfileRow, write_profile
 from tltsim.errors import UsageError
 from tltsim.policy import SpecDecision
@@ -393,7 +393,10 @@ def run_profile(
         raise UsageError(f"--dtype {cfg.dtype}: expected one of {', '.join(DTYPES)}")
     torch.set_num_threads(cfg.num_threads)
     deadline = None if cfg.time_budget_s is None else time.perf_counter() + cfg.time_budget_s
-    measure = Measure(cfg.num_warmup, cfg.num_repeats, cfg.statistic, cfg.clock, deadline)
+    interruption = Interruption()
+    measure = Measure(
+        cfg.num_warmup, cfg.num_repeats, cfg.statistic, cfg.clock, deadline, interruption
+    )
     target = load_hf(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
     drafter = load_drafter(cfg.drafter, target) if cfg.drafter else None
     with tqdm(
@@ -415,9 +418,13 @@ def run_profile(
             rows = profile_torch(
                 cfg, target, drafter, measure, progress, between_rounds, between_series
             )
+        if interruption.is_set:
+            _write_interrupted(rows, cfg, now, "during the rollout ops: no training ops")
         gen = torch.Generator().manual_seed(cfg.seed + 1)
         try:
             timed = measure.interleaved(train_series(cfg, target, drafter, gen), progress=progress)
+        except KeyboardInterrupt:  # before the training ops' first round ended
+            _write_interrupted(rows, cfg, now, "in the training ops' first round: none of them")
         except Exception as e:
             # the rollout ops measured (most of a profile's time) are written before the error
             # goes on to the CLI: an H200 run lost two minutes of them to a training-op bug
@@ -431,5 +438,24 @@ def run_profile(
             )
             raise
         rows += [measure.row(op, b, 0, seq, v) for (op, b, seq), v in timed.items()]
+        if interruption.is_set:
+            _write_interrupted(rows, cfg, now, "during the training ops")
     write_profile(rows, cfg.out, profile_meta(cfg, now))
     return rows
+
+
+def _write_interrupted(rows: list[ProfileRow], cfg: ProfileRunConfig, now, when: str) -> None:
+    """Ctrl-C (or SIGTERM) ended the profile: write the points of its completed rounds (each
+    row's num_repeats says how many; the sidecar's ``interrupted`` says when), then stop."""
+    meta = profile_meta(cfg, now)
+    meta["interrupted"] = when
+    if rows:
+        write_profile(rows, cfg.out, meta)
+    print(
+        f"tltrun profile: interrupted {when}; wrote the {len(rows)} points of the completed "
+        f"rounds to {cfg.out}"
+        if rows
+        else "tltrun profile: interrupted before a round ended",
+        file=sys.stderr,
+    )
+    raise KeyboardInterrupt

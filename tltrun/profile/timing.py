@@ -40,6 +40,15 @@ class Series:
     num_calls: int = 1
 
 
+@dataclass
+class Interruption:
+    """Set by ``Measure.interleaved`` when Ctrl-C (SIGINT; ``tltrun profile`` turns SIGTERM into
+    it too) ends a measurement after at least one complete round: what it returned are the
+    completed rounds' samples, which the caller writes before it stops."""
+
+    is_set: bool = False
+
+
 @dataclass(frozen=True)
 class Measure:
     """How every point is timed and summarised (shared by the backends)."""
@@ -51,6 +60,8 @@ class Measure:
     # time.perf_counter() after which no further round starts (each series keeps the rounds it
     # completed, at least one): a profile under a time limit ends with fewer samples, not none
     deadline: float | None = None
+    # where an interrupted measurement says so (None: Ctrl-C propagates as it comes)
+    interruption: Interruption | None = None
 
     def samples(
         self,
@@ -76,32 +87,43 @@ class Measure:
         over minutes) reaches every point alike instead of a few neighbours on the grid.
         ``between_rounds(r)`` runs after round r, ``between_series(r, i, n)`` after series i
         of the n in round r (a benchmark interleaves its measured run, coarse or fine)."""
-        clock = CLOCKS[self.clock]
         out: dict[tuple, list[float]] = {s.key: [] for s in series}
-        for r in range(self.num_repeats):
-            progress(f"round {r + 1}/{self.num_repeats}")
-            for i, s in enumerate(series):
-                s.setup()
-                for _ in range(self.num_warmup if r == 0 or s.is_warmed_each_round else 0):
-                    s.fn()
-                    sync()
-                    s.reset()
-                total = 0.0
-                for _ in range(s.num_calls):
-                    start = clock()
-                    s.fn()
-                    sync()
-                    total += clock() - start
-                    s.reset()
-                out[s.key].append(total / s.num_calls)
-                if between_series is not None:
-                    between_series(r, i, len(series))
-            between_rounds(r)
-            if self.deadline is not None and time.perf_counter() > self.deadline:
-                if r + 1 < self.num_repeats:
-                    progress(f"time budget: {r + 1} of {self.num_repeats} rounds")
-                break
-        return {key: np.asarray(v) for key, v in out.items()}
+        num_done = 0  # complete rounds
+        try:
+            for r in range(self.num_repeats):
+                self._round(r, series, out, sync, progress, between_series)
+                num_done = r + 1
+                between_rounds(r)
+                if self.deadline is not None and time.perf_counter() > self.deadline:
+                    if r + 1 < self.num_repeats:
+                        progress(f"time budget: {r + 1} of {self.num_repeats} rounds")
+                    break
+        except KeyboardInterrupt:
+            if num_done == 0 or self.interruption is None:
+                raise
+            self.interruption.is_set = True  # the interrupted round's samples are dropped
+        return {key: np.asarray(v[:num_done]) for key, v in out.items()}
+
+    def _round(self, r: int, series, out, sync, progress, between_series) -> None:
+        """Round ``r``: every series set up, warmed up where due and timed once."""
+        clock = CLOCKS[self.clock]
+        progress(f"round {r + 1}/{self.num_repeats}")
+        for i, s in enumerate(series):
+            s.setup()
+            for _ in range(self.num_warmup if r == 0 or s.is_warmed_each_round else 0):
+                s.fn()
+                sync()
+                s.reset()
+            total = 0.0
+            for _ in range(s.num_calls):
+                start = clock()
+                s.fn()
+                sync()
+                total += clock() - start
+                s.reset()
+            out[s.key].append(total / s.num_calls)
+            if between_series is not None:
+                between_series(r, i, len(series))
 
     def row(self, op: str, batch: int, context: int, tokens_per_seq: int, samples) -> ProfileRow:
         """The statistic and the 10th / 90th percentiles (numpy's linear interpolation) of

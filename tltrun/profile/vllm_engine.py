@@ -181,8 +181,8 @@ def prefill_series(probe: VLLMProbe, batch: int, tokens: int) -> Series:
 def point_rows(b: int, c: int, ks: list[int], timed: dict, contexts: dict, measure) -> list:
     """decode, drafter, verify and sd_switch rows of one (batch, context per sequence)."""
 
-    def ctx(key) -> int:
-        return int(round(np.mean(_timed(contexts[key], measure))))
+    def ctx(key) -> int:  # the timed calls' contexts (an interrupted round's left out)
+        return int(round(np.mean(_timed(contexts[key], measure)[: len(timed[key])])))
 
     by_k = {k: timed[("step", b, c, k)] for k in [0, *ks]}
     rows = [measure.row("decode", b, ctx(("step", b, c, 0)), 1, by_k[0])]
