@@ -431,7 +431,7 @@ def run_profile(
             meta = profile_meta(cfg, now)
             meta["failed_ops"] = {"train": f"{type(e).__name__}: {str(e)[:300]}"}
             write_profile(rows, cfg.out, meta)
-            print(
+            tqdm.write(  # clears the progress bar's line first (print would append to it)
                 f"tltrun profile: the training ops failed; wrote the other {len(rows)} points "
                 f"to {cfg.out} (its sidecar's failed_ops says why)",
                 file=sys.stderr,
@@ -451,7 +451,7 @@ def _write_interrupted(rows: list[ProfileRow], cfg: ProfileRunConfig, now, when:
     meta["interrupted"] = when
     if rows:
         write_profile(rows, cfg.out, meta)
-    print(
+    tqdm.write(  # clears the progress bar's line first (print would append to it)
         f"tltrun profile: interrupted {when}; wrote the {len(rows)} points of the completed "
         f"rounds to {cfg.out}"
         if rows
