@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -206,3 +208,35 @@ def test_a_killed_worker_ends_the_run_with_one_line(model_dir, tmp_path):
     finally:
         for pid in session_pids(launcher.pid):
             os.kill(pid, 9)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
+def test_sigterm_to_the_launcher_is_a_stop_not_a_bug(model_dir, tmp_path):
+    """``timeout`` or a scheduler sends the launcher SIGTERM mid-run: the workers are stopped
+    and the run ends with one line saying so and how to resume (exit 143), not an internal
+    error with a traceback file."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tltrun.cli.main", "train", "--model-dir", str(model_dir),
+           "--out", str(out), "--num-workers", "2", "--num-steps", "100000", "--prompts-per-step",
+           "2", "--group-size", "2", "--max-new-tokens", "16", "--policy", "nospec"]  # fmt: skip
+    before = set(Path(tempfile.gettempdir()).glob("tltrun-traceback-*.txt"))
+    launcher = subprocess.Popen(cmd, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (out / "log.jsonl").is_file() and (out / "log.jsonl").stat().st_size > 0)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, 9)
+            launcher.wait()
+    assert launcher.returncode == 128 + signal.SIGTERM, err
+    # (torch's agent logs the signal, and multiprocessing's resource tracker may warn at exit:
+    # their lines, not ours)
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        f"error: {out}: stopped by SIGTERM; its workers were stopped. Continue from the last "
+        f"checkpoint with tltrun train --out {out} --resume"
+    ], err
+    assert "internal error" not in err and "Traceback" not in err
+    assert set(Path(tempfile.gettempdir()).glob("tltrun-traceback-*.txt")) == before
+    wait_for(lambda: session_pids(launcher.pid) == [], timeout_s=30)  # no worker left behind

@@ -125,6 +125,7 @@ def run_train(
     torchrun (its environment set), this process is one rank of the job instead: ``run_ranked``.
     The run directory is locked (tltrun.train.state.RunLock) from before it is touched until
     the workers are done."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from tltrun.train import elastic
@@ -148,6 +149,14 @@ def run_train(
                 )
             except ChildFailedError as err:
                 raise failure_error(out, elastic.root_failure(err.failures)) from None
+            except SignalException as err:  # SIGTERM/SIGHUP to the launcher: torchrun's
+                # agent has stopped the workers; a stop, not a bug (exit 128 + signal, as a
+                # shell reports a process a signal ended)
+                raise WorkerError(
+                    f"{out}: stopped by {err.sigval.name}; its workers were stopped. Continue "
+                    f"from the last checkpoint with tltrun train --out {out} --resume",
+                    exit_code=128 + int(err.sigval),
+                ) from None
     return out
 
 
