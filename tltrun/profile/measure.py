@@ -407,22 +407,53 @@ def run_profile(
             bar.set_postfix_str(what)
             bar.update()
 
+        def rollout_partial(rows: list[ProfileRow]) -> None:
+            if not rows:
+                return
+            # every rollout row has the completed rounds' samples (Measure.interleaved)
+            _write_partial(
+                rows,
+                cfg,
+                now,
+                f"{rows[0].num_repeats} of {cfg.num_repeats} rounds "
+                "of the rollout ops; no training ops",
+            )
+
         if cfg.backend == "vllm":
             from tltrun.profile.vllm_engine import profile_vllm
 
-            rows = profile_vllm(cfg, measure, progress, between_rounds, vllm_backend)
+            rows = profile_vllm(
+                cfg, measure, progress, between_rounds, vllm_backend, on_rows=rollout_partial
+            )
             torch.set_num_threads(cfg.num_threads)  # starting vLLM changes it (vllm_backend)
         else:
             from tltrun.profile.torch_engine import profile_torch
 
             rows = profile_torch(
-                cfg, target, drafter, measure, progress, between_rounds, between_series
+                cfg,
+                target,
+                drafter,
+                measure,
+                progress,
+                between_rounds,
+                between_series,
+                on_rows=rollout_partial,
             )
         if interruption.is_set:
             _write_interrupted(rows, cfg, now, "during the rollout ops: no training ops")
         gen = torch.Generator().manual_seed(cfg.seed + 1)
         try:
-            timed = measure.interleaved(train_series(cfg, target, drafter, gen), progress=progress)
+            timed = measure.interleaved(
+                train_series(cfg, target, drafter, gen),
+                progress=progress,
+                on_round=lambda t: _write_partial(
+                    rows + [measure.row(op, b, 0, seq, v) for (op, b, seq), v in t.items()],
+                    cfg,
+                    now,
+                    f"every round of the rollout ops, {min(map(len, t.values()), default=0)} "
+                    f"of {cfg.num_repeats} of the training ops",
+                ),
+            )
         except KeyboardInterrupt:  # before the training ops' first round ended
             _write_interrupted(rows, cfg, now, "in the training ops' first round: none of them")
         except Exception as e:
@@ -442,6 +473,15 @@ def run_profile(
             _write_interrupted(rows, cfg, now, "during the training ops")
     write_profile(rows, cfg.out, profile_meta(cfg, now))
     return rows
+
+
+def _write_partial(rows: list[ProfileRow], cfg: ProfileRunConfig, now, done: str) -> None:
+    """After each complete round: the points so far, so that a killed profile (SIGKILL, a lost
+    machine) keeps them. The sidecar's ``partial`` says how far it got; the final write (or an
+    interrupted or failed run's) replaces both files without it."""
+    meta = profile_meta(cfg, now)
+    meta["partial"] = f"the run did not finish; measured: {done}"
+    write_profile(rows, cfg.out, meta)
 
 
 def _write_interrupted(rows: list[ProfileRow], cfg: ProfileRunConfig, now, when: str) -> None:

@@ -80,19 +80,23 @@ class Measure:
         progress: Callable[[str], None] = lambda what: None,
         between_rounds: Callable[[int], None] = lambda r: None,
         between_series: Callable[[int, int, int], None] | None = None,
+        on_round: Callable[[dict[tuple, np.ndarray]], None] = lambda timed: None,
     ) -> dict[tuple, np.ndarray]:
         """``num_repeats`` rounds; in each, every series is set up, warmed up (``num_warmup``
         untimed calls) and timed once. Rounds spread each point's samples over the whole
         measurement, so a slow or fast spell of a shared machine (other jobs' load changes
         over minutes) reaches every point alike instead of a few neighbours on the grid.
         ``between_rounds(r)`` runs after round r, ``between_series(r, i, n)`` after series i
-        of the n in round r (a benchmark interleaves its measured run, coarse or fine)."""
+        of the n in round r (a benchmark interleaves its measured run, coarse or fine).
+        ``on_round(timed)`` gets the samples of the rounds completed so far after each round
+        (the caller writes them, so a killed run keeps them)."""
         out: dict[tuple, list[float]] = {s.key: [] for s in series}
         num_done = 0  # complete rounds
         try:
             for r in range(self.num_repeats):
                 self._round(r, series, out, sync, progress, between_series)
                 num_done = r + 1
+                on_round({key: np.asarray(v[:num_done]) for key, v in out.items()})
                 between_rounds(r)
                 if self.deadline is not None and time.perf_counter() > self.deadline:
                     if r + 1 < self.num_repeats:

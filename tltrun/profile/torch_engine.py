@@ -193,9 +193,11 @@ def profile_torch(
     progress: Callable[[str], None],
     between_rounds: Callable[[int], None] = lambda r: None,
     between_series: Callable[[int, int, int], None] | None = None,
+    on_rows: Callable[[list[ProfileRow]], None] = lambda rows: None,
 ) -> list[ProfileRow]:
     """Rollout rows of the grid of ``cfg`` (a ``tltrun.profile.measure.ProfileRunConfig``) for the
-    torch engine, timed in interleaved rounds by ``measure`` (``tltrun.profile.timing.Measure``)."""
+    torch engine, timed in interleaved rounds by ``measure`` (``tltrun.profile.timing.Measure``).
+    ``on_rows(rows)`` gets the rows of the rounds completed so far after each round."""
     decisions = cfg.decisions if drafter is not None else []
     gen = torch.Generator().manual_seed(cfg.seed)
     # Room per sequence for the largest draft tree and its bonus token, twice: never finishes.
@@ -229,15 +231,26 @@ def profile_torch(
         for b in cfg.prefill_batches:
             for t in cfg.prefill_tokens_per_seq:
                 series.append(prefill_series(engine, b, t, gen))
-        timed = measure.interleaved(series, engine.sync, progress, between_rounds, between_series)
-    rows = []
-    for b in cfg.batches:
-        for c in cfg.context_per_seq:
-            rows += point_rows(b, c, decisions, timed, measure.row)
-    for b in cfg.prefill_batches:
-        for t in cfg.prefill_tokens_per_seq:
-            rows.append(measure.row("prefill", b, 0, t, timed[("prefill", b, t)]))
-    return rows
+
+        def rows_of(timed: dict) -> list[ProfileRow]:
+            rows = []
+            for b in cfg.batches:
+                for c in cfg.context_per_seq:
+                    rows += point_rows(b, c, decisions, timed, measure.row)
+            for b in cfg.prefill_batches:
+                for t in cfg.prefill_tokens_per_seq:
+                    rows.append(measure.row("prefill", b, 0, t, timed[("prefill", b, t)]))
+            return rows
+
+        timed = measure.interleaved(
+            series,
+            engine.sync,
+            progress,
+            between_rounds,
+            between_series,
+            on_round=lambda timed: on_rows(rows_of(timed)),
+        )
+    return rows_of(timed)
 
 
 __all__ = [

@@ -261,11 +261,13 @@ def profile_vllm(
     progress: Callable[[str], None],
     between_rounds: Callable[[int], None] = lambda r: None,
     backend=None,
+    on_rows: Callable[[list[ProfileRow]], None] = lambda rows: None,
 ) -> list[ProfileRow]:
     """Rollout rows of ``cfg``'s grid (a ``tltrun.profile.measure.ProfileRunConfig``) on one in-process
     vLLM engine: ``backend`` (a ``VLLMBackend`` the caller also runs, left open; its
     ``control`` must not be ``"table"``) or one started here as the run's would be.
-    ``between_rounds(r)`` runs after round r (on ``backend``: a measured rollout)."""
+    ``between_rounds(r)`` runs after round r (on ``backend``: a measured rollout); ``on_rows(rows)``
+    gets the rows of the rounds completed so far after each round."""
     from tltrun.model.config import read_config
 
     ks = draft_steps(cfg)
@@ -297,19 +299,27 @@ def profile_vllm(
         probe.set_k(0)
         between_rounds(r)
 
+    def rows_of(timed: dict) -> list[ProfileRow]:
+        rows: list[ProfileRow] = []
+        for b in cfg.batches:
+            for c in cfg.context_per_seq:
+                rows += point_rows(b, c, ks, timed, contexts, measure)
+        for b in cfg.prefill_batches:
+            for t in cfg.prefill_tokens_per_seq:
+                rows.append(measure.row("prefill", b, 0, t, timed[("prefill", b, t)]))
+        return rows
+
     try:
-        timed = measure.interleaved(series, progress=progress, between_rounds=after_round)
+        timed = measure.interleaved(
+            series,
+            progress=progress,
+            between_rounds=after_round,
+            on_round=lambda timed: on_rows(rows_of(timed)),
+        )
     finally:
         if is_own:
             backend.close()
-    rows: list[ProfileRow] = []
-    for b in cfg.batches:
-        for c in cfg.context_per_seq:
-            rows += point_rows(b, c, ks, timed, contexts, measure)
-    for b in cfg.prefill_batches:
-        for t in cfg.prefill_tokens_per_seq:
-            rows.append(measure.row("prefill", b, 0, t, timed[("prefill", b, t)]))
-    return rows
+    return rows_of(timed)
 
 
 __all__ = ["VLLMProbe", "profile_vllm"]

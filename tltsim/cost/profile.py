@@ -64,6 +64,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,7 +221,11 @@ def write_profile(rows: Iterable[ProfileRow], path: str | Path, meta: Mapping[st
         _check_row(row, str(path), i)
     _check_duplicates(rows, str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
+    # Both files go to temporary names first and replace the old ones whole: `tltrun profile`
+    # rewrites its profile after every round, and a kill mid-write must not leave a torn CSV.
+    csv_tmp = path.with_name(f".{path.name}.tmp")
+    side_tmp = path.with_name(f".{sidecar_path(path).name}.tmp")
+    with csv_tmp.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(COLUMNS)
         for r in rows:
@@ -237,7 +242,9 @@ def write_profile(rows: Iterable[ProfileRow], path: str | Path, meta: Mapping[st
                 ]
             )
     side = {"format": FORMAT, "version": VERSION, **dict(meta)}
-    sidecar_path(path).write_text(json.dumps(side, indent=2, sort_keys=True) + "\n")
+    side_tmp.write_text(json.dumps(side, indent=2, sort_keys=True) + "\n")
+    os.replace(side_tmp, sidecar_path(path))
+    os.replace(csv_tmp, path)
 
 
 def load_profile(path: str | Path) -> Profile:
