@@ -308,6 +308,22 @@ def test_calibrate_cli_writes_a_preset_that_replay_uses(tmp_path, capsys):
     assert config["sim"]["hardware"] == str(preset)
 
 
+def test_calibrate_says_when_the_profile_is_incomplete(tmp_path, capsys):
+    """A killed or interrupted ``tltrun profile`` leaves a valid profile of fewer repeats, whose
+    sidecar says so: the fit runs and names it."""
+    pytest.importorskip("scipy")
+    profile = _write_profile(tmp_path / "h100.csv", _profile_rows(_cost(), noise=0.005))
+    assert main(["calibrate", str(profile), "--out", str(tmp_path / "a.json")]) == 0
+    assert "incomplete" not in capsys.readouterr().out
+    side = profile.with_suffix(".json")
+    meta = json.loads(side.read_text())
+    side.write_text(json.dumps({**meta, "partial": "the run did not finish; measured: 1 of 3"}))
+    assert main(["calibrate", str(profile), "--out", str(tmp_path / "b.json")]) == 0
+    assert "note: an incomplete profile, fewer repeats than asked (partial: the run did not" in (
+        capsys.readouterr().out
+    )
+
+
 def test_profile_info_shows_the_shipped_calibration(tmp_path, capsys):
     profile = _write_profile(tmp_path / "p.csv", _profile_rows(_cost(), noise=0.0))
     assert main(["profile-info", str(profile)]) == 0

@@ -105,6 +105,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"{args.profile}: fitted {len(fit.fitted)} parameters to {len(fit.rows)} points "
         f"({model.name} on {hardware.name}, tp={tp})"
     )
+    for key in ("partial", "interrupted"):  # tltrun profile's marks of a run that did not end
+        if key in profile.meta:
+            print(
+                f"note: an incomplete profile, fewer repeats than asked ({key}: {profile.meta[key]})"
+            )
     params = dataclasses.asdict(fit.params)
     print(
         format_table(
