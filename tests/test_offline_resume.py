@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from tiny_models import tiny_model
 
 from tltrun.cli.generate import TrainDrafterConfig
 from tltrun.cli.main import main
+from tltrun.model import hf_checkpoint
 from tltrun.model.drafter import EagleDrafter
 from tltrun.model.hf_checkpoint import save_hf
 from tltrun.train import drafter_training, resumable, sft
@@ -170,6 +172,59 @@ def test_train_drafter_killed_and_resumed_ends_as_the_uninterrupted_run(
     capsys.readouterr()
     assert main(["train-drafter", "--out", str(killed), "--resume"]) == 0
     assert "the run already finished" in capsys.readouterr().out
+
+
+def test_train_drafter_resume_on_a_replaced_target_is_refused(
+    drafter_inputs, tmp_path, monkeypatch, capsys
+):
+    """The drafter trains on the target's hidden states: a resume after the checkpoint at
+    --model was replaced (same shapes, other weights) is one error line, the state kept; the
+    restored checkpoint resumes."""
+    model = tmp_path / "target"
+    shutil.copytree(drafter_inputs["model"], model)
+    out = tmp_path / "run"
+    real_step, num_calls = drafter_training.drafter_train_step, [0]
+
+    def stop_at_step_7(*args, **kwargs):  # the state holds 5 steps
+        num_calls[0] += 1
+        if num_calls[0] == 8:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(drafter_training, "drafter_train_step", stop_at_step_7)
+    assert main(drafter_argv({**drafter_inputs, "model": model}, out, 12)) == 130
+    monkeypatch.setattr(drafter_training, "drafter_train_step", real_step)
+    shutil.move(model, tmp_path / "kept")
+    save_hf(tiny_model(seed=1), model)
+    capsys.readouterr()
+    rc, stdout, err = run("tltrun", ["train-drafter", "--out", str(out), "--resume"], capsys)
+    assert_one_error_line(rc, stdout, err)
+    assert "--resume with another target checkpoint than the run started on" in err
+    assert torch.load(out / STATE_FILE, weights_only=True)["next_step"] == 5
+    shutil.rmtree(model)
+    shutil.move(tmp_path / "kept", model)
+    assert main(["train-drafter", "--out", str(out), "--resume"]) == 0, capsys.readouterr().err
+
+
+def test_the_checkpoint_digest_follows_the_contents_not_the_path(tmp_path, monkeypatch):
+    """Equal copies agree; a changed weight or config does not, whole-file hashed or sampled
+    (files over DIGEST_WHOLE_BYTES: header and evenly spread blocks)."""
+    save_hf(tiny_model(seed=0), tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    for whole_bytes in (hf_checkpoint.DIGEST_WHOLE_BYTES, 0):  # 0: every file sampled
+        monkeypatch.setattr(hf_checkpoint, "DIGEST_WHOLE_BYTES", whole_bytes)
+        digest = hf_checkpoint.checkpoint_digest
+        assert digest(tmp_path / "a") == digest(tmp_path / "b")
+        weights = tmp_path / "b" / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-3] ^= 0x40  # a bit of the last tensor (the last block is always sampled)
+        weights.write_bytes(bytes(data))
+        assert digest(tmp_path / "a") != digest(tmp_path / "b")
+        shutil.copy(tmp_path / "a" / "model.safetensors", weights)
+        config = tmp_path / "b" / "config.json"
+        config.write_text(config.read_text().replace('"rope_theta"', '"rope_theta" '))
+        assert digest(tmp_path / "a") != digest(tmp_path / "b")
+        shutil.copy(tmp_path / "a" / "config.json", config)
 
 
 # ---- train_drafter stopped in-process (no subprocess: the fast twin of the test above) -------

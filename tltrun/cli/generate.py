@@ -290,7 +290,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 def _train_drafter(cfg: TrainDrafterConfig, train_cfg, out: Path, is_resume: bool) -> int:
     from tltrun.model.drafter import EagleDrafter, export_vllm, load_drafter
-    from tltrun.model.hf_checkpoint import load_hf
+    from tltrun.model.hf_checkpoint import checkpoint_digest, load_hf
     from tltrun.train import resumable
     from tltrun.train.drafter_training import records_from_outputs, train_drafter
 
@@ -308,7 +308,13 @@ def _train_drafter(cfg: TrainDrafterConfig, train_cfg, out: Path, is_resume: boo
     checkpoints = resumable.Checkpointing(
         out=out, command="tltrun train-drafter", every=cfg.checkpoint_every, is_resume=is_resume
     )
-    history = train_drafter(drafter, records, train_cfg, checkpointing=checkpoints)
+    history = train_drafter(
+        drafter,
+        records,
+        train_cfg,
+        checkpointing=checkpoints,
+        target_sha256=checkpoint_digest(cfg.model),
+    )
     tail = history[-min(len(history), 20) :] if history else [{}]
     final = {k: sum(h[k] for h in tail) / len(tail) for k in tail[0]}
     export_vllm(

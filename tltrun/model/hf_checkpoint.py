@@ -80,6 +80,55 @@ def safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
         ) from None
 
 
+def _safetensors_files(root: Path) -> list[Path]:
+    """``model.safetensors``, or the shards its index lists (sorted)."""
+    index = root / "model.safetensors.index.json"
+    if (root / "model.safetensors").is_file():
+        return [root / "model.safetensors"]
+    if index.is_file():
+        weight_map = read_json(index, "safetensors index", CheckpointError)
+        if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
+            raise CheckpointError(f"{index}: expected JSON with a 'weight_map' field")
+        return [root / str(s) for s in sorted(set(map(str, weight_map["weight_map"].values())))]
+    raise CheckpointError(
+        f"{root}: neither model.safetensors nor model.safetensors.index.json found"
+    )
+
+
+# Files up to this size are hashed whole; larger ones (a 7B checkpoint is 15 GB: ~10 s of
+# sha256) by their header and DIGEST_SAMPLES evenly spread 4 KiB blocks, which any training
+# step changes (every weight moves, so every block holds changed values) at ~1 MB read a file.
+DIGEST_WHOLE_BYTES = 1 << 30
+DIGEST_SAMPLES = 256
+DIGEST_BLOCK_BYTES = 4096
+
+
+def checkpoint_digest(model_dir: str | Path) -> str:
+    """sha256 over ``config.json`` and the weights' files: a cheap check that a directory
+    still holds the checkpoint a resumable run started on (``tltrun train-drafter --resume``).
+    Files over ``DIGEST_WHOLE_BYTES`` are sampled: a change confined to unsampled bytes of
+    such a file (not what training or a different model does) passes unseen."""
+    import hashlib
+
+    root = Path(model_dir)
+    digest = hashlib.sha256((root / "config.json").read_bytes())
+    for file in _safetensors_files(root):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as f:
+            if size <= DIGEST_WHOLE_BYTES:
+                digest.update(f.read())
+                continue
+            header_bytes = 8 + int.from_bytes(f.read(8), "little")  # safetensors: u64 length
+            f.seek(0)
+            digest.update(f.read(min(header_bytes, size)))
+            step = max(1, (size - header_bytes) // DIGEST_SAMPLES)
+            for offset in range(header_bytes, size, step):
+                f.seek(offset)
+                digest.update(f.read(DIGEST_BLOCK_BYTES))
+    return digest.hexdigest()
+
+
 def check_checkpoint(model_dir: str | Path) -> ModelConfig:
     """Validate a model directory without loading its weights: config.json, and every
     safetensors file's header (a truncated or garbage file fails here) with the tensors' names
@@ -87,18 +136,7 @@ def check_checkpoint(model_dir: str | Path) -> ModelConfig:
     damaged checkpoint is one error line, not a traceback per worker."""
     root = Path(model_dir)
     cfg = read_config(root)
-    index = root / "model.safetensors.index.json"
-    if (root / "model.safetensors").is_file():
-        files = [root / "model.safetensors"]
-    elif index.is_file():
-        weight_map = read_json(index, "safetensors index", CheckpointError)
-        if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
-            raise CheckpointError(f"{index}: expected JSON with a 'weight_map' field")
-        files = [root / str(s) for s in sorted(set(map(str, weight_map["weight_map"].values())))]
-    else:
-        raise CheckpointError(
-            f"{root}: neither model.safetensors nor model.safetensors.index.json found"
-        )
+    files = _safetensors_files(root)
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Transformer(cfg).state_dict().items()}
     found: dict[str, tuple[int, ...]] = {}

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from tltrun.model.drafter import EagleDrafter
 from tltrun.model.transformer import CausalContext, Transformer
 from tltrun.train.resumable import Checkpointing, fingerprint
+from tltsim.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -239,9 +240,12 @@ def train_drafter(
     cfg: DrafterTrainConfig,
     is_progress_shown: bool = True,
     checkpointing: Checkpointing | None = None,
+    target_sha256: str | None = None,
 ) -> list[dict[str, float]]:
     """``cfg.num_steps`` steps on batches drawn (seeded) from ``records``, writing and resuming
-    from the state ``checkpointing`` names; returns the history."""
+    from the state ``checkpointing`` names; returns the history. ``target_sha256``
+    (``hf_checkpoint.checkpoint_digest`` of the target the records' hidden states came from) is
+    recorded, and a resume on another target refused."""
     if not records:
         raise ValueError("train_drafter: no training records")
     device = drafter.fc.weight.device
@@ -261,6 +265,12 @@ def train_drafter(
         )
     if checkpointing is not None and checkpointing.is_resume:
         state = checkpointing.load(drafter, optimizer, data_sha256)
+        if state.get("target_sha256") != target_sha256:
+            raise UsageError(
+                f"{checkpointing.out}: --resume with another target checkpoint than the run "
+                "started on (the hidden states it trains on would change); restore the target, "
+                "or start a new run in another --out"
+            )
         history = state["log"]
         gen.set_state(state["gen"])
         noise_gen.set_state(state["noise_gen"])
@@ -274,5 +284,6 @@ def train_drafter(
         bar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1']:.2f}")
         if checkpointing is not None and checkpointing.is_due(step + 1, cfg.num_steps):
             checkpointing.save(step + 1, drafter, optimizer, history, data_sha256,
-                               gen=gen.get_state(), noise_gen=noise_gen.get_state())  # fmt: skip
+                               gen=gen.get_state(), noise_gen=noise_gen.get_state(),
+                               target_sha256=target_sha256)  # fmt: skip
     return history
