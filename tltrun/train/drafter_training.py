@@ -265,7 +265,8 @@ def train_drafter(
         )
     if checkpointing is not None and checkpointing.is_resume:
         state = checkpointing.load(drafter, optimizer, data_sha256)
-        if state.get("target_sha256") != target_sha256:
+        # a state of an older tltrun records none: resumed as before
+        if state.get("target_sha256", target_sha256) != target_sha256:
             raise UsageError(
                 f"{checkpointing.out}: --resume with another target checkpoint than the run "
                 "started on (the hidden states it trains on would change); restore the target, "
