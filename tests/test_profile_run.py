@@ -202,7 +202,7 @@ def test_measure_times_after_warmup_and_resets():
 def test_back_to_back_samples_are_the_mean_of_consecutive_calls(monkeypatch):
     """num_calls > 1: each round times that many calls in a row (reset after each, untimed)
     after the warm-up, and the sample is their mean."""
-    import tltrun.profile.measure as profile
+    import tltrun.profile.timing as profile
 
     now, events = [0.0], []
 
@@ -225,7 +225,7 @@ def test_back_to_back_samples_are_the_mean_of_consecutive_calls(monkeypatch):
 def test_hooks_run_between_series_and_rounds_untimed(monkeypatch):
     """A benchmark's measured run goes between the profile's series (fine) or rounds (coarse);
     neither reaches a sample."""
-    import tltrun.profile.measure as profile
+    import tltrun.profile.timing as profile
 
     now, events = [0.0], []
 

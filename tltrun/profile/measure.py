@@ -46,7 +46,7 @@ predicts ``tltrun.rollout.engine.RolloutEngine`` and not an idealised forward pa
 * ``drafter_train``: ``make_batch`` + ``drafter_train_step`` on a copy of the drafter.
 
 The rollout ops live in ``tltrun.profile.torch_engine`` (this backend) and ``tltrun.profile.vllm_engine``; the
-training ops are the same torch trainer for both backends and live here; how a point is timed
+training ops are the same torch trainer for both backends (``tltrun.profile.train_ops``); how a point is timed
 is ``tltrun.profile.timing``. Progress: one tqdm bar over the grid. Threads: ``--num-threads``
 (default 1: the machine is shared, and the measured run must use the same count). The command
 line is ``tltrun.cli.profile``.
@@ -54,7 +54,6 @@ line is ``tltrun.cli.profile``.
 
 from __future__ import annotations
 
-import copy
 import datetime
 import importlib.metadata
 import json
@@ -71,7 +70,8 @@ import torch
 from tqdm import tqdm
 
 from tltrun.model import attention
-from tltrun.profile.timing import CLOCKS, STATISTICS, Interruption, Measure, Series
+from tltrun.profile.timing import CLOCKS, STATISTICS, Interruption, Measure
+from tltrun.profile.train_ops import train_series
 from tltsim.cost.profile import ProfileRow, write_profile
 from tltsim.errors import UsageError
 from tltsim.policy import SpecDecision
@@ -234,80 +234,6 @@ class ProfileRunConfig:
     @property
     def decisions(self) -> list[SpecDecision]:
         return [SpecDecision.parse(s) for s in self.strategies]
-
-
-# --- training ops (the same torch trainer behind either rollout backend) ----------------------
-
-
-def train_series(cfg: ProfileRunConfig, target, drafter, gen) -> list[Series]:
-    """``train``: one GRPO actor update (tltrun.train.grpo, as ``tltrun train`` runs it: KL reference
-    model included) of ``batch`` sequences, on a copy of the target. ``drafter_train``:
-    ``make_batch`` + ``drafter_train_step`` (a spot trainer's update), on a copy of the drafter.
-    Keys: (op, batch, tokens per sequence)."""
-    from tltrun.train.grpo import GRPOConfig, Sample, grpo_update
-    from tltrun.train.grpo import make_optimizer as actor_optimizer
-
-    actor, ref = copy.deepcopy(target).train(), copy.deepcopy(target).eval()
-    gcfg = GRPOConfig()
-    optimizer = actor_optimizer(actor, gcfg)
-    vocab = target.config.vocab_size
-    series = []
-    for seq in cfg.train_tokens_per_seq:
-        for batch in cfg.train_batches:
-            ids = torch.randint(vocab, (batch, seq), generator=gen)
-            rewards = torch.rand(batch, generator=gen).tolist()
-            prompt = max(1, seq // 4)  # the split only moves the loss mask, not the work
-            samples = [
-                Sample("g0", tuple(ids[b, :prompt].tolist()), tuple(ids[b, prompt:].tolist()), r)
-                for b, r in enumerate(rewards)
-            ]
-
-            def update(s=samples) -> None:
-                grpo_update(actor, ref, optimizer, s, gcfg, cfg.temperature or 1.0, pad_id=0)
-
-            series.append(Series(("train", batch, seq), update, is_warmed_each_round=False))
-    if drafter is not None:
-        series += _drafter_train_series(cfg, target, drafter, gen)
-    return series
-
-
-def _drafter_train_series(cfg: ProfileRunConfig, target, drafter, gen) -> list[Series]:
-    from tltrun.model.drafter import EagleDrafter
-    from tltrun.train.drafter_training import (
-        DrafterTrainConfig,
-        TrainRecord,
-        drafter_train_step,
-        make_batch,
-        make_optimizer,
-    )
-
-    device = drafter.fc.weight.device
-    trainee = EagleDrafter(drafter.config).to(device=device, dtype=drafter.fc.weight.dtype)
-    trainee.load_state_dict(drafter.state_dict())
-    trainee.bind(target)
-    dcfg = DrafterTrainConfig()
-    optimizer = make_optimizer(trainee, dcfg)
-    vocab, dim = drafter.config.vocab_size, drafter.config.hidden_size
-    noise = torch.Generator(device).manual_seed(cfg.seed)
-    series = []
-    for seq in cfg.train_tokens_per_seq:
-        for batch in cfg.train_batches:
-            records = [
-                TrainRecord(
-                    torch.randint(vocab, (seq,), generator=gen),
-                    max(1, seq // 4),
-                    torch.randn(seq - 1, dim, generator=gen),
-                )
-                for _ in range(batch)
-            ]
-
-            def update(r=records) -> None:
-                step_batch = make_batch(r, dcfg.max_seq_len, device)
-                drafter_train_step(trainee, step_batch, optimizer, dcfg, noise)
-
-            key = ("drafter_train", batch, seq)
-            series.append(Series(key, update, is_warmed_each_round=False))
-    return series
 
 
 # --- the whole profile ------------------------------------------------------------------------

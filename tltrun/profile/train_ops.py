@@ -1,0 +1,88 @@
+"""The training ops of ``tltrun profile`` (the same torch trainer behind either rollout backend):
+``train``, one GRPO actor update as ``tltrun train`` runs it, and ``drafter_train``, one spot
+trainer's drafter update, each on a copy of the model, over the grid's batches and tokens per
+sequence (``cfg``: a ``tltrun.profile.measure.ProfileRunConfig``).
+``tltrun.profile.measure.run_profile`` times them after the rollout ops.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from tltrun.profile.timing import Series
+
+
+def train_series(cfg, target, drafter, gen) -> list[Series]:
+    """``train``: one GRPO actor update (tltrun.train.grpo, as ``tltrun train`` runs it: KL reference
+    model included) of ``batch`` sequences, on a copy of the target. ``drafter_train``:
+    ``make_batch`` + ``drafter_train_step`` (a spot trainer's update), on a copy of the drafter.
+    Keys: (op, batch, tokens per sequence)."""
+    from tltrun.train.grpo import GRPOConfig, Sample, grpo_update
+    from tltrun.train.grpo import make_optimizer as actor_optimizer
+
+    actor, ref = copy.deepcopy(target).train(), copy.deepcopy(target).eval()
+    gcfg = GRPOConfig()
+    optimizer = actor_optimizer(actor, gcfg)
+    vocab = target.config.vocab_size
+    series = []
+    for seq in cfg.train_tokens_per_seq:
+        for batch in cfg.train_batches:
+            ids = torch.randint(vocab, (batch, seq), generator=gen)
+            rewards = torch.rand(batch, generator=gen).tolist()
+            prompt = max(1, seq // 4)  # the split only moves the loss mask, not the work
+            samples = [
+                Sample("g0", tuple(ids[b, :prompt].tolist()), tuple(ids[b, prompt:].tolist()), r)
+                for b, r in enumerate(rewards)
+            ]
+
+            def update(s=samples) -> None:
+                grpo_update(actor, ref, optimizer, s, gcfg, cfg.temperature or 1.0, pad_id=0)
+
+            series.append(Series(("train", batch, seq), update, is_warmed_each_round=False))
+    if drafter is not None:
+        series += _drafter_train_series(cfg, target, drafter, gen)
+    return series
+
+
+def _drafter_train_series(cfg, target, drafter, gen) -> list[Series]:
+    from tltrun.model.drafter import EagleDrafter
+    from tltrun.train.drafter_training import (
+        DrafterTrainConfig,
+        TrainRecord,
+        drafter_train_step,
+        make_batch,
+        make_optimizer,
+    )
+
+    device = drafter.fc.weight.device
+    trainee = EagleDrafter(drafter.config).to(device=device, dtype=drafter.fc.weight.dtype)
+    trainee.load_state_dict(drafter.state_dict())
+    trainee.bind(target)
+    dcfg = DrafterTrainConfig()
+    optimizer = make_optimizer(trainee, dcfg)
+    vocab, dim = drafter.config.vocab_size, drafter.config.hidden_size
+    noise = torch.Generator(device).manual_seed(cfg.seed)
+    series = []
+    for seq in cfg.train_tokens_per_seq:
+        for batch in cfg.train_batches:
+            records = [
+                TrainRecord(
+                    torch.randint(vocab, (seq,), generator=gen),
+                    max(1, seq // 4),
+                    torch.randn(seq - 1, dim, generator=gen),
+                )
+                for _ in range(batch)
+            ]
+
+            def update(r=records) -> None:
+                step_batch = make_batch(r, dcfg.max_seq_len, device)
+                drafter_train_step(trainee, step_batch, optimizer, dcfg, noise)
+
+            key = ("drafter_train", batch, seq)
+            series.append(Series(key, update, is_warmed_each_round=False))
+    return series
+
+
+__all__ = ["train_series"]
