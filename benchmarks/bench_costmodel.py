@@ -46,7 +46,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-from sd_batch_validation import context_sensitivity, like_for_like
+from sd_batch_validation import context_sensitivity, drafter_pairs, like_for_like
 
 from tltsim.cli.table import format_table
 from tltsim.cost.calibrate import fit_published, predict_s
@@ -284,6 +284,13 @@ def print_like_for_like(params) -> dict:
         print(format_table(group, columns, left=("series", "cost", "from")))
     print("batch where SD stops paying: measured interval vs simulated (crossover_batch):")
     print(format_table(stops, list(stops[0]), left=("series", "strategy")))
+    pairs = drafter_pairs(rows)
+    print(
+        "the same setup with two drafters, weaker / stronger speedup by batch (each drafter's "
+        "acceptance is one number for all batches, so a model's ratio moves only with the "
+        "drafters' cost difference):"
+    )
+    print(format_table(pairs, list(pairs[0]), left=("pair", "cost"), float_format=".3f"))
     sensitivity = context_sensitivity(
         params, SENSITIVITY_SERIES, (CONTEXT_PER_SEQ / 2, CONTEXT_PER_SEQ, 2 * CONTEXT_PER_SEQ)
     )
@@ -300,7 +307,13 @@ def print_like_for_like(params) -> dict:
             f"{s['num_predicted_points']} predicted points: median |error| "
             f"{s['median_abs_error']:.1%}, max {s['max_abs_error']:.1%}"
         )
-    return {"rows": rows, "stops": stops, "context_sensitivity": sensitivity, "summary": summary}
+    return {
+        "rows": rows,
+        "stops": stops,
+        "drafter_pairs": pairs,
+        "context_sensitivity": sensitivity,
+        "summary": summary,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -228,6 +228,34 @@ def like_for_like(
     return rows, stops, summary
 
 
+def drafter_pairs(
+    rows: list[dict], series: tuple[SDBatchSeries, ...] = SD_BATCH_SERIES
+) -> list[dict]:
+    """Series that differ only in the drafter (same source, engine, target, strategy, dataset and
+    batches): per cost row, the weaker drafter's speedup over the stronger one's at each batch.
+    Each series' acceptance is one batch-independent number, so a simulated ratio moves with
+    batch only through the drafters' cost difference (fc width, LM-head rows); a published ratio
+    that moves further says how the engine's speedup depends on the drafter beyond step time."""
+
+    def same_setup(s: SDBatchSeries) -> tuple:
+        return (s.source, s.engine, s.target, s.strategy, s.dataset, s.batches)
+
+    out = []
+    by_setup: dict[tuple, list[SDBatchSeries]] = {}
+    for s in series:
+        by_setup.setdefault(same_setup(s), []).append(s)
+    for group in by_setup.values():
+        if len(group) != 2:
+            continue
+        strong, weak = sorted(group, key=lambda s: -s.speedups[0])
+        for cost in ("published", "roofline", "calibrated"):
+            a, b = (next(r for r in rows if r["series"] == s.name and r["cost"] == cost)
+                    for s in (weak, strong))  # fmt: skip
+            ratios = {f"b{n}": a[f"b{n}"] / b[f"b{n}"] for n in strong.batches}
+            out.append({"pair": f"{weak.drafter} / {strong.drafter}", "cost": cost, **ratios})
+    return out
+
+
 def context_sensitivity(
     params: CalibrationParams, series_name: str, contexts: tuple[float, ...]
 ) -> list[dict]:
@@ -258,6 +286,7 @@ __all__ = [
     "compare_series",
     "context_sensitivity",
     "describe_interval",
+    "drafter_pairs",
     "is_within_one_bucket",
     "like_for_like",
     "measured_stop",

@@ -140,6 +140,25 @@ def test_like_for_like_summary_counts_what_the_stops_say():
         )
 
 
+def test_drafter_pairs_divide_the_weaker_drafters_speedups_by_the_strongers():
+    """Only series differing in the drafter alone pair up (EAGLE-3 Table 3's two rows); each
+    ratio is the two rows' speedups divided; both fitted at batch 2, the models agree there."""
+    rows, _, _ = sdv.like_for_like(PARAMS, 2048.0)
+    pairs = sdv.drafter_pairs(rows)
+    assert [(p["pair"], p["cost"]) for p in pairs] == [
+        ("EAGLE / EAGLE-3", c) for c in ("published", "roofline", "calibrated")
+    ]
+    weak, strong = (next(s for s in SD_BATCH_SERIES if s.name == f"T3 {d} MT-Bench")
+                    for d in ("EAGLE", "EAGLE-3"))  # fmt: skip
+    for b, w, st in zip(strong.batches, weak.speedups, strong.speedups, strict=True):
+        assert pairs[0][f"b{b}"] == pytest.approx(w / st, rel=1e-12)
+    for p in pairs[1:]:
+        assert p["b2"] == pytest.approx(pairs[0]["b2"], rel=1e-5)
+        row_w, row_s = (next(r for r in rows if r["series"] == s.name and r["cost"] == p["cost"])
+                        for s in (weak, strong))  # fmt: skip
+        assert p["b64"] == pytest.approx(row_w["b64"] / row_s["b64"], rel=1e-12)
+
+
 def test_sd_batch_series_is_keyword_only_and_frozen():
     with pytest.raises(TypeError):
         SDBatchSeries("x")  # type: ignore[misc]
