@@ -196,6 +196,9 @@ def run_cli(argv: list[str]) -> None:
 
 
 def stage_drafter_data(cfg: BenchSpecConfig, work: Path) -> None:
+    if (work / "gen" / "generations.jsonl").is_file():  # a killed earlier run: continue it
+        run_cli(["generate", "--out", str(work / "gen"), "--resume"])
+        return
     prompts = task_prompts(cfg.num_train_prompts, cfg.seed + 2, cfg.task)
     path = work / "train_prompts.jsonl"
     path.write_text(
@@ -371,13 +374,13 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     write_json(work / cfg.config_name, asdict(cfg))
-    stages = (
-        ("target", lambda: stage_target(cfg, work / "target")),
-        ("gen", lambda: stage_drafter_data(cfg, work)),
-        ("drafter", lambda: stage_drafter(cfg, work)),
+    stages = (  # (stage, the file its finished run writes last, how to run it)
+        ("target", "config.json", lambda: stage_target(cfg, work / "target")),
+        ("gen", "trace.json", lambda: stage_drafter_data(cfg, work)),
+        ("drafter", "config.json", lambda: stage_drafter(cfg, work)),
     )
-    for name, run in stages:
-        if not (work / name / "config.json").is_file():
+    for name, done_file, run in stages:
+        if not (work / name / done_file).is_file():
             start = time.perf_counter()
             print(f"stage {name} ...", flush=True)
             run()

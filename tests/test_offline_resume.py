@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -24,12 +22,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from process_tools import sigkill_when
 from safetensors.torch import load_file
 from test_hostile import assert_one_error_line, run
 from tiny_models import tiny_model
 
-from tltrun.cli.generate import TrainDrafterConfig
 from tltrun.cli.main import main
+from tltrun.cli.train_drafter import TrainDrafterConfig
 from tltrun.model import hf_checkpoint
 from tltrun.model.drafter import EagleDrafter
 from tltrun.model.hf_checkpoint import save_hf
@@ -149,21 +148,8 @@ def test_train_drafter_killed_and_resumed_ends_as_the_uninterrupted_run(
     assert not (whole / STATE_FILE).exists()
     cmd = [sys.executable, "-c", SLOW_CLI, str(torch.get_num_threads()),
            *drafter_argv(drafter_inputs, killed, num_steps)]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while not (killed / STATE_FILE).exists():
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "no state written in 120 s"
-            time.sleep(0.02)
-        time.sleep(0.3)  # a few more steps: the kill lands between states
-        os.kill(proc.pid, signal.SIGKILL)
-        assert proc.wait() == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
+    # a few more steps after the first state: the kill lands between states
+    sigkill_when(cmd, (killed / STATE_FILE).exists, "a first state", settle_s=0.3)
     next_step = torch.load(killed / STATE_FILE, weights_only=True)["next_step"]
     assert 5 <= next_step < num_steps and not (killed / "history.json").exists()
     assert main(["train-drafter", "--out", str(killed), "--resume"]) == 0, capsys.readouterr().err

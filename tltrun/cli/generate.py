@@ -1,24 +1,24 @@
-"""``tltrun generate`` and ``tltrun train-drafter``: roll out prompts, train a drafter on them.
+"""``tltrun generate``: roll out prompts with the torch engine (optionally with SD); its
+``generations.jsonl`` is what ``tltrun train-drafter`` (``tltrun.cli.train_drafter``) trains on.
 
     tltrun generate --model DIR --prompts FILE.jsonl --out DIR [--drafter DIR] [--policy tlt]
-    tltrun train-drafter --model DIR --data DIR/generations.jsonl --out DIR [--train-num-steps N]
-    tltrun train-drafter --out DIR --resume       # continue a killed run with its settings
+    tltrun generate --out DIR --resume          # continue a killed run with its config.json
 
-Flags map 1:1 onto ``GenerateConfig`` / ``TrainDrafterConfig``, ``EngineConfig`` and
-``SamplingParams`` (``tltrun.cli.args``), and ``DrafterTrainConfig`` (``--train-*``).
+Flags map 1:1 onto ``GenerateConfig``, ``EngineConfig`` and ``SamplingParams``
+(``tltrun.cli.args``).
 
 Prompt file (JSONL, one object per line): ``{"id": "p0", "prompt_token_ids": [...]}`` or
 ``{"id": "p0", "prompt": "text"}`` (needs the character tokenizer of ``tltrun.model.tokenizer`` in the
-model directory), optionally ``"max_new_tokens": N``. ``generate`` writes
-``generations.jsonl`` (the input of ``train-drafter``), ``trace.json`` (a measured tlt-trace
-step) and ``config.json``. ``train-drafter`` writes ``train_config.json`` when it starts (a
-``--resume`` runs with it) and, at the end, the drafter in vLLM's layout and ``history.json``.
+model directory), optionally ``"max_new_tokens": N``. ``generate`` writes ``config.json`` when
+it starts, ``generations.jsonl`` as the responses finish (``tltrun.cli.generations_log``: a
+killed run keeps them, and ``--resume`` generates only the others), and at the end
+``trace.json`` (a measured tlt-trace step of what this process rolled out), which marks the run
+finished. A progress bar counts the finished responses.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,9 +30,8 @@ from tltrun.cli.args import (
     config_dict,
     engine_config_from_args,
     engine_defaults,
-    offline_configs_from_args,
 )
-from tltrun.model.config import check_device
+from tltrun.cli.generations_log import GenerationsLog
 from tltrun.rollout.engine_config import DTYPES
 from tltrun.rollout.interface import Request
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
@@ -89,51 +88,6 @@ class GenerateConfig:
             raise ValueError(f"group_size must be <= {MAX_REQUESTS}, got {self.group_size}")
         if not 0 <= self.step <= MAX_COUNT:  # the trace format's bound on step numbers
             raise ValueError(f"step must be in [0, {MAX_COUNT}], got {self.step}")
-
-
-@dataclass(frozen=True)
-class TrainDrafterConfig:
-    model: str = field(
-        default="", metadata={"help": "target model directory (required)", "metavar": "DIR"}
-    )
-    data: str = field(
-        default="",
-        metadata={
-            "help": "generations.jsonl written by `tltrun generate` (required)",
-            "metavar": "PATH",
-        },
-    )
-    out: str = field(
-        default="",
-        metadata={"help": "output directory of the exported drafter (required)", "metavar": "DIR"},
-    )
-    init: str = field(
-        default="",
-        metadata={"help": "start from this drafter directory, not a fresh one", "metavar": "DIR"},
-    )
-    device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
-    dtype: str = field(
-        default="float32",
-        metadata={"help": "dtype of the target and drafter", "choices": tuple(DTYPES)},
-    )
-    # The resumable state (tltrun.train.resumable: drafter + AdamW, 12 bytes per fp32
-    # parameter) of the README's 8-layer hidden-256 SFT model's drafter is 10 MB and took 22 ms
-    # to write and fsync on this machine, against ~7 s for its 100 steps (batch 4): ~0.3%. A 7B
-    # target's drafter (a ~0.2B-parameter layer) writes ~3 GB a time: raise N there.
-    checkpoint_every: int = field(
-        default=100,
-        metadata={"help": "write the state --resume continues from every N steps (0: never)"},
-    )
-
-    def __post_init__(self) -> None:
-        for name in ("model", "data", "out"):
-            if not getattr(self, name):
-                raise ValueError(f"--{name} is required")
-        if not 0 <= self.checkpoint_every < 2**31:
-            raise ValueError(f"checkpoint_every must be in [0, 2^31), got {self.checkpoint_every}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
-        check_device(self.device)
 
 
 def read_prompts(path: str, model_dir: str, cfg: GenerateConfig) -> tuple[list[Request], Any]:
@@ -206,6 +160,93 @@ def _load_tokenizer(model_dir: str):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from tltrun.train.state import RunLock
+
+    if args.resume:
+        configs = _recorded_configs(args)
+        if configs is None:
+            print(
+                f"{args.out}: the run already finished (trace.json is written); nothing to resume"
+            )
+            return 0
+        cfg, engine_cfg = configs
+        requests, tokenizer = read_prompts(cfg.prompts, cfg.model, cfg)
+        out = Path(cfg.out)
+    else:
+        cfg = dataclass_from_args(GenerateConfig, args)
+        out = check_out_dir(cfg.out)
+        if (out / "generations.jsonl").is_file() and not (out / "trace.json").is_file():
+            raise UsageError(
+                f"{out}: holds the responses of an unfinished generate run (generations.jsonl, "
+                "no trace.json); pass --resume to continue it, or choose another --out"
+            )
+        requests, tokenizer = read_prompts(cfg.prompts, cfg.model, cfg)
+        longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
+        engine_cfg = engine_config_from_args(
+            args, defaults=engine_defaults(cfg.model, len(requests), longest)
+        )
+    check_kv_cache_fits(cfg.model, engine_cfg)
+    with RunLock(out, "tltrun generate"):
+        log = GenerationsLog(out / "generations.jsonl", tokenizer)
+        if args.resume:
+            done = log.resume(requests)
+        else:
+            (out / "trace.json").unlink(missing_ok=True)  # a killed rerun is not "finished"
+            write_json(out / "config.json", config_dict(generate=cfg, engine=engine_cfg))
+            log.start()
+            done = set()
+        try:
+            return _generate(cfg, engine_cfg, requests, log, done, out)
+        finally:
+            log.close()
+
+
+def _recorded_configs(args: argparse.Namespace) -> tuple[GenerateConfig, Any] | None:
+    """``--resume``: the run's ``config.json`` (no other flag: the run continues as it started);
+    None if it finished."""
+    from tltrun.rollout.engine_config import EngineConfig
+    from tltrun.rollout.interface import SamplingParams
+    from tltsim.jsonio import read_json, typed_fields
+
+    given = sorted(
+        "--" + k.replace("_", "-")
+        for k, v in vars(args).items()
+        if v is not None and k not in ("out", "resume", "func", "command")
+    )
+    if given:
+        raise UsageError(
+            f"--resume continues with the run's recorded settings (OUT/config.json); "
+            f"drop {', '.join(given)}"
+        )
+    if not args.out:
+        raise UsageError("--resume needs --out, the directory of the run to continue")
+    out = Path(args.out)
+    if (out / "trace.json").is_file():
+        return None
+    path = out / "config.json"
+    if not path.is_file():
+        raise UsageError(f"{out}: no config.json of a tltrun generate run to resume")
+    raw = read_json(path, "recorded run config")
+    try:
+        engine = dict(raw["engine"])
+        sampling = SamplingParams(**typed_fields(SamplingParams, engine.pop("sampling"), str(path)))
+        return (
+            GenerateConfig(**typed_fields(GenerateConfig, raw["generate"], f"{path} [generate]")),
+            EngineConfig(
+                sampling=sampling, **typed_fields(EngineConfig, engine, f"{path} [engine]")
+            ),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise UsageError(
+            f"{path}: not a tltrun generate config ({type(err).__name__}: {err})"
+        ) from None
+
+
+def _generate(cfg: GenerateConfig, engine_cfg, requests, log, done: set[str], out: Path) -> int:
+    """Roll out the requests not in ``done``, streaming each finished response to ``log``;
+    then the ordered generations and the measured trace of this process's rollout."""
+    from tqdm import tqdm
+
     from tltrun.model.drafter import load_drafter
     from tltrun.model.hf_checkpoint import load_hf
     from tltrun.rollout.engine import RolloutEngine
@@ -214,39 +255,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tltsim.trace.files import save_trace
     from tltsim.trace.schema import Trace
 
-    cfg = dataclass_from_args(GenerateConfig, args)
-    check_out_dir(cfg.out)
-    requests, tokenizer = read_prompts(cfg.prompts, cfg.model, cfg)
-    longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
-    engine_cfg = engine_config_from_args(
-        args, defaults=engine_defaults(cfg.model, len(requests), longest)
-    )
-    check_kv_cache_fits(cfg.model, engine_cfg)
+    remaining = [r for r in requests if r.id not in done]
     target = load_hf(cfg.model, dtype=DTYPES[engine_cfg.dtype_name], device=engine_cfg.device)
     drafter = load_drafter(cfg.drafter, target) if cfg.drafter else None
     settings = {"strategy": cfg.strategy} if cfg.policy == "static" else {}
     try:
         policy = make_policy(cfg.policy, seed=engine_cfg.seed, **settings)
-        result = RolloutEngine(target, drafter, engine_cfg).generate(
-            requests, policy, step=cfg.step
-        )
+        engine = RolloutEngine(target, drafter, engine_cfg)
+        engine.start_rollout(remaining, policy, step=cfg.step)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "config.json", config_dict(generate=cfg, engine=engine_cfg))
-    with (out / "generations.jsonl").open("w") as f:
-        for o in result.outputs:
-            row = {
-                "id": o.id,
-                "prompt_token_ids": list(o.prompt_token_ids),
-                "output_token_ids": o.output_token_ids,
-                "finish": o.finish,
-                "accept_hist": o.accept_hist,
-            }
-            if tokenizer is not None:
-                row["text"] = tokenizer.decode(o.output_token_ids)
-            f.write(json.dumps(row) + "\n")
+    num_streamed = 0
+    with tqdm(
+        total=len(requests), initial=len(done), desc="tltrun generate", unit="response"
+    ) as bar:
+        while not engine.is_rollout_done:
+            engine.step()
+            new = engine.scheduler.finished[num_streamed:]
+            log.append([seq.to_output() for seq in new])
+            num_streamed += len(new)
+            bar.update(len(new))
+    result = engine.finish_rollout()
+    log.finish([r.id for r in requests])
+    meta = {"source": f"tltrun generate {cfg.prompts}", "model": cfg.model}
+    if not remaining:  # the killed run had written every response: nothing left to time
+        step = _step_of_rows(cfg.step, [log.rows[r.id] for r in requests])
+        meta["resumed"] = "every response came from an earlier, killed process: nothing timed"
+        save_trace(Trace(meta=meta, steps=(step,)), out / "trace.json")
+        print(f"{out}: all {len(requests)} responses were written before; wrote trace.json")
+        return 0
     step = measured_step(
         cfg.step,
         result,
@@ -256,130 +293,51 @@ def cmd_generate(args: argparse.Namespace) -> int:
         policy_config=settings,
         policy_seed=engine_cfg.seed,
     )
-    save_trace(
-        Trace(meta={"source": f"tltrun generate {cfg.prompts}", "model": cfg.model}, steps=(step,)),
-        out / "trace.json",
-    )
+    if done:
+        meta["resumed"] = (
+            f"{len(done)} of the {len(requests)} responses in generations.jsonl came from an "
+            "earlier, killed process: this step holds and times the other ones"
+        )
+    save_trace(Trace(meta=meta, steps=(step,)), out / "trace.json")
     m = step.measured
+    resumed = f" (and {len(done)} written before the resume)" if done else ""
     print(
-        f"{len(result.outputs)} responses, {m.total_tokens} tokens in {result.wall_s:.2f} s "
+        f"{len(result.outputs)} responses{resumed}, {m.total_tokens} tokens in {result.wall_s:.2f} s "
         f"({m.decode_tokens_per_s:.1f} decode tokens/s, mean accept length {m.mean_accept_len:.2f}); written to {out}"
     )
     return 0
 
 
-def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from tltrun.train.drafter_training import DrafterTrainConfig
-    from tltrun.train.state import RunLock
+def _step_of_rows(step: int, rows: list[dict[str, Any]]):
+    """An unmeasured trace step of generations.jsonl rows (grouped by prompt id)."""
+    from tltrun.rollout.measured_trace import prompt_of
+    from tltsim.trace.schema import Prompt, Response, Step
 
-    configs = offline_configs_from_args(
-        args,
-        {"train_drafter": (TrainDrafterConfig, ""), "train": (DrafterTrainConfig, "train-")},
-        command="tltrun train-drafter",
-        config_file="train_config.json",
-        finished_file="history.json",
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(prompt_of(row["id"]), []).append(row)
+    prompts = tuple(
+        Prompt(
+            id=pid,
+            prompt_tokens=len(group[0]["prompt_token_ids"]),
+            responses=tuple(Response(len(r["output_token_ids"]), r["finish"]) for r in group),
+        )
+        for pid, group in groups.items()
     )
-    if configs is None:
-        print(f"{args.out}: the run already finished (history.json is written); nothing to resume")
-        return 0
-    cfg, train_cfg = configs["train_drafter"], configs["train"]
-    out = Path(args.out) if args.resume else check_out_dir(cfg.out)
-    with RunLock(out, "tltrun train-drafter"):
-        return _train_drafter(cfg, train_cfg, out, args.resume)
-
-
-def _train_drafter(cfg: TrainDrafterConfig, train_cfg, out: Path, is_resume: bool) -> int:
-    from tltrun.model.drafter import EagleDrafter, export_vllm, load_drafter
-    from tltrun.model.hf_checkpoint import checkpoint_digest, load_hf
-    from tltrun.train import resumable
-    from tltrun.train.drafter_training import records_from_outputs, train_drafter
-
-    if not is_resume:
-        resumable.start_fresh(out, "tltrun train-drafter", finished_file="history.json")
-        write_json(out / "train_config.json", config_dict(train_drafter=cfg, train=train_cfg))
-    target = load_hf(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
-    drafter = (
-        load_drafter(cfg.init, target)
-        if cfg.init
-        else EagleDrafter.for_target(target, seed=train_cfg.seed)
-    )
-    sequences = _read_generations(cfg.data, target.config.vocab_size)
-    records = records_from_outputs(target, sequences)
-    checkpoints = resumable.Checkpointing(
-        out=out, command="tltrun train-drafter", every=cfg.checkpoint_every, is_resume=is_resume
-    )
-    history = train_drafter(
-        drafter,
-        records,
-        train_cfg,
-        checkpointing=checkpoints,
-        target_sha256=checkpoint_digest(cfg.model),
-    )
-    tail = history[-min(len(history), 20) :] if history else [{}]
-    final = {k: sum(h[k] for h in tail) / len(tail) for k in tail[0]}
-    export_vllm(
-        drafter,
-        out,
-        meta={
-            "num_train_steps": train_cfg.num_steps,
-            "num_sequences": len(records),
-            "final": final,
-        },
-    )
-    write_json(out / "history.json", history)
-    resumable.finish(out)
-    print(
-        f"drafter trained on {len(records)} sequences for {train_cfg.num_steps} steps "
-        f"(last 20: loss {final.get('loss', 0):.3f}, top-1 agreement {final.get('top1', 0):.3f}); exported to {out}"
-    )
-    return 0
-
-
-def _read_generations(path: str, vocab_size: int) -> list[tuple[list[int], int]]:
-    out = []
-    for lineno, line in enumerate(read_text(path, "generations file").splitlines(), start=1):
-        if not line.strip():
-            continue
-        obj = parse_json(line, f"{path} line {lineno}")
-        try:
-            prompt, output = obj["prompt_token_ids"], obj["output_token_ids"]
-        except (KeyError, TypeError):
-            raise UsageError(
-                f"{path} line {lineno}: expected JSON with 'prompt_token_ids' and 'output_token_ids'"
-            ) from None
-        if not all(
-            isinstance(x, list) and all(type(t) is int for t in x) for x in (prompt, output)
-        ):
-            raise UsageError(
-                f"{path} line {lineno}: 'prompt_token_ids' and 'output_token_ids' must be lists of ints"
-            )
-        ids = list(prompt) + list(output)
-        if len(ids) < 3 or min(ids) < 0 or max(ids) >= vocab_size:
-            raise UsageError(f"{path} line {lineno}: need >= 3 tokens, all in [0, {vocab_size})")
-        out.append((ids, len(prompt)))
-    if not out:
-        raise UsageError(f"--data {path}: no generations")
-    return out
+    return Step(step=step, prompts=prompts)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``tltrun generate`` and ``tltrun train-drafter``."""
-    from tltrun.train.drafter_training import DrafterTrainConfig
-
+    """Add ``tltrun generate``."""
     gen = subparsers.add_parser(
         "generate", help="roll out prompts with the torch engine (optionally with SD)"
+    )
+    gen.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the killed run in --out with its config.json: its finished responses "
+        "are kept, the others generated",
     )
     add_dataclass_args(gen, GenerateConfig)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
-    train = subparsers.add_parser(
-        "train-drafter", help="train an EAGLE drafter on the target's own generations"
-    )
-    train.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the killed run in --out from its last state, with its train_config.json",
-    )
-    add_dataclass_args(train, TrainDrafterConfig)
-    add_dataclass_args(train, DrafterTrainConfig, prefix="train-")
-    train.set_defaults(func=cmd_train_drafter)

@@ -25,11 +25,12 @@ from tltsim.cli.args import OneLineParser, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tltrun.cli import bench, generate, profile, sft, train
+    from tltrun.cli import bench, generate, profile, sft, train, train_drafter
 
     parser = OneLineParser(prog="tltrun", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    generate.register(sub)  # generate, train-drafter
+    generate.register(sub)
+    train_drafter.register(sub)
     bench.register(sub)
     sft.register(sub)  # sft, sft-eval, task
     train.register(sub)  # train, report (GRPO with spot drafter training)

@@ -105,6 +105,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.max_running = max_running
         self.free_slots: deque[int] = deque(range(max_running))
+        self.finished: list[Sequence] = []  # in the order they finished (a caller streams them)
 
     @property
     def is_done(self) -> bool:
@@ -126,6 +127,7 @@ class Scheduler:
             self.running = [s for s in self.running if s.status is not Status.FINISHED]
             for seq in done:
                 self.free_slots.append(seq.slot)
+            self.finished += done
         return done
 
     def compact(self) -> list[tuple[int, int]]:

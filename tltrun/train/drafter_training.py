@@ -17,7 +17,7 @@ Data: ``TrainRecord``s (token ids, prompt length, target hidden states); the eng
 ``HarvestRecord`` has the same fields, and ``records_from_outputs`` recomputes hidden states
 for plain generations (e.g. the JSONL written by ``tltrun generate``).
 
-Run: ``tltrun train-drafter --model DIR --data generations.jsonl --out DIR`` (see tltrun.cli.generate).
+Run: ``tltrun train-drafter --model DIR --data generations.jsonl --out DIR`` (see tltrun.cli.train_drafter).
 Every ``--checkpoint-every`` steps (and after the last) ``OUT/resume_state.pt`` holds the drafter,
 AdamW state, history so far and the states of the batch (``gen``) and noise (``noise_gen``)
 generators; ``--resume`` continues a killed run from it and ends bitwise as the uninterrupted run

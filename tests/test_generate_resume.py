@@ -1,0 +1,139 @@
+"""``tltrun generate`` streams each finished response to ``generations.jsonl``: a run killed
+with SIGKILL keeps them, and ``--resume`` generates only the others, ending (greedy) with the
+uninterrupted run's file, in request order; a torn last line is dropped; the refusals (a fresh
+run over an unfinished one, flags with --resume, nothing to resume, a changed prompt file) are
+one ``error:`` line.
+
+Run: ``.venv/bin/python -m pytest tests/test_generate_resume.py -q``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+from process_tools import sigkill_when
+from test_hostile import assert_one_error_line, run
+from tiny_models import tiny_model
+
+from tltrun.cli.main import main
+from tltrun.model.hf_checkpoint import save_hf
+from tltsim.trace.files import load_trace
+
+NUM_PROMPTS = 8
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate_resume")
+    save_hf(tiny_model(seed=0), root / "model")
+    prompts = [
+        {
+            "id": f"p{i}",
+            "prompt_token_ids": list(range(5 + i, 12 + i)),
+            "max_new_tokens": 32 - 4 * i,
+        }
+        for i in range(NUM_PROMPTS)
+    ]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    return root
+
+
+def argv(inputs, out) -> list[str]:
+    return ["generate", "--model", str(inputs / "model"), "--prompts", str(inputs / "prompts.jsonl"),
+            "--out", str(out), "--max-running-requests", "2", "--temperature", "0"]  # fmt: skip
+
+
+def rows_of(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
+
+
+# Runs tltrun's CLI with every engine step slowed down (time only), so that the test can kill
+# it after some responses finished and before all did.
+SLOW_CLI = """
+import sys, time
+from tltrun.cli.main import main
+from tltrun.rollout.engine import RolloutEngine
+step = RolloutEngine.step
+def slow_step(self):
+    time.sleep(0.05)
+    return step(self)
+RolloutEngine.step = slow_step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_killed_generate_resumes_to_the_uninterrupted_output(inputs, tmp_path, capsys):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert main(argv(inputs, whole)) == 0, capsys.readouterr().err
+    path = killed / "generations.jsonl"
+    sigkill_when(
+        [sys.executable, "-c", SLOW_CLI, *argv(inputs, killed)],
+        lambda: path.is_file() and path.read_text().count("\n") >= 2,
+        "two finished responses",
+    )
+    kept = rows_of(killed)
+    assert 2 <= len(kept) < NUM_PROMPTS and not (killed / "trace.json").exists()
+    with (killed / "generations.jsonl").open("a") as f:
+        f.write('{"id": "p7/0", "prompt_tok')  # a row torn by the kill: dropped
+    capsys.readouterr()
+    assert main(["generate", "--out", str(killed), "--resume"]) == 0, capsys.readouterr().err
+    assert f"and {len(kept)} written before the resume" in capsys.readouterr().out
+    assert rows_of(killed) == rows_of(whole)  # request order, greedy: the same tokens
+    trace = load_trace(killed / "trace.json")
+    assert trace.steps[0].num_responses == NUM_PROMPTS - len(kept)
+    assert f"{len(kept)} of the {NUM_PROMPTS} responses" in trace.meta["resumed"]
+    assert main(["generate", "--out", str(killed), "--resume"]) == 0
+    assert "the run already finished" in capsys.readouterr().out
+
+
+def test_a_resume_with_every_response_written_only_writes_the_trace(inputs, tmp_path, capsys):
+    out = tmp_path / "done"
+    assert main(argv(inputs, out)) == 0
+    before = (out / "generations.jsonl").read_text()
+    (out / "trace.json").unlink()  # killed after the last response, before the trace
+    capsys.readouterr()
+    assert main(["generate", "--out", str(out), "--resume"]) == 0, capsys.readouterr().err
+    assert f"all {NUM_PROMPTS} responses were written before" in capsys.readouterr().out
+    assert (out / "generations.jsonl").read_text() == before
+    step = load_trace(out / "trace.json").steps[0]
+    assert step.num_responses == NUM_PROMPTS and step.measured is None
+
+
+def test_refusals_are_one_error_line(inputs, tmp_path, capsys):
+    out = tmp_path / "unfinished"
+    assert main(argv(inputs, out)) == 0
+    (out / "trace.json").unlink()
+    lines = (out / "generations.jsonl").read_text().splitlines()
+    (out / "generations.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    changed = tmp_path / "changed.jsonl"
+    cases = {
+        "fresh run over an unfinished one": (argv(inputs, out), "pass --resume to continue it"),
+        "flags with --resume": (
+            ["generate", "--out", str(out), "--resume", "--temperature", "1"],
+            "drop --temperature",
+        ),
+        "--resume without --out": (["generate", "--resume"], "--resume needs --out"),
+        "--resume of no run": (
+            ["generate", "--out", str(tmp_path / "empty"), "--resume"],
+            "no config.json of a tltrun generate run",
+        ),
+    }
+    for name, (args, says) in cases.items():
+        rc, stdout, err = run("tltrun", args, capsys)
+        assert_one_error_line(rc, stdout, err)
+        assert says in err, name
+    assert len(rows_of(out)) == 3  # refused runs wrote nothing
+    # the prompt file changed under the run: its recorded path now holds other prompts
+    prompts = inputs / "prompts.jsonl"
+    original = prompts.read_text()
+    changed.write_text(original.replace("[5, 6,", "[9, 6,"))
+    try:
+        os.replace(changed, prompts)
+        rc, stdout, err = run("tltrun", ["generate", "--out", str(out), "--resume"], capsys)
+    finally:
+        prompts.write_text(original)
+    assert_one_error_line(rc, stdout, err)
+    assert "differs from the prompt file's" in err
