@@ -74,6 +74,8 @@ def test_killed_generate_resumes_to_the_uninterrupted_output(inputs, tmp_path, c
         lambda: path.is_file() and path.read_text().count("\n") >= 2,
         "two finished responses",
     )
+    moved = tmp_path / "moved"  # the run resumes where it now is, not where it started
+    killed = killed.rename(moved)
     kept = rows_of(killed)
     assert 2 <= len(kept) < NUM_PROMPTS and not (killed / "trace.json").exists()
     with (killed / "generations.jsonl").open("a") as f:

@@ -171,15 +171,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return 0
         cfg, engine_cfg = configs
         requests, tokenizer = read_prompts(cfg.prompts, cfg.model, cfg)
-        out = Path(cfg.out)
+        out = Path(args.out)  # where the run is now (its config names where it started)
     else:
         cfg = dataclass_from_args(GenerateConfig, args)
         out = check_out_dir(cfg.out)
-        if (out / "generations.jsonl").is_file() and not (out / "trace.json").is_file():
-            raise UsageError(
-                f"{out}: holds the responses of an unfinished generate run (generations.jsonl, "
-                "no trace.json); pass --resume to continue it, or choose another --out"
-            )
         requests, tokenizer = read_prompts(cfg.prompts, cfg.model, cfg)
         longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
         engine_cfg = engine_config_from_args(
@@ -191,6 +186,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.resume:
             done = log.resume(requests)
         else:
+            if (out / "generations.jsonl").is_file() and not (out / "trace.json").is_file():
+                raise UsageError(
+                    f"{out}: holds the responses of an unfinished generate run (generations."
+                    "jsonl, no trace.json); pass --resume to continue it, or choose another --out"
+                )
             (out / "trace.json").unlink(missing_ok=True)  # a killed rerun is not "finished"
             write_json(out / "config.json", config_dict(generate=cfg, engine=engine_cfg))
             log.start()
