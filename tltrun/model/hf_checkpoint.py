@@ -117,11 +117,13 @@ def checkpoint_digest(model_dir: str | Path) -> str:
         digest.update(f"{file.name}:{size}".encode())
         with file.open("rb") as f:
             if size <= DIGEST_WHOLE_BYTES:
-                digest.update(f.read())
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
                 continue
-            header_bytes = 8 + int.from_bytes(f.read(8), "little")  # safetensors: u64 length
+            # safetensors: a u64 header length, the header (at most 100 MB by the format's rule)
+            header_bytes = min(8 + int.from_bytes(f.read(8), "little"), 100 << 20, size)
             f.seek(0)
-            digest.update(f.read(min(header_bytes, size)))
+            digest.update(f.read(header_bytes))
             step = max(1, (size - header_bytes) // DIGEST_SAMPLES)
             for offset in range(header_bytes, size, step):
                 f.seek(offset)
