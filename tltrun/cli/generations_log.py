@@ -16,11 +16,11 @@ temporary file replacing it whole). A kill mid-row leaves a torn last line, whic
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from tltrun.rollout.interface import Request, RequestOutput
+from tltrun.train.state import write_jsonl_atomic
 from tltsim.errors import UsageError
 from tltsim.jsonio import parse_json
 
@@ -88,11 +88,7 @@ class GenerationsLog:
     def finish(self, request_ids: list[str]) -> None:
         """Every response written: the file again, in request order, replacing it whole."""
         self.close()
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with tmp.open("w") as f:
-            for rid in request_ids:
-                f.write(json.dumps(self.rows[rid]) + "\n")
-        os.replace(tmp, self.path)
+        write_jsonl_atomic(self.path, [self.rows[rid] for rid in request_ids])
 
     def close(self) -> None:
         if self._file is not None:
