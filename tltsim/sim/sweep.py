@@ -73,11 +73,12 @@ SPEC_ONLY = {"static_strategy", "is_spot_training"}
 BOOL_KEYS = {"is_spot_training"} | {
     f.name for f in dataclasses.fields(SimConfig) if f.name.startswith("is_")
 }
-RESULT_COLUMNS = tuple(
-    "mean_step_s mean_rollout_s mean_train_s total_s rollout_share bubble_fraction"
-    " bubble_gpu_s idle_gpu_s drafter_train_gpu_s sd_on_fraction mean_accept_len"
-    " mean_ideal_rollout_s mean_ideal_work_s mean_ideal_critical_path_s wall_s".split()
-)
+RESULT_COLUMNS = (
+    "mean_step_s", "mean_rollout_s", "mean_train_s", "total_s", "rollout_share",
+    "bubble_fraction", "bubble_gpu_s", "idle_gpu_s", "drafter_train_gpu_s", "sd_on_fraction",
+    "mean_accept_len", "mean_ideal_rollout_s", "mean_ideal_work_s", "mean_ideal_critical_path_s",
+    "wall_s",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
