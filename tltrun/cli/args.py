@@ -174,3 +174,45 @@ def offline_configs_from_args(
              for name, (cls, prefix) in sections.items()}  # fmt: skip
     resumable.refuse_changes(Path(args.out) / config_file, recorded, given)
     return given
+
+
+def recorded_engine_run(
+    args: argparse.Namespace, *, command: str, section: str, cls: type, finished_file: str
+) -> tuple[Any, EngineConfig] | None:
+    """``--resume`` of ``tltrun generate`` / ``bench``: the run's ``OUT/config.json`` (its
+    ``section`` as ``cls``, and its engine config); no other flag is taken, so the run continues
+    as it started. None: the run finished (``OUT/finished_file`` is written; the caller says so)."""
+    from pathlib import Path
+
+    from tltsim.jsonio import read_json, typed_fields
+
+    given = sorted(
+        "--" + k.replace("_", "-")
+        for k, v in vars(args).items()
+        if v is not None and k not in ("out", "resume", "func", "command")
+    )
+    if given:
+        raise UsageError(
+            f"--resume continues with the run's recorded settings (OUT/config.json); "
+            f"drop {', '.join(given)}"
+        )
+    if not args.out:
+        raise UsageError("--resume needs --out, the directory of the run to continue")
+    out = Path(args.out)
+    if (out / finished_file).is_file():
+        return None
+    path = out / "config.json"
+    if not path.is_file():
+        raise UsageError(f"{out}: no config.json of a {command} run to resume")
+    raw = read_json(path, "recorded run config")
+    try:
+        engine = dict(raw["engine"])
+        sampling = SamplingParams(**typed_fields(SamplingParams, engine.pop("sampling"), str(path)))
+        return (
+            cls(**typed_fields(cls, raw[section], f"{path} [{section}]")),
+            EngineConfig(
+                sampling=sampling, **typed_fields(EngineConfig, engine, f"{path} [engine]")
+            ),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise UsageError(f"{path}: not a {command} config ({type(err).__name__}: {err})") from None

@@ -2,6 +2,7 @@
 
     tltrun bench --trace traces/x.json --policy nospec,static,tlt --model M --drafter D \\
         --out runs/bench --temperature 0
+    tltrun bench --out runs/bench --resume      # a killed bench: its finished rows are kept
 
 What a replay runs and writes: ``tltrun.rollout.bench``'s docstring. Flags map 1:1 onto
 ``BenchConfig``, ``EngineConfig`` and ``SamplingParams``; ``--max-running-requests`` and
@@ -21,10 +22,19 @@ from tltrun.cli.args import (
     config_dict,
     engine_config_from_args,
     engine_defaults,
+    recorded_engine_run,
 )
-from tltrun.rollout.bench import BenchConfig, load_bench_trace, run_bench, select_steps
+from tltrun.rollout.bench import (
+    BenchConfig,
+    finished_rows,
+    load_bench_trace,
+    row_trace_name,
+    run_bench,
+    select_steps,
+)
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.cli.table import format_table
+from tltsim.errors import UsageError
 from tltsim.jsonio import write_json
 
 COLUMNS = {
@@ -54,28 +64,84 @@ def format_results(results: dict[str, Any]) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    cfg = dataclass_from_args(BenchConfig, args)
-    check_out_dir(cfg.out)
-    trace = load_bench_trace(cfg)
-    steps = select_steps(trace, cfg, max_model_len=None)
-    # Defaults sized to the replay: the most responses of one step, the longest scaled request.
-    widest = max(sum(len(p.responses) for p in s.prompts) for s in steps)
-    longest = max(p.prompt_tokens + r.tokens for s in steps for p in s.prompts for r in p.responses)
-    engine_cfg = engine_config_from_args(args, defaults=engine_defaults(cfg.model, widest, longest))
+    from tltrun.train.state import RunLock, write_atomic
+
+    if args.resume:
+        configs = recorded_engine_run(
+            args, command="tltrun bench", section="bench", cls=BenchConfig,
+            finished_file="results.json",
+        )  # fmt: skip
+        if configs is None:
+            print(
+                f"{args.out}: the bench already finished (results.json is written); nothing to resume"
+            )
+            return 0
+        cfg, engine_cfg = configs
+        out = Path(args.out)  # where the run is now (its config names where it started)
+        trace = load_bench_trace(cfg)
+    else:
+        cfg = dataclass_from_args(BenchConfig, args)
+        out = check_out_dir(cfg.out)
+        trace = load_bench_trace(cfg)
+        steps = select_steps(trace, cfg, max_model_len=None)
+        # Defaults sized to the replay: the most responses of one step, the longest scaled request.
+        widest = max(sum(len(p.responses) for p in s.prompts) for s in steps)
+        longest = max(
+            p.prompt_tokens + r.tokens for s in steps for p in s.prompts for r in p.responses
+        )
+        engine_cfg = engine_config_from_args(
+            args, defaults=engine_defaults(cfg.model, widest, longest)
+        )
     check_kv_cache_fits(cfg.model, engine_cfg)
-    results = run_bench(cfg, engine_cfg, trace)
-    out = Path(cfg.out)
-    write_json(out / "config.json", config_dict(bench=cfg, engine=engine_cfg))
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    with RunLock(out, "tltrun bench"):
+        if args.resume:
+            done, notes = finished_rows(cfg, select_steps(trace, cfg, None), out)
+            for note in notes:
+                print(f"note: {note}")
+        else:
+            _start_fresh(cfg, out)
+            write_json(out / "config.json", config_dict(bench=cfg, engine=engine_cfg))
+            done = {}
+        results = run_bench(cfg, engine_cfg, trace, out, done)
+        write_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")
     print(format_results(results))
+    if done:
+        print(
+            f"resumed: {', '.join(done)} timed by the killed run (another process: their speedups "
+            "compare runs of two processes)"
+        )
     print(f"results.json, trace_*.json and config.json written to {out}")
     return 0
+
+
+def _start_fresh(cfg: BenchConfig, out: Path) -> None:
+    """A fresh bench in ``out``: refused over an unfinished one (its finished rows would be
+    overwritten; ``--resume`` keeps them); an earlier finished run's results.json and this run's
+    row traces go, so that this run, if killed, is neither taken for finished nor resumed with
+    the earlier run's rows."""
+    rows = [row_trace_name(f"{b}/{p}") for b in cfg.backend for p in cfg.policy]
+    if not (out / "results.json").is_file() and (out / "config.json").is_file():
+        written = sorted(p.name for p in out.glob("trace_*.json"))
+        if written:
+            raise UsageError(
+                f"{out}: holds the finished rows of an unfinished bench ({', '.join(written)}; "
+                "no results.json); pass --resume to continue it, or choose another --out"
+            )
+    (out / "results.json").unlink(missing_ok=True)
+    for name in rows:
+        (out / name).unlink(missing_ok=True)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``tltrun bench``."""
     b = subparsers.add_parser(
         "bench", help="replay a trace under several policies; side-by-side table"
+    )
+    b.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the killed bench in --out with its config.json: its finished rows "
+        "(trace files) are kept, the others run",
     )
     add_dataclass_args(b, BenchConfig)
     add_engine_args(b)

@@ -30,6 +30,7 @@ from tltrun.cli.args import (
     config_dict,
     engine_config_from_args,
     engine_defaults,
+    recorded_engine_run,
 )
 from tltrun.cli.generations_log import GenerationsLog
 from tltrun.rollout.engine_config import DTYPES
@@ -163,7 +164,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tltrun.train.state import RunLock
 
     if args.resume:
-        configs = _recorded_configs(args)
+        configs = recorded_engine_run(
+            args,
+            command="tltrun generate",
+            section="generate",
+            cls=GenerateConfig,
+            finished_file="trace.json",
+        )
         if configs is None:
             print(
                 f"{args.out}: the run already finished (trace.json is written); nothing to resume"
@@ -199,47 +206,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return _generate(cfg, engine_cfg, requests, log, done, out)
         finally:
             log.close()
-
-
-def _recorded_configs(args: argparse.Namespace) -> tuple[GenerateConfig, Any] | None:
-    """``--resume``: the run's ``config.json`` (no other flag: the run continues as it started);
-    None if it finished."""
-    from tltrun.rollout.engine_config import EngineConfig
-    from tltrun.rollout.interface import SamplingParams
-    from tltsim.jsonio import read_json, typed_fields
-
-    given = sorted(
-        "--" + k.replace("_", "-")
-        for k, v in vars(args).items()
-        if v is not None and k not in ("out", "resume", "func", "command")
-    )
-    if given:
-        raise UsageError(
-            f"--resume continues with the run's recorded settings (OUT/config.json); "
-            f"drop {', '.join(given)}"
-        )
-    if not args.out:
-        raise UsageError("--resume needs --out, the directory of the run to continue")
-    out = Path(args.out)
-    if (out / "trace.json").is_file():
-        return None
-    path = out / "config.json"
-    if not path.is_file():
-        raise UsageError(f"{out}: no config.json of a tltrun generate run to resume")
-    raw = read_json(path, "recorded run config")
-    try:
-        engine = dict(raw["engine"])
-        sampling = SamplingParams(**typed_fields(SamplingParams, engine.pop("sampling"), str(path)))
-        return (
-            GenerateConfig(**typed_fields(GenerateConfig, raw["generate"], f"{path} [generate]")),
-            EngineConfig(
-                sampling=sampling, **typed_fields(EngineConfig, engine, f"{path} [engine]")
-            ),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise UsageError(
-            f"{path}: not a tltrun generate config ({type(err).__name__}: {err})"
-        ) from None
 
 
 def _generate(cfg: GenerateConfig, engine_cfg, requests, log, done: set[str], out: Path) -> int:

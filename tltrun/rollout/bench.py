@@ -12,8 +12,15 @@ small CPU model can replay (lengths x scale, at least 1 token).
 engine without a drafter for nospec, one with the exported drafter for SD policies, driven with
 ``control="iteration"``; see README "Which policies each backend expresses exactly").
 
-Writes to ``--out``: ``results.json`` (per backend/policy and step: the ``measured`` block of
-tltrun.rollout.measured_trace), ``trace_{backend}_{policy}.json`` (measured tlt-traces), ``config.json``.
+Writes to ``--out``: ``config.json`` (at the start), ``trace_{backend}_{policy}.json`` (a
+row's measured tlt-trace, when the row finishes) and, last, ``results.json`` (per backend/policy
+and step: the ``measured`` block of tltrun.rollout.measured_trace).
+
+A killed bench keeps its finished rows: ``tltrun bench --out DIR --resume`` loads the rows whose
+trace file is there and runs the others (``finished_rows``). A row is the unit: one killed midway
+runs again whole, because its policy (TLT's bandit) and the history drafter carry state from
+step to step, which a resume mid-row would lose. A resumed row was timed by the killed process,
+so its speedup compares runs of two processes; ``results.json`` marks it ``is_resumed``.
 
     tltrun bench --trace traces/x.json --policy nospec,static,tlt --model M --drafter D \\
         --out runs/bench --temperature 0
@@ -141,7 +148,54 @@ def load_bench_trace(cfg: BenchConfig) -> Trace:
         raise UsageError(str(err)) from None
 
 
-def run_bench(cfg: BenchConfig, engine_cfg, trace: Trace) -> dict[str, Any]:
+def row_trace_name(row: str) -> str:
+    """The measured trace file of row ``"backend/policy"``."""
+    return f"trace_{row.replace('/', '_')}.json"
+
+
+def finished_rows(cfg: BenchConfig, steps: list[Step], out: Path) -> tuple[dict, list[str]]:
+    """The rows of an earlier, killed run of ``cfg`` in ``out``: row -> its measured steps, for
+    each row whose trace file holds this run's ``steps`` (same indices and response lengths,
+    measured under the row's policy), and one note per trace file that does not (that row runs
+    again)."""
+    from tltsim.trace.files import load_trace
+
+    done: dict[str, list[Step]] = {}
+    notes = []
+    for backend in cfg.backend:
+        for name in cfg.policy:
+            row = f"{backend}/{name}"
+            path = out / row_trace_name(row)
+            if not path.is_file():
+                continue
+            try:
+                recorded = load_trace(path).steps
+            except TraceError as err:
+                notes.append(f"{row} runs again: {err}")
+                continue
+            is_same = [s.step for s in recorded] == [s.step for s in steps] and all(
+                r.measured is not None
+                and r.measured.policy.name == name
+                and r.response_lengths() == s.response_lengths()
+                for r, s in zip(recorded, steps, strict=True)
+            )
+            if not is_same:
+                notes.append(f"{row} runs again: {path} is not this run's replay of its steps")
+                continue
+            done[row] = list(recorded)
+    return done, notes
+
+
+def run_bench(
+    cfg: BenchConfig,
+    engine_cfg,
+    trace: Trace,
+    out: Path,
+    done: dict[str, list[Step]] | None = None,
+) -> dict[str, Any]:
+    """Run every backend x policy row of ``cfg`` but those in ``done`` (``finished_rows`` of a
+    killed run: they are totalled as recorded), writing each row's trace to ``out`` (the run's
+    directory, which a resumed run may have moved from ``cfg.out``) when it finishes."""
     from tltrun.model.drafter import load_drafter
     from tltrun.model.hf_checkpoint import load_hf
     from tltrun.rollout.engine_config import DTYPES
@@ -158,11 +212,21 @@ def run_bench(cfg: BenchConfig, engine_cfg, trace: Trace) -> dict[str, Any]:
     hardware = hardware_name(engine_cfg.device)
     vocab = target.config.vocab_size
     results: dict[str, Any] = {}
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    done = done or {}
     rows = [(b, p) for b in cfg.backend for p in cfg.policy]
-    bar = tqdm(total=len(rows) * len(steps), desc="bench", disable=not cfg.is_progress_shown)
+    bar = tqdm(
+        total=len(rows) * len(steps),
+        initial=len(done) * len(steps),
+        desc="bench",
+        disable=not cfg.is_progress_shown,
+    )
     for backend, name in rows:
+        if f"{backend}/{name}" in done:
+            results[f"{backend}/{name}"] = {
+                **_totals(done[f"{backend}/{name}"]),
+                "is_resumed": True,
+            }
+            continue
         settings = {"strategy": cfg.strategy} if name == "static" else {}
         policy = make_policy(name, seed=engine_cfg.seed, **settings)
         engine = _make_backend(backend, name, cfg, engine_cfg, target, drafter)
@@ -194,8 +258,10 @@ def run_bench(cfg: BenchConfig, engine_cfg, trace: Trace) -> dict[str, Any]:
             "source": f"tltrun bench replay of {cfg.trace} on {backend}",
             "length_scale": cfg.length_scale,
         }
-        save_trace(Trace(meta=meta, steps=tuple(measured)), out / f"trace_{backend}_{name}.json")
-        results[f"{backend}/{name}"] = _totals(measured)
+        save_trace(
+            Trace(meta=meta, steps=tuple(measured)), out / row_trace_name(f"{backend}/{name}")
+        )
+        results[f"{backend}/{name}"] = {**_totals(measured), "is_resumed": False}
     bar.close()
     first = results[f"{cfg.backend[0]}/{cfg.policy[0]}"]["rollout_s"]
     for r in results.values():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -67,16 +68,22 @@ def load_trace(path: str | Path) -> Trace:
 
 def save_trace(trace: Trace, path: str | Path, allow_lossy: bool = False) -> None:
     """Write ``trace``; the format follows the suffix. The tabular twins (CSV, Parquet) cannot hold
-    ``accept_hist`` or ``measured``: they refuse such a trace unless ``allow_lossy`` is set."""
+    ``accept_hist`` or ``measured``: they refuse such a trace unless ``allow_lossy`` is set.
+
+    The file is written under a temporary name beside ``path`` and renamed over it, so a process
+    killed mid-write leaves the previous file or the new one, never a torn one (``tltrun bench
+    --resume`` takes a row's trace file as the mark of a finished row)."""
     path = Path(path)
     suffix = trace_suffix(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
     if suffix in TABULAR_SUFFIXES:
         from tltsim.trace import table
 
-        table.write_table(trace, path, suffix, allow_lossy)
-        return
-    data = dumps_trace(trace).encode()
-    if suffix == ".json.gz":
-        data = gzip.compress(data, mtime=0)  # mtime=0: same trace, same bytes
-    path.write_bytes(data)
+        table.write_table(trace, path, suffix, allow_lossy, write_to=tmp)
+    else:
+        data = dumps_trace(trace).encode()
+        if suffix == ".json.gz":
+            data = gzip.compress(data, mtime=0)  # mtime=0: same trace, same bytes
+        tmp.write_bytes(data)
+    os.replace(tmp, path)

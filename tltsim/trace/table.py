@@ -261,7 +261,11 @@ def trace_to_frame(trace: Trace) -> pd.DataFrame:
     return frame.astype({"step": np.int64, "prompt_tokens": np.int64, "response_tokens": np.int64})
 
 
-def write_table(trace: Trace, path: Path, suffix: str, allow_lossy: bool) -> None:
+def write_table(
+    trace: Trace, path: Path, suffix: str, allow_lossy: bool, write_to: Path | None = None
+) -> None:
+    """``trace`` as ``suffix``'s table at ``write_to`` (default ``path``; errors name ``path``)."""
+    write_to = path if write_to is None else write_to
     has_measured = any(s.measured is not None for s in trace.steps)
     has_hist = any(
         r.accept_hist is not None for s in trace.steps for p in s.prompts for r in p.responses
@@ -273,7 +277,7 @@ def write_table(trace: Trace, path: Path, suffix: str, allow_lossy: bool) -> Non
         )
     frame = trace_to_frame(trace)
     if suffix == ".csv":
-        with path.open("w", encoding="utf-8", newline="") as fh:
+        with write_to.open("w", encoding="utf-8", newline="") as fh:
             fh.write(META_PREFIX + json.dumps(trace.meta) + "\n")
             frame.to_csv(fh, index=False, lineterminator="\n")
         return
@@ -283,4 +287,4 @@ def write_table(trace: Trace, path: Path, suffix: str, allow_lossy: bool) -> Non
     table = pa.Table.from_pandas(frame, preserve_index=False)
     header = json.dumps({"format": FORMAT, "version": VERSION, "meta": trace.meta})
     table = table.replace_schema_metadata({PARQUET_META_KEY: header.encode()})
-    pq.write_table(table, path)
+    pq.write_table(table, write_to)
