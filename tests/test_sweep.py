@@ -85,6 +85,8 @@ def test_sweep_table_resume_and_report(tmp_path: Path) -> None:
     (out / "points.jsonl").write_text("\n".join(lines[:5]) + "\n" + lines[5][:20])  # torn write
     partial = run_sweep(spec, out, workers=1)
     assert partial.num_computed == 3 and partial.num_reused == 5
+    # the torn line is left where it was: the rows appended after it stay readable
+    assert run_sweep(spec, out, workers=1).num_computed == 0
 
     def tidy(t: pd.DataFrame) -> pd.DataFrame:
         return t.drop(columns=["wall_s"]).sort_values("key").reset_index(drop=True)

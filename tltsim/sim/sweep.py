@@ -386,6 +386,8 @@ def run_sweep(spec_path: Path, out: Path | None = None, workers: int | None = No
         tqdm(total=len(todo), desc="sweep", unit="point", disable=None if todo else True) as bar,
         log.open("a") as sink,
     ):
+        if sink.tell() and not log.read_bytes().endswith(b"\n"):
+            sink.write("\n")  # a torn last line (an interrupted write) ends before the new rows
         if workers == 1:
             rows = (_run_task(t, trace) for t in todo)
             _collect(rows, done, sink, bar)
