@@ -221,11 +221,9 @@ def run_bench(
         disable=not cfg.is_progress_shown,
     )
     for backend, name in rows:
-        if f"{backend}/{name}" in done:
-            results[f"{backend}/{name}"] = {
-                **_totals(done[f"{backend}/{name}"]),
-                "is_resumed": True,
-            }
+        row = f"{backend}/{name}"
+        if row in done:
+            results[row] = {**_totals(done[row]), "is_resumed": True}
             continue
         settings = {"strategy": cfg.strategy} if name == "static" else {}
         policy = make_policy(name, seed=engine_cfg.seed, **settings)
@@ -258,10 +256,8 @@ def run_bench(
             "source": f"tltrun bench replay of {cfg.trace} on {backend}",
             "length_scale": cfg.length_scale,
         }
-        save_trace(
-            Trace(meta=meta, steps=tuple(measured)), out / row_trace_name(f"{backend}/{name}")
-        )
-        results[f"{backend}/{name}"] = {**_totals(measured), "is_resumed": False}
+        save_trace(Trace(meta=meta, steps=tuple(measured)), out / row_trace_name(row))
+        results[row] = {**_totals(measured), "is_resumed": False}
     bar.close()
     first = results[f"{cfg.backend[0]}/{cfg.policy[0]}"]["rollout_s"]
     for r in results.values():
