@@ -186,6 +186,9 @@ def test_bad_sources_are_one_line_errors(tmp_path):
     (tmp_path / "notds").mkdir()
     with pytest.raises(DataError, match="not a directory written by datasets' save_to_disk"):
         load_rows(DataSpec(path=str(tmp_path / "notds")))
+    (tmp_path / "big.json").write_text('[{"prompt": "x", "answer": ' + "9" * 5000 + "}]")
+    with pytest.raises(DataError, match="big.json: not a JSON file .*4300 digits"):
+        load_rows(DataSpec(path=str(tmp_path / "big.json")))
     # Nothing usable left after skipping is an error too, naming the first reason.
     path = write_jsonl(tmp_path / "allbad.jsonl", [{"prompt": ""}])
     with pytest.raises(
@@ -278,6 +281,8 @@ def test_reasoning_gym_rows_are_reproducible_and_carry_their_coordinates():
     assert pairs == tuple((r.prompt, r.answer) for r in rows[:2])
 
 
+# reasoning-gym's randrange on a float bound warns (Python 3.11) before it raises
+@pytest.mark.filterwarnings("ignore:randrange.. will raise TypeError:DeprecationWarning")
 def test_reasoning_gym_bad_input_is_one_line():
     assert parse_gym_path("reasoning-gym:chain_sum?min_terms=3&x=abc&system_prompt=default") == (
         "chain_sum",
@@ -290,6 +295,9 @@ def test_reasoning_gym_bad_input_is_one_line():
         "reasoning-gym:basic_arithmetic?seed=1": "config key 'seed' is set by --seed",
         "reasoning-gym:basic_arithmetic?system_prompt=nope": "system_prompt='nope': unknown",
         "reasoning-gym:": "expected reasoning-gym:<task>",
+        # values of the wrong kind that reasoning-gym takes, then fails on generating an entry
+        "reasoning-gym:tower_of_hanoi?max_disks=3.5": "fails generating entry 0",
+        "reasoning-gym:chain_sum?max_digits=1e400": "reasoning-gym task 'chain_sum'",
     }
     for path, expected in cases.items():
         with pytest.raises(UsageError) as err:
@@ -297,3 +305,51 @@ def test_reasoning_gym_bad_input_is_one_line():
         assert expected in str(err.value) and "\n" not in str(err.value), str(err.value)
     with pytest.raises(UsageError, match="basic_arithmetic"):
         load_rows(DataSpec(path="reasoning-gym:basic_arithmetc", num_rows=2))
+
+
+def test_damaged_datasets_directory_is_one_line(tmp_path):
+    import datasets
+
+    path = tmp_path / "ds"
+    datasets.Dataset.from_list(PLAIN).save_to_disk(str(path))
+    for damage in ("{}", "[]"):  # state.json of another shape: KeyError / TypeError inside
+        (path / "state.json").write_text(damage)
+        with pytest.raises(DataError, match="not a directory written by datasets' save_to_disk"):
+            load_rows(DataSpec(path=str(path)))
+
+
+def test_byte_order_marks_blank_csv_lines_and_float_answers(tmp_path):
+    """Excel's "CSV UTF-8" and some editors' JSONL start with a BOM; a CSV may hold blank
+    lines; a float answer is written without an exponent (math-verify reads '1e-05' as 1)."""
+    bom = "\ufeff"
+    (tmp_path / "q.csv").write_text(
+        bom + "prompt,answer\r\nWhat is 1 + 2?,3\r\n\r\nName it.,Paris\r\n"
+    )
+    rows = load_rows(DataSpec(path=str(tmp_path / "q.csv"))).rows
+    assert [(r.prompt_id, r.prompt, r.answer) for r in rows] == [
+        ("q.csv:0", "What is 1 + 2?", "3"),
+        ("q.csv:1", "Name it.", "Paris"),
+    ]
+    (tmp_path / "q.jsonl").write_text(bom + json.dumps(PLAIN[0]) + "\n")
+    assert load_rows(DataSpec(path=str(tmp_path / "q.jsonl"))).rows[0].answer == "3"
+    floats = [{"prompt": f"p{i}", "answer": a} for i, a in enumerate([1e-05, 1e16, 0.75, 2.5e-300])]
+    rows = load_rows(DataSpec(path=str(write_jsonl(tmp_path / "f.jsonl", floats)))).rows
+    assert [r.answer for r in rows] == [
+        "0.00001",
+        "10000000000000000",
+        "0.75",
+        "2.5\\times 10^{-300}",
+    ]
+
+
+def test_jsonl_lines_json_cannot_hold_are_bad_rows(tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    path = write_jsonl(
+        tmp_path / "odd.jsonl",
+        [PLAIN[0]],
+        extra_lines=[deep, '{"prompt": "x", "answer": ' + "9" * 5000 + "}"],
+    )
+    loaded = load_rows(DataSpec(path=str(path), is_skip_bad_rows=True))
+    assert [r.prompt for r in loaded.rows] == [PLAIN[0]["prompt"]] and loaded.num_skipped == 2
+    assert loaded.skipped[0].startswith(f"{path}:2: bad JSON (maximum recursion depth")
+    assert loaded.skipped[1].startswith(f"{path}:3: bad JSON (Exceeds the limit")

@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+import tltrun.data.rewards as rewards_module
 from tltrun.data.dataset import DataSpec, load_rows
 from tltrun.data.rewards import (
     RewardError,
@@ -50,6 +51,10 @@ def not_a_float(prompt, response, answer, **meta):
 def nan(prompt, response, answer, **meta):
     return float("nan")
 
+def numpy_bool(prompt, response, answer, **meta):
+    import numpy as np
+    return np.isclose(float(response), float(answer))
+
 def crash(prompt, response, answer, **meta):
     os._exit(7)
 '''
@@ -86,6 +91,20 @@ def test_math_reward_uses_math_verify():
             ("no number here", "3"),
         ],
     ) == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+    # scientific notation, which math-verify 0.9 reads without its exponent ("1e-05" as 1):
+    # a float answer column stringified by str(), a CSV's text, a model's boxed answer
+    assert rewards(
+        "math",
+        [
+            ("\\boxed{0.00001}", "1e-05"),
+            ("\\boxed{1}", "1e-05"),
+            ("\\boxed{10000000000000000}", "1e+16"),
+            ("\\boxed{1}", "1E+16"),
+            ("\\boxed{2.5e-6}", "0.0000025"),
+            ("\\boxed{2.5e-6}", "2.5"),
+            ("\\boxed{3\\times 10^{400}}", "3e400"),
+        ],
+    ) == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
 
 
 def test_exact_and_regex_rewards():
@@ -185,10 +204,23 @@ def test_user_module_reward(user_module):
     assert [o.reward for o in bad] == [0.0, 0.0]
     assert bad[0].error == "TypeError: the reward function returned str, expected a float"
     assert bad[1].error == "ValueError: the reward function returned nan, expected a finite float"
+    # numpy's bool (np.isclose and the like) counts as 0 or 1, as Python's does
+    close = score_in_process(
+        parse_reward(f"{user_module}:numpy_bool"), [item("1.0", "1"), item("2", "1")]
+    )
+    assert [(o.reward, o.error) for o in close] == [(1.0, None), (0.0, None)]
 
 
-def test_bad_reward_flags_are_one_line(tmp_path, user_module):
+def test_bad_reward_flags_are_one_line(tmp_path, user_module, monkeypatch):
     (tmp_path / "broken.py").write_text("import no_such_module_xyz\n")
+    # a script-style reward parsing the command line at import (tltrun's, in the launcher)
+    (tmp_path / "script.py").write_text(
+        "import argparse\np = argparse.ArgumentParser()\np.add_argument('--judge-url', "
+        "required=True)\np.parse_args()\ndef f(p, r, a): return 1.0\n"
+    )
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit('bye')\n")
+    (tmp_path / "hangs.py").write_text("import time\ntime.sleep(10**6)\n")
+    monkeypatch.setattr(rewards_module, "STARTUP_TIMEOUT_S", 5.0)
     cases = {
         "nonsense": "expected builtin, math, exact",
         "regex:no group": "expected a named group (?P<answer>...)",
@@ -197,11 +229,16 @@ def test_bad_reward_flags_are_one_line(tmp_path, user_module):
         f"{tmp_path}/missing.py:f": "no such file",
         f"{user_module}:nope": "has no function 'nope'",
         f"{tmp_path}/broken.py:f": "importing broken.py failed: ModuleNotFoundError",
+        f"{tmp_path}/script.py:f": "SystemExit: 2 (it printed: ",
+        f"{tmp_path}/exits.py:f": "importing exits.py failed: SystemExit: bye",
+        f"{tmp_path}/hangs.py:f": "importing the module did not finish within 5 s",
     }
     for text, expected in cases.items():
         with pytest.raises(UsageError) as err:
             parse_reward(text)
         assert expected in str(err.value) and "\n" not in str(err.value), (text, str(err.value))
+    with pytest.raises(UsageError, match=r"required: --judge-url\)$"):
+        parse_reward(f"{tmp_path}/script.py:f")
     # a reasoning-gym --data without --reward implies its task's scorer: the error names --data
     with pytest.raises(UsageError, match=r"^--data reasoning-gym task 'basic_arithmetc': unknown"):
         parse_reward("reasoning-gym:basic_arithmetc", flag="--data")

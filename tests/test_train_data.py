@@ -153,6 +153,59 @@ def test_tokenizer_from_model_dir_applies_chat_template_and_gathers_stop_ids(bpe
     assert wrapped == chat
 
 
+def test_chat_template_refusals_are_bad_rows_and_a_broken_template_one_line(bpe_model, tmp_path):
+    """Gemma's and Mistral's templates raise on a system message (``raise_exception``): that row
+    is bad (named, skippable); a template that is not Jinja stops the run naming the model."""
+    from tltrun.data.dataset import DataError, DataSpec, load_rows
+    from tltrun.data.tokenizer import TokenizerError
+
+    tok = load_tokenizer(bpe_model)
+    tok.hf.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported')"
+        " }}{% endif %}" + CHAT_TEMPLATE
+    )
+    path = tmp_path / "sys.jsonl"
+    user = {"role": "user", "content": "What is 1 plus 2?"}
+    rows = [[{"role": "system", "content": "Be brief."}, user], [user]]
+    path.write_text("".join(json.dumps({"messages": m, "answer": "3"}) + "\n" for m in rows))
+
+    def load(is_skip: bool):
+        spec = DataSpec(path=str(path), prompt_key="messages", is_skip_bad_rows=is_skip)
+        return load_rows(
+            spec,
+            prompt_tokens=lambda row: len(tok.encode_prompt(row.prompt)),
+            max_prompt_tokens=1024,
+        )
+
+    with pytest.raises(DataError) as err:
+        load(is_skip=False)
+    assert str(err.value) == (
+        f"{path}:1: key 'messages': the model's chat template refused the prompt: System role "
+        "not supported (--skip-bad-rows skips such rows)"
+    )
+    loaded = load(is_skip=True)
+    assert [r.prompt_id for r in loaded.rows] == ["sys.jsonl:1"] and loaded.num_skipped == 1
+    tok.hf.chat_template = "{% for m in messages %}{{ m['content'] }"
+    with pytest.raises(TokenizerError, match=r"the chat template is not valid Jinja \(line 1"):
+        load(is_skip=True)
+
+
+def test_a_file_is_read_whole_whatever_data_num_rows(data_dir, bpe_model):
+    """--data-num-rows sizes a reasoning-gym task; a file holds what it holds."""
+    from tltrun.train.prompts import load_run_data
+
+    cfg = TrainConfig(
+        model_dir=str(bpe_model),
+        out="unused",
+        data=str(data_dir / "train.csv"),
+        prompt_key="question",
+        reward="exact",
+        data_num_rows=5,
+    )
+    data = load_run_data(cfg, TaskConfig(), lambda row: 1)
+    assert data.num_train_rows == len(QUESTIONS) > 5
+
+
 def test_model_dir_without_tokenizer_is_one_line(tmp_path, capsys):
     save_hf(tiny_model(), tmp_path / "m")
     code = main(["train", "--model-dir", str(tmp_path / "m"), "--out", str(tmp_path / "o")])

@@ -44,6 +44,8 @@ from typing import Any
 
 from tltrun.data.gym import gym_rows, parse_gym_path
 from tltrun.data.rows import GYM_PREFIX, PromptRow, json_safe
+from tltrun.data.scoring import positional
+from tltrun.data.tokenizer import ChatTemplateError
 from tltsim.errors import UsageError
 
 # reasoning-gym rows generated when DataSpec.num_rows is not given: enough that a run of a few
@@ -143,7 +145,11 @@ def load_rows(
             if isinstance(candidate, str):
                 raise _BadRow(candidate)
             if max_prompt_tokens is not None and prompt_tokens is not None:
-                num_tokens = prompt_tokens(candidate)
+                try:
+                    num_tokens = prompt_tokens(candidate)
+                except ChatTemplateError as err:
+                    key = "question" if spec.is_gym else spec.prompt_key
+                    raise _BadRow(f"{candidate.source}: key {key!r}: {err}") from None
                 if num_tokens > max_prompt_tokens:
                     key = "question" if spec.is_gym else spec.prompt_key
                     raise _BadRow(
@@ -205,16 +211,17 @@ def _read_records(path: Path, num_rows: int | None) -> Iterator[_RawRow]:
 def _read_jsonl(path: Path) -> Iterator[_RawRow]:
     index = 0
     try:
-        with path.open(encoding="utf-8") as f:
+        with path.open(encoding="utf-8-sig") as f:  # -sig: a leading BOM is not data
             for line_no, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
                 place = f"{path}:{line_no}"
                 try:
                     record = json.loads(line)
-                except json.JSONDecodeError as err:
+                except (ValueError, RecursionError) as err:  # too deep; an int of > 4300 digits
+                    msg = err.msg if isinstance(err, json.JSONDecodeError) else _one_line(err)
                     yield _RawRow(
-                        index=index, place=place, record=None, problem=f"bad JSON ({err.msg})"
+                        index=index, place=place, record=None, problem=f"bad JSON ({msg})"
                     )
                 else:
                     if isinstance(record, dict):
@@ -233,8 +240,8 @@ def _read_jsonl(path: Path) -> Iterator[_RawRow]:
 
 def _read_json_list(path: Path) -> Iterator[_RawRow]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, big int
         raise DataError(f"{path}: not a JSON file ({_one_line(err)})") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON list of objects, got {_type_name(data)}")
@@ -261,15 +268,19 @@ def _read_parquet(path: Path) -> Iterator[_RawRow]:
 
 def _read_csv(path: Path) -> Iterator[_RawRow]:
     try:
-        with path.open(encoding="utf-8", newline="") as f:
+        # utf-8-sig: Excel's "CSV UTF-8" starts with a BOM, which would stick to the first column
+        with path.open(encoding="utf-8-sig", newline="") as f:
             reader = csv.reader(f)
             header = next(reader, None)
             if not header:
                 raise DataError(f"{path}: empty CSV file (expected a header line)")
             line_no = reader.line_num + 1
-            for index, values in enumerate(reader):
+            index = 0
+            for values in reader:
                 place = f"{path}:{line_no}"
                 line_no = reader.line_num + 1
+                if not values:  # a blank line, skipped as in JSONL
+                    continue
                 if len(values) != len(header):
                     problem = f"expected {len(header)} fields as in the header, got {len(values)}"
                     yield _RawRow(index=index, place=place, record=None, problem=problem)
@@ -277,6 +288,7 @@ def _read_csv(path: Path) -> Iterator[_RawRow]:
                     yield _RawRow(
                         index=index, place=place, record=dict(zip(header, values, strict=True))
                     )
+                index += 1
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except csv.Error as err:
@@ -291,12 +303,15 @@ def _read_saved_dataset(path: Path) -> Iterator[_RawRow]:
 
     try:
         loaded = datasets.load_from_disk(str(path))
-    except (FileNotFoundError, ValueError, OSError) as err:
+    # KeyError, TypeError: a damaged state.json or dataset_info.json
+    except (ValueError, OSError, KeyError, TypeError) as err:
         raise DataError(
             f"{path}: not a directory written by datasets' save_to_disk ({_one_line(err)})"
         ) from None
     if isinstance(loaded, datasets.DatasetDict):
         splits = sorted(loaded)
+        if not splits:
+            raise DataError(f"{path}: a DatasetDict without splits (no rows)")
         if "train" in loaded:
             loaded = loaded["train"]
         elif len(splits) == 1:
@@ -357,7 +372,8 @@ def _check_prompt(record: dict[str, Any], key: str, place: str) -> str | tuple[d
 
 
 def _check_answer(record: dict[str, Any], key: str, place: str) -> str:
-    """The record's answer as a string (a number is kept as ``str(number)``)."""
+    """The record's answer as a string (a number is kept as ``str(number)``, a float written out
+    without an exponent: ``str(1e-05)`` is ``'1e-05'``, which math-verify reads as 1)."""
     if key not in record:
         raise _BadRow(f"{place}: key {key!r}: missing (columns: {_columns(record)})")
     value = record[key]
@@ -367,7 +383,7 @@ def _check_answer(record: dict[str, Any], key: str, place: str) -> str:
         )
     if isinstance(value, float) and not math.isfinite(value):
         raise _BadRow(f"{place}: key {key!r}: expected a finite number, got {value}")
-    return str(value)
+    return positional(str(value)) if isinstance(value, float) else str(value)
 
 
 def _type_name(value: Any) -> str:

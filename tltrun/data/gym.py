@@ -77,9 +77,30 @@ def create(task: str, *, seed: int, num_rows: int, config: dict[str, Any]):
             )
     try:
         return reasoning_gym.create_dataset(task, seed=seed, size=num_rows, **config)
-    except (TypeError, ValueError, AssertionError) as err:
-        message = " ".join(str(err).split())[:200] or type(err).__name__
-        raise UsageError(f"reasoning-gym task {task!r}: bad config {config}: {message}") from None
+    except CONFIG_ERRORS as err:
+        raise UsageError(
+            f"reasoning-gym task {task!r}: bad config {config}: {_brief(err)}"
+        ) from None
+
+
+# What reasoning-gym raises for a config value of the wrong kind (3.5 disks, 1e400 digits),
+# at construction or only when an entry is generated
+CONFIG_ERRORS = (TypeError, ValueError, AssertionError, OverflowError)
+
+
+def _brief(err: Exception) -> str:
+    return " ".join(str(err).split())[:200] or type(err).__name__
+
+
+def generate_entry(dataset, task: str, config: dict[str, Any], index: int) -> dict[str, Any]:
+    """Entry ``index`` of ``dataset``; a config that fails to generate it is a UsageError."""
+    try:
+        return dataset[index]
+    except CONFIG_ERRORS as err:
+        raise UsageError(
+            f"reasoning-gym task {task!r}: config {config} fails generating entry {index}: "
+            f"{_brief(err)}"
+        ) from None
 
 
 def _system_prompt_text(name: str) -> str:
@@ -109,8 +130,8 @@ def gym_rows(
     coords = {"task": task, "seed": seed, "size": num_rows, "config": json_safe(config)}
     rows = []
     for index in range(num_rows):
-        entry = dataset[index]
-        question = str(entry["question"])
+        item = generate_entry(dataset, task, config, index)
+        question = str(item["question"])
         prompt: str | tuple[dict[str, str], ...] = question
         if system_text is not None:
             prompt = (
@@ -121,10 +142,10 @@ def gym_rows(
             PromptRow(
                 prompt_id=f"gym:{task}:{seed}:{index}",
                 prompt=prompt,
-                answer=None if entry.get("answer") is None else str(entry["answer"]),
+                answer=None if item.get("answer") is None else str(item["answer"]),
                 meta={
                     "question": question,
-                    "metadata": json_safe(entry.get("metadata", {})),
+                    "metadata": json_safe(item.get("metadata", {})),
                     "reasoning_gym": {**coords, "index": index},
                 },
                 source=f"{GYM_PREFIX}{task}:{index}",
@@ -141,11 +162,11 @@ def gym_sft_examples(
     dataset = create(task, seed=seed, num_rows=num_rows, config=config)
     pairs = []
     for index in range(num_rows):
-        entry = dataset[index]
-        if entry.get("answer") is None:
+        item = generate_entry(dataset, task, config, index)
+        if item.get("answer") is None:
             raise UsageError(
                 f"reasoning-gym task {task!r}: entry {index} has no reference answer to "
                 f"train on (its scorer accepts several); pick another task for SFT"
             )
-        pairs.append((str(entry["question"]), str(entry["answer"])))
+        pairs.append((str(item["question"]), str(item["answer"])))
     return tuple(pairs)

@@ -28,8 +28,9 @@ worker processes with a per-call timeout, plus optional, documented reward shapi
   **meta) -> float``: ``prompt`` is the prompt text (chat messages as ``role: content`` lines),
   ``answer`` the answer field as a string (or None), ``meta`` the row's other columns (keys named
   prompt, response or answer are left out). It must return a finite number (a bool counts as 0
-  or 1); anything else is an error. The module is imported once by ``parse_reward`` (to fail
-  early) and once in each reward process.
+  or 1); anything else is an error. The module is imported once in a child process by
+  ``parse_reward`` (to fail early: a module that raises, exits or hangs at import is one line)
+  and once in each reward process.
 
 Errors and timeouts: each call runs in a ``RewardPool`` process with a timeout (``--reward-timeout-s``,
 default 10 s). A reward that raises, returns a bad value, or runs past the timeout (its process
@@ -53,6 +54,7 @@ line for builtin; user functions are always well-formed).
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import multiprocessing
 import signal
@@ -160,10 +162,14 @@ def apply_shaping(
 # --- parsing --reward ---------------------------------------------------------------------------
 
 
-def parse_reward(text: str, *, flag: str = "--reward") -> RewardSpec:
+def parse_reward(
+    text: str, *, flag: str = "--reward", is_module_checked: bool = True
+) -> RewardSpec:
     """``--reward`` text -> RewardSpec, checked now (pattern compiled, task known, module imported
     and its function found) so a bad value fails before any worker starts. ``flag``: where the
-    text came from, for the error (``--data`` when a reasoning-gym task's own reward is implied)."""
+    text came from, for the error (``--data`` when a reasoning-gym task's own reward is implied).
+    ``is_module_checked=False`` skips the user module's import (a caller whose launcher checked
+    it: a RewardPool's processes import it anyway)."""
     text = text.strip()
     kind, _, arg = text.partition(":")
     if text in ("builtin", "math", "exact"):
@@ -179,12 +185,64 @@ def parse_reward(text: str, *, flag: str = "--reward") -> RewardSpec:
     path, sep, function = text.rpartition(":")
     if sep and path.endswith(".py"):
         spec = RewardSpec(kind="python", arg=f"{Path(path).resolve()}:{function}")
-        load_user_function(spec.arg)
+        if is_module_checked:
+            check_user_function(spec.arg)
         return spec
     raise UsageError(
         f"--reward {text!r}: expected builtin, math, exact, regex:<pattern>, "
         f"reasoning-gym:<task> or path/to/module.py:function"
     )
+
+
+def check_user_function(arg: str) -> None:
+    """Import the user's module and find its function in a child process: a module that hangs
+    at import fails after STARTUP_TIMEOUT_S, one that exits (``sys.exit``, argparse at module
+    level) fails with its exit, each as one UsageError; the launcher never runs the module's
+    top-level code itself."""
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_check_import, args=(arg, sender), daemon=True)
+    process.start()
+    sender.close()
+    try:
+        if not receiver.poll(STARTUP_TIMEOUT_S):
+            raise UsageError(
+                f"--reward {arg}: importing the module did not finish within "
+                f"{STARTUP_TIMEOUT_S:g} s (does it do work at import time?)"
+            )
+        status, message = receiver.recv()
+    except EOFError:  # the process died without a word: a crash in native code
+        process.join(5)
+        raise UsageError(
+            f"--reward {arg}: importing the module ended its process (exit code {process.exitcode})"
+        ) from None
+    finally:
+        receiver.close()
+        if process.is_alive():
+            process.kill()
+        process.join()
+    if status != "ok":
+        raise UsageError(message)
+
+
+def _check_import(arg: str, conn: Connection) -> None:
+    """``check_user_function``'s child: ("ok", "") or ("failed", one line). What the module
+    prints while importing is kept, and a failure quotes its last line (argparse's usage error)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    printed = io.StringIO()
+    message = ""
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        try:
+            load_user_function(arg)
+        except UsageError as err:
+            message = str(err)
+        except BaseException as err:  # the user's module: SystemExit included
+            message = f"--reward {arg}: importing the module failed: {one_line(err)}"
+    lines = [line.strip() for line in printed.getvalue().splitlines() if line.strip()]
+    if message and lines:
+        message += f" (it printed: {lines[-1][:200]})"
+    conn.send(("failed", message) if message else ("ok", ""))
+    conn.close()
 
 
 def _worker_main(spec: RewardSpec, conn: Connection) -> None:

@@ -92,7 +92,9 @@ def load_user_function(arg: str) -> Callable[..., Any]:
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
-    except Exception as err:  # the user's module: any failure is theirs to fix
+    # the user's module: any failure is theirs to fix, an exit at import (sys.exit, argparse
+    # parsing tltrun's command line) included
+    except (Exception, SystemExit) as err:
         raise UsageError(f"--reward {arg}: importing {path.name} failed: {one_line(err)}") from None
     function = getattr(module, name, None)
     if not callable(function):
@@ -106,6 +108,28 @@ def one_line(err: BaseException) -> str:
 
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# A number in scientific notation and nothing else: math-verify 0.9 reads "1e-05" as 1 and
+# "2.5e-06" as 2.5 (the exponent is lost), so both sides are written out positionally first.
+MAX_WRITTEN_EXPONENT = 100
+_SCIENTIFIC = re.compile(r"\s*[+-]?(?:\d+\.?\d*|\.\d+)[eE][+-]?\d+\s*")
+
+
+def positional(text: str) -> str:
+    """``text`` unchanged, unless it is one number in scientific notation: then written out
+    (``1e-05`` -> ``0.00001``, ``1E+16`` -> ``10000000000000000``), or as ``m\\times 10^{e}``
+    where it has more than ``MAX_WRITTEN_EXPONENT`` digits to write."""
+    if not _SCIENTIFIC.fullmatch(text):
+        return text
+    from decimal import Decimal
+
+    number = Decimal(text.strip())
+    exponent = number.adjusted()
+    try:
+        if abs(exponent) <= MAX_WRITTEN_EXPONENT:
+            return format(number.normalize(), "f")
+        return f"{format(number.scaleb(-exponent).normalize(), 'f')}\\times 10^{{{exponent}}}"
+    except ArithmeticError:  # beyond Decimal's exponent range: math-verify's reading stands
+        return text
 
 
 def last_boxed(text: str) -> str | None:
@@ -196,13 +220,15 @@ class Scorer:
 
         answer = _need_answer(item, "math")
         gold_text = answer.rsplit("####", 1)[-1].strip() if "####" in answer else answer
-        gold = parse(gold_text)
+        written = positional(gold_text)
+        # LaTeX (m\times 10^{e}) parses only as math: plain, math-verify reads "10" out of it
+        gold = parse(gold_text if written == gold_text else f"${written}$")
         if not gold:
             gold = parse(f"${gold_text}$")
         if not gold:
             raise ValueError(f"math-verify cannot parse the answer field {gold_text[:80]!r}")
         boxed = last_boxed(item.response)
-        predicted = parse(f"\\boxed{{{boxed}}}" if boxed is not None else item.response)
+        predicted = parse(f"\\boxed{{{positional(boxed)}}}" if boxed is not None else item.response)
         if not predicted:
             return 0.0, boxed is not None
         return float(verify(gold, predicted)), boxed is not None
@@ -250,6 +276,10 @@ class Scorer:
 
 
 def _check_number(value: Any, what: str) -> float:
+    import numpy as np
+
+    if isinstance(value, np.bool_):  # np.isclose(...) and the like: a bool counts as 0 or 1
+        value = bool(value)
     if not isinstance(value, numbers.Real):
         raise TypeError(f"{what} returned {type(value).__name__}, expected a float")
     out = float(value)

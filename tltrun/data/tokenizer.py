@@ -60,6 +60,12 @@ class TokenizerError(UsageError):
     """A model directory whose tokenizer cannot be used; one line naming the file."""
 
 
+class ChatTemplateError(TokenizerError):
+    """The chat template refused one prompt (its ``raise_exception``, e.g. a Gemma or Mistral
+    template given a system message or roles that do not alternate): a bad row of the data,
+    which ``--skip-bad-rows`` may skip; a template that cannot run at all is a TokenizerError."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TokenizerInfo:
     """What the runtime needs besides encode/decode, in one place (logged into config.json)."""
@@ -105,9 +111,21 @@ class TextTokenizer:
                 f"{self.source}/tokenizer_config.json: no 'chat_template', needed for chat-message "
                 "prompts and --chat-template (use plain-text prompts, or a model with a template)"
             )
-        return self.hf.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
-        )
+        import jinja2
+
+        try:
+            return self.hf.apply_chat_template(
+                [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+            )
+        except jinja2.TemplateSyntaxError as err:
+            raise TokenizerError(
+                f"{self.source}: the chat template is not valid Jinja (line {err.lineno}: "
+                f"{err.message})"
+            ) from None
+        except jinja2.TemplateError as err:
+            raise ChatTemplateError(
+                f"the model's chat template refused the prompt: {err}"
+            ) from None
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: a templated prompt carries its own special tokens, a plain one

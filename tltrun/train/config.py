@@ -222,7 +222,8 @@ class TrainConfig:
     )
     # reasoning-gym:<task> generates this many problems from the seed (no download)
     data_num_rows: int = field(
-        default=10_000, metadata={"help": "reasoning-gym: problems generated from --seed"}
+        default=10_000,
+        metadata={"help": "reasoning-gym: problems generated from --seed (a file is read whole)"},
     )
     skip_bad_rows: bool = field(
         default=False,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from tltrun.data.dataset import DataSpec, PromptRow, PromptStream, load_rows, split_eval
 from tltrun.data.rewards import RewardSpec, parse_reward
+from tltrun.data.rows import GYM_PREFIX
 from tltrun.train.config import TrainConfig
 from tltrun.train.tasks import TaskConfig, sample_problem
 
@@ -89,7 +90,15 @@ def _spec(cfg: TrainConfig, path: str, is_eval: bool = False) -> DataSpec:
         prompt_key=cfg.prompt_key,
         answer_key=cfg.answer_key,
         is_skip_bad_rows=cfg.skip_bad_rows,
-        num_rows=cfg.data_num_rows if not is_eval else cfg.eval_max_prompts,
+        # the training rows: a reasoning-gym task generates --data-num-rows, a file holds what it
+        # holds (all of it is read); held-out prompts: at most --eval-max-prompts either way
+        num_rows=(
+            cfg.eval_max_prompts
+            if is_eval
+            else cfg.data_num_rows
+            if path.startswith(GYM_PREFIX)
+            else None
+        ),
         seed=cfg.seed + (EVAL_GYM_SEED_OFFSET if is_eval else 0),
     )
 
@@ -142,8 +151,10 @@ def load_run_data(
     )
 
 
-def reward_spec(cfg: TrainConfig) -> RewardSpec:
-    """The run's reward (``TrainConfig.reward_name``), checked: a user module is imported once
-    here so a missing file or function is one error line before any worker starts."""
+def reward_spec(cfg: TrainConfig, is_module_checked: bool = True) -> RewardSpec:
+    """The run's reward (``TrainConfig.reward_name``), checked: the launcher imports a user
+    module once (in a child process) so that a missing file or function, or a module that fails
+    at import, is one error line before any worker starts; workers pass False."""
     # without --reward, a reasoning-gym --data implies its task's scorer: name --data if bad
-    return parse_reward(cfg.reward_name, flag="--reward" if cfg.reward else "--data")
+    flag = "--reward" if cfg.reward else "--data"
+    return parse_reward(cfg.reward_name, flag=flag, is_module_checked=is_module_checked)

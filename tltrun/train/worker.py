@@ -114,7 +114,7 @@ class Worker:
         self.tok = load_tokenizer(cfg.model_dir, is_chat_template=cfg.chat_template)
         self.data = load_run_data(cfg, task, lambda row: len(self.tok.encode_prompt(row.prompt)))
         self.rewards = RewardPool(
-            reward_spec(cfg),
+            reward_spec(cfg, is_module_checked=False),  # checked by the launcher
             num_processes=cfg.reward_processes,
             timeout_s=cfg.reward_timeout_s,
             on_error=cfg.reward_errors,
