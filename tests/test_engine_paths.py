@@ -27,7 +27,7 @@ from tltrun.model.drafter import EagleDrafter
 from tltrun.model.transformer import CausalContext
 from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import Request
-from tltsim.policy import NoSpec, StaticSpec, TLTAdaptive
+from tltsim.policy import NoSpec, SpecDecision, StaticSpec, TLTAdaptive
 
 
 def test_update_weights_switches_to_the_new_policy_weights():
@@ -144,10 +144,26 @@ def test_bad_requests_and_missing_drafter_are_one_line_errors():
         eng.generate([Request("a", (5,) * 90, 10)], NoSpec())
     with pytest.raises(ValueError, match="duplicate request id"):
         eng.generate([Request("a", (5,), 1), Request("a", (6,), 1)], NoSpec())
-    with pytest.raises(ValueError, match="no drafter"):
-        eng.generate([Request("a", (5,), 3)], StaticSpec(2, 1, 2))
-    with pytest.raises(ValueError, match="verify_tokens exceeds"):
-        engine(DRAFTER, max_verify_tokens=4).generate([Request("a", (5,), 3)], StaticSpec(3, 2, 6))
+    # what the policy can decide is checked when the rollout starts, before any response
+    with pytest.raises(ValueError, match="drafts with the EAGLE drafter .strategy 2_1_2. but"):
+        eng.start_rollout([Request("a", (5,), 3)], StaticSpec(2, 1, 2))
+    with pytest.raises(ValueError, match="'tlt' drafts with the EAGLE drafter"):
+        eng.start_rollout([Request("a", (5,), 3)], TLTAdaptive())  # SD only in the tail
+    with pytest.raises(ValueError, match="verifies 6 tokens, more than max_verify_tokens=4"):
+        engine(DRAFTER, max_verify_tokens=4).start_rollout(
+            [Request("a", (5,), 3)], StaticSpec(3, 2, 6)
+        )
+    with pytest.raises(ValueError, match=f"top 100 tokens of a vocabulary of {VOCAB}"):
+        engine(DRAFTER).start_rollout([Request("a", (5,), 3)], StaticSpec(2, 100, 64))
+
+    class Sudden(NoSpec):  # decisions no capture plan knows: checked as each one comes
+        name = "sudden"
+
+        def decide(self, obs):
+            return SpecDecision.parse("2_1_2")
+
+    with pytest.raises(ValueError, match="turned SD on .2_1_2. but the engine has no drafter"):
+        eng.generate([Request("a", (5,), 3)], Sudden())
 
 
 def test_engine_import_pulls_in_no_simpy():

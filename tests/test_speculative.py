@@ -341,6 +341,13 @@ def test_logits_to_probs_hand_examples():
     np.testing.assert_allclose(both.numpy(), [[0.0, 1.0, 0.0, 0.0]], rtol=1e-6)
     greedy = logits_to_probs(torch.tensor([[1.0, 3.0, 3.0, 2.0]]), SamplingParams(0.0))
     assert greedy.tolist() == [[0.0, 1.0, 0.0, 0.0]]  # first maximal index on ties
+    # a temperature near float32's smallest (1e-39 made the logits infinite, the probabilities
+    # NaN and every sampled token 0) is greedy below 1e-5, as in vLLM; 1e-5 itself samples
+    for tiny in (1e-39, 1e-45, 9.9e-6):
+        cold = logits_to_probs(torch.tensor([[1.0, 3.0, 3.0, 2.0]]), SamplingParams(tiny))
+        assert cold.tolist() == [[0.0, 1.0, 0.0, 0.0]], tiny
+    warm = logits_to_probs(torch.tensor([[1.0, 3.0, 3.0, 2.0]]), SamplingParams(1e-5))
+    assert warm.tolist() == [[0.0, 0.5, 0.5, 0.0]]  # the tie is sampled, not broken
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)

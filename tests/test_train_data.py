@@ -290,6 +290,15 @@ def test_bad_rows_and_keys_are_one_line_errors_before_any_worker(
                  "--prompt-key", "question", "--reward", "missing.py:score"])  # fmt: skip
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "missing.py" in err
+    # a strategy the workers' engines cannot run: refused here, not in a worker mid-rollout
+    code = main([*base, "--out", str(tmp_path / "d"), "--data", str(data_dir / "train.csv"),
+                 "--prompt-key", "question", "--policy", "static", "--static-strategy", "8_4_100"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == "error: policy 'static': strategy 8_4_100 verifies 100 tokens, more than max_verify_tokens=64"
+    )
+    assert code == 2 and not (tmp_path / "d" / "worker_errors.log").exists()
     assert not (tmp_path / "a" / "log.jsonl").exists()
 
 

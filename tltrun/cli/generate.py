@@ -236,7 +236,10 @@ def _generate(cfg: GenerateConfig, engine_cfg, requests, log, done: set[str], ou
         total=len(requests), initial=len(done), desc="tltrun generate", unit="response"
     ) as bar:
         while not engine.is_rollout_done:
-            engine.step()
+            try:  # a decision the engine cannot run, of a policy start_rollout could not check
+                engine.step()
+            except ValueError as err:
+                raise UsageError(str(err)) from None
             new = engine.scheduler.finished[num_streamed:]
             log.append([seq.to_output() for seq in new])
             num_streamed += len(new)

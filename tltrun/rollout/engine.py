@@ -65,7 +65,7 @@ from tltrun.model.kvcache import KVCache
 from tltrun.model.transformer import Transformer, fuse_projections, set_compiled_layers
 from tltrun.rollout.draft_graphs import draft_sources
 from tltrun.rollout.engine_config import DTYPES, EngineConfig
-from tltrun.rollout.graphs import CapturePlan, GraphPool, capture_plan
+from tltrun.rollout.graphs import CapturePlan, GraphPool, capture_plan, check_policy
 from tltrun.rollout.interface import IterationRecord, Request, RolloutResult
 from tltrun.rollout.prefill import (
     eagle_draft,
@@ -167,6 +167,10 @@ class RolloutEngine:
         ``start_rollout``); the clock of its records starts now. Replaces any rollout that
         was not finished."""
         self.config.check_requests(requests, self.model.config.vocab_size)
+        check_policy(
+            policy, self.config.max_running_requests, max_verify_tokens=self.config.max_verify_tokens,
+            vocab_size=self.model.config.vocab_size, has_drafter=self.drafter is not None,
+        )  # fmt: skip
         if self._rollout is not None:
             self.history.finish_rollout()
         sched = Scheduler(requests, self.config.max_running_requests)

@@ -176,6 +176,34 @@ def capture_plan(
     return CapturePlan(decode_buckets=tuple(buckets))
 
 
+def check_policy(
+    policy: SpecPolicy, max_batch: int, *, max_verify_tokens: int, vocab_size: int,
+    has_drafter: bool,
+) -> None:  # fmt: skip
+    """Refuse, when a rollout starts, a policy that could decide what the engine cannot run:
+    an EAGLE strategy without a drafter, more verify tokens than ``max_verify_tokens``, a top-k
+    wider than the vocabulary. The engine checks each decision again as it comes (a policy
+    whose decisions ``capture_plan`` cannot know); this finds them before any response."""
+    plan = capture_plan(policy, max_batch, is_drafting=True)
+    for strategy in plan.strategies:
+        decision = SpecDecision.parse(strategy)
+        if decision.verify_tokens > max_verify_tokens:
+            raise ValueError(
+                f"policy {policy.name!r}: strategy {strategy} verifies {decision.verify_tokens} "
+                f"tokens, more than max_verify_tokens={max_verify_tokens}"
+            )
+        if decision.topk > vocab_size:
+            raise ValueError(
+                f"policy {policy.name!r}: strategy {strategy} drafts the top {decision.topk} "
+                f"tokens of a vocabulary of {vocab_size}"
+            )
+    if plan.draft_graphs and not has_drafter:
+        raise ValueError(
+            f"policy {policy.name!r} drafts with the EAGLE drafter (strategy "
+            f"{plan.draft_graphs[0][1]}) but the engine has none (pass a drafter)"
+        )
+
+
 def _policy_bucket_starts(policy_buckets, lo: int, hi: int) -> list[int]:
     """One batch size per policy bucket that meets [lo, hi]."""
     return [

@@ -14,11 +14,17 @@ from typing import Protocol
 from tltsim.policy import SpecPolicy
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy. top_k None / top_p 1.0 mean no truncation."""
+    """temperature 0 (or below 1e-5) means greedy. top_k None / top_p 1.0 mean no truncation."""
 
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature; 0 = greedy"})
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "sampling temperature; 0 (or below 1e-5, as in vLLM) = greedy"},
+    )
     top_p: float = field(
         default=1.0, metadata={"help": "nucleus sampling: keep the top tokens of this mass"}
     )
@@ -37,7 +43,10 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        # Below 1e-5 is greedy, as in vLLM (sampling_params.py: _SAMPLING_EPS), so the torch
+        # engine and the vLLM backend agree; dividing the logits by a temperature near float32's
+        # smallest made them infinite and every sampled token 0, silently.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ import os
 import tempfile
 import traceback
 import warnings
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -105,6 +105,8 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
             f"not match the model (vocab {model_cfg.vocab_size})"
         )
     reward_spec(cfg)  # a bad --reward (unknown kind, missing file or function): one line now
+    if cfg.backend == "torch":
+        _check_spec_policy(cfg, model_cfg.vocab_size)
     data = load_run_data(cfg, task, lambda row: len(tok.encode_prompt(row.prompt)))
     if cfg.eval_every and not data.eval_rows:
         raise UsageError(
@@ -116,6 +118,27 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
         "num_eval_rows": len(data.eval_rows),
         "num_skipped_rows": data.num_skipped,
     }
+
+
+def _check_spec_policy(cfg: TrainConfig, vocab_size: int) -> None:
+    """A strategy the workers' engines cannot run (more verify tokens than their
+    max_verify_tokens, a top-k past the vocabulary) as one line now, not a failed worker."""
+    from tltrun.rollout.engine_config import EngineConfig
+    from tltrun.rollout.graphs import check_policy
+    from tltsim.policy import make_policy
+
+    max_verify_tokens = next(
+        f.default for f in fields(EngineConfig) if f.name == "max_verify_tokens"
+    )  # what the workers' EngineConfig leaves at its default
+    policy = make_policy(cfg.policy, seed=cfg.seed, **cfg.policy_settings())
+    for _, count in cfg.shares():
+        try:
+            check_policy(
+                policy, cfg.max_running_requests or count * cfg.group_size,
+                max_verify_tokens=max_verify_tokens, vocab_size=vocab_size, has_drafter=True,
+            )  # fmt: skip
+        except ValueError as err:
+            raise UsageError(str(err)) from None
 
 
 def run_train(
