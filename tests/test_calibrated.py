@@ -389,6 +389,20 @@ def test_advise_on_the_shipped_trace(tmp_path, capsys):
     assert (out / "sweep" / "summary.json").exists()
 
 
+def test_advise_recommends_the_settings_it_swept_even_when_held_at_one_value():
+    """The sweep's summary names only the settings that varied; a threshold or strategy set
+    given alone is the user's, not TLTConfig's default (32, the 8_4_* trees)."""
+    from tltsim.cli.advise import STRATEGY_SETS, AdviseConfig, best_settings
+
+    config = AdviseConfig(thresholds=(4,), strategy_sets=("chains",))
+    best = {"policy": "tlt", "is_spot_training": False, "speedup_vs_nospec": 2.1}
+    tlt, is_spot = best_settings({"best": best}, config)
+    assert (tlt.threshold, tlt.strategies, is_spot) == (4, STRATEGY_SETS["chains"], False)
+    varied = best | {"tlt.threshold": 16, "tlt.strategies": ",".join(STRATEGY_SETS["chains"])}
+    tlt, _ = best_settings({"best": varied}, AdviseConfig(thresholds=(4, 16)))
+    assert (tlt.threshold, tlt.strategies) == (16, STRATEGY_SETS["chains"])
+
+
 @pytest.mark.parametrize(
     "extra", [["--strategy-sets", "warp"], ["--preset", "nope"], ["--thresholds", "0"]]
 )

@@ -185,6 +185,21 @@ def files(tmp_path_factory) -> dict[str, str]:
     f["data_str"] = jsonl(
         "data_str.jsonl", '{"prompt_token_ids": "abc", "output_token_ids": [7, 8, 9]}'
     )
+    from tltsim.cost.calibrated import CalibrationParams, save_hardware_preset
+    from tltsim.cost.specs import get_hardware
+
+    params = CalibrationParams(
+        bandwidth_fraction=0.8, kv_bandwidth_fraction=0.9, flops_fraction=0.6,
+        gemm_half_tokens=200.0, overlap_exponent=2.0, step_overhead_s=1e-3,
+    )  # fmt: skip
+    save_hardware_preset(root / "hw_nan.json", get_hardware("H200"), params, {})
+    doc = json.loads((root / "hw_nan.json").read_text())
+    doc["hardware"]["hbm_bytes_per_s"] = float("nan")  # json writes NaN, and reads it back
+    f["hw_nan"] = write("hw_nan.json", json.dumps(doc))
+    f["servegen_huge"] = write(
+        "servegen_huge.csv",
+        "client_id,window_start_s,output_tokens\n1,0,100\n1,0,4611686018427387904\n",
+    )
     f["config_list"] = write("config_list.json", "[1]")
     f["config_task"] = write("config_task.json", '{"task": 3}')
     return {k: str(v) for k, v in f.items()}
@@ -237,6 +252,22 @@ TLTSIM_CASES = {
     "int: sweep seeds 2^70": "sweep {spec_seeds} --out {tmp}/s",
     "int: sweep num_gpus 10^8": "sweep {spec_gpus} --out {tmp}/s --workers 1",
     "int: sweep num_points 10^9": "sweep {spec_points} --out {tmp}/s --workers 1",
+    "int: replay --seeds 10^30": "replay {trace} --seeds {e30} --out {tmp}/o",
+    "int: replay --seeds negative": "replay {trace} --seeds=-5,1 --out {tmp}/o",
+    "int: replay --seed near 2^63 --num-seeds 3": (
+        "replay {trace} --seed 9223372036854775806 --num-seeds 3 --out {tmp}/o"
+    ),
+    "int: replay --num-seeds 10^9": "replay {trace} --num-seeds {e9} --out {tmp}/o",
+    "int: replay --seeds with --num-seeds": "replay {trace} --seeds 0,1 --num-seeds 3 --out {tmp}/o",
+    "int: advise --num-seeds 10^7": "advise {trace} --num-seeds 10000000 --out {tmp}/a",
+    "int: import servegen length 2^62": "import servegen {servegen_huge} --out {tmp}/t.json",
+    "int: import --num-steps x --prompts-per-step 10^5": (
+        "import servegen {servegen_huge} --num-steps 100000 --prompts-per-step 100000 --out {tmp}/t.json"
+    ),
+    "nan: import --median-prompt-tokens inf": "import servegen {servegen_huge} --median-prompt-tokens inf --out {tmp}/t.json",
+    "nan: replay --hardware-file with NaN bandwidth": (
+        "replay {trace} --preset h100x8-qwen7b --hardware-file {hw_nan} --out {tmp}/o"
+    ),
     # pathologically nested JSON
     "nest: validate": "validate {deep_json}",
     "nest: validate gzipped": "validate {deep_gz}",

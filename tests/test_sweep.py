@@ -161,3 +161,27 @@ def test_bad_values_fail_before_any_point_runs(tmp_path: Path, capsys) -> None:
     assert main(["sweep", str(spec), "--out", str(tmp_path / "o")]) == 2
     assert "not a multiple of tp" in capsys.readouterr().err
     assert not (tmp_path / "o" / "points.jsonl").exists()
+
+
+def test_nospec_in_a_grid_of_settings_it_ignores(tmp_path: Path) -> None:
+    """NoSpec points that differ only in tlt.* settings are one simulation (one key): the table
+    still has its speedups (it stopped at reindexing the duplicate keys, after every run)."""
+    text = SPEC.replace('policy = ["static", "tlt"]', 'policy = ["nospec", "tlt"]')
+    outcome = run_sweep(write_spec(tmp_path, text), tmp_path / "out", workers=1)
+    table = outcome.table
+    assert (table[table.policy == "nospec"].speedup_vs_nospec == 1.0).all()
+    assert (table[table.policy == "tlt"].speedup_vs_nospec > 1.0).all()
+    assert (tmp_path / "out" / "summary.json").is_file()
+
+
+def test_a_resumed_sweep_of_another_trace_or_max_steps_reuses_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    first = run_sweep(write_spec(tmp_path), out, workers=1)
+    other = SPEC.replace("max_steps = 2", "max_steps = 1")
+    again = run_sweep(write_spec(tmp_path, other), out, workers=1)
+    assert again.num_reused == 0 and again.num_computed == first.num_computed
+    assert (again.table.mean_step_s != first.table.mean_step_s).any()
+    trace = ROOT / "traces" / "synth_reasoning_rl.json"
+    third = run_sweep(write_spec(tmp_path, other.replace(str(TRACE), str(trace))), out, workers=1)
+    assert third.num_reused == 0
+    assert run_sweep(write_spec(tmp_path, other), out, workers=1).num_computed == 0  # resumed

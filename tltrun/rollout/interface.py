@@ -13,7 +13,6 @@ from typing import Protocol
 
 from tltsim.policy import SpecPolicy
 
-
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 

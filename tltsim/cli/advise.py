@@ -35,7 +35,7 @@ from tltsim.errors import UsageError
 from tltsim.jsonio import write_json
 from tltsim.policy import SpotTrainerConfig, TLTConfig
 from tltsim.sim.acceptance import DrafterDynamics, HistoryModel
-from tltsim.sim.config import SimConfig
+from tltsim.sim.config import MAX_SIMULATIONS, SimConfig
 from tltsim.sim.intervals import DEFAULT_COST_ERROR, IntervalSpec, accept_band, describe
 from tltsim.sim.replay import (
     RunSettings,
@@ -109,6 +109,13 @@ class AdviseConfig:
             )
         if self.num_seeds < 1 or self.workers < 1:
             raise ValueError("--num-seeds and --workers must be >= 1")
+        # the sweep: thresholds x strategy sets x spot training on/off, each per seed
+        num_simulations = len(self.thresholds) * len(self.strategy_sets) * 2 * self.num_seeds
+        if num_simulations > MAX_SIMULATIONS:
+            raise ValueError(
+                f"--num-seeds {self.num_seeds}: {num_simulations} simulations, at most "
+                f"{MAX_SIMULATIONS}"
+            )
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"--max-steps must be >= 1, got {self.max_steps}")
 
@@ -155,17 +162,19 @@ def sweep_toml(trace: Path, config: AdviseConfig, hardware: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def best_settings(summary: dict[str, Any]) -> tuple[TLTConfig, bool]:
-    """The sweep's best point as (TLTConfig, spot training on). Settings the sweep did not vary
-    (one value only) are taken from its fixed values: the defaults."""
+def best_settings(summary: dict[str, Any], config: AdviseConfig) -> tuple[TLTConfig, bool]:
+    """The sweep's best point as (TLTConfig, spot training on). The summary names only the
+    settings that varied; one the sweep held at a single value is ``config``'s (its one
+    threshold or strategy set), never TLTConfig's default."""
     best = summary["best"]
     if not best:
         raise UsageError("advise: the sweep produced no speculating point")
-    tlt = TLTConfig()
-    if "tlt.threshold" in best:
-        tlt = dataclasses.replace(tlt, threshold=int(best["tlt.threshold"]))
+    threshold = int(best.get("tlt.threshold", config.thresholds[0]))
     if "tlt.strategies" in best:
-        tlt = dataclasses.replace(tlt, strategies=tuple(str(best["tlt.strategies"]).split(",")))
+        strategies = tuple(str(best["tlt.strategies"]).split(","))
+    else:
+        strategies = STRATEGY_SETS[config.strategy_sets[0]]
+    tlt = dataclasses.replace(TLTConfig(), threshold=threshold, strategies=tuple(strategies))
     return tlt, bool(best.get("is_spot_training", True))
 
 
@@ -243,7 +252,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     spec_path.write_text(sweep_toml(args.trace, config, hardware))
     outcome = run_sweep(spec_path, out / "sweep", config.workers)
     summary = json.loads((outcome.out / "summary.json").read_text())
-    tlt, is_spot = best_settings(summary)
+    tlt, is_spot = best_settings(summary, config)
     sim = apply_preset(SimConfig(), config.preset)
     if hardware is not None:
         sim = dataclasses.replace(sim, hardware=hardware)

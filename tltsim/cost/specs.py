@@ -12,6 +12,7 @@ turns them into seconds. Every preset number is cited where it is set.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,10 +50,9 @@ class ModelSpec:
             "bytes_per_param",
             "kv_bytes_per_elem",
         ):
-            if getattr(self, field_name) < 1:
-                raise ValueError(
-                    f"ModelSpec {self.name!r}: {field_name} must be >= 1, got {getattr(self, field_name)}"
-                )
+            value = getattr(self, field_name)
+            if not (math.isfinite(value) and value >= 1):  # not (nan >= 1): NaN is refused
+                raise ValueError(f"ModelSpec {self.name!r}: {field_name} must be >= 1, got {value}")
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelSpec {self.name!r}: num_attention_heads={self.num_attention_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -271,14 +271,22 @@ class HardwareSpec:
             "memory_bytes",
             "link_bytes_per_s",
         ):
-            if getattr(self, field_name) <= 0:
-                raise ValueError(f"HardwareSpec {self.name!r}: {field_name} must be > 0")
+            # JSON's NaN and Infinity parse: a NaN bandwidth made every time NaN (or, inside
+            # max(), silently dropped the memory term)
+            value = getattr(self, field_name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(
+                    f"HardwareSpec {self.name!r}: {field_name} must be > 0, got {value}"
+                )
         for field_name in ("flops_fraction", "bandwidth_fraction", "train_flops_fraction"):
             if not 0 < getattr(self, field_name) <= 1:
                 raise ValueError(f"HardwareSpec {self.name!r}: {field_name} must be in (0, 1]")
         for field_name in ("iter_overhead_s", "draft_step_overhead_s", "allreduce_latency_s"):
-            if getattr(self, field_name) < 0:
-                raise ValueError(f"HardwareSpec {self.name!r}: {field_name} must be >= 0")
+            value = getattr(self, field_name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(
+                    f"HardwareSpec {self.name!r}: {field_name} must be >= 0, got {value}"
+                )
 
     @property
     def achievable_flops_per_s(self) -> float:

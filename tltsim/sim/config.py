@@ -21,6 +21,10 @@ def _help(text: str) -> dict[str, str]:
 MAX_NUM_INSTANCES = 4096
 # Seeds reach numpy and the policies as C int64 (a larger one overflowed inside a run).
 MAX_SEED = 2**63 - 1
+# Most simulations one command may ask for (a sweep's points x seeds, a replay's seeds): at ~1 s
+# per simulation on one core, 100,000 is a day of a 32-core machine; more is a typo
+# (num_points = 1e9 hung building points).
+MAX_SIMULATIONS = 100_000
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ import numpy as np
 
 from tltsim.errors import UsageError
 from tltsim.sim.acceptance import DrafterDynamics, HistoryModel
+from tltsim.sim.config import MAX_SEED, MAX_SIMULATIONS
 from tltsim.sim.metrics import SimResult
 
 # 0.1: the measured fidelity runs (README "Fidelity") put a profiled cost model's per-step time
@@ -220,15 +221,25 @@ def parse_range(spec: str) -> tuple[float, float]:
 
 
 def parse_seeds(spec: str | None, num_seeds: int, first: int) -> tuple[int, ...]:
-    """``--seeds 0,1,2`` as given, else ``--num-seeds N`` seeds from ``first`` (``--seed``)."""
+    """``--seeds 0,1,2`` as given, else ``--num-seeds N`` seeds from ``first`` (``--seed``);
+    each in [0, MAX_SEED], at most MAX_SIMULATIONS of them."""
     if spec is None:
+        if not 1 <= num_seeds <= MAX_SIMULATIONS:
+            raise ValueError(f"num_seeds: expected 1 to {MAX_SIMULATIONS}, got {num_seeds}")
+        if first + num_seeds - 1 > MAX_SEED:
+            raise ValueError(
+                f"seed {first} + num_seeds {num_seeds}: seeds go past the largest, {MAX_SEED}"
+            )
         return tuple(range(first, first + num_seeds))
     try:
         seeds = tuple(int(s) for s in spec.split(",") if s.strip())
     except ValueError:
         raise ValueError(f"seeds: expected comma-separated integers, got {spec!r}") from None
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f"seeds: expected distinct integers, got {spec!r}")
+    if not seeds or len(set(seeds)) != len(seeds) or len(seeds) > MAX_SIMULATIONS:
+        raise ValueError(f"seeds: expected 1 to {MAX_SIMULATIONS} distinct integers, got {spec!r}")
+    bad = [s for s in seeds if not 0 <= s <= MAX_SEED]
+    if bad:
+        raise ValueError(f"seeds: {bad[0]} is not in [0, {MAX_SEED}]")
     return seeds
 
 

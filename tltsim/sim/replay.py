@@ -132,6 +132,10 @@ class ReplayConfig:
             raise ValueError(f"num_seeds must be a positive integer, got {self.num_seeds!r}")
         if self.seeds is not None:
             parse_seeds(self.seeds, 1, 0)
+            if self.num_seeds != 1:
+                raise ValueError("--seeds and --num-seeds: give one of them")
+        else:
+            parse_seeds(None, self.num_seeds, 0)  # the count; the range once --seed is known
         if self.accept_rate_range is not None and self.accept_rate_range.strip() != "fit":
             parse_range(self.accept_rate_range)
         if not 0.0 <= self.cost_error < 1.0:

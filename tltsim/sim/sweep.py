@@ -56,14 +56,12 @@ from tltsim.errors import UsageError
 from tltsim.jsonio import read_text, typed_value, write_json
 from tltsim.policy import POLICY_NAMES, SpotTrainerConfig, TLTConfig, make_policy
 from tltsim.sim.acceptance import DrafterDynamics
-from tltsim.sim.config import MAX_SEED, SimConfig
+from tltsim.sim.config import MAX_SEED, MAX_SIMULATIONS, SimConfig
 from tltsim.sim.replay import RunSettings, run_settings
 from tltsim.trace.files import load_trace
-from tltsim.trace.schema import Trace, TraceError
+from tltsim.trace.schema import Trace, TraceError, dumps_trace
 
-# Most simulations (points x seeds) one sweep may ask for: at ~1 s per simulation on one core,
-# 100,000 is a day of a 32-core machine; more is a typo (num_points = 1e9 hung building points).
-MAX_SWEEP_POINTS = 100_000
+MAX_SWEEP_POINTS = MAX_SIMULATIONS  # points x seeds
 SECTIONS = {"tlt": TLTConfig, "drafter": DrafterDynamics, "spot": SpotTrainerConfig}
 TOP_KEYS = {"policy", "preset", "static_strategy", "is_spot_training"}
 TOP_KEY_TYPES = {"policy": str, "preset": str, "static_strategy": str, "is_spot_training": bool}
@@ -278,9 +276,11 @@ def effective(point: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in point.items() if matters(k)}
 
 
-def point_key(point: dict[str, Any], seed: int | None = None) -> str:
-    """Identity of a (point, seed) simulation: equal keys give equal results."""
-    text = json.dumps({"point": effective(point), "seed": seed}, sort_keys=True)
+def point_key(point: dict[str, Any], seed: int | None = None, trace_id: str = "") -> str:
+    """Identity of a (point, seed) simulation of the trace ``trace_id`` names (``trace_digest``):
+    equal keys give equal results, so a resumed sweep of another trace or ``max_steps`` reuses
+    nothing."""
+    text = json.dumps({"point": effective(point), "seed": seed, "trace": trace_id}, sort_keys=True)
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
@@ -341,7 +341,8 @@ def _read_done(path: Path) -> dict[str, dict[str, Any]]:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            done[row["key"]] = row
+            if isinstance(row, dict) and isinstance(row.get("key"), str):  # else not a row
+                done[row["key"]] = row
     return done
 
 
@@ -375,7 +376,8 @@ def run_sweep(spec_path: Path, out: Path | None = None, workers: int | None = No
             "points": points,
         },
     )
-    tasks = [(point_key(p, s), p, s) for p in points for s in spec.seeds]
+    trace_id = hashlib.sha1(dumps_trace(trace).encode()).hexdigest()[:16]  # as simulated
+    tasks = [(point_key(p, s, trace_id), p, s) for p in points for s in spec.seeds]
     log = out / "points.jsonl"
     done = _read_done(log)
     # Points that differ only in settings their policy ignores share one simulation.
@@ -396,7 +398,8 @@ def run_sweep(spec_path: Path, out: Path | None = None, workers: int | None = No
                 _collect(
                     pool.imap_unordered(partial(_run_task, trace=trace), todo), done, sink, bar
                 )
-    table = sweep_table([{**done[key], "point": point, "seed": seed} for key, point, seed in tasks])
+    rows = [{**done[key], "point": point, "seed": seed} for key, point, seed in tasks]
+    table = sweep_table(rows, trace_id)
     table.to_parquet(out / "sweep.parquet", index=False)
     table.to_csv(out / "sweep.csv", index=False)
     write_json(out / "summary.json", sweep_summary(table, spec))
@@ -411,7 +414,7 @@ def _collect(rows, done: dict, sink, bar) -> None:
         bar.update()
 
 
-def sweep_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
+def sweep_table(rows: list[dict[str, Any]], trace_id: str = "") -> pd.DataFrame:
     """One row per point x seed: settings, seed, results, speedup vs the NoSpec baseline."""
     records = []
     for row in rows:
@@ -420,11 +423,12 @@ def sweep_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
         rec.setdefault("policy", "tlt")
         rec["seed"] = row["seed"]
         rec.update(row["result"])
-        rec["baseline_key"] = point_key(baseline_of(point), row["seed"])
+        rec["baseline_key"] = point_key(baseline_of(point), row["seed"], trace_id)
         rec["key"] = row["key"]
         records.append(rec)
     table = pd.DataFrame(records)
-    base = table[table.policy == "nospec"].set_index("key")
+    # NoSpec points differing only in settings NoSpec ignores are one simulation (one key)
+    base = table[table.policy == "nospec"].drop_duplicates("key").set_index("key")
     step = base["mean_step_s"].reindex(table["baseline_key"]).to_numpy()
     rollout = base["mean_rollout_s"].reindex(table["baseline_key"]).to_numpy()
     table["speedup_vs_nospec"] = step / table["mean_step_s"]
@@ -434,13 +438,8 @@ def sweep_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
 
 def varying_settings(table: pd.DataFrame) -> list[str]:
     """Setting columns that take more than one value among the speculating points."""
-    skip = set(RESULT_COLUMNS) | {
-        "seed",
-        "key",
-        "policy",
-        "speedup_vs_nospec",
-        "rollout_speedup_vs_nospec",
-    }
+    skip = {*RESULT_COLUMNS, "seed", "key", "policy"}
+    skip |= {"speedup_vs_nospec", "rollout_speedup_vs_nospec"}
     spec = table[table.policy != "nospec"]
     return [c for c in table.columns if c not in skip and spec[c].nunique(dropna=False) > 1]
 

@@ -44,11 +44,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tltsim.trace.schema import Trace, TraceError, trace_from_arrays
+from tltsim.trace.schema import MAX_COUNT, Trace, TraceError, trace_from_arrays
 from tltsim.trace.synth import (
     DIFFICULTY_SIGMA,
     GROUP_SIGMA,
     GROUP_SIGMA_GROWTH,
+    MAX_GEN_RESPONSES,
     GenConfig,
     latent_scores,
     lognormal_ints,
@@ -107,27 +108,36 @@ class ImportConfig:
     seed: int = field(default=0, metadata=_help("random seed (same seed, same trace)"))
 
     def __post_init__(self) -> None:
+        # the bounds of tltsim gen's GenConfig (the same trace format and memory)
         for name in ("num_steps", "prompts_per_step", "group_size"):
-            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if type(value) is not int or not 1 <= value <= MAX_COUNT:
+                raise ValueError(f"{name} must be an integer in [1, {MAX_COUNT}], got {value!r}")
+        num_responses = self.num_steps * self.prompts_per_step * self.group_size
+        if num_responses > MAX_GEN_RESPONSES:
+            raise ValueError(
+                f"num_steps x prompts_per_step x group_size = {num_responses} responses: at most "
+                f"{MAX_GEN_RESPONSES} (the importer holds them all in memory)"
+            )
         if self.max_response_tokens is not None and (
-            type(self.max_response_tokens) is not int or self.max_response_tokens < 1
+            type(self.max_response_tokens) is not int
+            or not 1 <= self.max_response_tokens <= MAX_COUNT
         ):
             raise ValueError(
-                f"max_response_tokens must be a positive integer, got {self.max_response_tokens!r}"
+                f"max_response_tokens must be an integer in [1, {MAX_COUNT}], got "
+                f"{self.max_response_tokens!r}"
             )
-        if type(self.seed) is not int or self.seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
-        if not (
-            self.difficulty_sigma > 0
-            and self.group_sigma >= 0
-            and abs(self.group_sigma_growth) < 10
-        ):
+        if type(self.seed) is not int or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an integer in [0, 2^63 - 1], got {self.seed!r}")
+        # not (nan < 10) and not (inf < 10): both refused
+        if not (0 < self.difficulty_sigma < 10 and 0 <= self.group_sigma < 10):
+            raise ValueError("difficulty_sigma must be in (0, 10) and group_sigma in [0, 10)")
+        if not abs(self.group_sigma_growth) < 10:
+            raise ValueError("group_sigma_growth must be finite and in (-10, 10)")
+        if not (1 <= self.median_prompt_tokens <= MAX_COUNT and 0 <= self.prompt_tokens_sigma < 10):
             raise ValueError(
-                "difficulty_sigma must be > 0, group_sigma >= 0 and |group_sigma_growth| < 10"
+                f"median_prompt_tokens must be in [1, {MAX_COUNT}] and prompt_tokens_sigma in [0, 10)"
             )
-        if not (self.median_prompt_tokens >= 1 and 0 <= self.prompt_tokens_sigma < 10):
-            raise ValueError("median_prompt_tokens must be >= 1 and prompt_tokens_sigma in [0, 10)")
 
 
 def _read_csv(path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
@@ -160,14 +170,18 @@ def _positive_ints(frame: pd.DataFrame, column: str, path: Path) -> np.ndarray:
         raise TraceError(
             f"{path}: line {i + 2}: column '{column}': expected a positive integer, got {values.iloc[i]!r}"
         )
-    ints = values.to_numpy(dtype=np.int64)
-    bad = np.flatnonzero(ints < 1)
+    if values.dtype.kind == "u" and values.size and int(values.max()) > MAX_COUNT:
+        values = values.astype(np.float64)  # beyond int64: compared (and named) as floats
+    ints = values.to_numpy(dtype=np.int64) if values.dtype.kind in "iu" else values.to_numpy()
+    # a trace's lengths are at most MAX_COUNT (its schema's bound; a larger one overflowed totals)
+    bad = np.flatnonzero((ints < 1) | (ints > MAX_COUNT))
     if bad.size:
         i = int(bad[0])
         raise TraceError(
-            f"{path}: line {i + 2}: column '{column}': expected a positive integer, got {int(ints[i])}"
+            f"{path}: line {i + 2}: column '{column}': expected a positive integer up to "
+            f"{MAX_COUNT}, got {frame[column].iloc[i]}"
         )
-    return ints
+    return ints.astype(np.int64)
 
 
 def read_servegen(
