@@ -200,6 +200,14 @@ def files(tmp_path_factory) -> dict[str, str]:
         "servegen_huge.csv",
         "client_id,window_start_s,output_tokens\n1,0,100\n1,0,4611686018427387904\n",
     )
+    profiles = Path(__file__).resolve().parents[1] / "profiles"
+    f["profile"] = root / "profile.csv"
+    shutil.copy(profiles / "h200_qwen2.5-1.5b_random.csv", f["profile"])
+    shutil.copy(profiles / "h200_qwen2.5-1.5b_random.json", root / "profile.json")
+    f["profile_listed"] = root / "listed.csv"
+    shutil.copy(profiles / "h200_qwen2.5-1.5b_random.csv", f["profile_listed"])
+    sidecar = json.loads((profiles / "h200_qwen2.5-1.5b_random.json").read_text())
+    write("listed.json", json.dumps({**sidecar, "hardware": ["H200"], "model": [1]}))
     f["config_list"] = write("config_list.json", "[1]")
     f["config_task"] = write("config_task.json", '{"task": 3}')
     return {k: str(v) for k, v in f.items()}
@@ -319,6 +327,30 @@ TLTSIM_CASES = {
 @pytest.mark.parametrize("argv", TLTSIM_CASES.values(), ids=TLTSIM_CASES.keys())
 def test_tltsim_hostile_input_is_one_error_line(argv, files, tmp_path, capsys):
     assert_one_error_line(*run("tltsim", fill(argv, files, tmp_path), capsys))
+
+
+CALIBRATE_CASES = {
+    "calibrate {profile} --hardware H200 --out {tmp}/hw.txt": "a hardware preset is a .json file",
+    "calibrate {profile} --hardware H200 --tp 0 --out {tmp}/hw.json": "--tp: expected an integer >= 1",
+    "calibrate {profile} --hardware H200 --fit bandwidth_fraction,bandwidth_fraction "
+    "--out {tmp}/hw.json": "a parameter is named twice",
+    "calibrate {profile_listed} --model Qwen2.5-1.5B --out {tmp}/hw.json": (
+        "sidecar field 'hardware': expected a preset name, got list"
+    ),
+    "profile-info {profile_listed}": (
+        "sidecar field 'model': expected a preset name or a config.json object, got list"
+    ),
+}
+
+
+@pytest.mark.parametrize(("argv", "says"), CALIBRATE_CASES.items())
+def test_calibrate_and_profile_info_bad_input(argv, says, files, tmp_path, capsys):
+    """Each refused (they wrote a preset replay then refused, fell back to the sidecar's tp,
+    counted a parameter twice, or failed with an internal TypeError)."""
+    rc, out, err = run("tltsim", fill(argv, files, tmp_path), capsys)
+    assert_one_error_line(rc, out, err)
+    assert says in err, err
+    assert not (tmp_path / "hw.txt").exists() and not (tmp_path / "hw.json").exists()
 
 
 def test_internal_error_is_one_line_with_the_traceback_in_a_file(monkeypatch, capsys):

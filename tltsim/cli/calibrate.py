@@ -79,9 +79,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from tltsim.cli.fidelity import _hardware_spec, _model_spec  # the profile-info resolution
+    # the profile-info resolution
+    from tltsim.cli.fidelity import _hardware_spec, _model_spec, profile_tp
 
     out = args.out or args.profile.with_name(f"{args.profile.stem}-hardware.json")
+    if out.suffix != ".json":  # replay --hardware-file reads .json preset files only
+        raise UsageError(f"--out {out}: a hardware preset is a .json file")
     check_out_file(out)
     profile = load_profile(args.profile)
     model, hardware = _model_spec(args.model, profile), _hardware_spec(args.hardware, profile)
@@ -90,10 +93,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"{args.profile}: need --model and --hardware (the sidecar names no preset for "
             f"{'the model' if model is None else 'the hardware'})"
         )
-    tp = args.tp or int(profile.meta.get("tp", 1))
-    if tp < 1:
-        raise UsageError(f"--tp must be >= 1, got {tp}")
+    tp = profile_tp(args.tp, profile)
     fields = tuple(f.strip() for f in args.fit.split(",") if f.strip())
+    if len(set(fields)) != len(fields):
+        raise UsageError(f"--fit {args.fit}: a parameter is named twice")
     base = CALIBRATIONS.get(hardware.name) or CalibrationParams.roofline_limit(hardware)
     try:
         fit = fit_calibration(

@@ -234,6 +234,11 @@ def _model_spec(arg: str | None, profile: Profile) -> ModelSpec | None:
             )
         except ValueError as err:
             raise UsageError(f"{profile.source}: sidecar field 'model': {err}") from None
+    if source is not None and not isinstance(source, str):  # a sidecar's list, number, ...
+        raise UsageError(
+            f"{profile.source}: sidecar field 'model': expected a preset name or a config.json "
+            f"object, got {type(source).__name__}"
+        )
     if source is None or source in MODEL_PRESETS:
         return MODEL_PRESETS.get(source) if source else None
     if arg is not None:
@@ -246,6 +251,15 @@ def _model_spec(arg: str | None, profile: Profile) -> ModelSpec | None:
     return None
 
 
+def profile_tp(arg: int | None, profile: Profile) -> int:
+    """``--tp``, else the sidecar's ``tp`` (default 1); at least 1 either way."""
+    tp = arg if arg is not None else profile.meta.get("tp", 1)
+    if type(tp) is not int or tp < 1:
+        where = "--tp" if arg is not None else f"{profile.source}: sidecar field 'tp'"
+        raise UsageError(f"{where}: expected an integer >= 1, got {tp!r}")
+    return tp
+
+
 def _hardware_spec(arg: str | None, profile: Profile) -> HardwareSpec | None:
     return _hardware_and_calibration(arg, profile)[0]
 
@@ -256,6 +270,11 @@ def _hardware_and_calibration(
     """The GPU (a preset, a JSON file of HardwareSpec fields or a ``tltsim calibrate`` preset
     file) and its calibration (the preset file's, else the shipped one, else None)."""
     source = arg if arg is not None else profile.meta.get("hardware")
+    if source is not None and not isinstance(source, str):  # a sidecar's list, object, ...
+        raise UsageError(
+            f"{profile.source}: sidecar field 'hardware': expected a preset name, got "
+            f"{type(source).__name__}"
+        )
     if source in HARDWARE_PRESETS:
         return HARDWARE_PRESETS[source], CALIBRATIONS.get(source)
     if arg is None:
@@ -318,7 +337,7 @@ def _cmd_profile_info(args: argparse.Namespace) -> int:
     if model is None or hardware is None:
         print("(no roofline comparison: pass --model and --hardware, presets or files)")
         return 0
-    tp = args.tp or int(profile.meta.get("tp", 1))
+    tp = profile_tp(args.tp, profile)
     try:
         roofline = RooflineCost(model, hardware, tp=tp)
         calibrated = (
