@@ -307,6 +307,11 @@ def draw_all(out_dir: str | Path) -> list[Path]:
     plots = out_dir / "plots"
     plots.mkdir(exist_ok=True)
     steps = pd.read_csv(out_dir / "steps.csv")
+    missing = {"policy", "step", "sd_verifies"} - set(steps.columns)
+    if missing:
+        raise ValueError(
+            f"{out_dir / 'steps.csv'}: not tltsim replay's (no column {min(missing)!r})"
+        )
     responses = pd.read_parquet(out_dir / "responses.parquet")
     timeline = pd.read_parquet(out_dir / "timeline.parquet")
     written = [

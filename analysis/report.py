@@ -16,20 +16,27 @@ def report(out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     summary_path = out_dir / "summary.json"
     try:
-        kind = json.loads(summary_path.read_text()).get("kind")
+        summary = json.loads(summary_path.read_text())
     except FileNotFoundError:
         raise ValueError(
             f"{out_dir}: no summary.json (expected the output directory of tltsim replay or tltsim sweep)"
         ) from None
-    except (OSError, json.JSONDecodeError) as err:
+    except (OSError, ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError
         raise ValueError(f"{summary_path}: unreadable ({err})") from None
+    kind = summary.get("kind") if isinstance(summary, dict) else None
     if kind == "replay":
         from analysis.replay_plots import draw_all
     elif kind == "sweep":
         from analysis.sweep_plots import draw_all
     else:
         raise ValueError(f"{summary_path}: field 'kind' must be 'replay' or 'sweep', got {kind!r}")
+    import pandas as pd
+
     try:
         return draw_all(out_dir)
     except FileNotFoundError as err:
         raise ValueError(f"{out_dir}: missing result file {Path(err.filename).name}") from None
+    except (pd.errors.EmptyDataError, pd.errors.ParserError) as err:  # a damaged results CSV
+        raise ValueError(
+            f"{out_dir}: a result file is not as tltsim {kind} wrote it ({err})"
+        ) from None

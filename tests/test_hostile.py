@@ -353,6 +353,35 @@ def test_calibrate_and_profile_info_bad_input(argv, says, files, tmp_path, capsy
     assert not (tmp_path / "hw.txt").exists() and not (tmp_path / "hw.json").exists()
 
 
+def test_report_and_sweep_of_damaged_files(tmp_path, files, capsys):
+    """Result directories whose files were damaged after the run, a spec whose out is no path:
+    one line each (were internal AttributeError / TypeError, or a pandas error naming no file)."""
+    cases = {}
+    for name, summary, steps in (
+        ("listed", "[1]", None),
+        ("garbage", '{"kind": "replay"}', "x,y\n1,2\n"),
+        ("empty", '{"kind": "replay"}', ""),
+    ):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(summary)
+        if steps is not None:
+            (tmp_path / name / "steps.csv").write_text(steps)
+        cases[name] = ["report", str(tmp_path / name)]
+    spec = tmp_path / "out5.toml"
+    spec.write_text(f'trace = "{files["trace"]}"\nout = 5\n[grid]\npolicy = ["nospec"]\n')
+    cases["sweep out = 5"] = ["sweep", str(spec)]
+    says = {
+        "listed": "field 'kind' must be 'replay' or 'sweep'",
+        "garbage": "steps.csv: not tltsim replay's (no column 'policy')",
+        "empty": "a result file is not as tltsim replay wrote it",
+        "sweep out = 5": "out must be a directory path",
+    }
+    for name, argv in cases.items():
+        rc, out, err = run("tltsim", argv, capsys)
+        assert_one_error_line(rc, out, err)
+        assert says[name] in err and str(tmp_path) in err, (name, err)
+
+
 def test_internal_error_is_one_line_with_the_traceback_in_a_file(monkeypatch, capsys):
     """The last line of defence: a bug (not an input error) is one line naming the traceback
     file, exit 1."""

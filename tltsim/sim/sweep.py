@@ -199,6 +199,8 @@ def load_spec(path: Path) -> SweepSpec:
     max_steps = raw.get("max_steps")
     if max_steps is not None and not (isinstance(max_steps, int) and max_steps >= 1):
         raise UsageError(f"{path}: max_steps must be an integer >= 1")
+    if not isinstance(raw.get("out", ""), str):
+        raise UsageError(f"{path}: out must be a directory path (a string)")
     return SweepSpec(
         trace,
         tuple(seeds),
