@@ -49,8 +49,8 @@ from tltsim.trace.synth import (
     DIFFICULTY_SIGMA,
     GROUP_SIGMA,
     GROUP_SIGMA_GROWTH,
-    MAX_GEN_RESPONSES,
     GenConfig,
+    check_shape,
     latent_scores,
     lognormal_ints,
 )
@@ -108,17 +108,7 @@ class ImportConfig:
     seed: int = field(default=0, metadata=_help("random seed (same seed, same trace)"))
 
     def __post_init__(self) -> None:
-        # the bounds of tltsim gen's GenConfig (the same trace format and memory)
-        for name in ("num_steps", "prompts_per_step", "group_size"):
-            value = getattr(self, name)
-            if type(value) is not int or not 1 <= value <= MAX_COUNT:
-                raise ValueError(f"{name} must be an integer in [1, {MAX_COUNT}], got {value!r}")
-        num_responses = self.num_steps * self.prompts_per_step * self.group_size
-        if num_responses > MAX_GEN_RESPONSES:
-            raise ValueError(
-                f"num_steps x prompts_per_step x group_size = {num_responses} responses: at most "
-                f"{MAX_GEN_RESPONSES} (the importer holds them all in memory)"
-            )
+        check_shape(self, ("num_steps", "prompts_per_step", "group_size"))  # as tltsim gen's
         if self.max_response_tokens is not None and (
             type(self.max_response_tokens) is not int
             or not 1 <= self.max_response_tokens <= MAX_COUNT

@@ -24,6 +24,7 @@ defaults still reproduce them.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -95,16 +96,7 @@ class GenConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("num_steps", "prompts_per_step", "group_size", "max_response_tokens"):
-            value = getattr(self, name)
-            if type(value) is not int or not 1 <= value <= MAX_COUNT:
-                raise ValueError(f"{name} must be an integer in [1, {MAX_COUNT}], got {value!r}")
-        num_responses = self.num_steps * self.prompts_per_step * self.group_size
-        if num_responses > MAX_GEN_RESPONSES:
-            raise ValueError(
-                f"num_steps x prompts_per_step x group_size = {num_responses} responses: at most "
-                f"{MAX_GEN_RESPONSES} (the generator holds them all in memory)"
-            )
+        check_shape(self, ("num_steps", "prompts_per_step", "group_size", "max_response_tokens"))
         for name in ("median_response_tokens", "median_prompt_tokens"):
             if not 1 <= getattr(self, name) <= MAX_COUNT:
                 raise ValueError(f"{name} must be in [1, {MAX_COUNT}], got {getattr(self, name)!r}")
@@ -118,6 +110,22 @@ class GenConfig:
                 raise ValueError(
                     f"{name} must be finite and in (-10, 10), got {getattr(self, name)!r}"
                 )
+
+
+def check_shape(config: Any, counts: tuple[str, ...]) -> None:
+    """A generated or imported trace's shape: each of ``counts`` (fields of ``config``) an
+    integer in [1, MAX_COUNT], and at most MAX_GEN_RESPONSES responses in all (the generator and
+    the importer hold them in memory)."""
+    for name in counts:
+        value = getattr(config, name)
+        if type(value) is not int or not 1 <= value <= MAX_COUNT:
+            raise ValueError(f"{name} must be an integer in [1, {MAX_COUNT}], got {value!r}")
+    num_responses = config.num_steps * config.prompts_per_step * config.group_size
+    if num_responses > MAX_GEN_RESPONSES:
+        raise ValueError(
+            f"num_steps x prompts_per_step x group_size = {num_responses} responses: at most "
+            f"{MAX_GEN_RESPONSES} (they are all held in memory)"
+        )
 
 
 def latent_scores(
