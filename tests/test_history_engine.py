@@ -207,7 +207,7 @@ def test_greedy_switching_between_eagle_history_and_off():
 
 
 def test_eagle_decision_without_a_drafter_still_raises():
-    with pytest.raises(ValueError, match="has no drafter"):
+    with pytest.raises(ValueError, match="EAGLE drafter .strategy 4_1_4. but the engine has none"):
         _engine().generate(_requests(1, 2, seed=0), StaticSpec(strategy="4_1_4"))
 
 
