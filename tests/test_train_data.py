@@ -206,6 +206,53 @@ def test_a_file_is_read_whole_whatever_data_num_rows(data_dir, bpe_model):
     assert data.num_train_rows == len(QUESTIONS) > 5
 
 
+def test_data_without_an_answer_column_trains_with_the_users_reward(bpe_model, tmp_path, capsys):
+    """--answer-key '': rows need no answer (a format or preference reward); the user's function
+    receives answer=None and the other columns; a reward that needs an answer is refused."""
+    from tltrun.data.scoring import RewardItem, Scorer
+    from tltrun.train.prompts import load_run_data, reward_spec
+
+    data = tmp_path / "prefs.csv"
+    pd.DataFrame({"question": QUESTIONS[:6], "style": ["short", "long"] * 3}).to_csv(
+        data, index=False
+    )
+    module = tmp_path / "style_reward.py"
+    module.write_text(
+        "def score(prompt, response, answer, **meta):\n"
+        "    assert answer is None, answer\n"
+        "    return float(len(response) < 10) if meta['style'] == 'short' else 0.5\n"
+    )
+    cfg = TrainConfig(model_dir=str(bpe_model), out="unused", data=str(data),
+                      prompt_key="question", answer_key="", reward=f"{module}:score")  # fmt: skip
+    rows = load_run_data(cfg, TaskConfig(), lambda row: 1).step_rows(0, 6)
+    assert [row.answer for row in rows] == [None] * 6
+    scorer = Scorer(reward_spec(cfg))
+    scores = {
+        row.meta["style"]: scorer.score(
+            RewardItem(
+                sample_id="s",
+                prompt=str(row.prompt),
+                response="ok",
+                answer=row.answer,
+                meta=row.meta,
+            )  # fmt: skip
+        )[0]
+        for row in rows
+    }
+    assert scores == {"short": 1.0, "long": 0.5}
+    # the default --answer-key on this file: a missing column, one line naming it
+    base = ["train", "--model-dir", str(bpe_model), "--data", str(data), "--prompt-key",
+            "question", "--num-steps", "1"]  # fmt: skip
+    code = main([*base, "--out", str(tmp_path / "a"), "--reward", f"{module}:score"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "'answer'" in err and "prefs.csv" in err and "\n" not in err
+    # a reward that compares with an answer cannot score answerless rows
+    code = main([*base, "--out", str(tmp_path / "b"), "--reward", "math", "--answer-key", ""])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "answer_key ''" in err and "'math'" in err and "\n" not in err
+    assert not (tmp_path / "b").exists()
+
+
 def test_model_dir_without_tokenizer_is_one_line(tmp_path, capsys):
     save_hf(tiny_model(), tmp_path / "m")
     code = main(["train", "--model-dir", str(tmp_path / "m"), "--out", str(tmp_path / "o")])

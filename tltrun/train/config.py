@@ -1,4 +1,5 @@
-"""``TrainConfig``: the resolved settings of one ``tltrun train`` run, and their validation.
+"""``TrainConfig``: the resolved settings of one ``tltrun train`` run (validated by
+``config_checks.check_train_config``).
 
 One frozen dataclass shared by the launcher (``tltrun.train.launch``), each worker process
 (``tltrun.train.worker``) and the command line (``tltrun.cli.train``: one flag per field), so
@@ -7,17 +8,12 @@ the workers import their settings from here rather than from the module that spa
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass, field
 
-from tltrun.model.config import check_device
 from tltrun.model.history_drafter import HistoryConfig
-from tltrun.rollout.engine_config import DTYPES
-from tltsim.policy import POLICY_NAMES, make_policy
+from tltrun.train.config_checks import BACKENDS, check_train_config
+from tltsim.policy import POLICY_NAMES
 from tltsim.policy.tlt_config import DRAFTER_EXPLORE
-
-BACKENDS = ("torch", "vllm")
 
 # Fields a resumed run may change without --override-config: where and how often it writes,
 # how long it runs, and the resources it uses, none of which changes what a step computes
@@ -41,11 +37,6 @@ RESUME_NEUTRAL_FIELDS = (
     "eval_max_prompts",
     "eval_num_samples",
 )
-# Fields no resume may change, even with --override-config: none since DCP checkpoints
-# (tltrun.train.checkpoint) — any world size loads the actor, optimizer and drafter state, and
-# a rank the checkpoint has no RNG file of starts from a fresh run's seeded streams, so
-# num_workers may change like any other field that changes the run (--override-config).
-RESUME_FIXED_FIELDS: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -217,8 +208,14 @@ class TrainConfig:
         default="prompt",
         metadata={"help": "--data column holding the prompt (a string or chat messages)"},
     )
+    # '' = the rows have no answer column (a preference or format reward): only a user's
+    # file.py:function reward can score them, and it receives answer=None
     answer_key: str = field(
-        default="answer", metadata={"help": "--data column the reward compares against"}
+        default="answer",
+        metadata={
+            "help": "--data column the reward compares against ('' = none: a file.py:function "
+            "reward then receives answer=None)"
+        },
     )
     # reasoning-gym:<task> generates this many problems from the seed (no download)
     data_num_rows: int = field(
@@ -337,144 +334,7 @@ class TrainConfig:
         return self.policy == "tltbase" or (self.policy == "tlt" and "history" in self.tlt_drafters)
 
     def __post_init__(self) -> None:
-        if not self.model_dir or not self.out:
-            raise ValueError("model_dir and out are required")
-        for name in (
-            "num_workers",
-            "prompts_per_step",
-            "group_size",
-            "max_new_tokens",
-            "spot_max_epochs",
-            "drafter_batch_size",
-            "num_epochs",
-            "checkpoint_every",
-            "num_threads",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_steps < 0:
-            raise ValueError(f"num_steps must be >= 0, got {self.num_steps}")
-        if self.keep_checkpoints < 0:
-            raise ValueError(f"keep_checkpoints must be >= 0, got {self.keep_checkpoints}")
-        # GRPO normalises rewards within a group: with one response per prompt every advantage
-        # is 0, the loss is 0 and the run learns nothing (it used to exit 0 silently).
-        if self.group_size < 2:
-            raise ValueError(
-                f"group_size must be >= 2 for GRPO (one response per prompt has zero advantage), got {self.group_size}"
-            )
-        # int32 bounds on counts (a larger value overflowed in torch, or ran for ever) and the
-        # int64 seed range of torch.manual_seed
-        for name in (
-            "num_workers",
-            "num_steps",
-            "prompts_per_step",
-            "group_size",
-            "max_new_tokens",
-        ):
-            if getattr(self, name) >= 2**31:
-                raise ValueError(f"{name} must be < 2^31, got {getattr(self, name)}")
-        if not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
-        check_device(self.device)  # before the workers start (cuda without CUDA)
-        # torch.set_num_threads(10^8) crashed the workers (SIGSEGV); more threads than cores
-        # only oversubscribes them
-        if self.num_threads > (os.cpu_count() or 1):
-            raise ValueError(
-                f"num_threads {self.num_threads}: more than this machine's {os.cpu_count()} cores"
-            )
-        if self.policy not in POLICY_NAMES:
-            raise ValueError(f"policy must be one of {POLICY_NAMES}, got {self.policy!r}")
-        if self.policy in ("tlt", "tltbase", "static"):  # the policy validates its settings
-            make_policy(self.policy, seed=0, **self.policy_settings())
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        # vLLM schedules and samples in its own engine: nothing makes its rollouts repeatable
-        if self.backend == "vllm" and self.is_history_drafting:
-            # a vLLM engine runs one speculative method (EAGLE for the spot-trained drafter)
-            raise ValueError(
-                "backend vllm: the history drafter (policy tltbase or tlt_drafters with history) "
-                "runs on the torch backend only in tltrun train"
-            )
-        if self.is_deterministic and self.backend != "torch":
-            raise ValueError("deterministic: only the torch backend's rollouts are repeatable")
-        if self.prompts_per_step < self.num_workers and not self.prompt_split:
-            raise ValueError("prompts_per_step must be >= num_workers (every worker rolls out)")
-        if self.prompt_split and (
-            len(self.prompt_split) != self.num_workers
-            or sum(self.prompt_split) != self.prompts_per_step
-            or min(self.prompt_split) < 1
-        ):
-            raise ValueError(
-                f"prompt_split {self.prompt_split}: need {self.num_workers} counts >= 1 "
-                f"summing to prompts_per_step={self.prompts_per_step}"
-            )
-        for name in ("data_num_rows", "reward_processes", "eval_max_prompts", "eval_num_samples",
-                     "max_prompt_tokens", "max_tokens_per_microbatch"):  # fmt: skip
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        # HSDP (shard within groups of fsdp_size, replicate across them) is not implemented
-        if self.fsdp_size not in (1, self.num_workers):
-            raise ValueError(
-                f"fsdp_size {self.fsdp_size}: 1 (replicated) or num_workers ({self.num_workers}) "
-                "(sharding over a subset of the ranks is not implemented)"
-            )
-        if self.eval_every < 0 or self.overlong_buffer_tokens < 0:
-            raise ValueError("eval_every and overlong_buffer_tokens must be >= 0")
-        if self.overlong_buffer_tokens >= self.max_new_tokens:
-            raise ValueError(
-                f"overlong_buffer_tokens {self.overlong_buffer_tokens} must be < max_new_tokens "
-                f"{self.max_new_tokens}"
-            )
-        if not 0 <= self.format_penalty < math.inf:
-            raise ValueError(f"format_penalty must be finite and >= 0, got {self.format_penalty}")
-        if not (0 < self.reward_timeout_s < math.inf and 0 <= self.overlong_penalty < math.inf):
-            raise ValueError(
-                "finite reward_timeout_s > 0 and overlong_penalty >= 0 required, got "
-                f"{self.reward_timeout_s}, {self.overlong_penalty}"
-            )
-        if self.reward_errors not in ("zero", "raise"):
-            raise ValueError(f"reward_errors must be zero or raise, got {self.reward_errors!r}")
-        if not 0 <= self.eval_split < 1:
-            raise ValueError(f"eval_split must be in [0, 1), got {self.eval_split}")
-        if self.eval_split and self.eval_data:
-            raise ValueError("eval_split and eval_data exclude each other")
-        if self.eval_split and not self.data:
-            raise ValueError(
-                "eval_split splits --data; the built-in task evaluates on fresh problems"
-            )
-        if self.data is None and self.reward not in ("", "builtin"):
-            raise ValueError(
-                f"reward {self.reward!r}: the built-in task has its own reward (builtin)"
-            )
-        if (
-            self.data
-            and not self.data.startswith("reasoning-gym:")
-            and self.reward in ("", "builtin")
-        ):
-            raise ValueError(
-                f"data {self.data}: name its reward with --reward (math, exact, regex:PATTERN, "
-                "reasoning-gym:<task> or file.py:function)"
-            )
-        if self.max_running_requests is not None and self.max_running_requests < 1:
-            raise ValueError("max_running_requests must be >= 1 or None")
-        # not (...) forms: NaN fails every comparison, so it is refused (a NaN temperature
-        # sampled token 0 every time); inf is refused as well
-        if not (0 <= self.temperature < math.inf and 0 < self.top_p <= 1 and 0 < self.poll_s < 60):
-            raise ValueError(
-                "finite temperature >= 0, top_p in (0, 1] and poll_s in (0, 60) required, got "
-                f"{self.temperature}, {self.top_p}, {self.poll_s}"
-            )
-        if not (
-            0 < self.lr < math.inf
-            and 0 < self.drafter_lr < math.inf
-            and 0 <= self.kl_coef < math.inf
-        ):
-            raise ValueError(
-                f"finite lr > 0, drafter_lr > 0 and kl_coef >= 0 required, got {self.lr}, "
-                f"{self.drafter_lr}, {self.kl_coef}"
-            )
+        check_train_config(self)
 
     @property
     def reward_name(self) -> str:
@@ -484,6 +344,12 @@ class TrainConfig:
         if self.data and self.data.startswith("reasoning-gym:"):
             return "reasoning-gym:" + self.data.removeprefix("reasoning-gym:").split("?")[0]
         return "builtin"
+
+    @property
+    def is_user_reward(self) -> bool:
+        """Whether the reward is the user's ``file.py:function`` (parse_reward's rule)."""
+        path, sep, _ = self.reward.strip().rpartition(":")
+        return bool(sep) and path.endswith(".py")
 
     @property
     def is_builtin_task(self) -> bool:

@@ -51,7 +51,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from tltrun.rollout.vllm_config import check_vllm_cpu_head_size
-from tltrun.train.config import RESUME_FIXED_FIELDS, RESUME_NEUTRAL_FIELDS, TrainConfig
+from tltrun.train.config import RESUME_NEUTRAL_FIELDS, TrainConfig
 from tltrun.train.tasks import TaskConfig
 from tltsim.errors import TLTError, UsageError, WorkerError, is_input_error_name
 from tltsim.jsonio import write_json
@@ -351,12 +351,6 @@ def prepare_run_dir(
         shown = "; ".join(
             f"{key.removeprefix('train.')}: {a!r} -> {b!r}" for key, (a, b) in diff.items()
         )
-        fixed = [name for name in RESUME_FIXED_FIELDS if f"train.{name}" in diff]
-        if fixed:
-            raise UsageError(
-                f"{out}: --resume cannot change {', '.join(fixed)} (the checkpoint holds one "
-                f"state per worker): {shown}"
-            )
         if diff and not is_override_config:
             raise UsageError(
                 f"{out}: --resume with settings that change the run ({shown}); pass "

@@ -88,7 +88,7 @@ def _spec(cfg: TrainConfig, path: str, is_eval: bool = False) -> DataSpec:
     return DataSpec(
         path=path,
         prompt_key=cfg.prompt_key,
-        answer_key=cfg.answer_key,
+        answer_key=cfg.answer_key or None,  # '': the rows have no answer column
         is_skip_bad_rows=cfg.skip_bad_rows,
         # the training rows: a reasoning-gym task generates --data-num-rows, a file holds what it
         # holds (all of it is read); held-out prompts: at most --eval-max-prompts either way

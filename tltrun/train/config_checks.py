@@ -1,0 +1,156 @@
+"""Validation of ``TrainConfig`` (called by its ``__post_init__``): every field a user can
+set, checked before any worker starts, each failure one ``ValueError`` line naming the field.
+Kept apart from the fields so that each file reads on its own."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING
+
+from tltrun.model.config import check_device
+from tltrun.rollout.engine_config import DTYPES
+from tltsim.policy import POLICY_NAMES, make_policy
+
+if TYPE_CHECKING:
+    from tltrun.train.config import TrainConfig
+
+BACKENDS = ("torch", "vllm")
+
+
+def check_train_config(cfg: TrainConfig) -> None:
+    """Raise ValueError for the first field of ``cfg`` that no run can use."""
+    if not cfg.model_dir or not cfg.out:
+        raise ValueError("model_dir and out are required")
+    for name in (
+        "num_workers",
+        "prompts_per_step",
+        "group_size",
+        "max_new_tokens",
+        "spot_max_epochs",
+        "drafter_batch_size",
+        "num_epochs",
+        "checkpoint_every",
+        "num_threads",
+    ):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.num_steps < 0:
+        raise ValueError(f"num_steps must be >= 0, got {cfg.num_steps}")
+    if cfg.keep_checkpoints < 0:
+        raise ValueError(f"keep_checkpoints must be >= 0, got {cfg.keep_checkpoints}")
+    # GRPO normalises rewards within a group: with one response per prompt every advantage
+    # is 0, the loss is 0 and the run learns nothing (it used to exit 0 silently).
+    if cfg.group_size < 2:
+        raise ValueError(
+            f"group_size must be >= 2 for GRPO (one response per prompt has zero advantage), got {cfg.group_size}"
+        )
+    # int32 bounds on counts (a larger value overflowed in torch, or ran for ever) and the
+    # int64 seed range of torch.manual_seed
+    for name in (
+        "num_workers",
+        "num_steps",
+        "prompts_per_step",
+        "group_size",
+        "max_new_tokens",
+    ):
+        if getattr(cfg, name) >= 2**31:
+            raise ValueError(f"{name} must be < 2^31, got {getattr(cfg, name)}")
+    if not 0 <= cfg.seed < 2**63:
+        raise ValueError(f"seed must be in [0, 2^63), got {cfg.seed}")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype {cfg.dtype!r}: expected one of {', '.join(DTYPES)}")
+    check_device(cfg.device)  # before the workers start (cuda without CUDA)
+    # torch.set_num_threads(10^8) crashed the workers (SIGSEGV); more threads than cores
+    # only oversubscribes them
+    if cfg.num_threads > (os.cpu_count() or 1):
+        raise ValueError(
+            f"num_threads {cfg.num_threads}: more than this machine's {os.cpu_count()} cores"
+        )
+    if cfg.policy not in POLICY_NAMES:
+        raise ValueError(f"policy must be one of {POLICY_NAMES}, got {cfg.policy!r}")
+    if cfg.policy in ("tlt", "tltbase", "static"):  # the policy validates its settings
+        make_policy(cfg.policy, seed=0, **cfg.policy_settings())
+    if cfg.backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {cfg.backend!r}")
+    # vLLM schedules and samples in its own engine: nothing makes its rollouts repeatable
+    if cfg.backend == "vllm" and cfg.is_history_drafting:
+        # a vLLM engine runs one speculative method (EAGLE for the spot-trained drafter)
+        raise ValueError(
+            "backend vllm: the history drafter (policy tltbase or tlt_drafters with history) "
+            "runs on the torch backend only in tltrun train"
+        )
+    if cfg.is_deterministic and cfg.backend != "torch":
+        raise ValueError("deterministic: only the torch backend's rollouts are repeatable")
+    if cfg.prompts_per_step < cfg.num_workers and not cfg.prompt_split:
+        raise ValueError("prompts_per_step must be >= num_workers (every worker rolls out)")
+    if cfg.prompt_split and (
+        len(cfg.prompt_split) != cfg.num_workers
+        or sum(cfg.prompt_split) != cfg.prompts_per_step
+        or min(cfg.prompt_split) < 1
+    ):
+        raise ValueError(
+            f"prompt_split {cfg.prompt_split}: need {cfg.num_workers} counts >= 1 "
+            f"summing to prompts_per_step={cfg.prompts_per_step}"
+        )
+    for name in ("data_num_rows", "reward_processes", "eval_max_prompts", "eval_num_samples",
+                 "max_prompt_tokens", "max_tokens_per_microbatch"):  # fmt: skip
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    # HSDP (shard within groups of fsdp_size, replicate across them) is not implemented
+    if cfg.fsdp_size not in (1, cfg.num_workers):
+        raise ValueError(
+            f"fsdp_size {cfg.fsdp_size}: 1 (replicated) or num_workers ({cfg.num_workers}) "
+            "(sharding over a subset of the ranks is not implemented)"
+        )
+    if cfg.eval_every < 0 or cfg.overlong_buffer_tokens < 0:
+        raise ValueError("eval_every and overlong_buffer_tokens must be >= 0")
+    if cfg.overlong_buffer_tokens >= cfg.max_new_tokens:
+        raise ValueError(
+            f"overlong_buffer_tokens {cfg.overlong_buffer_tokens} must be < max_new_tokens "
+            f"{cfg.max_new_tokens}"
+        )
+    if not 0 <= cfg.format_penalty < math.inf:
+        raise ValueError(f"format_penalty must be finite and >= 0, got {cfg.format_penalty}")
+    if not (0 < cfg.reward_timeout_s < math.inf and 0 <= cfg.overlong_penalty < math.inf):
+        raise ValueError(
+            "finite reward_timeout_s > 0 and overlong_penalty >= 0 required, got "
+            f"{cfg.reward_timeout_s}, {cfg.overlong_penalty}"
+        )
+    if cfg.reward_errors not in ("zero", "raise"):
+        raise ValueError(f"reward_errors must be zero or raise, got {cfg.reward_errors!r}")
+    if not 0 <= cfg.eval_split < 1:
+        raise ValueError(f"eval_split must be in [0, 1), got {cfg.eval_split}")
+    if cfg.eval_split and cfg.eval_data:
+        raise ValueError("eval_split and eval_data exclude each other")
+    if cfg.eval_split and not cfg.data:
+        raise ValueError("eval_split splits --data; the built-in task evaluates on fresh problems")
+    if cfg.data is None and cfg.reward not in ("", "builtin"):
+        raise ValueError(f"reward {cfg.reward!r}: the built-in task has its own reward (builtin)")
+    if cfg.data and not cfg.data.startswith("reasoning-gym:") and cfg.reward in ("", "builtin"):
+        raise ValueError(
+            f"data {cfg.data}: name its reward with --reward (math, exact, regex:PATTERN, "
+            "reasoning-gym:<task> or file.py:function)"
+        )
+    if not cfg.answer_key and not (cfg.data and cfg.is_user_reward):
+        raise ValueError(
+            f"answer_key '': reward {cfg.reward_name!r} compares responses with an answer "
+            "column; data without one needs a file.py:function reward (it receives "
+            "answer=None)"
+        )
+    if cfg.max_running_requests is not None and cfg.max_running_requests < 1:
+        raise ValueError("max_running_requests must be >= 1 or None")
+    # not (...) forms: NaN fails every comparison, so it is refused (a NaN temperature
+    # sampled token 0 every time); inf is refused as well
+    if not (0 <= cfg.temperature < math.inf and 0 < cfg.top_p <= 1 and 0 < cfg.poll_s < 60):
+        raise ValueError(
+            "finite temperature >= 0, top_p in (0, 1] and poll_s in (0, 60) required, got "
+            f"{cfg.temperature}, {cfg.top_p}, {cfg.poll_s}"
+        )
+    if not (
+        0 < cfg.lr < math.inf and 0 < cfg.drafter_lr < math.inf and 0 <= cfg.kl_coef < math.inf
+    ):
+        raise ValueError(
+            f"finite lr > 0, drafter_lr > 0 and kl_coef >= 0 required, got {cfg.lr}, "
+            f"{cfg.drafter_lr}, {cfg.kl_coef}"
+        )
