@@ -23,7 +23,7 @@ from tltsim.fidelity.fit import FitConfig, estimate_accept_rate, fit_trace, load
 from tltsim.fidelity.fit_dynamics import StepAcceptance, predict
 from tltsim.policy import SpecDecision
 from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
-from tltsim.trace.files import save_trace
+from tltsim.trace.files import load_trace, save_trace
 from tltsim.trace.measured import MeasuredStep, PolicyRecord
 from tltsim.trace.schema import Prompt, Response, Step, Trace, trace_to_dict
 
@@ -168,6 +168,26 @@ def test_cli_fit_writes_loadable_json(tmp_path: Path, capsys) -> None:
     dyn = load_dynamics(out)
     assert dyn.stale_accept_rate == DrafterDynamics().stale_accept_rate
     assert abs(dyn.initial_accept_rate - TRUE.initial_accept_rate) < 0.03
+
+
+def _refuse_constant(name: str) -> None:
+    raise AssertionError(f"not strict JSON: {name}")
+
+
+def test_an_exact_fit_writes_strict_json_and_says_no_degree_of_freedom(tmp_path, capsys):
+    """Two steps and two fitted parameters leave no degree of freedom: chi2 per dof is not a
+    number, printed as '-' and written as null (a bare NaN is not JSON)."""
+    trace_path, out = tmp_path / "two.json", tmp_path / "fit.json"
+    save_trace(synthetic_trace(TRUE, TRAINED[:2], "3_1_3", seed=3), trace_path)
+    assert main(["fit", str(trace_path), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "chi2 per degree of freedom: - (no degree of freedom left: 2 steps, 2 parameters)"
+        in printed
+    )
+    saved = json.loads(out.read_text(), parse_constant=_refuse_constant)
+    assert saved["fit"]["chi2_per_dof"] is None and len(saved["fit"]["steps"]) == 2
+    assert load_dynamics(out) == fit_trace(load_trace(trace_path), FitConfig()).dynamics
 
 
 def _bad(tmp_path: Path, trace: Trace | dict) -> Path:

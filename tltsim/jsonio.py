@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -35,6 +36,19 @@ def _default(o: Any) -> Any:
 def write_json(path: Path, obj: Any) -> None:
     """Write ``obj`` (dataclasses allowed) as indented JSON."""
     path.write_text(json.dumps(obj, indent=2, default=_default) + "\n")
+
+
+def finite_json(obj: Any) -> Any:
+    """``obj`` with every NaN or infinite float replaced by None: strict JSON has no NaN
+    (``json.dumps`` writes a bare ``NaN`` that jq, JavaScript and pandas' strict readers refuse),
+    so a value that is not a number is written as ``null``."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {key: finite_json(value) for key, value in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [finite_json(value) for value in obj]
+    return obj
 
 
 def read_text(path: str | Path, what: str = "file", error: type[TLTError] = UsageError) -> str:

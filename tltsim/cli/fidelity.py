@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -201,10 +202,17 @@ def _format_dynamics(result: FitResult, source: str) -> str:
                 {"value": ".6g", "stderr": ".3g"},
                 left=("name", "status"),
             ),
-            f"chi2 per degree of freedom: {fit.chi2_per_dof:.3g} ({len(observed)} steps, {len(fit.fitted)} parameters)",
+            _chi2_line(fit.chi2_per_dof, len(observed), len(fit.fitted)),
             format_table(rows, FIT_STEP_COLUMNS, FIT_STEP_FORMATS),
         ]
     )
+
+
+def _chi2_line(chi2_per_dof: float, num_steps: int, num_fitted: int) -> str:
+    counts = f"{num_steps} steps, {num_fitted} parameters"
+    if not math.isfinite(chi2_per_dof):  # as many parameters as steps: an exact fit
+        return f"chi2 per degree of freedom: - (no degree of freedom left: {counts})"
+    return f"chi2 per degree of freedom: {chi2_per_dof:.3g} ({counts})"
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:

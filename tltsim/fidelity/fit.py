@@ -63,7 +63,7 @@ import numpy as np
 from tltsim.errors import UsageError
 from tltsim.fidelity.fit_dynamics import DYNAMICS_FIELDS, DynamicsFit, StepAcceptance, fit_dynamics
 from tltsim.fidelity.fit_history import LOGITS, HistoryFit, fit_history, history_observations
-from tltsim.jsonio import read_json
+from tltsim.jsonio import finite_json, read_json
 from tltsim.policy import SpecDecision
 from tltsim.sim.acceptance import DrafterDynamics, HistoryModel, accept_len_pmf
 from tltsim.trace.measured import MeasuredStep, arm_drafter
@@ -424,7 +424,9 @@ def save_fit(
     """Write the fit as JSON (``load_dynamics`` reads it back), with the resolved config."""
     obj = result.to_json(source)
     obj["config"] = dataclasses.asdict(config or FitConfig())
-    Path(path).write_text(json.dumps(obj, indent=2) + "\n")
+    # null for what is not a number: chi2_per_dof without degrees of freedom, a step's rate
+    # without verifies
+    Path(path).write_text(json.dumps(finite_json(obj), indent=2, allow_nan=False) + "\n")
 
 
 def load_history(path: str | Path) -> HistoryModel | None:
