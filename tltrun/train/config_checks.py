@@ -6,20 +6,19 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING
+from typing import Any
 
 from tltrun.model.config import check_device
 from tltrun.rollout.engine_config import DTYPES
 from tltsim.policy import POLICY_NAMES, make_policy
 
-if TYPE_CHECKING:
-    from tltrun.train.config import TrainConfig
-
 BACKENDS = ("torch", "vllm")
 
 
-def check_train_config(cfg: TrainConfig) -> None:
-    """Raise ValueError for the first field of ``cfg`` that no run can use."""
+def check_train_config(cfg: Any) -> None:
+    """Raise ValueError for the first field of ``cfg`` (a ``tltrun.train.config.TrainConfig``,
+    which calls this from ``__post_init__``: this module does not import it back) that no run
+    can use."""
     if not cfg.model_dir or not cfg.out:
         raise ValueError("model_dir and out are required")
     for name in (
