@@ -201,3 +201,29 @@ def test_sweep_says_whether_the_best_is_distinguishable() -> None:
     assert overlap["best"]["tlt.threshold"] == 16 and overlap["is_best_distinguishable"] is False
     one_seed = sweep_summary(table([2.0], [1.5]), SweepSpec(trace="t.json"))
     assert one_seed["is_best_distinguishable"] is None
+
+
+def test_the_ideal_bound_holds_on_a_measured_profile_with_noise(tmp_path, capsys):
+    """The shipped H200 profile's batch-1 decode is cheaper at 2,048 than at 512 context
+    (noise): without the monotone envelope the 'lower bound' of a one-response step exceeded
+    its simulated rollout. Every simulation of a replay shares one ProfileCost, so its
+    extrapolation and envelope lines are printed."""
+    trace, out = tmp_path / "one.json", tmp_path / "r"
+    profile = Path(__file__).resolve().parents[1] / "profiles" / "h200_qwen2.5-1.5b_random.csv"
+    main(["gen", "--num-steps", "4", "--prompts-per-step", "1", "--group-size", "1",
+          "--median-prompt-tokens", "500", "--prompt-tokens-sigma", "0.01",
+          "--median-response-tokens", "1200", "--difficulty-sigma", "0.1", "--seed", "2",
+          "--out", str(trace)])  # fmt: skip
+    argv = ["replay", str(trace), "--model", "Qwen2.5-1.5B", "--hardware", "H200",
+            "--num-gpus", "1", "--profile", str(profile), "--policy", "nospec,static",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert captured.err.count("warning: profile ") >= 4  # once per op and axis left
+    steps = pd.read_csv(out / "steps.csv")
+    assert (steps.rollout_s >= steps.ideal_rollout_s * (1 - 1e-9)).all(), steps
+    summary = json.loads((out / "summary.json").read_text())
+    assert all(row["rollout_over_ideal"] >= 1 - 1e-9 for row in summary["policies"])
+    assert "profile: op decode/verify: 4 of 24 measured points raised" in printed
+    assert "profile: decode: context tokens per sequence requested in" in printed

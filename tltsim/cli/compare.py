@@ -74,7 +74,7 @@ def format_report(steps: pd.DataFrame, ups: pd.DataFrame, summary: dict[str, Any
             f"{policy} vs {s['baseline']}: rollout speedup measured {s['measured_speedup']:.3f}x, simulated {s['sim_speedup']:.3f}x "
             f"(error {s['speedup_err_pct']:.1f}%; per step median {format_cell(s['per_step_err_pct']['median'], '.1f')}%)"
         )
-    lines += ["profile extrapolation: " + line for line in summary["profile_extrapolation"]]
+    lines += ["profile: " + line for line in summary["profile_extrapolation"]]
     return "\n".join(lines)
 
 

@@ -100,7 +100,7 @@ def extrapolation_lines(cost: Any) -> list[str]:
     report = getattr(cost, "extrapolation_report", None)
     if report is None:
         return []
-    return ["profile extrapolation: " + line for line in report()]
+    return ["profile: " + line for line in report()]
 
 
 # --- tltsim fit ------------------------------------------------------------------------------------

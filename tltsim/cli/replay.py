@@ -39,7 +39,6 @@ from tltsim.cli.fidelity import (
 )
 from tltsim.cli.table import format_table
 from tltsim.cost.calibrated import is_preset_file, load_hardware_preset
-from tltsim.cost.measured import with_profile
 from tltsim.cost.presets import apply_preset
 from tltsim.errors import UsageError
 from tltsim.jsonio import write_json
@@ -54,6 +53,7 @@ from tltsim.sim.replay import (
     cost_model,
     interval_spec,
     policy_names,
+    replay_cost,
     replay_intervals,
     simulate_policies,
     write_outputs,
@@ -126,7 +126,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if getattr(args, "hardware_file", None) is not None:
         sim = dataclasses.replace(sim, hardware=hardware_file_name(args.hardware_file))
     profile = getattr(args, "profile", None)
-    cost = with_profile(profile, cost_model(sim))
+    # one cost model for every simulation below, so that its extrapolation report covers them
+    cost = replay_cost(sim, profile)
     trace = load_trace(args.trace)
     if replay.max_steps is not None:
         trace = Trace(meta=trace.meta, steps=trace.steps[: replay.max_steps])
@@ -171,9 +172,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         profile,
         history=history,
     )
-    results = simulate_policies(trace, names, settings)
-    intervals = replay_intervals(trace, names, settings, spec, results)
-    summary = write_outputs(out, trace, results, sim, profile, intervals, spec)
+    results = simulate_policies(trace, names, settings, cost)
+    intervals = replay_intervals(trace, names, settings, spec, results, cost)
+    summary = write_outputs(out, trace, results, sim, profile, intervals, spec, cost)
     print(format_report(results, summary, out))
     for line in extrapolation_lines(cost):
         print(line)

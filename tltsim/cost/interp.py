@@ -179,6 +179,17 @@ def _extreme(a: Curve, b: Curve, pick: Callable[[float, float], float]) -> Curve
     return Curve(knots, ys, ys[0] - lo_pick, hi_pick - ys[-1])
 
 
+def nondecreasing(curve: Curve) -> Curve:
+    """The least nondecreasing Curve on ``curve``'s knots that is nowhere below it: each knot's
+    value raised to the largest before it (a segment that fell becomes the chord from that
+    level), slopes beyond the ends at least zero."""
+    ys, level = [], -math.inf
+    for y in curve.ys:
+        level = max(level, y)
+        ys.append(level)
+    return Curve(curve.xs, ys, max(curve.lo_slope, 0.0), max(curve.hi_slope, 0.0))
+
+
 def maximum(a: Curve, b: Curve) -> Curve:
     return _extreme(a, b, max)
 

@@ -26,6 +26,11 @@ along T: attention grows as T^2 there, smoothly, and the kink rebuild would unde
 On a doubling T grid that costs up to a few per cent, and up to ~16% at the memory/compute
 transition of short prompts on some presets (median < 0.3%).
 
+Rollout ops never get cheaper with a larger batch or a longer context: measured points that
+noise made cheaper are raised to the most of the points with less work at the same width
+(``monotone_envelope``), and each slice along context is made nondecreasing between its knots
+too. ``extrapolation_report`` says how many points moved and by how much.
+
 Training ops time one update of ``batch`` sequences: linear in sequences per update at each
 measured sequence length, then linear in sequence length. A step's training of more sequences
 than the largest measured update costs that many updates of the largest measured size
@@ -49,14 +54,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from tltsim.cost.interp import ZERO, Curve, Table, maximum, measured_curve
+from tltsim.cost.interp import ZERO, Curve, maximum, nondecreasing
 from tltsim.cost.profile import (
     OPS,
     REQUIRED_OPS,
@@ -65,6 +69,7 @@ from tltsim.cost.profile import (
     ProfileRow,
     load_profile,
 )
+from tltsim.cost.profile_tables import AXES, ENVELOPE_FIXED, profile_tables
 from tltsim.cost.roofline import CostModel, crossover_batch, default_sd_iter_s
 from tltsim.errors import UsageError
 from tltsim.policy import SpecDecision
@@ -74,75 +79,7 @@ class ProfileExtrapolationWarning(UserWarning):
     """A cost was asked for outside the measured grid of a profile."""
 
 
-# --- building the interpolation tables -------------------------------------------------------
-
-# Per table: its axes, outermost first, as (name, is_kinked), and the innermost axis' minimum.
-# Kinked axes (tltsim.cost.interp) are piecewise affine by the roofline's physics; the per-sequence
-# token axes of prefill and re-prefill are smooth (attention grows as T^2) and use chords.
-_AXES: dict[str, tuple[tuple[str, bool], ...]] = {
-    "target": (("tokens_per_seq", True), ("batch", True), ("context tokens per sequence", True)),
-    "drafter": (("tokens_per_seq", True), ("batch", True), ("context tokens per sequence", True)),
-    "prefill": (("batch", True), ("prompt tokens per sequence", False)),
-    "sd_switch": (("batch", True), ("context tokens per sequence", False)),
-    "train": (("sequence tokens", False), ("sequences per update", True)),
-    "drafter_train": (("sequence tokens", False), ("sequences per update", True)),
-}
-_X_MIN = {"prefill": 1.0, "sd_switch": 1.0}
 _MAX_SLICES = 65536  # cached 1-D slices per ProfileCost (a few KB each)
-_MEMBERS = {
-    "target": ("decode", "verify"),
-    "drafter": ("drafter",),
-    "prefill": ("prefill",),
-    "sd_switch": ("sd_switch",),
-    "train": ("train",),
-    "drafter_train": ("drafter_train",),
-}
-
-
-def _coords(table: str, r: ProfileRow) -> tuple[float, ...]:
-    per_seq = r.context_tokens / r.batch
-    if table in ("target", "drafter"):
-        return (r.tokens_per_seq, r.batch, per_seq)
-    if table == "prefill":
-        return (r.batch, r.tokens_per_seq)
-    if table == "sd_switch":
-        return (r.batch, per_seq)
-    return (r.tokens_per_seq, r.batch)
-
-
-def _build(
-    points: dict[tuple[float, ...], float],
-    axes: tuple[tuple[str, bool], ...],
-    x_min: float,
-    where: str,
-    source: str,
-) -> Curve | Table:
-    """Nested Table over the first coordinate of ``points`` down to Curves over the last."""
-    (name, is_kinked), inner = axes[0], axes[1:]
-    if not inner:
-        xs = sorted(points)
-        if len(xs) < 2:
-            raise ProfileError(
-                f"{source}: {where}: only one {name} value measured ({xs[0][0]:g}); need >= 2 to interpolate"
-            )
-        return measured_curve([x[0] for x in xs], [points[x] for x in xs], x_min, is_kinked)
-    groups: dict[float, dict[tuple[float, ...], float]] = defaultdict(dict)
-    for coords, seconds in points.items():
-        groups[coords[0]][coords[1:]] = seconds
-    knots = sorted(groups)
-    children = [_build(groups[k], inner, x_min, f"{where}, {name} {k:g}", source) for k in knots]
-    return Table(knots, children, is_kinked)
-
-
-def _tables(profile: Profile) -> dict[str, Table]:
-    tables = {}
-    for name, ops in _MEMBERS.items():
-        rows = [r for r in profile.rows if r.op in ops]
-        if rows:
-            points = {_coords(name, r): r.seconds for r in rows}
-            where = f"op {'/'.join(ops)}"
-            tables[name] = _build(points, _AXES[name], _X_MIN.get(name, 0.0), where, profile.source)
-    return tables
 
 
 # --- the cost model --------------------------------------------------------------------------
@@ -161,9 +98,14 @@ class Extrapolation:
     max_requested: float = -math.inf
 
     def line(self) -> str:
+        how = (
+            "held constant: one value measured"
+            if self.grid_lo == self.grid_hi
+            else "linear extrapolation"
+        )
         return (
             f"{self.op}: {self.axis} requested in [{self.min_requested:g}, {self.max_requested:g}] "
-            f"outside the measured [{self.grid_lo:g}, {self.grid_hi:g}] in {self.num_calls} calls (linear extrapolation)"
+            f"outside the measured [{self.grid_lo:g}, {self.grid_hi:g}] in {self.num_calls} calls ({how})"
         )
 
 
@@ -176,7 +118,7 @@ class ProfileCost:
         self.profile = profile
         self.fallback = fallback
         self.is_warned = is_warned
-        self._tables = _tables(profile)
+        self._tables, self.monotone_lifts = profile_tables(profile)
         self.fallback_ops = tuple(op for op in REQUIRED_OPS if op not in profile.ops)
         if self.fallback_ops and fallback is None:
             raise ProfileError(
@@ -194,7 +136,7 @@ class ProfileCost:
     def _note(
         self, table: str, op: str, coords: tuple[float, ...], v_lo: float, v_hi: float
     ) -> None:
-        axes = _AXES[table]
+        axes = AXES[table]
         for level, value, lo, hi in self._tables[table].out_of_range(coords, v_lo, v_hi):
             axis = axes[level][0]
             rec = self.extrapolations.get((op, axis))
@@ -224,7 +166,10 @@ class ProfileCost:
         if curve is None:
             if len(self._slices) >= _MAX_SLICES:
                 self._slices.clear()
-            curve = self._slices[key] = maximum(self._tables[table].slice(coords), ZERO)
+            curve = maximum(self._tables[table].slice(coords), ZERO)
+            if table in ENVELOPE_FIXED:  # more context never takes less time, between knots too
+                curve = nondecreasing(curve)
+            self._slices[key] = curve
         return curve
 
     def _value(self, table: str, op: str, *coords: float) -> float:
@@ -244,8 +189,10 @@ class ProfileCost:
         return op not in self.fallback_ops
 
     def extrapolation_report(self) -> list[str]:
-        """One line per (op, axis) that left the grid, plus the ops taken from the fallback."""
+        """One line per (op, axis) that left the grid, per table whose noise was lifted
+        (``monotone_envelope``), and the ops taken from the fallback."""
         lines = [rec.line() for rec in self.extrapolations.values()]
+        lines += [lift.line() for lift in self.monotone_lifts]
         if self.fallback_ops:
             lines.append(
                 f"ops not in the profile, from {type(self.fallback).__name__}: {', '.join(self.fallback_ops)}"

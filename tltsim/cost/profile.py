@@ -27,9 +27,12 @@ A CSV file with this header and one row per measured point (any row order)::
                     per sequence (topk) [tokens_per_seq, batch, context per sequence]
   ``prefill``       target prefill of ``batch`` prompts of ``tokens_per_seq`` tokens each,
                     ``context_tokens`` = 0 [batch, tokens per sequence]
-  ``sd_switch``     turning SD on: re-prefill (target + drafter) of ``batch`` running sequences
-                    of ``context_tokens / batch`` tokens each; ``tokens_per_seq`` = that,
-                    rounded [batch, context per sequence]
+  ``sd_switch``     turning SD on for ``batch`` running sequences of ``context_tokens / batch``
+                    tokens each, as the profiled engine does it; ``tokens_per_seq`` = that,
+                    rounded [batch, context per sequence]. The roofline charges TLT's
+                    re-prefill of target and drafter; tltrun's torch engine keeps the target's
+                    hidden states and re-prefills the drafter only (``tltrun.profile.measure``),
+                    so ``profile-info``'s measured/roofline ratio for it is well below 1
   ``train``         one actor update (forward + backward + optimizer step) over ``batch``
                     sequences of ``tokens_per_seq`` tokens; ``context_tokens`` = 0
                     [sequence tokens, sequences per update]; a step with more sequences

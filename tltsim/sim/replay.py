@@ -185,10 +185,14 @@ def cost_model(sim: SimConfig) -> CalibratedCost | RooflineCost:
     return preset_cost(sim.model, sim.hardware, tp=sim.tp)
 
 
-def run_settings(settings: RunSettings, trace: Trace, progress: Any = None) -> SimResult:
-    """Build the cost model and policy objects of ``settings`` and simulate ``trace``."""
+def run_settings(
+    settings: RunSettings, trace: Trace, progress: Any = None, cost: Any = None
+) -> SimResult:
+    """Build the cost model (unless ``cost``, built from ``settings`` by ``replay_cost``, is
+    given: one ProfileCost then reports the extrapolations of all the simulations) and policy
+    objects of ``settings`` and simulate ``trace``."""
     sim = settings.sim
-    cost = with_profile(settings.profile, cost_model(sim))
+    cost = cost if cost is not None else replay_cost(settings.sim, settings.profile)
     if settings.policy == "tlt":
         policy = make_policy("tlt", seed=sim.seed, **dataclasses.asdict(settings.tlt))
     elif settings.policy == "static":
@@ -212,10 +216,17 @@ def run_settings(settings: RunSettings, trace: Trace, progress: Any = None) -> S
     )
 
 
+def replay_cost(sim: SimConfig, profile: Path | None = None) -> Any:
+    """The cost model of ``sim`` (``cost_model``), or a ProfileCost of ``profile`` falling back
+    to it."""
+    return with_profile(profile, cost_model(sim))
+
+
 def simulate_policies(
-    trace: Trace, names: tuple[str, ...], base: RunSettings
+    trace: Trace, names: tuple[str, ...], base: RunSettings, cost: Any = None
 ) -> dict[str, SimResult]:
-    """``base`` simulated under each policy of ``names`` (a progress bar for long replays)."""
+    """``base`` simulated under each policy of ``names`` (a progress bar for long replays);
+    ``cost``: see ``run_settings``."""
     total = trace.num_steps * len(names)
     is_quiet = trace.num_responses * len(names) < PROGRESS_MIN_RESPONSES or not sys.stderr.isatty()
     results = {}
@@ -223,7 +234,7 @@ def simulate_policies(
         for name in names:
             bar.set_postfix_str(name)
             results[name] = run_settings(
-                dataclasses.replace(base, policy=name), trace, progress=bar.update
+                dataclasses.replace(base, policy=name), trace, progress=bar.update, cost=cost
             )
     return results
 
@@ -257,6 +268,7 @@ def replay_intervals(
     base: RunSettings,
     spec: IntervalSpec,
     point: dict[str, SimResult],
+    cost: Any = None,
 ) -> dict[str, SpeedupInterval]:
     """Speedup intervals around ``point`` (``simulate_policies(trace, names, base)``); the extra
     simulations (other seeds, acceptance ends) record no timeline."""
@@ -268,7 +280,7 @@ def replay_intervals(
         settings = dataclasses.replace(
             base, policy=name, sim=sim, drafter=drafter, history=history or base.history
         )
-        return run_settings(settings, trace)
+        return run_settings(settings, trace, cost=cost)
 
     return speedup_intervals(names, spec, base.drafter, point, simulate_one)
 
@@ -278,11 +290,12 @@ def comparison(
     sim: SimConfig,
     profile: Path | None = None,
     intervals: dict[str, SpeedupInterval] | None = None,
+    cost: Any = None,
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Per-policy summary rows (speedup vs NoSpec when it ran, with its interval when
     ``intervals`` has one) and the mean ideal rollout time with its two terms (work bound,
     critical path) over the strategies every policy used (one lower bound for all of them)."""
-    cost = with_profile(profile, cost_model(sim))
+    cost = cost if cost is not None else replay_cost(sim, profile)
     strategies = sorted(
         set().union(*(r.strategies_used for r in results.values())), key=lambda d: d.strategy
     )
@@ -328,10 +341,12 @@ def write_outputs(
     profile: Path | None = None,
     intervals: dict[str, SpeedupInterval] | None = None,
     spec: IntervalSpec | None = None,
+    cost: Any = None,
 ) -> dict[str, Any]:
     """Write the replay's files (module docstring) and return the summary. ``intervals`` and
-    the ``spec`` they were computed under add each policy's speedup interval."""
-    rows, ideal = comparison(results, sim, profile, intervals)
+    the ``spec`` they were computed under add each policy's speedup interval; ``cost``: see
+    ``run_settings``."""
+    rows, ideal = comparison(results, sim, profile, intervals, cost)
     summary = {
         "kind": "replay",
         "trace": trace.summary(),

@@ -1,0 +1,131 @@
+"""The interpolation tables of a measured profile (``ProfileCost``'s data): measured points
+grouped per table (decode and verify share one), raised to their monotone envelope where
+noise made more work look cheaper, and nested into ``tltsim.cost.interp`` Tables.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from tltsim.cost.interp import Curve, Table, measured_curve
+from tltsim.cost.profile import Profile, ProfileError, ProfileRow
+
+# Per table: its axes, outermost first, as (name, is_kinked), and the innermost axis' minimum.
+# Kinked axes (tltsim.cost.interp) are piecewise affine by the roofline's physics; the per-sequence
+# token axes of prefill and re-prefill are smooth (attention grows as T^2) and use chords.
+AXES: dict[str, tuple[tuple[str, bool], ...]] = {
+    "target": (("tokens_per_seq", True), ("batch", True), ("context tokens per sequence", True)),
+    "drafter": (("tokens_per_seq", True), ("batch", True), ("context tokens per sequence", True)),
+    "prefill": (("batch", True), ("prompt tokens per sequence", False)),
+    "sd_switch": (("batch", True), ("context tokens per sequence", False)),
+    "train": (("sequence tokens", False), ("sequences per update", True)),
+    "drafter_train": (("sequence tokens", False), ("sequences per update", True)),
+}
+_X_MIN = {"prefill": 1.0, "sd_switch": 1.0}
+_MEMBERS = {
+    "target": ("decode", "verify"),
+    "drafter": ("drafter",),
+    "prefill": ("prefill",),
+    "sd_switch": ("sd_switch",),
+    "train": ("train",),
+    "drafter_train": ("drafter_train",),
+}
+
+
+def _coords(table: str, r: ProfileRow) -> tuple[float, ...]:
+    per_seq = r.context_tokens / r.batch
+    if table in ("target", "drafter"):
+        return (r.tokens_per_seq, r.batch, per_seq)
+    if table == "prefill":
+        return (r.batch, r.tokens_per_seq)
+    if table == "sd_switch":
+        return (r.batch, per_seq)
+    return (r.tokens_per_seq, r.batch)
+
+
+def _build(
+    points: dict[tuple[float, ...], float],
+    axes: tuple[tuple[str, bool], ...],
+    x_min: float,
+    where: str,
+    source: str,
+) -> Curve | Table:
+    """Nested Table over the first coordinate of ``points`` down to Curves over the last."""
+    (name, is_kinked), inner = axes[0], axes[1:]
+    if not inner:
+        xs = sorted(points)
+        if len(xs) < 2:
+            raise ProfileError(
+                f"{source}: {where}: only one {name} value measured ({xs[0][0]:g}); need >= 2 to interpolate"
+            )
+        return measured_curve([x[0] for x in xs], [points[x] for x in xs], x_min, is_kinked)
+    groups: dict[float, dict[tuple[float, ...], float]] = defaultdict(dict)
+    for coords, seconds in points.items():
+        groups[coords[0]][coords[1:]] = seconds
+    knots = sorted(groups)
+    children = [_build(groups[k], inner, x_min, f"{where}, {name} {k:g}", source) for k in knots]
+    return Table(knots, children, is_kinked)
+
+
+@dataclass(frozen=True)
+class MonotoneLift:
+    """Measured points of one table that ``monotone_envelope`` raised."""
+
+    ops: str
+    num_lifted: int
+    num_points: int
+    max_lift: float  # the largest rise, relative to the measured seconds
+
+    def line(self) -> str:
+        return (
+            f"{self.ops}: {self.num_lifted} of {self.num_points} measured points raised to the "
+            f"cost of a smaller batch or context (by at most {self.max_lift:.1%}: measurement "
+            "noise made more work look cheaper)"
+        )
+
+
+# Per rollout table: how many leading coordinates a point must share with the points that bound
+# it from below (tokens per sequence: a verify or drafter width may run another code path, and
+# the measured H200 profile's drafter is faster at top-k 4 than at top-k 1, so widths are not
+# compared). Training tables keep their measured values: no rollout bound rests on them.
+ENVELOPE_FIXED = {"target": 1, "drafter": 1, "prefill": 0, "sd_switch": 0}
+
+
+def monotone_envelope(
+    points: dict[tuple[float, ...], float], num_fixed: int = 0
+) -> tuple[dict[tuple[float, ...], float], int, float]:
+    """Each point's seconds raised to the most of any point with the same first ``num_fixed``
+    coordinates and no more of the others (batch, context): a larger batch or a longer context
+    never takes less time, so a measured dip (noise: the H200 profile's batch-1 decode takes
+    4.07 ms at 512 context and 4.02 ms at 2,048) is not physics. The lower bound on a rollout
+    (``tltsim.sim.metrics.critical_path_s``, ``work_bound_s``) rests on this, and the
+    interpolation (``tltsim.cost.interp``) of monotone points is monotone. Returns the points,
+    how many were raised and the largest relative rise."""
+    keys = list(points)
+    coords = np.array(keys, dtype=float)  # (N, D)
+    seconds = np.array([points[k] for k in keys])
+    same = np.all(coords[None, :, :num_fixed] == coords[:, None, :num_fixed], axis=2)
+    below = np.all(coords[None, :, num_fixed:] <= coords[:, None, num_fixed:], axis=2)
+    lifted = np.max(np.where(same & below, seconds[None, :], -np.inf), axis=1)  # [i]: over j
+    rise = (lifted - seconds) / np.maximum(seconds, 1e-300)
+    out = dict(zip(keys, lifted.tolist(), strict=True))
+    return out, int(np.count_nonzero(rise > 0)), float(rise.max(initial=0.0))
+
+
+def profile_tables(profile: Profile) -> tuple[dict[str, Table], tuple[MonotoneLift, ...]]:
+    tables, lifts = {}, []
+    for name, ops in _MEMBERS.items():
+        rows = [r for r in profile.rows if r.op in ops]
+        if rows:
+            points = {_coords(name, r): r.seconds for r in rows}
+            num_lifted, max_lift = 0, 0.0
+            if name in ENVELOPE_FIXED:
+                points, num_lifted, max_lift = monotone_envelope(points, ENVELOPE_FIXED[name])
+            where = f"op {'/'.join(ops)}"
+            if num_lifted:
+                lifts.append(MonotoneLift(where, num_lifted, len(points), max_lift))
+            tables[name] = _build(points, AXES[name], _X_MIN.get(name, 0.0), where, profile.source)
+    return tables, tuple(lifts)
