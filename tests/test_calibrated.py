@@ -324,6 +324,26 @@ def test_calibrate_says_when_the_profile_is_incomplete(tmp_path, capsys):
     )
 
 
+def test_a_held_overlap_exponent_stays_as_the_base_has_it(tmp_path, capsys):
+    """H200 has no shipped calibration: its base is the roofline limit, a plain max of compute
+    and memory time (overlap_exponent None). Fitting only the bandwidth must keep it so; it
+    used to write the optimiser's start (2), a soft max, as 'held'. A --hardware the sidecar's
+    device name does not match gets a note."""
+    pytest.importorskip("scipy")
+    shipped = Path(__file__).resolve().parents[1] / "profiles" / "h200_qwen2.5-1.5b_random.csv"
+    preset = tmp_path / "bw.json"
+    argv = ["calibrate", str(shipped), "--hardware", "H200", "--out", str(preset)]
+    assert main([*argv, "--fit", "bandwidth_fraction"]) == 0
+    assert "note:" not in capsys.readouterr().out
+    cost = preset_cost("Qwen2.5-1.5B", str(preset))
+    assert cost.params.overlap_exponent is None and cost.params.bandwidth_fraction < 1
+    argv = ["calibrate", str(shipped), "--hardware", "H100-SXM", "--out", str(tmp_path / "x.json")]
+    assert main(argv) == 0
+    assert "note: --hardware H100-SXM, but the profile was measured on 'NVIDIA H200'" in (
+        capsys.readouterr().out
+    )
+
+
 def test_profile_info_shows_the_shipped_calibration(tmp_path, capsys):
     profile = _write_profile(tmp_path / "p.csv", _profile_rows(_cost(), noise=0.0))
     assert main(["profile-info", str(profile)]) == 0
@@ -332,7 +352,15 @@ def test_profile_info_shows_the_shipped_calibration(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "case",
-    ["missing", "columns", "bad_fit_field", "hardware_file_missing", "hardware_file_not_json"],
+    [
+        "missing",
+        "columns",
+        "bad_fit_field",
+        "hardware_file_missing",
+        "hardware_file_not_json",
+        "no_drafter_rows",
+        "other_model",
+    ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
     pytest.importorskip("scipy")
@@ -346,6 +374,12 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, case):
         argv = ["calibrate", str(bad)]
     elif case == "bad_fit_field":
         argv = ["calibrate", str(good), "--fit", "bandwidth_fraction,warp_speed"]
+    elif case == "no_drafter_rows":  # it fitted nothing and exited 0
+        rows = [r for r in _profile_rows(_cost(), noise=0.0) if r.op != "drafter"]
+        plain = _write_profile(tmp_path / "plain.csv", rows)
+        argv = ["calibrate", str(plain), "--fit", "draft_step_overhead_s"]
+    elif case == "other_model":  # the sidecar says Qwen2.5-7B
+        argv = ["calibrate", str(good), "--model", "Qwen2.5-0.5B"]
     elif case == "hardware_file_missing":
         argv = ["replay", str(TRACE), "--hardware-file", str(tmp_path / "nope.json")]
     else:

@@ -24,7 +24,8 @@ from tltsim.cli.args import check_out_file
 from tltsim.cli.table import format_table
 from tltsim.cost.calibrate import BOUNDS, DEFAULT_FIT_FIELDS, fit_calibration
 from tltsim.cost.calibrated import CALIBRATIONS, CalibrationParams, save_hardware_preset
-from tltsim.cost.profile import load_profile
+from tltsim.cost.profile import Profile, load_profile
+from tltsim.cost.specs import HardwareSpec, ModelSpec
 from tltsim.errors import UsageError
 
 PARAM_COLUMNS = {"name": "parameter", "value": "value", "status": "status"}
@@ -78,6 +79,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_calibrate)
 
 
+def check_sidecar_agrees(
+    args: argparse.Namespace, profile: Profile, model: ModelSpec, hardware: HardwareSpec
+) -> None:
+    """A ``--model`` of other shapes than the model the sidecar describes is refused (the fit
+    would explain one model's times with another's bytes and FLOPs); a ``--hardware`` whose
+    name the sidecar's device name does not contain gets a note (device names vary:
+    'NVIDIA H100 80GB HBM3' is the H100-SXM preset)."""
+    from tltsim.cli.fidelity import _model_spec
+
+    if args.model is not None and isinstance(profile.meta.get("model"), dict | str):
+        measured = _model_spec(None, profile)
+        if measured is not None and dataclasses.replace(measured, name=model.name) != model:
+            shapes = [
+                f"{f.name} {getattr(measured, f.name)} vs {getattr(model, f.name)}"
+                for f in dataclasses.fields(ModelSpec)
+                if f.name != "name" and getattr(measured, f.name) != getattr(model, f.name)
+            ]
+            raise UsageError(
+                f"--model {args.model}: not the model the profile measured "
+                f"({args.profile}'s sidecar: {'; '.join(shapes)}); leave --model out to use "
+                "the sidecar's"
+            )
+    device = profile.meta.get("hardware")
+    family = hardware.name.split("-")[0].casefold()
+    if args.hardware is not None and isinstance(device, str) and family not in device.casefold():
+        print(
+            f"note: --hardware {hardware.name}, but the profile was measured on {device!r} "
+            "(the sidecar's device name)"
+        )
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     # the profile-info resolution
     from tltsim.cli.fidelity import _hardware_spec, _model_spec, profile_tp
@@ -93,6 +125,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"{args.profile}: need --model and --hardware (the sidecar names no preset for "
             f"{'the model' if model is None else 'the hardware'})"
         )
+    check_sidecar_agrees(args, profile, model, hardware)
     tp = profile_tp(args.tp, profile)
     fields = tuple(f.strip() for f in args.fit.split(",") if f.strip())
     if len(set(fields)) != len(fields):

@@ -125,20 +125,21 @@ def fit_models(
         )
     usable = [(model, tuple(r for r in rows if r.op in FIT_OPS)) for model, rows in groups]
     all_rows = tuple(r for _, rows in usable for r in rows)
-    fields = tuple(
-        f
-        for f in fields
-        if f != "draft_step_overhead_s" or any(r.op == "drafter" for r in all_rows)
-    )
+    if "draft_step_overhead_s" in fields and not any(r.op == "drafter" for r in all_rows):
+        raise CalibrationError(
+            f"{source or 'profile'}: draft_step_overhead_s: no drafter rows to fit it from "
+            "(profile a drafter, or leave it out of the fitted fields)"
+        )
     if len(all_rows) < len(fields) + 1:
         raise CalibrationError(
             f"{source or 'profile'}: {len(all_rows)} decode/verify/drafter rows, need more than {len(fields)} (one per fitted parameter)"
         )
     measured = np.array([r.seconds for r in all_rows])
-    start = dataclasses.replace(
-        base,
-        overlap_exponent=base.overlap_exponent if base.overlap_exponent is not None else 2.0,
-    )
+    # overlap_exponent None is the plain max of compute and memory time: a fit of the exponent
+    # starts from 2 (a soft max); held, it stays as the base has it
+    start = base
+    if "overlap_exponent" in fields and base.overlap_exponent is None:
+        start = dataclasses.replace(base, overlap_exponent=2.0)
     lower = np.array([BOUNDS[f][0] for f in fields])
     upper = np.array([BOUNDS[f][1] for f in fields])
     x0 = np.clip([float(getattr(start, f)) for f in fields], lower, upper)
