@@ -152,12 +152,26 @@ def test_export_names_config_and_round_trip(tmp_path):
         )
 
 
-def test_qwen2_target_exports_attention_bias(tmp_path):
+def test_qwen2_target_exports_qkv_bias(tmp_path):
+    """A Qwen2 target's drafter layer has q/k/v biases and no o_proj bias. In a Llama config
+    that is vLLM's qkv_bias: attention_bias would give o_proj a bias too, which vLLM leaves
+    uninitialised when the file has none. Drafters exported before (attention_bias true, marked
+    by tlt_drafter.json) still load."""
     target = tiny_model(seed=0, model_type="qwen2", attention_bias=True)
-    export_vllm(EagleDrafter.for_target(target), tmp_path)
+    drafter = EagleDrafter.for_target(target)
+    export_vllm(drafter, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["attention_bias"] is True and cfg["model_type"] == "llama"
-    assert "layers.0.self_attn.q_proj.bias" in load_file(tmp_path / "model.safetensors")
+    assert cfg["model_type"] == "llama" and cfg["attention_bias"] is False and cfg["qkv_bias"]
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert "layers.0.self_attn.q_proj.bias" in tensors
+    assert "layers.0.self_attn.o_proj.bias" not in tensors
+    assert load_drafter(tmp_path, target).state_dict().keys() == drafter.state_dict().keys()
+    old = {k: v for k, v in cfg.items() if k != "qkv_bias"} | {"attention_bias": True}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert load_drafter(tmp_path, target).config.attention_bias
+    (tmp_path / "tlt_drafter.json").unlink()  # someone else's Llama drafter with o_proj bias
+    with pytest.raises(CheckpointError, match="attention_bias=true"):
+        load_drafter(tmp_path, target)
 
 
 def test_drafter_never_trains_the_shared_head():
@@ -176,6 +190,15 @@ def test_load_rejects_mismatched_target(tmp_path):
     other = tiny_model(seed=0, hidden_size=32, head_dim=8)
     with pytest.raises(CheckpointError, match="hidden_size=48 but the target has 32"):
         load_drafter(tmp_path, other)
+    # a drafter whose own config describes another layer than the target's (vLLM builds it
+    # from that file): it loaded with the target's RoPE base and norm epsilon
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "rope_theta": 10.0}))
+    with pytest.raises(CheckpointError, match="rope_theta=10.0 but the target has"):
+        load_drafter(tmp_path, TARGET)
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "rms_norm_eps": 0.5}))
+    with pytest.raises(CheckpointError, match="rms_norm_eps=0.5 but the target has"):
+        load_drafter(tmp_path, TARGET)
 
 
 def test_an_fp32_drafter_trains_against_a_bf16_engine_target():

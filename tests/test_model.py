@@ -148,6 +148,76 @@ def test_bad_checkpoints_give_one_line_errors(tmp_path):
         load_hf(tmp_path)
 
 
+def _llama_with(tmp_path, **config_fields):
+    """A transformers Llama with extra config fields (bias layouts, activations), saved."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2, **config_fields)  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _edit(path, **fields):
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, **fields}))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["o_bias", "mlp_bias", "gelu", "quant_config", "int8", "float8", "undeclared_bias",
+     "rope_string"],
+)  # fmt: skip
+def test_layouts_tltrun_cannot_compute_are_refused_not_dropped(tmp_path, case):
+    """Each of these loaded and computed other logits than transformers (a Llama o_proj bias
+    or MLP biases dropped, GELU run as SiLU, int8 codes read as weights) or crashed: now one
+    CheckpointError naming the field, from load_hf and from check_checkpoint alike."""
+    from safetensors.torch import load_file, save_file
+
+    from tltrun.model.hf_checkpoint import check_checkpoint
+
+    if case == "o_bias":
+        path, match = _llama_with(tmp_path, attention_bias=True), "attention_bias=true"
+    elif case == "mlp_bias":
+        path, match = _llama_with(tmp_path, mlp_bias=True), "mlp_bias"
+    elif case == "gelu":
+        path, match = _llama_with(tmp_path, hidden_act="gelu"), "hidden_act 'gelu'"
+    elif case == "rope_string":
+        path, match = _llama_with(tmp_path), "field 'rope_scaling': expected an object"
+        _edit(path, rope_scaling="linear")
+    elif case == "quant_config":
+        path, match = _llama_with(tmp_path), "quantized checkpoint .quant_method 'fp8'"
+        _edit(path, quantization_config={"quant_method": "fp8"})
+    elif case == "undeclared_bias":  # a Qwen2 config saying its q/k/v have no bias
+        _hf_model("qwen2", kv_heads=2, tied=False).save_pretrained(tmp_path)
+        path, match = tmp_path, "_proj.bias' .6 in all. has no place in a qwen2 model"
+        _edit(path, attention_bias=False)
+    else:
+        path = _llama_with(tmp_path)
+        tensors = load_file(path / "model.safetensors")
+        name = "model.layers.0.self_attn.q_proj.weight"
+        dtype = torch.int8 if case == "int8" else torch.float8_e4m3fn
+        tensors[name] = tensors[name].to(dtype)
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        match = f"{name}' has dtype (I8|int8|F8_E4M3|float8_e4m3fn): quantized"
+    for load in (load_hf, check_checkpoint):
+        with pytest.raises(CheckpointError, match=match):
+            load(path)
+
+
+def test_llama3_rope_without_context_lengths_uses_llamas_default():
+    """transformers' LlamaConfig defaults max_position_embeddings to 2048, which llama3 RoPE
+    then takes as its original context (tltrun took 8192)."""
+    cfg = ModelConfig.from_hf_dict(
+        {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+         "num_hidden_layers": 1, "num_attention_heads": 2,
+         "rope_scaling": {k: v for k, v in LLAMA3_ROPE.items()
+                          if k != "original_max_position_embeddings"}}
+    )  # fmt: skip
+    assert cfg.rope_scaling.original_max_position_embeddings == 2048
+    assert transformers.LlamaConfig().max_position_embeddings == 2048
+
+
 def test_rope_frequencies_stay_float32_in_bfloat16():
     from tiny_models import tiny_config
 

@@ -108,16 +108,14 @@ class ModelConfig:
             raise CheckpointError(
                 f"{source}: model_type {model_type!r} not supported (expected one of {SUPPORTED_MODEL_TYPES})"
             )
-        if d.get("use_sliding_window"):
-            raise CheckpointError(f"{source}: use_sliding_window=true is not supported")
+        _check_computable(d, source)
         num_heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
         eos = d.get("eos_token_id")
         eos_ids = (
             () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
         )
-        # Qwen2 always has q/k/v bias but its config carries no attention_bias field.
-        default_bias = model_type == "qwen2"
+        qkv_bias = _qkv_bias(d, model_type, source)
         theta, scaling = _parse_rope(d, source)
         try:
             return cls(
@@ -132,7 +130,7 @@ class ModelConfig:
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 rope_scaling=scaling,
-                attention_bias=bool(d.get("attention_bias", default_bias)),
+                attention_bias=qkv_bias,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 bos_token_id=d.get("bos_token_id"),
@@ -172,7 +170,10 @@ class ModelConfig:
             # vLLM and transformers 4 read it directly.
             "rope_theta": self.rope_theta,
             "rope_scaling": rope,
-            "attention_bias": self.attention_bias,
+            # Hugging Face's and vLLM's Llama read attention_bias as q/k/v AND o biases; a
+            # q/k/v-only bias is vLLM's qkv_bias there (Qwen2 has q/k/v biases only)
+            "attention_bias": self.attention_bias and self.model_type == "qwen2",
+            **({"qkv_bias": True} if self.attention_bias and self.model_type == "llama" else {}),
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             "bos_token_id": self.bos_token_id,
@@ -180,9 +181,53 @@ class ModelConfig:
         }
 
 
+# Activations the MLP computes: SwiGLU's silu (swish is its other name).
+ACTIVATIONS = ("silu", "swish")
+
+
+def _check_computable(d: dict[str, Any], source: str) -> None:
+    """Refuse what the Llama/Qwen2 layout here cannot compute, rather than load it and compute
+    something else: a sliding window, another activation, MLP biases, quantized weights."""
+    if d.get("use_sliding_window"):
+        raise CheckpointError(f"{source}: use_sliding_window=true is not supported")
+    act = d.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise CheckpointError(
+            f"{source}: hidden_act {act!r} not supported (the MLP computes SwiGLU: silu)"
+        )
+    if d.get("mlp_bias"):
+        raise CheckpointError(f"{source}: mlp_bias=true (biases on the MLP) is not supported")
+    quant = d.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise CheckpointError(
+            f"{source}: a quantized checkpoint (quant_method {method!r}) is not supported; "
+            "use the unquantized (bf16/fp16/fp32) weights"
+        )
+
+
+def _qkv_bias(d: dict[str, Any], model_type: str, source: str) -> bool:
+    """Whether q/k/v carry a bias. Qwen2's config often carries no attention_bias (it always
+    has q/k/v biases). Llama's attention_bias puts a bias on o_proj too (Hugging Face and vLLM),
+    which this layout lacks; vLLM's qkv_bias (our drafter export) is the q/k/v-only form."""
+    if model_type == "qwen2":
+        return bool(d.get("attention_bias", True))
+    if d.get("attention_bias") or d.get("bias"):
+        raise CheckpointError(
+            f"{source}: a Llama with attention_bias=true (biases on q, k, v and o_proj) is not "
+            "supported"
+        )
+    return bool(d.get("qkv_bias", False))
+
+
 def _parse_rope(d: dict[str, Any], source: str) -> tuple[float, RopeScaling]:
     params = d.get("rope_parameters") or {}
     legacy = d.get("rope_scaling") or {}
+    for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if not isinstance(value, dict):
+            raise CheckpointError(
+                f"{source}: field {key!r}: expected an object, got {type(value).__name__}"
+            )
     theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
     spec = params if params.get("rope_type", "default") != "default" else legacy
     kind = spec.get("rope_type", spec.get("type", "default"))
@@ -196,7 +241,8 @@ def _parse_rope(d: dict[str, Any], source: str) -> tuple[float, RopeScaling]:
         low_freq_factor=float(spec.get("low_freq_factor", 1.0)),
         high_freq_factor=float(spec.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(
-            spec.get("original_max_position_embeddings", d.get("max_position_embeddings", 8192))
+            # as transformers: without either field, LlamaConfig's default max_position_embeddings
+            spec.get("original_max_position_embeddings", d.get("max_position_embeddings", 2048))
         ),
     )
     return theta, scaling

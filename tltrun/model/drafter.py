@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -358,7 +359,13 @@ def vllm_config(cfg: ModelConfig) -> dict:
         model_type="llama",
         num_hidden_layers=1,
         tie_word_embeddings=False,
+        # a Llama layer: attention_bias would give o_proj a bias too, which vLLM then leaves
+        # uninitialised (no such tensor here); qkv_bias is the q/k/v-only form it reads
+        attention_bias=False,
     )
+    d.pop("qkv_bias", None)
+    if cfg.attention_bias:
+        d["qkv_bias"] = True
     return d
 
 
@@ -382,22 +389,52 @@ def export_vllm(drafter: EagleDrafter, out_dir: str | Path, meta: dict | None = 
     return root
 
 
+def _compared(cfg: ModelConfig, name: str) -> Any:
+    """``cfg.name`` as load_drafter compares it: unscaled RoPE is one thing whatever the
+    (unused) original context length it carries."""
+    value = getattr(cfg, name)
+    return "default" if name == "rope_scaling" and value.kind == "default" else value
+
+
+def _drafter_config(root: Path) -> ModelConfig:
+    """The drafter's config. Drafters this project exported before the qkv_bias layout say
+    ``attention_bias: true`` for a Qwen2 target's q/k/v biases; their ``tlt_drafter.json``
+    marks them, and they are read as q/k/v biases (their tensors have no o_proj bias)."""
+    from tltrun.model.config import read_config
+    from tltsim.jsonio import read_json
+
+    path = root / "config.json"
+    if (root / META_FILE).is_file() and path.is_file():
+        raw = read_json(path, "drafter config.json", CheckpointError)
+        if isinstance(raw, dict) and raw.get("attention_bias") and "qkv_bias" not in raw:
+            raw = {**raw, "attention_bias": False, "qkv_bias": True}
+            try:
+                return ModelConfig.from_hf_dict(raw, source=str(path))
+            except (TypeError, ValueError, OverflowError) as err:
+                raise CheckpointError(f"{path}: {err}") from None
+    return read_config(root)
+
+
 def load_drafter(in_dir: str | Path, target: Transformer) -> EagleDrafter:
     """Load an exported drafter (ours, or any EAGLE-1 checkpoint in vLLM's layout without an
     fc bias) and bind it to ``target``; sizes must match the target's."""
-    from tltrun.model.config import read_config
     from tltrun.model.hf_checkpoint import load_safetensors
 
     root = Path(in_dir)
-    cfg = read_config(root)
+    cfg = _drafter_config(root)
     for name in (
         "hidden_size",
         "num_attention_heads",
         "num_key_value_heads",
         "head_dim",
         "vocab_size",
+        # the layer runs with the target's config: a drafter described otherwise would compute
+        # another function than the one it was trained as (vLLM builds it from this file)
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
     ):
-        if getattr(cfg, name) != getattr(target.config, name):
+        if _compared(cfg, name) != _compared(target.config, name):
             raise CheckpointError(
                 f"{root / 'config.json'}: {name}={getattr(cfg, name)} but the target has {getattr(target.config, name)}"
             )

@@ -22,6 +22,12 @@ from tltrun.model.transformer import Transformer
 from tltsim.errors import UsageError
 from tltsim.jsonio import read_json
 
+# dtypes a checkpoint's tensors may have: what the model computes in, converted on load
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+HEADER_DTYPES = ("F32", "BF16", "F16", "F64")  # the same, as safetensors headers name them
+# tensors older Hugging Face checkpoints store that the model recomputes (RoPE frequencies)
+RECOMPUTED_SUFFIXES = ("rotary_emb.inv_freq",)
+
 
 def load_safetensors(file: Path) -> dict[str, torch.Tensor]:
     """The tensors of one safetensors file; a truncated or garbage file, or one holding NaN or
@@ -37,7 +43,9 @@ def load_safetensors(file: Path) -> dict[str, torch.Tensor]:
             f"{file}: not a readable safetensors file ({reason}); truncated or corrupted?"
         ) from None
     for name, tensor in tensors.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if tensor.dtype not in WEIGHT_DTYPES:  # int8 codes, float8: quantized weights
+            raise CheckpointError(_quantized(file, name, str(tensor.dtype).removeprefix("torch.")))
+        if not bool(torch.isfinite(tensor).all()):
             raise CheckpointError(f"{file}: tensor {name!r} holds NaN or inf values; corrupted?")
     return tensors
 
@@ -72,12 +80,26 @@ def safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
 
     try:
         with safe_open(file, framework="pt") as f:
-            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+            shapes, dtypes = {}, {}
+            for k in f.keys():  # noqa: SIM118
+                shapes[k] = tuple(f.get_slice(k).get_shape())
+                dtypes[k] = f.get_slice(k).get_dtype()
     except (SafetensorError, OSError) as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CheckpointError(
             f"{file}: not a readable safetensors file ({reason}); truncated or corrupted?"
         ) from None
+    for name, dtype in dtypes.items():
+        if dtype not in HEADER_DTYPES:
+            raise CheckpointError(_quantized(file, name, dtype))
+    return shapes
+
+
+def _quantized(file: Path, name: str, dtype: str) -> str:
+    return (
+        f"{file}: tensor {name!r} has dtype {dtype}: quantized weights are not supported (use "
+        "the bf16/fp16/fp32 checkpoint)"
+    )
 
 
 def _safetensors_files(root: Path) -> list[Path]:
@@ -146,6 +168,8 @@ def check_checkpoint(model_dir: str | Path) -> ModelConfig:
         found.update(safetensors_shapes(file))
     if cfg.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
+        found.pop("lm_head.weight", None)  # some tied checkpoints store a duplicate
+    _check_known(root, cfg, found, shapes)
     for name, want in shapes.items():
         if name not in found:
             raise CheckpointError(f"{root}: missing tensor {name!r}")
@@ -154,6 +178,19 @@ def check_checkpoint(model_dir: str | Path) -> ModelConfig:
                 f"{root}: tensor {name!r} has shape {found[name]}, config implies {want}"
             )
     return cfg
+
+
+def _check_known(root: str | Path, cfg: ModelConfig, found: dict, shapes: dict) -> None:
+    """A tensor the model has no place for is a layout it does not compute (biases its config
+    does not declare, extra norms): refused, never dropped."""
+    unknown = sorted(
+        name for name in set(found) - set(shapes) if not name.endswith(RECOMPUTED_SUFFIXES)
+    )
+    if unknown:
+        raise CheckpointError(
+            f"{root}: tensor {unknown[0]!r} ({len(unknown)} in all) has no place in a "
+            f"{cfg.model_type} model of this config.json (a layout tltrun does not compute)"
+        )
 
 
 def load_hf(
@@ -183,8 +220,9 @@ def load_hf(
             raise CheckpointError(
                 f"{model_dir}: tensor {name!r} has shape {tuple(tensors[name].shape)}, config implies {want}"
             )
+    _check_known(model_dir, cfg, tensors, shapes)
     model = Transformer(cfg)
-    model.load_state_dict(tensors, strict=False)  # unknown extras (e.g. rotary buffers) ignored
+    model.load_state_dict({k: tensors[k] for k in expected}, strict=False)
     return model.to(device=device, dtype=dtype).eval()
 
 
