@@ -362,7 +362,9 @@ def test_fresh_run_into_a_directory_with_checkpoints_is_refused(model_dir, tmp_p
     """A fresh run would leave the earlier run's checkpoints where --resume looks for them."""
     make_fake_run(model_dir, tmp_path)
     first = (tmp_path / "config.json").read_bytes()
-    with pytest.raises(UsageError, match=r"earlier run \(step_000003\); pass --resume"):
+    with pytest.raises(
+        UsageError, match=r"checkpoints \(step_000003\) of an earlier run; pass --resume"
+    ):
         prepare_run_dir(
             config(model_dir, tmp_path), TASK, is_resume=False, is_override_config=False
         )
@@ -442,7 +444,17 @@ def test_override_config_resume_runs_with_the_new_setting(
     assert code == 0, err
     assert [r["step"] for r in rows(out)] == [0, 1, 2, 3]
     history = [json.loads(line) for line in (out / ts.CONFIG_HISTORY).read_text().splitlines()]
-    assert [(h["step"], h["diff"]) for h in history] == [(3, {"train.lr": [0.01, 0.02]})]
+    # the resume-neutral changes are recorded too, so that a plain --resume keeps them
+    assert [(h["step"], h["diff"]) for h in history] == [
+        (
+            3,
+            {
+                "train.lr": [0.01, 0.02],
+                "train.num_steps": [3, 4],
+                "train.out": [str(reference_run), str(out)],
+            },
+        )
+    ]
     assert (out / "config.json").read_bytes() == first
     assert ts.verify_checkpoint(ts.checkpoint_dir(out, 4), NUM_WORKERS) == []
 

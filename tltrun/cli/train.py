@@ -105,16 +105,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.resume and (args.out or raw.get("out")):
         stored = train_state.effective_config(Path(args.out or raw["out"]))
     if stored is not None:
+        where = f"{args.out or raw['out']}/config.json"
         try:
-            base = TrainConfig(**{**_tuples(stored["train"], TrainConfig), **raw})
+            base = TrainConfig(**{**_tuples(stored["train"], TrainConfig, where), **raw})
         except (KeyError, TypeError, ValueError) as err:
-            raise UsageError(f"{args.out or raw['out']}/config.json: {err}") from None
+            raise UsageError(f"{where}: {err}") from None
     cfg = dataclass_from_args(TrainConfig, args, base=base)
     if "?" in (cfg.model_dir, cfg.out):
         raise UsageError("--model-dir and --out are required")
     try:
         stored_task = (
-            _tuples(stored["task"], TaskConfig)
+            _tuples(stored["task"], TaskConfig, f"{cfg.out}/config.json [task]")
             if stored
             else asdict(launch.task_for(cfg.model_dir))
         )
@@ -144,12 +145,15 @@ def _check_inputs(cfg: TrainConfig) -> None:
         safetensors_shapes(Path(cfg.drafter_dir) / "model.safetensors")
 
 
-def _tuples(section: dict[str, Any], cls: type) -> dict[str, Any]:
+def _tuples(section: Any, cls: type, where: str) -> dict[str, Any]:
     """config.json's fields that ``cls`` still has (one a code change removed since the run
-    started is not the user's setting: ``tltrun.train.state.config_diff``), lists back into the
-    frozen dataclasses' tuples."""
+    started is not the user's setting: ``tltrun.train.state.config_diff``), type-checked
+    (a damaged file is one line naming the field), lists back into the frozen dataclasses'
+    tuples."""
+    if not isinstance(section, dict):
+        raise UsageError(f"{where}: expected an object of settings, got {type(section).__name__}")
     names = {f.name for f in fields(cls)}
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in section.items() if k in names}
+    return typed_fields(cls, {k: v for k, v in section.items() if k in names}, where)
 
 
 _default_showwarning = warnings.showwarning

@@ -112,8 +112,14 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
         raise UsageError(
             "--eval-every: no evaluation prompts (give --eval-data or --eval-split with --data)"
         )
+    from tltrun.model.hf_checkpoint import checkpoint_digest
+
     return {
         "fingerprint": data.fingerprint,
+        "train_fingerprint": data.train_fingerprint,
+        "eval_fingerprint": data.eval_fingerprint,
+        # the KL reference is reloaded from --model-dir on resume: its weights must not change
+        "model_sha256": checkpoint_digest(cfg.model_dir),
         "num_train_rows": data.num_train_rows,
         "num_eval_rows": len(data.eval_rows),
         "num_skipped_rows": data.num_skipped,
@@ -302,6 +308,35 @@ def worker_error(out: Path, rank: int, report: str) -> WorkerError:
     )
 
 
+def _check_same_inputs(out: Path, old: dict | None, data: dict, cfg: TrainConfig) -> None:
+    """A resume refuses training data, evaluation data or a --model-dir (the KL reference,
+    reloaded from it) that changed since the run started; evaluation rows may change with
+    --eval-max-prompts, which a resume may change."""
+    recorded = (old or {}).get("data", {})
+    if not data or not recorded:
+        return
+    if "train_fingerprint" not in recorded:  # a run started before the split fingerprints
+        pairs = [("fingerprint", "data")]
+    else:
+        pairs = [("train_fingerprint", "data")]
+        if (old or {}).get("train", {}).get("eval_max_prompts") == cfg.eval_max_prompts:
+            pairs.append(("eval_fingerprint", "data"))
+        pairs.append(("model_sha256", "model"))
+    for key, what in pairs:
+        if key in recorded and recorded[key] != data.get(key):
+            if what == "model":
+                raise UsageError(
+                    f"{out}: --resume with other weights in --model-dir {cfg.model_dir} than the "
+                    "run started from (its KL reference is reloaded from there); restore them, "
+                    "or start a new run in another --out"
+                )
+            raise UsageError(
+                f"{out}: --resume with different data than the run trained on (rows of "
+                f"{'--eval-data / --eval-split' if key == 'eval_fingerprint' else '--data'} "
+                "changed); restore the data, or start a new run in another --out"
+            )
+
+
 def prepare_run_dir(
     cfg: TrainConfig,
     task: TaskConfig,
@@ -324,30 +359,28 @@ def prepare_run_dir(
     new = {"train": asdict(cfg), "task": asdict(task), "data": data or {}}
     if not is_resume:
         earlier = sorted((out / "ckpt").glob("step_*")) if (out / "ckpt").is_dir() else []
-        if earlier:
+        if earlier or (out / "final").exists():
             # A fresh run would leave them beside its own, and a later --resume could pick up
             # the earlier run's newest checkpoint: refuse rather than mix two runs.
+            what = f"checkpoints ({earlier[-1].name})" if earlier else "a final model (final/)"
             raise UsageError(
-                f"{out}: holds checkpoints of an earlier run ({earlier[-1].name}); pass --resume "
-                "to continue it, or choose another --out"
+                f"{out}: holds {what} of an earlier run; pass --resume to continue it, or "
+                "choose another --out"
             )
-        train_state.reset_logs(out)
+        train_state.reset_run_dir(out)  # a killed earlier run's leftovers
         write_json(out / "config.json", new)
         return None
     old = train_state.effective_config(out)
-    diff = {}
-    old_print = (old or {}).get("data", {}).get("fingerprint")
-    if old_print and data and old_print != data["fingerprint"]:
-        raise UsageError(
-            f"{out}: --resume with different data than the run trained on (rows of --data / "
-            "--eval-data changed); restore the data, or start a new run in another --out"
-        )
+    if old is None and not any((out / "ckpt").glob("step_*")):
+        raise UsageError(f"{out}: --resume, but no run was started here (no config.json)")
+    _check_same_inputs(out, old, data or {}, cfg)
+    diff, neutral = {}, {}
     if old is not None:
         for section in ("train", "task"):
             changed = train_state.config_diff(old.get(section, {}), new[section])
             for name, values in changed.items():
-                if not (section == "train" and name in RESUME_NEUTRAL_FIELDS):
-                    diff[f"{section}.{name}"] = values
+                is_neutral = section == "train" and name in RESUME_NEUTRAL_FIELDS
+                (neutral if is_neutral else diff)[f"{section}.{name}"] = values
         shown = "; ".join(
             f"{key.removeprefix('train.')}: {a!r} -> {b!r}" for key, (a, b) in diff.items()
         )
@@ -358,10 +391,19 @@ def prepare_run_dir(
             )
     resume_dir = train_state.select_checkpoint(out, cfg.num_workers)
     start_step = train_state.read_next_step(resume_dir) if resume_dir else 0
+    if start_step > cfg.num_steps:
+        warnings.warn(
+            f"{out}: the checkpoint is at step {start_step}, past --num-steps {cfg.num_steps}: "
+            f"no step runs (pass --num-steps above {start_step} to continue training)",
+            train_state.RunDirWarning,
+            stacklevel=2,
+        )
     run_logs.prepare_logs(out, start_step)
     if old is None:
         write_json(out / "config.json", new)
-    elif diff:
+    elif diff or neutral:
+        # resume-neutral changes (num_steps, ...) are recorded too: the next plain --resume
+        # starts from them (a run extended to 6 steps stays a 6-step run)
         now = datetime.now(UTC).isoformat(timespec="seconds")
-        train_state.append_config_history(out, start_step, now, diff)
+        train_state.append_config_history(out, start_step, now, {**neutral, **diff})
     return resume_dir

@@ -10,8 +10,10 @@
   is its step number (``RunData.position`` says which epoch and index, for the log). The
   evaluation set is ``--eval-data``, or ``--eval-split`` of ``--data`` held out from training.
 
-``fingerprint`` hashes every row the run trains and evaluates on: the launcher records it in
-``config.json`` and refuses to resume a run whose data changed underneath it.
+``train_fingerprint`` hashes every row the run trains on, ``eval_fingerprint`` the evaluation
+rows before ``--eval-max-prompts`` cuts them (so changing that, which a resume may, keeps it):
+the launcher records both in ``config.json`` and refuses to resume a run whose data changed
+underneath it. ``fingerprint`` (both, evaluation rows cut) is what runs before them recorded.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tltrun.data.dataset import DataSpec, PromptRow, PromptStream, load_rows, split_eval
@@ -64,6 +66,8 @@ class RunData:
     num_train_rows: int
     num_skipped: int
     fingerprint: str
+    train_fingerprint: str
+    eval_fingerprint: str
     task: TaskConfig
     seed: int
 
@@ -119,6 +123,8 @@ def load_run_data(
             num_train_rows=0,
             num_skipped=0,
             fingerprint="builtin",
+            train_fingerprint="builtin",
+            eval_fingerprint="builtin",
             task=task,
             seed=cfg.seed,
         )
@@ -136,19 +142,25 @@ def load_run_data(
             max_prompt_tokens=cfg.max_prompt_tokens,
         )
         eval_rows, num_skipped = held.rows, num_skipped + held.num_skipped
-    eval_rows = eval_rows[: cfg.eval_max_prompts]
-    digest = hashlib.sha1()
-    for row in (*rows, *eval_rows):
-        digest.update(json.dumps([row.prompt_id, row.prompt, row.answer], default=str).encode())
+    all_eval_rows, eval_rows = eval_rows, eval_rows[: cfg.eval_max_prompts]
     return RunData(
         stream=PromptStream(rows, cfg.seed),
         eval_rows=tuple(eval_rows),
         num_train_rows=len(rows),
         num_skipped=num_skipped,
-        fingerprint=digest.hexdigest(),
+        fingerprint=_rows_digest((*rows, *eval_rows)),
+        train_fingerprint=_rows_digest(rows),
+        eval_fingerprint=_rows_digest(all_eval_rows),
         task=task,
         seed=cfg.seed,
     )
+
+
+def _rows_digest(rows: Sequence[PromptRow]) -> str:
+    digest = hashlib.sha1()
+    for row in rows:
+        digest.update(json.dumps([row.prompt_id, row.prompt, row.answer], default=str).encode())
+    return digest.hexdigest()
 
 
 def reward_spec(cfg: TrainConfig, is_module_checked: bool = True) -> RewardSpec:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,9 @@ from typing import Any
 from tltrun.train.state import LOGS, RunDirWarning, checkpoint_error, read_jsonl, write_atomic
 from tltsim.trace.files import save_trace
 from tltsim.trace.schema import trace_from_dict
+
+# a reward_errors.log line (tltrun.train.step_log)
+_ERROR_LINE = re.compile(r"step (\d+): ")
 
 
 def _log_rows(path: Path) -> list[str]:
@@ -84,6 +88,41 @@ def prepare_logs(out: Path, start_step: int) -> None:
     for dump in sorted((out / "rollouts").glob("step_*.jsonl")):
         if int(dump.stem.removeprefix("step_")) >= start_step:
             dump.unlink()
+    _cut_reward_errors(out / "reward_errors.log", start_step)
+    _cut_trace(out)
+
+
+def _cut_reward_errors(path: Path, start_step: int) -> None:
+    """Keep the ``step N: ...`` lines of steps before ``start_step`` (the redone steps log
+    their errors again); a torn last line goes too."""
+    if not path.is_file():
+        return
+    text = path.read_text(errors="replace")
+    kept, step = [], -1
+    for line in text.splitlines(keepends=True):
+        match = _ERROR_LINE.match(line)
+        step = int(match[1]) if match else step  # a message's continuation: its step's
+        if step < start_step and line.endswith("\n"):
+            kept.append(line)
+    if len(kept) != len(text.splitlines()):
+        write_atomic(path, "".join(kept))
+
+
+def _cut_trace(out: Path) -> None:
+    """trace.json rebuilt from the cut trace_steps.jsonl (with its own meta), or removed when
+    no step is left: it must never hold the steps a resumed run redoes."""
+    path = out / "trace.json"
+    if not path.is_file():
+        return
+    try:
+        meta = json.loads(path.read_bytes())["meta"]
+    except (ValueError, KeyError, TypeError):  # damaged: rebuilt after the next step
+        meta = None
+    steps = out / "trace_steps.jsonl"
+    if meta is None or not steps.is_file() or not steps.read_bytes().strip():
+        path.unlink()
+        return
+    write_trace(out, meta)
 
 
 def _span(steps: list[int]) -> str:

@@ -85,11 +85,20 @@ def read_next_step(ckpt: Path) -> int:
     return int(json.loads((ckpt / "state.json").read_text())["next_step"])
 
 
-def reset_logs(out: Path) -> None:
-    """A fresh run in ``out``: no rows and no config history of an earlier run."""
-    for name in (*LOGS, CONFIG_HISTORY, "reward_errors.log"):
+# What a run writes in its directory besides config.json, final/ and the lock: a fresh run
+# removes an earlier, killed run's (one whose directory holds no checkpoint, or launch refuses)
+RUN_FILES = (*LOGS, CONFIG_HISTORY, "reward_errors.log", "worker_errors.log", "trace.json")
+RUN_DIRS = ("rollouts", "tensorboard", "ckpt", "drafter", "drafter.tmp", "drafter.old")
+
+
+def reset_run_dir(out: Path) -> None:
+    """A fresh run in ``out``: no rows, config history, TensorBoard events, exported drafter or
+    unfinished checkpoint (``ckpt/.tmp_step_*``) of an earlier run, which would otherwise be
+    mixed into this run's (a leftover checkpoint directory was committed as this run's)."""
+    for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
-    shutil.rmtree(out / "rollouts", ignore_errors=True)
+    for name in RUN_DIRS:
+        shutil.rmtree(out / name, ignore_errors=True)
 
 
 # ---- the run's lock and settings ------------------------------------------------------------
@@ -168,7 +177,9 @@ def effective_config(out: Path) -> dict[str, Any] | None:
             for old, new in renames.items():
                 if old in values and new not in values:
                     values[new] = values.pop(old)
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        if not all(isinstance(config.get(s), dict) for s in ("train", "task")):
+            raise TypeError("expected 'train' and 'task' objects")
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise checkpoint_error(
             f"{out}: config.json or {CONFIG_HISTORY} is not what tltrun train wrote ({err!r})"
         ) from None
@@ -428,6 +439,7 @@ def export_drafter_atomic(drafter, dest: Path) -> None:
 
     tmp, old = dest.with_name(dest.name + ".tmp"), dest.with_name(dest.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)  # a kill mid-swap left it: the rename needs it gone
     export_vllm(drafter, tmp)
     if dest.exists():
         os.rename(dest, old)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -241,9 +242,10 @@ class Worker:
         if cfg.tensorboard and rank == 0:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step: a resumed run drops the events of steps it repeats
+            # purge_step: a resumed run drops the events of steps it repeats (all of them when
+            # it restarts from step 0: a run killed before its first checkpoint)
             self.tensorboard = SummaryWriter(
-                str(self.out / "tensorboard"), purge_step=self.start_step if ckpt else None
+                str(self.out / "tensorboard"), purge_step=self.start_step
             )
 
     # ---- checkpoints ------------------------------------------------------------------------
@@ -283,8 +285,9 @@ class Worker:
         committed by ``_finish_checkpoint`` once that save is done (after the next rollout)."""
         self._finish_checkpoint()  # the previous one first: one write in flight at most
         tmp = ts.tmp_checkpoint_dir(self.out, next_step)
-        if self.rank == 0:
-            tmp.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:  # anything there is a killed attempt's: never commit it as ours
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
         dist.barrier()
         state = {
             "python": random.getstate(),

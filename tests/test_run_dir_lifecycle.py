@@ -1,0 +1,189 @@
+"""The life of a ``tltrun train`` run directory across fresh starts and resumes (review of
+session 29, each case reproduced on real runs first): a fresh run never inherits a killed
+run's leftovers; a resume keeps the resume-neutral settings it was given, accepts what it may
+change and refuses inputs that changed under it (data, evaluation rows, --model-dir); cut logs
+leave no trace of the steps a resume redoes; a damaged config.json is one line.
+
+Fast: fake run directories (tests/test_run_integrity.py's helpers) and the launcher up to the
+point where workers would start. Run: ``python -m pytest tests/test_run_dir_lifecycle.py -q``.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+from test_run_integrity import fake_checkpoint, fake_logs, make_fake_run
+from test_train import TASK, config
+from tiny_models import save_train_model
+
+from tltrun.cli.main import main
+from tltrun.train import run_logs
+from tltrun.train import state as ts
+from tltrun.train.launch import prepare_run_dir
+from tltsim.errors import UsageError
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return save_train_model(tmp_path_factory.mktemp("tiny"), TASK)
+
+
+def data(**changes) -> dict:
+    """The launcher's record of a run's inputs (tltrun.train.launch.check_inputs)."""
+    return {
+        "fingerprint": "both",
+        "train_fingerprint": "train",
+        "eval_fingerprint": "eval",
+        "model_sha256": "weights",
+        **changes,
+    }
+
+
+def test_a_fresh_run_clears_a_killed_runs_leftovers(model_dir, tmp_path):
+    """A run killed during its first checkpoint leaves ckpt/.tmp_step_* (another world size's
+    rank files in it), an exported drafter and TensorBoard events: a fresh run in the same
+    directory committed those files inside its own checkpoint and showed the events twice."""
+    leftovers = [
+        "ckpt/.tmp_step_000001/rank1.pt",
+        "drafter/model.safetensors",
+        "drafter.old/model.safetensors",
+        "tensorboard/events.out.tfevents.1",
+        "rollouts/step_000000.jsonl",
+        "reward_errors.log",
+        "worker_errors.log",
+        "trace.json",
+        "log.jsonl",
+    ]
+    for rel in leftovers:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("from the killed run\n")
+    prepare_run_dir(config(model_dir, tmp_path), TASK, is_resume=False, is_override_config=False)
+    assert [rel for rel in leftovers if (tmp_path / rel).exists()] == []
+    assert (tmp_path / "config.json").is_file()
+    # a finished run without checkpoints left its final model: refused, nothing touched
+    (tmp_path / "final" / "actor").mkdir(parents=True)
+    with pytest.raises(UsageError, match=r"holds a final model \(final/\) of an earlier run"):
+        prepare_run_dir(
+            config(model_dir, tmp_path), TASK, is_resume=False, is_override_config=False
+        )
+    assert (tmp_path / "final" / "actor").is_dir()
+
+
+def test_resume_keeps_the_neutral_settings_it_was_given(model_dir, tmp_path):
+    """--resume --num-steps 6 then a plain --resume (what a stop message says to run) went back
+    to config.json's 3 steps and ended the run early, silently."""
+    make_fake_run(model_dir, tmp_path)  # 3 steps, checkpoints 1..3
+    longer = config(model_dir, tmp_path, num_steps=6, keep_checkpoints=2)
+    prepare_run_dir(longer, TASK, is_resume=True, is_override_config=False)
+    now = ts.effective_config(tmp_path)["train"]
+    assert (now["num_steps"], now["keep_checkpoints"]) == (6, 2)
+    history = [json.loads(x) for x in (tmp_path / ts.CONFIG_HISTORY).read_text().splitlines()]
+    assert history[-1]["diff"] == {"train.keep_checkpoints": [0, 2], "train.num_steps": [3, 6]}
+    # a checkpoint past --num-steps: said, not silently nothing
+    with pytest.warns(ts.RunDirWarning, match="at step 3, past --num-steps 2: no step runs"):
+        prepare_run_dir(
+            config(model_dir, tmp_path, num_steps=2), TASK, is_resume=True, is_override_config=False
+        )
+
+
+def test_resume_refuses_inputs_that_changed_and_accepts_fewer_eval_prompts(model_dir, tmp_path):
+    make_fake_run(model_dir, tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "data": data()}))
+
+    def resume(inputs: dict, **fields) -> None:
+        cfg = config(model_dir, tmp_path, **fields)
+        prepare_run_dir(cfg, TASK, is_resume=True, is_override_config=False, data=inputs)
+
+    with pytest.raises(UsageError, match=r"different data .*rows of --data changed"):
+        resume(data(train_fingerprint="other"))
+    with pytest.raises(UsageError, match=r"rows of --eval-data / --eval-split changed"):
+        resume(data(eval_fingerprint="other"))
+    # the KL reference is reloaded from --model-dir: other weights there are refused
+    with pytest.raises(UsageError, match="other weights in --model-dir"):
+        resume(data(model_sha256="retrained"))
+    # --eval-max-prompts may change on resume (it was refused as "different data", even with
+    # --override-config): a reasoning-gym evaluation set is generated that many rows long
+    resume(data(eval_fingerprint="other"), eval_max_prompts=7)
+    # a run recorded before the split fingerprints compares the combined one, as then
+    (tmp_path / ts.CONFIG_HISTORY).unlink()
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "data": {"fingerprint": "both"}}))
+    resume(data(train_fingerprint="new", model_sha256="new"))
+    with pytest.raises(UsageError, match="different data"):
+        resume(data(fingerprint="other"))
+
+
+def test_resume_without_a_run_and_a_damaged_config_are_one_line(model_dir, tmp_path, capsys):
+    base = ["train", "--model-dir", str(model_dir), "--num-steps", "1"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([*base, "--out", str(empty), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {empty}: --resume, but no run was started here (no config.json)"
+    assert not (empty / "config.json").exists()
+    out = tmp_path / "run"
+    make_fake_run(model_dir, out)
+    saved = json.loads((out / "config.json").read_text())
+    bad_type = {**saved, "train": {**saved["train"], "group_size": 2.5}}
+    for damaged in ([], None, {**saved, "train": []}, bad_type):
+        (out / "config.json").write_text(json.dumps(damaged))
+        assert main([*base, "--out", str(out), "--resume"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err and "internal" not in err, err
+        assert "config.json" in err and (damaged is not bad_type or "group_size" in err), err
+    (out / "config.json").write_text(json.dumps(saved))
+    (out / ts.CONFIG_HISTORY).write_text('{"step": 1, "diff": []}\n')
+    assert main([*base, "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "config_history.jsonl" in err and "internal" not in err and "\n" not in err
+
+
+def test_cut_logs_drop_the_redone_steps_reward_errors_and_trace(tmp_path):
+    """Resumed at step 1: reward errors of steps 1 and 2 were logged twice and trace.json kept
+    steps the run redoes."""
+    fake_logs(tmp_path, 3)
+    steps = [{"step": s, "prompts": [{"id": "p", "prompt_tokens": 3, "responses": [4]}]}
+             for s in range(3)]  # fmt: skip
+    (tmp_path / "trace_steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    meta = {"source": "tltrun train"}
+    run_logs.write_trace(tmp_path, meta)
+    errors = ["step 0: a: boom\n", "step 1: b: boom\n", "  continued\n", "step 2: c: bo"]
+    (tmp_path / "reward_errors.log").write_text("".join(errors))
+    run_logs.prepare_logs(tmp_path, 1)
+    assert (tmp_path / "reward_errors.log").read_text() == "step 0: a: boom\n"
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert [s["step"] for s in trace["steps"]] == [0] and trace["meta"]["source"] == meta["source"]
+    run_logs.prepare_logs(tmp_path, 0)  # back to step 0: no trace at all
+    assert not (tmp_path / "trace.json").exists()
+
+
+def test_a_kill_mid_drafter_export_does_not_block_the_next(tmp_path):
+    """A kill between the two renames of export_drafter_atomic left drafter.old: every later
+    export (every resume) failed with 'Directory not empty'."""
+    from tiny_models import tiny_model
+
+    from tltrun.model.drafter import EagleDrafter
+
+    drafter = EagleDrafter.for_target(tiny_model(seed=0))
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter.old").mkdir()
+    (tmp_path / "drafter.old" / "model.safetensors").write_text("older")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ts.export_drafter_atomic(drafter, tmp_path / "drafter")
+    assert (tmp_path / "drafter" / "model.safetensors").stat().st_size > 100
+    assert not (tmp_path / "drafter.old").exists()
+
+
+def test_a_checkpoint_directory_left_behind_is_never_reused(tmp_path):
+    """select_checkpoint (resume) deletes tmp leftovers; the worker clears its tmp directory
+    before writing (tltrun.train.worker), so a stale rank file cannot be committed."""
+    fake_checkpoint(tmp_path, 1)
+    stale = ts.tmp_checkpoint_dir(tmp_path, 2)
+    stale.mkdir(parents=True)
+    (stale / "rank1.pt").write_text("stale")
+    assert ts.select_checkpoint(tmp_path, 2) == ts.checkpoint_dir(tmp_path, 1)
+    assert not stale.exists()
