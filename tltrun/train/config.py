@@ -60,7 +60,12 @@ class TrainConfig:
     max_new_tokens: int = field(default=1024, metadata={"help": "token cap per response"})
     # GRPO samples from the policy itself (DeepSeekMath Sec. 4.1)
     temperature: float = field(default=1.0, metadata={"help": "rollout sampling temperature"})
-    top_p: float = field(default=1.0, metadata={"help": "rollout nucleus sampling mass"})
+    # GRPO's log-probabilities are of the untruncated distribution (tltrun.train.grpo): below 1
+    # the rollout is no longer exactly on-policy
+    top_p: float = field(
+        default=1.0,
+        metadata={"help": "rollout nucleus sampling mass (below 1: not exactly on-policy)"},
+    )
     policy: str = field(
         default="tlt", metadata={"help": "SD policy of the rollouts", "choices": POLICY_NAMES}
     )

@@ -20,8 +20,11 @@ Departures from the paper, each on purpose:
   a long response's tokens weigh as much as a short one's — the long tail is what we study;
 * std is the unbiased sample std of the group (veRL's ``compute_grpo_outcome_advantage``); the
   paper does not say which. A group whose rewards are all equal gets A = 0 (no signal);
-* log-probabilities use logits / temperature, the distribution the rollout sampled from (veRL
-  does the same); greedy rollouts use temperature 1;
+* log-probabilities use logits / temperature, the distribution the rollout sampled from when
+  ``top_p`` is 1 (veRL does the same); greedy rollouts use temperature 1. With ``top_p < 1`` the
+  rollout samples the truncated, renormalised distribution while the loss differentiates the
+  untruncated one (as veRL), so the gradient omits the truncation's normaliser: keep top_p 1 for
+  on-policy GRPO;
 * the reference model stays the initial (SFT) model for the whole run; the paper's iterative
   GRPO resets it to the current policy every so often;
 * ``num_epochs`` optimiser steps per rollout on the whole batch (the paper's mu inner
