@@ -38,6 +38,7 @@ def data(**changes) -> dict:
         "train_fingerprint": "train",
         "eval_fingerprint": "eval",
         "model_sha256": "weights",
+        "eval_max_prompts": 64,  # TrainConfig's default
         **changes,
     }
 
@@ -107,7 +108,10 @@ def test_resume_refuses_inputs_that_changed_and_accepts_fewer_eval_prompts(model
         resume(data(model_sha256="retrained"))
     # --eval-max-prompts may change on resume (it was refused as "different data", even with
     # --override-config): a reasoning-gym evaluation set is generated that many rows long
-    resume(data(eval_fingerprint="other"), eval_max_prompts=7)
+    resume(data(eval_fingerprint="other", eval_max_prompts=7), eval_max_prompts=7)
+    # ... and stays allowed on the next resume at 7 (the history now says 7; config.json's
+    # evaluation fingerprint is still the one taken at 64)
+    resume(data(eval_fingerprint="other", eval_max_prompts=7), eval_max_prompts=7)
     # a run recorded before the split fingerprints compares the combined one, as then
     (tmp_path / ts.CONFIG_HISTORY).unlink()
     (tmp_path / "config.json").write_text(json.dumps({**saved, "data": {"fingerprint": "both"}}))

@@ -120,6 +120,7 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
         "eval_fingerprint": data.eval_fingerprint,
         # the KL reference is reloaded from --model-dir on resume: its weights must not change
         "model_sha256": checkpoint_digest(cfg.model_dir),
+        "eval_max_prompts": cfg.eval_max_prompts,  # what eval_fingerprint was taken at
         "num_train_rows": data.num_train_rows,
         "num_eval_rows": len(data.eval_rows),
         "num_skipped_rows": data.num_skipped,
@@ -310,31 +311,27 @@ def worker_error(out: Path, rank: int, report: str) -> WorkerError:
 
 def _check_same_inputs(out: Path, old: dict | None, data: dict, cfg: TrainConfig) -> None:
     """A resume refuses training data, evaluation data or a --model-dir (the KL reference,
-    reloaded from it) that changed since the run started; evaluation rows may change with
-    --eval-max-prompts, which a resume may change."""
+    reloaded from it) that changed since the run started. Evaluation rows are compared only at
+    the --eval-max-prompts they were recorded with (a resume may change it, and a
+    reasoning-gym evaluation set is generated that long)."""
     recorded = (old or {}).get("data", {})
     if not data or not recorded:
         return
-    if "train_fingerprint" not in recorded:  # a run started before the split fingerprints
-        pairs = [("fingerprint", "data")]
-    else:
-        pairs = [("train_fingerprint", "data")]
-        if (old or {}).get("train", {}).get("eval_max_prompts") == cfg.eval_max_prompts:
-            pairs.append(("eval_fingerprint", "data"))
-        pairs.append(("model_sha256", "model"))
-    for key, what in pairs:
+    data_changed = "with different data than the run trained on (rows of {} changed); restore "
+    refusals = {  # key -> what the refusal says changed
+        "fingerprint": data_changed.format("--data / --eval-data"),
+        "train_fingerprint": data_changed.format("--data"),
+        "eval_fingerprint": data_changed.format("--eval-data / --eval-split"),
+        "model_sha256": f"with other weights in --model-dir {cfg.model_dir} than the run "
+        "started from (its KL reference is reloaded from there); restore ",
+    }
+    if "train_fingerprint" in recorded:  # else a run started before the split fingerprints
+        del refusals["fingerprint"]
+        if recorded.get("eval_max_prompts") != cfg.eval_max_prompts:
+            del refusals["eval_fingerprint"]
+    for key, changed in refusals.items():
         if key in recorded and recorded[key] != data.get(key):
-            if what == "model":
-                raise UsageError(
-                    f"{out}: --resume with other weights in --model-dir {cfg.model_dir} than the "
-                    "run started from (its KL reference is reloaded from there); restore them, "
-                    "or start a new run in another --out"
-                )
-            raise UsageError(
-                f"{out}: --resume with different data than the run trained on (rows of "
-                f"{'--eval-data / --eval-split' if key == 'eval_fingerprint' else '--data'} "
-                "changed); restore the data, or start a new run in another --out"
-            )
+            raise UsageError(f"{out}: --resume {changed}them, or start a new run in another --out")
 
 
 def prepare_run_dir(
