@@ -104,15 +104,20 @@ def monotone_envelope(
     (``tltsim.sim.metrics.critical_path_s``, ``work_bound_s``) rests on this, and the
     interpolation (``tltsim.cost.interp``) of monotone points is monotone. Returns the points,
     how many were raised and the largest relative rise."""
-    keys = list(points)
-    coords = np.array(keys, dtype=float)  # (N, D)
-    seconds = np.array([points[k] for k in keys])
-    same = np.all(coords[None, :, :num_fixed] == coords[:, None, :num_fixed], axis=2)
-    below = np.all(coords[None, :, num_fixed:] <= coords[:, None, num_fixed:], axis=2)
-    lifted = np.max(np.where(same & below, seconds[None, :], -np.inf), axis=1)  # [i]: over j
-    rise = (lifted - seconds) / np.maximum(seconds, 1e-300)
-    out = dict(zip(keys, lifted.tolist(), strict=True))
-    return out, int(np.count_nonzero(rise > 0)), float(rise.max(initial=0.0))
+    groups: dict[tuple[float, ...], list[tuple[float, ...]]] = defaultdict(list)
+    for key in points:  # one group per width: pairs across widths are never compared
+        groups[key[:num_fixed]].append(key)
+    out, num_lifted, max_lift = {}, 0, 0.0
+    for keys in groups.values():
+        coords = np.array([k[num_fixed:] for k in keys], dtype=float)  # (N, D)
+        seconds = np.array([points[k] for k in keys])
+        below = np.all(coords[None, :, :] <= coords[:, None, :], axis=2)  # [i, j]: j <= i
+        lifted = np.max(np.where(below, seconds[None, :], -np.inf), axis=1)
+        rise = (lifted - seconds) / np.maximum(seconds, 1e-300)
+        out.update(zip(keys, lifted.tolist(), strict=True))
+        num_lifted += int(np.count_nonzero(rise > 0))
+        max_lift = max(max_lift, float(rise.max(initial=0.0)))
+    return out, num_lifted, max_lift
 
 
 def profile_tables(profile: Profile) -> tuple[dict[str, Table], tuple[MonotoneLift, ...]]:
