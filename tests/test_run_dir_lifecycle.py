@@ -57,13 +57,26 @@ def test_a_fresh_run_clears_a_killed_runs_leftovers(model_dir, tmp_path):
         "worker_errors.log",
         "trace.json",
         "log.jsonl",
+        "config.json",  # the killed run wrote it first: what marks the rest as a run's
     ]
     for rel in leftovers:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("from the killed run\n")
     prepare_run_dir(config(model_dir, tmp_path), TASK, is_resume=False, is_override_config=False)
-    assert [rel for rel in leftovers if (tmp_path / rel).exists()] == []
-    assert (tmp_path / "config.json").is_file()
+    assert [rel for rel in leftovers if (tmp_path / rel).exists()] == ["config.json"]
+    # the run's own inputs stay, whatever their names (--drafter-dir OUT/drafter was deleted)
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "config.json").write_text("{}")
+    (tmp_path / "tensorboard").mkdir()
+    cfg = config(model_dir, tmp_path, drafter_dir=str(tmp_path / "drafter"))
+    prepare_run_dir(cfg, TASK, is_resume=False, is_override_config=False)
+    assert (tmp_path / "drafter" / "config.json").is_file()
+    assert not (tmp_path / "tensorboard").exists()
+    # a directory no run wrote a config.json in is not cleared (--out . over a user's files)
+    plain = tmp_path / "plain"
+    (plain / "tensorboard").mkdir(parents=True)
+    prepare_run_dir(config(model_dir, plain), TASK, is_resume=False, is_override_config=False)
+    assert (plain / "tensorboard").is_dir()
     # a finished run without checkpoints left its final model: refused, nothing touched
     (tmp_path / "final" / "actor").mkdir(parents=True)
     with pytest.raises(UsageError, match=r"holds a final model \(final/\) of an earlier run"):
@@ -95,9 +108,10 @@ def test_resume_refuses_inputs_that_changed_and_accepts_fewer_eval_prompts(model
     saved = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**saved, "data": data()}))
 
-    def resume(inputs: dict, **fields) -> None:
+    def resume(inputs: dict, is_override_config: bool = False, **fields) -> None:
         cfg = config(model_dir, tmp_path, **fields)
-        prepare_run_dir(cfg, TASK, is_resume=True, is_override_config=False, data=inputs)
+        prepare_run_dir(cfg, TASK, is_resume=True, is_override_config=is_override_config,
+                        data=inputs)  # fmt: skip
 
     with pytest.raises(UsageError, match=r"different data .*rows of --data changed"):
         resume(data(train_fingerprint="other"))
@@ -108,10 +122,16 @@ def test_resume_refuses_inputs_that_changed_and_accepts_fewer_eval_prompts(model
         resume(data(model_sha256="retrained"))
     # --eval-max-prompts may change on resume (it was refused as "different data", even with
     # --override-config): a reasoning-gym evaluation set is generated that many rows long
-    resume(data(eval_fingerprint="other", eval_max_prompts=7), eval_max_prompts=7)
+    gym = "reasoning-gym:chain_sum"
+    changed = dict(eval_max_prompts=7, eval_data=gym, is_override_config=True)
+    resume(data(eval_fingerprint="other", eval_max_prompts=7), **changed)
     # ... and stays allowed on the next resume at 7 (the history now says 7; config.json's
     # evaluation fingerprint is still the one taken at 64)
-    resume(data(eval_fingerprint="other", eval_max_prompts=7), eval_max_prompts=7)
+    resume(data(eval_fingerprint="other", eval_max_prompts=7), **changed)
+    # a file's (or a split's) rows are fingerprinted before the cut: still compared
+    with pytest.raises(UsageError, match=r"rows of --eval-data / --eval-split changed"):
+        file_eval = {**changed, "eval_data": None}
+        resume(data(eval_fingerprint="other", eval_max_prompts=7), **file_eval)
     # a run recorded before the split fingerprints compares the combined one, as then
     (tmp_path / ts.CONFIG_HISTORY).unlink()
     (tmp_path / "config.json").write_text(json.dumps({**saved, "data": {"fingerprint": "both"}}))

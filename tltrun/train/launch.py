@@ -327,7 +327,10 @@ def _check_same_inputs(out: Path, old: dict | None, data: dict, cfg: TrainConfig
     }
     if "train_fingerprint" in recorded:  # else a run started before the split fingerprints
         del refusals["fingerprint"]
-        if recorded.get("eval_max_prompts") != cfg.eval_max_prompts:
+        # only a generated evaluation set's rows depend on --eval-max-prompts (a file's or a
+        # split's fingerprint is taken before the cut, so it is compared whatever the value)
+        is_generated = (cfg.eval_data or "").startswith("reasoning-gym:")
+        if is_generated and recorded.get("eval_max_prompts") != cfg.eval_max_prompts:
             del refusals["eval_fingerprint"]
     for key, changed in refusals.items():
         if key in recorded and recorded[key] != data.get(key):
@@ -364,7 +367,10 @@ def prepare_run_dir(
                 f"{out}: holds {what} of an earlier run; pass --resume to continue it, or "
                 "choose another --out"
             )
-        train_state.reset_run_dir(out)  # a killed earlier run's leftovers
+        # a killed earlier run's leftovers (it wrote config.json first), never the run's inputs
+        if (out / "config.json").is_file():
+            inputs = (cfg.model_dir, cfg.drafter_dir, cfg.data, cfg.eval_data)
+            train_state.reset_run_dir(out, keep=[Path(p) for p in inputs if p])
         write_json(out / "config.json", new)
         return None
     old = train_state.effective_config(out)

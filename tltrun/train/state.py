@@ -47,6 +47,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,14 +92,23 @@ RUN_FILES = (*LOGS, CONFIG_HISTORY, "reward_errors.log", "worker_errors.log", "t
 RUN_DIRS = ("rollouts", "tensorboard", "ckpt", "drafter", "drafter.tmp", "drafter.old")
 
 
-def reset_run_dir(out: Path) -> None:
+def reset_run_dir(out: Path, keep: Sequence[Path] = ()) -> None:
     """A fresh run in ``out``: no rows, config history, TensorBoard events, exported drafter or
     unfinished checkpoint (``ckpt/.tmp_step_*``) of an earlier run, which would otherwise be
-    mixed into this run's (a leftover checkpoint directory was committed as this run's)."""
+    mixed into this run's (a leftover checkpoint directory was committed as this run's). A path
+    that is, or holds, one of ``keep`` (the run's inputs: ``--drafter-dir OUT/drafter``) stays."""
+    kept = [p.resolve() for p in keep]
+
+    def is_input(path: Path) -> bool:
+        where = path.resolve()
+        return any(k == where or where in k.parents for k in kept)
+
     for name in RUN_FILES:
-        (out / name).unlink(missing_ok=True)
+        if not is_input(out / name):
+            (out / name).unlink(missing_ok=True)
     for name in RUN_DIRS:
-        shutil.rmtree(out / name, ignore_errors=True)
+        if not is_input(out / name):
+            shutil.rmtree(out / name, ignore_errors=True)
 
 
 # ---- the run's lock and settings ------------------------------------------------------------
