@@ -162,6 +162,12 @@ def apply_shaping(
 # --- parsing --reward ---------------------------------------------------------------------------
 
 
+def is_python_reward(text: str) -> bool:
+    """Whether ``--reward`` text names a user's ``path/to/module.py:function``."""
+    path, sep, _ = text.strip().rpartition(":")
+    return bool(sep) and path.endswith(".py")
+
+
 def parse_reward(
     text: str, *, flag: str = "--reward", is_module_checked: bool = True
 ) -> RewardSpec:
@@ -182,8 +188,8 @@ def parse_reward(
 
         check_task(arg, what=f"{flag} reasoning-gym task")
         return RewardSpec(kind="reasoning-gym", arg=arg)
-    path, sep, function = text.rpartition(":")
-    if sep and path.endswith(".py"):
+    path, _, function = text.rpartition(":")
+    if is_python_reward(text):
         spec = RewardSpec(kind="python", arg=f"{Path(path).resolve()}:{function}")
         if is_module_checked:
             check_user_function(spec.arg)

@@ -352,9 +352,10 @@ class TrainConfig:
 
     @property
     def is_user_reward(self) -> bool:
-        """Whether the reward is the user's ``file.py:function`` (parse_reward's rule)."""
-        path, sep, _ = self.reward.strip().rpartition(":")
-        return bool(sep) and path.endswith(".py")
+        """Whether the reward is the user's ``file.py:function``."""
+        from tltrun.data.rewards import is_python_reward
+
+        return is_python_reward(self.reward)
 
     @property
     def is_builtin_task(self) -> bool:
