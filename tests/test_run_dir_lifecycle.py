@@ -79,10 +79,13 @@ def test_a_fresh_run_clears_a_killed_runs_leftovers(model_dir, tmp_path):
     assert (plain / "tensorboard").is_dir()
     # a finished run without checkpoints left its final model: refused, nothing touched
     (tmp_path / "final" / "actor").mkdir(parents=True)
-    with pytest.raises(UsageError, match=r"holds a final model \(final/\) of an earlier run"):
+    with pytest.raises(UsageError, match=r"final model \(final/\) of an earlier run that fin"):
         prepare_run_dir(
             config(model_dir, tmp_path), TASK, is_resume=False, is_override_config=False
         )
+    # and --resume is no way round: with no checkpoint it would retrain from step 0 over final/
+    with pytest.raises(UsageError, match=r"the run finished \(final/\) and no checkpoint is left"):
+        prepare_run_dir(cfg, TASK, is_resume=True, is_override_config=False)
     assert (tmp_path / "final" / "actor").is_dir()
 
 
@@ -148,21 +151,41 @@ def test_resume_without_a_run_and_a_damaged_config_are_one_line(model_dir, tmp_p
     err = capsys.readouterr().err.strip()
     assert err == f"error: {empty}: --resume, but no run was started here (no config.json)"
     assert not (empty / "config.json").exists()
+    # a directory that is not there is not made (the refusal left it, holding run.lock)
+    missing = tmp_path / "missing"
+    assert main([*base, "--out", str(missing), "--resume"]) == 2
+    assert "no such directory" in capsys.readouterr().err and not missing.exists()
     out = tmp_path / "run"
     make_fake_run(model_dir, out)
     saved = json.loads((out / "config.json").read_text())
     bad_type = {**saved, "train": {**saved["train"], "group_size": 2.5}}
-    for damaged in ([], None, {**saved, "train": []}, bad_type):
-        (out / "config.json").write_text(json.dumps(damaged))
+    damages = {  # what is written -> what the one line says (no Python exception text)
+        "[]": "config.json: not what tltrun train wrote (expected an object with 'train' and",
+        "null": "(expected an object with 'train' and 'task' objects, got None)",
+        json.dumps({**saved, "train": []}): "config.json: not what tltrun train wrote (expected "
+        "a 'train' object, got list)",
+        json.dumps(bad_type): "config.json: group_size: expected an integer, got 2.5",
+    }
+    for damaged, expected in damages.items():
+        (out / "config.json").write_text(damaged)
         assert main([*base, "--out", str(out), "--resume"]) == 2
         err = capsys.readouterr().err.strip()
-        assert err.startswith("error: ") and "\n" not in err and "internal" not in err, err
-        assert "config.json" in err and (damaged is not bad_type or "group_size" in err), err
+        assert err.startswith("error: ") and "\n" not in err and expected in err, err
     (out / "config.json").write_text(json.dumps(saved))
-    (out / ts.CONFIG_HISTORY).write_text('{"step": 1, "diff": []}\n')
-    assert main([*base, "--out", str(out), "--resume"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "config_history.jsonl" in err and "internal" not in err and "\n" not in err
+    histories = {
+        '{"step": 1, "diff": []}': 'line 1: not what tltrun train wrote (expected a "diff" object',
+        '{"step": 1, "diff": {"x.lr": [1, 2]}}': "(expected 'train.<field>' or 'task.<field>'",
+        '{"step": 1, "diff": {"train.lr": 2}}': "(expected [old, new] for train.lr, got 2)",
+        "{": "config_history.jsonl, line 1: not JSON as tltrun train writes it",
+        # a value the history set is not blamed on config.json alone
+        '{"step": 1, "diff": {"train.group_size": [2, 2.5]}}': "config.json + config_history"
+        ".jsonl: group_size: expected an integer, got 2.5",
+    }
+    for line, expected in histories.items():
+        (out / ts.CONFIG_HISTORY).write_text(line + "\n")
+        assert main([*base, "--out", str(out), "--resume"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err and expected in err, err
 
 
 def test_cut_logs_drop_the_redone_steps_reward_errors_and_trace(tmp_path):

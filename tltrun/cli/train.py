@@ -105,7 +105,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.resume and (args.out or raw.get("out")):
         stored = train_state.effective_config(Path(args.out or raw["out"]))
     if stored is not None:
-        where = f"{args.out or raw['out']}/config.json"
+        run_dir = Path(args.out or raw["out"])
+        # the settings now are config.json's with the history's overrides applied
+        where = str(run_dir / "config.json") + (
+            f" + {train_state.CONFIG_HISTORY}"
+            if (run_dir / train_state.CONFIG_HISTORY).is_file()
+            else ""
+        )
         try:
             base = TrainConfig(**{**_tuples(stored["train"], TrainConfig, where), **raw})
         except (KeyError, TypeError, ValueError) as err:
@@ -115,7 +121,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise UsageError("--model-dir and --out are required")
     try:
         stored_task = (
-            _tuples(stored["task"], TaskConfig, f"{cfg.out}/config.json [task]")
+            _tuples(stored["task"], TaskConfig, f"{where} [task]")
             if stored
             else asdict(launch.task_for(cfg.model_dir))
         )

@@ -168,6 +168,7 @@ def run_train(
     data = check_inputs(cfg, task)
     _warn_skipped(data)
     out = Path(cfg.out)
+    check_resume_dir(out, is_resume)
     out.mkdir(parents=True, exist_ok=True)
     with train_state.RunLock(out):
         resume_dir = prepare_run_dir(cfg, task, is_resume, is_override_config, data)
@@ -188,6 +189,13 @@ def run_train(
                     exit_code=128 + int(err.sigval),
                 ) from None
     return out
+
+
+def check_resume_dir(out: Path, is_resume: bool) -> None:
+    """--resume of a directory that does not exist: refused before it is made (a refusal left
+    an empty --out holding run.lock)."""
+    if is_resume and not out.is_dir():
+        raise UsageError(f"{out}: --resume, but no run was started here (no such directory)")
 
 
 # Resident memory of one idle worker process (torch imported, tiny model, gloo group): about
@@ -244,6 +252,7 @@ def run_ranked(
             try:
                 data = check_inputs(cfg, task)
                 _warn_skipped(data)
+                check_resume_dir(out, is_resume)
                 out.mkdir(parents=True, exist_ok=True)
                 lock.enter_context(train_state.RunLock(out))
                 resume_dir = prepare_run_dir(cfg, task, is_resume, is_override_config, data)
@@ -362,9 +371,15 @@ def prepare_run_dir(
         if earlier or (out / "final").exists():
             # A fresh run would leave them beside its own, and a later --resume could pick up
             # the earlier run's newest checkpoint: refuse rather than mix two runs.
-            what = f"checkpoints ({earlier[-1].name})" if earlier else "a final model (final/)"
+            if earlier:
+                raise UsageError(
+                    f"{out}: holds checkpoints ({earlier[-1].name}) of an earlier run; pass "
+                    "--resume to continue it, or choose another --out"
+                )
+            # no checkpoint left to continue from (ckpt/ deleted): --resume would retrain
+            # from step 0 over final/, so it is not offered
             raise UsageError(
-                f"{out}: holds {what} of an earlier run; pass --resume to continue it, or "
+                f"{out}: holds the final model (final/) of an earlier run that finished; "
                 "choose another --out"
             )
         # a killed earlier run's leftovers (it wrote config.json first), never the run's inputs
@@ -393,6 +408,13 @@ def prepare_run_dir(
                 f"--override-config to resume with them (recorded in {train_state.CONFIG_HISTORY})"
             )
     resume_dir = train_state.select_checkpoint(out, cfg.num_workers)
+    if resume_dir is None and (out / "final").exists():
+        # the run finished and its checkpoints were deleted: starting over at step 0 would
+        # overwrite its final model with a retrained one
+        raise UsageError(
+            f"{out}: the run finished (final/) and no checkpoint is left to continue from "
+            f"(nothing in {out / 'ckpt'}); start a new run in another --out"
+        )
     start_step = train_state.read_next_step(resume_dir) if resume_dir else 0
     if start_step > cfg.num_steps:
         warnings.warn(

@@ -172,35 +172,59 @@ def effective_config(out: Path) -> dict[str, Any] | None:
     """The run's settings now: the first run's ``config.json`` with every override of
     ``config_history.jsonl`` applied in order (None: no config.json), fields renamed since
     (``RENAMED_FIELDS``) under their current names. Keys of the diffs are ``section.field``
-    (``train.lr``)."""
+    (``train.lr``). A file not as tltrun train wrote it is one CheckpointError naming the file
+    (and the history's line) and what was expected."""
     path = out / "config.json"
     if not path.is_file():
         return None
-    try:
-        config = json.loads(path.read_bytes().decode())
-        for line in _history_lines(out):
-            for key, (_, new) in line["diff"].items():
-                section, _, name = key.partition(".")
-                config[section][name] = new
-        for section, renames in RENAMED_FIELDS.items():
-            values = config.get(section, {})
-            for old, new in renames.items():
-                if old in values and new not in values:
-                    values[new] = values.pop(old)
-        if not all(isinstance(config.get(s), dict) for s in ("train", "task")):
-            raise TypeError("expected 'train' and 'task' objects")
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise checkpoint_error(
-            f"{out}: config.json or {CONFIG_HISTORY} is not what tltrun train wrote ({err!r})"
-        ) from None
+    config = _json_file_value(path, path.read_bytes())
+    if not isinstance(config, dict):
+        raise _not_written(path, "an object with 'train' and 'task' objects", config)
+    for section in SECTIONS:
+        if not isinstance(config.get(section), dict):
+            raise _not_written(path, f"a {section!r} object", config.get(section))
+    history = out / CONFIG_HISTORY
+    lines = history.read_bytes().splitlines() if history.is_file() else []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = Path(f"{history}, line {number}")
+        row = _json_file_value(where, line)
+        if not isinstance(row, dict):
+            raise _not_written(where, 'an object with a "diff" object', row)
+        diff = row.get("diff")
+        if not isinstance(diff, dict):
+            raise _not_written(where, 'a "diff" object', diff)
+        for key, change in diff.items():
+            section, _, name = key.partition(".")
+            if section not in SECTIONS or not name:
+                raise _not_written(where, "'train.<field>' or 'task.<field>' keys", key)
+            if not (isinstance(change, list) and len(change) == 2):
+                raise _not_written(where, f"[old, new] for {key}", change)
+            config[section][name] = change[1]
+    for section, renames in RENAMED_FIELDS.items():
+        values = config[section]
+        for old, new in renames.items():
+            if old in values and new not in values:
+                values[new] = values.pop(old)
     return config
 
 
-def _history_lines(out: Path) -> list[dict[str, Any]]:
-    path = out / CONFIG_HISTORY
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_bytes().decode().splitlines() if line.strip()]
+SECTIONS = ("train", "task")  # config.json's settings (its "data" section records the inputs)
+
+
+def _json_file_value(where: Path, raw: bytes) -> Any:
+    try:
+        return json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError) as err:
+        raise checkpoint_error(f"{where}: not JSON as tltrun train writes it ({err})") from None
+
+
+def _not_written(where: Path, expected: str, got: Any) -> TLTError:
+    shown = type(got).__name__ if isinstance(got, (dict, list)) else repr(got)
+    return checkpoint_error(
+        f"{where}: not what tltrun train wrote (expected {expected}, got {shown})"
+    )
 
 
 def append_config_history(out: Path, step: int, time_utc: str, diff: dict[str, list]) -> None:
