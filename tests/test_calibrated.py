@@ -438,12 +438,22 @@ def test_advise_recommends_the_settings_it_swept_even_when_held_at_one_value():
 
 
 @pytest.mark.parametrize(
-    "extra", [["--strategy-sets", "warp"], ["--preset", "nope"], ["--thresholds", "0"]]
+    "extra",
+    [
+        ["--strategy-sets", "warp"],
+        ["--preset", "nope"],
+        ["--thresholds", "0"],
+        # refused before the sweep runs (they were checked after all of it, then refused)
+        ["--cost-error", "1.5"],
+        ["--accept-rate-range", "1.2,0.8"],
+        ["--accept-rate-range", "fit"],  # a fitted band needs a file only replay takes
+    ],
 )
 def test_advise_bad_input_is_one_line_exit_2(tmp_path, capsys, extra):
     assert main(["advise", str(TRACE), "--out", str(tmp_path / "a"), *extra]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err, err
+    assert err.startswith("error: ") and "\n" not in err and "--drafter-dynamics FILE)" not in err
+    assert not (tmp_path / "a").exists()
 
 
 def test_advise_missing_trace_is_exit_2(tmp_path, capsys):

@@ -186,7 +186,13 @@ def test_replay_writes_and_prints_intervals(tmp_path: Path, capsys) -> None:
 def test_sweep_says_whether_the_best_is_distinguishable() -> None:
     def table(best: list[float], runner: list[float]) -> pd.DataFrame:
         rows = [
-            {"policy": "tlt", "tlt.threshold": t, "seed": s, "speedup_vs_nospec": v}
+            {
+                "policy": "tlt",
+                "tlt.threshold": t,
+                "seed": s,
+                "key": f"{t}-{s}",
+                "speedup_vs_nospec": v,
+            }  # fmt: skip
             for t, values in ((16, best), (32, runner))
             for s, v in enumerate(values)
         ]

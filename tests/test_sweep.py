@@ -185,3 +185,30 @@ def test_a_resumed_sweep_of_another_trace_or_max_steps_reuses_nothing(tmp_path: 
     third = run_sweep(write_spec(tmp_path, other.replace(str(TRACE), str(trace))), out, workers=1)
     assert third.num_reused == 0
     assert run_sweep(write_spec(tmp_path, other), out, workers=1).num_computed == 0  # resumed
+
+
+def test_settings_a_policy_ignores_make_neither_two_results_nor_a_runner_up(tmp_path: Path):
+    """TLTBase takes TLT's switch settings (tltbase_settings): its points of two thresholds
+    were keyed as one simulation, so a sweep over them reported one result for both. StaticSpec
+    ignores them: its two "settings" were the best and the runner-up, one simulation twice,
+    "not distinguishable", while the real runner-up (tlt) went unnamed."""
+    from tltsim.sim.sweep import effective, point_key
+
+    low, high = ({"policy": "tltbase", "tlt.threshold": t} for t in (1, 64))
+    assert point_key(low, 0) != point_key(high, 0)
+    assert "tlt.strategies" not in effective({"policy": "tltbase", "tlt.strategies": ["2_1_2"]})
+    # no EAGLE drafter, no trainer: drafter dynamics and spot training cannot change TLTBase
+    assert effective({"policy": "tltbase", "drafter.drift_per_step": 0.5}) == {"policy": "tltbase"}
+    assert effective({"policy": "tltbase", "is_spot_training": False}) == {"policy": "tltbase"}
+    trace = ROOT / "traces" / "synth_reasoning_rl.json"
+    text = SPEC.replace(str(TRACE), str(trace)).replace("[8, 32]", "[1, 64]")
+    text = text.replace('["static", "tlt"]', '["static", "tlt", "tltbase"]')
+    text = text.replace("max_steps = 2", "max_steps = 1").replace("num_gpus = 4", "num_gpus = 8")
+    outcome = run_sweep(write_spec(tmp_path, text), tmp_path / "out", workers=1)
+    table = outcome.table
+    tltbase = table[(table.policy == "tltbase") & (table.seed == 0)]
+    assert tltbase["speedup_vs_nospec"].nunique() == 2, tltbase  # two thresholds, two results
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    ranked = [summary["best"], summary["runner_up"]]
+    assert [s["policy"] for s in ranked].count("static") <= 1, summary  # one static setting
+    assert all("tlt.threshold" not in s for s in ranked if s["policy"] == "static"), summary

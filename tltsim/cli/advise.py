@@ -242,6 +242,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
         from tltsim.cli.replay import hardware_file_name
 
         hardware = hardware_file_name(args.hardware_file)
+    spec = interval_spec(config)  # a bad band or cost error is refused before the sweep runs
     trace = load_trace(args.trace)
     if config.max_steps is not None:
         trace = Trace(meta=trace.meta, steps=trace.steps[: config.max_steps])
@@ -256,17 +257,6 @@ def cmd_advise(args: argparse.Namespace) -> int:
     sim = apply_preset(SimConfig(), config.preset)
     if hardware is not None:
         sim = dataclasses.replace(sim, hardware=hardware)
-    try:
-        accept = (
-            None
-            if config.accept_rate_range == "none"
-            else accept_band(DrafterDynamics(), config.accept_rate_range, None, HistoryModel())
-        )
-        spec = IntervalSpec(
-            seeds=tuple(range(config.num_seeds)), accept=accept, cost_error=config.cost_error
-        )
-    except ValueError as err:
-        raise UsageError(str(err)) from None
     row = recommend(trace, sim, tlt, is_spot, spec)
     report = {
         "kind": "advise",
@@ -301,6 +291,26 @@ def cmd_advise(args: argparse.Namespace) -> int:
     (out / "fastrl.yaml").write_text(report["fastrl_yaml"] + "\n")
     print(format_advice(report, out))
     return 0
+
+
+def interval_spec(config: AdviseConfig) -> IntervalSpec:
+    """The recommendation's interval: seeds, ``--accept-rate-range`` and ``--cost-error``."""
+    if config.accept_rate_range.strip() == "fit":
+        raise UsageError(
+            "--accept-rate-range fit: advise takes LOW,HIGH or none (a band fitted by tltsim "
+            "fit is replay's: tltsim replay --drafter-dynamics FILE --accept-rate-range fit)"
+        )
+    try:
+        accept = (
+            None
+            if config.accept_rate_range == "none"
+            else accept_band(DrafterDynamics(), config.accept_rate_range, None, HistoryModel())
+        )
+        return IntervalSpec(
+            seeds=tuple(range(config.num_seeds)), accept=accept, cost_error=config.cost_error
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def format_advice(report: dict[str, Any], out: Path) -> str:

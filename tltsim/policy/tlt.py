@@ -198,12 +198,18 @@ class TLTAdaptive(SpecPolicy):
         }
 
 
+# The TLTConfig fields a TLTBase beside a TLTAdaptive takes from it (tltbase_settings); the
+# last only where given. A sweep keys tltbase points on these (tltsim.sim.sweep.effective).
+TLTBASE_FIELDS = (
+    "threshold", "warmup_checks", "epsilon", "explore_iters", "window", "history_strategies"
+)  # fmt: skip
+
+
 def tltbase_settings(tlt: TLTConfig) -> dict:
     """The fields of ``tlt`` that a TLTBase beside it takes (``tltsim replay --policy all``, a
     measured run's replay): TLT's switch and bandit settings, and the history drafter's arms
     where given; its strategies and drafters stay TLTBase's own."""
-    names = ("threshold", "warmup_checks", "epsilon", "explore_iters", "window")
-    names += ("history_strategies",) if tlt.history_strategies else ()
+    names = TLTBASE_FIELDS[:-1] + (TLTBASE_FIELDS[-1:] if tlt.history_strategies else ())
     return {name: getattr(tlt, name) for name in names}
 
 

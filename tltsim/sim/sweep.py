@@ -55,6 +55,7 @@ from tltsim.cost.presets import apply_preset
 from tltsim.errors import UsageError
 from tltsim.jsonio import read_text, typed_value, write_json
 from tltsim.policy import POLICY_NAMES, SpotTrainerConfig, TLTConfig, make_policy
+from tltsim.policy.tlt import TLTBASE_FIELDS
 from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.config import MAX_SEED, MAX_SIMULATIONS, SimConfig
 from tltsim.sim.replay import RunSettings, run_settings
@@ -261,21 +262,26 @@ def baseline_of(point: dict[str, Any]) -> dict[str, Any]:
 
 
 def effective(point: dict[str, Any]) -> dict[str, Any]:
-    """The settings that can change the point's result: tlt.* only for TLTAdaptive,
-    static_strategy only for StaticSpec, nothing drafter-related for NoSpec."""
+    """The settings that can change the point's result: tlt.* for TLTAdaptive, and for TLTBase
+    the switch and bandit fields it takes from them (``tltbase_settings``); static_strategy
+    only for StaticSpec; the EAGLE drafter's dynamics and its spot training for neither NoSpec
+    nor TLTBase (history drafter only, no trainer: ``tltsim.sim.replay.run_settings``). A
+    setting kept that cannot matter costs a duplicate simulation; one dropped that can matter
+    gives two settings one result."""
     policy = point.get("policy", "tlt")
+    return {k: v for k, v in point.items() if setting_matters(policy, k)}
 
-    def matters(key: str) -> bool:
-        section = key.partition(".")[0] if "." in key else None
-        if section == "tlt":
-            return policy == "tlt"
-        if key == "static_strategy":
-            return policy == "static"
-        if section in ("drafter", "spot") or key == "is_spot_training":
-            return policy != "nospec"
-        return True
 
-    return {k: v for k, v in point.items() if matters(k)}
+def setting_matters(policy: str, key: str) -> bool:
+    """Whether the sweep setting ``key`` can change a result of ``policy`` (``effective``)."""
+    section, _, name = key.partition(".")
+    if name and section == "tlt":
+        return policy == "tlt" or (policy == "tltbase" and name in TLTBASE_FIELDS)
+    if key == "static_strategy":
+        return policy == "static"
+    if (name and section in ("drafter", "spot")) or key == "is_spot_training":
+        return policy not in ("nospec", "tltbase")
+    return True
 
 
 def point_key(point: dict[str, Any], seed: int | None = None, trace_id: str = "") -> str:
@@ -462,7 +468,13 @@ def sweep_summary(table: pd.DataFrame, spec: SweepSpec) -> dict[str, Any]:
     True when the two intervals do not overlap, False when they do, None when there is no
     runner-up or only one seed (no interval to judge by)."""
     varying = varying_settings(table)
-    spec_rows = table[table.policy != "nospec"]
+    # one row per simulation: a setting its policy ignores (tlt.threshold of a StaticSpec
+    # point) is blank, so two such points are one setting, not a best and its runner-up
+    spec_rows = table[table.policy != "nospec"].drop_duplicates("key").copy()
+    for column in varying:
+        ignored = [p for p in spec_rows.policy.unique() if not setting_matters(p, column)]
+        spec_rows[column] = spec_rows[column].astype(object)
+        spec_rows.loc[spec_rows.policy.isin(ignored), column] = None
     best: dict[str, Any] = {}
     runner_up: dict[str, Any] = {}
     intervals: dict[str, list[float]] = {}
@@ -476,7 +488,7 @@ def sweep_summary(table: pd.DataFrame, spec: SweepSpec) -> dict[str, Any]:
             .sort_values("mean", ascending=False, kind="stable")
         )
         ranked = [
-            (_setting_values(row[group]) | {"speedup_vs_nospec": float(row["mean"])}, row)
+            (_setting_values(row[group].dropna()) | {"speedup_vs_nospec": float(row["mean"])}, row)
             for _, row in stats.iterrows()
         ]
         best = ranked[0][0]
