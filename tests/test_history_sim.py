@@ -171,6 +171,26 @@ def test_fast_and_exact_modes_agree_for_tltbase() -> None:
     assert mean(fast) == pytest.approx(mean(exact), rel=0.03)
 
 
+def test_fast_mode_sees_siblings_finish_on_other_instances_with_a_cluster_index() -> None:
+    """--history-scope cluster: a sibling finishing on another instance raises a request's
+    accept rate. Fast mode held a span to its own instance's next completion and never saw
+    it: mean accept length 1.29 where exact mode gives 5.90 (one prompt, two responses
+    placed round-robin on two instances)."""
+    trace = make_trace([[[50, 3000]]])
+    for scope, low, high in (("instance", 1.0, 2.0), ("cluster", 4.0, 7.0)):
+        history = HistoryModel(scope=scope)
+        modes = {
+            exact: np.mean([
+                _sim(trace, "tltbase", history=history, num_gpus=2, seed=s, exact=exact)
+                .steps[0].mean_accept_len
+                for s in range(5)
+            ])
+            for exact in (False, True)
+        }  # fmt: skip
+        assert modes[False] == pytest.approx(modes[True], rel=0.03), (scope, modes)
+        assert low < modes[True] < high, (scope, modes)  # the sibling's help, or its absence
+
+
 def test_siblings_and_earlier_rollouts_raise_the_simulated_accept_length() -> None:
     # 8 prompts x 8 responses on 8 instances: chunked keeps a group on one instance (its
     # drafter sees its siblings finish), round robin spreads every group (it sees none)

@@ -210,6 +210,26 @@ class InstanceRollout:
         )
         return max(float(self.batch.num_active), context - saved)
 
+    def _is_keyed_elsewhere(self, decision: SpecDecision) -> bool:
+        """Whether another instance can change this one's accept lengths mid-span: a history
+        decision with a cluster-wide index (``HistoryModel.scope``), while some running
+        request has a sibling unfinished on another instance (its completion there raises the
+        request's history key). Fast mode then runs one iteration per SimPy event, so that
+        the batch re-keys after each completion anywhere, as exact mode does; a span was
+        held to this instance's own next completion, and the keys moved only then."""
+        run = self.run
+        if not (decision.enabled and decision.drafter == "history"):
+            return False
+        if run.history.model.scope != "cluster" or not self.active_groups:
+            return False
+        unfinished = np.isnan(run.finish_s)
+        groups = run.prompt_index
+        num_groups = run.history.group_sizes.size
+        everywhere = np.bincount(groups[unfinished], minlength=num_groups)
+        here = np.bincount(groups[self.ids[unfinished[self.ids]]], minlength=num_groups)
+        running = np.fromiter(self.active_groups, dtype=np.int64)
+        return bool((everywhere[running] > here[running]).any())
+
     def _sd_stats(self, decision, dt: float, num_iters: int, emitted: float, b: int) -> None:
         run = self.run
         if decision is not run.last_decision:  # hashing a dataclass per span is slow
@@ -289,7 +309,11 @@ class InstanceRollout:
                 self._charge(now, switch_s, "reprefill", b)
                 pending += switch_s
                 now = env.now - run.t0 + pending
-            dt, num_iters, emitted = batch.advance(decision, run.hold_iters(obs, decision))
+            hold = run.hold_iters(obs, decision)
+            is_watching = self._is_keyed_elsewhere(decision)
+            if is_watching:
+                hold = 1  # one iteration at a time: see _is_keyed_elsewhere
+            dt, num_iters, emitted = batch.advance(decision, hold)
             if decision.enabled and decision.drafter == "history" and self.is_sd_on:
                 self.history_tokens += emitted
             # tltrun's engine rewards the bandit per second of all the decision cost: the
@@ -304,8 +328,9 @@ class InstanceRollout:
                 self._charge(now, dt, "decode", b)
             pending += dt
             # Nothing outside this instance can tell whether a span without a completion was
-            # yielded on its own (instances only interact at completions and the barrier).
-            if is_yield_each or batch.has_finished():
+            # yielded on its own (instances only interact at completions and the barrier,
+            # except through a cluster-wide history index: _is_keyed_elsewhere).
+            if is_yield_each or is_watching or batch.has_finished():
                 yield env.timeout(pending)
                 pending = 0.0
                 self._retire(env.now - run.t0)
