@@ -213,6 +213,31 @@ def test_sd_switch_costs_a_reprefill() -> None:
     assert nospec.reprefill_instance_s == 0 and dataclasses.asdict(nospec)["sd_tokens"] == 0
 
 
+def test_requests_admitted_after_sd_switched_on_pay_a_drafter_prefill() -> None:
+    """tltrun's engine prefills the drafter over every request admitted once its cache is
+    built (``stale_drafter``: one it has seen nothing of); the simulator charged only the
+    batch running at the switch, the same for 1 admission or 64."""
+    cost = roofline()
+    for exact in (False, True):
+        spent = {
+            n: run(
+                make_trace([[[200] * n]], [[2000]]),
+                "static",
+                num_gpus=1,
+                max_running_requests=1,
+                share_prompts=False,
+                exact=exact,
+            )
+            .steps[0]
+            .reprefill_instance_s
+            for n in (1, 8)
+        }
+        assert spent[1] == pytest.approx(cost.sd_switch_s(1, 2001))  # the switch alone
+        # each later admission: one drafter forward over its prompt (target prefilled already)
+        want = spent[1] + 7 * cost.drafter_iter_s(1, 0.0, 2000)
+        assert spent[8] == pytest.approx(want, rel=1e-9), (exact, spent)
+
+
 # -- reference implementation of spot_schedule (the loop it replaced) --------------------------
 
 

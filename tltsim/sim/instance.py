@@ -94,7 +94,11 @@ class InstanceRollout:
         self.num_finished = 0
         self.finish_s = 0.0  # rollout-relative time the last request finished
         self.is_sd_on = False  # EAGLE drafter cache built (re-prefill paid) in this rollout
-        self.history_tokens = 0.0  # emitted by history iterations since EAGLE's last one
+        # once the drafter cache is built: tokens emitted by plain and history iterations
+        # since EAGLE's last one, and requests admitted since (their prompts unseen by it)
+        self.lag_tokens = 0.0
+        self.num_unseen = 0
+        self.unseen_tokens = 0.0
         self.accept_len_ema = 0.0
 
     @property
@@ -210,6 +214,46 @@ class InstanceRollout:
         )
         return max(float(self.batch.num_active), context - saved)
 
+    def _drafter_upkeep_s(self, decision: SpecDecision, b: int) -> tuple[float, float]:
+        """(re-prefill seconds before the span, catch-up seconds inside its first drafting
+        step) that an EAGLE ``decision`` needs to bring the drafter's KV cache up to date,
+        as tltrun's engine does (``tltrun.rollout.prefill.stale_drafter``)."""
+        if not (decision.enabled and decision.drafter == "eagle"):
+            return 0.0, 0.0
+        run, batch = self.run, self.batch
+        if not self.is_sd_on:
+            # SD switches on: rebuild the drafter's KV cache over the running requests, then
+            # run the decided iteration (one decide() per iteration, as tltrun's engine). The
+            # history drafter needs no such cache; tltrun's engine re-prefills EAGLE's when a
+            # first EAGLE decision comes after history ones, as here.
+            self.is_sd_on = True
+            self.lag_tokens, self.num_unseen, self.unseen_tokens = 0.0, 0, 0.0
+            return run.reprefill_s(b, self._reprefill_context()), 0.0
+        switch_s = catchup_s = 0.0
+        if self.num_unseen:
+            # requests admitted since: the drafter has seen nothing of them, and one drafter
+            # forward feeds it their prompts (their target prefill ran at admission)
+            num = min(self.num_unseen, b)
+            per_seq = max(1, int(math.ceil(self.unseen_tokens / self.num_unseen)))
+            switch_s += run.cost.drafter_iter_s(num, 0.0, per_seq)
+            self.num_unseen, self.unseen_tokens = 0, 0.0
+        if self.lag_tokens > 0:
+            # The EAGLE drafter catches up on the pairs plain and history iterations emitted:
+            # within CATCHUP_PAIRS per request, in the drafting step's first forward (tltrun's
+            # RolloutEngine.catchup_pairs), else one drafter forward over them first.
+            per_seq = max(1, int(math.ceil(self.lag_tokens / b)))
+            ctx = batch.cost_context()[0]
+            self.lag_tokens = 0.0
+            if per_seq <= CATCHUP_PAIRS:
+                catchup_s = max(
+                    0.0,
+                    run.cost.drafter_iter_s(b, ctx, per_seq + 1)
+                    - run.cost.drafter_iter_s(b, ctx, 1),
+                )
+            else:
+                switch_s += run.cost.drafter_iter_s(b, ctx, per_seq)
+        return switch_s, catchup_s
+
     def _is_keyed_elsewhere(self, decision: SpecDecision) -> bool:
         """Whether another instance can change this one's accept lengths mid-span: a history
         decision with a cluster-wide index (``HistoryModel.scope``), while some running
@@ -260,6 +304,9 @@ class InstanceRollout:
                 sl = slice(next_queued, next_queued + take)
                 next_queued += take
                 dt = self._admission_s(self.prompt_tokens[sl], self.groups[sl])
+                if self.is_sd_on:  # the next EAGLE iteration prefills the drafter over them
+                    self.num_unseen += take
+                    self.unseen_tokens += float(self.prompt_tokens[sl].sum())
                 batch.admit(self.prompt_tokens[sl], self.response_tokens[sl], self.ids[sl])
                 self._charge(now, dt, "prefill", batch.num_active)
                 yield env.timeout(pending + dt)
@@ -279,31 +326,7 @@ class InstanceRollout:
                 accept_len_ema=self.accept_len_ema,
             )
             decision = policy.decide(obs)
-            switch_s = 0.0  # a drafter re-prefill this decision required (before its span)
-            catchup_s = 0.0  # history pairs the span's first drafting step feeds itself
-            if decision.enabled and decision.drafter == "eagle" and not self.is_sd_on:
-                # SD switches on: rebuild the drafter's KV cache over the running requests, then
-                # run the decided iteration (one decide() per iteration, as tltrun's engine).
-                # The history drafter needs no such cache; tltrun's engine re-prefills EAGLE's
-                # when a first EAGLE decision comes after history ones, as here.
-                self.is_sd_on = True
-                self.history_tokens = 0.0
-                switch_s = run.reprefill_s(b, self._reprefill_context())
-            elif decision.enabled and decision.drafter == "eagle" and self.history_tokens > 0:
-                # The EAGLE drafter catches up on the pairs history iterations emitted: within
-                # CATCHUP_PAIRS per request, in the drafting step's first forward (tltrun's
-                # RolloutEngine.catchup_pairs), else one drafter forward over them first.
-                per_seq = max(1, int(math.ceil(self.history_tokens / b)))
-                ctx = batch.cost_context()[0]
-                self.history_tokens = 0.0
-                if per_seq <= CATCHUP_PAIRS:
-                    catchup_s = max(
-                        0.0,
-                        run.cost.drafter_iter_s(b, ctx, per_seq + 1)
-                        - run.cost.drafter_iter_s(b, ctx, 1),
-                    )
-                else:
-                    switch_s = run.cost.drafter_iter_s(b, ctx, per_seq)
+            switch_s, catchup_s = self._drafter_upkeep_s(decision, b)
             if switch_s > 0:
                 self.reprefill_s += switch_s
                 self._charge(now, switch_s, "reprefill", b)
@@ -314,8 +337,8 @@ class InstanceRollout:
             if is_watching:
                 hold = 1  # one iteration at a time: see _is_keyed_elsewhere
             dt, num_iters, emitted = batch.advance(decision, hold)
-            if decision.enabled and decision.drafter == "history" and self.is_sd_on:
-                self.history_tokens += emitted
+            if self.is_sd_on and not (decision.enabled and decision.drafter == "eagle"):
+                self.lag_tokens += emitted  # pairs the EAGLE drafter has not seen
             # tltrun's engine rewards the bandit per second of all the decision cost: the
             # span's first iteration carries the re-prefill and the catch-up
             run.feedback(obs, decision, emitted, dt, num_iters, first_extra_s=switch_s + catchup_s)
