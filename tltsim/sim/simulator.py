@@ -74,7 +74,9 @@ def place(
 
     round_robin: response r -> instance r mod N; a prompt's group spreads over instances.
     chunked: contiguous blocks, as veRL's ``DataProto.chunk`` splits a batch over DP ranks
-    (a group stays on one instance). random: uniform, seeded.
+    (a group stays on one instance when the blocks are whole groups, as veRL's batch sizes make
+    them; otherwise ``np.array_split``'s unequal blocks can split a group over two). random:
+    uniform, seeded.
     """
     idx = np.arange(num_requests)
     if placement == "round_robin":
