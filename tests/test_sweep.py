@@ -161,6 +161,11 @@ def test_bad_values_fail_before_any_point_runs(tmp_path: Path, capsys) -> None:
     assert main(["sweep", str(spec), "--out", str(tmp_path / "o")]) == 2
     assert "not a multiple of tp" in capsys.readouterr().err
     assert not (tmp_path / "o" / "points.jsonl").exists()
+    # a name only the cost model checks (a worker found it, after points had run)
+    spec = write_spec(tmp_path, f'trace = "{TRACE}"\n[grid]\nhardware = ["H200", "H300"]')
+    assert main(["sweep", str(spec), "--out", str(tmp_path / "o")]) == 2
+    assert "unknown hardware preset 'H300'" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "points.jsonl").exists()
 
 
 def test_nospec_in_a_grid_of_settings_it_ignores(tmp_path: Path) -> None:

@@ -58,7 +58,7 @@ from tltsim.policy import POLICY_NAMES, SpotTrainerConfig, TLTConfig, make_polic
 from tltsim.policy.tlt import TLTBASE_FIELDS
 from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.config import MAX_SEED, MAX_SIMULATIONS, SimConfig
-from tltsim.sim.replay import RunSettings, run_settings
+from tltsim.sim.replay import RunSettings, cost_model, run_settings
 from tltsim.trace.files import load_trace
 from tltsim.trace.schema import Trace, TraceError, dumps_trace
 
@@ -374,7 +374,7 @@ def run_sweep(spec_path: Path, out: Path | None = None, workers: int | None = No
         trace = Trace(meta=trace.meta, steps=trace.steps[: spec.max_steps])
     points = spec_points(spec)
     for point in points:  # validate every point before spending any time
-        settings_of(point, spec.seeds[0])
+        cost_model(settings_of(point, spec.seeds[0]).sim)  # a bad model or hardware name too
     write_json(
         out / "config.json",
         {
