@@ -77,7 +77,7 @@ def spot_schedule(
     return SpotOutcome(
         trained_s=trained,
         segments=_segments(begin, dur),
-        tokens=int(tokens_per_s * float(trained.sum())),
+        tokens=round(tokens_per_s * float(trained.sum())),  # 189.99999 of a cap of 190 is 190
     )
 
 
