@@ -149,7 +149,10 @@ def point_rows(b: int, c: int, decisions, timed: dict, row) -> list[ProfileRow]:
     for deepest in _deepest(decisions):
         per_step = timed[("draft", b, c, deepest)] / deepest.draft_steps
         rows.append(row("drafter", b, ctx, deepest.topk, per_step))
-        step_s = float(np.median(per_step))
+        # the row's own statistic: a constant shift moves a median and a mean alike, so
+        # draft_steps x drafter + verify is the iteration's statistic (not so with the
+        # median subtracted from a mean: off by draft_steps x (mean - median))
+        step_s = rows[-1].seconds
         for d in decisions:
             if d.topk == deepest.topk:
                 it = timed[("iteration", b, c, d)]

@@ -194,7 +194,7 @@ def point_rows(b: int, c: int, ks: list[int], timed: dict, contexts: dict, measu
     slope = ((k_arr - k_arr.mean())[:, None] * (times - times.mean(0))).sum(0)
     slope = np.maximum(slope / ((k_arr - k_arr.mean()) ** 2).sum(), 0.01 * times[0])
     rows.append(measure.row("drafter", b, ctx(("step", b, c, ks[-1])), 1, slope))
-    step_s = float(np.median(slope))
+    step_s = rows[-1].seconds  # the row's statistic (tltrun.profile.torch_engine.point_rows)
     for k in ks:
         it = by_k[k]
         verify = np.maximum(it - k * step_s, 0.1 * it)
