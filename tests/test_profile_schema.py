@@ -88,6 +88,17 @@ GOOD_ROW = "decode,1,128,1,0.01,0.009,0.011,5"
         ),
         (",".join(COLUMNS) + "\n" + GOOD_ROW + "\n" + GOOD_ROW, "row 3: duplicate point"),
         (",".join(COLUMNS) + ",extra\n" + GOOD_ROW + ",1", "unknown column 'extra'"),
+        (",".join(COLUMNS) + ",seconds\n" + GOOD_ROW + ",999", "column 'seconds' appears twice"),
+        # sd_switch's tokens_per_seq restates context / batch; its table has no place for two
+        (
+            ",".join(COLUMNS) + "\n" + "sd_switch,3,72,7,0.01,0.009,0.011,5",
+            "row 2: column 'tokens_per_seq': expected context_tokens / batch = 24, rounded",
+        ),
+        (
+            ",".join(COLUMNS) + "\n" + "sd_switch,3,73,24,0.01,0.009,0.011,5\n"
+            "sd_switch,3,73,25,0.02,0.019,0.021,5",
+            "row 3: duplicate point op=sd_switch batch=3 context_tokens=73",
+        ),
     ],
 )
 def test_bad_profile_is_one_line_exit_2(tmp_path: Path, capsys, text: str, expected: str) -> None:

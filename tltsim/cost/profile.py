@@ -277,6 +277,9 @@ def load_profile(path: str | Path) -> Profile:
         raise ProfileError(
             f"{source}: row 1 (header): unknown column '{extra[0]}' (expected only {','.join(COLUMNS)})"
         )
+    repeated = [c for i, c in enumerate(header) if c in header[:i]]
+    if repeated:  # else the first is read and the other silently ignored
+        raise ProfileError(f"{source}: row 1 (header): column '{repeated[0]}' appears twice")
     col = {name: header.index(name) for name in COLUMNS}
     rows = []
     for line_no, cells in enumerate(reader, start=2):
@@ -368,16 +371,24 @@ def _check_row(r: ProfileRow, source: str, line_no: int) -> None:
             "context_tokens",
             f"an integer >= batch={r.batch} for op sd_switch (tokens re-prefilled)",
         )
+    if r.op == "sd_switch" and abs(r.tokens_per_seq - r.context_tokens / r.batch) >= 1:
+        fail(
+            "tokens_per_seq",
+            f"context_tokens / batch = {r.context_tokens / r.batch:g}, rounded, for op sd_switch",
+        )
 
 
 def _check_duplicates(rows: list[ProfileRow], source: str) -> None:
     seen: dict[tuple, int] = {}
     for i, r in enumerate(rows, start=2):
-        if r.key in seen:
+        # sd_switch's table is keyed by batch and context (its tokens_per_seq only restates
+        # context / batch, rounded either way): two rows there would silently be one
+        key = r.key[:3] if r.op == "sd_switch" else r.key
+        if key in seen:
             raise ProfileError(
-                f"{source}: row {i}: duplicate point op={r.op} batch={r.batch} context_tokens={r.context_tokens} tokens_per_seq={r.tokens_per_seq} (first at row {seen[r.key]})"
+                f"{source}: row {i}: duplicate point op={r.op} batch={r.batch} context_tokens={r.context_tokens} tokens_per_seq={r.tokens_per_seq} (first at row {seen[key]})"
             )
-        seen[r.key] = i
+        seen[key] = i
 
 
 def _load_meta(path: Path) -> dict[str, Any]:
