@@ -299,6 +299,13 @@ def profile_meta(cfg: ProfileRunConfig, now: datetime.datetime) -> dict[str, Any
     }
 
 
+def device_sync(device: str) -> Callable[[], None]:
+    """Wait for ``device``'s queued work (CUDA runs asynchronously; the CPU needs nothing)."""
+    if device.startswith("cuda"):
+        return lambda: torch.cuda.synchronize(torch.device(device))
+    return lambda: None
+
+
 def run_profile(
     cfg: ProfileRunConfig,
     now: datetime.datetime,
@@ -371,6 +378,8 @@ def run_profile(
         try:
             timed = measure.interleaved(
                 train_series(cfg, target, drafter, gen),
+                # each update's own kernels, AdamW's step last, end inside its sample
+                sync=device_sync(cfg.device),
                 progress=progress,
                 on_round=lambda t: _write_partial(
                     rows + [measure.row(op, b, 0, seq, v) for (op, b, seq), v in t.items()],
