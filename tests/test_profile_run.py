@@ -211,6 +211,34 @@ def test_draft_steps_times_drafter_plus_verify_is_the_iterations_statistic(stati
     assert modelled == pytest.approx(measure.row("x", 1, 128, 1, it).seconds, rel=1e-12)
 
 
+def test_the_train_op_updates_fp32_master_weights_and_syncs_them(monkeypatch):
+    """--dtype bfloat16 timed a pure-bf16 actor and AdamW (2.5x tltrun train's fp32 update on a
+    CPU) and left out the weight sync that tltrun train's train_s holds."""
+    from tltrun.profile import train_ops
+    from tltrun.rollout import slot_state
+    from tltrun.train import grpo
+
+    target = tiny_model(seed=0, dtype=torch.bfloat16)
+    cfg = ProfileRunConfig(
+        model="m", out="p.csv", dtype="bfloat16", train_batches=(1, 2), train_tokens_per_seq=(8, 9)
+    )
+    seen = []
+    real = grpo.grpo_update
+
+    def spy(actor, ref, *args, **kwargs):
+        seen.append((next(actor.parameters()).dtype, next(ref.parameters()).dtype, kwargs))
+        return real(actor, ref, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "grpo_update", spy)
+    synced = []
+    monkeypatch.setattr(slot_state, "load_in_place", lambda m, sd, *a, **k: synced.append(m))
+    series = train_ops.train_series(cfg, target, None, torch.Generator().manual_seed(0))
+    series[0].fn()
+    # CPU: fp32 throughout, as the worker (bf16 autocast on CUDA only)
+    assert seen == [(torch.float32, torch.float32, {"pad_id": 0, "autocast_dtype": None})]
+    assert synced == [target]  # the weight sync into the rollout model, timed with it
+
+
 def test_measure_times_after_warmup_and_resets():
     calls, resets = [], []
     samples = Measure(2, 3, "median").samples(lambda: calls.append(1), lambda: resets.append(1))

@@ -1,5 +1,5 @@
 """The training ops of ``tltrun profile`` (the same torch trainer behind either rollout backend):
-``train``, one GRPO actor update as ``tltrun train`` runs it, and ``drafter_train``, one spot
+``train``, one GRPO actor update and weight sync as ``tltrun train`` runs them, and ``drafter_train``, one spot
 trainer's drafter update, each on a copy of the model, over the grid's batches and tokens per
 sequence (``cfg``: a ``tltrun.profile.measure.ProfileRunConfig``).
 ``tltrun.profile.measure.run_profile`` times them after the rollout ops.
@@ -19,10 +19,17 @@ def train_series(cfg, target, drafter, gen) -> list[Series]:
     model included) of ``batch`` sequences, on a copy of the target. ``drafter_train``:
     ``make_batch`` + ``drafter_train_step`` (a spot trainer's update), on a copy of the drafter.
     Keys: (op, batch, tokens per sequence)."""
+    from tltrun.rollout.slot_state import load_in_place
     from tltrun.train.grpo import GRPOConfig, Sample, grpo_update
     from tltrun.train.grpo import make_optimizer as actor_optimizer
 
-    actor, ref = copy.deepcopy(target).train(), copy.deepcopy(target).eval()
+    # as tltrun.train.worker builds them: fp32 master weights and AdamW state, bf16 compute
+    # under autocast on CUDA only (a bf16 actor timed 2.5x the fp32 update tltrun train runs
+    # on a CPU), the frozen KL reference in the compute dtype
+    autocast = torch.bfloat16 if cfg.dtype == "bfloat16" and cfg.device.startswith("cuda") else None
+    actor = copy.deepcopy(target).float().train()
+    ref = copy.deepcopy(target).to(autocast or torch.float32).eval()
+    tied = {"lm_head.weight"} if target.config.tie_word_embeddings else set()
     gcfg = GRPOConfig()
     optimizer = actor_optimizer(actor, gcfg)
     vocab = target.config.vocab_size
@@ -38,7 +45,12 @@ def train_series(cfg, target, drafter, gen) -> list[Series]:
             ]
 
             def update(s=samples) -> None:
-                grpo_update(actor, ref, optimizer, s, gcfg, cfg.temperature or 1.0, pad_id=0)
+                temperature = cfg.temperature or 1.0
+                grpo_update(
+                    actor, ref, optimizer, s, gcfg, temperature, pad_id=0, autocast_dtype=autocast
+                )
+                # and the weight sync into the rollout model that tltrun train's train_s holds
+                load_in_place(target, actor.state_dict(), "target", drop=tied)
 
             series.append(Series(("train", batch, seq), update, is_warmed_each_round=False))
     if drafter is not None:
