@@ -1,9 +1,8 @@
 """One worker process (one torch.distributed rank) of ``tltrun train``, started by torchrun or by
 ``tltrun train``'s own launcher (tltrun.train.elastic, tltrun.train.launch): rollout with its
 own engine, spot drafter training when idle (tltrun.train.spot), rewards, rollout dump and
-evaluation of its responses (tltrun.train.responses), data-parallel GRPO update
-(tltrun.train.grpo), the step's log row and trace step on rank 0 (tltrun.train.step_log) and
-checkpoints (tltrun.train.state, tltrun.train.checkpoint). Not run directly.
+evaluation of its responses (tltrun.train.responses), data-parallel GRPO update (train.grpo),
+rank 0's log row and trace step (train.step_log), checkpoints (train.state). Not run directly.
 
 Actor update: DATA PARALLEL. Every worker holds the same actor and AdamW state; each computes
 the GRPO loss of its own groups over the global token count, the gradients are summed with
@@ -437,6 +436,8 @@ class Worker:
             autocast_dtype=self.autocast_dtype,
         )
         self.engine.update_weights(self._actor_weights())
+        if cfg.device.startswith("cuda"):  # the update's last kernels end inside train_s
+            torch.cuda.synchronize(cfg.device)
         train_s = self.clock() - t1
         t_eval = self.clock()
         evaluation = None
