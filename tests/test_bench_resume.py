@@ -183,3 +183,25 @@ def test_save_trace_killed_mid_write_leaves_the_previous_file(inputs, tmp_path, 
         save_trace(type(trace)(meta={"source": "new"}, steps=trace.steps), path)
     monkeypatch.undo()
     assert path.read_bytes() == before
+
+
+def test_a_rows_accept_length_pools_the_steps_verifies():
+    """Each step's mean accept length is per request-verify; the row weighted the steps by SD
+    iterations, so a step of 24 iterations x 14 requests counted 4x less than one of 96 x 1
+    (1.523 reported where the verifies pool to 1.439)."""
+    from types import SimpleNamespace
+
+    from tltrun.rollout.bench import _totals
+
+    def step(mean: float, hist: list[int], iterations: int) -> SimpleNamespace:
+        measured = SimpleNamespace(
+            total_tokens=10, rollout_s=1.0, num_sd_iterations=iterations, num_iterations=100,
+            mean_accept_len=mean, accept_hist_by_strategy={"4_1_4": hist},
+            drafter_prefill_s=0.0, to_dict=dict,
+        )  # fmt: skip
+        return SimpleNamespace(measured=measured)
+
+    # 332 verifies at 1.407 (accepting 0 or 1: 197 x 1 + 135 x 2 = 467 tokens) and 96 at 1.552
+    first, second = step(467 / 332, [197, 135], 24), step(149 / 96, [43, 53], 96)
+    assert _totals([first, second])["mean_accept_len"] == pytest.approx((467 + 149) / 428)
+    assert _totals([first, second])["sd_iteration_share"] == pytest.approx(120 / 200)

@@ -305,14 +305,17 @@ def _totals(steps: list[Step]) -> dict[str, Any]:
     ms = [s.measured for s in steps]
     tokens = sum(m.total_tokens for m in ms)
     rollout_s = sum(m.rollout_s for m in ms)
-    verifies = sum(m.num_sd_iterations for m in ms)
-    weighted = sum(m.mean_accept_len * m.num_sd_iterations for m in ms)
+    # each step's mean is per request-verify: pooled over the steps' verifies (their
+    # accept_hist_by_strategy counts), not over SD iterations of unlike batch sizes
+    num_verifies = [sum(map(sum, (m.accept_hist_by_strategy or {}).values())) for m in ms]
+    pooled = sum(m.mean_accept_len * n for m, n in zip(ms, num_verifies, strict=True))
+    iterations = sum(m.num_sd_iterations for m in ms)
     return {
         "rollout_s": rollout_s,
         "total_tokens": tokens,
         "tokens_per_s": tokens / rollout_s if rollout_s > 0 else 0.0,
-        "mean_accept_len": weighted / verifies if verifies else 0.0,
+        "mean_accept_len": pooled / sum(num_verifies) if sum(num_verifies) else 0.0,
         "drafter_prefill_s": sum(m.drafter_prefill_s for m in ms),
-        "sd_iteration_share": verifies / max(1, sum(m.num_iterations for m in ms)),
+        "sd_iteration_share": iterations / max(1, sum(m.num_iterations for m in ms)),
         "steps": [m.to_dict() for m in ms],
     }
