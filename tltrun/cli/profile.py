@@ -16,16 +16,29 @@ import threading
 import time
 from pathlib import Path
 
-from tltrun.cli.args import check_triton_impls
+from tltrun.cli.args import check_kv_cache_fits, check_triton_impls
 from tltrun.profile import measure
 from tltsim.cli.args import add_dataclass_args, check_out_file, dataclass_from_args
+from tltsim.errors import UsageError
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(measure.ProfileRunConfig, args)
     check_out_file(cfg.out)
+    _check_model_fits(cfg)
     if cfg.backend == "torch":
         check_triton_impls(cfg.device, attn_impl=cfg.attn_impl)
+        from tltrun.profile.torch_engine import engine_config
+
+        engine = engine_config(cfg, cfg.decisions if cfg.drafter else [])
+        try:  # before it is allocated: the grid's largest batch at its longest context
+            check_kv_cache_fits(cfg.model, engine)
+        except UsageError as err:
+            need = str(err).partition(": ")[2]
+            raise UsageError(
+                f"--batches / --prefill-batches up to {engine.max_running_requests} sequences of "
+                f"up to {engine.max_model_len} tokens: {need}"
+            ) from None
     start = time.perf_counter()
     # SIGTERM (what `timeout` and job schedulers send) ends the profile as Ctrl-C does: the
     # completed rounds are written (measure.run_profile) instead of lost
@@ -42,6 +55,23 @@ def cmd_profile(args: argparse.Namespace) -> int:
         f"wrote {cfg.out} and {Path(cfg.out).with_suffix('.json')}"
     )
     return 0
+
+
+def _check_model_fits(cfg: measure.ProfileRunConfig) -> None:
+    """Strategies the model can draft: a top-k wider than its vocabulary was an internal
+    error once the model had loaded."""
+    from tltrun.model.config import CheckpointError, read_config
+
+    try:
+        vocab = read_config(cfg.model).vocab_size
+    except CheckpointError as err:
+        raise UsageError(str(err)) from None
+    wide = [d.strategy for d in cfg.decisions if d.topk > vocab] if cfg.drafter else []
+    if wide:
+        raise UsageError(
+            f"--strategies {','.join(wide)}: drafts the top {max(d.topk for d in cfg.decisions)} "
+            f"tokens of {cfg.model}'s vocabulary of {vocab}"
+        )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

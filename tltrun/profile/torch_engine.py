@@ -188,6 +188,28 @@ def attention_context(attn_impl: str | None, device: str) -> str:
     return "summed" if impl in UNPADDED_ATTN_IMPLS else "padded"
 
 
+def _margin(decisions: list[SpecDecision]) -> int:
+    """Room per sequence for the largest draft tree and its bonus token, twice: never finishes."""
+    return 2 * (max([d.draft_steps for d in decisions], default=0) + 2)
+
+
+def engine_config(cfg, decisions: list[SpecDecision]) -> EngineConfig:
+    """The engine ``profile_torch`` times the grid of ``cfg`` on (``decisions``: its SD
+    strategies, none without a drafter); ``tltrun profile`` checks its KV cache fits first."""
+    longest = max(max(cfg.context_per_seq), max(cfg.prefill_tokens_per_seq))
+    return EngineConfig(
+        max_running_requests=max(max(cfg.batches), max(cfg.prefill_batches)),
+        max_model_len=longest + _margin(decisions),
+        sampling=SamplingParams(temperature=cfg.temperature),
+        seed=cfg.seed,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        attn_impl=cfg.attn_impl,
+        max_prefill_tokens=cfg.max_prefill_tokens,
+        max_verify_tokens=max([d.verify_tokens for d in decisions], default=1),
+    )
+
+
 def profile_torch(
     cfg,
     target,
@@ -203,24 +225,7 @@ def profile_torch(
     ``on_rows(rows)`` gets the rows of the rounds completed so far after each round."""
     decisions = cfg.decisions if drafter is not None else []
     gen = torch.Generator().manual_seed(cfg.seed)
-    # Room per sequence for the largest draft tree and its bonus token, twice: never finishes.
-    margin = 2 * (max([d.draft_steps for d in decisions], default=0) + 2)
-    longest = max(max(cfg.context_per_seq), max(cfg.prefill_tokens_per_seq))
-    engine = RolloutEngine(
-        target,
-        drafter,
-        EngineConfig(
-            max_running_requests=max(max(cfg.batches), max(cfg.prefill_batches)),
-            max_model_len=longest + margin,
-            sampling=SamplingParams(temperature=cfg.temperature),
-            seed=cfg.seed,
-            device=cfg.device,
-            dtype=cfg.dtype,
-            attn_impl=cfg.attn_impl,
-            max_prefill_tokens=cfg.max_prefill_tokens,
-            max_verify_tokens=max([d.verify_tokens for d in decisions], default=1),
-        ),
-    )
+    engine = RolloutEngine(target, drafter, engine_config(cfg, decisions))
     # one graph pool for every policy the series alternate between (CUDA): each series'
     # rollback would otherwise capture its policy's pool anew
     engine.prepare_graphs([NoSpec(), *(StaticSpec(strategy=d.strategy) for d in decisions)])
@@ -229,7 +234,7 @@ def profile_torch(
         fill_engine(engine, max(cfg.context_per_seq), gen)
         for b in cfg.batches:
             for c in cfg.context_per_seq:
-                probe = EngineProbe(engine, b, c, margin, gen)
+                probe = EngineProbe(engine, b, c, _margin(decisions), gen)
                 series += point_series(probe, decisions, cfg.back_to_back_calls)
         for b in cfg.prefill_batches:
             for t in cfg.prefill_tokens_per_seq:
