@@ -186,12 +186,22 @@ def spec_verify_from_logits(
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def triton_runnable_on(device: torch.device) -> tuple[bool, str]:
-    """Whether the Triton kernels can run on tensors of ``device``, and why not."""
+def triton_runnable_on(
+    device: torch.device, dot_dtype: torch.dtype | None = None
+) -> tuple[bool, str]:
+    """Whether the Triton kernels can run on tensors of ``device``, and why not;
+    ``dot_dtype``: the dtype a kernel feeds ``tl.dot`` (tree attention's inputs)."""
     if not HAS_TRITON:
         return False, "triton is not installed (pip install -e .[kernels])"
     if device.type == "cuda":
         return True, ""
+    if triton.knobs.runtime.interpret and dot_dtype == torch.bfloat16:
+        # the interpreter's tl.dot of a cast to bf16 is garbage (max error ~1e9 where fp32 and
+        # fp16 match the reference; triton 3.x, 2026-11-28): refused, not a silent wrong result
+        return False, (
+            "Triton's interpreter (TRITON_INTERPRET=1) computes bfloat16 tl.dot wrongly; use "
+            "--dtype float32 or float16 on a CPU, or CUDA tensors"
+        )
     if triton.knobs.runtime.interpret:
         return True, ""
     return False, (

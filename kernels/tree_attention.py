@@ -110,7 +110,7 @@ def tree_attention_triton(q, k_cache, v_cache, cache_lens, k_new, v_new, tree_ma
     prefix once for up to ``MAX_BLOCK_R`` rows, where one program per query head read it G
     times and filled a 16-row tile with a decode's single row."""
     _check_shapes(q, k_cache, v_cache, cache_lens, k_new, v_new, tree_mask)
-    is_ok, why = triton_runnable_on(q.device)
+    is_ok, why = triton_runnable_on(q.device, q.dtype)
     if not is_ok:
         raise RuntimeError(why)
     q, k_cache, v_cache, k_new, v_new = map(

@@ -306,6 +306,22 @@ def test_triton_impl_without_interpreter_or_gpu_says_why(jobs):
         run_job(job, "triton")
 
 
+def test_bf16_tree_attention_is_refused_under_the_interpreter(monkeypatch):
+    """The interpreter's tl.dot of a cast to bf16 gave errors of ~1e9 (fp32 and fp16 match):
+    --attn-impl triton --dtype bfloat16 with TRITON_INTERPRET=1 was a silent wrong result."""
+    triton = pytest.importorskip("triton", reason="the [kernels] extra (triton) is not installed")
+    from tltrun.cli.args import check_triton_impls
+    from tltsim.errors import UsageError
+
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", True)
+    is_ok, why = triton_runnable_on(torch.device("cpu"), torch.bfloat16)
+    assert not is_ok and "bfloat16" in why
+    assert triton_runnable_on(torch.device("cpu"), torch.float16) == (True, "")
+    with pytest.raises(UsageError, match="--attn-impl triton: Triton's interpreter"):
+        check_triton_impls("cpu", "bfloat16", attn_impl="triton")
+    check_triton_impls("cpu", "bfloat16", verify_impl="triton")  # sampling runs in fp32
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled Triton kernels)")
 @pytest.mark.parametrize("shape", [(64, 8, 152064), (1, 1, 151), (33, 5, 32000)])

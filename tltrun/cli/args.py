@@ -87,23 +87,28 @@ def engine_config_from_args(
         ) from None
     except ValueError as err:
         raise UsageError(f"EngineConfig: {err}") from None
-    check_triton_impls(cfg.device, attn_impl=cfg.attn_impl, verify_impl=cfg.verify_impl)
+    check_triton_impls(
+        cfg.device, cfg.dtype_name, attn_impl=cfg.attn_impl, verify_impl=cfg.verify_impl
+    )
     return cfg
 
 
-def check_triton_impls(device: str, **impls: str | None) -> None:
+def check_triton_impls(device: str, dtype: str, **impls: str | None) -> None:
     """A Triton implementation asked for where Triton cannot run (a CPU without its
-    interpreter) is one UsageError naming the flag, before a model is loaded."""
-    asked = [name for name, impl in impls.items() if impl == "triton"]
-    if not asked:
-        return
+    interpreter; tree attention in bf16 under the interpreter) is one UsageError naming the
+    flag, before a model is loaded. ``dtype``: the engine's (``EngineConfig.dtype_name``)."""
     import torch
 
     from kernels.spec_verify import triton_runnable_on
+    from tltrun.rollout.engine_config import DTYPES
 
-    is_ok, why = triton_runnable_on(torch.device(device))
-    if not is_ok:
-        raise UsageError(f"--{asked[0].replace('_', '-')} triton: {why}")
+    for name, impl in impls.items():
+        if impl != "triton":
+            continue
+        dot_dtype = DTYPES.get(dtype) if name == "attn_impl" else None  # verify runs in fp32
+        is_ok, why = triton_runnable_on(torch.device(device), dot_dtype)
+        if not is_ok:
+            raise UsageError(f"--{name.replace('_', '-')} triton: {why}")
 
 
 def check_kv_cache_fits(model_dir: str, engine_cfg: EngineConfig) -> None:
