@@ -183,3 +183,21 @@ def test_cost_model_from_args(tmp_path: Path) -> None:
     assert isinstance(cost, ProfileCost) and isinstance(cost, CostModel)
     with pytest.raises(UsageError, match="measured with tp=1, but the simulation runs tp=2"):
         cost_model_from_args(argparse.Namespace(profile=path), model, hw, 2)
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly():
+    """``tltsim profile-info ... | head -1`` (unbuffered output) ended as 'error: internal
+    error: BrokenPipeError', exit 1."""
+    import os
+    import subprocess
+    import sys
+
+    profile = sorted((Path(__file__).resolve().parents[1] / "profiles").glob("*.csv"))[0]
+    cmd = [sys.executable, "-m", "tltsim", "profile-info", str(profile)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc.stdout.readline()
+    proc.stdout.close()  # as head does after its line
+    err = proc.stderr.read().decode()
+    # 141 (128 + SIGPIPE) when a later line met the closed pipe; 0 if all fit the pipe first
+    assert proc.wait(timeout=60) in (141, 0) and err == "", err

@@ -59,6 +59,11 @@ def run_command(
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`| head`): stop quietly as a pipeline expects, 128 + SIGPIPE;
+        # stdout goes to /dev/null so the flush at exit cannot raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except OSError as err:
         if err.filename is None:
             return _internal_error(err, prog)
