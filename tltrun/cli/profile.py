@@ -58,13 +58,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _check_model_fits(cfg: measure.ProfileRunConfig) -> None:
-    """Strategies the model can draft: a top-k wider than its vocabulary was an internal
-    error once the model had loaded."""
-    from tltrun.model.config import CheckpointError, read_config
+    """A device this machine has, and strategies the model can draft: a top-k wider than its
+    vocabulary was an internal error once the model had loaded."""
+    from tltrun.model.config import CheckpointError, check_device, read_config
 
     try:
+        check_device(cfg.device)  # before the engine config built from it checks it
         vocab = read_config(cfg.model).vocab_size
-    except CheckpointError as err:
+    except (CheckpointError, ValueError) as err:
         raise UsageError(str(err)) from None
     wide = [d.strategy for d in cfg.decisions if d.topk > vocab] if cfg.drafter else []
     if wide:
