@@ -1,6 +1,6 @@
 """The training ops of ``tltrun profile`` (the same torch trainer behind either rollout backend):
-``train``, one GRPO actor update and weight sync as ``tltrun train`` runs them, and ``drafter_train``, one spot
-trainer's drafter update, each on a copy of the model, over the grid's batches and tokens per
+``train``, one GRPO actor update and weight sync as ``tltrun train`` runs them, and
+``drafter_train``, one spot trainer's drafter update, each on a copy of the model, over the grid's batches and tokens per
 sequence (``cfg``: a ``tltrun.profile.measure.ProfileRunConfig``).
 ``tltrun.profile.measure.run_profile`` times them after the rollout ops.
 """
@@ -20,13 +20,13 @@ def train_series(cfg, target, drafter, gen) -> list[Series]:
     ``make_batch`` + ``drafter_train_step`` (a spot trainer's update), on a copy of the drafter.
     Keys: (op, batch, tokens per sequence)."""
     from tltrun.rollout.slot_state import load_in_place
-    from tltrun.train.grpo import GRPOConfig, Sample, grpo_update
+    from tltrun.train.grpo import GRPOConfig, Sample, autocast_dtype_for, grpo_update
     from tltrun.train.grpo import make_optimizer as actor_optimizer
 
     # as tltrun.train.worker builds them: fp32 master weights and AdamW state, bf16 compute
     # under autocast on CUDA only (a bf16 actor timed 2.5x the fp32 update tltrun train runs
     # on a CPU), the frozen KL reference in the compute dtype
-    autocast = torch.bfloat16 if cfg.dtype == "bfloat16" and cfg.device.startswith("cuda") else None
+    autocast = autocast_dtype_for(cfg.dtype, cfg.device)
     actor = copy.deepcopy(target).float().train()
     ref = copy.deepcopy(target).to(autocast or torch.float32).eval()
     tied = {"lm_head.weight"} if target.config.tie_word_embeddings else set()

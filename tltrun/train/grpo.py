@@ -245,6 +245,12 @@ def microbatches(samples: list[Sample], max_tokens: int) -> list[list[int]]:
     return [[order[j] for j in group] for group in groups]
 
 
+def autocast_dtype_for(dtype: str, device: str) -> torch.dtype | None:
+    """``tltrun train``'s compute dtype under autocast: bf16 on CUDA when asked, else None
+    (fp32 master weights and AdamW state either way; a CPU's bf16 matmuls are slower)."""
+    return torch.bfloat16 if dtype == "bfloat16" and device.startswith("cuda") else None
+
+
 def _autocast(device: torch.device, dtype: torch.dtype | None):
     if dtype is None:
         return contextlib.nullcontext()

@@ -42,7 +42,7 @@ from tltrun.train import elastic
 from tltrun.train import state as ts
 from tltrun.train.config import TrainConfig
 from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord
-from tltrun.train.grpo import GRPOConfig, Sample, grpo_update, make_optimizer
+from tltrun.train.grpo import GRPOConfig, Sample, autocast_dtype_for, grpo_update, make_optimizer
 from tltrun.train.prompts import load_run_data, reward_spec
 from tltrun.train.responses import ResponseScorer
 from tltrun.train.spot import ModelledFeedback, SpotStats, SpotTrainer, SubsetGroups
@@ -139,9 +139,7 @@ class Worker:
                     f"fsdp_size {cfg.fsdp_size}: 1 or the world size ({dist.get_world_size()})"
                 )
             shard_actor(self.actor, cfg.device)
-        self.autocast_dtype = (
-            torch.bfloat16 if cfg.dtype == "bfloat16" and cfg.device.startswith("cuda") else None
-        )
+        self.autocast_dtype = autocast_dtype_for(cfg.dtype, cfg.device)
         self.ref = None
         if cfg.kl_coef > 0:
             ref_dtype = self.autocast_dtype or torch.float32  # frozen: no master copy needed
