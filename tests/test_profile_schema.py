@@ -87,6 +87,19 @@ GOOD_ROW = "decode,1,128,1,0.01,0.009,0.011,5"
             "row 2: column 'tokens_per_seq': expected 1 for op decode",
         ),
         (",".join(COLUMNS) + "\n" + GOOD_ROW + "\n" + GOOD_ROW, "row 3: duplicate point"),
+        # int() and float() take these: "1_0" read as batch 10, a typo as another point
+        (
+            ",".join(COLUMNS) + "\n" + "decode,1_0,128,1,0.01,0.009,0.011,5",
+            "'batch': expected an integer",
+        ),
+        (
+            ",".join(COLUMNS) + "\n" + "decode,\u0661,128,1,0.01,0.009,0.011,5",
+            "'batch': expected an integer",
+        ),
+        (
+            ",".join(COLUMNS) + "\n" + "decode,1,128,1,0.0_1,0.009,0.011,5",
+            "'seconds': expected a number",
+        ),
         (",".join(COLUMNS) + ",extra\n" + GOOD_ROW + ",1", "unknown column 'extra'"),
         (",".join(COLUMNS) + ",seconds\n" + GOOD_ROW + ",999", "column 'seconds' appears twice"),
         # sd_switch's tokens_per_seq restates context / batch; its table has no place for two
@@ -107,6 +120,14 @@ def test_bad_profile_is_one_line_exit_2(tmp_path: Path, capsys, text: str, expec
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and str(path) in err
     assert expected in err, err
+
+
+def test_a_leading_byte_order_mark_is_not_part_of_the_header(tmp_path: Path) -> None:
+    """Spreadsheets save CSV with a BOM; it was read into the first column's name ('op')."""
+    path = _write_raw(tmp_path, ",".join(COLUMNS) + "\n" + GOOD_ROW + "\n")
+    rows = load_profile(path).rows
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_profile(path).rows == rows and rows[0].batch == 1
 
 
 def test_missing_sidecar_and_bad_sidecar(tmp_path: Path, capsys) -> None:

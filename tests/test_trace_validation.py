@@ -283,3 +283,18 @@ def test_missing_file_directory_and_broken_gzip(
     assert "cannot read" in _run_validate(tmp_path / "cut.json.gz", capsys)
     (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
     assert "Parquet" in _run_validate(tmp_path / "junk.parquet", capsys)
+
+
+@pytest.mark.parametrize("has_meta", [True, False])
+def test_csv_with_a_leading_byte_order_mark_reads_like_without(tmp_path: Path, has_meta) -> None:
+    """A spreadsheet's BOM hid the '#' of the meta line: 'missing column step' for a good file."""
+    from tltsim.trace.files import load_trace, save_trace
+    from tltsim.trace.schema import trace_from_dict
+
+    path = tmp_path / "t.csv"
+    save_trace(trace_from_dict(GOOD, "GOOD"), path)
+    if not has_meta:
+        path.write_text("".join(path.read_text().splitlines(keepends=True)[1:]))
+    plain = load_trace(path)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_trace(path) == plain and plain.steps[0].prompts

@@ -255,7 +255,7 @@ def load_profile(path: str | Path) -> Profile:
     path = Path(path)
     source = str(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # -sig: a spreadsheet's leading BOM is not data
     except OSError as err:
         raise ProfileError(f"{source}: cannot read the profile ({err.strerror or err})") from None
     except UnicodeDecodeError as err:
@@ -306,8 +306,15 @@ def _parse_row(cells: dict[str, str], source: str, line_no: int) -> ProfileRow:
             f"{source}: row {line_no}: column '{column}': expected {expected}, got {cells[column]!r}"
         )
 
+    def is_plain(text: str) -> bool:
+        # int() and float() also take "1_0" (= 10) and non-ASCII digits: a typo read as a
+        # different point, never an error
+        return text.isascii() and "_" not in text
+
     def integer(column: str) -> int:
         try:
+            if not is_plain(cells[column]):
+                raise ValueError
             value = int(cells[column])
         except ValueError:
             raise bad(column, "an integer") from None
@@ -317,6 +324,8 @@ def _parse_row(cells: dict[str, str], source: str, line_no: int) -> ProfileRow:
 
     def number(column: str) -> float:
         try:
+            if not is_plain(cells[column]):
+                raise ValueError
             value = float(cells[column])
         except ValueError:
             raise bad(column, "a number") from None

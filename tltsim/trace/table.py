@@ -64,7 +64,8 @@ def _header_meta(line: str, source: str) -> dict[str, Any]:
 def _read_csv(path: Path) -> tuple[dict[str, pd.Series], dict[str, Any], Callable[[int], str]]:
     source = str(path)
     try:
-        with path.open(encoding="utf-8", newline="") as fh:
+        # -sig: a leading BOM (spreadsheets write one) would hide the '#' of the meta line
+        with path.open(encoding="utf-8-sig", newline="") as fh:
             first = fh.readline()
             has_meta = first.startswith("#")
             meta = _header_meta(first, source) if has_meta else {"source": path.name}
