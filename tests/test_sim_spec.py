@@ -14,9 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from simtools import clusters, make_trace, roofline, run, small_traces
 
 from tltsim.policy import OFF, SpecDecision, TrainDecision
+from tltsim.policy.spec import SpecPolicy
 from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
 from tltsim.sim.batch import AcceptDist, sample_iterations
+from tltsim.sim.config import SimConfig
+from tltsim.sim.instance import CATCHUP_PAIRS
 from tltsim.sim.metrics import ideal_rollout_s
+from tltsim.sim.simulator import simulate
 from tltsim.sim.spot_schedule import SpotOutcome, TrainingSpan, spot_schedule
 from tltsim.trace.files import load_trace
 from tltsim.trace.schema import Trace
@@ -241,6 +245,52 @@ def test_requests_admitted_after_sd_switched_on_pay_a_drafter_prefill() -> None:
         # each later admission: one drafter forward over its prompt (target prefilled already)
         want = spent[1] + 7 * cost.drafter_iter_s(1, 0.0, 2000)
         assert spent[8] == pytest.approx(want, rel=1e-9), (exact, spent)
+
+
+class _EagleGap(SpecPolicy):
+    """EAGLE 4_1_4 each iteration, except ``gap`` plain iterations after the first."""
+
+    name = "eagle-gap"
+
+    def __init__(self, gap: int) -> None:
+        self.gap, self.num_calls, self.feedback = gap, 0, []
+
+    def decide(self, obs) -> SpecDecision:
+        self.num_calls += 1
+        return OFF if 2 <= self.num_calls <= 1 + self.gap else SpecDecision.parse("4_1_4")
+
+    def max_hold_iters(self, obs, decision) -> int:
+        return 1
+
+    def observe(self, feedback) -> None:
+        self.feedback.append(feedback)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_eagle_after_plain_iterations_catches_up_on_their_pairs(exact: bool) -> None:
+    """tltrun's engine feeds the EAGLE drafter the pairs plain iterations emitted: up to
+    CATCHUP_PAIRS per request inside the next drafting step's first forward, more in a drafter
+    forward of their own before it (``RolloutEngine.catchup_pairs``)."""
+    cost, trace = roofline(), make_trace([[[2000]]])  # one request, 200 prompt tokens
+
+    def simulated(gap: int) -> tuple[float, list]:
+        policy = _EagleGap(gap)
+        rec = simulate(trace, SimConfig(num_gpus=1, exact=exact), cost, policy, None, PERFECT)
+        return rec.steps[0].reprefill_instance_s, [f for f in policy.feedback if f.decision.enabled]
+
+    switch_only, _ = simulated(0)
+    # 100 > CATCHUP_PAIRS: one drafter forward over the 100 pairs, at the context then
+    # (prompt + first token + the first verify's 5 + 100)
+    long_gap, _ = simulated(100)
+    assert CATCHUP_PAIRS < 100
+    want = cost.drafter_iter_s(1, 201 + 5 + 100, 100)
+    assert long_gap - switch_only == pytest.approx(want, rel=1e-3)
+    # 32 pairs: no forward of their own; the first EAGLE iteration after the gap is longer
+    # than the next by the catch-up (its first drafter forward takes 33 tokens, not 1)
+    short_gap, sd = simulated(32)
+    assert short_gap == pytest.approx(switch_only)
+    catchup = cost.drafter_iter_s(1, 238, 33) - cost.drafter_iter_s(1, 238, 1)
+    assert 0.5 * catchup < sd[1].iteration_s - sd[2].iteration_s < 1.5 * catchup
 
 
 # -- reference implementation of spot_schedule (the loop it replaced) --------------------------
