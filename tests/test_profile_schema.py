@@ -222,3 +222,17 @@ def test_a_reader_that_stops_early_ends_the_command_quietly():
     err = proc.stderr.read().decode()
     # 141 (128 + SIGPIPE) when a later line met the closed pipe; 0 if all fit the pipe first
     assert proc.wait(timeout=60) in (141, 0) and err == "", err
+
+
+def test_profile_info_prints_the_provenance_one_field_per_line(tmp_path: Path, capsys) -> None:
+    """The sidecar's fields were one ';'-joined line (a 900-character line for a GPU profile)."""
+    path = tmp_path / "p.csv"
+    config = {f"setting_{i}": list(range(i)) for i in range(12)}
+    write_profile(bilinear_profile().rows, path, {**META, "config": config})
+    assert main(["profile-info", str(path)]) == 0
+    head = capsys.readouterr().out.split("\nop ")[0].splitlines()
+    assert head[0] == f"{path}: {len(bilinear_profile().rows)} measured points"
+    assert "  software: python=3.12, torch=2.13.0" in head and max(map(len, head)) <= 100
+    config_lines = head[head.index(next(h for h in head if h.startswith("  config: "))) :][:6]
+    words = " ".join(" ".join(config_lines).split())  # a value may wrap inside its list
+    assert "setting_10=[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], setting_11=[0, 1, 2, 3," in words

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tltsim.cli.args import add_dataclass_args, check_out_file, dataclass_from_args
-from tltsim.cli.table import format_table
+from tltsim.cli.table import format_fields, format_table
 from tltsim.cost.calibrated import (
     CALIBRATIONS,
     PRESET_FORMAT,
@@ -335,10 +335,8 @@ def grid_table(profile: Profile) -> str:
 def _cmd_profile_info(args: argparse.Namespace) -> int:
     profile = load_profile(args.file)
     meta = {k: v for k, v in profile.meta.items() if k not in ("format", "version", "model")}
-    print(
-        f"{profile.source}: {len(profile.rows)} measured points; "
-        + "; ".join(f"{k}: {v}" for k, v in sorted(meta.items()))
-    )
+    print(f"{profile.source}: {len(profile.rows)} measured points")
+    print(format_fields(meta))
     print(grid_table(profile))
     model = _model_spec(args.model, profile)
     hardware, calibration = _hardware_and_calibration(args.hardware, profile)

@@ -11,12 +11,13 @@
 Rows are dictionaries; a column is a key (its title is the key, or the value of a ``{key:
 title}`` mapping). Cells are right-aligned (``left`` names the columns to left-align, e.g.
 names), columns are two spaces apart, and a rule of dashes follows the header. A missing key,
-``None`` or NaN prints as ``-``.
+``None`` or NaN prints as ``-``. ``format_fields`` prints a file's key/value provenance.
 """
 
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -68,3 +69,24 @@ def format_table(
 
     rule = "-" * (sum(widths) + len(SEPARATOR) * (len(widths) - 1))
     return "\n".join([line(header), rule, *(line(texts) for texts in cells)])
+
+
+def format_fields(fields: dict[str, Any], width: int = 100) -> str:
+    """``fields`` one per line (``  key: value``, sorted), a nested dict as ``k=v`` pairs
+    wrapped under its key: a file's provenance, which one ``; ``-joined line made unreadable."""
+    lines = []
+    for key, value in sorted(fields.items()):
+        text = (
+            ", ".join(f"{k}={v}" for k, v in sorted(value.items()))
+            if isinstance(value, dict)
+            else str(value)
+        )
+        lines += textwrap.wrap(
+            text,
+            width,
+            initial_indent=f"  {key}: ",
+            subsequent_indent=" " * 4,
+            break_long_words=False,
+            break_on_hyphens=False,
+        ) or [f"  {key}:"]
+    return "\n".join(lines)
