@@ -204,6 +204,7 @@ def test_a_killed_worker_ends_the_run_with_one_line(model_dir, tmp_path):
         assert launcher.returncode == 1 and "Traceback" not in stderr, stderr
         assert len(errors) == 1 and errors[0].startswith("error: worker rank "), stderr
         assert "was killed by SIGKILL" in errors[0] and "--resume" in errors[0]
+        assert "\nerror: worker rank " in stderr, stderr
         wait_for(lambda: session_pids(launcher.pid) == [], timeout_s=60)
     finally:
         for pid in session_pids(launcher.pid):
@@ -231,12 +232,14 @@ def test_sigterm_to_the_launcher_is_a_stop_not_a_bug(model_dir, tmp_path):
             os.killpg(launcher.pid, 9)
             launcher.wait()
     assert launcher.returncode == 128 + signal.SIGTERM, err
-    # (torch's agent logs the signal, and multiprocessing's resource tracker may warn at exit:
-    # their lines, not ours)
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
         f"error: {out}: stopped by SIGTERM; its workers were stopped. Continue from the last "
         f"checkpoint with tltrun train --out {out} --resume"
     ], err
     assert "internal error" not in err and "Traceback" not in err
+    # the error line is a line of its own, not glued to rank 0's progress bar; torch's agent
+    # no longer logs the signal beside it, nor multiprocessing's resource tracker the
+    # semaphores of the killed workers' progress bars (tqdm's default lock)
+    assert "\nerror: " in err and "death signal" not in err and "leaked" not in err, err
     assert set(Path(tempfile.gettempdir()).glob("tltrun-traceback-*.txt")) == before
     wait_for(lambda: session_pids(launcher.pid) == [], timeout_s=30)  # no worker left behind

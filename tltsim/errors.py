@@ -24,11 +24,14 @@ class UsageError(TLTError):
 class WorkerError(TLTError):
     """A worker process of a multi-process run failed; ``str(err)`` names its rank and the
     cause in one line (the full traceback goes to a file the message names). ``exit_code`` is
-    2 when the worker's own error was a ``TLTError`` (input a user can fix), else 1 (a bug)."""
+    2 when the worker's own error was a ``TLTError`` (input a user can fix), else 1 (a bug).
+    ``is_output_cut``: the workers were killed mid-run, so a worker's progress bar may have
+    left the terminal's last line unfinished (the error line then starts a new one)."""
 
-    def __init__(self, message: str, exit_code: int = 1) -> None:
+    def __init__(self, message: str, exit_code: int = 1, *, is_output_cut: bool = False) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+        self.is_output_cut = is_output_cut
 
 
 def is_input_error_name(qualified_name: str) -> bool:

@@ -108,8 +108,12 @@ def launch_local(num_procs: int, entry: Callable, args: tuple, log_dir: Path) ->
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # The agent logs every rank's start and stop; the launcher reports a failure in one line.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR + 10)
+    # The agent logs every rank's start and stop, and the signal that stopped it; the launcher
+    # reports a failure or a stop in one line. torch's get_logger sets each module's logger's
+    # own level (WARNING), so the package logger's level alone left "Received 15 death signal".
+    for name in [*logging.root.manager.loggerDict, "torch.distributed.elastic"]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR + 10)
     config = LaunchConfig(**_launch_fields(
 
         min_nodes=1,

@@ -187,6 +187,7 @@ def run_train(
                     f"{out}: stopped by {err.sigval.name}; its workers were stopped. Continue "
                     f"from the last checkpoint with tltrun train --out {out} --resume",
                     exit_code=128 + int(err.sigval),
+                    is_output_cut=True,
                 ) from None
     return out
 
@@ -298,7 +299,8 @@ def failure_error(out: Path, failure) -> WorkerError:
     )
     return WorkerError(
         f"worker rank {failure.rank} {how} (pid {failure.pid}); the other workers were "
-        f"stopped; --resume continues from the last checkpoint in {out / 'ckpt'}"
+        f"stopped; --resume continues from the last checkpoint in {out / 'ckpt'}",
+        is_output_cut=True,
     )
 
 

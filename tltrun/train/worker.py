@@ -364,6 +364,7 @@ class Worker:
     def run(self) -> None:
         cfg = self.cfg
         steps = range(self.start_step, cfg.num_steps)
+        tqdm.set_lock(threading.RLock())  # tqdm's own: a semaphore each killed worker leaked
         bar = tqdm(steps, desc="tltrun train", unit="step", disable=self.rank != 0)
         for step in bar:
             row = self.step(step)

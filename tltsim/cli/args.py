@@ -54,6 +54,8 @@ def run_command(
             _erase_progress_bars()
             raise
     except TLTError as err:
+        if getattr(err, "is_output_cut", False):
+            print(file=sys.stderr)  # end the line a killed worker's progress bar left open
         print(f"error: {err}", file=sys.stderr)
         return getattr(err, "exit_code", 2)
     except KeyboardInterrupt:
