@@ -85,8 +85,20 @@ def test_second_launcher_refused_while_a_real_run_holds_the_lock(model_dir, tmp_
         assert code == 2 and "another tltrun train is running in this directory" in err
         assert first.poll() is None  # the first run goes on
     finally:
-        os.killpg(first.pid, 9)
-        first.wait()
+        stop_session(first)
+
+
+def stop_session(launcher: subprocess.Popen) -> None:
+    """Stop a run as a user would (SIGTERM), then kill what is left of its session. SIGKILL to
+    the whole group killed multiprocessing's resource tracker too, leaving the run's semaphores
+    (9 per run) in /dev/shm."""
+    launcher.terminate()
+    deadline = time.monotonic() + 60
+    while session_pids(launcher.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid in session_pids(launcher.pid):
+        os.kill(pid, 9)
+    launcher.wait()
 
 
 # ---- no orphans ------------------------------------------------------------------------------
