@@ -94,6 +94,12 @@ class ModelConfig:
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
 
+    @property
+    def tied_names(self) -> frozenset[str]:
+        """Weights that are another's (a tied LM head is the embedding): a checkpoint need not
+        store them, and a weight sync copies the embedding alone."""
+        return frozenset({"lm_head.weight"} if self.tie_word_embeddings else ())
+
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Read a Hugging Face ``config.json`` dict (transformers 4.x or 5.x rope layout)."""

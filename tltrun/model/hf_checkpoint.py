@@ -208,7 +208,7 @@ def load_hf(
         shapes = {k: tuple(v.shape) for k, v in Transformer(cfg).state_dict().items()}
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some tied checkpoints store a duplicate
-    expected = set(shapes) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    expected = set(shapes) - cfg.tied_names
     missing = sorted(expected - set(tensors))
     if missing:
         raise CheckpointError(

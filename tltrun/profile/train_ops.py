@@ -29,7 +29,6 @@ def train_series(cfg, target, drafter, gen) -> list[Series]:
     autocast = autocast_dtype_for(cfg.dtype, cfg.device)
     actor = copy.deepcopy(target).float().train()
     ref = copy.deepcopy(target).to(autocast or torch.float32).eval()
-    tied = {"lm_head.weight"} if target.config.tie_word_embeddings else set()
     gcfg = GRPOConfig()
     optimizer = actor_optimizer(actor, gcfg)
     vocab = target.config.vocab_size
@@ -50,7 +49,7 @@ def train_series(cfg, target, drafter, gen) -> list[Series]:
                     actor, ref, optimizer, s, gcfg, temperature, pad_id=0, autocast_dtype=autocast
                 )
                 # and the weight sync into the rollout model that tltrun train's train_s holds
-                load_in_place(target, actor.state_dict(), "target", drop=tied)
+                load_in_place(target, actor.state_dict(), "target", drop=target.config.tied_names)
 
             series.append(Series(("train", batch, seq), update, is_warmed_each_round=False))
     if drafter is not None:

@@ -283,12 +283,7 @@ class RolloutEngine:
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """GRPO weight sync: copy a (Hugging Face-named) state dict into the target in place.
         The drafter shares the target's embedding and LM head, so it follows automatically."""
-        load_in_place(
-            self.model,
-            state_dict,
-            "target",
-            drop={"lm_head.weight"} if self.model.config.tie_word_embeddings else set(),
-        )
+        load_in_place(self.model, state_dict, "target", drop=self.model.config.tied_names)
 
     @torch.no_grad()
     def update_drafter(self, state_dict: dict[str, torch.Tensor]) -> None:

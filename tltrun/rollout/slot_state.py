@@ -14,6 +14,7 @@ Run the tests: ``python -m pytest tests/test_engine.py tests/test_engine_paths.p
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +72,7 @@ def move_slots(
 
 
 def load_in_place(
-    module: torch.nn.Module, state_dict: dict[str, torch.Tensor], what: str, drop: set[str]
+    module: torch.nn.Module, state_dict: dict[str, torch.Tensor], what: str, drop: AbstractSet[str]
 ) -> None:
     """Copy ``state_dict`` into ``module``'s existing parameter storage (names and shapes must
     match exactly, except the names in ``drop``); ValueError names the first mismatches."""
