@@ -7,15 +7,17 @@ Run: ``python -m pytest tests/test_cli_run.py -q``.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
+import torch
 from tiny_models import tiny_model
 
 from tltrun.cli.main import main
 from tltrun.model.drafter import EagleDrafter, export_vllm
-from tltrun.model.hf_checkpoint import save_hf
+from tltrun.model.hf_checkpoint import load_safetensors, save_hf
 from tltsim.fidelity.measured_run import measured_run
 from tltsim.trace.files import load_trace
 
@@ -108,6 +110,44 @@ def test_generate_then_train_drafter(dirs, capsys):
     ]
     assert len(json.loads((dirs / "trained" / "history.json").read_text())) == 5
     assert "exported to" in capsys.readouterr().out
+
+
+def _generations(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_train_drafter_in_float16_trains_fp32_master_weights(dirs, capsys):
+    """--dtype float16 at the default learning rate: AdamW on fp16 weights made the loss NaN
+    from the second step, and the NaN drafter was exported with exit 0."""
+    rows = [
+        {"prompt_token_ids": [1 + i, 2, 3], "output_token_ids": [4 + i, 5, 6, 7 + i, 8]}
+        for i in range(6)
+    ]
+    data = _generations(dirs / "fp16.jsonl", rows)
+    out = dirs / "trained_fp16"
+    argv = ["train-drafter", "--model", str(dirs / "model"), "--data", data, "--out", str(out),
+            "--train-num-steps", "4", "--dtype", "float16"]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    losses = [h["loss"] for h in json.loads((out / "history.json").read_text())]
+    assert len(losses) == 4 and all(math.isfinite(x) for x in losses), losses
+    tensors = load_safetensors(out / "model.safetensors")
+    assert {t.dtype for t in tensors.values()} == {torch.float32}
+    assert all(bool(torch.isfinite(t).all()) for t in tensors.values())
+
+
+def test_train_drafter_refuses_data_with_nothing_to_train_and_a_learning_rate_over_1(dirs, capsys):
+    """Rows without response tokens trained nothing (loss 0, exit 0); --train-lr 1e38 was an
+    internal error inside AdamW."""
+    empty = [{"prompt_token_ids": [1, 2, 3], "output_token_ids": []}]
+    argv = ["train-drafter", "--model", str(dirs / "model"), "--train-num-steps", "3"]
+    data = _generations(dirs / "empty.jsonl", empty)
+    assert main([*argv, "--data", data, "--out", str(dirs / "t_empty")]) == 2
+    assert "line 1: 'output_token_ids' is empty: nothing to train on" in capsys.readouterr().err
+    rows = [{"prompt_token_ids": [1, 2, 3], "output_token_ids": [4, 5, 6]}]
+    data = _generations(dirs / "ok.jsonl", rows)
+    assert main([*argv, "--data", data, "--out", str(dirs / "t_lr"), "--train-lr", "1e38"]) == 2
+    assert "lr in (0, 1.0]" in capsys.readouterr().err
 
 
 def test_bench_prints_side_by_side_table(dirs, capsys):

@@ -280,3 +280,29 @@ def test_a_prompt_longer_than_the_window_still_trains_its_response():
     assert not make_batch([record], 12).loss_mask.any()  # the head: prompt only
     gen = torch.Generator().manual_seed(1)
     assert all(make_batch([record], 12, generator=gen).loss_mask.any() for _ in range(50))
+
+
+def test_a_non_finite_drafter_loss_stops_before_the_update():
+    """Spot training and train-drafter share the step: a NaN loss raises DivergedError
+    before AdamW touches the weights (train-drafter exported a NaN drafter with exit 0)."""
+    from tltrun.train.drafter_training import (
+        DrafterTrainConfig,
+        TrainRecord,
+        drafter_train_step,
+        make_batch,
+        make_optimizer,
+    )
+    from tltsim.errors import DivergedError
+
+    target = tiny_model(seed=3)
+    trainable = EagleDrafter.for_target(target, seed=1)
+    with torch.no_grad():
+        trainable.fc.weight[0, 0] = math.nan
+    gen = torch.Generator().manual_seed(0)
+    record = TrainRecord(torch.randint(0, VOCAB, (9,), generator=gen), 3, torch.randn(8, 48))
+    before = {k: v.clone() for k, v in trainable.state_dict().items()}
+    cfg = DrafterTrainConfig()
+    with pytest.raises(DivergedError, match="drafter training: loss is nan"):
+        drafter_train_step(trainable, make_batch([record], 16), make_optimizer(trainable, cfg), cfg)
+    after = trainable.state_dict()
+    assert all(torch.allclose(before[k], after[k], rtol=0, atol=0, equal_nan=True) for k in before)

@@ -26,6 +26,7 @@ from tltrun.train.grpo import (
     surrogate_loss,
     token_logprobs,
 )
+from tltsim.errors import DivergedError
 
 
 def test_group_advantages_hand_checked():
@@ -190,3 +191,17 @@ def test_bf16_autocast_keeps_fp32_master_weights_and_tracks_fp32():
     # ... yet AdamW's first step (about lr x sign(grad) per weight) agrees on almost every
     # weight: only weights with near-zero gradients may step the other way
     assert float((diffs > 2e-3).float().mean()) < 0.05
+
+
+def test_a_non_finite_gradient_stops_the_update_before_it_is_applied():
+    """A NaN in the actor (an fp16 overflow, too high a learning rate) made every later
+    update NaN, silently: the update now stops with one DivergedError, weights untouched."""
+    actor = tiny_model(seed=0).train()
+    with torch.no_grad():
+        actor.model.norm.weight[0] = math.nan  # every logit NaN, every gradient NaN
+    before = {k: v.detach().clone() for k, v in actor.state_dict().items()}
+    cfg = GRPOConfig(lr=1e-2, kl_coef=0.0)
+    with pytest.raises(DivergedError, match="GRPO update: gradient norm is nan"):
+        grpo_update(actor, None, make_optimizer(actor, cfg), _long_tail_samples(), cfg, 1.0, 0)
+    after = actor.state_dict()
+    assert all(torch.allclose(before[k], after[k], rtol=0, atol=0, equal_nan=True) for k in before)

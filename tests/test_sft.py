@@ -7,6 +7,7 @@ Run: ``.venv/bin/python -m pytest tests/test_sft.py -q``.
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -153,3 +154,20 @@ def test_a_bad_data_row_stops_the_run_or_is_skipped_with_a_warning(tmp_path):
     skipping = SFTConfig(out=str(tmp_path / "o"), data=str(path), skip_bad_rows=True)
     with pytest.warns(SkippedRowsWarning, match=r"skipped 1 bad rows of .*d\.jsonl:2: bad JSON"):
         assert data_pairs(skipping, seed=0, num_rows=10) == [("1+1=", "2"), ("2+2=", "4")]
+
+
+def test_a_non_finite_loss_stops_the_run_before_its_update(tmp_path, monkeypatch, capsys):
+    """A diverged step (NaN loss) was trained on and then failed at evaluation as an internal
+    error ('probability tensor contains inf/nan'); a learning rate of 1e38 overflowed in AdamW."""
+    import tltrun.train.sft as sft
+
+    flags = [
+        x for k, v in TINY.items() if k != "num_steps" for x in (f"--{k.replace('_', '-')}", str(v))
+    ]
+    real = sft.response_loss
+    monkeypatch.setattr(sft, "response_loss", lambda model, batch: real(model, batch) * math.nan)
+    assert main(["sft", "--out", str(tmp_path / "nan"), "--num-steps", "3", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "error: sft step 0: loss + gradient norm is nan: training diverged" in err, err
+    assert main(["sft", "--out", str(tmp_path / "lr"), *flags, "--lr", "1e38"]) == 2
+    assert "lr must be in (0, 1.0], got 1e+38" in capsys.readouterr().err

@@ -12,6 +12,8 @@ Subclasses defined beside their subject: ``tltsim.trace.schema.TraceError``,
 
 from __future__ import annotations
 
+import math
+
 
 class TLTError(Exception):
     """Input a user can fix; ``str(err)`` is one line. The CLIs print it and exit 2."""
@@ -19,6 +21,26 @@ class TLTError(Exception):
 
 class UsageError(TLTError):
     """Bad user input: a flag, a value, a missing or malformed file."""
+
+
+# The largest learning rate the trainers take: an AdamW step moves each weight by up to about
+# lr, and initialised weights are ~1/sqrt(hidden) << 1, so beyond 1 nothing trains (a lr of
+# 1e38 overflowed inside torch's AdamW: an internal error, not a message).
+MAX_LR = 1.0
+
+
+class DivergedError(TLTError):
+    """Training met a loss or gradient norm that is not finite (too high a learning rate, an
+    fp16 overflow); raised before that step's update, so the weights are the last step's."""
+
+
+def check_finite(value: float, what: str) -> None:
+    """Raise ``DivergedError`` unless ``value`` (``what``, e.g. "sft step 12: loss") is finite."""
+    if not math.isfinite(value):
+        raise DivergedError(
+            f"{what} is {value}: training diverged and this step's update was not applied; "
+            "lower the learning rate"
+        )
 
 
 class WorkerError(TLTError):

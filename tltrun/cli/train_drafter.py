@@ -46,7 +46,10 @@ class TrainDrafterConfig:
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
     dtype: str = field(
         default="float32",
-        metadata={"help": "dtype of the target and drafter", "choices": tuple(DTYPES)},
+        metadata={
+            "help": "dtype of the target (the drafter trains on fp32 master weights)",
+            "choices": tuple(DTYPES),
+        },
     )
     # The resumable state (tltrun.train.resumable: drafter + AdamW, 12 bytes per fp32
     # parameter) of the README's 8-layer hidden-256 SFT model's drafter is 10 MB and took 22 ms
@@ -89,7 +92,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 
 def _train_drafter(cfg: TrainDrafterConfig, train_cfg, out: Path, is_resume: bool) -> int:
-    from tltrun.model.drafter import EagleDrafter, export_vllm, load_drafter
+    from tltrun.model.drafter import EagleDrafter, export_vllm, load_drafter, trainable_copy
     from tltrun.model.hf_checkpoint import checkpoint_digest, load_hf
     from tltrun.train import resumable
     from tltrun.train.drafter_training import records_from_outputs, train_drafter
@@ -98,10 +101,11 @@ def _train_drafter(cfg: TrainDrafterConfig, train_cfg, out: Path, is_resume: boo
         resumable.start_fresh(out, "tltrun train-drafter", finished_file="history.json")
         write_json(out / "train_config.json", config_dict(train_drafter=cfg, train=train_cfg))
     target = load_hf(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
-    drafter = (
+    drafter = trainable_copy(
         load_drafter(cfg.init, target)
         if cfg.init
-        else EagleDrafter.for_target(target, seed=train_cfg.seed)
+        else EagleDrafter.for_target(target, seed=train_cfg.seed),
+        target,
     )
     sequences = _read_generations(cfg.data, target.config.vocab_size)
     records = records_from_outputs(target, sequences)
@@ -152,6 +156,10 @@ def _read_generations(path: str, vocab_size: int) -> list[tuple[list[int], int]]
         ):
             raise UsageError(
                 f"{path} line {lineno}: 'prompt_token_ids' and 'output_token_ids' must be lists of ints"
+            )
+        if not output:  # no pair of it would be trained (make_batch's loss mask)
+            raise UsageError(
+                f"{path} line {lineno}: 'output_token_ids' is empty: nothing to train on"
             )
         ids = list(prompt) + list(output)
         if len(ids) < 3 or min(ids) < 0 or max(ids) >= vocab_size:

@@ -369,6 +369,18 @@ def vllm_config(cfg: ModelConfig) -> dict:
     return d
 
 
+def trainable_copy(drafter: EagleDrafter, target: Transformer) -> EagleDrafter:
+    """A copy of ``drafter``'s own weights to train: fp32 master weights, on ``target``'s
+    device, bound to ``target`` (whose embedding and LM head stay shared and frozen). AdamW on
+    fp16 weights turned the loss NaN on its second step (its eps of 1e-8 is 0 in fp16), and on
+    bf16 weights it drops every update under 2^-8 of the weight it changes."""
+    copy = EagleDrafter(drafter.config)
+    copy.load_state_dict(drafter.state_dict())  # cast to the copy's fp32
+    copy.to(device=target.lm_head.weight.device)
+    copy.bind(target)
+    return copy
+
+
 def export_vllm(drafter: EagleDrafter, out_dir: str | Path, meta: dict | None = None) -> Path:
     """Write the drafter in the layout vLLM loads as ``EagleLlamaForCausalLM`` (the single
     source of that layout; see the module docstring). ``meta`` goes to ``tlt_drafter.json``."""

@@ -10,6 +10,7 @@ from typing import Any
 
 from tltrun.model.config import check_device
 from tltrun.rollout.engine_config import DTYPES
+from tltsim.errors import MAX_LR
 from tltsim.policy import POLICY_NAMES, make_policy
 
 BACKENDS = ("torch", "vllm")
@@ -146,10 +147,8 @@ def check_train_config(cfg: Any) -> None:
             "finite temperature >= 0, top_p in (0, 1] and poll_s in (0, 60) required, got "
             f"{cfg.temperature}, {cfg.top_p}, {cfg.poll_s}"
         )
-    if not (
-        0 < cfg.lr < math.inf and 0 < cfg.drafter_lr < math.inf and 0 <= cfg.kl_coef < math.inf
-    ):
+    if not (0 < cfg.lr <= MAX_LR and 0 < cfg.drafter_lr <= MAX_LR and 0 <= cfg.kl_coef < math.inf):
         raise ValueError(
-            f"finite lr > 0, drafter_lr > 0 and kl_coef >= 0 required, got {cfg.lr}, "
+            f"lr and drafter_lr in (0, {MAX_LR}] and finite kl_coef >= 0 required, got {cfg.lr}, "
             f"{cfg.drafter_lr}, {cfg.kl_coef}"
         )

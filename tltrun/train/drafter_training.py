@@ -37,7 +37,7 @@ from tqdm import tqdm
 from tltrun.model.drafter import EagleDrafter
 from tltrun.model.transformer import CausalContext, Transformer
 from tltrun.train.resumable import Checkpointing, fingerprint
-from tltsim.errors import UsageError
+from tltsim.errors import MAX_LR, UsageError, check_finite
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,11 @@ class DrafterTrainConfig:
         # written as not (...) so that NaN fails too (an AdamW lr of NaN was a torch traceback)
         finite = (self.lr, self.beta1, self.beta2, self.grad_clip, self.feature_noise)
         if not all(math.isfinite(v) for v in finite) or not (
-            self.lr > 0 and self.grad_clip > 0 and self.feature_noise >= 0
+            0 < self.lr <= MAX_LR and self.grad_clip > 0 and self.feature_noise >= 0
         ):
-            raise ValueError("finite lr > 0, grad_clip > 0, feature_noise >= 0 required")
+            raise ValueError(
+                f"lr in (0, {MAX_LR}], finite grad_clip > 0, feature_noise >= 0 required"
+            )
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise ValueError(f"beta1 and beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
         if not (
@@ -214,6 +216,7 @@ def drafter_train_step(
     classification = (ce * mask).sum() / denom
     regression = (reg * mask).sum() / denom
     loss = cfg.regression_weight * regression + cfg.classification_weight * classification
+    check_finite(loss.item(), "drafter training: loss")  # before the update, as each caller needs
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_value_(drafter.parameters(), cfg.grad_clip)

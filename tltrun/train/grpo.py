@@ -50,6 +50,7 @@ import torch
 
 from tltrun.model.batching import padded_groups, right_pad
 from tltrun.model.transformer import CausalContext, Transformer, reduce_grads
+from tltsim.errors import check_finite
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,8 @@ def grpo_update(
             reduce_grads(params, all_reduce_sum)  # sum of per-worker (loss / global N) gradients
         norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         totals[3] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        # every rank holds the same summed gradients: all stop here, or none
+        check_finite(totals[3], "GRPO update: gradient norm")
         optimizer.step()
     actor.eval()
     summed = all_reduce_sum(totals[:3].clone())

@@ -55,7 +55,7 @@ from tltrun.train.resumable import Checkpointing
 from tltrun.train.sft_config import SFTConfig
 from tltrun.train.sft_eval import evaluate
 from tltrun.train.tasks import Example, TaskConfig, length_stats, make_examples
-from tltsim.errors import UsageError
+from tltsim.errors import UsageError, check_finite
 from tltsim.jsonio import write_json
 
 # sft_config.json's sections
@@ -285,6 +285,7 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        check_finite(loss.item() + float(grad_norm), f"sft step {step}: loss + gradient norm")
         optimizer.step()
         num_tokens = int((batch["labels"] != IGNORE_INDEX).sum())
         log.append(

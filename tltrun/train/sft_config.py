@@ -11,6 +11,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from tltsim.errors import MAX_LR
+
 
 @dataclass(frozen=True)
 class SFTConfig:
@@ -145,9 +147,9 @@ class SFTConfig:
                 f"num_threads must be in [1, {os.cpu_count()}] (this machine's cores), "
                 f"got {self.num_threads}"
             )
-        # not (...) forms so that NaN fails too; inf is no learning rate either
-        if not 0 < self.lr < math.inf:
-            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        # not (...) forms so that NaN fails too; MAX_LR: see tltsim.errors
+        if not 0 < self.lr <= MAX_LR:
+            raise ValueError(f"lr must be in (0, {MAX_LR}], got {self.lr}")
         if not (0 <= self.weight_decay < math.inf and 0 < self.max_grad_norm < math.inf):
             raise ValueError("weight_decay must be finite and >= 0, max_grad_norm finite and > 0")
         # int32 bounds (10^30 steps overflowed in tqdm; 10^9 layers built for ever), and the

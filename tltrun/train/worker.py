@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from tltrun.data.rewards import RewardPool, Shaping
 from tltrun.data.tokenizer import copy_tokenizer, load_tokenizer
-from tltrun.model.drafter import EagleDrafter, export_vllm, load_drafter
+from tltrun.model.drafter import EagleDrafter, export_vllm, load_drafter, trainable_copy
 from tltrun.model.hf_checkpoint import load_hf, save_hf
 from tltrun.rollout.engine import RolloutEngine
 from tltrun.rollout.engine_config import EngineConfig
@@ -216,9 +216,8 @@ class Worker:
         self.spot = None
         if is_harvesting:
             groups = SubsetGroups(store, rank, elastic.COLLECTIVE_TIMEOUT_S)
-            trainable = EagleDrafter(target.config)
-            trainable.load_state_dict(drafter.state_dict())
-            trainable.bind(self.engine.model)
+            # on the engine's device (a CPU copy failed against a CUDA engine's shared head)
+            trainable = trainable_copy(drafter, self.engine.model)
             dcfg = DrafterTrainConfig(lr=cfg.drafter_lr, batch_size=cfg.drafter_batch_size)
             self.spot = SpotTrainer(
                 rank,
