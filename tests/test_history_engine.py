@@ -160,6 +160,52 @@ def test_engine_history_is_lazy_and_bounded_across_rollouts():
         assert 0 < eng.history.num_tokens <= 60  # all finished: evictable down to the bound
 
 
+def _index(eng: RolloutEngine) -> tuple:
+    d = eng.history.drafter
+    return sorted(d.sequences), d.num_tokens, d.num_shared_tokens
+
+
+def test_an_evaluation_rollout_leaves_the_history_index_as_it_was():
+    """tltrun train's evaluation rolls out requests without prompt ids (rollout-local
+    groups) by plain decoding; the index must forget them: they stayed in the cross-prompt
+    index (and drafted for later training prompts), and indexing them at the rollout's end
+    evicted the training prompts' history (a full index lost all of it), so the next sampled
+    step changed."""
+    train = _requests(2, group=2, seed=5, max_new=20)
+    evals = _requests(4, group=1, seed=6, max_new=40, ids=False)
+    spec = StaticSpec(strategy="history:4_1_4")
+
+    def run(with_eval: bool) -> tuple[list, tuple]:
+        # a cap the training rollout nearly fills: the eval's tokens would evict it
+        eng = _engine(sampling=SamplingParams(temperature=1.0), seed=0, history_max_tokens=100)
+        eng.generate(train, spec, 0)
+        before = _index(eng)
+        if with_eval:  # as tltrun.train.responses.evaluate
+            state = eng.generator.get_state()
+            eng.generate(evals, NoSpec(), 0)
+            eng.generator.set_state(state)
+        assert _index(eng) == before, (with_eval, before, _index(eng))
+        return [o.output_token_ids for o in eng.generate(train, spec, 1).outputs], before
+
+    (plain, index), (evaluated, _) = run(False), run(True)
+    assert index[2] > 0 and len(index[0]) == len(train)  # training is shared and all kept
+    assert evaluated == plain
+
+
+def test_a_rollout_local_group_that_drafts_is_never_shared():
+    """Requests without a prompt id may draft from history during their rollout (their own
+    group and the shared index), but never enter the cross-prompt index, which cannot forget
+    a string: afterwards nothing of them is left to draft from."""
+    eng = _engine(history_max_tokens=10_000)
+    eng.generate(_requests(2, group=2, seed=5, max_new=20), StaticSpec(strategy="history:4_1_4"))
+    shared = eng.history.drafter.num_shared_tokens
+    local = _requests(3, group=2, seed=6, max_new=30, ids=False)
+    result = eng.generate(local, StaticSpec(strategy="history:4_1_4"))
+    assert sum(len(o.output_token_ids) for o in result.outputs) > 0
+    assert eng.history.drafter.num_shared_tokens == shared > 0
+    assert all(key[0] == 0 for key in eng.history.drafter.sequences)  # rollout 1's dropped
+
+
 def test_a_restored_history_index_drafts_and_samples_as_the_engine_that_wrote_it():
     """A checkpoint between rollouts keeps the index (``RolloutHistory.state_dict``): an engine
     that loads it, with the writer's sampling generator, samples the next rollout exactly as

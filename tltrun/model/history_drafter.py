@@ -156,7 +156,13 @@ class HistoryDrafter:
     def __contains__(self, key: Hashable) -> bool:
         return key in self.sequences
 
-    def add(self, key: Hashable, group: Hashable, tokens: Iterable[int]) -> None:
+    def add(
+        self, key: Hashable, group: Hashable, tokens: Iterable[int], *, is_shared: bool = True
+    ) -> None:
+        """Index ``key`` (``tokens``, extended later) in ``group``'s automaton and, with
+        ``is_shared`` (and the cross-prompt tier on), in the shared one. A sequence of a group
+        that ``drop_group`` will forget must not be shared: an automaton cannot forget a
+        string, and the shared one outlives the group (its tokens drafted for later prompts)."""
         if key in self.sequences:
             raise ValueError(f"history drafter: sequence {key!r} is already indexed")
         sam = self.automata.get(group)
@@ -164,7 +170,7 @@ class HistoryDrafter:
             sam = self.automata[group] = SuffixAutomaton(self.count_depth)
         tokens = list(tokens)
         stored = self.sequences[key] = _Stored(group=group, sid=sam.add_string(tokens))
-        if self.config.is_cross_prompt:
+        if self.config.is_cross_prompt and is_shared:
             stored.shared = self._add_shared(tokens)
         self.num_tokens += len(tokens)
         self._evict()

@@ -8,7 +8,9 @@ every speculative iteration whose decision names ``drafter="history"``; ``tltrun
 checkpoints keep ``state_dict`` (the index reaches across steps: a resume must not forget it).
 Indexing is lazy: nothing is indexed until a policy first asks for a history draft; from then on
 every rollout is kept. A sequence is keyed by (rollout number, request id) and grouped by its
-``prompt_id`` (across rollouts) or, without one, by its prompt tokens within its own rollout.
+``prompt_id`` (across rollouts) or, without one, by its prompt tokens within its own rollout:
+such a rollout-local group never enters the cross-prompt index and is forgotten when its
+rollout ends (``tltrun train``'s evaluation leaves the index as it was).
 
 Run the tests: ``python -m pytest tests/test_history_engine.py -q``.
 """
@@ -90,7 +92,9 @@ class RolloutHistory:
         rollout, self._rollout = self._rollout, None
         if rollout is None or not self.is_used:
             return
-        self._sync(rollout)
+        # rollout-local sequences not indexed yet are not added now only to be dropped: adding
+        # them evicted older history (an eval rollout emptied a full index of training prompts)
+        self._sync(rollout, is_final=True)
         for seq in rollout.open.values():  # unfinished: a replaced rollout
             self.drafter.finish(_key(rollout, seq))
         for group in rollout.groups:
@@ -159,19 +163,24 @@ class RolloutHistory:
             raise RuntimeError("no rollout in progress: call start_rollout first")
         return self._rollout
 
-    def _sync(self, rollout: _Indexed) -> None:
+    def _sync(self, rollout: _Indexed, *, is_final: bool = False) -> None:
         """Catch the index up on the committed tokens of the rollout's admitted sequences: new
         ones are added, unfinished ones extended by what they emitted since, finished ones
-        marked evictable and not visited again. Cost: O(new tokens + unfinished sequences)."""
+        marked evictable and not visited again. Cost: O(new tokens + unfinished sequences).
+        ``is_final`` (the rollout ended): sequences without a prompt id are not added. A
+        sequence without one stays out of the cross-prompt index (``HistoryDrafter.add``)."""
         history = self.drafter
         seqs = rollout.sequences
         while rollout.cursor < len(seqs) and seqs[rollout.cursor].slot is not None:
             seq = seqs[rollout.cursor]
+            rollout.cursor += 1
+            is_kept = seq.request.prompt_id is not None
+            if is_final and not is_kept:
+                continue
             group = _group(rollout, seq)
-            history.add(_key(rollout, seq), group, seq.request.prompt_token_ids)
+            history.add(_key(rollout, seq), group, seq.request.prompt_token_ids, is_shared=is_kept)
             rollout.groups.add(group)
             rollout.open[seq.index] = seq
-            rollout.cursor += 1
         for seq in list(rollout.open.values()):
             key = _key(rollout, seq)
             num_indexed = len(history.tokens(key)) - seq.num_prompt_tokens
