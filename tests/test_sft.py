@@ -171,3 +171,18 @@ def test_a_non_finite_loss_stops_the_run_before_its_update(tmp_path, monkeypatch
     assert "error: sft step 0: loss + gradient norm is nan: training diverged" in err, err
     assert main(["sft", "--out", str(tmp_path / "lr"), *flags, "--lr", "1e38"]) == 2
     assert "lr must be in (0, 1.0], got 1e+38" in capsys.readouterr().err
+
+
+def test_no_steps_and_no_evaluation_prompts_are_reported_as_such(tmp_path, capsys):
+    """--num-steps 0 (allowed) failed at its summary (a None loss formatted as a number); an
+    evaluation of 0 prompts was reported as accuracy 0.000."""
+    flags = [
+        x for k, v in TINY.items() if k != "num_steps" for x in (f"--{k.replace('_', '-')}", str(v))
+    ]
+    assert main(["sft", "--out", str(tmp_path / "s0"), *flags, "--num-steps", "0"]) == 0
+    assert "no steps trained" in capsys.readouterr().out
+    flags = [*flags, "--num-eval-prompts", "0", "--num-steps", "1"]
+    assert main(["sft", "--out", str(tmp_path / "e0"), *flags]) == 0
+    assert "greedy: no held-out prompts evaluated" in capsys.readouterr().out
+    metrics = json.loads((tmp_path / "e0" / "metrics.json").read_text())
+    assert metrics["greedy"]["accuracy"] is None and metrics["greedy"]["num_prompts"] == 0

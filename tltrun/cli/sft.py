@@ -53,13 +53,18 @@ def eval_table(result: dict[str, Any]) -> str:
             ]
         )
     lines = [
-        f"greedy accuracy {greedy['accuracy']:.3f} over {greedy['num_prompts']} held-out prompts",
-        format_table(
+        "greedy: no held-out prompts evaluated"
+        if greedy["accuracy"] is None
+        else f"greedy accuracy {greedy['accuracy']:.3f} over {greedy['num_prompts']} held-out "
+        "prompts\n"
+        + format_table(
             greedy["by_difficulty"],
             {"ops": "ops", "num_prompts": "prompts", "accuracy": "accuracy"},
             {"accuracy": ".3f"},
         ),
-        f"sampled (temperature 1) accuracy {result['sampled']['accuracy']:.3f}",
+        "sampled (temperature 1): no prompts"
+        if result["sampled"]["accuracy"] is None
+        else f"sampled (temperature 1) accuracy {result['sampled']['accuracy']:.3f}",
     ]
     rows = []
     for name in ("reference", "greedy", "reference_grouped", "sampled"):
@@ -81,9 +86,14 @@ def eval_table(result: dict[str, Any]) -> str:
 
 
 def summary_table(metrics: dict[str, Any]) -> str:
+    loss = (
+        "no steps trained"
+        if metrics["first_loss"] is None
+        else f"loss {metrics['first_loss']:.3f} -> {metrics['final_loss']:.3f}"
+    )
     head = (
         f"params {metrics['num_params']:,}  train {metrics['train_s']:.0f} s  eval "
-        f"{metrics['eval_s']:.0f} s  loss {metrics['first_loss']:.3f} -> {metrics['final_loss']:.3f}"
+        f"{metrics['eval_s']:.0f} s  {loss}"
     )
     return "\n".join([head, eval_table(metrics)])
 

@@ -157,7 +157,8 @@ def evaluate(
     def summary(gens: list[Generation], rewards: list[float]) -> dict[str, Any]:
         return {
             "num_prompts": len(gens),
-            "accuracy": sum(rewards) / len(rewards) if rewards else 0.0,
+            # None, not 0.0, for no prompts: an accuracy of 0 over nothing read as a failed model
+            "accuracy": sum(rewards) / len(rewards) if rewards else None,
             "num_truncated": sum(not g.is_finished for g in gens),
         }
 
