@@ -150,6 +150,19 @@ def test_train_drafter_refuses_data_with_nothing_to_train_and_a_learning_rate_ov
     assert "lr in (0, 1.0]" in capsys.readouterr().err
 
 
+def test_generate_checks_strategy_whatever_the_policy(dirs, capsys):
+    """--strategy zz ran as NoSpec with exit 0; --policy tlt --strategy 2_1_2 ignored it."""
+    argv = ["generate", "--model", str(dirs / "model"), "--prompts", str(dirs / "prompts.jsonl"),
+            "--max-new-tokens", "4", *ENGINE]  # fmt: skip
+    assert main([*argv, "--out", str(dirs / "g_zz"), "--strategy", "zz"]) == 2
+    assert "strategy 'zz': expected 'DRAFTSTEPS_TOPK_VERIFYTOKENS'" in capsys.readouterr().err
+    out = dirs / "g_tlt"
+    assert main([*argv, "--out", str(out), "--policy", "tlt", "--strategy", "2_1_2"]) == 2
+    err = capsys.readouterr().err
+    assert "only --policy static takes a strategy; --policy tlt chooses its own" in err
+    assert not out.exists()
+
+
 def test_bench_prints_side_by_side_table(dirs, capsys):
     out = dirs / "bench"
     rc = main(

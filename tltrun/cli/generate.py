@@ -38,7 +38,7 @@ from tltrun.rollout.interface import Request
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.errors import UsageError
 from tltsim.jsonio import parse_json, read_text, write_json
-from tltsim.policy import POLICY_NAMES
+from tltsim.policy import POLICY_NAMES, StaticSpec
 from tltsim.trace.schema import MAX_COUNT
 
 # Most requests (prompt lines x group size) one ``generate`` builds: vLLM's max_num_seqs default
@@ -66,10 +66,12 @@ class GenerateConfig:
     policy: str = field(
         default="nospec", metadata={"help": "SD policy (tltsim.policy)", "choices": POLICY_NAMES}
     )
-    # tltsim StaticSpec's default
-    strategy: str = field(
-        default="8_4_32",
-        metadata={"help": "the static policy's strategy DRAFTSTEPS_TOPK_VERIFYTOKENS"},
+    strategy: str | None = field(
+        default=None,
+        metadata={
+            "help": "the static policy's strategy DRAFTSTEPS_TOPK_VERIFYTOKENS (default: "
+            "tltsim's StaticSpec's, 8_4_32)"
+        },
     )
     max_new_tokens: int | None = field(
         default=None, metadata={"help": "token cap of prompts that name none themselves"}
@@ -89,6 +91,8 @@ class GenerateConfig:
             raise ValueError(f"group_size must be <= {MAX_REQUESTS}, got {self.group_size}")
         if not 0 <= self.step <= MAX_COUNT:  # the trace format's bound on step numbers
             raise ValueError(f"step must be in [0, {MAX_COUNT}], got {self.step}")
+        if self.strategy is not None:  # checked whatever the policy ('zz' ran as nospec)
+            StaticSpec(strategy=self.strategy)
 
 
 def read_prompts(path: str, model_dir: str, cfg: GenerateConfig) -> tuple[list[Request], Any]:
@@ -181,6 +185,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = Path(args.out)  # where the run is now (its config names where it started)
     else:
         cfg = dataclass_from_args(GenerateConfig, args)
+        if cfg.strategy is not None and cfg.policy != "static":  # (it was ignored)
+            raise UsageError(
+                f"--strategy {cfg.strategy}: only --policy static takes a strategy; "
+                f"--policy {cfg.policy} chooses its own"
+            )
         out = check_out_dir(cfg.out)
         requests, tokenizer = read_prompts(cfg.prompts, cfg.model, cfg)
         longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
@@ -224,7 +233,7 @@ def _generate(cfg: GenerateConfig, engine_cfg, requests, log, done: set[str], ou
     remaining = [r for r in requests if r.id not in done]
     target = load_hf(cfg.model, dtype=DTYPES[engine_cfg.dtype_name], device=engine_cfg.device)
     drafter = load_drafter(cfg.drafter, target) if cfg.drafter else None
-    settings = {"strategy": cfg.strategy} if cfg.policy == "static" else {}
+    settings = {"strategy": cfg.strategy} if cfg.policy == "static" and cfg.strategy else {}
     try:
         policy = make_policy(cfg.policy, seed=engine_cfg.seed, **settings)
         engine = RolloutEngine(target, drafter, engine_cfg)
