@@ -139,3 +139,27 @@ def test_refusals_are_one_error_line(inputs, tmp_path, capsys):
         prompts.write_text(original)
     assert_one_error_line(rc, stdout, err)
     assert "differs from the prompt file's" in err
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("id", ["p0/0"], "expected a response object with a string 'id'"),
+        ("output_token_ids", 5, "'output_token_ids' must be a list of token ids"),
+        ("output_token_ids", [1, True], "'output_token_ids' must be a list of token ids"),
+        ("finish", "done", "'finish' must be 'stop' or 'length', got 'done'"),
+        ("accept_hist", None, "'accept_hist' must be a list of counts"),
+    ],
+)
+def test_a_damaged_row_is_one_error_line_naming_it(inputs, tmp_path, capsys, field, value, says):
+    """A resume read rows back unchecked: an id list was 'unhashable type', an int
+    output_token_ids 'object of type int has no len()' (internal errors, exit 1)."""
+    out = tmp_path / "damaged"
+    assert main(argv(inputs, out)) == 0
+    (out / "trace.json").unlink()
+    rows = rows_of(out)
+    rows[1][field] = value
+    (out / "generations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc, stdout, err = run("tltrun", ["generate", "--out", str(out), "--resume"], capsys)
+    assert_one_error_line(rc, stdout, err)
+    assert "generations.jsonl line 2: " + says in err, err

@@ -54,8 +54,11 @@ class GenerationsLog:
         for lineno, line in enumerate(whole.decode("utf-8", "replace").splitlines(), start=1):
             where = f"{self.path} line {lineno}"
             row = parse_json(line, where)
-            if not isinstance(row, dict) or row.get("id") not in prompts:
+            if not isinstance(row, dict) or not isinstance(row.get("id"), str):
+                raise UsageError(f"{where}: expected a response object with a string 'id'")
+            if row["id"] not in prompts:
                 raise UsageError(f"{where}: not a response of this run's prompts")
+            _check_row(row, where)
             if row.get("prompt_token_ids") != prompts[row["id"]]:
                 raise UsageError(
                     f"{where}: the prompt of {row['id']!r} differs from the prompt file's (the "
@@ -94,6 +97,18 @@ class GenerationsLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _check_row(row: dict[str, Any], where: str) -> None:
+    """The fields a resume reads back (a hand-edited or damaged row was a traceback later)."""
+    tokens = row.get("output_token_ids")
+    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+        raise UsageError(f"{where}: 'output_token_ids' must be a list of token ids (ints >= 0)")
+    if row.get("finish") not in ("stop", "length"):
+        raise UsageError(f"{where}: 'finish' must be 'stop' or 'length', got {row.get('finish')!r}")
+    hist = row.get("accept_hist")
+    if not isinstance(hist, list) or not all(type(n) is int and n >= 0 for n in hist):
+        raise UsageError(f"{where}: 'accept_hist' must be a list of counts (ints >= 0)")
 
 
 __all__ = ["GenerationsLog"]
