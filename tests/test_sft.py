@@ -186,3 +186,33 @@ def test_no_steps_and_no_evaluation_prompts_are_reported_as_such(tmp_path, capsy
     assert "greedy: no held-out prompts evaluated" in capsys.readouterr().out
     metrics = json.loads((tmp_path / "e0" / "metrics.json").read_text())
     assert metrics["greedy"]["accuracy"] is None and metrics["greedy"]["num_prompts"] == 0
+
+
+def test_data_outside_the_tokenizer_alphabet_is_trained_with_a_warning(tmp_path):
+    """'naïve' trained silently as 'na<unk>ve', a response that can never match exactly."""
+    import warnings
+
+    from tltrun.train.sft import UnknownCharsWarning, data_pairs
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(
+        '{"prompt": "1+1=", "response": "2"}\n{"prompt": "na\\u00efve", "response": "x"}\n'
+    )
+    cfg = SFTConfig(out=str(tmp_path / "o"), data=str(path))
+    with pytest.warns(UnknownCharsWarning, match=r"1 of 2 rows hold 1 characters .*\('ï'\)"):
+        assert data_pairs(cfg, seed=0, num_rows=10)[1] == ("naïve", "x")
+    path.write_text('{"prompt": "1+1=", "response": "2"}\n')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        data_pairs(cfg, seed=0, num_rows=10)
+
+
+def test_built_in_task_settings_beside_data_are_refused(tmp_path, capsys):
+    """--num-sample-prompts, --group-size and --task-* with --data were recorded and ignored."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "1+1=", "response": "2"}\n')
+    argv = ["sft", "--out", str(tmp_path / "o"), "--data", str(path), "--num-steps", "1"]
+    assert main([*argv, "--group-size", "3", "--task-max-ops", "30"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --group-size, --task-max-ops: settings of the built-in task" in err, err
+    assert not (tmp_path / "o").exists()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+from dataclasses import fields
 from typing import Any
 
 from tltrun.cli.args import offline_configs_from_args
@@ -110,11 +111,34 @@ def _cmd_sft(args: argparse.Namespace) -> int:
         print(f"{args.out}: the run already finished (metrics.json is written); nothing to resume")
         return 0
     cfg, task = configs["sft"], configs["task"]
+    if not args.resume:
+        _check_builtin_only(cfg, task)
     with RunLock(check_out_dir(cfg.out), "tltrun sft"):
         metrics = sft.run_sft(cfg, task, is_resume=args.resume)
     print(summary_table(metrics))
     print(f"checkpoint and metrics.json written to {cfg.out}")
     return 0
+
+
+def _check_builtin_only(cfg: SFTConfig, task: TaskConfig) -> None:
+    """Refuse settings of the built-in task beside --data, which does not read them (they were
+    recorded in sft_config.json and ignored: no sampled evaluation ran)."""
+    if cfg.data is None:
+        return
+    given = [
+        f"--{f.name.replace('_', '-')}"
+        for f in fields(SFTConfig)
+        if f.name in ("num_sample_prompts", "group_size") and getattr(cfg, f.name) != f.default
+    ] + [
+        f"--task-{f.name.replace('_', '-')}"
+        for f in fields(TaskConfig)
+        if getattr(task, f.name) != f.default
+    ]
+    if given:
+        raise UsageError(
+            f"{', '.join(given)}: settings of the built-in task, which --data {cfg.data} "
+            "replaces (it trains and evaluates on its own rows); drop them"
+        )
 
 
 def _cmd_sft_eval(args: argparse.Namespace) -> int:
