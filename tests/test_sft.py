@@ -37,6 +37,10 @@ TINY = dict(
     eval_batch_size=8,
     max_new_tokens=24,
 )
+# TINY as tltrun sft flags, less --num-steps
+TINY_FLAGS = [
+    x for k, v in TINY.items() if k != "num_steps" for x in (f"--{k.replace('_', '-')}", str(v))
+]
 # Short chains keep the tiny run fast; the full distribution is tested in test_tasks.py.
 TINY_TASK = TaskConfig(median_ops=2.0, max_ops=8)
 
@@ -161,9 +165,7 @@ def test_a_non_finite_loss_stops_the_run_before_its_update(tmp_path, monkeypatch
     error ('probability tensor contains inf/nan'); a learning rate of 1e38 overflowed in AdamW."""
     import tltrun.train.sft as sft
 
-    flags = [
-        x for k, v in TINY.items() if k != "num_steps" for x in (f"--{k.replace('_', '-')}", str(v))
-    ]
+    flags = TINY_FLAGS
     real = sft.response_loss
     monkeypatch.setattr(sft, "response_loss", lambda model, batch: real(model, batch) * math.nan)
     assert main(["sft", "--out", str(tmp_path / "nan"), "--num-steps", "3", *flags]) == 2
@@ -176,9 +178,7 @@ def test_a_non_finite_loss_stops_the_run_before_its_update(tmp_path, monkeypatch
 def test_no_steps_and_no_evaluation_prompts_are_reported_as_such(tmp_path, capsys):
     """--num-steps 0 (allowed) failed at its summary (a None loss formatted as a number); an
     evaluation of 0 prompts was reported as accuracy 0.000."""
-    flags = [
-        x for k, v in TINY.items() if k != "num_steps" for x in (f"--{k.replace('_', '-')}", str(v))
-    ]
+    flags = TINY_FLAGS
     assert main(["sft", "--out", str(tmp_path / "s0"), *flags, "--num-steps", "0"]) == 0
     assert "no steps trained" in capsys.readouterr().out
     flags = [*flags, "--num-eval-prompts", "0", "--num-steps", "1"]
