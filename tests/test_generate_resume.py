@@ -163,3 +163,16 @@ def test_a_damaged_row_is_one_error_line_naming_it(inputs, tmp_path, capsys, fie
     rc, stdout, err = run("tltrun", ["generate", "--out", str(out), "--resume"], capsys)
     assert_one_error_line(rc, stdout, err)
     assert "generations.jsonl line 2: " + says in err, err
+
+
+def test_a_prompt_file_with_a_byte_order_mark_reads_as_without(inputs, tmp_path, capsys):
+    """Windows editors start UTF-8 files with a BOM; JSON refused the first line as
+    'Unexpected UTF-8 BOM' (tltrun sft's data reader already took it)."""
+    bom = tmp_path / "prompts.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + (inputs / "prompts.jsonl").read_bytes())
+    plain, marked = tmp_path / "plain", tmp_path / "bom"
+    assert main(argv(inputs, plain)) == 0
+    args = argv(inputs, marked)
+    args[args.index("--prompts") + 1] = str(bom)
+    assert main(args) == 0, capsys.readouterr().err
+    assert rows_of(marked) == rows_of(plain)

@@ -52,10 +52,11 @@ def finite_json(obj: Any) -> Any:
 
 
 def read_text(path: str | Path, what: str = "file", error: type[TLTError] = UsageError) -> str:
-    """The UTF-8 text of ``path``; a missing, unreadable or binary file raises ``error`` naming
-    ``what`` and the file."""
+    """The UTF-8 text of ``path`` (a leading byte-order mark, which Windows editors write, is
+    not part of it: JSON refused it as 'Unexpected UTF-8 BOM'); a missing, unreadable or binary
+    file raises ``error`` naming ``what`` and the file."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise error(f"{path}: no such file (expected a {what})") from None
     except IsADirectoryError:
