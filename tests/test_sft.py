@@ -192,7 +192,8 @@ def test_data_outside_the_tokenizer_alphabet_is_trained_with_a_warning(tmp_path)
     """'naïve' trained silently as 'na<unk>ve', a response that can never match exactly."""
     import warnings
 
-    from tltrun.train.sft import UnknownCharsWarning, data_pairs
+    from tltrun.model.tokenizer import UnknownCharsWarning
+    from tltrun.train.sft import data_pairs
 
     path = tmp_path / "d.jsonl"
     path.write_text(

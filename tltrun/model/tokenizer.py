@@ -27,6 +27,7 @@ anywhere else.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -121,3 +122,23 @@ class CharTokenizer:
         if any(len(ch) != 1 for ch in chars):
             raise ValueError(f"{path}: not a character tokenizer (multi-character tokens)")
         return cls("".join(chars))
+
+
+class UnknownCharsWarning(UserWarning):
+    """Text characters outside the character tokenizer's alphabet (encoded as <unk>)."""
+
+
+def warn_unknown_chars(source: str, texts: list[str]) -> None:
+    """One warning for every character of ``texts`` (rows of ``source``) that encodes as
+    <unk>: such a text decodes to another string (a response then never matches exactly)."""
+    known = set(DEFAULT_CHARS)
+    unknown = [ch for text in texts for ch in text if ch not in known]
+    if unknown:
+        rows = sum(any(ch not in known for ch in text) for text in texts)
+        shown = "".join(sorted(set(unknown))[:10])
+        warnings.warn(
+            f"{source}: {rows} of {len(texts)} rows hold {len(unknown)} characters outside "
+            f"the character tokenizer's alphabet ({shown!r}), trained as <unk>",
+            UnknownCharsWarning,
+            stacklevel=3,
+        )

@@ -48,7 +48,7 @@ from tqdm import tqdm
 
 from tltrun.model.config import ModelConfig
 from tltrun.model.hf_checkpoint import save_hf
-from tltrun.model.tokenizer import CharTokenizer
+from tltrun.model.tokenizer import CharTokenizer, warn_unknown_chars
 from tltrun.model.transformer import CausalContext, Transformer
 from tltrun.train import resumable
 from tltrun.train.resumable import Checkpointing
@@ -197,28 +197,8 @@ def data_pairs(cfg: SFTConfig, *, seed: int, num_rows: int) -> list[tuple[str, s
                 "with a response (no chat messages, no missing response)"
             )
         pairs.append((row.prompt, row.answer))
-    _warn_unknown_chars(cfg.data, pairs)
+    warn_unknown_chars(f"--data {cfg.data}", [p + r for p, r in pairs])
     return pairs
-
-
-class UnknownCharsWarning(UserWarning):
-    """Data characters outside the character tokenizer's alphabet (trained as <unk>)."""
-
-
-def _warn_unknown_chars(data: str, pairs: list[tuple[str, str]]) -> None:
-    """One warning for every character of the data the tokenizer encodes as <unk>: such a
-    response decodes to another string, so it can never match exactly (a file's reward)."""
-    known = set(CharTokenizer().chars)
-    unknown = [ch for p, r in pairs for ch in p + r if ch not in known]
-    if unknown:
-        rows = sum(any(ch not in known for ch in p + r) for p, r in pairs)
-        shown = "".join(sorted(set(unknown))[:10])
-        warnings.warn(
-            f"--data {data}: {rows} of {len(pairs)} rows hold {len(unknown)} characters outside "
-            f"the character tokenizer's alphabet ({shown!r}), trained as <unk>",
-            UnknownCharsWarning,
-            stacklevel=3,
-        )
 
 
 def pair_tokens(prompt: str, response: str, tok: CharTokenizer) -> tuple[list[int], list[int]]:
