@@ -136,6 +136,20 @@ def test_train_drafter_in_float16_trains_fp32_master_weights(dirs, capsys):
     assert all(bool(torch.isfinite(t).all()) for t in tensors.values())
 
 
+def test_train_drafter_init_keeps_its_fp32_weights_under_a_float16_target(dirs, capsys):
+    """--init was cast to --dtype and back: 0 steps must export the init drafter bit for bit."""
+    rows = [{"prompt_token_ids": [1, 2, 3], "output_token_ids": [4, 5, 6]}]
+    out = dirs / "init_fp16"
+    argv = ["train-drafter", "--model", str(dirs / "model"), "--init", str(dirs / "drafter"),
+            "--data", _generations(dirs / "init.jsonl", rows), "--out", str(out),
+            "--train-num-steps", "0", "--dtype", "float16"]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    init = load_safetensors(dirs / "drafter" / "model.safetensors")
+    exported = load_safetensors(out / "model.safetensors")
+    assert set(exported) <= set(init) and exported
+    assert all(torch.equal(exported[k], init[k]) for k in exported)
+
+
 def test_train_drafter_refuses_data_with_nothing_to_train_and_a_learning_rate_over_1(dirs, capsys):
     """Rows without response tokens trained nothing (loss 0, exit 0); --train-lr 1e38 was an
     internal error inside AdamW."""

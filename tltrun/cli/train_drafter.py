@@ -92,6 +92,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
 
 def _train_drafter(cfg: TrainDrafterConfig, train_cfg, out: Path, is_resume: bool) -> int:
+    import torch
+
     from tltrun.model.drafter import EagleDrafter, export_vllm, load_drafter, trainable_copy
     from tltrun.model.hf_checkpoint import checkpoint_digest, load_hf
     from tltrun.train import resumable
@@ -102,7 +104,7 @@ def _train_drafter(cfg: TrainDrafterConfig, train_cfg, out: Path, is_resume: boo
         write_json(out / "train_config.json", config_dict(train_drafter=cfg, train=train_cfg))
     target = load_hf(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
     drafter = trainable_copy(
-        load_drafter(cfg.init, target)
+        load_drafter(cfg.init, target, dtype=torch.float32)  # no round trip through --dtype
         if cfg.init
         else EagleDrafter.for_target(target, seed=train_cfg.seed),
         target,

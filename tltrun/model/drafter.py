@@ -427,9 +427,12 @@ def _drafter_config(root: Path) -> ModelConfig:
     return read_config(root)
 
 
-def load_drafter(in_dir: str | Path, target: Transformer) -> EagleDrafter:
+def load_drafter(
+    in_dir: str | Path, target: Transformer, dtype: torch.dtype | None = None
+) -> EagleDrafter:
     """Load an exported drafter (ours, or any EAGLE-1 checkpoint in vLLM's layout without an
-    fc bias) and bind it to ``target``; sizes must match the target's."""
+    fc bias) and bind it to ``target``; sizes must match the target's. Its weights take the
+    target's dtype, or ``dtype`` (a drafter to train keeps fp32 weights fp32)."""
     from tltrun.model.hf_checkpoint import load_safetensors
 
     root = Path(in_dir)
@@ -470,6 +473,6 @@ def load_drafter(in_dir: str | Path, target: Transformer) -> EagleDrafter:
             )
     drafter.load_state_dict(tensors)
     weight = target.lm_head.weight
-    drafter.to(dtype=weight.dtype, device=weight.device).eval()
+    drafter.to(dtype=dtype or weight.dtype, device=weight.device).eval()
     drafter.bind(target)
     return drafter
