@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import VOCAB, tiny_model
+from tiny_models import VOCAB, cuda_param, tiny_model
 
 from tltrun.model.config import CheckpointError
 from tltrun.model.drafter import (
@@ -306,3 +306,37 @@ def test_a_non_finite_drafter_loss_stops_before_the_update():
         drafter_train_step(trainable, make_batch([record], 16), make_optimizer(trainable, cfg), cfg)
     after = trainable.state_dict()
     assert all(torch.allclose(before[k], after[k], rtol=0, atol=0, equal_nan=True) for k in before)
+
+
+@pytest.mark.parametrize("device", ["cpu", cuda_param("the spot trainer beside a CUDA engine")])
+def test_a_trainable_copy_is_fp32_on_the_engine_device_and_trains_there(device):
+    """tltrun train's spot trainer and train-drafter train ``trainable_copy``: fp32 master
+    weights on the engine target's device (the spot trainer's copy was built on the CPU,
+    beside a CUDA engine's shared embedding and head), bound to that target."""
+    from tltrun.model.drafter import trainable_copy
+    from tltrun.train.drafter_training import (
+        DrafterTrainConfig,
+        TrainRecord,
+        drafter_train_step,
+        make_batch,
+        make_optimizer,
+    )
+
+    engine_target = tiny_model(seed=3).to(device=device, dtype=torch.bfloat16)
+    served = EagleDrafter.for_target(engine_target, seed=1)  # bf16, as the engine runs it
+    trainable = trainable_copy(served, engine_target)
+    params = list(trainable.parameters())
+    assert {(p.dtype, p.device.type) for p in params} == {(torch.float32, device)}
+    assert all(
+        torch.equal(a.float(), b)
+        for a, b in zip(served.state_dict().values(), trainable.state_dict().values(), strict=True)
+    )
+    gen = torch.Generator().manual_seed(0)
+    record = TrainRecord(torch.randint(0, VOCAB, (9,), generator=gen), 3, torch.randn(8, 48))
+    cfg = DrafterTrainConfig(lr=1e-2)
+    before = trainable.fc.weight.detach().clone()
+    noise = torch.Generator(device).manual_seed(1)
+    stats = drafter_train_step(
+        trainable, make_batch([record], 16, device), make_optimizer(trainable, cfg), cfg, noise
+    )
+    assert math.isfinite(stats["loss"]) and not torch.equal(before, trainable.fc.weight)
