@@ -285,6 +285,21 @@ def test_pool_on_error_raise_names_the_sample(user_module):
         assert [o.reward for o in pool.score([item("ok", "1")])] == [0.5]
 
 
+def test_math_reward_reads_a_latex_answer_without_dollars_as_latex():
+    """MATH-style answers ('2\\sqrt{2}', '2^{10}', '2x+3') were parsed bare first, where
+    math-verify reads their leading number: \\boxed{2} scored 1 and the right answer 0."""
+    cases = [
+        ("\\boxed{2\\sqrt{2}}", "2\\sqrt{2}"),
+        ("\\boxed{2}", "2\\sqrt{2}"),
+        ("\\boxed{1024}", "2^{10}"),
+        ("\\boxed{2}", "2^{10}"),
+        ("\\boxed{2x+3}", "2x+3"),
+        ("\\boxed{2}", "2x+3"),
+        ("\\boxed{1,000}", "1,000"),
+    ]
+    assert rewards("math", cases) == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+
+
 def test_pool_with_math_and_reasoning_gym_in_processes():
     with RewardPool(parse_reward("math"), num_processes=2) as pool:
         outcomes = pool.score([item("\\boxed{3/4}", "0.75"), item("\\boxed{1/4}", "0.75")])

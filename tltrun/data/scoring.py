@@ -222,7 +222,9 @@ class Scorer:
         gold_text = answer.rsplit("####", 1)[-1].strip() if "####" in answer else answer
         written = positional(gold_text)
         # LaTeX (m\times 10^{e}) parses only as math: plain, math-verify reads "10" out of it
-        gold = parse(gold_text if written == gold_text else f"${written}$")
+        # as LaTeX first when it holds any ('2\sqrt{2}' read bare is [2]: then \boxed{2} scored 1)
+        is_latex = written != gold_text or not _is_plain_number(gold_text)
+        gold = parse(f"${written}$" if is_latex else gold_text)
         if not gold:
             gold = parse(f"${gold_text}$")
         if not gold:
@@ -302,3 +304,9 @@ def score_in_process(spec: RewardSpec, items: Sequence[RewardItem]) -> list[Rewa
     that score a handful of responses (``tltrun`` itself always uses a RewardPool)."""
     scorer = Scorer(spec)
     return [score_one(scorer, item) for item in items]
+
+
+def _is_plain_number(text: str) -> bool:
+    """'42', '-3.5', '1,000', '50%': what math-verify reads right bare (anything else, e.g.
+    '2x+3' or '2\\sqrt{2}', it reads as its leading number unless given as LaTeX)."""
+    return re.fullmatch(r"[-+]?[\d,]*\.?\d+%?", text.strip()) is not None
