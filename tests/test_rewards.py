@@ -257,15 +257,15 @@ def test_pool_keeps_order_and_survives_raising_and_hanging_rewards(user_module):
         assert pool.score([]) == []
     with RewardPool(parse_reward(f"{user_module}:boom"), num_processes=1) as pool:
         (outcome,) = pool.score([item("x", "1")])
-        assert outcome == RewardOutcome(
-            reward=0.0, error="ValueError: boom on q?", is_format_ok=False
-        )
+        # a failed reward scores 0, format penalty or not (it was shaped to -penalty)
+        assert outcome == RewardOutcome(reward=0.0, error="ValueError: boom on q?")
     with RewardPool(parse_reward(f"{user_module}:sleepy"), num_processes=2, timeout_s=1.0) as pool:
         start = time.monotonic()
         outcomes = pool.score([item("sleep", "1", "a"), item("ok", "1", "b"), item("ok", "1", "c")])
         elapsed = time.monotonic() - start
         assert [o.reward for o in outcomes] == [0.0, 0.5, 0.5]
         assert outcomes[0].error == "timeout after 1 s" and outcomes[1].error is None
+        assert outcomes[0].is_format_ok  # a timeout is no format verdict either
         assert elapsed < 20, elapsed  # the hung call was killed, not waited for (60 s)
         # The hung process was replaced: the pool scores the next batch, hangs included.
         outcomes = pool.score([item("ok", "1"), item("sleep", "1"), item("ok", "1")])

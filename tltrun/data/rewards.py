@@ -426,7 +426,7 @@ class RewardPool:
     def _replace(self, i: int, outcomes: list[RewardOutcome | None], error: str) -> None:
         slot = self._slots[i]
         if slot.index is not None:
-            outcomes[slot.index] = RewardOutcome(reward=0.0, error=error, is_format_ok=False)
+            outcomes[slot.index] = RewardOutcome(reward=0.0, error=error)  # as score_one
         slot.kill()
         self._slots[i] = _Slot(self._context, self.spec)
 

@@ -291,11 +291,12 @@ def _check_number(value: Any, what: str) -> float:
 
 
 def score_one(scorer: Scorer, item: RewardItem) -> RewardOutcome:
-    """One item scored in this process; an exception becomes a 0 with the error's line."""
+    """One item scored in this process; an exception becomes a 0 with the error's line (and
+    no format penalty: the failed reward judged no form, and "scores 0" is what README says)."""
     try:
         reward, is_format_ok = scorer.score(item)
     except Exception as err:  # a reward's failure is data, reported per sample
-        return RewardOutcome(reward=0.0, error=one_line(err), is_format_ok=False)
+        return RewardOutcome(reward=0.0, error=one_line(err))
     return RewardOutcome(reward=reward, error=None, is_format_ok=is_format_ok)
 
 
