@@ -118,6 +118,8 @@ BAD_ROWS = [
         "key 'prompt': expected a string or a list of chat messages, got int",
     ),
     ({"prompt": "   ", "answer": "1"}, "key 'prompt': empty prompt"),
+    # an empty answer under 'exact' rewarded empty responses and scored the real answer 0
+    ({"prompt": "x", "answer": " "}, "key 'answer': empty answer"),
     ({"prompt": [], "answer": "1"}, "key 'prompt': empty prompt (no chat messages)"),
     (
         {"prompt": [{"role": "user"}], "answer": "1"},

@@ -383,6 +383,8 @@ def _check_answer(record: dict[str, Any], key: str, place: str) -> str:
         )
     if isinstance(value, float) and not math.isfinite(value):
         raise _BadRow(f"{place}: key {key!r}: expected a finite number, got {value}")
+    if isinstance(value, str) and not value.strip():  # 'exact' then rewarded empty responses
+        raise _BadRow(f"{place}: key {key!r}: empty answer")
     return positional(str(value)) if isinstance(value, float) else str(value)
 
 
