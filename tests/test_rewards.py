@@ -345,3 +345,18 @@ def test_overlong_shaping_follows_dapo_eq_13():
         apply_shaping(1.0, num_response_tokens=1, max_response_tokens=10, shaping=shaping)
     with pytest.raises(UsageError, match="--format-penalty"):
         Shaping(format_penalty=float("nan"))
+
+
+def test_a_user_module_with_a_postponed_annotation_dataclass_imports(tmp_path):
+    """The module ran without being in sys.modules, where dataclasses looks it up under
+    'from __future__ import annotations': 'NoneType' object has no attribute '__dict__'."""
+    from tltrun.data.scoring import load_user_function
+
+    path = tmp_path / "dc_reward.py"
+    path.write_text(
+        "from __future__ import annotations\nfrom dataclasses import dataclass\n\n\n"
+        "@dataclass\nclass Cfg:\n    weight: float = 2.0\n\n\n"
+        "def score(prompt, response, answer, **meta):\n"
+        "    return Cfg().weight * float(answer in response)\n"
+    )
+    assert load_user_function(f"{path}:score")("q", "it is 4", "4") == 2.0

@@ -10,6 +10,7 @@ import importlib.util
 import math
 import numbers
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,11 +91,15 @@ def load_user_function(arg: str) -> Callable[..., Any]:
     if module_spec is None or module_spec.loader is None:
         raise UsageError(f"--reward {arg}: cannot import {path}")
     module = importlib.util.module_from_spec(module_spec)
+    # registered as an import registers it: a dataclass under 'from __future__ import
+    # annotations' looks its module up in sys.modules ('NoneType' has no '__dict__' without)
+    sys.modules[module_name] = module
     try:
         module_spec.loader.exec_module(module)
     # the user's module: any failure is theirs to fix, an exit at import (sys.exit, argparse
     # parsing tltrun's command line) included
     except (Exception, SystemExit) as err:
+        del sys.modules[module_name]
         raise UsageError(f"--reward {arg}: importing {path.name} failed: {one_line(err)}") from None
     function = getattr(module, name, None)
     if not callable(function):
