@@ -82,7 +82,8 @@ def speedup_lines(table: pd.DataFrame, setting: str, path: Path) -> Path:
             color="gold",
             mec="black",
             ls="none",
-            label=f"best: {best_at[1]}, {setting}={best_at[0]:g} ({best_val:.2f}x)",
+            # a string setting (static_strategy, preset) has no 'g' format: the report failed
+            label=f"best: {best_at[1]}, {setting}={_shown(best_at[0])} ({best_val:.2f}x)",
         )
     ax.axhline(1.0, color="black", lw=1, ls=":")
     ax.set_xlabel(setting)
@@ -154,3 +155,7 @@ def draw_all(out_dir: str | Path) -> list[Path]:
         for setting in varying:
             written.append(speedup_lines(table, setting, plots / f"speedup_vs_{setting}.png"))
     return written
+
+
+def _shown(value) -> str:
+    return format(value, "g") if isinstance(value, int | float) else str(value)

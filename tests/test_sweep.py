@@ -217,3 +217,17 @@ def test_settings_a_policy_ignores_make_neither_two_results_nor_a_runner_up(tmp_
     ranked = [summary["best"], summary["runner_up"]]
     assert [s["policy"] for s in ranked].count("static") <= 1, summary  # one static setting
     assert all("tlt.threshold" not in s for s in ranked if s["policy"] == "static"), summary
+
+
+def test_report_of_a_sweep_over_a_string_setting(tmp_path: Path) -> None:
+    """The best-setting label formatted the value with 'g': a static_strategy sweep's report
+    ended with 'Unknown format code g for object of type str'."""
+    spec = write_spec(
+        tmp_path,
+        f'trace = "{TRACE}"\nseeds = [0]\nmax_steps = 1\n[fixed]\nnum_gpus = 4\n'
+        '[grid]\npolicy = ["static"]\nstatic_strategy = ["4_1_4", "8_4_32"]\n',
+    )
+    out = tmp_path / "out"
+    run_sweep(spec, out, workers=1)
+    assert main(["report", str(out)]) == 0
+    assert (out / "plots" / "speedup_vs_static_strategy.png").stat().st_size > 0
