@@ -204,6 +204,14 @@ BAD_SOURCES = {
         ["--client-id", "1"],
         ["client_id"],
     ),
+    # accepted, recorded in meta.importer and ignored: Azure's prompts are measured
+    "azure with a prompt-length model": (
+        "azure-conv",
+        "a.csv",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\nt,5,7\n",
+        ["--median-prompt-tokens", "50000"],
+        ["median_prompt_tokens and prompt_tokens_sigma draw ServeGen's prompt lengths"],
+    ),
     "empty file": ("azure-code", "a.csv", "", [], ["empty file"]),
 }
 

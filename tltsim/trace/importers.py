@@ -256,6 +256,14 @@ def import_azure(path: str | Path, cfg: ImportConfig, kind: str = "azure-conv") 
         raise ValueError(
             "client_id and window_start_s select ServeGen rows; the Azure trace has neither"
         )
+    if (cfg.median_prompt_tokens, cfg.prompt_tokens_sigma) != (
+        _PROMPT_DEFAULTS.median_prompt_tokens,
+        _PROMPT_DEFAULTS.prompt_tokens_sigma,
+    ):  # (they were accepted, recorded in meta.importer and ignored)
+        raise ValueError(
+            "median_prompt_tokens and prompt_tokens_sigma draw ServeGen's prompt lengths; the "
+            "Azure trace's prompts are its measured ContextTokens"
+        )
     context, generated = read_azure(path)
     cap = cfg.max_response_tokens or int(generated.max())
     rng = np.random.default_rng(cfg.seed)
