@@ -174,6 +174,30 @@ def test_speedups_between_policies(profile_path, tmp_path):
     assert (out / "parity.png").stat().st_size > 0 and (out / "steps.png").stat().st_size > 0
 
 
+def test_two_runs_of_one_policy_are_one_error_line(profile_path, tmp_path, capsys):
+    """Two NoSpec runs (e.g. torch and vLLM) beside a static one: the speedups' baseline
+    pairing was ambiguous and ended as 'internal error: TypeError: Could not convert step'."""
+    paths = []
+    for name, policy, settings in (
+        ("a", "nospec", {}),
+        ("b", "nospec", {}),
+        ("c", "static", {"strategy": "4_1_4"}),
+    ):
+        paths.append(tmp_path / f"{name}.json")
+        save_trace(self_measured(lengths_trace(), policy, settings, profile_path, 1, 32), paths[-1])
+    argv = [
+        "compare",
+        *map(str, paths),
+        "--profile",
+        str(profile_path),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "b.json: measures policy 'nospec', as" in err, err
+
+
 def test_torch_engine_traces_give_finite_errors_and_plots(tmp_path):
     """profile -> run -> compare on a tiny model (the recipe, in miniature)."""
     from tltrun.model.drafter import EagleDrafter, export_vllm

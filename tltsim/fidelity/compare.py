@@ -277,9 +277,17 @@ def compare(
     """Simulate every measured trace; (steps, speedups, summary, resolved config)."""
     profile = load_profile(cfg.profile)
     cost = profile_cost(profile, cfg.hardware)
-    rows, runs = [], []
+    rows, runs, seen = [], [], {}
     for path in paths:
         run = measured_run(load_trace(path), str(path), cfg.max_running_requests, tlt)
+        # one run per policy: speedups pair each policy's steps with the baseline's (two
+        # baselines made the pairing ambiguous: an internal error)
+        if run.policy in seen:
+            raise UsageError(
+                f"{path}: measures policy {run.policy!r}, as {seen[run.policy]} does; compare "
+                "one run per policy (compare the other run in a second call)"
+            )
+        seen[run.policy] = path
         if run.clock != profile.meta.get("clock", "wall"):
             raise UsageError(
                 f"{path}: measured in {run.clock} seconds but the profile {profile.source} in {profile.meta.get('clock', 'wall')} seconds (measure both with the same clock)"
