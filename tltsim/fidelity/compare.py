@@ -73,7 +73,10 @@ class CompareConfig:
         default="nospec", metadata=_help("policy the speedups are relative to (if compared)")
     )
     max_running_requests: int | None = field(
-        default=None, metadata=_help("batching cap per instance when the trace records none")
+        default=None,
+        metadata=_help(
+            "batching cap per instance (default: the one each trace records; given, it replaces that)"
+        ),
     )
     hardware: str | None = field(
         default=None,
