@@ -216,7 +216,8 @@ def drafter_train_step(
     classification = (ce * mask).sum() / denom
     regression = (reg * mask).sum() / denom
     loss = cfg.regression_weight * regression + cfg.classification_weight * classification
-    check_finite(loss.item(), "drafter training: loss")  # before the update, as each caller needs
+    loss_value = loss.item()  # the one device sync of the step, read before the update
+    check_finite(loss_value, "drafter training: loss")
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_value_(drafter.parameters(), cfg.grad_clip)
@@ -226,7 +227,7 @@ def drafter_train_step(
         agree = (logits.argmax(-1) == target_logits.argmax(-1)).float()
         top1 = float((agree * mask).sum() / denom)
     return {
-        "loss": loss.item(),
+        "loss": loss_value,
         "regression": regression.item(),
         "classification": classification.item(),
         "top1": top1,

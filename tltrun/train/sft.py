@@ -286,20 +286,21 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        check_finite(loss.item() + float(grad_norm), f"sft step {step}: loss + gradient norm")
+        loss_value = loss.item()
+        check_finite(loss_value + float(grad_norm), f"sft step {step}: loss + gradient norm")
         optimizer.step()
         num_tokens = int((batch["labels"] != IGNORE_INDEX).sum())
         log.append(
             {
                 "step": step,
-                "loss": loss.item(),
+                "loss": loss_value,
                 "grad_norm": float(grad_norm),
                 "lr": lr_at(step, cfg),
                 "num_seqs": len(batch["input_ids"]),
                 "num_response_tokens": num_tokens,
             }
         )
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.set_postfix(loss=f"{loss_value:.3f}")
         if checkpointing is not None and checkpointing.is_due(step + 1, cfg.num_steps):
             train_s = earlier_s + time.perf_counter() - start_s
             checkpointing.save(step + 1, model, optimizer, log, data_sha256, train_s=train_s)
