@@ -206,6 +206,29 @@ def test_a_file_is_read_whole_whatever_data_num_rows(data_dir, bpe_model):
     assert data.num_train_rows == len(QUESTIONS) > 5
 
 
+def test_an_evaluation_file_is_fingerprinted_whole_whatever_eval_max_prompts(data_dir, bpe_model):
+    """A resume may change --eval-max-prompts: the evaluation file's fingerprint (compared on
+    resume) is taken before the cut, so it must not depend on it (it was read only that long)."""
+    from tltrun.train.prompts import load_run_data
+
+    def data(eval_max_prompts: int):
+        cfg = TrainConfig(
+            model_dir=str(bpe_model),
+            out="unused",
+            data=str(data_dir / "train.csv"),
+            eval_data=str(data_dir / "train.parquet"),
+            prompt_key="question",
+            reward="exact",
+            eval_every=1,
+            eval_max_prompts=eval_max_prompts,
+        )
+        return load_run_data(cfg, TaskConfig(), lambda row: 1)
+
+    few, many = data(2), data(64)
+    assert len(few.eval_rows) == 2 and len(many.eval_rows) == len(QUESTIONS) > 2
+    assert few.eval_fingerprint == many.eval_fingerprint
+
+
 def test_data_without_an_answer_column_trains_with_the_users_reward(bpe_model, tmp_path, capsys):
     """--answer-key '': rows need no answer (a format or preference reward); the user's function
     receives answer=None and the other columns; a reward that needs an answer is refused."""

@@ -94,14 +94,15 @@ def _spec(cfg: TrainConfig, path: str, is_eval: bool = False) -> DataSpec:
         prompt_key=cfg.prompt_key,
         answer_key=cfg.answer_key or None,  # '': the rows have no answer column
         is_skip_bad_rows=cfg.skip_bad_rows,
-        # the training rows: a reasoning-gym task generates --data-num-rows, a file holds what it
-        # holds (all of it is read); held-out prompts: at most --eval-max-prompts either way
+        # a file holds what it holds (all of it is read, so an evaluation file's fingerprint is
+        # taken before --eval-max-prompts cuts it); a reasoning-gym task generates --data-num-rows
+        # training rows, --eval-max-prompts held-out ones
         num_rows=(
-            cfg.eval_max_prompts
+            None
+            if not path.startswith(GYM_PREFIX)
+            else cfg.eval_max_prompts
             if is_eval
             else cfg.data_num_rows
-            if path.startswith(GYM_PREFIX)
-            else None
         ),
         seed=cfg.seed + (EVAL_GYM_SEED_OFFSET if is_eval else 0),
     )
