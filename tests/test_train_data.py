@@ -229,6 +229,31 @@ def test_an_evaluation_file_is_fingerprinted_whole_whatever_eval_max_prompts(dat
     assert few.eval_fingerprint == many.eval_fingerprint
 
 
+def test_the_data_fingerprint_covers_the_columns_a_reward_receives(bpe_model, tmp_path):
+    """A resume compares the data's fingerprint: a change in a column other than prompt and
+    answer (the reward's **meta) is a change too; rows with no other column hash as they did
+    before the columns were included (runs recorded then still resume)."""
+    import hashlib
+
+    from tltrun.train.prompts import load_run_data
+
+    def fingerprint(frame: pd.DataFrame) -> str:
+        frame.to_csv(tmp_path / "d.csv", index=False)
+        cfg = TrainConfig(
+            model_dir=str(bpe_model), out="unused", data=str(tmp_path / "d.csv"), reward="exact"
+        )
+        return load_run_data(cfg, TaskConfig(), lambda row: 1).train_fingerprint
+
+    rows = {"prompt": ["1+1", "2+2"], "answer": ["2", "4"]}
+    level_1 = fingerprint(pd.DataFrame({**rows, "level": [1, 1]}))
+    assert level_1 != fingerprint(pd.DataFrame({**rows, "level": [1, 2]}))
+    assert level_1 == fingerprint(pd.DataFrame({**rows, "level": [1, 1]}))
+    before = hashlib.sha1()
+    for i, (prompt, answer) in enumerate(zip(rows["prompt"], rows["answer"], strict=True)):
+        before.update(json.dumps([f"d.csv:{i}", prompt, answer]).encode())
+    assert fingerprint(pd.DataFrame(rows)) == before.hexdigest()
+
+
 def test_data_without_an_answer_column_trains_with_the_users_reward(bpe_model, tmp_path, capsys):
     """--answer-key '': rows need no answer (a format or preference reward); the user's function
     receives answer=None and the other columns; a reward that needs an answer is refused."""

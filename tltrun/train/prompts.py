@@ -10,7 +10,7 @@
   is its step number (``RunData.position`` says which epoch and index, for the log). The
   evaluation set is ``--eval-data``, or ``--eval-split`` of ``--data`` held out from training.
 
-``train_fingerprint`` hashes every row the run trains on, ``eval_fingerprint`` the evaluation
+``train_fingerprint`` hashes every row the run trains on (all its columns), ``eval_fingerprint`` the evaluation
 rows before ``--eval-max-prompts`` cuts them (so changing that, which a resume may, keeps it):
 the launcher records both in ``config.json`` and refuses to resume a run whose data changed
 underneath it. ``fingerprint`` (both, evaluation rows cut) is what runs before them recorded.
@@ -160,7 +160,10 @@ def load_run_data(
 def _rows_digest(rows: Sequence[PromptRow]) -> str:
     digest = hashlib.sha1()
     for row in rows:
-        digest.update(json.dumps([row.prompt_id, row.prompt, row.answer], default=str).encode())
+        # the other columns too: they reach the reward (**meta); a row without any hashes as
+        # before they were included, so runs recorded then still resume
+        fields = [row.prompt_id, row.prompt, row.answer, *([row.meta] if row.meta else [])]
+        digest.update(json.dumps(fields, default=str).encode())
     return digest.hexdigest()
 
 
