@@ -10,8 +10,9 @@
   is its step number (``RunData.position`` says which epoch and index, for the log). The
   evaluation set is ``--eval-data``, or ``--eval-split`` of ``--data`` held out from training.
 
-``train_fingerprint`` hashes every row the run trains on (all its columns), ``eval_fingerprint`` the evaluation
-rows before ``--eval-max-prompts`` cuts them (so changing that, which a resume may, keeps it):
+``train_fingerprint`` hashes every row the run trains on (all its columns), ``eval_fingerprint``
+the evaluation rows before ``--eval-max-prompts`` cuts them (so changing that, which a resume
+may, keeps it):
 the launcher records both in ``config.json`` and refuses to resume a run whose data changed
 underneath it. ``fingerprint`` (both, evaluation rows cut) is what runs before them recorded.
 """
