@@ -291,7 +291,13 @@ def test_reasoning_gym_bad_input_is_one_line():
         {"min_terms": 3, "x": "abc"},
         "default",
     )
+    # a JSON value keeps its '+' (parse_qsl read it as a space); %26 is a literal '&'
+    assert parse_gym_path('reasoning-gym:basic_arithmetic?operators=["+","*"]&x=a%26b')[1] == {
+        "operators": ["+", "*"],
+        "x": "a&b",
+    }
     cases = {
+        "reasoning-gym:chain_sum?min_terms": "'min_terms' is not key=value",
         "reasoning-gym:basic_arithmetc": "unknown; ",
         "reasoning-gym:basic_arithmetic?no_such_key=1": "bad config",
         "reasoning-gym:basic_arithmetic?seed=1": "config key 'seed' is set by --seed",

@@ -299,6 +299,26 @@ def test_data_without_an_answer_column_trains_with_the_users_reward(bpe_model, t
     err = capsys.readouterr().err.strip()
     assert code == 2 and "answer_key ''" in err and "'math'" in err and "\n" not in err
     assert not (tmp_path / "b").exists()
+    # flags that would be ignored: refused (an --eval-data without --data evaluated the
+    # built-in task; reasoning-gym rows have no columns to name)
+    common = [
+        "train",
+        "--model-dir",
+        str(bpe_model),
+        "--num-steps",
+        "1",
+        "--out",
+        str(tmp_path / "c"),
+    ]
+    code = main([*common, "--eval-data", str(data)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "eval_data" in err and "--data" in err and "\n" not in err
+    gym = ["--data", "reasoning-gym:chain_sum"]
+    for flags in (["--prompt-key", "question"], ["--answer-key", ""], ["--answer-key", "x"]):
+        code = main([*common, *gym, *flags])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and "prompt_key and answer_key name columns" in err, flags
+    assert not (tmp_path / "c").exists()
 
 
 def test_model_dir_without_tokenizer_is_one_line(tmp_path, capsys):

@@ -53,7 +53,14 @@ def parse_gym_path(path: str) -> tuple[str, dict[str, Any], str | None]:
     if not task:
         raise UsageError(f"--data {path!r}: expected {GYM_PREFIX}<task>[?key=value&...]")
     config: dict[str, Any] = {}
-    for key, value in urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=False):
+    # split by hand: parse_qsl reads '+' as a space (form encoding), and a JSON value such as
+    # operators=["+","*"] is typed on a command line, not form-encoded; %XX escapes still work
+    # (%26 for a literal '&')
+    for part in filter(None, query.split("&")):
+        key, is_pair, value = part.partition("=")
+        if not is_pair or not key:
+            raise UsageError(f"--data {path!r}: {part!r} is not key=value")
+        key, value = urllib.parse.unquote(key), urllib.parse.unquote(value)
         try:
             config[key] = json.loads(value)
         except json.JSONDecodeError:

@@ -125,6 +125,17 @@ def check_train_config(cfg: Any) -> None:
         raise ValueError("eval_split and eval_data exclude each other")
     if cfg.eval_split and not cfg.data:
         raise ValueError("eval_split splits --data; the built-in task evaluates on fresh problems")
+    if cfg.eval_data and not cfg.data:
+        raise ValueError(
+            "eval_data without --data: the built-in task evaluates on fresh problems of its "
+            "own (it would be ignored)"
+        )
+    files = [p for p in (cfg.data, cfg.eval_data) if p and not p.startswith("reasoning-gym:")]
+    if not files and (cfg.prompt_key, cfg.answer_key) != ("prompt", "answer"):
+        raise ValueError(
+            "prompt_key and answer_key name columns of a --data / --eval-data file; the "
+            "built-in task's and reasoning-gym's rows have none"
+        )
     if cfg.data is None and cfg.reward not in ("", "builtin"):
         raise ValueError(f"reward {cfg.reward!r}: the built-in task has its own reward (builtin)")
     if cfg.data and not cfg.data.startswith("reasoning-gym:") and cfg.reward in ("", "builtin"):
