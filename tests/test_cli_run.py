@@ -426,3 +426,29 @@ def test_bench_runs_tltbase_without_an_eagle_drafter(dirs, capsys):
     capsys.readouterr()
     assert main([*argv, "--policy", "nospec,tlt"]) == 2  # EAGLE policies still need one
     assert "need --drafter" in capsys.readouterr().err
+
+
+def test_the_command_pins_the_hash_seed_unless_the_user_set_one():
+    """Some reasoning-gym tasks generate other problems under another hash seed: the command
+    re-executes itself with PYTHONHASHSEED pinned (its workers and reward processes inherit it);
+    a seed the user set is kept."""
+    import os
+
+    code = (
+        "import os, sys; from tltrun.cli.main import main; "
+        "print('seed', os.environ.get('PYTHONHASHSEED'), hash('tlt'), flush=True); "
+        "sys.argv = ['tltrun', '--help']; main()"
+    )
+
+    def seeds(**env) -> list[list[str]]:
+        base = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+        out = subprocess.run([sys.executable, "-c", code], env={**base, **env},
+                             capture_output=True, text=True, check=False)  # fmt: skip
+        assert out.returncode == 0 and "usage: tltrun" in out.stdout, out.stderr
+        return [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("seed ")]
+
+    first, second = seeds(), seeds(PYTHONHASHSEED="random")
+    # unset (or 'random'): a second start, pinned, and the same hash each time
+    assert [s[0] for s in first] == ["None", "0"] and [s[0] for s in second] == ["random", "0"]
+    assert first[1] == second[1]
+    assert seeds(PYTHONHASHSEED="7") == [["7", seeds(PYTHONHASHSEED="7")[0][1]]]

@@ -182,6 +182,16 @@ def test_reasoning_gym_reward_uses_the_librarys_scorer():
     assert [o.reward for o in score_in_process(spec, stripped)] == [
         o.reward for o in outcomes[:4] + outcomes[8:]
     ]
+    # A regenerated entry with the row's answer but another question (another hash seed made
+    # another problem of the coordinates) is not the row's: the row's own copy is scored.
+    from tltrun.data.scoring import Scorer
+
+    scorer, row = Scorer(spec), right[0]
+    assert scorer._gym_entry(row)[1]["question"] == row.meta["question"]
+    other = RewardItem(sample_id="s", prompt=row.prompt, response=row.response,
+                       answer=row.answer, meta={**row.meta, "question": "What is 1 + 1?"})  # fmt: skip
+    dataset, entry = scorer._gym_entry(other)
+    assert entry["question"] == "What is 1 + 1?" and dataset is scorer._gym_default
 
 
 def test_user_module_reward(user_module):

@@ -20,8 +20,17 @@ Bad input (missing file, bad model directory, missing field, bad flag: any
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from tltsim.cli.args import OneLineParser, run_command
+
+# What the command pins PYTHONHASHSEED to when the user has not: some reasoning-gym tasks
+# (word_ladder, knight_swap, isomorphic_strings, ransom_note, list_functions,
+# polynomial_multiplication) iterate sets of strings, so the problems a seed generates depend on
+# the interpreter's hash seed. The launcher, the workers and the reward processes (which
+# regenerate an entry to score it) must see the same problems, and a resume the same data.
+PINNED_HASH_SEED = "0"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +47,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def pin_hash_seed() -> None:
+    """Re-execute this command with PYTHONHASHSEED pinned unless the user set one (the processes
+    it starts inherit it; torchrun's ranks each re-execute the same way)."""
+    if os.environ.get("PYTHONHASHSEED", "random") != "random":
+        return
+    os.environ["PYTHONHASHSEED"] = PINNED_HASH_SEED
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command itself, not a call from Python (tests)
+        pin_hash_seed()
     args = build_parser().parse_args(argv)
     return run_command(args.func, args, "tltrun")
 
