@@ -388,3 +388,34 @@ def test_bad_response_histograms_name_the_field(by_strategy, expected):
     with pytest.raises(UsageError, match="response_accept_hist_by_strategy") as err:
         replayed_acceptance(_two_response_trace(by_strategy), "t.json")
     assert expected in str(err.value) and "t.json: step 0" in str(err.value)
+
+
+def test_drafter_dynamics_learn_the_tokens_the_run_trained(profile_path, tmp_path):
+    """--drafter-dynamics replays the fitted model, which learns from each step's measured
+    drafter_trained_tokens (as fit fitted it); it never learned before, so its acceptance
+    stayed at the initial rate and the steps after training were simulated far too slow."""
+    trace = self_measured(lengths_trace(), "static", {"strategy": "4_1_4"}, profile_path, 1, 32)
+    trained = (2_000, 0, 0)  # tokens the drafter trained on during each step's rollout
+    steps = tuple(
+        dataclasses.replace(s, measured=dataclasses.replace(s.measured, drafter_trained_tokens=n))
+        for s, n in zip(trace.steps, trained, strict=True)
+    )
+    save_trace(dataclasses.replace(trace, steps=steps), tmp_path / "m.json")
+    # learns fast, no drift: 0.1 during step 0, ~0.9 after its 2000 tokens
+    dynamics = DrafterDynamics(initial_accept_rate=0.1, max_accept_rate=0.9,
+                               stale_accept_rate=0.1, drift_per_step=0.0, learn_tokens=200.0)  # fmt: skip
+    path = tmp_path / "dyn.json"
+    fields = dataclasses.asdict(dynamics)
+    path.write_text(
+        json.dumps({"format": "tlt-drafter-dynamics", "version": 1, "dynamics": fields})
+    )
+    out = tmp_path / "cmp"
+    argv = ["compare", str(tmp_path / "m.json"), "--profile", str(profile_path), "--out", str(out),
+            "--drafter-dynamics", str(path)]  # fmt: skip
+    assert main(argv) == 0
+    import pandas as pd
+
+    accept = pd.read_csv(out / "steps.csv").sim_accept_len.tolist()
+    # chain 4: expected accept length (1 - a^5) / (1 - a): 1.11 at a = 0.1, 4.1 at a = 0.9
+    assert accept[0] == pytest.approx(1.11, abs=0.1)
+    assert accept[1] == pytest.approx(4.1, abs=0.4) and accept[2] == pytest.approx(4.1, abs=0.4)

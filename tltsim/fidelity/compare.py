@@ -15,8 +15,9 @@ the profile lacks).
 How: each instance is simulated on its own (``simulate`` with one instance and that instance's
 prompts, every step in order, its own policy object, as each engine drives its own): nothing in
 a rollout couples instances except the barrier, and the step's simulated rollout is the slowest
-instance. Spot drafter training is not simulated (the replayed acceptance already contains its
-effect). Exact mode (one event and one policy call per iteration, as the engine) is the default.
+instance. Spot drafter training is not scheduled (the replayed acceptance already contains its
+effect; with ``--drafter-dynamics`` the model learns each step's measured trained tokens,
+``TrainedAsMeasured``). Exact mode (one event and one policy call per iteration, as the engine) is the default.
 
 Printed and written to ``--out`` (default ``results/compare-<first trace stem>``):
 ``steps.csv`` (per trace and step: measured and simulated rollout, train, prefill, SD and
@@ -45,7 +46,7 @@ from tltsim.errors import UsageError
 from tltsim.fidelity.measured_run import MeasuredRun, measured_run
 from tltsim.jsonio import write_json
 from tltsim.policy import TLTConfig, make_policy
-from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.sim.acceptance import DrafterDynamics, DrafterState
 from tltsim.sim.config import SimConfig
 from tltsim.sim.simulator import simulate
 from tltsim.trace.files import load_trace
@@ -165,11 +166,34 @@ def _number(value: float | None) -> float:
     return math.nan if value is None else float(value)
 
 
+@dataclass(frozen=True)
+class TrainedAsMeasured(DrafterDynamics):
+    """``--drafter-dynamics`` on a measured run: the model, trained after each step's rollout on
+    the tokens the run's drafter was trained on in that step (the step's measured
+    ``drafter_trained_tokens``; the drafter is the cluster's, so every instance sees all of
+    them), then drifting with the update: ``tltsim.fidelity.fit_dynamics.predict``'s recursion,
+    which fitted the model. Without it the simulated drafter never learned and only drifted."""
+
+    trained_tokens: tuple[int, ...] = ()  # per simulated step
+
+    def after_rl_step(self, state: DrafterState) -> DrafterState:
+        k = state.num_rl_steps  # the step that just ended
+        if k < len(self.trained_tokens) and self.trained_tokens[k]:
+            state = self.after_training(state, self.trained_tokens[k])
+        return super().after_rl_step(state)
+
+
+def trained_as_measured(run: MeasuredRun, drafter: DrafterDynamics) -> TrainedAsMeasured:
+    tokens = tuple(int(s.measured.drafter_trained_tokens or 0) for s in run.trace.steps)
+    return TrainedAsMeasured(**dataclasses.asdict(drafter), trained_tokens=tokens)
+
+
 def simulate_run(
     run: MeasuredRun, cost: ProfileCost, cfg: CompareConfig, drafter: DrafterDynamics | None
 ) -> tuple[list[dict], list[SimConfig]]:
     """Simulate every instance of ``run`` on its own; per-step rows and the configs used."""
     results, configs = [], []
+    dynamics = run.acceptance if drafter is None else trained_as_measured(run, drafter)
     for i in range(run.num_instances):
         cap = run.max_running_requests or run.max_share(i)
         tp = int(cost.profile.meta["tp"])  # one profile describes one engine instance
@@ -186,9 +210,7 @@ def simulate_run(
             seed=cfg.seed + i,
         )
         policy = make_policy(run.policy, seed=run.policy_seed, **run.settings)
-        results.append(
-            simulate(run.instance_trace(i), sim, cost, policy, None, drafter or run.acceptance)
-        )
+        results.append(simulate(run.instance_trace(i), sim, cost, policy, None, dynamics))
         configs.append(sim)
     return _step_rows(run, results, cost), configs
 
