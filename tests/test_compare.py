@@ -419,3 +419,19 @@ def test_drafter_dynamics_learn_the_tokens_the_run_trained(profile_path, tmp_pat
     # chain 4: expected accept length (1 - a^5) / (1 - a): 1.11 at a = 0.1, 4.1 at a = 0.9
     assert accept[0] == pytest.approx(1.11, abs=0.1)
     assert accept[1] == pytest.approx(4.1, abs=0.4) and accept[2] == pytest.approx(4.1, abs=0.4)
+
+
+def test_a_tlt_flag_replaces_that_field_of_the_recorded_config(profile_path, tmp_path, capsys):
+    """--tlt-threshold 2 asks "what if the threshold were 2": the run's recorded strategies,
+    buckets and warm-up stay (one flag replaced the whole config with defaults)."""
+    settings = dataclasses.asdict(TLT)
+    trace = self_measured(lengths_trace(), "tlt", settings, profile_path, 1, 32)
+    save_trace(trace, tmp_path / "m.json")
+    base = ["compare", str(tmp_path / "m.json"), "--profile", str(profile_path)]
+    assert main([*base, "--out", str(tmp_path / "a"), "--tlt-threshold", "2"]) == 0
+    used = json.loads((tmp_path / "a" / "config.json").read_text())["runs"][0]["settings"]
+    assert used == {**json.loads(json.dumps(settings)), "threshold": 2}
+    # what the flags and the recorded config make together is checked: one line naming the run
+    code = main([*base, "--out", str(tmp_path / "b"), "--tlt-bucket-starts", "1,2,4"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "m.json" in err and "\n" not in err

@@ -216,6 +216,24 @@ def dataclass_from_args(
     field.name``, so ``--no-spot-training`` lands on ``is_spot_training``); fields whose flag was
     not given keep ``base``'s value (or the dataclass default). Validation errors from
     ``__post_init__`` become UsageError."""
+    values = {
+        f.name: getattr(base, f.name)
+        for f in dataclasses.fields(cls)
+        if f.init and base is not None
+    }
+    values.update(given_fields(cls, ns, prefix))
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as err:
+        # __post_init__ messages name their class already ("TLTConfig: ..."); say it once
+        text = str(err)
+        named = text.startswith(f"{cls.__name__}:")
+        raise UsageError(text if named else f"{cls.__name__}: {text}") from None
+
+
+def given_fields(cls: type, ns: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
+    """The fields of ``cls`` whose flag was given, as field values (a comma list as a tuple);
+    not validated together (``cls`` may apply them over another instance's)."""
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
@@ -223,8 +241,6 @@ def dataclass_from_args(
             continue
         raw = getattr(ns, prefix + f.name, None)
         if raw is None:
-            if base is not None:
-                values[f.name] = getattr(base, f.name)
             continue
         tp = _base_type(hints[f.name])
         if tp in (tuple, list) and isinstance(raw, str):
@@ -237,10 +253,4 @@ def dataclass_from_args(
                     f"{flag_name(f, prefix)}: expected comma-separated {elem.__name__} values, got {raw!r}"
                 ) from None
         values[f.name] = raw
-    try:
-        return cls(**values)
-    except (TypeError, ValueError) as err:
-        # __post_init__ messages name their class already ("TLTConfig: ..."); say it once
-        text = str(err)
-        named = text.startswith(f"{cls.__name__}:")
-        raise UsageError(text if named else f"{cls.__name__}: {text}") from None
+    return values

@@ -9,13 +9,12 @@ Prints the per-step table, the per-step speedups over ``--baseline`` and the err
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
+from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args, given_fields
 from tltsim.cli.table import format_cell, format_table
 from tltsim.fidelity import compare
 from tltsim.fidelity.fit import load_dynamics
@@ -80,10 +79,9 @@ def format_report(steps: pd.DataFrame, ups: pd.DataFrame, summary: dict[str, Any
 
 def cmd_compare(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(compare.CompareConfig, args)
-    is_tlt_given = any(
-        getattr(args, "tlt-" + f.name, None) is not None for f in dataclasses.fields(TLTConfig)
-    )
-    tlt = dataclass_from_args(TLTConfig, args, prefix="tlt-") if is_tlt_given else None
+    # the --tlt-* flags given replace those fields of each run's recorded config (a whole
+    # TLTConfig of defaults replaced it when one was)
+    tlt = given_fields(TLTConfig, args, prefix="tlt-")
     drafter = load_dynamics(args.drafter_dynamics) if args.drafter_dynamics else None
     steps, ups, summary, config = compare.compare(args.traces, cfg, tlt, drafter)
     out = (

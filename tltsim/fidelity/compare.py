@@ -45,7 +45,7 @@ from tltsim.cost.specs import HARDWARE_PRESETS, ModelSpec
 from tltsim.errors import UsageError
 from tltsim.fidelity.measured_run import MeasuredRun, measured_run
 from tltsim.jsonio import write_json
-from tltsim.policy import TLTConfig, make_policy
+from tltsim.policy import make_policy
 from tltsim.sim.acceptance import DrafterDynamics, DrafterState
 from tltsim.sim.config import SimConfig
 from tltsim.sim.simulator import simulate
@@ -296,10 +296,11 @@ def summarize(steps: pd.DataFrame, ups: pd.DataFrame, baseline: str) -> dict[str
 def compare(
     paths: list[Path],
     cfg: CompareConfig,
-    tlt: TLTConfig | None = None,
+    tlt: dict[str, Any] | None = None,
     drafter: DrafterDynamics | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any], dict[str, Any]]:
-    """Simulate every measured trace; (steps, speedups, summary, resolved config)."""
+    """Simulate every measured trace; (steps, speedups, summary, resolved config). ``tlt``:
+    TLTConfig fields that replace those each run recorded (``--tlt-*``)."""
     profile = load_profile(cfg.profile)
     cost = profile_cost(profile, cfg.hardware)
     rows, runs, seen = [], [], {}

@@ -80,7 +80,8 @@ from tltsim.fidelity.fit_history import (
     history_observations,
     prompt_ids_name_prompts,
 )
-from tltsim.policy import POLICY_NAMES, SpecDecision, TLTBase, TLTConfig, tltbase_settings
+from tltsim.policy import POLICY_NAMES, SpecDecision, TLTBase, TLTConfig
+from tltsim.policy.tlt import TLTBASE_FIELDS
 from tltsim.sim.acceptance import (
     DEFAULT_ACCEPT_RATE,
     DEFAULT_SIBLING_RATE,
@@ -233,8 +234,11 @@ def _policy(trace: Trace, source: str) -> tuple[str, dict[str, Any], int]:
     return names.pop(), dict(configs[0]), seeds.pop()
 
 
-def _settings(name: str, config: dict[str, Any], trace: Trace, source: str, tlt: TLTConfig | None):
-    """``make_policy`` keyword arguments; ``tlt`` (the command line's) overrides the trace."""
+def _settings(
+    name: str, config: dict[str, Any], trace: Trace, source: str, tlt: dict[str, Any] | None
+):
+    """``make_policy`` keyword arguments; ``tlt`` (the command line's TLTConfig fields) replaces
+    those fields of the recorded config, which keeps the others."""
     if name == "nospec":
         return {}
     if name == "static":
@@ -253,10 +257,10 @@ def _settings(name: str, config: dict[str, Any], trace: Trace, source: str, tlt:
         except ValueError as err:
             raise UsageError(f"{source}: field 'measured.policy.config.strategy': {err}") from None
         return {"strategy": strategy}
-    if tlt is not None and name == "tltbase":
-        config = {**config, **tltbase_settings(tlt)}
-    elif tlt is not None:
-        return dataclasses.asdict(tlt)
+    if tlt and name == "tltbase":  # its switch and bandit fields, its own strategies
+        config = {**config, **{k: v for k, v in tlt.items() if k in TLTBASE_FIELDS}}
+    elif tlt:
+        config = {**config, **tlt}
     names = {f.name for f in dataclasses.fields(TLTConfig)}
     unknown = sorted(set(config) - names)
     if unknown:
@@ -434,7 +438,7 @@ def measured_run(
     trace: Trace,
     source: str,
     max_running_requests: int | None = None,
-    tlt: TLTConfig | None = None,
+    tlt: dict[str, Any] | None = None,
 ) -> MeasuredRun:
     """Read everything the simulation of ``trace`` needs (see the module docstring)."""
     name, config, seed = _policy(trace, source)
