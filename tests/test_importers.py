@@ -190,6 +190,13 @@ BAD_SOURCES = {
         [],
         ["line 3", "'GeneratedTokens'", "'many'"],
     ),
+    "bad row among those selected: its line in the file": (
+        "servegen",
+        "s.csv",
+        "client_id,window_start_s,output_tokens\n0,0,5\n1,0,0\n",
+        ["--client-id", "1"],
+        ["line 3", "got 0"],
+    ),
     "no rows selected": (
         "servegen",
         "s.csv",
@@ -300,3 +307,17 @@ def test_sample_traces_regenerate_byte_for_byte(tmp_path: Path, name: str, argv:
     # The commands documented in traces/README.md.
     assert main([*argv, "--out", str(tmp_path / name)]) == 0
     assert (tmp_path / name).read_bytes() == (REPO / "traces" / name).read_bytes()
+
+
+def test_a_blank_cell_in_a_row_not_selected_is_not_read(tmp_path: Path) -> None:
+    """A blank length makes pandas read the whole column as floats: the selected rows' lengths
+    are still counts (every row was refused as "not an integer")."""
+    (tmp_path / "s.csv").write_text("client_id,window_start_s,output_tokens\n0,0,5\n0,0,9\n1,0,\n")
+    argv = ["import", "servegen", str(tmp_path / "s.csv"), "--client-id", "0", "--num-steps", "1"]
+    assert main([*argv, "--out", str(tmp_path / "t.json")]) == 0
+    lengths = sorted(
+        r.tokens for p in load_trace(tmp_path / "t.json").steps[0].prompts for r in p.responses
+    )
+    assert set(lengths) <= {5, 9} and lengths
+    (tmp_path / "s.csv").write_text("client_id,window_start_s,output_tokens\n0,0,5\n0,0,2.5\n")
+    assert main([*argv[:3], "--out", str(tmp_path / "u.json")]) == 2
