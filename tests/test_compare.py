@@ -435,3 +435,23 @@ def test_a_tlt_flag_replaces_that_field_of_the_recorded_config(profile_path, tmp
     code = main([*base, "--out", str(tmp_path / "b"), "--tlt-bucket-starts", "1,2,4"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "m.json" in err and "\n" not in err
+
+
+def test_each_instance_admits_its_prompts_in_the_recorded_order(profile_path, tmp_path):
+    """measured.instance_prompts lists the prompts in the order the engine admitted them; under
+    a batching cap that order decides which responses wait, so the replay follows it (it took
+    the trace's prompt order)."""
+    trace = lengths_trace()
+    reordered = Trace(trace.meta, tuple(Step(s.step, s.prompts[::-1]) for s in trace.steps))
+    measured = self_measured(reordered, "nospec", {}, profile_path, 1, 5)
+    # the same measurement, its prompts listed in the original order (admission order kept)
+    steps = tuple(
+        dataclasses.replace(m, prompts=s.prompts)
+        for m, s in zip(measured.steps, trace.steps, strict=True)
+    )
+    save_trace(dataclasses.replace(measured, steps=steps), tmp_path / "m.json")
+    out = tmp_path / "cmp"
+    argv = ["compare", str(tmp_path / "m.json"), "--profile", str(profile_path), "--out", str(out)]
+    assert main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rollout_err_pct"]["p90"] == pytest.approx(0.0, abs=1e-9)

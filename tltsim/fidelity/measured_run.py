@@ -187,12 +187,12 @@ class MeasuredRun:
         return len(self.placement[0])
 
     def instance_trace(self, instance: int) -> Trace:
-        """The steps' prompts that ran on ``instance`` (a one-instance trace)."""
+        """The steps' prompts that ran on ``instance`` (a one-instance trace), in the order the
+        instance admitted them (``measured.instance_prompts``'s)."""
         steps = []
         for step, owners in zip(self.trace.steps, self.placement, strict=True):
-            mine = set(owners[instance])
-            prompts = tuple(p for p in step.prompts if p.id in mine)
-            steps.append(Step(step.step, prompts))
+            by_id = {p.id: p for p in step.prompts}
+            steps.append(Step(step.step, tuple(by_id[pid] for pid in owners[instance])))
         return Trace(meta=self.trace.meta, steps=tuple(steps))
 
     def max_share(self, instance: int) -> int:
