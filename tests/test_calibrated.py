@@ -423,6 +423,17 @@ def test_advise_on_the_shipped_trace(tmp_path, capsys):
     assert (out / "sweep" / "summary.json").exists()
 
 
+def test_advise_writes_a_sweep_spec_toml_reads_whatever_the_paths_hold():
+    """json.dumps escaped characters beyond U+FFFF as surrogate pairs, which TOML refuses:
+    advise then failed on its own sweep.toml for a trace named with an emoji."""
+    from tltsim.cli.advise import AdviseConfig, sweep_toml
+
+    text = sweep_toml(Path('/tmp/run\U0001f600 "q".json'), AdviseConfig(), "/x/gpu\u00e9.json")
+    spec = tomllib.loads(text)
+    assert spec["trace"].endswith('run\U0001f600 "q".json')
+    assert spec["fixed"]["hardware"] == "/x/gpu\u00e9.json"
+
+
 def test_advise_recommends_the_settings_it_swept_even_when_held_at_one_value():
     """The sweep's summary names only the settings that varied; a threshold or strategy set
     given alone is the user's, not TLTConfig's default (32, the 8_4_* trees)."""

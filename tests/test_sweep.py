@@ -231,3 +231,42 @@ def test_report_of_a_sweep_over_a_string_setting(tmp_path: Path) -> None:
     run_sweep(spec, out, workers=1)
     assert main(["report", str(out)]) == 0
     assert (out / "plots" / "speedup_vs_static_strategy.png").stat().st_size > 0
+
+
+def test_a_preset_file_is_read_beside_the_spec_and_a_recalibrated_one_recomputes(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """``hardware = "gpu.json"`` (and ``out``) resolve beside the spec, as ``trace`` does; the
+    resume key covers the preset file's contents (a recalibrated file reused the old rows)."""
+    import dataclasses
+
+    from tltsim.cost.calibrated import CALIBRATIONS, save_hardware_preset
+    from tltsim.cost.specs import HARDWARE_PRESETS
+
+    here = tmp_path / "study"
+    params = CALIBRATIONS["H100-SXM"]
+
+    def calibrate(bandwidth_fraction: float) -> None:
+        slower = dataclasses.replace(params, bandwidth_fraction=bandwidth_fraction)
+        save_hardware_preset(here / "gpu.json", HARDWARE_PRESETS["H100-SXM"], slower, {})
+
+    calibrate(params.bandwidth_fraction)
+    spec = f"""
+trace = "{TRACE}"
+max_steps = 1
+out = "o"
+[fixed]
+num_gpus = 4
+hardware = "gpu.json"
+[grid]
+policy = ["static"]
+"""
+    (here / "spec.toml").write_text(spec)
+    monkeypatch.chdir(tmp_path)  # not the spec's directory
+    first = run_sweep(here / "spec.toml", workers=1)
+    assert first.out == here / "o" and first.num_computed == 2
+    calibrate(0.1)
+    again = run_sweep(here / "spec.toml", workers=1)
+    assert again.num_reused == 0 and again.num_computed == 2
+    assert (again.table.mean_step_s > first.table.mean_step_s).all()
+    assert run_sweep(here / "spec.toml", workers=1).num_computed == 0  # resumed

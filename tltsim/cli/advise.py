@@ -44,7 +44,7 @@ from tltsim.sim.replay import (
     simulate_policies,
 )
 from tltsim.sim.sweep import run_sweep
-from tltsim.trace.files import load_trace
+from tltsim.trace.files import load_trace, trace_stem
 from tltsim.trace.schema import Trace
 
 STRATEGY_SETS: dict[str, tuple[str, ...]] = {
@@ -140,19 +140,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_advise)
 
 
+def _toml_string(text: str) -> str:
+    """A TOML basic string: JSON's escapes, except that characters beyond U+FFFF stay as they
+    are (JSON's surrogate-pair escapes are not valid TOML)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 def sweep_toml(trace: Path, config: AdviseConfig, hardware: str | None) -> str:
     """The sweep spec a user would write for this question (TOML)."""
     fixed = {"preset": config.preset, "policy": "tlt"}
     if hardware is not None:
         fixed["hardware"] = hardware
     lines = [
-        f"trace = {json.dumps(str(trace.resolve()))}",
+        f"trace = {_toml_string(str(trace.resolve()))}",
         f"seeds = {json.dumps(list(range(config.num_seeds)))}",
     ]
     if config.max_steps is not None:
         lines.append(f"max_steps = {config.max_steps}")
     lines.append("[fixed]")
-    lines += [f"{k} = {json.dumps(v)}" for k, v in fixed.items()]
+    lines += [f"{k} = {_toml_string(v)}" for k, v in fixed.items()]
     lines.append("[grid]")
     lines.append(f'"tlt.threshold" = {json.dumps(list(config.thresholds))}')
     lines.append(
@@ -246,11 +252,15 @@ def cmd_advise(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     if config.max_steps is not None:
         trace = Trace(meta=trace.meta, steps=trace.steps[: config.max_steps])
-    out = Path(config.out or Path("results") / f"advise-{args.trace.name.split('.')[0]}")
+    out = Path(config.out or Path("results") / f"advise-{trace_stem(args.trace)}")
     check_out_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     spec_path = out / "sweep.toml"
-    spec_path.write_text(sweep_toml(args.trace, config, hardware))
+    # the spec resolves a relative preset file beside itself: written absolute, as the trace
+    spec_path.write_text(
+        sweep_toml(args.trace, config, None if hardware is None else str(Path(hardware).resolve())),
+        encoding="utf-8",
+    )
     outcome = run_sweep(spec_path, out / "sweep", config.workers)
     summary = json.loads((outcome.out / "summary.json").read_text())
     tlt, is_spot = best_settings(summary, config)

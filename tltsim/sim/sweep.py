@@ -7,7 +7,8 @@ A spec (TOML) names a trace and the settings to vary. Setting names: ``policy``,
 ``static_strategy``, ``spot_training``, any ``SimConfig`` field (``num_gpus``, ``tp``, ...),
 ``tlt.<TLTConfig field>``, ``drafter.<DrafterDynamics field>``, ``spot.<SpotTrainerConfig field>``.
 Boolean settings are named as their flags (``spot_training``, ``timeline_recorded``); the
-Python field names (``is_spot_training``) are accepted too.
+Python field names (``is_spot_training``) are accepted too. Paths in a spec (``trace``, ``out``,
+a ``hardware`` preset file) are relative to the spec file.
 
     trace = "../traces/synth_reasoning_rl.json"   # relative to the spec file
     seeds = [0, 1]
@@ -46,6 +47,7 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
+from tltsim.cost.calibrated import is_preset_file
 from tltsim.cost.presets import apply_preset
 from tltsim.errors import UsageError
 from tltsim.jsonio import write_json
@@ -102,6 +104,20 @@ def point_key(point: dict[str, Any], seed: int | None = None, trace_id: str = ""
     nothing."""
     text = json.dumps({"point": effective(point), "seed": seed, "trace": trace_id}, sort_keys=True)
     return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def inputs_id(point: dict[str, Any], trace_id: str) -> str:
+    """What a point reads besides its settings: the trace (``trace_id``) and, where its
+    ``hardware`` is a preset file, the file's contents (a recalibrated file reused the rows
+    simulated with the old one)."""
+    hardware = point.get("hardware")
+    if not (isinstance(hardware, str) and is_preset_file(hardware)):
+        return trace_id
+    try:
+        digest = hashlib.sha1(Path(hardware).read_bytes()).hexdigest()[:16]
+    except OSError as err:
+        raise UsageError(f"{hardware}: cannot read the hardware preset ({err.strerror})") from None
+    return f"{trace_id}:{digest}"
 
 
 def settings_of(point: dict[str, Any], seed: int) -> RunSettings:
@@ -197,7 +213,7 @@ def run_sweep(spec_path: Path, out: Path | None = None, workers: int | None = No
         },
     )
     trace_id = hashlib.sha1(dumps_trace(trace).encode()).hexdigest()[:16]  # as simulated
-    tasks = [(point_key(p, s, trace_id), p, s) for p in points for s in spec.seeds]
+    tasks = [(point_key(p, s, inputs_id(p, trace_id)), p, s) for p in points for s in spec.seeds]
     log = out / "points.jsonl"
     done = _read_done(log)
     # Points that differ only in settings their policy ignores share one simulation.
@@ -243,7 +259,9 @@ def sweep_table(rows: list[dict[str, Any]], trace_id: str = "") -> pd.DataFrame:
         rec.setdefault("policy", "tlt")
         rec["seed"] = row["seed"]
         rec.update(row["result"])
-        rec["baseline_key"] = point_key(baseline_of(point), row["seed"], trace_id)
+        rec["baseline_key"] = point_key(
+            baseline_of(point), row["seed"], inputs_id(baseline_of(point), trace_id)
+        )
         rec["key"] = row["key"]
         records.append(rec)
     table = pd.DataFrame(records)

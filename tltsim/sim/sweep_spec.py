@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tltsim.cost.calibrated import is_preset_file
 from tltsim.errors import UsageError
 from tltsim.jsonio import read_text, typed_value
 from tltsim.policy import SpotTrainerConfig, TLTConfig
@@ -155,15 +156,42 @@ def load_spec(path: Path) -> SweepSpec:
         raise UsageError(f"{path}: max_steps must be an integer >= 1")
     if not isinstance(raw.get("out", ""), str):
         raise UsageError(f"{path}: out must be a directory path (a string)")
+    out = raw.get("out")
     return SweepSpec(
         trace,
         tuple(seeds),
         max_steps,
-        _canonical(raw.get("fixed", {}), f"{path} [fixed]"),
-        _canonical(raw.get("grid", {}), f"{path} [grid]"),
-        _canonical(rnd, f"{path} [random]"),
-        raw.get("out"),
+        _relative_to(path, _canonical(raw.get("fixed", {}), f"{path} [fixed]")),
+        _relative_to(path, _canonical(raw.get("grid", {}), f"{path} [grid]")),
+        _relative_to(path, _canonical(rnd, f"{path} [random]")),
+        None if out is None else str(_beside(path, out)),
     )
+
+
+def _beside(spec: Path, name: str) -> Path:
+    """A path the spec names, relative to the spec file (as ``trace`` is)."""
+    return Path(name) if Path(name).is_absolute() else spec.parent / name
+
+
+def _relative_to(spec: Path, table: dict[str, Any]) -> dict[str, Any]:
+    """``hardware`` preset files (``*.json``; a GPU name stays) resolved beside the spec, in a
+    value, a grid's list or a random table's choices."""
+
+    def resolve(value: Any) -> Any:
+        if isinstance(value, str) and is_preset_file(value):
+            return str(_beside(spec, value))
+        return value
+
+    value = table.get("hardware")
+    if value is None:
+        return table
+    if isinstance(value, list):
+        value = [resolve(v) for v in value]
+    elif isinstance(value, dict) and isinstance(value.get("choices"), list):
+        value = {**value, "choices": [resolve(v) for v in value["choices"]]}
+    else:
+        value = resolve(value)
+    return {**table, "hardware": value}
 
 
 def _check_dist(dist: dict[str, Any], where: str) -> None:
