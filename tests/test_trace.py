@@ -324,3 +324,26 @@ GOOD = {
     "meta": {"max_response_tokens": 1000, "group_size": 2},
     "steps": [{"step": 0, "prompts": [{"id": "p0", "prompt_tokens": 10, "responses": [5, 7]}]}],
 }
+
+
+def test_default_output_names_keep_the_dots_of_a_trace_name(tmp_path, monkeypatch):
+    """results/replay-<trace stem>: the stem was cut at the first dot, so qwen2.5-7b.json and
+    qwen2.5-1.5b.json both wrote results/replay-qwen2."""
+    from tltsim.trace.files import trace_stem
+
+    cases = {"qwen2.5-7b.json.gz": "qwen2.5-7b", "exp.1.JSON": "exp.1", "a.b.csv": "a.b",
+             "run.parquet": "run", "noext": "noext", ".json": ".json"}  # fmt: skip
+    assert {name: trace_stem(Path(name)) for name in cases} == cases
+    shipped = Path(__file__).resolve().parents[1] / "traces" / "synth_reasoning_rl.json"
+    trace = load_trace(shipped)
+    short = dataclasses.replace(trace, steps=trace.steps[:1])
+    for name in ("exp.1.json", "exp.2.json"):
+        save_trace(short, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    for name in ("exp.1.json", "exp.2.json"):
+        argv = ["replay", name, "--preset", "h100x8-qwen7b", "--policy", "nospec"]
+        assert main([*argv, "--no-timeline-recorded"]) == 0
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == [
+        "replay-exp.1",
+        "replay-exp.2",
+    ]

@@ -19,6 +19,7 @@ from tltsim.cli.table import format_cell, format_table
 from tltsim.fidelity import compare
 from tltsim.fidelity.fit import load_dynamics
 from tltsim.policy import TLTConfig
+from tltsim.trace.files import trace_stem
 
 STEP_COLUMNS = {
     "policy": "policy",
@@ -84,11 +85,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     tlt = given_fields(TLTConfig, args, prefix="tlt-")
     drafter = load_dynamics(args.drafter_dynamics) if args.drafter_dynamics else None
     steps, ups, summary, config = compare.compare(args.traces, cfg, tlt, drafter)
-    out = (
-        Path(cfg.out)
-        if cfg.out
-        else Path("results") / f"compare-{args.traces[0].name.split('.')[0]}"
-    )
+    out = Path(cfg.out) if cfg.out else Path("results") / f"compare-{trace_stem(args.traces[0])}"
     plots = compare.write_outputs(check_out_dir(out), steps, ups, summary, config)
     print(format_report(steps, ups, summary))
     names = ["config.json", "steps.csv", "speedups.csv", "summary.json"] + [p.name for p in plots]

@@ -58,7 +58,7 @@ from tltsim.sim.replay import (
     simulate_policies,
     write_outputs,
 )
-from tltsim.trace.files import load_trace
+from tltsim.trace.files import load_trace, trace_stem
 from tltsim.trace.schema import Trace
 
 # Summary columns: result key -> printed title.
@@ -131,11 +131,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     if replay.max_steps is not None:
         trace = Trace(meta=trace.meta, steps=trace.steps[: replay.max_steps])
-    out = (
-        Path(replay.out)
-        if replay.out
-        else Path("results") / f"replay-{args.trace.name.split('.')[0]}"
-    )
+    out = Path(replay.out) if replay.out else Path("results") / f"replay-{trace_stem(args.trace)}"
     check_out_dir(out)
     names = policy_names(replay.policy)
     history = dataclass_from_args(

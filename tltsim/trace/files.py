@@ -33,6 +33,17 @@ def trace_suffix(path: Path) -> str:
     )
 
 
+def trace_stem(path: Path) -> str:
+    """``path``'s name without its format suffix: ``qwen2.5-7b.json.gz`` -> ``qwen2.5-7b`` (the
+    default output directories' names; the first dot cut it to ``qwen2``)."""
+    name = path.name
+    lower = name.lower()
+    for suffix in sorted(SUFFIXES, key=len, reverse=True):
+        if lower.endswith(suffix) and len(name) > len(suffix):
+            return name[: -len(suffix)]
+    return path.stem
+
+
 def _read_json(path: Path) -> Any:
     try:
         data = path.read_bytes()
