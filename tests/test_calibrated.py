@@ -284,6 +284,21 @@ def _write_profile(path: Path, rows: list[ProfileRow]) -> Path:
     return path
 
 
+def test_calibrate_refuses_to_overwrite_a_profiles_sidecar(tmp_path, capsys):
+    """``calibrate h100.csv --out h100.json`` replaced the profile's own sidecar with the
+    preset: the profile could not be read again. Refused before any fit (so without scipy)."""
+    profile = _write_profile(tmp_path / "h100.csv", _profile_rows(_cost(), noise=0.005))
+    sidecar = profile.with_suffix(".json")
+    before = sidecar.read_bytes()
+    other = tmp_path / "other.json"
+    other.write_bytes(before)  # another profile's sidecar (its CSV is elsewhere)
+    for out in (sidecar, other):
+        assert main(["calibrate", str(profile), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "sidecar of profile" in err and "\n" not in err
+    assert sidecar.read_bytes() == before == other.read_bytes()
+
+
 def test_calibrate_cli_writes_a_preset_that_replay_uses(tmp_path, capsys):
     pytest.importorskip("scipy")
     profile = _write_profile(tmp_path / "h100.csv", _profile_rows(_cost(), noise=0.005))

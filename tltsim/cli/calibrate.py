@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -24,7 +25,8 @@ from tltsim.cli.args import check_out_file
 from tltsim.cli.table import format_table
 from tltsim.cost.calibrate import BOUNDS, DEFAULT_FIT_FIELDS, fit_calibration
 from tltsim.cost.calibrated import CALIBRATIONS, CalibrationParams, save_hardware_preset
-from tltsim.cost.profile import Profile, load_profile
+from tltsim.cost.profile import FORMAT as PROFILE_FORMAT
+from tltsim.cost.profile import Profile, load_profile, sidecar_path
 from tltsim.cost.specs import HardwareSpec, ModelSpec
 from tltsim.errors import UsageError
 
@@ -110,6 +112,22 @@ def check_sidecar_agrees(
         )
 
 
+def _check_not_a_sidecar(out: Path, profile: Path) -> None:
+    """``--out h200.json`` beside ``h200.csv`` would replace the profile's own sidecar (its
+    hardware, software and model record) with the preset: the profile could not be read again."""
+    is_own = out.resolve() == sidecar_path(profile).resolve()
+    try:
+        is_other = json.loads(out.read_text(encoding="utf-8")).get("format") == PROFILE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        is_other = False
+    if is_own or is_other:
+        raise UsageError(
+            f"--out {out}: that is the sidecar of profile "
+            f"{profile if is_own else out.with_suffix('.csv')}, which it would overwrite; name "
+            f"another file (default {profile.stem}-hardware.json)"
+        )
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     # the profile-info resolution
     from tltsim.cli.fidelity import _hardware_spec, _model_spec, profile_tp
@@ -118,6 +136,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if out.suffix != ".json":  # replay --hardware-file reads .json preset files only
         raise UsageError(f"--out {out}: a hardware preset is a .json file")
     check_out_file(out)
+    _check_not_a_sidecar(out, args.profile)
     profile = load_profile(args.profile)
     model, hardware = _model_spec(args.model, profile), _hardware_spec(args.hardware, profile)
     if model is None or hardware is None:
