@@ -208,6 +208,17 @@ def test_sampler_edge_cases_and_seeding():
 # --- drafter dynamics ------------------------------------------------------------------------------
 
 
+def test_drafter_dynamics_refuse_a_learn_tokens_that_is_not_positive():
+    """NaN passed the check and failed mid-run (accept_rate nan after the first training)."""
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="learn_tokens must be > 0"):
+            DrafterDynamics(learn_tokens=bad)
+    never = DrafterDynamics(learn_tokens=math.inf)  # a drafter that never learns
+    assert (
+        never.after_training(never.initial_state(), 10**6).accept_rate == never.initial_accept_rate
+    )
+
+
 def test_frozen_drafter_decays_toward_stale_rate():
     dyn = DrafterDynamics()
     state, rates = dyn.initial_state(), []

@@ -136,8 +136,9 @@ def test_accept_band_and_seed_parsing(tmp_path: Path) -> None:
     assert band.low == scaled_dynamics(DRAFTER, 0.9)
     assert band.high.max_accept_rate == min(1.0, DRAFTER.max_accept_rate * 1.1)
     assert accept_band(DRAFTER, None) is None
-    with pytest.raises(ValueError, match="LOW <= 1 <= HIGH"):
-        accept_band(DRAFTER, "1.1,0.9")
+    for bad in ("1.1,0.9", "1,inf", "nan,1"):  # inf reached HistoryModel as rate_factor
+        with pytest.raises(ValueError, match="LOW <= 1 <= HIGH"):
+            accept_band(DRAFTER, bad)
     with pytest.raises(UsageError, match="needs --drafter-dynamics"):
         accept_band(DRAFTER, "fit")
     fit = tmp_path / "fit.json"

@@ -274,7 +274,7 @@ class DrafterDynamics:
             raise ValueError(
                 "DrafterDynamics: need stale_accept_rate <= max_accept_rate and initial_accept_rate <= max_accept_rate"
             )
-        if self.learn_tokens <= 0:
+        if not self.learn_tokens > 0:  # a NaN fails too (it failed mid-run: exp(-n / nan))
             raise ValueError(f"DrafterDynamics: learn_tokens must be > 0, got {self.learn_tokens}")
 
     def initial_state(self) -> DrafterState:

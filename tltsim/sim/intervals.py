@@ -215,8 +215,8 @@ def parse_range(spec: str) -> tuple[float, float]:
         raise ValueError(
             f"accept_rate_range: expected LOW,HIGH (e.g. 0.9,1.1) or 'fit', got {spec!r}"
         ) from None
-    if not 0 < low <= 1 <= high:
-        raise ValueError(f"accept_rate_range: need 0 < LOW <= 1 <= HIGH, got {spec!r}")
+    if not 0 < low <= 1 <= high < math.inf:
+        raise ValueError(f"accept_rate_range: need 0 < LOW <= 1 <= HIGH, finite, got {spec!r}")
     return low, high
 
 
