@@ -87,6 +87,11 @@ GOOD_ROW = "decode,1,128,1,0.01,0.009,0.011,5"
             "row 2: column 'tokens_per_seq': expected 1 for op decode",
         ),
         (",".join(COLUMNS) + "\n" + GOOD_ROW + "\n" + GOOD_ROW, "row 3: duplicate point"),
+        # blank lines count: the duplicate is the file's line 5 (it said row 3)
+        (
+            ",".join(COLUMNS) + "\n" + GOOD_ROW + "\n\n\n" + GOOD_ROW,
+            "row 5: duplicate point op=decode batch=1 context_tokens=128 tokens_per_seq=1 (first at row 2)",
+        ),
         # int() and float() take these: "1_0" read as batch 10, a typo as another point
         (
             ",".join(COLUMNS) + "\n" + "decode,1_0,128,1,0.01,0.009,0.011,5",

@@ -222,7 +222,7 @@ def write_profile(rows: Iterable[ProfileRow], path: str | Path, meta: Mapping[st
     rows = list(rows)
     for i, row in enumerate(rows, start=2):
         _check_row(row, str(path), i)
-    _check_duplicates(rows, str(path))
+    _check_duplicates(rows, str(path), list(range(2, len(rows) + 2)))
     path.parent.mkdir(parents=True, exist_ok=True)
     # Both files go to temporary names first and replace the old ones whole: `tltrun profile`
     # rewrites its profile after every round, and a kill mid-write must not leave a torn CSV.
@@ -281,7 +281,7 @@ def load_profile(path: str | Path) -> Profile:
     if repeated:  # else the first is read and the other silently ignored
         raise ProfileError(f"{source}: row 1 (header): column '{repeated[0]}' appears twice")
     col = {name: header.index(name) for name in COLUMNS}
-    rows = []
+    rows, line_nos = [], []
     for line_no, cells in enumerate(reader, start=2):
         if not cells or all(not c.strip() for c in cells):
             continue  # a blank line carries no point
@@ -292,11 +292,12 @@ def load_profile(path: str | Path) -> Profile:
         row = _parse_row({name: cells[i].strip() for name, i in col.items()}, source, line_no)
         _check_row(row, source, line_no)
         rows.append(row)
+        line_nos.append(line_no)
     if not rows:
         raise ProfileError(
             f"{source}: no measured rows after the header (expected one row per measured point)"
         )
-    _check_duplicates(rows, source)
+    _check_duplicates(rows, source, line_nos)
     return Profile(rows=tuple(rows), meta=_load_meta(path), source=source)
 
 
@@ -387,9 +388,11 @@ def _check_row(r: ProfileRow, source: str, line_no: int) -> None:
         )
 
 
-def _check_duplicates(rows: list[ProfileRow], source: str) -> None:
+def _check_duplicates(rows: list[ProfileRow], source: str, line_nos: list[int]) -> None:
+    """Each point once; an error names both rows by their line in the file (blank lines,
+    skipped, count)."""
     seen: dict[tuple, int] = {}
-    for i, r in enumerate(rows, start=2):
+    for i, r in zip(line_nos, rows, strict=True):
         # sd_switch's table is keyed by batch and context (its tokens_per_seq only restates
         # context / batch, rounded either way): two rows there would silently be one
         key = r.key[:3] if r.op == "sd_switch" else r.key
