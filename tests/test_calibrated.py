@@ -413,6 +413,17 @@ def test_a_saved_preset_round_trips(tmp_path):
     cost = preset_cost("Qwen2.5-7B", str(path), tp=1)
     assert cost.params == TRUE and cost.hardware == hw
     assert cost.decode_iter_s(8, 8000.0) == _cost().decode_iter_s(8, 8000.0)
+    # a field of the wrong type is one line naming the file and field (a string failed with
+    # "'>=' not supported ...", true was read as 1.0)
+    doc = json.loads(path.read_text())
+    for section, name, value in (("calibration", "step_overhead_s", "0.001"),
+                                 ("calibration", "bandwidth_fraction", True),
+                                 ("hardware", "hbm_bytes_per_s", "4.8e12")):  # fmt: skip
+        path.write_text(json.dumps({**doc, section: {**doc[section], name: value}}))
+        with pytest.raises(CalibrationError) as err:
+            preset_cost("Qwen2.5-7B", str(path), tp=1)
+        message = str(err.value)
+        assert f"hw.json: field '{section}': {name}: expected a number" in message, message
 
 
 def test_advise_on_the_shipped_trace(tmp_path, capsys):

@@ -45,6 +45,7 @@ from tltsim.cost.roofline import (
 )
 from tltsim.cost.specs import HardwareSpec, ModelSpec, get_hardware, get_model
 from tltsim.errors import UsageError
+from tltsim.jsonio import typed_fields
 
 PRESET_FORMAT = "tlt-hardware"
 PRESET_VERSION = 1
@@ -321,9 +322,15 @@ def load_hardware_preset(path: str | Path) -> tuple[HardwareSpec, CalibrationPar
             raise CalibrationError(
                 f"{path}: field '{key}': expected an object of {cls.__name__} fields"
             )
-    try:
-        hardware = HardwareSpec(**doc["hardware"])
-        params = CalibrationParams(**doc["calibration"])
+    try:  # each field's type first ("0.001", true: the dataclasses took them or failed oddly)
+        hardware = HardwareSpec(
+            **typed_fields(HardwareSpec, doc["hardware"], f"{path}: field 'hardware'")
+        )
+        params = CalibrationParams(
+            **typed_fields(CalibrationParams, doc["calibration"], f"{path}: field 'calibration'")
+        )
+    except UsageError as err:
+        raise CalibrationError(str(err)) from None
     except (TypeError, ValueError) as err:
         raise CalibrationError(f"{path}: {err}") from None
     return hardware, params
