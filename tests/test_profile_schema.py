@@ -241,3 +241,21 @@ def test_profile_info_prints_the_provenance_one_field_per_line(tmp_path: Path, c
     config_lines = head[head.index(next(h for h in head if h.startswith("  config: "))) :][:6]
     words = " ".join(" ".join(config_lines).split())  # a value may wrap inside its list
     assert "setting_10=[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], setting_11=[0, 1, 2, 3," in words
+
+
+def test_a_profile_of_another_model_is_said_once() -> None:
+    """replay --profile of the 1.5B profile under a 7B preset priced every op with the 1.5B's
+    times and recorded the 7B, without a word; now one warning names the shapes."""
+    import warnings
+
+    from tltsim.cost.measured import ProfileModelWarning, with_profile
+
+    shipped = Path(__file__).resolve().parents[1] / "profiles" / "h200_qwen2.5-1.5b_random.csv"
+    hw = get_hardware("H200")
+    with pytest.warns(ProfileModelWarning, match="hidden_size 1536 vs 3584"):
+        with_profile(shipped, RooflineCost(get_model("Qwen2.5-7B"), hw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ProfileModelWarning)
+        assert isinstance(
+            with_profile(shipped, RooflineCost(get_model("Qwen2.5-1.5B"), hw)), ProfileCost
+        )

@@ -52,6 +52,7 @@ contributes an arithmetic series.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Iterable
@@ -71,6 +72,7 @@ from tltsim.cost.profile import (
 )
 from tltsim.cost.profile_tables import AXES, ENVELOPE_FIXED, profile_tables
 from tltsim.cost.roofline import CostModel, crossover_batch, default_sd_iter_s
+from tltsim.cost.specs import MODEL_PRESETS, ModelSpec
 from tltsim.errors import UsageError
 from tltsim.policy import SpecDecision
 
@@ -323,7 +325,7 @@ class ProfileCost:
 
 def with_profile(path: Path | None, roofline: CostModel) -> CostModel:
     """``roofline`` when ``path`` is None, else a ``ProfileCost`` of the profile at ``path``
-    that falls back to ``roofline`` for the ops it lacks (``--profile`` of replay and sweep)."""
+    that falls back to ``roofline`` for the ops it lacks (replay's ``--profile``)."""
     if path is None:
         return roofline
     profile = load_profile(path)
@@ -332,7 +334,40 @@ def with_profile(path: Path | None, roofline: CostModel) -> CostModel:
         raise UsageError(
             f"{path}: measured with tp={profile.meta.get('tp')}, but the simulation runs tp={tp} (one profile describes one engine instance)"
         )
+    _warn_if_other_model(profile, getattr(roofline, "model", None))
     return ProfileCost(profile, fallback=roofline)
+
+
+class ProfileModelWarning(UserWarning):
+    """A profile measured a model of other shapes than the one simulated."""
+
+
+def _warn_if_other_model(profile: Profile, simulated: ModelSpec | None) -> None:
+    """A profile of another model prices every measured op with that model's times while the
+    results name the simulated one: said once (a deliberate what-if is allowed)."""
+    recorded = profile.meta.get("model")
+    try:
+        if isinstance(recorded, dict):
+            measured = ModelSpec.from_hf_config(recorded, name=simulated.name if simulated else "")
+        elif isinstance(recorded, str) and recorded in MODEL_PRESETS:
+            measured = MODEL_PRESETS[recorded]
+        else:
+            return
+    except ValueError:
+        return  # profile-info and calibrate name a bad sidecar model; the times still stand
+    if simulated is None or dataclasses.replace(measured, name=simulated.name) == simulated:
+        return
+    shapes = [
+        f"{f.name} {getattr(measured, f.name)} vs {getattr(simulated, f.name)}"
+        for f in dataclasses.fields(ModelSpec)
+        if f.name != "name" and getattr(measured, f.name) != getattr(simulated, f.name)
+    ]
+    warnings.warn(
+        f"profile {profile.source} measured another model than the simulated {simulated.name} "
+        f"({'; '.join(shapes[:3])}): its measured times are used as they are",
+        ProfileModelWarning,
+        stacklevel=3,
+    )
 
 
 def _check_batch(batch: int, tokens_per_seq: int) -> None:
