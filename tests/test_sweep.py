@@ -149,6 +149,7 @@ def test_parallel_workers_give_the_same_table(tmp_path: Path) -> None:
             'trace = "x.json"\nseeds = [0]\n[random]\nnum_points = 2\n"spot.max_trainers" = {choices = [2, "all"]}',
             'spot.max_trainers: expected an integer, got "all"',
         ),
+        ('trace = "x.json"\nseeds = [0, 1, 0]', "'seeds' repeats a seed"),
     ],
 )
 def test_bad_specs_name_the_problem(tmp_path: Path, text: str, message: str) -> None:

@@ -111,6 +111,8 @@ def load_spec(path: Path) -> SweepSpec:
         or not all(type(s) is int and 0 <= s <= MAX_SEED for s in seeds)
     ):
         raise UsageError(f"{path}: 'seeds' must be a non-empty list of integers in [0, 2^63 - 1]")
+    if len(set(seeds)) < len(seeds):  # a repeat is the same simulation, counted twice
+        raise UsageError(f"{path}: 'seeds' repeats a seed: {seeds}")
     for name in ("fixed", "grid", "random"):
         if not isinstance(raw.get(name, {}), dict):
             raise UsageError(f"{path}: [{name}] must be a table")
