@@ -239,6 +239,28 @@ def test_the_train_op_updates_fp32_master_weights_and_syncs_them(monkeypatch):
     assert synced == [target]  # the weight sync into the rollout model, timed with it
 
 
+def test_the_train_op_runs_the_updates_of_the_run_to_predict(monkeypatch):
+    """--kl-coef 0 runs no reference forward and --num-epochs N that many passes, as tltrun
+    train does (the profile timed GRPOConfig's defaults whatever the run)."""
+    from tltrun.profile import train_ops
+    from tltrun.train import grpo
+
+    seen = []
+    real = grpo.grpo_update
+
+    def spy(actor, ref, optimizer, samples, gcfg, *args, **kwargs):
+        seen.append((ref, gcfg.kl_coef, gcfg.num_epochs))
+        return real(actor, ref, optimizer, samples, gcfg, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "grpo_update", spy)
+    fields = dict(model="m", out="p.csv", train_batches=(1, 2), train_tokens_per_seq=(8, 9))
+    cfg = ProfileRunConfig(**fields, kl_coef=0.0, num_epochs=2)
+    train_ops.train_series(cfg, tiny_model(seed=0), None, torch.Generator().manual_seed(0))[0].fn()
+    assert seen == [(None, 0.0, 2)]
+    with pytest.raises(ValueError, match="num_epochs >= 1"):
+        ProfileRunConfig(**fields, num_epochs=0)
+
+
 def test_measure_times_after_warmup_and_resets():
     calls, resets = [], []
     samples = Measure(2, 3, "median").samples(lambda: calls.append(1), lambda: resets.append(1))

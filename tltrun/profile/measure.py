@@ -177,6 +177,16 @@ class ProfileRunConfig:
     max_prefill_tokens: int = field(
         default=4096, metadata={"help": "--max-prefill-tokens of the run to predict"}
     )
+    # the train op runs tltrun train's update: with a KL term its frozen reference forward
+    # (none at 0, as DAPO-style runs), once per epoch its forward and backward
+    # (tltrun.train.grpo.GRPOConfig's defaults: DeepSeekMath's beta 0.04, mu = 1)
+    kl_coef: float = field(
+        default=0.04,
+        metadata={"help": "--kl-coef of the run to predict (0: no reference forward is timed)"},
+    )
+    num_epochs: int = field(
+        default=1, metadata={"help": "--num-epochs of the run to predict (train op updates)"}
+    )
     vllm_kv_cache_bytes: int = field(
         default=1 << 30, metadata={"help": "vllm only: KV cache bytes of the profiling engine"}
     )
@@ -230,6 +240,11 @@ class ProfileRunConfig:
             raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}")
         if not self.temperature >= 0 or self.max_prefill_tokens < 1:
             raise ValueError("temperature >= 0 and max_prefill_tokens >= 1 required")
+        if not 0 <= self.kl_coef < float("inf") or self.num_epochs < 1:
+            raise ValueError(
+                f"finite kl_coef >= 0 and num_epochs >= 1 required, got {self.kl_coef}, "
+                f"{self.num_epochs}"
+            )
 
     @property
     def decisions(self) -> list[SpecDecision]:

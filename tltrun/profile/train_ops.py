@@ -15,10 +15,11 @@ from tltrun.profile.timing import Series
 
 
 def train_series(cfg, target, drafter, gen) -> list[Series]:
-    """``train``: one GRPO actor update (tltrun.train.grpo, as ``tltrun train`` runs it: KL reference
-    model included) of ``batch`` sequences, on a copy of the target. ``drafter_train``:
-    ``make_batch`` + ``drafter_train_step`` (a spot trainer's update), on a copy of the drafter.
-    Keys: (op, batch, tokens per sequence)."""
+    """``train``: one GRPO actor update (tltrun.train.grpo, as ``tltrun train`` runs it: the KL
+    reference model's forward when ``cfg.kl_coef`` > 0, ``cfg.num_epochs`` passes) of ``batch``
+    sequences, on a copy of the target. ``drafter_train``: ``make_batch`` +
+    ``drafter_train_step`` (a spot trainer's update), on a copy of the drafter. Keys: (op,
+    batch, tokens per sequence)."""
     from tltrun.rollout.slot_state import load_in_place
     from tltrun.train.grpo import GRPOConfig, Sample, autocast_dtype_for, grpo_update
     from tltrun.train.grpo import make_optimizer as actor_optimizer
@@ -28,8 +29,9 @@ def train_series(cfg, target, drafter, gen) -> list[Series]:
     # on a CPU), the frozen KL reference in the compute dtype
     autocast = autocast_dtype_for(cfg.dtype, cfg.device)
     actor = copy.deepcopy(target).float().train()
-    ref = copy.deepcopy(target).to(autocast or torch.float32).eval()
-    gcfg = GRPOConfig()
+    # as tltrun.train.worker: a reference model only with a KL term
+    ref = copy.deepcopy(target).to(autocast or torch.float32).eval() if cfg.kl_coef > 0 else None
+    gcfg = GRPOConfig(kl_coef=cfg.kl_coef, num_epochs=cfg.num_epochs)
     optimizer = actor_optimizer(actor, gcfg)
     vocab = target.config.vocab_size
     series = []
