@@ -344,6 +344,11 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
             cli_words("generate --model M --prompts P --out y --instance -1"),
             "instance must be >= 0",
         ),
+        # only the static policy takes a strategy (bench ignored it beside others)
+        (
+            cli_words("bench --trace T --model M --out y --policy nospec,tlt --strategy 4_1_4"),
+            "only --policy static takes a strategy",
+        ),
         # the engine's error comes while bench's progress bar is drawn: still one line
         (
             cli_words("bench --trace T --model M --out y --policy nospec --eos-token-ids=-1"),
@@ -426,6 +431,12 @@ def test_bench_runs_tltbase_without_an_eagle_drafter(dirs, capsys):
     capsys.readouterr()
     assert main([*argv, "--policy", "nospec,tlt"]) == 2  # EAGLE policies still need one
     assert "need --drafter" in capsys.readouterr().err
+    # a static history strategy drafts from the history too (it was refused: no --drafter)
+    static = ["--policy", "static", "--strategy", "history:6_1_6", "--out", str(out) + "_static"]
+    assert main([*argv, *static]) == 0, capsys.readouterr().err
+    replay = load_trace(out.parent / "bench_tltbase_static" / "trace_torch_static.json")
+    assert replay.steps[0].response_lengths() == [12, 3, 20, 9, 9]
+    assert list(replay.steps[0].measured.accept_hist_by_strategy) == ["history:6_1_6"]
 
 
 def test_the_command_pins_the_hash_seed_unless_the_user_set_one():
@@ -452,3 +463,14 @@ def test_the_command_pins_the_hash_seed_unless_the_user_set_one():
     assert [s[0] for s in first] == ["None", "0"] and [s[0] for s in second] == ["random", "0"]
     assert first[1] == second[1]
     assert seeds(PYTHONHASHSEED="7") == [["7", seeds(PYTHONHASHSEED="7")[0][1]]]
+
+
+@pytest.mark.parametrize("command", ["generate --model M --prompts P", "bench --trace T --model M"])
+def test_harvesting_is_not_a_flag_of_generate_or_bench(command, capsys):
+    """The engine keeps each response's hidden states for tltrun train's spot trainers; under
+    generate and bench nothing took them, so --harvesting only filled the memory."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*cli_words(command), "--out", "y", "--harvesting"])
+    assert (
+        exit_.value.code == 2 and "unrecognized arguments: --harvesting" in capsys.readouterr().err
+    )

@@ -19,8 +19,10 @@ from tltrun.rollout.interface import SamplingParams
 from tltsim.cli.args import add_dataclass_args, dataclass_from_args
 from tltsim.errors import UsageError
 
-# cuda_graphs is set by --eager (below): a user turns capture off, never on where it cannot run
-ENGINE_SKIP = ("sampling", "cuda_graphs")
+# cuda_graphs is set by --eager (below): a user turns capture off, never on where it cannot run;
+# is_harvesting keeps each response's hidden states for tltrun train's spot trainers (generate
+# and bench would only pile them up in memory)
+ENGINE_SKIP = ("sampling", "cuda_graphs", "is_harvesting")
 # The most requests `generate` and `bench` decode together when --max-running-requests is not
 # given: vLLM's own default max_num_seqs (as tltrun.rollout.vllm_backend.VLLMBackendConfig).
 DEFAULT_MAX_RUNNING_REQUESTS = 256

@@ -81,6 +81,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         trace = load_bench_trace(cfg)
     else:
         cfg = dataclass_from_args(BenchConfig, args)
+        # (it was ignored; a run recorded before strategy became optional resumes as it was)
+        if cfg.strategy is not None and "static" not in cfg.policy:
+            raise UsageError(
+                f"--strategy {cfg.strategy}: only --policy static takes a strategy; "
+                f"--policy {','.join(cfg.policy)} choose their own"
+            )
         out = check_out_dir(cfg.out)
         trace = load_bench_trace(cfg)
         steps = select_steps(trace, cfg, max_model_len=None)

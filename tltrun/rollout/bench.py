@@ -38,12 +38,13 @@ from typing import Any
 from tqdm import tqdm
 
 from tltsim.errors import UsageError
-from tltsim.policy import DEFAULT_POLICY_NAMES, POLICY_NAMES, make_policy
+from tltsim.policy import DEFAULT_POLICY_NAMES, POLICY_NAMES, SpecDecision, make_policy
 from tltsim.trace.schema import Prompt, Response, Step, Trace, TraceError
 
 BACKENDS = ("torch", "vllm")
 # Policies that need no EAGLE drafter: the baseline and TLT-Base (history drafter only).
 MODEL_FREE_POLICIES = ("nospec", "tltbase")
+STATIC_STRATEGY = "8_4_32"  # tltsim.policy.StaticSpec's default (8 draft steps, top-4, 32 nodes)
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,14 @@ class BenchConfig:
         default=("torch",),
         metadata={"help": "backends among " + ", ".join(BACKENDS) + " (vllm: the vllm extra)"},
     )
-    # tltsim StaticSpec's default
-    strategy: str = field(
-        default="8_4_32",
-        metadata={"help": "the static policy's strategy DRAFTSTEPS_TOPK_VERIFYTOKENS"},
+    # unset: tltsim StaticSpec's default (STATIC_STRATEGY); refused beside policies that choose
+    # their own (it was ignored there)
+    strategy: str | None = field(
+        default=None,
+        metadata={
+            "help": f"the static policy's strategy [DRAFTER:]DRAFTSTEPS_TOPK_VERIFYTOKENS "
+            f"(default {STATIC_STRATEGY})"
+        },
     )
     steps: tuple[int, ...] = field(
         default=(), metadata={"help": "trace step indices to replay (default: all)"}
@@ -102,9 +107,20 @@ class BenchConfig:
             raise ValueError(f"--length-scale must be > 0, got {self.length_scale}")
         if "static" in self.policy:  # the static policy's strategy, before any engine starts
             try:
-                make_policy("static", strategy=self.strategy)
+                make_policy("static", strategy=self.static_strategy)
             except ValueError as err:
                 raise ValueError(f"--strategy: {err}") from None
+
+    @property
+    def static_strategy(self) -> str:
+        return self.strategy or STATIC_STRATEGY
+
+    def uses_eagle(self, policy: str) -> bool:
+        """Whether ``policy`` drafts with the EAGLE drafter (a static history strategy does
+        not: it needs no --drafter)."""
+        if policy == "static":
+            return SpecDecision.parse(self.static_strategy).drafter == "eagle"
+        return policy not in MODEL_FREE_POLICIES
 
 
 def scale_step(step: Step, scale: float) -> Step:
@@ -205,7 +221,7 @@ def run_bench(
     steps = select_steps(trace, cfg, engine_cfg.max_model_len)
     target = load_hf(cfg.model, dtype=DTYPES[engine_cfg.dtype_name], device=engine_cfg.device)
     drafter = load_drafter(cfg.drafter, target) if cfg.drafter else None
-    if drafter is None and any(p not in MODEL_FREE_POLICIES for p in cfg.policy):
+    if drafter is None and any(cfg.uses_eagle(p) for p in cfg.policy):
         raise UsageError(
             f"--policy {','.join(cfg.policy)}: policies drafting with EAGLE need --drafter"
         )
@@ -225,7 +241,7 @@ def run_bench(
         if row in done:
             results[row] = {**_totals(done[row]), "is_resumed": True}
             continue
-        settings = {"strategy": cfg.strategy} if name == "static" else {}
+        settings = {"strategy": cfg.static_strategy} if name == "static" else {}
         policy = make_policy(name, seed=engine_cfg.seed, **settings)
         engine = _make_backend(backend, name, cfg, engine_cfg, target, drafter)
         measured = []
@@ -271,7 +287,7 @@ def _make_backend(backend: str, policy: str, cfg: BenchConfig, engine_cfg, targe
     from tltrun.rollout.engine import RolloutEngine
 
     if backend == "torch":
-        uses_eagle = policy not in MODEL_FREE_POLICIES
+        uses_eagle = cfg.uses_eagle(policy)
         try:  # settings the engine checks against the model (EOS ids in its vocabulary)
             return RolloutEngine(target, drafter if uses_eagle else None, engine_cfg)
         except ValueError as err:
@@ -293,11 +309,11 @@ def _make_backend(backend: str, policy: str, cfg: BenchConfig, engine_cfg, targe
         dtype=engine_cfg.dtype_name,
         seed=engine_cfg.seed,
         # tltbase drafts from the history: vLLM's ngram prompt lookup (README: what it loses)
-        drafter="history" if policy == "tltbase" else "eagle",
+        drafter="history" if policy != "nospec" and not cfg.uses_eagle(policy) else "eagle",
         ngram_min=engine_cfg.ngram_min,
         ngram_max=engine_cfg.ngram_max,
     )
-    drafter_dir = cfg.drafter if policy not in MODEL_FREE_POLICIES else None
+    drafter_dir = cfg.drafter if cfg.uses_eagle(policy) else None
     return VLLMBackend(cfg.model, drafter_dir, vcfg, sampling=engine_cfg.sampling)
 
 
