@@ -144,6 +144,9 @@ def test_bad_requests_and_missing_drafter_are_one_line_errors():
         eng.generate([Request("a", (5,) * 90, 10)], NoSpec())
     with pytest.raises(ValueError, match="duplicate request id"):
         eng.generate([Request("a", (5,), 1), Request("a", (6,), 1)], NoSpec())
+    # a list prompt failed in the shared prefill (unhashable), after validation
+    with pytest.raises(ValueError, match="prompt_token_ids must be a tuple of ints, got list"):
+        eng.generate([Request("a", [5, 6], 1)], NoSpec())  # type: ignore[arg-type]
     # what the policy can decide is checked when the rollout starts, before any response
     with pytest.raises(ValueError, match="drafts with the EAGLE drafter .strategy 2_1_2. but"):
         eng.start_rollout([Request("a", (5,), 3)], StaticSpec(2, 1, 2))

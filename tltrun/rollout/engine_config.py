@@ -259,6 +259,11 @@ class EngineConfig:
             if r.id in seen:
                 raise ValueError(f"{where}: duplicate request id")
             seen.add(r.id)
+            if not isinstance(r.prompt_token_ids, tuple):  # a list failed in prefill: unhashable
+                raise ValueError(
+                    f"{where}: prompt_token_ids must be a tuple of ints, got "
+                    f"{type(r.prompt_token_ids).__name__}"
+                )
             if not r.prompt_token_ids:
                 raise ValueError(f"{where}: empty prompt")
             if r.max_new_tokens < 1:
