@@ -253,6 +253,7 @@ def bench_engine(cfg: BenchConfig, device="cuda", dtype="bfloat16", model_overri
             max_model_len=PROMPT_TOKENS + cfg.engine_max_new_tokens,
             sampling=SamplingParams(temperature=1.0), seed=cfg.seed, device=device, dtype=dtype,
             attn_impl=attn_impl, verify_impl=verify_impl,
+            cuda_graphs=False,  # every row eager: the pool captures sdpa rows, not Triton's
         )  # fmt: skip
         engine = RolloutEngine(model, drafter, engine_cfg)
         policy = StaticSpec(draft_steps=8, topk=1, verify_tokens=8)  # a chain of k = 8

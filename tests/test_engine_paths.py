@@ -93,6 +93,13 @@ def test_defaults_are_device_dependent_and_eager_off_cpu():
     eng = engine(cuda_graphs=True)
     eng.generate(make_requests(2, seed=1), NoSpec())
     assert eng.graphs is not None and eng.graphs.pool is None  # CPU: nothing captured
+    # the pool captures the sdpa and flex paths: under the kernels' (ref, triton) the engine
+    # is eager, and says so (it was silently eager with graphs asked for)
+    assert not EngineConfig(
+        max_running_requests=2, max_model_len=8, attn_impl="ref"
+    ).is_using_graphs
+    with pytest.raises(ValueError, match="attn_impl triton runs eagerly"):
+        EngineConfig(max_running_requests=2, max_model_len=8, attn_impl="triton", cuda_graphs=True)
 
 
 @pytest.mark.parametrize("is_compiled", [False, pytest.param(True, marks=pytest.mark.slow)])

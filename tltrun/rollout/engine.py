@@ -243,8 +243,6 @@ class RolloutEngine:
         (captured on CUDA). Called between rollouts only: capture writes scratch KV entries
         into free slots."""
         cfg = self.config
-        if cfg.attention not in ("sdpa", "flex"):  # the kernels' paths stay eager
-            return
         sizes, is_drafting = cfg.graph_batch_sizes or None, self.drafter is not None
         plan = CapturePlan.union(
             [capture_plan(p, cfg.max_running_requests, sizes, is_drafting) for p in policies]

@@ -27,6 +27,11 @@ DTYPES = {
 VERIFY_IMPLS = ("ref", "triton")
 
 
+# The attention paths the CUDA-graph pool captures (the Triton kernels' and the reference's
+# stay eager: EngineConfig.is_using_graphs is False under them).
+GRAPH_ATTN_IMPLS = ("sdpa", "flex")
+
+
 def default_attn_impl(device: str) -> str:
     """``EngineConfig.attn_impl`` when none is given: flex_attention by per-sequence length on
     CUDA (no padding work), the dense SDPA reference elsewhere (eager flex is a dense reference
@@ -201,6 +206,12 @@ class EngineConfig:
             raise ValueError(f"seed must be in [0, 2^63), got {self.seed}")
         if self.attn_impl is not None and self.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl {self.attn_impl!r}: expected one of {ATTN_IMPLS}")
+        if self.cuda_graphs and self.attention not in GRAPH_ATTN_IMPLS:  # (it ran eagerly, unsaid)
+            raise ValueError(
+                f"cuda_graphs: the graph pool captures the {' and '.join(GRAPH_ATTN_IMPLS)} "
+                f"attention paths; attn_impl {self.attention} runs eagerly (leave cuda_graphs "
+                "unset, or --eager)"
+            )
         if self.verify_impl not in VERIFY_IMPLS:
             raise ValueError(f"verify_impl {self.verify_impl!r}: expected one of {VERIFY_IMPLS}")
         sizes = self.graph_batch_sizes
@@ -237,6 +248,8 @@ class EngineConfig:
     @property
     def is_using_graphs(self) -> bool:
         """Whether decode and verify forwards go through the graph pool (captured on CUDA)."""
+        if self.attention not in GRAPH_ATTN_IMPLS:  # the kernels' paths stay eager
+            return False
         return self.is_cuda if self.cuda_graphs is None else self.cuda_graphs
 
     def history_config(self) -> HistoryConfig:
