@@ -162,7 +162,7 @@ class _RecordingCost:
         self.inner = roofline()
         self.is_context_padded = is_context_padded
         self.decode_contexts: list[float] = []
-        self.prefills: list[tuple[int, int]] = []
+        self.prefills: list[tuple[int, float]] = []
 
     def decode_iter_s(self, batch, context_tokens, tokens_per_seq=1):
         self.decode_contexts.append(context_tokens)
@@ -191,7 +191,9 @@ def test_padded_engines_are_costed_at_the_longest_context(exact: bool, is_padded
     cost = _RecordingCost(is_padded)
     cfg = SimConfig(num_gpus=1, max_running_requests=2, exact=exact)
     simulate(trace, cfg, cost, NoSpec(), None, None)
-    assert cost.prefills[0] == (200 if is_padded else 110, 2)  # then the metrics' own calls
+    # then the metrics' own calls; a paged engine's uneven prompts are priced as 110^2 /
+    # (10^2 + 100^2) equal ones (their attention pairs), a padded one's as two of 100
+    assert cost.prefills[0] == ((200, 2) if is_padded else (110, pytest.approx(12100 / 10100)))
     assert cost.decode_contexts[0] == (2 * 101 if is_padded else 11 + 101)
     # the last call: the long request alone (context 100 + 5 + ... in both cases)
     # padded: the batch grows 2 tokens per iteration, as the summed context does
@@ -200,6 +202,22 @@ def test_padded_engines_are_costed_at_the_longest_context(exact: bool, is_padded
         assert first == [cost.decode_contexts[0] + 2 * i for i in range(4)]
     # the short response is done after 4 iterations: the long one alone, at 100 + 5 tokens
     assert cost.decode_contexts[4 if exact else 1] == 105
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_short_request_beside_a_long_prompt_never_shortens_its_rollout(exact: bool) -> None:
+    """A 16k-token prompt with one response token, then with a 1-token request beside it: the
+    prefill priced the pair's attention as two 8k prompts (half the pairs), so the rollout
+    with more work was shorter, and below the ideal bound (found by a read-only hunt)."""
+    from tltsim.cost.calibrated import preset_cost
+
+    cost = preset_cost("Qwen2.5-7B", "H100-SXM")
+    alone = make_trace([[[1]]], [[16_000]])
+    both = make_trace([[[1], [1]]], [[16_000, 1]])
+    cfg = SimConfig(num_gpus=1, max_running_requests=8, exact=exact)
+    one, two = (simulate(t, cfg, cost, NoSpec(), None, None).steps[0] for t in (alone, both))
+    assert two.rollout_s >= one.rollout_s
+    assert two.rollout_s >= two.ideal_rollout_s and one.rollout_s >= one.ideal_rollout_s
 
 
 def _prefill_s(result) -> float:

@@ -259,7 +259,7 @@ class CalibratedCost(RooflineCost):
         return integral + (f(0) + f(last)) / 2 + num_iters * fixed
 
     def _prefill_pass_s(
-        self, p: _Pass, num_tokens: int, context_tokens: float, num_seqs: int
+        self, p: _Pass, num_tokens: int, context_tokens: float, num_seqs: float
     ) -> float:
         """Chunked prefill: each chunk a forward of its tokens (the roofline's accounting,
         priced with the calibrated curves)."""

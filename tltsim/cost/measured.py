@@ -254,7 +254,7 @@ class ProfileCost:
         )
         return decision.draft_steps * draft + verify
 
-    def prefill_s(self, num_tokens: int, context_tokens: float = 0.0, num_seqs: int = 1) -> float:
+    def prefill_s(self, num_tokens: int, context_tokens: float = 0.0, num_seqs: float = 1) -> float:
         if num_tokens <= 0:
             return 0.0
         if not self._has("prefill"):

@@ -49,9 +49,11 @@ class CostModel(Protocol):
         iteration. Lets the simulator advance analytically between batch-composition changes."""
         ...
 
-    def prefill_s(self, num_tokens: int, context_tokens: float = 0.0, num_seqs: int = 1) -> float:
+    def prefill_s(self, num_tokens: int, context_tokens: float = 0.0, num_seqs: float = 1) -> float:
         """Prefill ``num_tokens`` new tokens (summed over ``num_seqs`` requests, split evenly)
-        on top of ``context_tokens`` cached tokens (summed likewise)."""
+        on top of ``context_tokens`` cached tokens (summed likewise). ``num_seqs`` may be
+        fractional: the simulator prices prompts of unequal lengths as N^2 / sum(n_i^2) equal
+        ones, which attend over the same pairs (``tltsim.sim.instance.attention_seqs``)."""
         ...
 
     def drafter_iter_s(self, batch: int, context_tokens: float, tokens_per_seq: int = 1) -> float:
@@ -334,7 +336,7 @@ class RooflineCost:
         return sum_max_linear(a0, a1, b0, b1, num_iters) + num_iters * fixed
 
     def _prefill_pass_s(
-        self, p: _Pass, num_tokens: int, context_tokens: float, num_seqs: int
+        self, p: _Pass, num_tokens: int, context_tokens: float, num_seqs: float
     ) -> float:
         if num_tokens <= 0:
             return 0.0
@@ -361,7 +363,7 @@ class RooflineCost:
     def decode_span_s(self, batch: int, context_tokens: float, num_iters: int) -> float:
         return self._span_s(self._target, batch, 1, context_tokens, float(batch), num_iters)
 
-    def prefill_s(self, num_tokens: int, context_tokens: float = 0.0, num_seqs: int = 1) -> float:
+    def prefill_s(self, num_tokens: int, context_tokens: float = 0.0, num_seqs: float = 1) -> float:
         return self._prefill_pass_s(self._target, num_tokens, context_tokens, num_seqs)
 
     def drafter_iter_s(self, batch: int, context_tokens: float, tokens_per_seq: int = 1) -> float:

@@ -63,6 +63,16 @@ from tltsim.sim.step_history import StepHistory
 CATCHUP_PAIRS = 64
 
 
+def attention_seqs(lengths: np.ndarray) -> float:
+    """The sequences a prefill of prompts of ``lengths`` is priced as. Cost models price a
+    batch's attention as N tokens split evenly over S sequences (N(N/S + 1)/2 pairs), exact for
+    equal lengths; uneven ones attend over sum(n_i(n_i + 1)/2) pairs, up to S times more, so a
+    long prompt got cheaper when a short one joined it (and its rollout fell below the ideal
+    bound). N^2 / sum(n_i^2) sequences (in [1, S], S for equal lengths) give the exact pairs."""
+    n = lengths.astype(np.float64)
+    return float(n.sum() ** 2 / float((n * n).sum()))
+
+
 class InstanceRollout:
     """State of one instance during one rollout; ``process()`` is its SimPy process."""
 
@@ -185,7 +195,7 @@ class InstanceRollout:
             p = prompts[lead]
             # a padded engine prefills every prompt at the longest one's length
             num = p.size * int(p.max()) if padded else int(p.sum())
-            dt += cost.prefill_s(num, 0.0, int(p.size))
+            dt += cost.prefill_s(num, 0.0, int(p.size) if padded else attention_seqs(p))
         if not lead.all():
             have, new = cached[~lead], prompts[~lead] - cached[~lead]
             ctx = have.size * int(have.max()) if padded else int(have.sum())
@@ -193,7 +203,8 @@ class InstanceRollout:
                 dt += cost.decode_iter_s(int(have.size), float(ctx), 1)
             else:
                 num = new.size * int(new.max()) if padded else int(new.sum())
-                dt += cost.prefill_s(num, float(ctx), int(new.size))
+                seqs = int(new.size) if padded else attention_seqs(new)
+                dt += cost.prefill_s(num, float(ctx), seqs)
         return dt
 
     def _shared_tokens(self, prompts: np.ndarray) -> np.ndarray:
