@@ -241,6 +241,10 @@ def test_spot_trainer_uses_idle_instances_within_time_and_data():
     data_bound = SpotTrainerPolicy().decide(idle(available_s=None))
     assert data_bound.max_updates == 10 * 100_000 // 8192  # max_epochs passes over the buffer
     assert SpotTrainerPolicy(max_trainers=1).decide(idle()).workers == (1,)
+    # one of the two idle instances trains: its updates consume half of all idle instances'
+    # tokens_per_update, so max_epochs passes are twice the updates (it ran half a pass)
+    one = SpotTrainerPolicy(max_trainers=1).decide(idle(available_s=None))
+    assert one.max_updates == 10 * 100_000 // 4096
 
 
 def test_spot_trainer_declines():

@@ -156,11 +156,16 @@ def test_spot_schedule_startup_cap_and_preemption() -> None:
         [(10.0, TrainDecision(workers=(0,), max_updates=5))], 1, 40.0, 2.0, 100.0, 10
     )
     assert capped.trained_s[0] == pytest.approx(0.5) and capped.tokens == 50
-    # 90 tokens by worker 0 alone (1.1 s to 2 s), then a cap of 100 shared with worker 1 (ready
-    # at 2.1 s) reached at 2.55 s: 190 tokens, not the 189.99999 the seconds add up to
+    # 90 tokens by worker 0 alone (1.1 s to 2 s: 1.8 updates of 50), then a decision of 1
+    # update per worker with worker 1: the step ran 1.8 already (tltrun's spot trainer counts
+    # the step's drafter versions), so nothing more (it restarted the cap: 190 tokens)
     two = [(1.0, TrainDecision(workers=(0,), max_updates=2)),
            (2.0, TrainDecision(workers=(0, 1), max_updates=1))]  # fmt: skip
-    assert spot_schedule(two, 3, 10.0, 0.1, 100.0, 50).tokens == 190
+    assert spot_schedule(two, 3, 10.0, 0.1, 100.0, 50).tokens == 90
+    # ... and a cap of 3 leaves 1.2 updates of 2 x 50 tokens: 120 more, reached at 2.65 s
+    # (worker 1 ready at 2.1 s), 210 tokens, not the 209.99999 the seconds add up to
+    three = [two[0], (2.0, TrainDecision(workers=(0, 1), max_updates=3))]
+    assert spot_schedule(three, 3, 10.0, 0.1, 100.0, 50).tokens == 210
     none = spot_schedule([(10.0, TrainDecision())], 1, 40.0, 2.0, 100.0, 10)
     assert none.tokens == 0 and none.segments == []
 
@@ -322,7 +327,9 @@ def oracle_spot_schedule(
     tokens_per_s: float,
     update_tokens: int,
 ) -> SpotOutcome:
-    """Reference for spot_schedule: decision by decision, one worker stretch at a time."""
+    """Reference for spot_schedule: decision by decision, one worker stretch at a time; a
+    decision's cap counts the updates the step's earlier decisions ran."""
+    done = 0.0
     trained = np.zeros(num_instances)
     ready = np.full(num_instances, np.inf)  # first named + startup
     seg_start = np.full(num_instances, np.nan)  # each worker's current training stretch
@@ -336,11 +343,12 @@ def oracle_spot_schedule(
         workers = np.asarray(decision.workers, dtype=np.int64)
         ready[workers] = np.minimum(ready[workers], t_k + startup_s)
         starts = np.minimum(np.maximum(t_k, ready[workers]), t_end)
-        cap = float(decision.max_updates) * update_tokens * workers.size
+        cap = max(0.0, decision.max_updates - done) * update_tokens * workers.size
         stop = min(t_end, _oracle_cap_time(t_k, t_end, starts, cap, tokens_per_s))
         durations = np.maximum(0.0, stop - starts)
         trained[workers] += durations
         total += tokens_per_s * float(durations.sum())
+        done += tokens_per_s * float(durations.sum()) / (update_tokens * workers.size)
         on = durations > 0
         w, a = workers[on], starts[on]
         touching = np.abs(seg_end[w] - a) < 1e-9  # the same stretch goes on under this decision

@@ -184,7 +184,11 @@ class SpotTrainerPolicy:
         ):
             return NO_TRAINING
         workers = tuple(idle[: cfg.max_trainers] if cfg.max_trainers is not None else idle)
-        updates = cfg.max_epochs * obs.buffer_tokens // obs.tokens_per_update  # data cap
+        # data cap: max_epochs passes over the buffer by the workers that train (an update
+        # consumes each worker's share; dividing by every idle instance's share let one of
+        # four trainers run a quarter of a pass)
+        per_update = obs.tokens_per_update * len(workers) // len(idle)
+        updates = cfg.max_epochs * obs.buffer_tokens // per_update
         if obs.available_s is not None:
             updates = min(updates, math.floor(max(obs.available_s, 0.0) / obs.update_s))  # time cap
         return TrainDecision(workers=workers, max_updates=updates) if updates >= 1 else NO_TRAINING

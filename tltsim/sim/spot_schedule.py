@@ -8,8 +8,10 @@ Once the rollout's end is known, ``spot_schedule`` turns those decisions into wh
   rollout (loading the drafter and its optimizer state, joining the trainers' group);
 * training is data parallel: each active worker adds ``tokens_per_s`` (one instance's drafter
   training throughput, from ``cost.drafter_train_s``) to the drafter's trained tokens;
-* a decision allows at most ``max_updates`` updates of ``update_tokens`` per worker from the
-  moment it is made (the policy's data cap); trainers stop early when it is used up;
+* a decision allows at most ``max_updates`` updates of ``update_tokens`` per worker in the
+  step, the updates earlier decisions of the step ran included (the policy's data cap, counted
+  as tltrun's spot trainer counts drafter versions; each decision restarted it, which trained
+  up to 2.5x the runtime's tokens); trainers stop early when it is used up;
 * every trainer is preempted when the rollout ends (the barrier); a later decision replaces
   an earlier one (workers it does not name stop).
 
@@ -51,10 +53,10 @@ def spot_schedule(
 ) -> SpotOutcome:
     """Who trained when, given the decisions (time-ordered) and the rollout's end.
 
-    Vectorised over (decision k, worker w): decision k holds from t_k to e_k (the next decision
-    or the rollout's end); worker w trains in it from b[k, w] = max(t_k, ready_w) while the
-    epoch's tokens, rate x sum_w max(0, t - b[k, w]) (piecewise linear, kinks at the sorted
-    b[k, :]), stay below the decision's cap.
+    Decision k holds from t_k to e_k (the next decision or the rollout's end); worker w trains
+    in it from b[k, w] = max(t_k, ready_w) while its tokens, rate x sum_w max(0, t - b[k, w])
+    (piecewise linear, kinks at the sorted b[k, :]), stay below what its cap leaves after the
+    step's earlier decisions.
     """
     decisions = [(t, d) for t, d in decisions if t < rollout_s]
     trained = np.zeros(num_instances)
@@ -69,9 +71,21 @@ def spot_schedule(
     named = member.any(axis=0)
     ready = np.where(named, times[member.argmax(axis=0)] + startup_s, np.inf)  # (N,)
     begin = np.minimum(np.maximum(times[:, None], ready[None, :]), ends[:, None])  # (K, N)
-    caps = np.array([d.max_updates for _, d in decisions], dtype=np.float64)
-    caps *= update_tokens * member.sum(axis=1)  # (K,) tokens each decision allows
-    stop = np.minimum(ends, _cap_times(np.where(member, begin, np.inf), ends, caps, tokens_per_s))
+    starts = np.where(member, begin, np.inf)
+    stop = ends.copy()
+    done = 0.0  # updates the step's earlier decisions ran
+    for k, (_, d) in enumerate(decisions):
+        n = int(member[k].sum())
+        if not n:
+            continue
+        cap = max(0.0, d.max_updates - done) * update_tokens * n  # tokens decision k allows
+        row = _cap_times(starts[k : k + 1], ends[k : k + 1], np.array([cap]), tokens_per_s)
+        stop[k] = min(ends[k], float(row[0]))
+        done += (
+            tokens_per_s
+            * float(np.clip(stop[k] - begin[k], 0.0, None)[member[k]].sum())
+            / (update_tokens * n)
+        )
     dur = np.where(member, np.clip(stop[:, None] - begin, 0.0, None), 0.0)  # (K, N)
     trained = dur.sum(axis=0)
     return SpotOutcome(
