@@ -274,3 +274,26 @@ def test_stateless_policies_checkpoint_nothing(policy):
     policy.load_state_dict({})
     with pytest.raises(ValueError, match="keeps no state"):
         policy.load_state_dict({"bandits": []})
+
+
+def test_a_span_reported_in_two_parts_advances_the_schedule_as_one():
+    """tltsim's fast mode reports a span's first iteration apart when it carried a drafter
+    re-prefill; both parts follow one decide() call, so together they advance the exploration
+    schedule by the span's iterations less the one decide() counted (the second part's
+    num_iters - 1 lost one iteration per split)."""
+    import dataclasses
+
+    kw = dict(strategies=("8_4_32", "4_4_32"), bucket_starts=(1,), epsilon=0.02, warmup_checks=1)
+
+    def greedy_left(split: bool) -> int:
+        policy = TLTAdaptive(seed=0, **kw)
+        for _ in range(2):  # each arm once
+            policy.observe(feedback(4, policy.decide(obs(4)), 8.0, 0.01))
+        decision = policy.decide(obs(4))  # a greedy choice, held for a span of 5
+        parts = [(1, False), (4, True)] if split else [(5, False)]
+        for n, is_continued in parts:
+            fb = feedback(4, decision, 8.0, 0.01, num_iters=n)
+            policy.observe(dataclasses.replace(fb, is_continued=is_continued))
+        return policy._bandits[0].greedy_left
+
+    assert greedy_left(split=True) == greedy_left(split=False)

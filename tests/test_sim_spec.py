@@ -319,6 +319,40 @@ def _oracle_cap_time(
     return (cap_tokens / tokens_per_s + csum[i]) / active[i]
 
 
+def test_fast_and_exact_mode_choose_the_same_arms_after_a_drafter_switch() -> None:
+    """Every draft accepted (deterministic), TLT's bandit over EAGLE and history arms: fast
+    mode reports a span whose first iteration re-prefilled the drafter in two parts, and the
+    second part advanced the exploration schedule one iteration short, so the arms the two
+    modes chose parted at iteration 21 (found by a read-only hunt)."""
+    from tltsim.cost.calibrated import preset_cost
+    from tltsim.policy import TLTAdaptive
+    from tltsim.sim.acceptance import HistoryModel
+
+    class Logged(TLTAdaptive):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.arms: list[str] = []
+
+        def observe(self, feedback):
+            self.arms += [feedback.decision.arm] * feedback.num_iters
+            super().observe(feedback)
+
+    history = HistoryModel(base_logit=-60.0, finished_logit=0.0, history_logit=0.0)  # no match
+    settings = dict(threshold=32, warmup_checks=1, strategies=("4_1_4",), bucket_starts=(1,),
+                    drafters=("eagle", "history"), epsilon=0.1)  # fmt: skip
+    trace = make_trace([[[1500] * 4]])
+    arms = {}
+    for exact in (False, True):
+        policy = Logged(seed=0, **settings)
+        cfg = SimConfig(num_gpus=1, exact=exact)
+        simulate(trace, cfg, preset_cost("Qwen2.5-7B", "H100-SXM"), policy, None, PERFECT,
+                 history=history)  # fmt: skip
+        arms[exact] = policy.arms
+    common = min(len(arms[False]), len(arms[True]))
+    assert common > 300 and "history:4_1_4" in arms[True]
+    assert arms[False][:common] == arms[True][:common]
+
+
 def oracle_spot_schedule(
     decisions: list[tuple[float, TrainDecision]],
     num_instances: int,

@@ -144,6 +144,11 @@ class SpecFeedback:
     # A driver may report a span of identical decisions at once (tltsim's fast mode); then
     # accepted_tokens and iteration_s are per-iteration means over the num_iters iterations.
     num_iters: int = 1
+    # True: these iterations continue the previous feedback's span, with no decide() call
+    # between (tltsim reports a span's first iteration apart when it carried a drafter
+    # re-prefill): a policy counting its calls (TLTAdaptive's warm-up and exploration schedule)
+    # counts all num_iters here, not num_iters - 1 (the call decide() made counted one)
+    is_continued: bool = False
 
 
 @runtime_checkable

@@ -108,11 +108,13 @@ class TLTAdaptive(SpecPolicy):
             and not feedback.decision.enabled
             and 1 <= feedback.num_active <= self.config.threshold
         ):
-            # A span of num_iters OFF iterations is num_iters checks; decide() counted the first.
-            sw.checks += feedback.num_iters - 1
+            # A span of num_iters OFF iterations is num_iters checks; decide() counted the first
+            # (unless the span continues an earlier feedback's: SpecFeedback.is_continued).
+            sw.checks += feedback.num_iters - (0 if feedback.is_continued else 1)
         if feedback.decision.enabled and feedback.instance in self._bandits:
             # likewise a span of num_iters SD iterations advances the exploration schedule
-            self._bandits[feedback.instance].advance(feedback.num_iters - 1)
+            uncounted = feedback.num_iters - (0 if feedback.is_continued else 1)
+            self._bandits[feedback.instance].advance(uncounted)
         if not feedback.decision.enabled or feedback.iteration_s <= 0 or feedback.num_active < 1:
             return
         reward = feedback.accepted_tokens / feedback.iteration_s

@@ -482,7 +482,7 @@ class StepRun:
             if first_extra_s > 0
             else [(num_iters, per_s)]
         )
-        for n, iteration_s in spans:
+        for i, (n, iteration_s) in enumerate(spans):
             if n < 1:
                 continue
             self.policy.observe(
@@ -494,6 +494,7 @@ class StepRun:
                     accepted_tokens=per_accepted,
                     iteration_s=iteration_s,
                     num_iters=n,
+                    is_continued=i > 0,  # one decide() call for the whole span
                 )
             )
 
