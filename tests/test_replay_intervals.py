@@ -232,5 +232,10 @@ def test_the_ideal_bound_holds_on_a_measured_profile_with_noise(tmp_path, capsys
     assert (steps.rollout_s >= steps.ideal_rollout_s * (1 - 1e-9)).all(), steps
     summary = json.loads((out / "summary.json").read_text())
     assert all(row["rollout_over_ideal"] >= 1 - 1e-9 for row in summary["policies"])
+    # summary.csv: a row's ratio is its rollout over its bound columns, one bound for all
+    table = pd.read_csv(out / "summary.csv")
+    assert table.mean_ideal_rollout_s.nunique() == 1
+    ratio = table.mean_rollout_s / table.mean_ideal_rollout_s
+    assert ratio.to_numpy() == pytest.approx(table.rollout_over_ideal.to_numpy())
     assert "profile: op decode/verify: 4 of 24 measured points raised" in printed
     assert "profile: decode: context tokens per sequence requested in" in printed

@@ -328,6 +328,9 @@ def comparison(
             row["speedup_vs_nospec_low"] = band.low
             row["speedup_vs_nospec_high"] = band.high
             row["speedup_interval_by_source"] = {k: list(v) for k, v in band.by_source.items()}
+        # one bound for all policies (the strategies any of them used): the row's bound terms
+        # are that one, as its ratio (they were the policy's own, beside the shared ratio)
+        row.update(ideal)
         row["rollout_over_ideal"] = row["mean_rollout_s"] / mean_ideal if mean_ideal > 0 else 0.0
         rows.append(row)
     return rows, ideal
