@@ -457,6 +457,15 @@ def test_override_config_resume_runs_with_the_new_setting(
     ]
     assert (out / "config.json").read_bytes() == first
     assert ts.verify_checkpoint(ts.checkpoint_dir(out, 4), NUM_WORKERS) == []
+    # the new learning rate is used: step 3's update differs from one at the old rate (the
+    # checkpoint's optimizer state brought its lr back, so the override was recorded, unused)
+    same = tmp_path / "same"
+    shutil.copytree(reference_run, same)
+    code, err = cli(["train", "--out", str(same), "--resume", "--num-steps", "4"], capsys)
+    assert code == 0, err
+    new, old = rows(out)[3], rows(same)[3]
+    assert new["rollout_sha1"] == old["rollout_sha1"]  # the same weights rolled out step 3
+    assert new["actor_sha1"] != old["actor_sha1"]
 
 
 @pytest.mark.slow

@@ -92,6 +92,12 @@ def load_actor(model, optimizer, path: Path, group: dist.ProcessGroup) -> None:
     )
 
 
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every parameter group's learning rate (a loaded optimizer state brings the saved one)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def save_drafter_async(
     drafter, optimizer, meta: dict[str, float], path: Path, group: dist.ProcessGroup
 ) -> Future:

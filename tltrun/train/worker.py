@@ -252,10 +252,14 @@ class Worker:
         ranks) keeps the fresh RNG streams and policy state a run starting now would have."""
         self.start_step = ts.read_next_step(ckpt)
         ckpt_io.load_actor(self.actor, self.optimizer, ckpt / ckpt_io.ACTOR_DCP, self.ckpt_group)
+        # the optimizer state carries its learning rate: a resume's --lr / --drafter-lr (an
+        # --override-config) applies from the resumed step (it was recorded and ignored)
+        ckpt_io.set_lr(self.optimizer, self.cfg.lr)
         if self.spot is not None and (ckpt / ckpt_io.DRAFTER_DCP).is_dir():
             meta = ckpt_io.load_drafter(
                 self.spot.drafter, self.spot.optimizer, ckpt / ckpt_io.DRAFTER_DCP, self.ckpt_group
             )
+            ckpt_io.set_lr(self.spot.optimizer, self.cfg.drafter_lr)
             self.spot.version = int(meta["version"])
             self.spot.update_s = float(meta["update_s"])
         if not (ckpt / f"rank{self.rank}.pt").is_file():
