@@ -126,7 +126,7 @@ def test_resume_refuses_inputs_that_changed_and_accepts_fewer_eval_prompts(model
     # --eval-max-prompts may change on resume (it was refused as "different data", even with
     # --override-config): a reasoning-gym evaluation set is generated that many rows long
     gym = "reasoning-gym:chain_sum"
-    changed = dict(eval_max_prompts=7, eval_data=gym, is_override_config=True)
+    changed = dict(eval_max_prompts=7, data=gym, eval_data=gym, is_override_config=True)
     resume(data(eval_fingerprint="other", eval_max_prompts=7), **changed)
     # ... and stays allowed on the next resume at 7 (the history now says 7; config.json's
     # evaluation fingerprint is still the one taken at 64)
@@ -234,3 +234,31 @@ def test_a_checkpoint_directory_left_behind_is_never_reused(tmp_path):
     (stale / "rank1.pt").write_text("stale")
     assert ts.select_checkpoint(tmp_path, 2) == ts.checkpoint_dir(tmp_path, 1)
     assert not stale.exists()
+
+
+def test_a_resume_refuses_what_the_run_cannot_change_and_says_a_new_policy_starts_afresh(
+    model_dir, tmp_path
+):
+    """Found on real runs (read-only hunt): --override-config --group-size or a lower
+    --max-new-tokens trained a step, then every write of the trace failed (its earlier steps
+    no longer validated); --prompts-per-step skipped data rows (a step's place in the data is
+    its number x prompts per step); a changed TLT setting crashed every worker on the saved
+    policy state (now it starts afresh, and the launcher says so)."""
+    make_fake_run(model_dir, tmp_path)
+
+    def resume(**fields) -> None:
+        cfg = config(model_dir, tmp_path, **fields)
+        prepare_run_dir(cfg, TASK, is_resume=True, is_override_config=True)
+
+    base = config(model_dir, tmp_path)
+    for fields, flag in (
+        ({"group_size": base.group_size + 1}, "--group-size"),
+        ({"max_new_tokens": base.max_new_tokens - 1}, "--max-new-tokens"),
+        ({"prompts_per_step": 2 * base.prompts_per_step,
+          "prompt_split": tuple(2 * n for n in base.prompt_split)}, "--prompts-per-step"),
+    ):  # fmt: skip
+        with pytest.raises(UsageError, match=f"cannot change {flag} .* even with --override"):
+            resume(**fields)
+    assert not (tmp_path / ts.CONFIG_HISTORY).exists()  # nothing recorded
+    with pytest.warns(ts.RunDirWarning, match="--tlt-threshold changed: the SD policy starts"):
+        resume(tlt_threshold=base.tlt_threshold + 1, max_new_tokens=base.max_new_tokens + 8)

@@ -469,6 +469,24 @@ def test_override_config_resume_runs_with_the_new_setting(
 
 
 @pytest.mark.slow
+def test_a_resume_that_changes_the_policy_starts_it_afresh(
+    model_dir, reference_run, tmp_path, capsys
+):
+    """--override-config --policy tltbase on a NoSpec run: every worker failed on the saved
+    (NoSpec) policy state, and a plain --resume after it failed the same way."""
+    out = tmp_path / "run"
+    shutil.copytree(reference_run, out)
+    argv = ["train", "--out", str(out), "--resume", "--num-steps", "4", "--policy", "tltbase",
+            "--override-config"]  # fmt: skip
+    code, err = cli(argv, capsys)
+    assert code == 0, err
+    assert "--policy changed: the SD policy starts afresh" in err
+    code, err = cli(["train", "--out", str(out), "--resume", "--num-steps", "5"], capsys)
+    assert code == 0, err  # the tltbase state of step 4's checkpoint loads
+    assert [r["step"] for r in rows(out)] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.slow
 def test_keep_checkpoints_on_resume_prunes_the_older_ones(
     model_dir, reference_run, tmp_path, capsys
 ):

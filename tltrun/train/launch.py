@@ -348,6 +348,44 @@ def _check_same_inputs(out: Path, old: dict | None, data: dict, cfg: TrainConfig
             raise UsageError(f"{out}: --resume {changed}them, or start a new run in another --out")
 
 
+# Settings a resume cannot change, even with --override-config: why, for the refusal.
+FIXED_ON_RESUME = {
+    # the run's trace records one group size (its validation refused the earlier steps)
+    "train.group_size": "the run's trace records one group size per prompt",
+    # the data position of a step is step x prompts per step (rows were skipped or repeated)
+    "train.prompts_per_step": "a step's place in the data is its number x --prompts-per-step",
+}
+# Settings of the SD policy: a resume that changes one starts the policy afresh.
+POLICY_FIELDS = ("train.policy", "train.static_strategy", "train.seed")
+
+
+def _check_overridable(out: Path, diff: dict[str, list]) -> None:
+    """Refuse what a resume cannot change (``FIXED_ON_RESUME``, a lower --max-new-tokens:
+    the trace's earlier responses would exceed it); say that a changed SD policy starts afresh
+    (what it learned, bandit estimates and SD switches, was learned under the old settings)."""
+    for key, (before, after) in diff.items():
+        why = FIXED_ON_RESUME.get(key)
+        if key == "train.max_new_tokens" and after < before:
+            why = f"the run's trace holds responses of up to {before} tokens"
+        if why is not None:
+            name = "--" + key.removeprefix("train.").replace("_", "-")
+            raise UsageError(
+                f"{out}: --resume cannot change {name} ({before!r} -> {after!r}), even with "
+                f"--override-config: {why}; start a new run in another --out"
+            )
+    changed = [k for k in diff if k in POLICY_FIELDS or k.startswith("train.tlt_")]
+    if changed:
+        from tltrun.train.state import RunDirWarning
+
+        names = ", ".join("--" + k.removeprefix("train.").replace("_", "-") for k in changed)
+        warnings.warn(
+            f"{out}: {names} changed: the SD policy starts afresh (its bandit estimates and "
+            "SD switches were learned under the old settings)",
+            RunDirWarning,
+            stacklevel=3,
+        )
+
+
 def prepare_run_dir(
     cfg: TrainConfig,
     task: TaskConfig,
@@ -409,6 +447,7 @@ def prepare_run_dir(
                 f"{out}: --resume with settings that change the run ({shown}); pass "
                 f"--override-config to resume with them (recorded in {train_state.CONFIG_HISTORY})"
             )
+        _check_overridable(out, diff)
     resume_dir = train_state.select_checkpoint(out, cfg.num_workers)
     if resume_dir is None and (out / "final").exists():
         # the run finished and its checkpoints were deleted: starting over at step 0 would

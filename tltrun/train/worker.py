@@ -13,6 +13,7 @@ the actor into its engine with ``update_weights``; the reference model stays the
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import random
@@ -48,7 +49,7 @@ from tltrun.train.responses import ResponseScorer
 from tltrun.train.spot import ModelledFeedback, SpotStats, SpotTrainer, SubsetGroups
 from tltrun.train.step_log import WorkerStepReport, sha1_digest, write_step_record
 from tltrun.train.tasks import TaskConfig
-from tltsim.policy import SpotTrainerPolicy, make_policy
+from tltsim.policy import PolicyStateError, SpotTrainerPolicy, make_policy
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -272,7 +273,10 @@ class Worker:
             self.engine.generator.set_state(state["engine_generator"])
         if "history" in state and hasattr(self.engine, "history"):  # other settings: empty
             self.engine.history.load_state_dict(state["history"])
-        ts.load_policy_state(ckpt, self.rank, self.spec_policy)
+        # --override-config changed the SD policy or its settings (the launcher said so): what
+        # the old one learned does not apply, and this one starts afresh
+        with contextlib.suppress(PolicyStateError):
+            ts.load_policy_state(ckpt, self.rank, self.spec_policy)
         if self.spot is not None and "spot_data_generator" in state:
             self.spot.data_gen.set_state(state["spot_data_generator"])
             self.spot.noise_gen.set_state(state["spot_noise_generator"])

@@ -47,6 +47,7 @@ from tltsim.policy.spec import (
     OFF,
     DecodeObs,
     NoSpec,
+    PolicyStateError,
     SpecDecision,
     SpecFeedback,
     SpecPolicy,
@@ -116,6 +117,7 @@ def make_policy(name: str, seed: int = 0, **settings) -> SpecPolicy:
 
 
 __all__ = [
+    "PolicyStateError",
     "ACCEPT_LEN_EMA_WEIGHT",
     "BegMab",
     "DRAFTERS",

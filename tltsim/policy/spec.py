@@ -151,6 +151,11 @@ class SpecFeedback:
     is_continued: bool = False
 
 
+class PolicyStateError(ValueError):
+    """A saved policy state that another policy, or other settings or seed, learned: it does
+    not apply to this policy (a resume that changed them starts the policy afresh)."""
+
+
 @runtime_checkable
 class SpecPolicy(Protocol):
     """What every driver may call on a speculative-decoding policy (``tltsim.policy`` lists the
@@ -188,7 +193,9 @@ class SpecPolicy(Protocol):
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()`` into a policy built with the same settings and seed."""
         if state:
-            raise ValueError(f"policy {self.name!r} keeps no state, got fields {sorted(state)}")
+            raise PolicyStateError(
+                f"policy {self.name!r} keeps no state, got fields {sorted(state)}"
+            )
 
 
 class NoSpec(SpecPolicy):

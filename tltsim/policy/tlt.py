@@ -10,7 +10,14 @@ import random
 from dataclasses import dataclass
 
 from tltsim.policy.bandit import BegMab, bucket_arms
-from tltsim.policy.spec import OFF, DecodeObs, SpecDecision, SpecFeedback, SpecPolicy
+from tltsim.policy.spec import (
+    OFF,
+    DecodeObs,
+    PolicyStateError,
+    SpecDecision,
+    SpecFeedback,
+    SpecPolicy,
+)
 from tltsim.policy.tlt_config import TLTConfig
 
 
@@ -182,11 +189,15 @@ class TLTAdaptive(SpecPolicy):
         }
 
     def load_state_dict(self, state: dict) -> None:
+        if "config" not in state:  # another policy's (NoSpec, static: none)
+            raise PolicyStateError(
+                f"TLTAdaptive.load_state_dict: not a TLT policy's state (fields {sorted(state)})"
+            )
         saved = TLTConfig(
             **{k: tuple(v) if isinstance(v, list) else v for k, v in state["config"].items()}
         )
         if saved != self.config or state["seed"] != self.seed:
-            raise ValueError(
+            raise PolicyStateError(
                 f"TLTAdaptive.load_state_dict: the state was learned with seed {state['seed']} and {saved}, this policy has seed {self.seed} and {self.config}"
             )
         self._bandits = {}

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from tltsim.policy.spec import PolicyStateError
+
 # ---------------------------------------------------------------------------------------------
 # Spot drafter training on idle instances
 # ---------------------------------------------------------------------------------------------
@@ -154,7 +156,9 @@ class NoDrafterTraining:
 
     def load_state_dict(self, state: dict) -> None:
         if state:
-            raise ValueError(f"policy {self.name!r} keeps no state, got fields {sorted(state)}")
+            raise PolicyStateError(
+                f"policy {self.name!r} keeps no state, got fields {sorted(state)}"
+            )
 
 
 class SpotTrainerPolicy:
@@ -199,4 +203,6 @@ class SpotTrainerPolicy:
 
     def load_state_dict(self, state: dict) -> None:
         if state:
-            raise ValueError(f"policy {self.name!r} keeps no state, got fields {sorted(state)}")
+            raise PolicyStateError(
+                f"policy {self.name!r} keeps no state, got fields {sorted(state)}"
+            )
