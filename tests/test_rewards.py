@@ -284,6 +284,14 @@ def test_pool_keeps_order_and_survives_raising_and_hanging_rewards(user_module):
     with RewardPool(parse_reward(f"{user_module}:crash"), num_processes=1) as pool:
         outcomes = pool.score([item("x", "1"), item("y", "1")])
         assert [o.error for o in outcomes] == ["reward process died (exit code 7)"] * 2
+    # a process that dies idle between calls (the OOM killer) is replaced at the next call
+    # (sending to it raised BrokenPipeError out of the run)
+    with RewardPool(parse_reward(f"{user_module}:contains"), num_processes=1) as pool:
+        assert [o.reward for o in pool.score([item("it is 4", "4")])] == [1.0]
+        pool._slots[0].process.kill()
+        pool._slots[0].process.join()
+        outcomes = pool.score([item("it is 4", "4"), item("it is 5", "4")])
+        assert [(o.reward, o.error) for o in outcomes] == [(1.0, None), (0.0, None)]
 
 
 def test_pool_on_error_raise_names_the_sample(user_module):

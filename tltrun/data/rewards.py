@@ -360,10 +360,15 @@ class RewardPool:
         outcomes: list[RewardOutcome | None] = [None] * len(items)
         todo = deque(range(len(items)))
         while todo or any(slot.index is not None for slot in self._slots):
-            for slot in self._slots:
+            for i, slot in enumerate(self._slots):
                 if slot.is_ready and slot.index is None and todo:
                     index = todo.popleft()
-                    slot.conn.send((index, items[index]))
+                    try:
+                        slot.conn.send((index, items[index]))
+                    except OSError:  # it died idle since the last call (BrokenPipeError)
+                        todo.appendleft(index)
+                        self._replace(i, outcomes, "")  # (no item of its: nothing failed)
+                        continue
                     slot.index = index
                     slot.deadline_s = time.monotonic() + self.timeout_s
             self._wait_and_collect(outcomes)
