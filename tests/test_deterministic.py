@@ -73,6 +73,9 @@ def test_deterministic_runs_match_when_a_worker_is_slow(model_dir, tmp_path, mon
     assert all(r["drafter_updates"] >= 1 and r["sd_on_fraction"] > 0 for r in log)
     assert all(r["spot_wait_s"] >= 0 for r in log)
     assert len({r["drafter_sha1"][0] for r in log}) == 3  # the drafter trained every step
+    # the tokens of the kept drafter's updates only (4 sequences of <= 32 response tokens
+    # each): the other workers' updates are discarded, and were counted
+    assert all(0 < r["drafter_trained_tokens"] <= r["drafter_updates"] * 4 * 32 for r in log)
     assert len(set(r["actor_sha1"][0] for r in log)) == 3
 
 

@@ -408,7 +408,11 @@ class Worker:
                 spot = self.spot.run_budget(step, records)
             else:
                 spot = self.spot.run_idle(step, order, records, t0)
-            self.spot.sync_end_of_step(spot.num_updates, cfg.is_deterministic)
+            src = self.spot.sync_end_of_step(spot.num_updates, cfg.is_deterministic)
+            if cfg.is_deterministic and src != self.rank:
+                # the workers trained apart and only rank src's drafter is kept: the others'
+                # tokens trained nothing that stays (the log summed them all)
+                spot.trained_tokens = 0
             if self.engine.drafter is not None:
                 self.engine.update_drafter(self.spot.drafter.state_dict())
             if self.rank == 0:  # the drafter after preemption, for vLLM / the next run
