@@ -318,6 +318,16 @@ def test_data_without_an_answer_column_trains_with_the_users_reward(bpe_model, t
         code = main([*common, *gym, *flags])
         err = capsys.readouterr().err.strip()
         assert code == 2 and "prompt_key and answer_key name columns" in err, flags
+    # a task setting beside --data, TLT's beside a policy that takes none: ignored, and a
+    # later --resume changing one was refused as a change of the run
+    for flags, message in (
+        ([*gym, "--task-max-ops", "9"], "--task-max-ops: settings of the built-in task"),
+        (["--policy", "nospec", "--tlt-threshold", "5"], "--tlt-threshold: not read by --policy nospec"),
+        (["--policy", "tlt", "--static-strategy", "2_1_2"], "--static-strategy: not read by"),
+    ):  # fmt: skip
+        code = main([*common, *flags])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and message in err and "\n" not in err, (flags, err)
     assert not (tmp_path / "c").exists()
 
 

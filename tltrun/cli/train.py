@@ -26,7 +26,7 @@ from tltrun.train import launch
 from tltrun.train import state as train_state
 from tltrun.train.config import TrainConfig
 from tltrun.train.tasks import TaskConfig
-from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
+from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args, given_fields
 from tltsim.errors import UsageError
 from tltsim.jsonio import parse_json, read_text, typed_fields
 
@@ -129,6 +129,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except (KeyError, TypeError, ValueError) as err:
         raise UsageError(f"[task] section: {err}") from None
     task = dataclass_from_args(TaskConfig, args, prefix="task-", base=task_base)
+    given = {*given_fields(TrainConfig, args), *raw}
+    given_task = {*given_fields(TaskConfig, args, prefix="task-"), *task_raw}
+    _check_used(cfg, given, given_task)
     _check_inputs(cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("always", train_state.RunDirWarning)
@@ -139,6 +142,29 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 speaks for the job
         print(f"log.jsonl, trace.json, checkpoints and final/ written to {out}")
     return 0
+
+
+def _check_used(cfg: TrainConfig, given: set[str], given_task: set[str]) -> None:
+    """Refuse settings given (flags or --config) that this run would not read: the built-in
+    task's beside --data, TLT's and the static strategy beside a policy that takes neither
+    (they were recorded in config.json and ignored, and a later --resume changing one was
+    refused as a change of the run)."""
+
+    def flags(names, prefix: str = "") -> str:
+        return ", ".join(f"--{prefix}{n.replace('_', '-')}" for n in sorted(names))
+
+    if cfg.data is not None and given_task:
+        raise UsageError(
+            f"{flags(given_task, 'task-')}: settings of the built-in task, which --data "
+            f"{cfg.data} replaces; drop them"
+        )
+    unused = (
+        {n for n in given if n.startswith("tlt_")} if cfg.policy in ("nospec", "static") else set()
+    )
+    if "static_strategy" in given and cfg.policy != "static":
+        unused.add("static_strategy")
+    if unused:
+        raise UsageError(f"{flags(unused)}: not read by --policy {cfg.policy}; drop them")
 
 
 def _check_inputs(cfg: TrainConfig) -> None:
