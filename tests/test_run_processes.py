@@ -192,6 +192,22 @@ def test_worker_errors_are_one_line_naming_the_rank(tmp_path):
     assert "raise CheckpointError" in log and "ZeroDivisionError" in log  # both, appended
 
 
+def test_a_survivors_broken_collective_says_a_worker_died_and_how_to_resume(tmp_path):
+    """A worker killed while the other waits in a collective: torch reported the survivor's
+    gloo error ('Connection reset by peer ... GLHF!'), without the killed rank or --resume."""
+    from tltrun.train.elastic import RankFailure
+    from tltrun.train.launch import failure_error
+
+    gloo = ("Traceback ...\nRuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error "
+            "[127.0.0.1]:41211: Connection reset by peer\n")  # fmt: skip
+    err = failure_error(tmp_path, RankFailure(rank=0, pid=1, exit_code=1, traceback=gloo))
+    message = str(err)
+    assert message.startswith("worker rank 0 lost its connection to another worker, which died")
+    assert "--resume continues" in message and "worker_errors.log" in message
+    assert "\n" not in message and err.is_output_cut
+    assert "Connection reset by peer" in (tmp_path / "worker_errors.log").read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
 def test_a_killed_worker_ends_the_run_with_one_line(model_dir, tmp_path):

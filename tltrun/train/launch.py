@@ -290,6 +290,18 @@ def _warn_skipped(data: dict) -> None:
 
 def failure_error(out: Path, failure) -> WorkerError:
     """One line for the rank that ended a job (tltrun.train.elastic.root_failure)."""
+    from tltrun.train import elastic
+
+    if failure.traceback and any(mark in failure.traceback for mark in elastic.COLLATERAL):
+        # torch reports the first failure it sees: when a worker is killed outright, often a
+        # survivor's broken collective instead (the killed rank is not in the report)
+        logged = worker_error(out, failure.rank, failure.traceback)
+        return WorkerError(
+            f"worker rank {failure.rank} lost its connection to another worker, which died "
+            f"(killed, or out of memory?); the other workers were stopped; --resume continues "
+            f"from the last checkpoint in {out / 'ckpt'} ({str(logged).rpartition('(')[2]}",
+            is_output_cut=True,
+        )
     if failure.traceback:
         return worker_error(out, failure.rank, failure.traceback)
     how = (
