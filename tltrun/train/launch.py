@@ -366,6 +366,8 @@ FIXED_ON_RESUME = {
     "train.group_size": "the run's trace records one group size per prompt",
     # the data position of a step is step x prompts per step (rows were skipped or repeated)
     "train.prompts_per_step": "a step's place in the data is its number x --prompts-per-step",
+    # the worker loads the checkpoint's drafter (spot training continues it): it was ignored
+    "train.drafter_dir": "the run's drafter continues from its checkpoint's drafter/",
 }
 # Settings of the SD policy: a resume that changes one starts the policy afresh.
 POLICY_FIELDS = ("train.policy", "train.static_strategy", "train.seed")
