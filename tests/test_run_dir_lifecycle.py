@@ -263,3 +263,12 @@ def test_a_resume_refuses_what_the_run_cannot_change_and_says_a_new_policy_start
     assert not (tmp_path / ts.CONFIG_HISTORY).exists()  # nothing recorded
     with pytest.warns(ts.RunDirWarning, match="--tlt-threshold changed: the SD policy starts"):
         resume(tlt_threshold=base.tlt_threshold + 1, max_new_tokens=base.max_new_tokens + 8)
+
+
+def test_a_new_run_of_no_steps_is_refused(model_dir, tmp_path):
+    """--num-steps 0 wrote final/ (the start model), said logs and checkpoints were written,
+    and left a directory that --resume refused ("the run finished") and a new run too."""
+    with pytest.raises(UsageError, match="--num-steps 0: a new run trains at least one step"):
+        prepare_run_dir(config(model_dir, tmp_path, num_steps=0), TASK, is_resume=False,
+                        is_override_config=False)  # fmt: skip
+    assert not (tmp_path / "config.json").exists()

@@ -421,6 +421,9 @@ def prepare_run_dir(
     out = Path(cfg.out)
     new = {"train": asdict(cfg), "task": asdict(task), "data": data or {}}
     if not is_resume:
+        if cfg.num_steps == 0:  # it wrote final/ (the start model) and nothing else: a run
+            # directory that could be neither resumed nor reused
+            raise UsageError("--num-steps 0: a new run trains at least one step")
         earlier = sorted((out / "ckpt").glob("step_*")) if (out / "ckpt").is_dir() else []
         if earlier or (out / "final").exists():
             # A fresh run would leave them beside its own, and a later --resume could pick up
