@@ -31,7 +31,8 @@ PHASE_COLORS = {
     "checkpoint": "#bcbd22",
     "train": "#7f7f7f",
 }
-POLICY_COLORS = {"nospec": "#1f77b4", "static": "#ff7f0e", "tlt": "#2ca02c"}
+# every policy its own (tltbase had none: matplotlib's first default, NoSpec's blue)
+POLICY_COLORS = {"nospec": "#1f77b4", "static": "#ff7f0e", "tlt": "#2ca02c", "tltbase": "#d62728"}
 
 
 def _save(fig: plt.Figure, path: Path) -> Path:
@@ -266,8 +267,10 @@ def speedup_bars(ax: plt.Axes, policies: list[dict], interval: dict | None) -> N
     ax.grid(alpha=0.3, axis="y")
 
 
-def accept_length(steps: pd.DataFrame, path: Path) -> Path:
-    """Mean accept length per step of each speculating policy; drafter acceptance on the right."""
+def accept_length(steps: pd.DataFrame, path: Path, learned: set[str] | None = None) -> Path:
+    """Mean accept length per step of each speculating policy; on the right, the learned
+    (EAGLE) drafter's acceptance of the policies in ``learned`` that draft with it (None:
+    all but tltbase; tltbase's history drafter is not that drafter)."""
     fig, ax = plt.subplots(figsize=(9, 4.5))
     right = ax.twinx()
     for policy in dict.fromkeys(steps.policy):
@@ -283,13 +286,14 @@ def accept_length(steps: pd.DataFrame, path: Path) -> Path:
             color=color,
             label=f"{policy}: mean accept length",
         )
-        right.plot(
-            s.step,
-            s.drafter_acceptance,
-            color=color,
-            ls="--",
-            label=f"{policy}: drafter per-token acceptance",
-        )
+        if policy in (learned if learned is not None else set(POLICY_COLORS) - {"tltbase"}):
+            right.plot(
+                s.step,
+                s.drafter_acceptance,
+                color=color,
+                ls="--",
+                label=f"{policy}: EAGLE drafter per-token acceptance",
+            )
     ax.set_xlabel("RL step")
     ax.set_ylabel("tokens per request per verify (incl. bonus)")
     right.set_ylabel("per-token acceptance")
@@ -304,8 +308,7 @@ def accept_length(steps: pd.DataFrame, path: Path) -> Path:
 
 def draw_all(out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
-    plots = out_dir / "plots"
-    plots.mkdir(exist_ok=True)
+    plots = fresh_plots_dir(out_dir)
     steps = pd.read_csv(out_dir / "steps.csv")
     missing = {"policy", "step", "sd_verifies"} - set(steps.columns)
     if missing:
@@ -326,5 +329,33 @@ def draw_all(out_dir: str | Path) -> list[Path]:
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     written.append(step_time_per_policy(steps, plots / "step_time_per_policy.png", summary))
     if steps.sd_verifies.sum() > 0:
-        written.append(accept_length(steps, plots / "accept_length.png"))
+        learned = _learned_drafter_policies(out_dir / "config.json")
+        written.append(accept_length(steps, plots / "accept_length.png", learned))
     return written
+
+
+def fresh_plots_dir(out_dir: Path) -> Path:
+    """``out_dir/plots``, without the figures an earlier report drew there (a rerun into the
+    same --out with fewer policies left figures of the old results beside the new ones)."""
+    plots = out_dir / "plots"
+    plots.mkdir(exist_ok=True)
+    for old in plots.glob("*.png"):
+        old.unlink()
+    return plots
+
+
+def _learned_drafter_policies(config_path: Path) -> set[str] | None:
+    """The replayed policies that draft with the learned (EAGLE) drafter, from the replay's
+    config.json (None: not readable; accept_length's default)."""
+    try:
+        config = json.loads(config_path.read_text())
+        strategy = str(config["replay"].get("static_strategy") or "")
+        drafters = config["tlt"].get("drafters") or ["eagle"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    learned = set()
+    if not strategy.startswith("history:"):
+        learned.add("static")
+    if "eagle" in drafters:
+        learned.add("tlt")
+    return learned

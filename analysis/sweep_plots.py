@@ -20,7 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from analysis.replay_plots import POLICY_COLORS, _save  # noqa: E402
+from analysis.replay_plots import POLICY_COLORS, _save, fresh_plots_dir  # noqa: E402
+from tltsim.sim.sweep import setting_matters  # noqa: E402
 
 
 def _speculating(table: pd.DataFrame) -> pd.DataFrame:
@@ -45,7 +46,8 @@ def speedup_bars(table: pd.DataFrame, path: Path) -> Path:
     )
     ax.axhline(1.0, color="black", lw=1, ls=":")
     ax.set_ylabel("step-time speedup vs NoSpec")
-    ax.set_title("Sweep: speedup per policy (mean and std over seeds)")
+    # every point of a policy: its seeds and whatever settings the sweep varied
+    ax.set_title("Sweep: speedup per policy\n(mean and std over seeds and settings)")
     return _save(fig, path)
 
 
@@ -61,6 +63,7 @@ def speedup_lines(table: pd.DataFrame, setting: str, path: Path) -> Path:
             .fillna(0.0)
         )
         x = rows.index.to_numpy()
+        matters = setting_matters(policy, setting)
         ax.errorbar(
             x,
             rows["mean"],
@@ -68,8 +71,11 @@ def speedup_lines(table: pd.DataFrame, setting: str, path: Path) -> Path:
             marker="o",
             capsize=3,
             color=POLICY_COLORS.get(policy),
-            label=policy,
+            ls="-" if matters else ":",
+            label=policy if matters else f"{policy} (does not read {setting})",
         )
+        if not matters:  # its flat line is no best value of the setting (the summary's rule)
+            continue
         i = int(np.argmax(rows["mean"].to_numpy()))
         if rows["mean"].iloc[i] > best_val:
             best_val, best_at = rows["mean"].iloc[i], (x[i], policy)
@@ -135,8 +141,7 @@ def speedup_surface(table: pd.DataFrame, x: str, y: str, path: Path) -> Path:
 
 def draw_all(out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
-    plots = out_dir / "plots"
-    plots.mkdir(exist_ok=True)
+    plots = fresh_plots_dir(out_dir)
     table = pd.read_parquet(out_dir / "sweep.parquet")
     varying = json.loads((out_dir / "summary.json").read_text())["varying"]
     if not len(_speculating(table)):

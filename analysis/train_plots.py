@@ -15,6 +15,8 @@ paths.
 
 from __future__ import annotations
 
+import json
+import warnings
 from pathlib import Path
 
 import matplotlib
@@ -22,6 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from tltsim.errors import InputWarning  # noqa: E402
 from tltsim.jsonio import parse_json, read_json, read_text  # noqa: E402
 
 # what every log.jsonl row of tltrun train holds and the figures read (numbers)
@@ -31,31 +34,88 @@ PLOTTED_KEYS = ("step", "reward_mean", "accept_len", "rollout_s", "train_s", "st
 
 def load_run(run: str | Path) -> tuple[str, list[dict]]:
     """(label, log rows). Label: the run directory name + policy (+ whether its EAGLE drafter
-    is spot-trained or frozen, where the run has one). A log or config that is not what
-    ``tltrun train`` writes is one ValueError naming the file, the line and the key."""
+    is spot-trained or frozen, where the run has one), as the run's settings now are (a resume
+    with --override-config changes them: config_history.jsonl; a policy changed mid-run is
+    shown as 'nospec -> static @2'). A torn last line (a run killed mid-append) is dropped
+    with a warning, as a resume drops it; anything else not as ``tltrun train`` writes it is
+    one ValueError naming the file, the line and the key."""
     path = Path(run)
     log_file = path / "log.jsonl"
     if not log_file.is_file():
         raise ValueError(f"{path}: no log.jsonl (not a tltrun train output directory)")
     rows = []
-    for number, line in enumerate(read_text(log_file, "tltrun train log").splitlines(), 1):
-        if line.strip():
-            rows.append(_checked_row(parse_json(line, f"{log_file}:{number}"), log_file, number))
+    lines = read_text(log_file, "tltrun train log").splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if number == len(lines) and rows and not _is_json(line):  # (alone: not valid JSON)
+            warnings.warn(
+                f"{log_file}:{number}: dropped a torn last line (a killed run's)",
+                InputWarning,
+                stacklevel=2,
+            )
+            continue
+        rows.append(_checked_row(parse_json(line, f"{log_file}:{number}"), log_file, number))
     if not rows:
         raise ValueError(f"{log_file}: no steps logged yet")
-    label = path.name
+    name = path.resolve().name
     config = path / "config.json"
-    if config.is_file():
-        train = read_json(config, "tltrun train config").get("train")
-        if not isinstance(train, dict) or not {"policy", "is_spot_training"} <= set(train):
-            raise ValueError(f"{config}: no train settings (not a tltrun train config.json)")
-        drafters = train.get("tlt_drafters", ["eagle"])
-        if train["policy"] in ("nospec", "tltbase") or "eagle" not in drafters:
-            label = f"{path.name} ({train['policy']})"  # no learned drafter to train or freeze
-        else:
-            spot = "spot" if train["is_spot_training"] else "frozen drafter"
-            label = f"{path.name} ({train['policy']}, {spot})"
-    return label, rows
+    if not config.is_file():
+        return name, rows
+    train = read_json(config, "tltrun train config").get("train")
+    if not isinstance(train, dict) or not {"policy", "is_spot_training"} <= set(train):
+        raise ValueError(f"{config}: no train settings (not a tltrun train config.json)")
+    policy = train["policy"]
+    for step, diff in _overrides(path / "config_history.jsonl"):
+        for key, (before, after) in diff.items():
+            field = key.removeprefix("train.")
+            if key.startswith("train.") and field in train:
+                train[field] = after
+                if field == "policy" and before != after:
+                    policy = f"{policy} -> {after} @{step}"
+    drafters = train.get("tlt_drafters", ["eagle"])
+    if train["policy"] in ("nospec", "tltbase") or "eagle" not in drafters:
+        return f"{name} ({policy})", rows  # no learned drafter to train or freeze
+    spot = "spot" if train["is_spot_training"] else "frozen drafter"
+    return f"{name} ({policy}, {spot})", rows
+
+
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
+
+
+def _overrides(history: Path) -> list[tuple[int, dict]]:
+    """(step, diff) of each resume that changed settings (``--override-config``), in order."""
+    if not history.is_file():
+        return []
+    out = []
+    for number, line in enumerate(read_text(history, "config history").splitlines(), 1):
+        if not line.strip():
+            continue
+        entry = parse_json(line, f"{history}:{number}")
+        diff = entry.get("diff") if isinstance(entry, dict) else None
+        if not isinstance(diff, dict) or not all(
+            isinstance(v, list) and len(v) == 2 for v in diff.values()
+        ):
+            raise ValueError(f"{history}:{number}: expected {{'step', 'diff'}} as tltrun writes")
+        out.append((entry.get("step", "?"), diff))
+    return out
+
+
+def unique_labels(runs: list[tuple[str, list[dict]]], dirs: list) -> list[tuple[str, list[dict]]]:
+    """Runs whose labels repeat (two directories both named ``rl``) are told apart by their
+    parent directory's name too."""
+    labels = [label for label, _ in runs]
+    out = []
+    for (label, rows), run in zip(runs, dirs, strict=True):
+        if labels.count(label) > 1:
+            label = f"{Path(run).resolve().parent.name}/{label}"
+        out.append((label, rows))
+    return out
 
 
 def _checked_row(row: object, log_file: Path, number: int) -> dict:
@@ -158,8 +218,13 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def report(run_dirs: list[str], out: str | None = None) -> list[Path]:
-    runs = [load_run(r) for r in run_dirs]
+def report(run_dirs: list[str], out: str | None = None, prepare_out=None) -> list[Path]:
+    """The figures of the runs into ``out`` (default: the first run's directory), created
+    by ``prepare_out(path)`` (the CLI's checks) only once every run has been read (a refused
+    report left an empty --out behind)."""
+    runs = unique_labels([load_run(r) for r in run_dirs], list(run_dirs))
     dest = Path(out) if out else Path(run_dirs[0])
+    if prepare_out is not None:
+        prepare_out(dest)
     dest.mkdir(parents=True, exist_ok=True)
     return [_reward(runs, dest), _accept(runs, dest), _step_time(runs, dest)]

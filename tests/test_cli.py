@@ -88,6 +88,36 @@ def test_report_draws_readable_pngs(replay_dir: Path) -> None:
         assert_real_png(replay_dir / "plots" / name)
 
 
+def test_report_colours_every_policy_and_keeps_no_stale_figure(replay_dir: Path, monkeypatch):
+    """tltbase was drawn in NoSpec's colour (matplotlib's first default), with the EAGLE
+    drafter's acceptance it never drafts with; a report into a plots/ directory kept figures
+    an earlier report had drawn there from other results."""
+    import matplotlib.pyplot as plt
+
+    from analysis import replay_plots
+
+    drawn = {}
+
+    def keep(fig, path):
+        drawn[Path(path).name] = [
+            (line.get_label(), line.get_color()) for ax in fig.axes for line in ax.get_lines()
+        ]
+        plt.close(fig)
+        return Path(path)
+
+    (replay_dir / "plots").mkdir(exist_ok=True)
+    (replay_dir / "plots" / "speedup_vs_old.png").write_bytes(b"old")
+    monkeypatch.setattr(replay_plots, "_save", keep)
+    replay_plots.draw_all(replay_dir)
+    assert not (replay_dir / "plots" / "speedup_vs_old.png").exists()
+    labels = dict(drawn["accept_length.png"])
+    assert labels["tltbase: mean accept length"] != labels["tlt: mean accept length"]
+    assert "tltbase: mean accept length" in labels and not any(
+        label.startswith("tltbase: EAGLE") for label in labels
+    )
+    assert len({color for _, color in drawn["step_time_per_policy.png"]}) >= 4
+
+
 def test_single_policy_prints_the_per_step_table(tmp_path: Path, capsys) -> None:
     assert (
         main(
@@ -166,3 +196,11 @@ def test_the_console_entry_point_exits_2_without_a_traceback(tmp_path: Path) -> 
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: unknown model preset")
+
+
+def test_a_refused_replay_leaves_no_output_directory(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv = ["replay", str(SAMPLE), "--preset", "h100x8-qwen7b", "--accept-rate-range", "fit"]
+    assert main(argv) == 2
+    assert "needs --drafter-dynamics" in capsys.readouterr().err
+    assert not (tmp_path / "results").exists()

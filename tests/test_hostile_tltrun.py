@@ -213,6 +213,41 @@ def test_report_out_that_cannot_be_written_names_the_flag(files, tmp_path, capsy
     assert rc == 0 and (tmp_path / "figs" / "reward.png").is_file()
 
 
+def test_report_of_a_killed_resumed_run_labels_it_as_it_now_runs(tmp_path, capsys):
+    """A torn last log line (a run killed mid-append) was an error, though the rest plots (as a
+    resume drops it); a resume with --override-config --policy static was labelled with the
+    first config's nospec; two runs of one name got one label."""
+    from analysis.train_plots import load_run, unique_labels
+
+    keys = ("step", "reward_mean", "accept_len", "rollout_s", "train_s", "step_s",
+            "drafter_train_s")  # fmt: skip
+    runs = []
+    for parent in ("x1", "x2"):
+        run_dir = tmp_path / parent / "rl"
+        run_dir.mkdir(parents=True)
+        rows = [json.dumps({**dict.fromkeys(keys, 0), "step": i}) for i in range(3)]
+        (run_dir / "log.jsonl").write_text("\n".join(rows) + "\n" + rows[0][:12])
+        train = {"policy": "nospec", "is_spot_training": True}
+        (run_dir / "config.json").write_text(json.dumps({"train": train, "task": {}}))
+        history = {"step": 2, "diff": {"train.policy": ["nospec", "static"]}}
+        (run_dir / "config_history.jsonl").write_text(json.dumps(history) + "\n")
+        runs.append(run_dir)
+    with pytest.warns(UserWarning, match="log.jsonl:4: dropped a torn last line"):
+        label, rows = load_run(runs[0])
+    assert label == "rl (nospec -> static @2, spot)" and [r["step"] for r in rows] == [0, 1, 2]
+    with pytest.warns(UserWarning):
+        loaded = [load_run(r) for r in runs]
+    assert [label for label, _ in unique_labels(loaded, runs)] == [
+        "x1/rl (nospec -> static @2, spot)",
+        "x2/rl (nospec -> static @2, spot)",
+    ]
+    rc, out, err = run("tltrun", ["report", str(runs[0]), "--out", str(tmp_path / "f")], capsys)
+    assert rc == 0 and err.strip().startswith("warning: ") and "torn last line" in err
+    # a refused report leaves no empty --out behind (it was created before the runs were read)
+    rc, out, err = run("tltrun", ["report", str(tmp_path), "--out", str(tmp_path / "g")], capsys)
+    assert rc == 2 and not (tmp_path / "g").exists()
+
+
 def test_vllm_cpu_head_size_is_checked_before_its_workers_start():
     """VLLMBackend (bench, profile, train's vLLM rollouts) and train's launch call this: a head
     size vllm-cpu's attention lacks was ~125 lines of worker tracebacks and an internal error."""

@@ -271,3 +271,31 @@ policy = ["static"]
     assert again.num_reused == 0 and again.num_computed == 2
     assert (again.table.mean_step_s > first.table.mean_step_s).all()
     assert run_sweep(here / "spec.toml", workers=1).num_computed == 0  # resumed
+
+
+def test_a_policy_that_ignores_the_swept_setting_is_no_best_value_of_it(tmp_path, monkeypatch):
+    """SPEC sweeps tlt.threshold over static and tlt: static's flat line got the star
+    ('best: static, tlt.threshold=8'), though the summary names no threshold for static."""
+    from pathlib import Path as P
+
+    import matplotlib.pyplot as plt
+
+    from analysis import sweep_plots
+
+    out = tmp_path / "out"
+    run_sweep(write_spec(tmp_path), out, workers=1)
+    drawn = {}
+
+    def keep(fig, path):
+        drawn[P(path).name] = [
+            label for ax in fig.axes for label in ax.get_legend_handles_labels()[1]
+        ]
+        plt.close(fig)
+        return P(path)
+
+    monkeypatch.setattr(sweep_plots, "_save", keep)
+    sweep_plots.draw_all(out)
+    labels = drawn["speedup_vs_tlt.threshold.png"]
+    assert "static (does not read tlt.threshold)" in labels and "tlt" in labels
+    (best,) = [label for label in labels if label.startswith("best:")]
+    assert best.startswith("best: tlt, tlt.threshold=")

@@ -23,6 +23,11 @@ class UsageError(TLTError):
     """Bad user input: a flag, a value, a missing or malformed file."""
 
 
+class InputWarning(UserWarning):
+    """Input that is used, with a part of it left out or repaired (e.g. a torn last line of a
+    killed run's log); the CLIs print it as one ``warning:`` line."""
+
+
 # The largest learning rate the trainers take: an AdamW step moves each weight by up to about
 # lr, and initialised weights are ~1/sqrt(hidden) << 1, so beyond 1 nothing trains (a lr of
 # 1e38 overflowed inside torch's AdamW: an internal error, not a message).

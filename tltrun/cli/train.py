@@ -202,10 +202,8 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 def _cmd_report(args: argparse.Namespace) -> int:
     from analysis.train_plots import report
 
-    if args.out:
-        check_out_dir(args.out)
     try:
-        paths = report(args.runs, args.out)
+        paths = report(args.runs, args.out, prepare_out=check_out_dir if args.out else None)
     except ValueError as err:
         raise UsageError(str(err)) from None
     for path in paths:

@@ -132,12 +132,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if replay.max_steps is not None:
         trace = Trace(meta=trace.meta, steps=trace.steps[: replay.max_steps])
     out = Path(replay.out) if replay.out else Path("results") / f"replay-{trace_stem(args.trace)}"
-    check_out_dir(out)
     names = policy_names(replay.policy)
     history = dataclass_from_args(
         HistoryModel, args, prefix="history-", base=history_from_args(args)
     )
     spec = interval_spec(replay, sim, drafter, getattr(args, "drafter_dynamics", None), history)
+    check_out_dir(out)  # after every check of the input (a refused replay left it empty)
     sim = dataclasses.replace(sim, seed=spec.seeds[0])  # the point estimate's seed
     config = {
         "kind": "replay",
