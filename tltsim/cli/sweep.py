@@ -56,7 +56,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if summary["best"]:
         print(
             "best setting (mean speedup vs NoSpec over seeds): "
-            + ", ".join(f"{k}={v}" for k, v in summary["best"].items())
+            + ", ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in summary["best"].items()
+            )
         )
         print(distinguishable_line(summary))
     print(f"wrote {outcome.out}/: sweep.parquet sweep.csv summary.json config.json points.jsonl")
