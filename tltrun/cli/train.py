@@ -129,9 +129,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except (KeyError, TypeError, ValueError) as err:
         raise UsageError(f"[task] section: {err}") from None
     task = dataclass_from_args(TaskConfig, args, prefix="task-", base=task_base)
-    given = {*given_fields(TrainConfig, args), *raw}
-    given_task = {*given_fields(TaskConfig, args, prefix="task-"), *task_raw}
-    _check_used(cfg, given, given_task)
+    # what the run had before these flags and --config: the stored settings, else defaults
+    before = (
+        dict(_tuples(stored["train"], TrainConfig, where))
+        if stored
+        else {f.name: f.default for f in fields(TrainConfig)}
+    )
+    changed = {
+        n for n in {*given_fields(TrainConfig, args), *raw} if getattr(cfg, n) != before.get(n)
+    }
+    changed_task = {
+        n
+        for n in {*given_fields(TaskConfig, args, prefix="task-"), *task_raw}
+        if getattr(task, n) != stored_task.get(n)
+    }
+    _check_used(cfg, changed, changed_task)
     _check_inputs(cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("always", train_state.RunDirWarning)
@@ -145,10 +157,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _check_used(cfg: TrainConfig, given: set[str], given_task: set[str]) -> None:
-    """Refuse settings given (flags or --config) that this run would not read: the built-in
-    task's beside --data, TLT's and the static strategy beside a policy that takes neither
-    (they were recorded in config.json and ignored, and a later --resume changing one was
-    refused as a change of the run)."""
+    """Refuse settings given (flags or --config) that this run would not read, where they
+    change a value (a config file of every setting, defaults included, stays accepted): the
+    built-in task's beside --data, TLT's and the static strategy beside a policy that takes
+    neither (they were recorded in config.json and ignored, and a later --resume changing one
+    was refused as a change of the run)."""
 
     def flags(names, prefix: str = "") -> str:
         return ", ".join(f"--{prefix}{n.replace('_', '-')}" for n in sorted(names))
