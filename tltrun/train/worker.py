@@ -372,7 +372,9 @@ class Worker:
         cfg = self.cfg
         steps = range(self.start_step, cfg.num_steps)
         tqdm.set_lock(threading.RLock())  # tqdm's own: a semaphore each killed worker leaked
-        bar = tqdm(steps, desc="tltrun train", unit="step", disable=self.rank != 0)
+        # a resumed run counts on from its checkpoint's step (as sft and train-drafter do)
+        bar = tqdm(steps, desc="tltrun train", unit="step", disable=self.rank != 0,
+                   initial=self.start_step, total=max(cfg.num_steps, self.start_step))  # fmt: skip
         for step in bar:
             row = self.step(step)
             if self.rank == 0:
