@@ -116,6 +116,26 @@ def test_a_failing_training_op_keeps_the_rollout_rows(model_dirs, tmp_path, monk
         "train": "RuntimeError: index is on cpu, different from other tensors on cuda:0"
     }
     assert f"wrote the other {len(profile.rows)} points" in capsys.readouterr().err
+    # the op that failed is named (it was always 'train'), and the training ops' complete
+    # rounds before the failure are kept (they were dropped)
+    calls = {"train": 0}
+
+    def train() -> None:
+        calls["train"] += 1
+
+    def drafter_train() -> None:
+        if calls["train"] > 1:  # round 2 (no warm-up): the drafter update breaks
+            raise RuntimeError("drafter update broke")
+
+    series = [Series(("train", 1, 8), train), Series(("drafter_train", 1, 8), drafter_train)]
+    monkeypatch.setattr(measure_module, "train_series", lambda *a: series)
+    with pytest.raises(RuntimeError, match="drafter update broke"):
+        run_profile(tiny_grid(target, drafter, out, num_repeats=3, num_warmup=0), NOW)
+    profile = load_profile(out)
+    meta = json.loads(out.with_suffix(".json").read_text())
+    assert meta["failed_ops"] == {"drafter_train": "RuntimeError: drafter update broke"}
+    assert [r.num_repeats for r in profile.rows_of("train")] == [1]
+    assert [r.num_repeats for r in profile.rows_of("drafter_train")] == [1]
 
 
 def test_without_drafter_only_target_ops(model_dirs, tmp_path):
@@ -239,6 +259,31 @@ def test_the_train_op_updates_fp32_master_weights_and_syncs_them(monkeypatch):
     assert synced == [target]  # the weight sync into the rollout model, timed with it
 
 
+def test_the_drafter_train_op_trains_fp32_master_weights(monkeypatch):
+    """As tltrun train's spot trainer (drafter.trainable_copy): the op trained a copy in the
+    engine's dtype (28% off in bf16 on a CPU; NaN in fp16, so no training row was written)."""
+    from tltrun.model.drafter import EagleDrafter
+    from tltrun.profile import train_ops
+    from tltrun.train import drafter_training
+
+    target = tiny_model(seed=0, dtype=torch.bfloat16)
+    drafter = EagleDrafter.for_target(target, seed=1).to(torch.bfloat16)
+    seen = []
+    real = drafter_training.drafter_train_step
+
+    def spy(trainee, *args, **kwargs):
+        seen.append(next(trainee.parameters()).dtype)
+        return real(trainee, *args, **kwargs)
+
+    monkeypatch.setattr(drafter_training, "drafter_train_step", spy)
+    cfg = ProfileRunConfig(model="m", out="p.csv", dtype="bfloat16", train_batches=(1, 2),
+                           train_tokens_per_seq=(8, 9))  # fmt: skip
+    series = train_ops.train_series(cfg, target, drafter, torch.Generator().manual_seed(0))
+    (first,) = [s for s in series if s.key == ("drafter_train", 1, 8)]
+    first.fn()
+    assert seen == [torch.float32]
+
+
 def test_the_train_op_runs_the_updates_of_the_run_to_predict(monkeypatch):
     """--kl-coef 0 runs no reference forward and --num-epochs N that many passes, as tltrun
     train does (the profile timed GRPOConfig's defaults whatever the run)."""
@@ -335,6 +380,8 @@ def test_hooks_run_between_series_and_rounds_untimed(monkeypatch):
         (["--model", "m", "--out", "x.csv", "--context-per-seq", "32"], ">= 2 values"),
         (["--model", "m", "--out", "x.csv", "--statistic", "mode"], "statistic"),
         (["--model", "m", "--out", "x.csv", "--back-to-back-calls", "0"], "back_to_back_calls"),
+        # a 1-token sequence has no response: the drafter op failed as an internal error
+        (["--model", "m", "--out", "x.csv", "--train-tokens-per-seq", "1,2"], "must be >= 2"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(argv, expected, capsys):

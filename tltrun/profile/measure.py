@@ -54,6 +54,7 @@ line is ``tltrun.cli.profile``.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -220,6 +221,11 @@ class ProfileRunConfig:
             values = getattr(self, name)
             if not values or min(values) < 1 or list(values) != sorted(set(values)):
                 raise ValueError(f"{name} must be strictly increasing integers >= 1, got {values}")
+        if min(self.train_tokens_per_seq) < 2:  # a prompt token and a response token at least
+            raise ValueError(
+                f"train_tokens_per_seq must be >= 2 (a prompt and a response token), got "
+                f"{self.train_tokens_per_seq}"
+            )
         # Innermost interpolation axes need two points (tltsim.cost.measured).
         for name in ("context_per_seq", "prefill_tokens_per_seq", "train_batches"):
             if len(getattr(self, name)) < 2:
@@ -390,19 +396,27 @@ def run_profile(
         if interruption.is_set:
             _write_interrupted(rows, cfg, now, "during the rollout ops: no training ops")
         gen = torch.Generator().manual_seed(cfg.seed + 1)
+        running = {"op": "train"}  # the training op timed now: the one a failure names
+        completed: dict = {}  # the training ops' samples of their complete rounds
+
+        def on_training_round(t: dict) -> None:
+            completed.clear()
+            completed.update({key: list(v) for key, v in t.items()})
+            _write_partial(
+                rows + [measure.row(op, b, 0, seq, v) for (op, b, seq), v in t.items()],
+                cfg,
+                now,
+                f"every round of the rollout ops, {min(map(len, t.values()), default=0)} "
+                f"of {cfg.num_repeats} of the training ops",
+            )
+
         try:
             timed = measure.interleaved(
-                train_series(cfg, target, drafter, gen),
+                _naming(train_series(cfg, target, drafter, gen), running),
                 # each update's own kernels, AdamW's step last, end inside its sample
                 sync=device_sync(cfg.device),
                 progress=progress,
-                on_round=lambda t: _write_partial(
-                    rows + [measure.row(op, b, 0, seq, v) for (op, b, seq), v in t.items()],
-                    cfg,
-                    now,
-                    f"every round of the rollout ops, {min(map(len, t.values()), default=0)} "
-                    f"of {cfg.num_repeats} of the training ops",
-                ),
+                on_round=on_training_round,
             )
         except KeyboardInterrupt:  # before the training ops' first round ended
             _write_interrupted(rows, cfg, now, "in the training ops' first round: none of them")
@@ -410,11 +424,13 @@ def run_profile(
             # the rollout ops measured (most of a profile's time) are written before the error
             # goes on to the CLI: an H200 run lost two minutes of them to a training-op bug
             meta = profile_meta(cfg, now)
-            meta["failed_ops"] = {"train": f"{type(e).__name__}: {str(e)[:300]}"}
-            write_profile(rows, cfg.out, meta)
+            meta["failed_ops"] = {running["op"]: f"{type(e).__name__}: {str(e)[:300]}"}
+            # and the training ops' complete rounds before the failure (it dropped them)
+            kept = rows + [measure.row(op, b, 0, seq, v) for (op, b, seq), v in completed.items()]
+            write_profile(kept, cfg.out, meta)
             tqdm.write(  # clears the progress bar's line first (print would append to it)
-                f"tltrun profile: the training ops failed; wrote the other {len(rows)} points "
-                f"to {cfg.out} (its sidecar's failed_ops says why)",
+                f"tltrun profile: the training op {running['op']} failed; wrote the other "
+                f"{len(kept)} points to {cfg.out} (its sidecar's failed_ops says why)",
                 file=sys.stderr,
             )
             raise
@@ -423,6 +439,19 @@ def run_profile(
             _write_interrupted(rows, cfg, now, "during the training ops")
     write_profile(rows, cfg.out, profile_meta(cfg, now))
     return rows
+
+
+def _naming(series: list, running: dict) -> list:
+    """``series`` whose (untimed) setup records which op runs now in ``running["op"]``."""
+
+    def named(s):
+        def setup() -> None:
+            running["op"] = s.key[0]
+            s.setup()
+
+        return dataclasses.replace(s, setup=setup)
+
+    return [named(s) for s in series]
 
 
 def _write_partial(rows: list[ProfileRow], cfg: ProfileRunConfig, now, done: str) -> None:

@@ -185,7 +185,14 @@ def attention_context(attn_impl: str | None, device: str) -> str:
     (flex_attention by length, issue #18), ``"padded"`` for the dense implementations, which
     read the batch's longest context for every sequence."""
     impl = default_attn_impl(device) if attn_impl is None else attn_impl
-    return "summed" if impl in UNPADDED_ATTN_IMPLS else "padded"
+    # flex skips blocks past each length on CUDA only: eager flex off CUDA scores the whole
+    # slot width (its cache context keeps the batch's longest key length), dense as SDPA
+    is_unpadded = impl in UNPADDED_ATTN_IMPLS and (impl != "flex" or _is_cuda(device))
+    return "summed" if is_unpadded else "padded"
+
+
+def _is_cuda(device: str) -> bool:
+    return torch.device(device).type == "cuda"
 
 
 def _margin(decisions: list[SpecDecision]) -> int:
