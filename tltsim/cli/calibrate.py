@@ -92,12 +92,8 @@ def check_sidecar_agrees(
 
     if args.model is not None and isinstance(profile.meta.get("model"), dict | str):
         measured = _model_spec(None, profile)
-        if measured is not None and dataclasses.replace(measured, name=model.name) != model:
-            shapes = [
-                f"{f.name} {getattr(measured, f.name)} vs {getattr(model, f.name)}"
-                for f in dataclasses.fields(ModelSpec)
-                if f.name != "name" and getattr(measured, f.name) != getattr(model, f.name)
-            ]
+        shapes = measured.shape_differences(model) if measured is not None else []
+        if shapes:
             raise UsageError(
                 f"--model {args.model}: not the model the profile measured "
                 f"({args.profile}'s sidecar: {'; '.join(shapes)}); leave --model out to use "

@@ -52,7 +52,6 @@ contributes an arithmetic series.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from collections.abc import Iterable
@@ -355,13 +354,9 @@ def _warn_if_other_model(profile: Profile, simulated: ModelSpec | None) -> None:
             return
     except ValueError:
         return  # profile-info and calibrate name a bad sidecar model; the times still stand
-    if simulated is None or dataclasses.replace(measured, name=simulated.name) == simulated:
+    shapes = measured.shape_differences(simulated) if simulated is not None else []
+    if not shapes:
         return
-    shapes = [
-        f"{f.name} {getattr(measured, f.name)} vs {getattr(simulated, f.name)}"
-        for f in dataclasses.fields(ModelSpec)
-        if f.name != "name" and getattr(measured, f.name) != getattr(simulated, f.name)
-    ]
     warnings.warn(
         f"profile {profile.source} measured another model than the simulated {simulated.name} "
         f"({'; '.join(shapes[:3])}): its measured times are used as they are",

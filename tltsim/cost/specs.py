@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,14 @@ class ModelSpec:
         (arXiv 2001.08361, Table 1) count 2 n_layer n_ctx d_attn for the attention scores; the
         value product A V is as large, hence 4 per (query, key) pair per layer and head dim."""
         return 2.0 * self.matmul_params + self.attn_flops_per_pair * context_tokens
+
+    def shape_differences(self, other: ModelSpec) -> list[str]:
+        """``"field mine vs other's"`` for each shape field (not the name) the two differ in."""
+        return [
+            f"{f.name} {getattr(self, f.name)} vs {getattr(other, f.name)}"
+            for f in fields(self)
+            if f.name != "name" and getattr(self, f.name) != getattr(other, f.name)
+        ]
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], name: str | None = None) -> ModelSpec:
