@@ -156,6 +156,12 @@ class PolicyStateError(ValueError):
     not apply to this policy (a resume that changed them starts the policy afresh)."""
 
 
+def check_no_state(name: str, state: dict) -> None:
+    """``load_state_dict`` of a policy that keeps no state: anything saved is another's."""
+    if state:
+        raise PolicyStateError(f"policy {name!r} keeps no state, got fields {sorted(state)}")
+
+
 @runtime_checkable
 class SpecPolicy(Protocol):
     """What every driver may call on a speculative-decoding policy (``tltsim.policy`` lists the
@@ -192,10 +198,7 @@ class SpecPolicy(Protocol):
 
     def load_state_dict(self, state: dict) -> None:
         """Restore ``state_dict()`` into a policy built with the same settings and seed."""
-        if state:
-            raise PolicyStateError(
-                f"policy {self.name!r} keeps no state, got fields {sorted(state)}"
-            )
+        check_no_state(self.name, state)
 
 
 class NoSpec(SpecPolicy):

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from tltsim.policy.spec import PolicyStateError
+from tltsim.policy.spec import check_no_state
 
 # ---------------------------------------------------------------------------------------------
 # Spot drafter training on idle instances
@@ -155,10 +155,7 @@ class NoDrafterTraining:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        if state:
-            raise PolicyStateError(
-                f"policy {self.name!r} keeps no state, got fields {sorted(state)}"
-            )
+        check_no_state(self.name, state)
 
 
 class SpotTrainerPolicy:
@@ -202,7 +199,4 @@ class SpotTrainerPolicy:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        if state:
-            raise PolicyStateError(
-                f"policy {self.name!r} keeps no state, got fields {sorted(state)}"
-            )
+        check_no_state(self.name, state)
