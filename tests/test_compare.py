@@ -312,6 +312,19 @@ def test_bad_input_is_one_line_exit_2(trace, extra, expected, profile_path, tmp_
     assert err.startswith("error:") and "\n" not in err and expected in err
 
 
+def test_a_change_of_instance_count_names_the_steps(profile_path, tmp_path, capsys):
+    """A run resumed on more workers: which steps ran on how many instances, not just 'changes'."""
+    one, two = _measured_trace(), _measured_trace(instance_prompts=[["p0"], ["p1"]])
+    steps = [dict(one["steps"][0], step=0), dict(one["steps"][0], step=1)]
+    steps.append(dict(two["steps"][0], step=2))
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(dict(one, steps=steps)))
+    argv = ["compare", str(path), "--profile", str(profile_path), "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "(steps 0-1 on 1 instance, step 2 on 2 instances:" in err and err.count("\n") == 1
+
+
 def test_replayed_acceptance_is_per_step_and_strategy():
     from tltsim.fidelity.measured_run import replayed_acceptance
     from tltsim.policy import SpecDecision

@@ -298,6 +298,20 @@ def _placement(step: Step, source: str) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(o) for o in owners)
 
 
+def _instance_runs(trace: Trace, placement: tuple) -> str:
+    """'steps 0-2 on 2 instances, steps 3-4 on 4': consecutive steps of one instance count."""
+    runs: list[list] = []  # [first step, last step, instances]
+    for step, owners in zip(trace.steps, placement, strict=True):
+        if runs and runs[-1][2] == len(owners):
+            runs[-1][1] = step.step
+        else:
+            runs.append([step.step, step.step, len(owners)])
+    return ", ".join(
+        f"step{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''} on {n} instance{'s' * (n > 1)}"
+        for a, b, n in runs
+    )
+
+
 def _max_running(trace: Trace, source: str, given: int | None) -> int | None:
     if given is not None:
         return given
@@ -444,7 +458,11 @@ def measured_run(
     name, config, seed = _policy(trace, source)
     placement = tuple(_placement(step, source) for step in trace.steps)
     if len({len(p) for p in placement}) > 1:
-        raise UsageError(f"{source}: the number of instances changes between steps")
+        raise UsageError(
+            f"{source}: the number of instances changes between steps ({_instance_runs(trace, placement)}:"
+            " a run resumed on another number of workers?); the simulation replays one cluster"
+            " size: compare the steps of each size as a trace of their own"
+        )
     strategy = config.get("strategy", "") if name == "static" else ""
     # absent: traces recorded before engines shared prompts / before the clock was recorded
     shares = {bool(step.measured.share_prompts) for step in trace.steps}
