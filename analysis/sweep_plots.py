@@ -5,7 +5,8 @@
 
 Reads ``sweep.parquet`` and ``summary.json``. Speedup vs NoSpec (mean over seeds, other settings
 averaged) against the settings the sweep varied: bars when none varies, lines (one per policy)
-for one setting, a heat map per policy over the first two otherwise. The best setting is marked.
+for one setting, a heat map per policy over the first two otherwise (cells averaged over a third
+and later ones, as its titles say). The best setting is marked.
 """
 
 from __future__ import annotations
@@ -100,8 +101,14 @@ def speedup_lines(table: pd.DataFrame, setting: str, path: Path) -> Path:
     return _save(fig, path)
 
 
-def speedup_surface(table: pd.DataFrame, x: str, y: str, path: Path) -> Path:
+def speedup_surface(
+    table: pd.DataFrame, x: str, y: str, path: Path, averaged: tuple[str, ...] = ()
+) -> Path:
+    """A heat map per policy over settings ``x`` and ``y``: each cell the mean over seeds and
+    over the ``averaged`` settings the sweep also varied (said in the titles, so that a cell is
+    not read as one setting's result)."""
     spec = _speculating(table)
+    over = ", ".join(("seeds", *averaged))
     policies = list(dict.fromkeys(spec.policy))
     fig, axes = plt.subplots(1, len(policies), figsize=(5.5 * len(policies), 4.5), squeeze=False)
     grids = {
@@ -130,11 +137,12 @@ def speedup_surface(table: pd.DataFrame, x: str, y: str, path: Path) -> Path:
                 ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white", fontsize=8)
         if policy == best_policy:
             i, j = np.unravel_index(np.nanargmax(grid.to_numpy()), grid.shape)
-            ax.plot([j], [i], marker="*", ms=22, color="gold", mec="black", ls="none", label="best")
+            best = f"best mean over {', '.join(averaged)}" if averaged else "best"
+            ax.plot([j], [i], marker="*", ms=22, color="gold", mec="black", ls="none", label=best)
             ax.legend(loc="upper right", fontsize=8)
         ax.set_xlabel(x)
         ax.set_ylabel(y)
-        ax.set_title(f"{policy}: speedup vs NoSpec")
+        ax.set_title(f"{policy}: speedup vs NoSpec\n(mean over {over})")
         fig.colorbar(im, ax=ax, label="speedup (x)")
     return _save(fig, path)
 
@@ -154,7 +162,11 @@ def draw_all(out_dir: str | Path) -> list[Path]:
     elif len(varying) >= 2:
         written.append(
             speedup_surface(
-                table, varying[0], varying[1], plots / f"speedup_{varying[0]}_x_{varying[1]}.png"
+                table,
+                varying[0],
+                varying[1],
+                plots / f"speedup_{varying[0]}_x_{varying[1]}.png",
+                tuple(varying[2:]),
             )
         )
         for setting in varying:

@@ -273,21 +273,18 @@ policy = ["static"]
     assert run_sweep(here / "spec.toml", workers=1).num_computed == 0  # resumed
 
 
-def test_a_policy_that_ignores_the_swept_setting_is_no_best_value_of_it(tmp_path, monkeypatch):
-    """SPEC sweeps tlt.threshold over static and tlt: static's flat line got the star
-    ('best: static, tlt.threshold=8'), though the summary names no threshold for static."""
+def _drawn_texts(out, monkeypatch) -> dict[str, list[str]]:
+    """The report figures of sweep directory ``out``: file name -> axes titles and legend labels."""
     from pathlib import Path as P
 
     import matplotlib.pyplot as plt
 
     from analysis import sweep_plots
 
-    out = tmp_path / "out"
-    run_sweep(write_spec(tmp_path), out, workers=1)
     drawn = {}
 
     def keep(fig, path):
-        drawn[P(path).name] = [
+        drawn[P(path).name] = [ax.get_title() for ax in fig.axes] + [
             label for ax in fig.axes for label in ax.get_legend_handles_labels()[1]
         ]
         plt.close(fig)
@@ -295,7 +292,36 @@ def test_a_policy_that_ignores_the_swept_setting_is_no_best_value_of_it(tmp_path
 
     monkeypatch.setattr(sweep_plots, "_save", keep)
     sweep_plots.draw_all(out)
-    labels = drawn["speedup_vs_tlt.threshold.png"]
+    return drawn
+
+
+def test_a_policy_that_ignores_the_swept_setting_is_no_best_value_of_it(tmp_path, monkeypatch):
+    """SPEC sweeps tlt.threshold over static and tlt: static's flat line got the star
+    ('best: static, tlt.threshold=8'), though the summary names no threshold for static."""
+    out = tmp_path / "out"
+    run_sweep(write_spec(tmp_path), out, workers=1)
+    labels = _drawn_texts(out, monkeypatch)["speedup_vs_tlt.threshold.png"]
     assert "static (does not read tlt.threshold)" in labels and "tlt" in labels
     (best,) = [label for label in labels if label.startswith("best:")]
     assert best.startswith("best: tlt, tlt.threshold=")
+
+
+def test_a_heat_map_says_which_settings_its_cells_average(tmp_path, monkeypatch):
+    """Three varied settings: the heat map over the first two averages the third; its titles
+    and its star say so (a cell read as one setting's result named a setting never run)."""
+    import json
+
+    import pandas as pd
+
+    rows = [
+        {"policy": policy, "seed": 0, "a": a, "b": b, "c": c, "speedup_vs_nospec": 1.0 + a + b * c}
+        for policy in ("nospec", "tlt")
+        for a in (1, 2)
+        for b in (1, 2)
+        for c in (0, 1)
+    ]
+    pd.DataFrame(rows).to_parquet(tmp_path / "sweep.parquet")
+    (tmp_path / "summary.json").write_text(json.dumps({"varying": ["a", "b", "c"]}))
+    texts = _drawn_texts(tmp_path, monkeypatch)["speedup_a_x_b.png"]
+    assert "tlt: speedup vs NoSpec\n(mean over seeds, c)" in texts
+    assert "best mean over c" in texts
