@@ -10,7 +10,6 @@ import dataclasses
 import json
 import math
 import sys
-import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -424,78 +423,6 @@ def test_a_saved_preset_round_trips(tmp_path):
             preset_cost("Qwen2.5-7B", str(path), tp=1)
         message = str(err.value)
         assert f"hw.json: field '{section}': {name}: expected a number" in message, message
-
-
-def test_advise_on_the_shipped_trace(tmp_path, capsys):
-    from tltrun.train.config import TrainConfig  # tests may import tltrun; tltsim may not
-
-    out = tmp_path / "advise"
-    argv = ["advise", str(TRACE), "--preset", "h100x8-qwen7b", "--max-steps", "3"]
-    assert main([*argv, "--thresholds", "16,64", "--out", str(out)]) == 0
-    text = capsys.readouterr().out
-    assert "recommendation:" in text and "expected step speedup vs NoSpec" in text
-    report = json.loads((out / "advise.json").read_text())
-    rec = report["recommendation"]
-    assert rec["speedup_vs_nospec_low"] <= rec["speedup_vs_nospec"] <= rec["speedup_vs_nospec_high"]
-    assert 0.0 <= rec["sd_on_fraction"] <= 1.0 and math.isfinite(
-        rec["idle_gpu_s_reclaimed_per_step"]
-    )
-    assert rec["tlt"]["threshold"] in (16, 64)
-    train = tomllib.loads((out / "train.toml").read_text())
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    assert set(train) <= fields, set(train) - fields
-    assert train["tlt_threshold"] == rec["tlt"]["threshold"]
-    assert (out / "fastrl.yaml").read_text().startswith("speculative:")
-    assert (out / "sweep" / "summary.json").exists()
-
-
-def test_advise_writes_a_sweep_spec_toml_reads_whatever_the_paths_hold():
-    """json.dumps escaped characters beyond U+FFFF as surrogate pairs, which TOML refuses:
-    advise then failed on its own sweep.toml for a trace named with an emoji."""
-    from tltsim.cli.advise import AdviseConfig, sweep_toml
-
-    text = sweep_toml(Path('/tmp/run\U0001f600 "q".json'), AdviseConfig(), "/x/gpu\u00e9.json")
-    spec = tomllib.loads(text)
-    assert spec["trace"].endswith('run\U0001f600 "q".json')
-    assert spec["fixed"]["hardware"] == "/x/gpu\u00e9.json"
-
-
-def test_advise_recommends_the_settings_it_swept_even_when_held_at_one_value():
-    """The sweep's summary names only the settings that varied; a threshold or strategy set
-    given alone is the user's, not TLTConfig's default (32, the 8_4_* trees)."""
-    from tltsim.cli.advise import STRATEGY_SETS, AdviseConfig, best_settings
-
-    config = AdviseConfig(thresholds=(4,), strategy_sets=("chains",))
-    best = {"policy": "tlt", "is_spot_training": False, "speedup_vs_nospec": 2.1}
-    tlt, is_spot = best_settings({"best": best}, config)
-    assert (tlt.threshold, tlt.strategies, is_spot) == (4, STRATEGY_SETS["chains"], False)
-    varied = best | {"tlt.threshold": 16, "tlt.strategies": ",".join(STRATEGY_SETS["chains"])}
-    tlt, _ = best_settings({"best": varied}, AdviseConfig(thresholds=(4, 16)))
-    assert (tlt.threshold, tlt.strategies) == (16, STRATEGY_SETS["chains"])
-
-
-@pytest.mark.parametrize(
-    "extra",
-    [
-        ["--strategy-sets", "warp"],
-        ["--preset", "nope"],
-        ["--thresholds", "0"],
-        # refused before the sweep runs (they were checked after all of it, then refused)
-        ["--cost-error", "1.5"],
-        ["--accept-rate-range", "1.2,0.8"],
-        ["--accept-rate-range", "fit"],  # a fitted band needs a file only replay takes
-    ],
-)
-def test_advise_bad_input_is_one_line_exit_2(tmp_path, capsys, extra):
-    assert main(["advise", str(TRACE), "--out", str(tmp_path / "a"), *extra]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "--drafter-dynamics FILE)" not in err
-    assert not (tmp_path / "a").exists()
-
-
-def test_advise_missing_trace_is_exit_2(tmp_path, capsys):
-    assert main(["advise", str(tmp_path / "nope.json"), "--out", str(tmp_path / "a")]) == 2
-    assert capsys.readouterr().err.startswith("error: ")
 
 
 def test_sweep_says_whether_the_best_is_distinguishable():

@@ -293,6 +293,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
             "is_best_distinguishable": summary["is_best_distinguishable"],
             "speedup_interval_over_seeds": summary["speedup_interval_over_seeds"],
         },
+        "notes": notes(trace.num_steps, sim),
         "train_toml": train_toml(tlt, is_spot),
         "fastrl_yaml": fastrl_yaml(tlt, is_spot),
     }
@@ -301,6 +302,20 @@ def cmd_advise(args: argparse.Namespace) -> int:
     (out / "fastrl.yaml").write_text(report["fastrl_yaml"] + "\n")
     print(format_advice(report, out))
     return 0
+
+
+def notes(num_steps: int, sim: SimConfig) -> list[str]:
+    """What the recommendation cannot tell from this trace."""
+    first = DrafterDynamics().first_step_training_shows()  # the sweep's (default) dynamics
+    if first is not None and num_steps > first:
+        return []
+    return [
+        f"in {num_steps} step{'s' * (num_steps != 1)} spot training cannot raise the drafter's "
+        "acceptance (it starts fully trained, and what a step trains serves the next step once "
+        f"the target has moved): spot training on/off here weighs its checkpoint cost alone "
+        f"({sim.spot_checkpoint_s:g} s a step)"
+        + ("" if first is None else f"; replay {first + 1} or more steps to judge it")
+    ]
 
 
 def interval_spec(config: AdviseConfig) -> IntervalSpec:
@@ -350,6 +365,7 @@ def format_advice(report: dict[str, Any], out: Path) -> str:
             f"reclaimed per step: {r['idle_gpu_s_reclaimed_per_step']:,.1f} "
             f"(drafter training used {r['drafter_train_gpu_s_per_step']:,.1f})",
             distinguishable_line(report["sweep"]),
+            *(f"  note: {n}" for n in report["notes"]),
             "",
             "tltrun train config (TOML):",
             report["train_toml"],

@@ -280,6 +280,19 @@ class DrafterDynamics:
     def initial_state(self) -> DrafterState:
         return DrafterState(self.initial_accept_rate)
 
+    def first_step_training_shows(self) -> int | None:
+        """The first RL step whose acceptance spot training can change (None: none can). What
+        step k trains serves step k + 1; a drafter that starts at ``max_accept_rate`` (the
+        default) has nothing to learn until step 0's update has moved the target (drift), so
+        the first step it can help is step 2: a replay of 2 steps weighs only its costs."""
+        if math.isinf(self.learn_tokens):
+            return None
+        if self.initial_accept_rate < self.max_accept_rate:
+            return 1
+        if self.drift_per_step > 0 and self.initial_accept_rate > self.stale_accept_rate:
+            return 2
+        return None
+
     def after_rl_step(self, state: DrafterState) -> DrafterState:
         """The target's weights changed (one RL update)."""
         margin = max(state.accept_rate - self.stale_accept_rate, 0.0)
