@@ -1,5 +1,5 @@
 """The history drafter in the simulator (issue #20, item 3): its acceptance model
-(``tltsim.sim.acceptance.HistoryModel``), the simulator honouring ``SpecDecision.drafter``
+(``tltsim.sim.history_acceptance.HistoryModel``), the simulator honouring ``SpecDecision.drafter``
 (TLTBase, TLTAdaptive's bandit over both drafters), ``tltsim fit``'s history model and a
 measured history run replayed by ``tltsim.fidelity.measured_run``.
 
@@ -23,14 +23,10 @@ from tltsim.cost.roofline import default_sd_iter_s
 from tltsim.fidelity.fit import FitConfig, fit_trace, load_history, save_fit
 from tltsim.fidelity.measured_run import measured_run
 from tltsim.policy import SpecDecision, TLTAdaptive, make_policy
-from tltsim.sim.acceptance import (
-    DrafterDynamics,
-    HistoryModel,
-    accept_len_pmf,
-    history_accept_len_pmf,
-)
+from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
 from tltsim.sim.batch import verify_span_s
 from tltsim.sim.config import SimConfig
+from tltsim.sim.history_acceptance import HistoryModel, history_accept_len_pmf
 from tltsim.sim.simulator import simulate
 from tltsim.trace.files import load_trace, save_trace
 from tltsim.trace.measured import MeasuredStep, PolicyRecord

@@ -326,7 +326,7 @@ def test_fast_and_exact_mode_choose_the_same_arms_after_a_drafter_switch() -> No
     modes chose parted at iteration 21 (found by a read-only hunt)."""
     from tltsim.cost.calibrated import preset_cost
     from tltsim.policy import TLTAdaptive
-    from tltsim.sim.acceptance import HistoryModel
+    from tltsim.sim.history_acceptance import HistoryModel
 
     class Logged(TLTAdaptive):
         def __init__(self, **kw):

@@ -34,8 +34,9 @@ from tltsim.cost.presets import CLUSTER_PRESETS, apply_preset
 from tltsim.errors import UsageError
 from tltsim.jsonio import write_json
 from tltsim.policy import SpotTrainerConfig, TLTConfig
-from tltsim.sim.acceptance import DrafterDynamics, HistoryModel
+from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.config import MAX_SIMULATIONS, SimConfig
+from tltsim.sim.history_acceptance import HistoryModel
 from tltsim.sim.intervals import DEFAULT_COST_ERROR, IntervalSpec, accept_band, describe
 from tltsim.sim.replay import (
     RunSettings,

@@ -47,7 +47,8 @@ from tltsim.fidelity.fit import (
 )
 from tltsim.fidelity.fit_dynamics import DYNAMICS_FIELDS
 from tltsim.fidelity.fit_history import LOGITS, HistoryFit
-from tltsim.sim.acceptance import DrafterDynamics, HistoryModel
+from tltsim.sim.acceptance import DrafterDynamics
+from tltsim.sim.history_acceptance import HistoryModel
 from tltsim.trace.files import load_trace
 
 # --- helpers for simulating subcommands -------------------------------------------------------

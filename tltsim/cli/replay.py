@@ -43,8 +43,9 @@ from tltsim.cost.presets import apply_preset
 from tltsim.errors import UsageError
 from tltsim.jsonio import write_json
 from tltsim.policy import SpotTrainerConfig, TLTConfig
-from tltsim.sim.acceptance import DrafterDynamics, HistoryModel
+from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.config import SimConfig
+from tltsim.sim.history_acceptance import HistoryModel
 from tltsim.sim.intervals import describe
 from tltsim.sim.metrics import SimResult
 from tltsim.sim.replay import (

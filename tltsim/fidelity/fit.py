@@ -65,7 +65,8 @@ from tltsim.fidelity.fit_dynamics import DYNAMICS_FIELDS, DynamicsFit, StepAccep
 from tltsim.fidelity.fit_history import LOGITS, HistoryFit, fit_history, history_observations
 from tltsim.jsonio import finite_json, read_json
 from tltsim.policy import SpecDecision
-from tltsim.sim.acceptance import DrafterDynamics, HistoryModel, accept_len_pmf
+from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
+from tltsim.sim.history_acceptance import HistoryModel
 from tltsim.trace.measured import MeasuredStep, arm_drafter
 from tltsim.trace.schema import Step, Trace
 

@@ -3,7 +3,7 @@ history arms of a measured trace, by maximum likelihood of each response's own v
 
     from tltsim.fidelity.fit_history import fit_history, history_observations
     fit = fit_history(history_observations(trace, "runs/x/trace.json"))
-    fit.model            # a tltsim.sim.acceptance.HistoryModel
+    fit.model            # a tltsim.sim.history_acceptance.HistoryModel
 
 Contract: what the trace must record (tltrun writes it)
 -------------------------------------------------------
@@ -55,7 +55,7 @@ import numpy as np
 
 from tltsim.errors import UsageError
 from tltsim.policy import SpecDecision
-from tltsim.sim.acceptance import HistoryModel, history_accept_len_pmf
+from tltsim.sim.history_acceptance import HistoryModel, history_accept_len_pmf
 from tltsim.trace.measured import arm_drafter
 from tltsim.trace.schema import Trace
 

@@ -82,13 +82,8 @@ from tltsim.fidelity.fit_history import (
 )
 from tltsim.policy import POLICY_NAMES, SpecDecision, TLTBase, TLTConfig
 from tltsim.policy.tlt import TLTBASE_FIELDS
-from tltsim.sim.acceptance import (
-    DEFAULT_ACCEPT_RATE,
-    DEFAULT_SIBLING_RATE,
-    DrafterState,
-    HistoryModel,
-    history_accept_len_pmf,
-)
+from tltsim.sim.acceptance import DEFAULT_ACCEPT_RATE, DEFAULT_SIBLING_RATE, DrafterState
+from tltsim.sim.history_acceptance import HistoryModel, history_accept_len_pmf
 from tltsim.trace.measured import UNRECORDED, MeasuredStep, PolicyRecord
 from tltsim.trace.schema import Step, Trace
 

@@ -86,7 +86,7 @@ POLICY_NAMES = ("nospec", "static", "tlt", "tltbase")
 # expresses. TLTBase drafts from the rollout history, which vLLM's dynamic-SD table cannot
 # express (vLLM's ngram engine approximates it, README), so it runs there only where named.
 # tltsim's "--policy all" runs every name of POLICY_NAMES (the simulator models the history
-# drafter, tltsim.sim.acceptance.HistoryModel).
+# drafter, tltsim.sim.history_acceptance.HistoryModel).
 DEFAULT_POLICY_NAMES = ("nospec", "static", "tlt")
 
 

@@ -24,7 +24,7 @@ off); ExactBatch recomputes it every iteration.
 
 History-drafter decisions (``SpecDecision.drafter == "history"``, issue #20) cost the target's
 verify alone (``verify_span_s``: no drafter forward) plus the drafter's host work per sequence
-and emitted token (``tltsim.sim.acceptance.HistoryModel``), and each request's accept lengths
+and emitted token (``tltsim.sim.history_acceptance.HistoryModel``), and each request's accept lengths
 depend on its group's progress: FastBatch keeps every request's history key (finished-sibling
 fraction and history flag, ``StepHistory.keys``) and re-samples the requests whose key
 changed (a sibling finished) at the next span, as it does for all requests when the decision

@@ -20,7 +20,7 @@ the accept-length EMA. A policy whose decision depends on how many iterations ha
 means (floats, unrounded), so a bandit's reward is the span's mean throughput.
 
 History-drafter decisions (issue #20): the instance's batch draws each request's accept lengths
-from ``tltsim.sim.acceptance.HistoryModel`` at its own key, the fraction of its siblings that
+from ``tltsim.sim.history_acceptance.HistoryModel`` at its own key, the fraction of its siblings that
 finished where its drafter can see them and whether earlier rollouts of its prompt are indexed
 (``tltsim.sim.step_history.StepHistory.keys``); such iterations run no drafter forward and never re-prefill a
 drafter (tltrun's engine builds no EAGLE cache for them). The next EAGLE span's first drafting

@@ -38,8 +38,9 @@ from typing import Any
 import numpy as np
 
 from tltsim.errors import UsageError
-from tltsim.sim.acceptance import DrafterDynamics, HistoryModel
+from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.config import MAX_SEED, MAX_SIMULATIONS
+from tltsim.sim.history_acceptance import HistoryModel
 from tltsim.sim.metrics import SimResult
 
 # 0.1: the measured fidelity runs (README "Fidelity") put a profiled cost model's per-step time

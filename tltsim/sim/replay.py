@@ -39,8 +39,9 @@ from tltsim.policy import (
     make_policy,
     tltbase_settings,
 )
-from tltsim.sim.acceptance import DrafterDynamics, HistoryModel
+from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.config import SimConfig
+from tltsim.sim.history_acceptance import HistoryModel
 from tltsim.sim.intervals import (
     DEFAULT_COST_ERROR,
     IntervalSpec,

@@ -37,9 +37,10 @@ import numpy as np
 import simpy
 
 from tltsim.policy import IdleObs, SpecDecision
-from tltsim.sim.acceptance import DrafterDynamics, HistoryModel, accept_len_pmf
+from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
 from tltsim.sim.batch import AcceptDist
 from tltsim.sim.config import SimConfig
+from tltsim.sim.history_acceptance import HistoryModel
 from tltsim.sim.instance import InstanceRollout, StepArrays, StepRun
 from tltsim.sim.metrics import (
     InstanceShare,

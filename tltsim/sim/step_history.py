@@ -1,5 +1,5 @@
 """The history drafter's view of one RL step in the simulator (issue #20): what the model-free
-drafter of each request could copy from, as ``tltsim.sim.acceptance.HistoryModel`` keys it.
+drafter of each request could copy from, as ``tltsim.sim.history_acceptance.HistoryModel`` keys it.
 
 A request's history key is ``f + 2 h``: ``f`` the fraction of its group's siblings whose rollout
 has finished where its drafter sees them (``HistoryModel.scope``: its own instance, as tltrun's
@@ -20,8 +20,8 @@ from collections.abc import Callable
 import numpy as np
 
 from tltsim.policy import SpecDecision
-from tltsim.sim.acceptance import HistoryModel, history_accept_len_pmf
 from tltsim.sim.batch import AcceptDist
+from tltsim.sim.history_acceptance import HistoryModel, history_accept_len_pmf
 
 
 class StepHistory:
