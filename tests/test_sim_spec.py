@@ -220,9 +220,12 @@ def test_sd_switch_costs_a_reprefill() -> None:
     trace = make_trace([[[2000, 2000]]])  # one prompt of 200 tokens, two responses
     rec = run(trace, "static", num_gpus=1, share_prompts=False).steps[0]
     assert rec.reprefill_instance_s == pytest.approx(roofline().sd_switch_s(2, 2 * 201))
-    # the second response takes the prompt's 199 drafter pairs from the first
+    # the second response takes the prompt's 199 drafter tokens from the first: 201 + 2 tokens,
+    # priced at their attention pairs (203^2 / (201^2 + 2^2) equal sequences; the even split
+    # of 2 sequences gave the 201-token one a quarter of its pairs)
     rec = run(trace, "static", num_gpus=1).steps[0]
-    assert rec.reprefill_instance_s == pytest.approx(roofline().sd_switch_s(2, 2 * 201 - 199))
+    seqs = 203**2 / (201**2 + 2**2)
+    assert rec.reprefill_instance_s == pytest.approx(roofline().sd_switch_s(seqs, 203), rel=1e-9)
     nospec = run(trace, "nospec", num_gpus=1).steps[0]
     assert nospec.reprefill_instance_s == 0 and dataclasses.asdict(nospec)["sd_tokens"] == 0
 

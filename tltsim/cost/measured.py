@@ -279,7 +279,7 @@ class ProfileCost:
     def sd_iter_s(self, batch: int, context_tokens: float, decision: SpecDecision) -> float:
         return default_sd_iter_s(self, batch, context_tokens, decision)
 
-    def sd_switch_s(self, batch: int, context_tokens: float) -> float:
+    def sd_switch_s(self, batch: float, context_tokens: float) -> float:
         if batch < 1 or context_tokens <= 0:
             return 0.0
         if "sd_switch" in self._tables:

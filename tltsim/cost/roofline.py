@@ -53,7 +53,7 @@ class CostModel(Protocol):
         """Prefill ``num_tokens`` new tokens (summed over ``num_seqs`` requests, split evenly)
         on top of ``context_tokens`` cached tokens (summed likewise). ``num_seqs`` may be
         fractional: the simulator prices prompts of unequal lengths as N^2 / sum(n_i^2) equal
-        ones, which attend over the same pairs (``tltsim.sim.instance.attention_seqs``)."""
+        ones, which attend over the same pairs (``tltsim.sim.prefill.attention_seqs``)."""
         ...
 
     def drafter_iter_s(self, batch: int, context_tokens: float, tokens_per_seq: int = 1) -> float:
@@ -78,9 +78,12 @@ class CostModel(Protocol):
         in closed form (``RooflineCost``, ``ProfileCost``)."""
         ...
 
-    def sd_switch_s(self, batch: int, context_tokens: float) -> float:
+    def sd_switch_s(self, batch: float, context_tokens: float) -> float:
         """Turning SD on mid-rollout: re-prefill of the running requests (target + drafter), as
-        TLT requeues them to rebuild the drafter's KV cache. Default: ``default_sd_switch_s``."""
+        TLT requeues them to rebuild the drafter's KV cache. ``batch`` sequences of equal
+        length (a float: the simulator prices uneven contexts as
+        ``tltsim.sim.prefill.attention_seqs`` equal ones, as a prefill). Default:
+        ``default_sd_switch_s``."""
         ...
 
     def train_s(self, num_tokens: int, mean_seq_tokens: float = 0.0) -> float:
@@ -114,15 +117,16 @@ def default_sd_iter_s(
     return draft_s + cost.decode_iter_s(batch, context_tokens, decision.verify_tokens + 1)
 
 
-def default_sd_switch_s(cost: CostModel, batch: int, context_tokens: float) -> float:
+def default_sd_switch_s(cost: CostModel, batch: float, context_tokens: float) -> float:
     """Re-prefill every running request: the target recomputes the hidden states the drafter
     needs (an upper bound: a prefix cache could spare part of it) and the drafter rebuilds its
     one-layer KV cache over the same tokens."""
     if batch < 1 or context_tokens <= 0:
         return 0.0
     tokens = int(round(context_tokens))
-    per_seq = max(1, tokens // batch)
-    return cost.prefill_s(tokens, 0.0, batch) + cost.drafter_iter_s(batch, 0.0, per_seq)
+    seqs = max(1, round(batch))  # a drafter forward of whole sequences
+    per_seq = max(1, tokens // seqs)
+    return cost.prefill_s(tokens, 0.0, batch) + cost.drafter_iter_s(seqs, 0.0, per_seq)
 
 
 def crossover_batch(
@@ -372,7 +376,7 @@ class RooflineCost:
     def sd_iter_s(self, batch: int, context_tokens: float, decision: SpecDecision) -> float:
         return default_sd_iter_s(self, batch, context_tokens, decision)
 
-    def sd_switch_s(self, batch: int, context_tokens: float) -> float:
+    def sd_switch_s(self, batch: float, context_tokens: float) -> float:
         if batch < 1 or context_tokens <= 0:
             return 0.0
         tokens = int(round(context_tokens))

@@ -228,6 +228,10 @@ class FastBatch:
     def remaining(self) -> np.ndarray:
         return (self.state[:, FINISH] - self.iters) * self.state[:, RATE]
 
+    def contexts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(each running request's context: prompt + tokens so far, its response id)."""
+        return self.state[:, FULL] - self.remaining(), self.state[:, ID].astype(np.int64)
+
     def advance(self, decision: SpecDecision, hold: int | None) -> tuple[float, int, float]:
         """Run until the next completion (or ``hold`` iterations): (seconds, iterations, tokens)."""
         if decision is not self.decision and decision != self.decision:
@@ -312,6 +316,10 @@ class ExactBatch:
         if not self.is_padded or self.rem.size == 0:
             return float(self.context_tokens), 0.0
         return float(self.rem.size * int((self.full - self.rem).max())), 0.0
+
+    def contexts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(each running request's context: prompt + tokens so far, its response id)."""
+        return (self.full - self.rem).astype(np.float64), self.ids
 
     def admit(self, prompt: np.ndarray, response: np.ndarray, ids: np.ndarray) -> None:
         self.rem = np.concatenate((self.rem, response - 1))

@@ -55,22 +55,13 @@ from tltsim.policy import (
 from tltsim.sim.acceptance import accept_len_pmf
 from tltsim.sim.batch import AcceptDist, ExactBatch, FastBatch
 from tltsim.sim.metrics import Segment
+from tltsim.sim.prefill import admission_s, reprefill_work, shared_tokens
 from tltsim.sim.step_history import StepHistory
 
 # Pending drafter pairs per request an EAGLE drafting step feeds in its first forward; a longer
 # lag is re-prefilled first. tltrun's RolloutEngine.catchup_pairs: its EngineConfig's
 # max_verify_tokens default (64) on the eager path the simulator's cost models describe.
 CATCHUP_PAIRS = 64
-
-
-def attention_seqs(lengths: np.ndarray) -> float:
-    """The sequences a prefill of prompts of ``lengths`` is priced as. Cost models price a
-    batch's attention as N tokens split evenly over S sequences (N(N/S + 1)/2 pairs), exact for
-    equal lengths; uneven ones attend over sum(n_i(n_i + 1)/2) pairs, up to S times more, so a
-    long prompt got cheaper when a short one joined it (and its rollout fell below the ideal
-    bound). N^2 / sum(n_i^2) sequences (in [1, S], S for equal lengths) give the exact pairs."""
-    n = lengths.astype(np.float64)
-    return float(n.sum() ** 2 / float((n * n).sum()))
 
 
 class InstanceRollout:
@@ -178,10 +169,9 @@ class InstanceRollout:
         rest: with token granularity one decode-shaped forward over the followers (tltrun's
         torch engine), else a prefill on top of the cached blocks (vLLM's prefix cache). A
         follower with no whole block to reuse prefills like a leader."""
-        padded = self.batch.is_padded
-        cost = self.run.cost
+        block = self.run.config.prefix_block_tokens
+        cached = shared_tokens(prompts, block)
         lead = np.ones(prompts.size, dtype=bool)
-        cached = self._shared_tokens(prompts)
         if self.run.config.share_prompts:
             _, first = np.unique(groups, return_index=True)
             is_first = np.zeros(prompts.size, dtype=bool)
@@ -190,40 +180,21 @@ class InstanceRollout:
             lead = ~((~is_first | running) & (cached > 0))
         for g in groups.tolist():
             self.active_groups[g] = self.active_groups.get(g, 0) + 1
-        dt = 0.0
-        if lead.any():
-            p = prompts[lead]
-            # a padded engine prefills every prompt at the longest one's length
-            num = p.size * int(p.max()) if padded else int(p.sum())
-            dt += cost.prefill_s(num, 0.0, int(p.size) if padded else attention_seqs(p))
-        if not lead.all():
-            have, new = cached[~lead], prompts[~lead] - cached[~lead]
-            ctx = have.size * int(have.max()) if padded else int(have.sum())
-            if int(new.max()) == 1:
-                dt += cost.decode_iter_s(int(have.size), float(ctx), 1)
-            else:
-                num = new.size * int(new.max()) if padded else int(new.sum())
-                seqs = int(new.size) if padded else attention_seqs(new)
-                dt += cost.prefill_s(num, float(ctx), seqs)
-        return dt
+        return admission_s(self.run.cost, prompts, cached, lead, self.batch.is_padded)
 
-    def _shared_tokens(self, prompts: np.ndarray) -> np.ndarray:
-        """Prompt tokens a follower reuses: whole blocks, short of the last token."""
-        block = self.run.config.prefix_block_tokens
-        return (prompts - 1) // block * block
-
-    def _reprefill_context(self) -> float:
-        """Context the SD switch re-prefills: the batch's, less the prompt pairs a group's other
-        running responses take from its first one (tltrun's drafter re-prefill feeds them once)."""
-        context = self.batch.cost_context()[0]
-        if not self.run.config.share_prompts:
-            return context
-        block = self.run.config.prefix_block_tokens
-        saved = sum(
-            (n - 1) * ((int(self.group_prompt[g]) - 1) // block * block)
-            for g, n in self.active_groups.items()
+    def _reprefill(self) -> tuple[float, float]:
+        """(sequences, tokens) of the SD switch's re-prefill over the running requests."""
+        contexts, ids = self.batch.contexts()
+        groups = self.run.prompt_index[ids]
+        prompts = np.array([self.group_prompt[g] for g in groups.tolist()], dtype=np.int64)
+        config = self.run.config
+        return reprefill_work(
+            contexts,
+            groups if config.share_prompts else None,
+            prompts,
+            config.prefix_block_tokens,
+            self.batch.is_padded,
         )
-        return max(float(self.batch.num_active), context - saved)
 
     def _drafter_upkeep_s(self, decision: SpecDecision, b: int) -> tuple[float, float]:
         """(re-prefill seconds before the span, catch-up seconds inside its first drafting
@@ -239,7 +210,7 @@ class InstanceRollout:
             # first EAGLE decision comes after history ones, as here.
             self.is_sd_on = True
             self.lag_tokens, self.num_unseen, self.unseen_tokens = 0.0, 0, 0.0
-            return run.reprefill_s(b, self._reprefill_context()), 0.0
+            return run.reprefill_s(*self._reprefill()), 0.0
         switch_s = catchup_s = 0.0
         if self.num_unseen:
             # requests admitted since: the drafter has seen nothing of them, and one drafter
@@ -498,8 +469,8 @@ class StepRun:
                 )
             )
 
-    def reprefill_s(self, num_active: int, context_tokens: float) -> float:
-        return self.sim.reprefill_s(num_active, context_tokens)
+    def reprefill_s(self, num_seqs: float, context_tokens: float) -> float:
+        return self.sim.reprefill_s(num_seqs, context_tokens)
 
     def instance_done(self, inst: InstanceRollout) -> None:
         """An instance ran out of work: it is idle until the barrier, or a spot trainer."""

@@ -246,10 +246,10 @@ class _Simulation:
             pmf = accept_len_pmf(decision, acceptance, self.drafter.sibling_rate)
         return AcceptDist.of(pmf)
 
-    def reprefill_s(self, num_active: int, context_tokens: float) -> float:
+    def reprefill_s(self, num_seqs: float, context_tokens: float) -> float:
         # TLT rebuilds the drafter's KV cache by re-prefilling the running requests when SD
         # switches on (issue #3, part 4); the cost model prices it.
-        return self.cost.sd_switch_s(num_active, context_tokens)
+        return self.cost.sd_switch_s(num_seqs, context_tokens)
 
     # -- spot trainers ------------------------------------------------------------------------------
 
