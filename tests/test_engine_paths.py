@@ -42,6 +42,13 @@ def test_update_weights_switches_to_the_new_policy_weights():
     assert after == want and before != want
     with pytest.raises(ValueError, match="missing"):
         eng.update_weights({"model.norm.weight": torch.ones(48)})
+    # a wrong shape anywhere refuses the whole update: nothing was copied (tensors before it
+    # in the state dict were, and the engine ran a mix of two models)
+    names = list(model.state_dict())
+    mixed = {**tiny_model(seed=7).state_dict(), names[-1]: torch.zeros(3, 3)}
+    with pytest.raises(ValueError, match=f"{names[-1]} has shape \\(3, 3\\)"):
+        eng.update_weights(mixed)
+    assert [o.output_token_ids for o in eng.generate(reqs, NoSpec()).outputs] == want
 
 
 GRAPH_POLICIES = {

@@ -14,6 +14,7 @@ Run the tests: ``python -m pytest tests/test_engine.py tests/test_engine_paths.p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
@@ -75,16 +76,31 @@ def load_in_place(
     module: torch.nn.Module, state_dict: dict[str, torch.Tensor], what: str, drop: AbstractSet[str]
 ) -> None:
     """Copy ``state_dict`` into ``module``'s existing parameter storage (names and shapes must
-    match exactly, except the names in ``drop``); ValueError names the first mismatches."""
+    match exactly, except the names in ``drop``); ValueError names the first mismatches, and
+    then nothing was copied."""
     own = module.state_dict()
+    shapes = {k: tuple(v.shape) for k, v in own.items()}
+    for name, tensor in check_state_dict(shapes, state_dict, what, drop).items():
+        own[name].copy_(tensor)
+
+
+def check_state_dict(
+    shapes: Mapping[str, tuple[int, ...]],
+    state_dict: Mapping[str, torch.Tensor],
+    what: str,
+    drop: AbstractSet[str],
+) -> dict[str, torch.Tensor]:
+    """``state_dict`` less the names in ``drop``, if its names and shapes are exactly those of
+    ``shapes`` (less ``drop``); else ValueError naming the first mismatches. Checked whole
+    before any copy: a weight sync is applied completely or not at all."""
     given = {k: v for k, v in state_dict.items() if k not in drop}
-    unexpected = sorted(set(given) - set(own))
-    missing = sorted(set(own) - set(given) - drop)
+    unexpected = sorted(set(given) - set(shapes))
+    missing = sorted(set(shapes) - set(given) - drop)
     if unexpected or missing:
         raise ValueError(f"{what} weights: unexpected {unexpected[:3]}, missing {missing[:3]}")
     for name, tensor in given.items():
-        if tuple(tensor.shape) != tuple(own[name].shape):
+        if tuple(tensor.shape) != tuple(shapes[name]):
             raise ValueError(
-                f"{what} weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}"
+                f"{what} weights: {name} has shape {tuple(tensor.shape)}, expected {tuple(shapes[name])}"
             )
-        own[name].copy_(tensor)
+    return given
