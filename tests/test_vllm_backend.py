@@ -22,7 +22,7 @@ from tltrun.rollout.engine import RolloutEngine  # noqa: E402
 from tltrun.rollout.engine_config import EngineConfig  # noqa: E402
 from tltrun.rollout.interface import Request, SamplingParams  # noqa: E402
 from tltrun.rollout.measured_trace import rollout_summary  # noqa: E402
-from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig, engine_args  # noqa: E402
+from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig  # noqa: E402
 from tltsim.policy import (  # noqa: E402
     NoSpec,
     StaticSpec,
@@ -322,34 +322,6 @@ def test_eos_stops_a_request_unless_ignored(fresh, ckpt):
     assert num_stopped >= 1  # the fixture's prompts do reach EOS (else this test proves nothing)
 
 
-@pytest.mark.parametrize(
-    "fields, message",
-    [
-        ({"control": "tree"}, "control must be one of"),
-        ({"control": "switch", "is_multiprocess": True}, "needs the in-process engine"),
-        ({"max_draft_steps": 0}, "max_draft_steps must be >= 1"),
-        ({"kv_cache_bytes": 0}, "kv_cache_bytes"),
-    ],
-)
-def test_config_rejects_bad_values(fields, message):
-    with pytest.raises(ValueError, match=message):
-        VLLMBackendConfig(**fields)
-
-
-def test_engine_args_with_and_without_drafter_are_valid(ckpt):
-    """Validated by vLLM without starting an engine (the module's engine has a drafter)."""
-    config = VLLMBackendConfig(max_draft_steps=2, max_num_seqs=4, max_model_len=64)
-    plain = engine_args(str(ckpt["root"] / "target"), None, config).create_engine_config()
-    assert plain.speculative_config is None
-    sd = engine_args(
-        str(ckpt["root"] / "target"), str(ckpt["root"] / "drafter"), config
-    ).create_engine_config()
-    assert sd.speculative_config.num_speculative_tokens == 2
-    assert [tuple(r) for r in sd.speculative_config.num_speculative_tokens_per_batch_size] == [
-        (1, 4, 2)
-    ]
-
-
 def test_sampling_a_batch_of_long_prompts_on_cpu(fresh):
     """Seeded temperature sampling with prompts whose total (8 x 240 tokens) exceeds the step
     budget: on CPU the engine schedules whole prompts (chunked prefill off), since chunked
@@ -365,31 +337,6 @@ def test_sampling_a_batch_of_long_prompts_on_cpu(fresh):
     again = sampled.generate(reqs, NoSpec(), step=3)
     assert [len(t) for t in tokens(first)] == [8] * 8
     assert tokens(first) == tokens(again)  # seeded per (step, request): reproducible
-
-
-@pytest.mark.parametrize(
-    "fields, message",
-    [
-        ({"drafter": "medusa"}, "drafter must be one of"),
-        ({"drafter": "history"}, "needs control 'iteration' or 'switch'"),
-        ({"control": "iteration", "ngram_min": 3, "ngram_max": 2}, "ngram_min <= ngram_max"),
-    ],
-)
-def test_config_rejects_bad_history_settings(fields, message):
-    with pytest.raises(ValueError, match=message):
-        VLLMBackendConfig(**fields)
-
-
-def test_engine_args_for_the_history_drafter_are_vllm_ngram(ckpt):
-    config = VLLMBackendConfig(
-        control="iteration", drafter="history", max_draft_steps=3, ngram_min=2, ngram_max=4
-    )
-    spec = engine_args(str(ckpt["root"] / "target"), None, config).create_engine_config()
-    spec = spec.speculative_config
-    assert (spec.method, spec.num_speculative_tokens) == ("ngram", 3)
-    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (2, 4)
-    with pytest.raises(ValueError, match="takes no drafter checkpoint"):
-        engine_args(str(ckpt["root"] / "target"), str(ckpt["root"] / "drafter"), config)
 
 
 def test_history_drafter_as_vllm_ngram_is_lossless_and_refused_on_eagle(fresh, ckpt):
@@ -438,3 +385,74 @@ def test_history_drafter_as_vllm_ngram_is_lossless_and_refused_on_eagle(fresh, c
             engine.update_drafter(ckpt["drafter"].state_dict())
     finally:
         engine.close()
+
+
+def test_bad_requests_are_refused_before_any_is_submitted(fresh, ckpt):
+    """As the torch engine's checks: vLLM crashed a worker on an out-of-vocabulary id, cut an
+    over-long request short as 'length', generated from a negative id, and kept the requests
+    submitted before a refused one running into the next rollout."""
+    good = requests()
+    for bad, message in [
+        (Request("oov", (1, 100), 4), r"token ids must be in \[0, 100\)"),
+        (Request("neg", (1, -1, 41), 4), r"token ids must be in \[0, 100\)"),
+        (Request("long", (1, 2, 3), 254), "exceeds max_model_len=256"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            fresh.generate([*good, bad], NoSpec())
+    result = fresh.generate(good, NoSpec())  # nothing left behind: the same rollout as ever
+    assert max(it.num_active for it in result.iterations) == len(good)
+    assert tokens(result) == tokens(torch_engine(ckpt["target"], None).generate(good, NoSpec()))
+
+
+def test_bad_weight_updates_are_refused_and_change_nothing(fresh, ckpt):
+    """vLLM's reload applied a partial state dict silently and left a wrong-shaped one's
+    parameters on the meta device for good; refused first, as the torch engine's update."""
+    before = tokens(fresh.generate(requests(), CHAIN3))
+    target = dict(ckpt["target"].state_dict())
+    drafter = dict(ckpt["drafter"].state_dict())
+    partial = {k: v for k, v in target.items() if k.startswith("model.layers.1.")}
+    with pytest.raises(ValueError, match="target weights: unexpected \\[\\], missing"):
+        fresh.update_weights(partial)
+    name = "model.layers.0.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match=f"{name} has shape \\(5, 5\\)"):
+        fresh.update_weights({**target, name: torch.zeros(5, 5)})
+    with pytest.raises(ValueError, match="drafter weights: unexpected"):
+        fresh.update_drafter(target)  # the target's state dict as the drafter's
+    with pytest.raises(ValueError, match="missing \\['fc.weight'\\]"):
+        fresh.update_drafter({k: v for k, v in drafter.items() if k != "fc.weight"})
+    assert tokens(fresh.generate(requests(), CHAIN3)) == before
+
+
+def test_a_failed_weight_load_marks_the_engine_unusable(fresh):
+    """A load that fails inside vLLM has no undo: the backend says so at once and at every
+    later call, instead of failing on meta tensors in the next rollout."""
+    import copy
+
+    class Failing:
+        def collective_rpc(self, method, args):
+            raise RuntimeError("start (0) + length (96) exceeds dimension size (5).")
+
+    view = copy.copy(fresh)  # the module's engine stays usable
+    view._engine = Failing()
+    with pytest.raises(RuntimeError, match="unusable after a failed update \\(tlt_load_target"):
+        view.update_weights(dict(tiny_model(seed=0, **SHAPE).state_dict()))
+    with pytest.raises(RuntimeError, match="start a new one"):
+        view.generate(requests(), NoSpec())
+
+
+def test_requests_admitted_while_others_speculate_record_no_verify(fresh):
+    """More requests than slots: some are prefilled in a step where others verify drafts. Their
+    first token was recorded as a verify accepting 0 drafts (vLLM's own histogram counts none),
+    so per-response histograms disagreed with vLLM's and the torch engine's."""
+    target, drafter = bigram_pair(layer_scale=0.01, fc_noise=0.05)
+    fresh.update_weights(target.state_dict())
+    fresh.update_drafter(drafter.state_dict())
+    lengths = (4, 4, 6, 6, 8, 8, 10, 10, 16, 16, 24)  # 11 requests, 8 slots
+    result = fresh.generate(requests(lengths), CHAIN3)
+    torch_result = torch_engine(target, drafter).generate(requests(lengths), CHAIN3)
+    assert tokens(result) == tokens(torch_result)
+    late = [o for o in result.outputs if o.id in ("r8", "r9", "r10")]
+    assert all(sum(o.accept_hist) for o in late)  # the late ones did speculate: teeth
+    for out, ref in zip(result.outputs, torch_result.outputs, strict=True):
+        assert out.accept_hist_by_strategy.get("3_1_3", []) == trimmed(out.accept_hist), out.id
+        assert out.accept_hist_by_strategy == ref.accept_hist_by_strategy, out.id

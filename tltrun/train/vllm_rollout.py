@@ -34,34 +34,7 @@ from tltrun.rollout.interface import Request, RolloutResult, SamplingParams
 from tltrun.rollout.slot_state import HarvestRecord
 from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig
 from tltrun.train.drafter_training import records_from_outputs
-from tltsim.policy import SpecDecision, SpecPolicy, TLTConfig
-
-# vLLM allocates KV cache in blocks; on CPU its default block_size is 128 tokens
-# (vllm/platforms/cpu.py, check_and_update_config), 16 on GPUs. A sequence holds at most
-# ceil(max_model_len / block) blocks; 128 bounds both.
-VLLM_BLOCK_TOKENS = 128
-MIN_KV_CACHE_BYTES = 16 << 20  # vLLM refuses a cache that cannot hold one full-length sequence
-
-
-def kv_cache_bytes(model: Transformer, num_seqs: int, max_model_len: int, has_drafter: bool) -> int:
-    """Bytes of KV cache for ``num_seqs`` sequences of ``max_model_len`` tokens (K and V, every
-    target layer plus the drafter's one, float32), twice that for vLLM's own slack, at least
-    MIN_KV_CACHE_BYTES."""
-    cfg = model.config
-    blocks = -(-max_model_len // VLLM_BLOCK_TOKENS) * num_seqs
-    layers = cfg.num_hidden_layers + (1 if has_drafter else 0)
-    per_token = 2 * layers * cfg.num_key_value_heads * cfg.head_dim * 4
-    return max(MIN_KV_CACHE_BYTES, 2 * blocks * VLLM_BLOCK_TOKENS * per_token)
-
-
-def max_draft_steps(policy_name: str, settings: Mapping) -> int:
-    """The largest k the policy can ask for (vLLM's num_speculative_tokens)."""
-    if policy_name == "static":
-        return SpecDecision.parse(settings["strategy"]).draft_steps
-    if policy_name == "tlt":
-        strategies = settings.get("strategies", TLTConfig().strategies)
-        return max(SpecDecision.parse(s).draft_steps for s in strategies)
-    return 1
+from tltsim.policy import SpecPolicy
 
 
 class VLLMTrainRollout:

@@ -168,8 +168,12 @@ class Worker:
         sampling = SamplingParams(cfg.temperature, cfg.top_p)
         engine_drafter = drafter if cfg.policy != "nospec" else None
         if cfg.backend == "vllm":
-            from tltrun.rollout.vllm_backend import VLLMBackendConfig
-            from tltrun.train.vllm_rollout import VLLMTrainRollout, kv_cache_bytes, max_draft_steps
+            from tltrun.rollout.vllm_config import (
+                VLLMBackendConfig,
+                kv_cache_bytes,
+                max_draft_steps,
+            )
+            from tltrun.train.vllm_rollout import VLLMTrainRollout
 
             vcfg = VLLMBackendConfig(
                 control="iteration",
@@ -177,7 +181,7 @@ class Worker:
                 max_num_seqs=max_running,
                 max_model_len=max_model_len,
                 kv_cache_bytes=kv_cache_bytes(
-                    target, max_running, max_model_len, engine_drafter is not None
+                    target.config, max_running, max_model_len, engine_drafter is not None
                 ),
                 dtype=cfg.dtype,
                 seed=cfg.seed * 1000 + rank,
