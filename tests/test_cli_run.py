@@ -417,7 +417,7 @@ def test_bench_runs_tltbase_without_an_eagle_drafter(dirs, capsys):
     """TLT-Base drafts from the rollout history: no --drafter needed, same tokens as NoSpec."""
     out = dirs / "bench_tltbase"
     argv = ["bench", "--trace", str(dirs / "trace.json"), "--model", str(dirs / "model"),
-            "--out", str(out), "--no-progress-shown", *ENGINE]  # fmt: skip
+            "--out", str(out), *ENGINE]  # fmt: skip
     assert main([*argv, "--policy", "nospec,tltbase"]) == 0, capsys.readouterr().err
     results = json.loads((out / "results.json").read_text())
     assert list(results) == ["torch/nospec", "torch/tltbase"]
@@ -474,3 +474,17 @@ def test_harvesting_is_not_a_flag_of_generate_or_bench(command, capsys):
     assert (
         exit_.value.code == 2 and "unrecognized arguments: --harvesting" in capsys.readouterr().err
     )
+
+
+def test_a_refused_generate_writes_nothing_and_the_corrected_one_runs(dirs, tmp_path, capsys):
+    """--policy static without --drafter was refused after config.json and an empty
+    generations.jsonl were written: the corrected command then met "an unfinished generate
+    run", and its --resume repeated the refusal."""
+    out = tmp_path / "gen"
+    argv = ["generate", "--model", str(dirs / "model"), "--prompts", str(dirs / "prompts.jsonl"),
+            "--out", str(out), *ENGINE]  # fmt: skip
+    assert main([*argv, "--policy", "static"]) == 2
+    assert "the engine has none" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["run.lock"]  # no run's files
+    assert main([*argv, "--policy", "static", "--drafter", str(dirs / "drafter")]) == 0
+    assert (out / "trace.json").is_file()

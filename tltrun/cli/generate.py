@@ -207,39 +207,59 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     f"{out}: holds the responses of an unfinished generate run (generations."
                     "jsonl, no trace.json); pass --resume to continue it, or choose another --out"
                 )
+            done = set()
+        # the policy, drafter and engine are checked before the run writes anything: a refusal
+        # here left config.json and an empty generations.jsonl, which then refused the corrected
+        # command ("an unfinished generate run") and whose --resume repeated the refusal
+        remaining = [r for r in requests if r.id not in done]
+        engine = _start_engine(cfg, engine_cfg, remaining)
+        if not args.resume:
             (out / "trace.json").unlink(missing_ok=True)  # a killed rerun is not "finished"
             write_json(out / "config.json", config_dict(generate=cfg, engine=engine_cfg))
             log.start()
-            done = set()
         try:
-            return _generate(cfg, engine_cfg, requests, log, done, out)
+            return _generate(cfg, engine_cfg, engine, requests, log, done, out)
         finally:
             log.close()
 
 
-def _generate(cfg: GenerateConfig, engine_cfg, requests, log, done: set[str], out: Path) -> int:
-    """Roll out the requests not in ``done``, streaming each finished response to ``log``;
-    then the ordered generations and the measured trace of this process's rollout."""
-    from tqdm import tqdm
+def _policy_settings(cfg: GenerateConfig) -> dict[str, Any]:
+    return {"strategy": cfg.strategy} if cfg.policy == "static" and cfg.strategy else {}
 
+
+def _start_engine(cfg: GenerateConfig, engine_cfg, remaining: list[Request]):
+    """The engine, with the rollout of ``remaining`` started (a UsageError for a policy,
+    drafter or request it cannot run)."""
     from tltrun.model.drafter import load_drafter
     from tltrun.model.hf_checkpoint import load_hf
     from tltrun.rollout.engine import RolloutEngine
-    from tltrun.rollout.measured_trace import hardware_name, measured_step
     from tltsim.policy import make_policy
-    from tltsim.trace.files import save_trace
-    from tltsim.trace.schema import Trace
 
-    remaining = [r for r in requests if r.id not in done]
     target = load_hf(cfg.model, dtype=DTYPES[engine_cfg.dtype_name], device=engine_cfg.device)
     drafter = load_drafter(cfg.drafter, target) if cfg.drafter else None
-    settings = {"strategy": cfg.strategy} if cfg.policy == "static" and cfg.strategy else {}
     try:
-        policy = make_policy(cfg.policy, seed=engine_cfg.seed, **settings)
+        policy = make_policy(cfg.policy, seed=engine_cfg.seed, **_policy_settings(cfg))
         engine = RolloutEngine(target, drafter, engine_cfg)
         engine.start_rollout(remaining, policy, step=cfg.step)
     except ValueError as err:
         raise UsageError(str(err)) from None
+    return engine
+
+
+def _generate(
+    cfg: GenerateConfig, engine_cfg, engine, requests, log, done: set[str], out: Path
+) -> int:
+    """Run the started rollout of the requests not in ``done``, streaming each finished
+    response to ``log``; then the ordered generations and the measured trace of this
+    process's rollout."""
+    from tqdm import tqdm
+
+    from tltrun.rollout.measured_trace import hardware_name, measured_step
+    from tltsim.trace.files import save_trace
+    from tltsim.trace.schema import Trace
+
+    remaining = [r for r in requests if r.id not in done]
+    settings = _policy_settings(cfg)
     num_streamed = 0
     with tqdm(
         total=len(requests), initial=len(done), desc="tltrun generate", unit="response"
