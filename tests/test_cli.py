@@ -204,3 +204,23 @@ def test_a_refused_replay_leaves_no_output_directory(tmp_path: Path, monkeypatch
     assert main(argv) == 2
     assert "needs --drafter-dynamics" in capsys.readouterr().err
     assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sweep", "{tmp}/bad.toml", "--out", "{tmp}/o/sweep"],
+        ["calibrate", str(ROOT / "profiles" / "h200_qwen2.5-1.5b_random.csv"),
+         "--hardware", "NOPE", "--out", "{tmp}/o/deep/h.json"],
+        ["import", "servegen", "{tmp}/missing.csv", "--out", "{tmp}/o/t.json"],
+    ],
+)  # fmt: skip
+def test_a_refused_command_leaves_no_directory_it_created(tmp_path: Path, argv, capsys) -> None:
+    """Commands that created --out (or an output file's folders) before a check of their input
+    failed left them behind empty; an existing directory and whatever a command wrote stay."""
+    (tmp_path / "bad.toml").write_text('trace = "x.json"\n[grid]\npolicy = ["warp"]\n')
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(argv) == 2 and capsys.readouterr().err.startswith("error: ")
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "o").mkdir()  # already there: kept
+    assert main(argv) == 2 and (tmp_path / "o").is_dir()

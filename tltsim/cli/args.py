@@ -45,6 +45,7 @@ def run_command(
     (``TLTError``; ``OSError`` naming a file, e.g. disk full or permission denied while writing
     results) exit 2; Ctrl-C exits 130; any other exception is a bug: exit 1 and its traceback
     goes to a file named in the line, so the terminal never shows a traceback."""
+    created = _missing_out_dirs(args)
     try:
         try:
             with warnings.catch_warnings():
@@ -52,6 +53,7 @@ def run_command(
                 return int(func(args) or 0)
         except BaseException:
             _erase_progress_bars()
+            _remove_if_empty(created)
             raise
     except TLTError as err:
         if getattr(err, "is_output_cut", False):
@@ -73,6 +75,31 @@ def run_command(
         return 2
     except Exception as err:  # noqa: BLE001 - the last line of defence, reported as a bug
         return _internal_error(err, prog)
+
+
+def _missing_out_dirs(args: argparse.Namespace) -> list[Path]:
+    """The directories of ``--out`` (itself, or the folder of an output file) that do not exist
+    yet, deepest first: a command that fails removes those it created and left empty."""
+    out = getattr(args, "out", None)
+    if not isinstance(out, str | Path) or not str(out):
+        return []
+    missing, path = [], Path(out).absolute()
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def _remove_if_empty(dirs: list[Path]) -> None:
+    """A refused command leaves no empty output directory behind (it used to, wherever the
+    command created ``--out`` before a check of its input failed)."""
+    for path in dirs:
+        if not path.is_dir():  # never created (an output file's own name, or not reached)
+            continue
+        try:
+            path.rmdir()  # only an empty directory: anything the command wrote stays
+        except OSError:
+            return
 
 
 def _erase_progress_bars() -> None:
