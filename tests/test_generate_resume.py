@@ -117,6 +117,11 @@ def test_refusals_are_one_error_line(inputs, tmp_path, capsys):
             ["generate", "--out", str(out), "--resume", "--temperature", "1"],
             "drop --temperature",
         ),
+        # the flags as typed (it said "drop --share-prompts", "--is-..." for booleans)
+        "boolean flags with --resume": (
+            ["generate", "--out", str(out), "--resume", "--no-share-prompts", "--compile-layers"],
+            "drop --compile-layers, --no-share-prompts",
+        ),
         "--resume without --out": (["generate", "--resume"], "--resume needs --out"),
         "--resume of no run": (
             ["generate", "--out", str(tmp_path / "empty"), "--resume"],

@@ -183,6 +183,16 @@ def offline_configs_from_args(
     return given
 
 
+def _typed_flag(dest: str, value: Any) -> str:
+    """The flag the user typed for ``dest`` (``flag_name``'s form: a boolean without its
+    ``is_``, and ``--no-`` where it was turned off)."""
+    if isinstance(value, bool):
+        head, _, name = dest.rpartition("-")
+        dest = f"{head}-{name.removeprefix('is_')}" if head else name.removeprefix("is_")
+        return ("--" if value else "--no-") + dest.replace("_", "-")
+    return "--" + dest.replace("_", "-")
+
+
 def recorded_engine_run(
     args: argparse.Namespace, *, command: str, section: str, cls: type, finished_file: str
 ) -> tuple[Any, EngineConfig] | None:
@@ -194,7 +204,7 @@ def recorded_engine_run(
     from tltsim.jsonio import read_json, typed_fields
 
     given = sorted(
-        "--" + k.replace("_", "-")
+        _typed_flag(k, v)
         for k, v in vars(args).items()
         if v is not None and k not in ("out", "resume", "func", "command")
     )
