@@ -341,6 +341,10 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
             "--steps names step 0 more than once",
         ),
         (
+            cli_words("bench --trace T --model M --out y --policy nospec,tlt,nospec"),
+            "--policy names nospec more than once",
+        ),
+        (
             cli_words("generate --model M --prompts P --out y --instance -1"),
             "instance must be >= 0",
         ),

@@ -103,6 +103,10 @@ class BenchConfig:
         repeated = sorted({i for i in self.steps if self.steps.count(i) > 1})
         if repeated:  # a step replayed twice would count its rollout twice in the totals
             raise ValueError(f"--steps names step {repeated[0]} more than once")
+        for flag, names in (("--policy", self.policy), ("--backend", self.backend)):
+            twice = [n for n in dict.fromkeys(names) if names.count(n) > 1]
+            if twice:  # rows and trace files are keyed by name: a repeat overwrote the first
+                raise ValueError(f"{flag} names {twice[0]} more than once")
         if not self.length_scale > 0:
             raise ValueError(f"--length-scale must be > 0, got {self.length_scale}")
         if "static" in self.policy:  # the static policy's strategy, before any engine starts
