@@ -155,6 +155,11 @@ def test_resume_without_a_run_and_a_damaged_config_are_one_line(model_dir, tmp_p
     missing = tmp_path / "missing"
     assert main([*base, "--out", str(missing), "--resume"]) == 2
     assert "no such directory" in capsys.readouterr().err and not missing.exists()
+    # the same without --model-dir, which a resume reads from the run (it said "--model-dir
+    # and --out are required", though --out was given)
+    for out, says in ((missing, "no such directory"), (empty, "no config.json")):
+        assert main(["train", "--out", str(out), "--resume"]) == 2
+        assert f"no run was started here ({says})" in capsys.readouterr().err
     out = tmp_path / "run"
     make_fake_run(model_dir, out)
     saved = json.loads((out / "config.json").read_text())

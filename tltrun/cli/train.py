@@ -103,7 +103,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # tltrun.train.launch refuses changes that alter the run unless --override-config).
     stored = None
     if args.resume and (args.out or raw.get("out")):
-        stored = train_state.effective_config(Path(args.out or raw["out"]))
+        resumed = Path(args.out or raw["out"])
+        launch.check_resume_dir(resumed, is_resume=True)  # before "--model-dir is required"
+        stored = train_state.effective_config(resumed)
+        if stored is None and not any((resumed / "ckpt").glob("step_*")):
+            raise UsageError(f"{resumed}: --resume, but no run was started here (no config.json)")
     if stored is not None:
         run_dir = Path(args.out or raw["out"])
         # the settings now are config.json's with the history's overrides applied
