@@ -277,3 +277,12 @@ def test_a_new_run_of_no_steps_is_refused(model_dir, tmp_path):
         prepare_run_dir(config(model_dir, tmp_path, num_steps=0), TASK, is_resume=False,
                         is_override_config=False)  # fmt: skip
     assert not (tmp_path / "config.json").exists()
+
+
+def test_an_out_that_is_a_file_is_the_usual_refusal(model_dir, tmp_path, capsys):
+    """It was "error: X: File exists", unlike every other command's message."""
+    taken = tmp_path / "my_trace.json"
+    taken.write_text("{}")
+    assert main(["train", "--model-dir", str(model_dir), "--out", str(taken)]) == 2
+    assert capsys.readouterr().err == f"error: --out {taken}: exists and is not a directory\n"
+    assert taken.read_text() == "{}"

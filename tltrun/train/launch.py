@@ -169,7 +169,7 @@ def run_train(
     _warn_skipped(data)
     out = Path(cfg.out)
     check_resume_dir(out, is_resume)
-    out.mkdir(parents=True, exist_ok=True)
+    make_out_dir(out)
     with train_state.RunLock(out):
         resume_dir = prepare_run_dir(cfg, task, is_resume, is_override_config, data)
         resume = str(resume_dir) if resume_dir else None
@@ -197,6 +197,14 @@ def check_resume_dir(out: Path, is_resume: bool) -> None:
     an empty --out holding run.lock)."""
     if is_resume and not out.is_dir():
         raise UsageError(f"{out}: --resume, but no run was started here (no such directory)")
+
+
+def make_out_dir(out: Path) -> None:
+    """Create the run directory; a file in its place is the one-line refusal every command
+    gives (it was "error: X: File exists")."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
 
 
 # Resident memory of one idle worker process (torch imported, tiny model, gloo group): about
@@ -254,7 +262,7 @@ def run_ranked(
                 data = check_inputs(cfg, task)
                 _warn_skipped(data)
                 check_resume_dir(out, is_resume)
-                out.mkdir(parents=True, exist_ok=True)
+                make_out_dir(out)
                 lock.enter_context(train_state.RunLock(out))
                 resume_dir = prepare_run_dir(cfg, task, is_resume, is_override_config, data)
                 verdict = {"resume": str(resume_dir) if resume_dir else None}
