@@ -103,3 +103,41 @@ class VLLMTrainRollout:
     def close(self) -> None:
         self.backend.close()
         shutil.rmtree(self._work, ignore_errors=True)
+
+
+def worker_rollout(
+    cfg,
+    rank: int,
+    actor_dir: str | Path,
+    target: Transformer,
+    drafter: EagleDrafter | None,
+    shape: tuple[int, int],
+    sampling: SamplingParams,
+    is_harvesting: bool,
+    clock: Callable[[], float],
+    eos_ids: tuple[int, ...],
+) -> VLLMTrainRollout:
+    """Worker ``rank``'s engine of ``tltrun train --backend vllm`` (``cfg``: its TrainConfig),
+    ``shape`` = (max running requests, max model length): the policy's largest k, a KV cache
+    sized for the batch (``kv_cache_bytes``), the tokenizer's stop ids beside the checkpoint's."""
+    from tltrun.rollout.vllm_config import kv_cache_bytes, max_draft_steps
+
+    max_running, max_model_len = shape
+    vcfg = VLLMBackendConfig(
+        control="iteration",
+        max_draft_steps=max_draft_steps(cfg.policy, cfg.policy_settings()),
+        max_num_seqs=max_running,
+        max_model_len=max_model_len,
+        kv_cache_bytes=kv_cache_bytes(
+            target.config, max_running, max_model_len, drafter is not None
+        ),
+        dtype=cfg.dtype,
+        seed=cfg.seed * 1000 + rank,
+        instance=rank,
+    )
+    engine = VLLMTrainRollout(actor_dir, target, drafter, vcfg, sampling, is_harvesting, clock)
+    # generation_config.json's stop ids too, as the torch engine (EngineConfig)
+    backend = engine.backend
+    backend.eos_token_ids = tuple(dict.fromkeys((*backend.eos_token_ids, *eos_ids)))
+    torch.set_num_threads(cfg.num_threads)  # vLLM's start-up changes it
+    return engine

@@ -168,33 +168,12 @@ class Worker:
         sampling = SamplingParams(cfg.temperature, cfg.top_p)
         engine_drafter = drafter if cfg.policy != "nospec" else None
         if cfg.backend == "vllm":
-            from tltrun.rollout.vllm_config import (
-                VLLMBackendConfig,
-                kv_cache_bytes,
-                max_draft_steps,
-            )
-            from tltrun.train.vllm_rollout import VLLMTrainRollout
+            from tltrun.train.vllm_rollout import worker_rollout
 
-            vcfg = VLLMBackendConfig(
-                control="iteration",
-                max_draft_steps=max_draft_steps(cfg.policy, cfg.policy_settings()),
-                max_num_seqs=max_running,
-                max_model_len=max_model_len,
-                kv_cache_bytes=kv_cache_bytes(
-                    target.config, max_running, max_model_len, engine_drafter is not None
-                ),
-                dtype=cfg.dtype,
-                seed=cfg.seed * 1000 + rank,
-                instance=rank,
-            )
-            self.engine = VLLMTrainRollout(
-                actor_dir, target, engine_drafter, vcfg, sampling, is_harvesting, self.clock
-            )
-            # generation_config.json's stop ids too, as the torch engine (EngineConfig)
-            self.engine.backend.eos_token_ids = tuple(
-                dict.fromkeys((*self.engine.backend.eos_token_ids, *self.tok.eos_ids))
-            )
-            torch.set_num_threads(cfg.num_threads)  # vLLM's start-up changes it
+            self.engine = worker_rollout(
+                cfg, rank, actor_dir, target, engine_drafter, (max_running, max_model_len),
+                sampling, is_harvesting, self.clock, self.tok.eos_ids,
+            )  # fmt: skip
         else:
             self.engine = RolloutEngine(
                 target,
