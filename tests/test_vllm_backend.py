@@ -185,7 +185,13 @@ def test_vllm_and_torch_engine_accept_the_same_drafts(fresh):
     # what each backend's prompt sharing reuses (recorded in measured traces)
     assert (result.shares_prompts, torch_result.shares_prompts) == (True, True)
     assert result.prefix_block_tokens == fresh.block_size > 1 == torch_result.prefix_block_tokens
-    # per-iteration accept lengths (what the measured trace records) agree too
+    # per-iteration accept lengths (what the measured trace records) agree too, and so do
+    # the KV tokens each decode iteration attended (vLLM's counted the pending token)
+    decode = [
+        [(it.num_active, it.context_tokens) for it in r.iterations if not it.is_prefill]
+        for r in (result, torch_result)
+    ]
+    assert decode[0] == decode[1]
     mean_accept = rollout_summary(result)["mean_accept_len"]
     assert mean_accept == pytest.approx(rollout_summary(torch_result)["mean_accept_len"])
 

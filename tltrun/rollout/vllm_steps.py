@@ -68,8 +68,10 @@ def step_record(
         metrics = completion.spec_decode_metrics
         new = list(completion.token_ids)[len(live.tokens) - live.num_prefix_tokens :]
         if new:
-            context_tokens += len(live.request.prompt_token_ids) + len(live.tokens)
             is_first = len(live.tokens) == live.num_prefix_tokens
+            # KV tokens attended: as the torch engine counts them, all but the pending token
+            # of a decoding request (its prefill computes the whole prompt and prefix)
+            context_tokens += len(live.request.prompt_token_ids) + len(live.tokens) - (not is_first)
             if is_first:
                 num_first += 1  # first token of this submission: its prefill ran now
                 num_reprefilled += live.num_prefix_tokens > 0
