@@ -197,18 +197,8 @@ def build_model(cfg: BenchFidelityConfig, work: Path) -> tuple[Path, Path]:
     spec = bench_spec.BenchSpecConfig(
         work_dir=str(work), train_max_new_tokens=128, **{k: getattr(cfg, k) for k in sizes}
     )
-    stages = (
-        ("target", lambda: bench_spec.stage_target(spec, work / "target")),
-        ("gen", lambda: bench_spec.stage_drafter_data(spec, work)),
-        ("drafter", lambda: bench_spec.stage_drafter(spec, work)),
-    )
-    for name, run in stages:
-        done = work / name / ("sft_log.json" if name == "target" else "config.json")
-        if not done.is_file():
-            start = time.perf_counter()
-            print(f"model stage {name} ...", flush=True)
-            run()
-            print(f"model stage {name}: {time.perf_counter() - start:.0f} s", flush=True)
+    # bench_spec's stages and their done-files (a killed generate's config.json is not one)
+    bench_spec.run_model_stages(spec, work, label="model stage")
     return work / "target", work / "drafter"
 
 
@@ -403,8 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(cfg.num_threads)
     work = Path(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        target, drafter = build_model(cfg, work / "model")
+    except UsageError as err:  # models of other settings in the work dir
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     write_json(work / "config.json", {"bench": asdict(cfg), "cpu_spec": asdict(CPU_SPEC)})
-    target, drafter = build_model(cfg, work / "model")
     steps = workload(cfg, target)
     backends = [b for b in cfg.backends if b != "vllm" or _has_vllm()]
     results = {"backends": {}}

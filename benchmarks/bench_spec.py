@@ -337,6 +337,52 @@ def measure_batch(cfg: BenchSpecConfig, target, drafter, prompts: list[list[int]
     return {"batch": batch, "runs": runs, "best": best}
 
 
+# The settings the target, generations and drafter stages are built from: a work dir's models
+# are reused only under the same ones (a rerun with another --seed measured the old models while
+# config.json recorded the new seed).
+MODEL_FIELDS = (
+    "seed", "task", "num_layers", "hidden_size", "num_heads", "num_kv_heads",
+    "intermediate_size", "sft_steps", "sft_batch_tokens", "sft_lr", "num_train_prompts",
+    "train_max_new_tokens", "drafter_steps", "drafter_lr", "drafter_batch_size",
+)  # fmt: skip
+MODEL_STAGES_FILE = "model_stages.json"
+
+
+def run_model_stages(cfg: BenchSpecConfig, work: Path, label: str = "stage") -> None:
+    """Build (or resume) the target, generations and drafter in ``work``; a stage whose
+    finished run's last file is there is kept, if ``work`` was built with ``cfg``'s
+    MODEL_FIELDS (UsageError otherwise: another --work-dir, or delete it)."""
+    work.mkdir(parents=True, exist_ok=True)
+    wanted = {k: getattr(cfg, k) for k in MODEL_FIELDS}
+    recorded_path = work / MODEL_STAGES_FILE
+    if recorded_path.is_file():
+        recorded = json.loads(recorded_path.read_text())
+        changed = sorted(k for k in wanted if recorded.get(k) != json.loads(json.dumps(wanted[k])))
+        if changed:
+            raise UsageError(
+                f"--work-dir {work}: its models were built with other settings ("
+                + ", ".join(f"{k} {recorded.get(k)!r} -> {wanted[k]!r}" for k in changed)
+                + "); use another --work-dir, or delete it to rebuild them"
+            )
+    elif any((work / name).exists() for name in ("target", "gen", "drafter")):
+        raise UsageError(
+            f"--work-dir {work}: holds models of unrecorded settings (no {MODEL_STAGES_FILE}); "
+            "use another --work-dir, or delete it to rebuild them"
+        )
+    write_json(recorded_path, wanted)
+    stages = (  # (stage, the file its finished run writes last, how to run it)
+        ("target", "config.json", lambda: stage_target(cfg, work / "target")),
+        ("gen", "trace.json", lambda: stage_drafter_data(cfg, work)),
+        ("drafter", "config.json", lambda: stage_drafter(cfg, work)),
+    )
+    for name, done_file, run in stages:
+        if not (work / name / done_file).is_file():
+            start = time.perf_counter()
+            print(f"{label} {name} ...", flush=True)
+            run()
+            print(f"{label} {name}: {time.perf_counter() - start:.0f} s", flush=True)
+
+
 def results_table(res: dict, strategies: tuple[str, ...]) -> str:
     rows = []
     for r in res["rows"]:
@@ -372,19 +418,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(cfg.num_threads)
     work = Path(cfg.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
+    try:
+        run_model_stages(cfg, work)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     write_json(work / cfg.config_name, asdict(cfg))
-    stages = (  # (stage, the file its finished run writes last, how to run it)
-        ("target", "config.json", lambda: stage_target(cfg, work / "target")),
-        ("gen", "trace.json", lambda: stage_drafter_data(cfg, work)),
-        ("drafter", "config.json", lambda: stage_drafter(cfg, work)),
-    )
-    for name, done_file, run in stages:
-        if not (work / name / done_file).is_file():
-            start = time.perf_counter()
-            print(f"stage {name} ...", flush=True)
-            run()
-            print(f"stage {name}: {time.perf_counter() - start:.0f} s", flush=True)
     res = measure(cfg, work)
     (work / cfg.results_name).write_text(json.dumps(res, indent=2) + "\n")
     print(results_table(res, cfg.strategies))

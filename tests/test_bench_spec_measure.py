@@ -88,3 +88,36 @@ def test_a_greedy_sd_difference_exits_in_fp32_and_is_reported_in_bf16(monkeypatc
     row = _measure(0.0, "bfloat16")
     assert row["runs"]["2_1_2"]["greedy_equal_fraction"] == 0.5
     assert "50% of greedy outputs equal plain bf16 decoding" in capsys.readouterr().out
+
+
+def test_a_work_dir_is_reused_only_for_the_settings_its_models_were_built_with(
+    tmp_path, monkeypatch
+):
+    """A rerun with another --seed skipped every stage whose files were there and measured the
+    old seed's models; a killed generate (config.json, no trace.json) is resumed, not skipped."""
+    built = []
+
+    def stage(name, last_file):
+        def run(cfg, where):
+            out = where if name == "target" else where / name
+            out.mkdir(parents=True, exist_ok=True)
+            (out / last_file).write_text("{}")
+            built.append(name)
+
+        return run
+
+    monkeypatch.setattr(bench_spec, "stage_target", stage("target", "config.json"))
+    monkeypatch.setattr(bench_spec, "stage_drafter_data", stage("gen", "trace.json"))
+    monkeypatch.setattr(bench_spec, "stage_drafter", stage("drafter", "config.json"))
+    cfg = bench_spec.BenchSpecConfig(work_dir=str(tmp_path), seed=0)
+    bench_spec.run_model_stages(cfg, tmp_path)
+    assert built == ["target", "gen", "drafter"]
+    (tmp_path / "gen" / "trace.json").unlink()  # a killed generate left its config.json
+    (tmp_path / "gen" / "config.json").write_text("{}")
+    bench_spec.run_model_stages(cfg, tmp_path)
+    assert built[3:] == ["gen"]
+    import dataclasses
+
+    with pytest.raises(bench_spec.UsageError, match="seed 0 -> 1"):
+        bench_spec.run_model_stages(dataclasses.replace(cfg, seed=1), tmp_path)
+    assert built[4:] == []
