@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
@@ -104,6 +105,7 @@ def run_all(cfg: BenchDeterministicConfig) -> list[dict]:
     for repeat in range(cfg.repeats):
         for is_det in (True, False):
             run_out = out / f"{'det' if is_det else 'nondet'}_{repeat}"
+            shutil.rmtree(run_out, ignore_errors=True)  # an earlier run's checkpoints refused it
             run_train(train_config(cfg, model_dir, run_out, is_det), TASK)
             rows = [json.loads(line) for line in (run_out / "log.jsonl").read_text().splitlines()]
             runs.append(
@@ -128,8 +130,10 @@ def run_all(cfg: BenchDeterministicConfig) -> list[dict]:
     for mode in ("deterministic", "default"):
         prints = [fingerprint(Path(r["out"])) for r in runs if r["mode"] == mode]
         for r in runs:
-            if r["mode"] == mode:
-                r["identical_runs"] = all(p == prints[0] for p in prints)
+            if r["mode"] == mode:  # None: one run, nothing compared
+                r["identical_runs"] = (
+                    all(p == prints[0] for p in prints) if len(prints) > 1 else None
+                )
     return runs
 
 
@@ -140,7 +144,7 @@ def print_table(runs: list[dict]) -> None:
         print(
             f"{r['mode']:<14}{r['repeat']:>4}{r['step_s']:>9.2f}{r['rollout_s']:>11.2f}"
             f"{r['spot_wait_s']:>13.2f}{r['drafter_updates']:>9.1f}{r['accept_len']:>8.2f}"
-            f"  {r['identical_runs']}"
+            f"  {'n/a (one run)' if r['identical_runs'] is None else r['identical_runs']}"
         )
     for mode in ("deterministic", "default"):
         mine = [r for r in runs if r["mode"] == mode]

@@ -72,7 +72,8 @@ def tiny_model_dir(out: Path, seed: int) -> Path:
     from tltrun.model.transformer import Transformer
     from tltrun.train.tasks import TaskConfig
 
-    model_dir = out / "tiny_model"
+    # one per seed: a rerun with another --seed reused the first seed's weights
+    model_dir = out / f"tiny_model_seed{seed}"
     if (model_dir / "config.json").is_file():
         return model_dir
     tok = CharTokenizer()

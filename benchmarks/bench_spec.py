@@ -266,7 +266,11 @@ def measure(cfg: BenchSpecConfig, work: Path) -> dict:
     prompts = task_prompts(max(cfg.batch_sizes), cfg.seed + 3, cfg.task)
     held_out = [tok.encode(p, add_bos=True) for p in prompts]
     rows = [measure_batch(cfg, target, drafter, held_out[:batch]) for batch in cfg.batch_sizes]
-    stops = next((r["batch"] for r in rows if r["runs"][r["best"]]["speedup"] < 1.0), None)
+    # a batch with no SD strategy measured (all over --max-strategy-tokens) says nothing
+    stops = next(
+        (r["batch"] for r in rows if r["best"] != "off" and r["runs"][r["best"]]["speedup"] < 1.0),
+        None,
+    )
     return {
         "hardware": hardware_name("cpu"),
         "temperature": cfg.temperature,
@@ -364,11 +368,8 @@ def run_model_stages(cfg: BenchSpecConfig, work: Path, label: str = "stage") -> 
                 + ", ".join(f"{k} {recorded.get(k)!r} -> {wanted[k]!r}" for k in changed)
                 + "); use another --work-dir, or delete it to rebuild them"
             )
-    elif any((work / name).exists() for name in ("target", "gen", "drafter")):
-        raise UsageError(
-            f"--work-dir {work}: holds models of unrecorded settings (no {MODEL_STAGES_FILE}); "
-            "use another --work-dir, or delete it to rebuild them"
-        )
+    # (none recorded: a fresh work dir, or one given a target built elsewhere, as seeds.sh's
+    # SFT_ARGS runs tltrun sft into it first; that target is kept)
     write_json(recorded_path, wanted)
     stages = (  # (stage, the file its finished run writes last, how to run it)
         ("target", "config.json", lambda: stage_target(cfg, work / "target")),
@@ -389,8 +390,8 @@ def results_table(res: dict, strategies: tuple[str, ...]) -> str:
         row = {
             "batch": r["batch"],
             "nospec": r["runs"]["off"]["decode_tokens_per_s"],
-            "best": r["best"],
-            "speedup": r["runs"][r["best"]]["speedup"],
+            "best": r["best"] if r["best"] != "off" else "not measured",
+            "speedup": r["runs"][r["best"]]["speedup"] if r["best"] != "off" else None,
         }
         for s in strategies:
             run = r["runs"].get(s)
@@ -404,6 +405,11 @@ def results_table(res: dict, strategies: tuple[str, ...]) -> str:
     lines.append(
         f"SD stops paying at batch {stop}" if stop else "SD pays at every measured batch size"
     )
+    unmeasured = [r["batch"] for r in res["rows"] if r["best"] == "off"]
+    if unmeasured:
+        lines.append(
+            f"batch {', '.join(map(str, unmeasured))}: no strategy within --max-strategy-tokens"
+        )
     lines.append(f"hardware: {res['hardware']}; temperature {res['temperature']}")
     return "\n".join(lines)
 

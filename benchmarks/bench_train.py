@@ -27,7 +27,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from tltrun.rollout.engine_config import DTYPES
@@ -204,17 +204,23 @@ class BenchTrainConfig:
             )
 
 
+# The runs' sampling temperature: TrainConfig's default (no run sets another)
+RUN_TEMPERATURE = next(f.default for f in fields(TrainConfig) if f.name == "temperature")
+
+
 def tlt_threshold(cfg: BenchTrainConfig) -> int:
     if cfg.tlt_threshold > 0:
         return cfg.tlt_threshold
-    return crossover_batch(read_spec_results(Path(cfg.spec_results), "--tlt-threshold"))
+    path = Path(cfg.spec_results)
+    return crossover_batch(read_spec_results(path, "--tlt-threshold", RUN_TEMPERATURE))
 
 
 def tlt_buckets(cfg: BenchTrainConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """(tlt_strategies, tlt_bucket_starts) of the TLT runs; () starts: the policy's default."""
     if cfg.tlt_buckets == "fastrl":
         return tuple(cfg.tlt_strategies), ()
-    return profile_buckets(read_spec_results(Path(cfg.spec_results), "--tlt-buckets fastrl"))
+    path = Path(cfg.spec_results)
+    return profile_buckets(read_spec_results(path, "--tlt-buckets fastrl", RUN_TEMPERATURE))
 
 
 def task_fields(cfg: BenchTrainConfig) -> dict:

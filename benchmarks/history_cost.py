@@ -105,7 +105,7 @@ def bench_loop(num_tokens: int, cycle: int, max_draft_tokens: int, args) -> dict
         )
     )
     history.add("loop", "group", prompt)
-    tail_from = num_tokens - num_tokens // 10
+    tail_from = num_tokens - max(1, num_tokens // 10)  # the last tenth, at least one token
     start = time.perf_counter()
     for i in range(num_tokens):
         if i == tail_from:

@@ -34,8 +34,9 @@ shift
 PY=${PYTHON:-python}
 TASK=${TASK:-builtin}
 RUNS=${RUNS:-nospec,tltbase,tlt-frozen,tlt-spot,tlt-mix}  # bench_history.py's GRPO_RUNS
-# bench_spec's measurement only sets TLT's threshold here: the batches a worker runs (<= 8)
-MEAS="--batch-sizes 1,4,8 --repeats 2 --strategies 2_1_2,4_1_4 --max-new-tokens 64"
+# bench_spec's measurement only sets TLT's threshold here: the batches a worker runs (<= 8),
+# sampled as the GRPO runs sample (their temperature 1.0; a greedy profile overstates SD)
+MEAS="--batch-sizes 1,4,8 --repeats 2 --strategies 2_1_2,4_1_4 --max-new-tokens 64 --temperature 1.0"
 works=()
 for SEED in "$@"; do
   W=$OUT/spec-seed$SEED

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 from tltsim.errors import UsageError
@@ -24,8 +25,11 @@ def crossover_batch(spec_results: dict) -> int:
     the crossing rounded down. E.g. 1.58x at batch 4 and 0.91x at 16 cross at batch 13."""
     points = []
     for row in sorted(spec_results["rows"], key=lambda r: r["batch"]):
-        best = max(v["speedup"] for k, v in row["runs"].items() if k != "off")
-        points.append((row["batch"], best))
+        sd = [v["speedup"] for k, v in row["runs"].items() if k != "off"]
+        if sd:  # a batch where no strategy fit --max-strategy-tokens measured no SD (crashed)
+            points.append((row["batch"], max(sd)))
+    if not points:
+        raise UsageError("bench_spec results: no SD strategy was measured")
     for (b0, s0), (b1, s1) in zip(points, points[1:], strict=False):
         if s0 >= 1 > s1:
             x0, x1 = math.log2(b0), math.log2(b1)
@@ -61,12 +65,24 @@ def profile_buckets(spec_results: dict) -> tuple[tuple[str, ...], tuple[int, ...
     return tuple(strategies), tuple(starts)
 
 
-def read_spec_results(path: Path, instead: str) -> dict:
-    """bench_spec's results.json; a UsageError naming the file and the flag to pass instead."""
+def read_spec_results(path: Path, instead: str, temperature: float | None = None) -> dict:
+    """bench_spec's results.json; a UsageError naming the file and the flag to pass instead.
+    With the runs' sampling ``temperature``: a warning on stderr where the results were
+    measured at another one (greedy drafts are accepted more often than sampled ones, so a
+    greedy profile overstates where SD pays for sampled rollouts)."""
     try:
-        return json.loads(path.read_text())
+        results = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise UsageError(
             f"{path}: cannot read bench_spec results ({err}); run benchmarks/bench_spec.py or "
             f"pass {instead}"
         ) from None
+    measured = results.get("temperature") if isinstance(results, dict) else None
+    if temperature is not None and measured != temperature:
+        print(
+            f"warning: {path} was measured at temperature {measured}, the runs sample at "
+            f"{temperature}: its crossover and buckets describe other acceptance "
+            "(bench_spec.py --temperature)",
+            file=sys.stderr,
+        )
+    return results

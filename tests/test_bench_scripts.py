@@ -1,0 +1,75 @@
+"""The benchmark scripts' own logic on CPU, without their long runs: cached models keyed by
+seed (bench_scale), a batch with no SD strategy measured (bench_spec's table, spec_profile's
+crossover), the history cost's tail of a short response, the temperature a profile was measured
+at (bench_train's warning), and bench_deterministic's single-run comparison.
+
+Run: ``python -m pytest tests/test_bench_scripts.py -q``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def _module(name: str):
+    return importlib.import_module(name)
+
+
+def test_bench_scale_builds_one_model_per_seed(tmp_path):
+    """A rerun with another --seed reused the first seed's weights (config.json said the new
+    seed)."""
+    bench_scale = _module("bench_scale")
+    first, again = bench_scale.tiny_model_dir(tmp_path, 0), bench_scale.tiny_model_dir(tmp_path, 0)
+    other = bench_scale.tiny_model_dir(tmp_path, 1)
+    weights = [(d / "model.safetensors").read_bytes() for d in (first, again, other)]
+    assert first == again and weights[0] == weights[1]
+    assert other != first and weights[2] != weights[0]
+
+
+SD_AT_1_ONLY = {
+    "rows": [
+        {"batch": 1, "best": "2_1_2", "runs": {
+            "off": {"decode_tokens_per_s": 10.0, "speedup": 1.0},
+            "2_1_2": {"mean_accept_len": 2.0, "speedup": 1.4}}},
+        {"batch": 256, "best": "off", "runs": {"off": {"decode_tokens_per_s": 90.0, "speedup": 1.0}}},
+    ],
+    "sd_stops_paying_at_batch": None,
+    "hardware": "cpu",
+    "temperature": 1.0,
+}  # fmt: skip
+
+
+def test_a_batch_without_an_sd_strategy_is_shown_as_not_measured():
+    """Every strategy over --max-strategy-tokens at batch 256: its row said best 'off' at 1.00x
+    (as if SD had been measured not to pay) and spec_profile's crossover crashed on it."""
+    bench_spec, spec_profile = _module("bench_spec"), _module("spec_profile")
+    table = bench_spec.results_table(SD_AT_1_ONLY, ("2_1_2",))
+    assert "not measured" in table and "batch 256: no strategy within" in table
+    assert spec_profile.crossover_batch(SD_AT_1_ONLY) == 1
+    with pytest.raises(spec_profile.UsageError, match="no SD strategy was measured"):
+        spec_profile.crossover_batch({"rows": SD_AT_1_ONLY["rows"][1:]})
+
+
+def test_the_history_cost_of_a_short_loop_has_a_tail():
+    """Fewer than 10 tokens: the tail's start was never set (UnboundLocalError)."""
+    history_cost = _module("history_cost")
+    args = Namespace(ngram_min=1, ngram_max=3, seed=0)
+    row = history_cost.bench_loop(5, cycle=3, max_draft_tokens=4, args=args)
+    assert row["loop_tokens"] == 5 and row["extend_tail_us"] > 0
+
+
+def test_a_profile_of_another_temperature_is_warned_about(tmp_path, capsys):
+    spec_profile = _module("spec_profile")
+    path = tmp_path / "results.json"
+    path.write_text('{"temperature": 0.0, "rows": []}')
+    spec_profile.read_spec_results(path, "--tlt-threshold", temperature=1.0)
+    assert "measured at temperature 0.0, the runs sample at 1.0" in capsys.readouterr().err
+    spec_profile.read_spec_results(path, "--tlt-threshold", temperature=0.0)
+    assert capsys.readouterr().err == ""
