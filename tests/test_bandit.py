@@ -187,6 +187,37 @@ def test_span_driver_decides_exactly_as_a_per_iteration_driver(explore_iters):
     assert {d.drafter for d in a if d.enabled} == {"eagle", "history"}
 
 
+def _drifting_arm_run(policy: TLTAdaptive, is_span: bool) -> list[str]:
+    """Two rollouts at batch 1: 8_4_48 earns 10 tokens/s in the first, 5 in the second (a
+    drafter that drifted), 4_4_48 earns 9 in both; the arms of every iteration."""
+    out: list[str] = []
+    for step, iters in enumerate((20, 100)):
+        policy.start_rollout(step)
+        done = 0
+        while done < iters:
+            o = obs(1, step=step)
+            d = policy.decide(o)
+            hold = policy.max_hold_iters(o, d) if is_span else 1
+            n = iters - done if hold is None else min(hold, iters - done)
+            reward = (10.0 if step == 0 else 5.0) if d.arm == "8_4_48" else 9.0
+            policy.observe(feedback(1, d, reward, 1.0, num_iters=n))
+            out += [d.arm] * n
+            done += n
+    return out
+
+
+@pytest.mark.parametrize("epsilon, seed", [(0.0, 0), (0.1, 0), (0.1, 3), (0.1, 7)])
+def test_span_driver_leaves_a_greedy_arm_its_own_rewards_demote(epsilon, seed):
+    """A span held the greedy arm until the next exploration (forever at epsilon 0) though its
+    own rewards in the span pulled its median below another arm's: the per-iteration driver
+    switched within ~20 iterations, the span driver stayed (up to 2.7x the iterations)."""
+    settings = {"strategies": ("8_4_48", "4_4_48"), "bucket_starts": (1,), "warmup_checks": 1}
+    a = _drifting_arm_run(TLTAdaptive(seed=seed, epsilon=epsilon, **settings), is_span=False)
+    b = _drifting_arm_run(TLTAdaptive(seed=seed, epsilon=epsilon, **settings), is_span=True)
+    assert a == b
+    assert a[20:].count("4_4_48") > 50  # the per-iteration driver does switch: teeth
+
+
 def test_bandit_statistics_per_batch_group_and_window():
     bandit = BegMab(TLTConfig(window=5, **ARMS_ONE_BUCKET), random.Random(0))
     arm = SpecDecision.parse("6_4_32")

@@ -37,6 +37,39 @@ def greedy_arm(arms: tuple[SpecDecision, ...], windows: list[deque[float]]) -> S
     return arms[medians.index(max(medians))]
 
 
+def greedy_hold(windows: list[deque[float]], greedy: int, maxlen: int) -> int:
+    """The fewest rewards appended to arm ``greedy``'s window that could make another arm
+    greedy: each worst case (-inf, and a full window dropping its largest value), so no
+    rewards the arm really earns change the choice sooner. A driver that asks once per span
+    re-asks then: the arm's own rewards during a span can end its greedy run (a drafter that
+    drifted since its window filled), which a per-iteration driver sees at once."""
+    if len(windows) < 2:
+        return maxlen + 1
+    # it stays greedy while its median beats the arms before it and ties those after it
+    before = max((statistics.median(w) for w in windows[:greedy]), default=-math.inf)
+    after = max((statistics.median(w) for w in windows[greedy + 1 :]), default=-math.inf)
+    values = sorted(windows[greedy])
+    n = len(values)
+
+    def is_replaced(k: int) -> bool:  # k worst-case rewards appended: another arm is greedy
+        kept = values[: n - max(0, n + k - maxlen)]  # a full window drops the largest
+        merged = [-math.inf] * k + kept
+        m = len(merged)
+        median = (
+            merged[m // 2] if m % 2 else (merged[m // 2 - 1] + merged[m // 2]) / 2
+        )  # statistics.median's rule
+        return median <= before or median < after
+
+    lo, hi = 1, maxlen + 1  # is_replaced(maxlen + 1): every value is -inf
+    while lo < hi:  # the smallest k with is_replaced(k) (monotone in k)
+        mid = (lo + hi) // 2
+        if is_replaced(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 class BegMab:
     """Bucketed epsilon-greedy bandit (BEG-MAB) of one engine instance. The batch size picks the
     bucket (its arms); reward windows are kept per (reward group, arm). Selection: an arm with
@@ -64,6 +97,8 @@ class BegMab:
         self.is_exploring = False  # whether the last selection was an exploration
         self.is_bandit = False  # whether the last selection had several arms to choose from
         self.is_trying = False  # whether the last selection was an arm's first try
+        # iterations the last greedy selection stands for at most (``greedy_hold``)
+        self.greedy_hold = 1
         # whether this rollout may explore arms of a drafter other than the greedy arm's
         # (always under drafter_explore="iteration"; drawn per rollout under "rollout")
         self.is_drafter_round = True
@@ -132,11 +167,15 @@ class BegMab:
             self.is_exploring = True
             return self.explore_arm
         self.greedy_left -= 1
-        return greedy_arm(arms, windows)
+        arm = greedy_arm(arms, windows)
+        self.greedy_hold = greedy_hold(windows, arms.index(arm), self.config.window)
+        return arm
 
     def hold_iters(self) -> int | None:
         """Iterations the last selection stands for, counting its own, or None while nothing
-        the bandit draws can change it (one arm, or no exploration to come)."""
+        can change it (one arm). An exploration stands for its block; a greedy choice until
+        the next exploration or until its own rewards could make another arm greedy
+        (``greedy_hold``), whichever comes first."""
         if not self.is_bandit:
             return None
         if self.is_trying:  # one iteration: its reward may change the next selection
@@ -144,8 +183,8 @@ class BegMab:
         if self.is_exploring:
             return 1 + self.explore_left
         if self.greedy_left is None or self.greedy_left == math.inf:
-            return None
-        return 1 + self.greedy_left
+            return self.greedy_hold
+        return min(1 + int(self.greedy_left), self.greedy_hold)
 
     def advance(self, num_iters: int) -> None:
         """Count ``num_iters`` more iterations of the last selection (a span driver's extra)."""

@@ -96,9 +96,9 @@ class TLTAdaptive(SpecPolicy):
         is a check, so an OFF decision may stand for the checks still missing (``observe`` counts
         the span's ``num_iters`` as that many checks, so the switch lands on the same iteration
         as with a per-iteration driver); an SD decision of a bucket with several arms stands
-        until the bandit's next exploration block starts or the one under way ends
-        (``BegMab.hold_iters``; ``observe`` advances the schedule likewise); otherwise it stands
-        until the batch changes."""
+        until the bandit's next exploration block starts or the one under way ends, or until
+        a greedy arm's own rewards could demote it (``BegMab.hold_iters``; ``observe``
+        advances the schedule likewise); otherwise it stands until the batch changes."""
         sw = self._switches.get(obs.instance)
         is_warming = sw is not None and not sw.is_on and obs.num_active <= self.config.threshold
         if is_warming:

@@ -15,9 +15,11 @@ mode (``SimConfig.exact``) yields one timeout per iteration and asks the policy 
 Policy granularity in fast mode (a documented coarsening): the policy is asked once per span,
 since nothing it observes changes inside one except the slowly growing context, the clock and
 the accept-length EMA. A policy whose decision depends on how many iterations have passed
-(TLTAdaptive's warm-up count) caps a span with its ``max_hold_iters(obs, decision)`` (a
-``SpecPolicy`` method); the feedback of a span carries its ``num_iters`` and per-iteration
-means (floats, unrounded), so a bandit's reward is the span's mean throughput.
+(TLTAdaptive's warm-up count, its bandit's exploration schedule) or on what they earned (a
+greedy arm its own rewards may demote, ``tltsim.policy.bandit.greedy_hold``) caps a span with
+its ``max_hold_iters(obs, decision)`` (a ``SpecPolicy`` method); the feedback of a span carries
+its ``num_iters`` and per-iteration means (floats, unrounded), so a bandit's reward is the
+span's mean throughput.
 
 History-drafter decisions (issue #20): the instance's batch draws each request's accept lengths
 from ``tltsim.sim.history_acceptance.HistoryModel`` at its own key, the fraction of its siblings that
