@@ -312,6 +312,20 @@ def test_bad_input_is_one_line_exit_2(trace, extra, expected, profile_path, tmp_
     assert err.startswith("error:") and "\n" not in err and expected in err
 
 
+def test_a_tltbase_run_with_its_own_strategies_replays_with_the_buckets_it_ran():
+    """tltrun train --policy tltbase --tlt-strategies 8_4_48,...: the run drops TLT-Base's
+    one-bucket default beside its own strategies; the replay kept it and refused the run."""
+    from tltsim.fidelity.measured_run import measured_run
+    from tltsim.policy import TLTBase
+    from tltsim.trace.schema import trace_from_dict
+
+    strategies = ["8_4_48", "8_4_32", "8_4_16", "8_4_8"]
+    doc = _measured_trace(policy={"name": "tltbase", "config": {"strategies": strategies}})
+    run = measured_run(trace_from_dict(doc, "run.json"), "run.json")
+    ran = TLTBase(strategies=tuple(strategies)).config.bucket_starts
+    assert tuple(run.settings["bucket_starts"]) == ran == (1, 2, 5, 21)
+
+
 def test_a_change_of_instance_count_names_the_steps(profile_path, tmp_path, capsys):
     """A run resumed on more workers: which steps ran on how many instances, not just 'changes'."""
     one, two = _measured_trace(), _measured_trace(instance_prompts=[["p0"], ["p1"]])

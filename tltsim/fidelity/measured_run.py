@@ -263,10 +263,9 @@ def _settings(
             f"{source}: field 'measured.policy.config.{unknown[0]}': not a TLTConfig field ({', '.join(sorted(names))})"
         )
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items()}
-    if name == "tltbase":
-        values = {**TLTBase.DEFAULTS, **values}
     try:
-        return dataclasses.asdict(TLTConfig(**values))
+        built = TLTBase.config_of(values) if name == "tltbase" else TLTConfig(**values)
+        return dataclasses.asdict(built)
     except (TypeError, ValueError) as err:
         raise UsageError(f"{source}: field 'measured.policy.config': {err}") from None
 

@@ -237,6 +237,18 @@ class TLTBase(TLTAdaptive):
     name = "tltbase"
     DEFAULTS = {"strategies": ("6_1_6",), "bucket_starts": (1,), "drafters": ("history",)}
 
+    @classmethod
+    def config_of(cls, settings: dict) -> TLTConfig:
+        """The TLTConfig of TLT-Base with ``settings`` (TLTConfig fields) over its DEFAULTS
+        (a measured run's replay rebuilds it so: it kept the one-bucket default beside a run's
+        own strategies, which the run had dropped)."""
+        defaults = dict(cls.DEFAULTS)
+        if "strategies" in settings and "bucket_starts" not in settings:
+            # own strategies without buckets: TLTConfig's default buckets, as tlt gets
+            # (the one-bucket default fits only the one default strategy)
+            del defaults["bucket_starts"]
+        return TLTConfig(**{**defaults, **settings})
+
     def __init__(
         self,
         seed: int = 0,
@@ -245,12 +257,7 @@ class TLTBase(TLTAdaptive):
         **settings,
     ):
         if config is None:
-            defaults = dict(self.DEFAULTS)
-            if "strategies" in settings and "bucket_starts" not in settings:
-                # own strategies without buckets: TLTConfig's default buckets, as tlt gets
-                # (the one-bucket default fits only the one default strategy)
-                del defaults["bucket_starts"]
-            config = TLTConfig(**{**defaults, **settings})
+            config = self.config_of(settings)
         elif settings:
             raise ValueError("TLTBase: pass either a TLTConfig or its fields, not both")
         if config.drafters != ("history",):
