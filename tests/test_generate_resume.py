@@ -19,6 +19,7 @@ from test_hostile import assert_one_error_line, run
 from tiny_models import tiny_model
 
 from tltrun.cli.main import main
+from tltrun.model.drafter import EagleDrafter, export_vllm
 from tltrun.model.hf_checkpoint import save_hf
 from tltsim.trace.files import load_trace
 
@@ -28,7 +29,9 @@ NUM_PROMPTS = 8
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("generate_resume")
-    save_hf(tiny_model(seed=0), root / "model")
+    model = tiny_model(seed=0)
+    save_hf(model, root / "model")
+    export_vllm(EagleDrafter.for_target(model, seed=1), root / "drafter")
     prompts = [
         {
             "id": f"p{i}",
@@ -181,3 +184,41 @@ def test_a_prompt_file_with_a_byte_order_mark_reads_as_without(inputs, tmp_path,
     args[args.index("--prompts") + 1] = str(bom)
     assert main(args) == 0, capsys.readouterr().err
     assert rows_of(marked) == rows_of(plain)
+
+
+def test_a_refused_generate_writes_nothing_and_the_corrected_one_runs(inputs, tmp_path, capsys):
+    """--policy static without --drafter was refused after config.json and an empty
+    generations.jsonl were written: the corrected command then met "an unfinished generate
+    run", and its --resume repeated the refusal."""
+    out = tmp_path / "gen"
+    assert main([*argv(inputs, out), "--policy", "static"]) == 2
+    assert "the engine has none" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["run.lock"]  # no run's files
+    assert (
+        main([*argv(inputs, out), "--policy", "static", "--drafter", str(inputs / "drafter")]) == 0
+    )
+    assert (out / "trace.json").is_file()
+
+
+def test_generate_stops_at_generation_config_stop_ids(inputs, tmp_path):
+    """A model whose generation_config.json lists a stop id config.json does not (Llama-3-
+    Instruct's <|eot_id|>): generate ran past it to the token cap."""
+    import shutil
+
+    model = tmp_path / "inputs"
+    shutil.copytree(inputs, model)
+
+    def generated(out: str) -> dict[str, dict]:
+        assert main(argv(model, tmp_path / out)) == 0
+        return {r["id"]: r for r in rows_of(tmp_path / out)}
+
+    # a response that ran to its cap (room for an earlier stop: the check's teeth)
+    rid, long = next((k, r) for k, r in generated("free").items() if r["finish"] == "length")
+    tokens = long["output_token_ids"]
+    (model / "model" / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [tokens[1]]})
+    )
+    row = generated("stopped")[rid]
+    assert (
+        row["finish"] == "stop" and row["output_token_ids"] == tokens[: tokens.index(tokens[1]) + 1]
+    )

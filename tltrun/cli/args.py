@@ -40,22 +40,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_defaults(model_dir: str, num_requests: int, max_request_tokens: int) -> dict[str, int]:
-    """``max_running_requests`` and ``max_model_len`` for a rollout of ``num_requests`` requests,
-    the longest ``max_request_tokens`` (prompt + max new tokens) long: all of them at once up to
+def engine_defaults(model_dir: str, num_requests: int, max_request_tokens: int) -> dict[str, Any]:
+    """``max_running_requests``, ``max_model_len`` and the stop ids of generation_config.json
+    for a rollout of ``num_requests`` requests, the longest ``max_request_tokens`` (prompt +
+    max new tokens) long: all of them at once up to
     DEFAULT_MAX_RUNNING_REQUESTS, and the longest request up to the model's
     max_position_embeddings (config.json). The KV cache is preallocated for both, so neither is
     larger than the rollout needs; a request longer than the model's context then fails with
     the engine's max_model_len error, which --max-model-len overrides."""
+    from tltrun.data.tokenizer import TokenizerError, generation_eos_ids
     from tltrun.model.config import CheckpointError, read_config
 
     try:
         max_positions = read_config(model_dir).max_position_embeddings
-    except CheckpointError as err:
+        # stop ids only generation_config.json lists (Llama-3-Instruct's <|eot_id|>): a
+        # response ran past the end of its turn to the token cap
+        eos = generation_eos_ids(model_dir)
+    except (CheckpointError, TokenizerError) as err:
         raise UsageError(str(err)) from None
     return {
         "max_running_requests": max(1, min(num_requests, DEFAULT_MAX_RUNNING_REQUESTS)),
         "max_model_len": max(2, min(max_request_tokens, max_positions)),
+        "eos_token_ids": eos,
     }
 
 
@@ -65,6 +71,7 @@ def engine_config_from_args(
     """EngineConfig from the flags; ``defaults`` fill fields whose flag was not given (and that
     the dataclass cannot default: ``engine_defaults``), ``fixed`` overrides the flags."""
     values = dict(defaults or {})
+    default_eos = tuple(values.get("eos_token_ids", ()))
     values.update(
         (f.name, getattr(args, f.name))
         for f in dataclasses.fields(EngineConfig)
@@ -77,6 +84,8 @@ def engine_config_from_args(
             except ValueError:
                 flag = "--" + name.replace("_", "-")
                 raise UsageError(f"{flag}: expected comma-separated integers") from None
+    # --eos-token-ids adds stop ids to generation_config.json's (engine_defaults), not instead
+    values["eos_token_ids"] = tuple(dict.fromkeys((*default_eos, *values.get("eos_token_ids", ()))))
     if getattr(args, "eager", None):
         values["cuda_graphs"] = False
     values.update(fixed)

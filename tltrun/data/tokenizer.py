@@ -157,6 +157,12 @@ def _eos_from_json(path: Path) -> list[int]:
     return list(values)
 
 
+def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """The stop ids of ``model_dir/generation_config.json`` (none without the file): what
+    transformers' ``generate()`` stops at beside config.json's EOS."""
+    return tuple(_eos_from_json(Path(model_dir) / "generation_config.json"))
+
+
 def load_tokenizer(model_dir: str | Path, *, is_chat_template: bool = False) -> TextTokenizer:
     """The tokenizer saved in ``model_dir`` (``tokenizer.json`` + ``tokenizer_config.json``)."""
     directory = Path(model_dir)

@@ -188,10 +188,11 @@ class EngineConfig:
         metadata={"help": "tokens the history drafter's cross-prompt index keeps"},
     )
     # generation_config.json may list stop ids config.json does not (Qwen2.5-Instruct: both
-    # <|im_end|> and <|endoftext|>); tltrun.data.tokenizer gathers them
+    # <|im_end|> and <|endoftext|>); tltrun.data.tokenizer gathers them for tltrun train, and
+    # tltrun.cli.args.engine_defaults for generate and bench
     eos_token_ids: tuple[int, ...] = field(
         default=(),
-        metadata={"help": "stop token ids besides the model config's EOS"},
+        metadata={"help": "stop token ids besides config.json's and generation_config.json's EOS"},
     )
 
     def __post_init__(self) -> None:
