@@ -218,6 +218,29 @@ def test_llama3_rope_without_context_lengths_uses_llamas_default():
     assert transformers.LlamaConfig().max_position_embeddings == 2048
 
 
+BASE = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
+        "num_attention_heads": 2}  # fmt: skip
+
+
+def test_config_fields_read_as_transformers_reads_them_or_refused():
+    """An odd head_dim loaded and crashed at the first forward (transformers refuses it); a
+    Qwen2 config without max_position_embeddings got Llama's 2048 (Qwen2Config: 32768); a
+    rope_scaling beside a rope_parameters saying otherwise was read one way, transformers the
+    other (logits off by up to ~3)."""
+    with pytest.raises(CheckpointError, match="head_dim must be even"):
+        ModelConfig.from_hf_dict({"model_type": "llama", **BASE, "head_dim": 7})
+    qwen = ModelConfig.from_hf_dict({"model_type": "qwen2", **BASE})
+    assert qwen.max_position_embeddings == transformers.Qwen2Config().max_position_embeddings
+    params = {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}
+    both = {"model_type": "llama", **BASE, "rope_parameters": params}
+    with pytest.raises(CheckpointError, match="'rope_parameters' and 'rope_scaling' disagree"):
+        ModelConfig.from_hf_dict({**both, "rope_scaling": {"type": "linear", "factor": 4.0}})
+    same = ModelConfig.from_hf_dict(
+        {**both, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    )
+    assert (same.rope_theta, same.rope_scaling.factor) == (5e5, 2.0)  # saying the same: kept
+
+
 def test_rope_frequencies_stay_float32_in_bfloat16():
     from tiny_models import tiny_config
 

@@ -20,6 +20,8 @@ from tltsim.errors import TLTError
 from tltsim.jsonio import read_json
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+# max_position_embeddings of a config.json without one: transformers' LlamaConfig / Qwen2Config
+MAX_POSITIONS_DEFAULT = {"llama": 2048, "qwen2": 32768}
 ROPE_KINDS = ("default", "linear", "llama3")
 
 
@@ -88,6 +90,8 @@ class ModelConfig:
             # int32 bound: torch sizes are int64 and a product of two larger ones overflowed
             if not 1 <= getattr(self, name) < 2**31:
                 raise ValueError(f"{name} must be in [1, 2^31), got {getattr(self, name)}")
+        if self.head_dim % 2:  # rotary embeddings rotate pairs (transformers refuses it too)
+            raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -138,7 +142,11 @@ class ModelConfig:
                 rope_scaling=scaling,
                 attention_bias=qkv_bias,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                # absent: transformers' default of the model type (LlamaConfig 2048,
+                # Qwen2Config 32768)
+                max_position_embeddings=int(
+                    d.get("max_position_embeddings", MAX_POSITIONS_DEFAULT[model_type])
+                ),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
@@ -146,7 +154,9 @@ class ModelConfig:
             raise CheckpointError(f"{source}: {err}") from None
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """A ``config.json`` that transformers (4.x and 5.x) and vLLM load."""
+        """A ``config.json`` that transformers (4.x and 5.x) and vLLM load. One exception: a
+        Llama with q/k/v-only biases (``qkv_bias``, vLLM's form, as this project's drafter
+        export) has no transformers equivalent, which loads it without them (and says so)."""
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.model_type]
         rope: dict[str, Any] | None = None
         if self.rope_scaling.kind != "default":
@@ -234,6 +244,13 @@ def _parse_rope(d: dict[str, Any], source: str) -> tuple[float, RopeScaling]:
             raise CheckpointError(
                 f"{source}: field {key!r}: expected an object, got {type(value).__name__}"
             )
+    if params and legacy and not _same_rope(params, legacy):
+        # transformers lets rope_scaling replace rope_parameters whole (its theta then falls
+        # back to rope_theta or 10000): reading either one gave logits off by up to ~3
+        raise CheckpointError(
+            f"{source}: fields 'rope_parameters' and 'rope_scaling' disagree ({params} vs "
+            f"{legacy}); keep one of them"
+        )
     theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
     spec = params if params.get("rope_type", "default") != "default" else legacy
     kind = spec.get("rope_type", spec.get("type", "default"))
@@ -252,6 +269,15 @@ def _parse_rope(d: dict[str, Any], source: str) -> tuple[float, RopeScaling]:
         ),
     )
     return theta, scaling
+
+
+def _same_rope(params: dict[str, Any], legacy: dict[str, Any]) -> bool:
+    """Whether a legacy rope_scaling says what rope_parameters says (transformers 5 writes
+    both, the same, for some models): the type and every field the legacy one gives."""
+    kind = legacy.get("rope_type", legacy.get("type", "default"))
+    if kind != params.get("rope_type", "default"):
+        return False
+    return all(params.get(k) == v for k, v in legacy.items() if k not in ("type", "rope_type"))
 
 
 def read_config(model_dir: str | Path) -> ModelConfig:
