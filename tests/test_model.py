@@ -118,6 +118,15 @@ def test_sharded_checkpoint_loads(tmp_path):
     hf.save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert not (tmp_path / "model.safetensors").exists()
+    # a stale copy of a tensor in a shard the index does not name for it: the index's wins
+    # (every shard was loaded whole, the last in sorted order winning)
+    from safetensors.torch import load_file, save_file
+
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    name = next(n for n, shard in weight_map.items() if shard == shards[0])
+    last = load_file(tmp_path / shards[-1])
+    save_file({**last, name: torch.zeros_like(hf.state_dict()[name])}, tmp_path / shards[-1])
     assert _ours_vs_hf(hf, tmp_path) <= TOL
 
 

@@ -69,7 +69,13 @@ def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     for shard in shards:
         if not isinstance(shard, str) or not (root / shard).is_file():
             raise CheckpointError(f"{index}: shard {shard!r} listed but missing")
-        tensors.update(load_safetensors(root / shard))
+        loaded = load_safetensors(root / shard)
+        # each tensor from the shard the index names (a stale copy in another shard, loaded
+        # last, replaced it), as transformers loads them
+        for name in (n for n, where in weight_map.items() if where == shard):
+            if name not in loaded:
+                raise CheckpointError(f"{index}: tensor {name!r} listed in {shard} but not in it")
+            tensors[name] = loaded[name]
     return tensors
 
 
