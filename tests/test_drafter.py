@@ -262,13 +262,15 @@ def test_a_long_record_trains_on_a_window_anywhere_in_its_response():
         starts.add(o)
         assert b.tokens[0].tolist() == list(range(101 + o, 101 + o + width))
         assert b.hidden[0, :, 0].tolist() == list(range(o, o + width))
-        assert b.target[0, : width - 1, 0].tolist() == list(range(o + 1, o + width))
+        # every pair with a target f_{p+1} (a window before the record's end: all of them;
+        # the last pair lost its target in every cropped window)
+        m = min(width, num_tokens - 2 - o)
+        assert b.target[0, :m, 0].tolist() == list(range(o + 1, o + 1 + m))
         trained = [o + i for i in range(width) if b.loss_mask[0, i]]
-        assert trained == [
-            p for p in range(o, o + width - 1) if num_prompt - 2 <= p <= num_tokens - 3
-        ]
+        assert trained == [p for p in range(o, o + m) if num_prompt - 2 <= p <= num_tokens - 3]
     # first trained pair 4 .. the last window, pairs 31..38 of the 39
     assert starts == set(range(num_prompt - 2, num_tokens - 1 - width + 1))
+    assert starts and min(starts) + width < num_tokens - 2  # windows that keep a last pair
 
 
 def test_a_prompt_longer_than_the_window_still_trains_its_response():

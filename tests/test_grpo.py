@@ -170,6 +170,21 @@ def test_token_budget_microbatches_sort_by_length_and_keep_the_step():
         torch.testing.assert_close(w_small[name], w_large[name], rtol=1e-4, atol=1e-4)
 
 
+def test_a_greedy_rollouts_update_uses_temperature_1_below_the_greedy_threshold():
+    """--temperature 1e-6 decodes greedily (below GREEDY_BELOW_TEMPERATURE, as vLLM), but the
+    update divided the logits by 1e-6: NaN with a KL term, a ~1e6x gradient without."""
+    steps = []
+    for temperature in (0.0, 1e-6, 1.0):
+        actor, ref = tiny_model(seed=0).train(), tiny_model(seed=0)
+        cfg = GRPOConfig(lr=1e-2, max_batch_tokens=10_000)
+        steps.append(
+            grpo_update(
+                actor, ref, make_optimizer(actor, cfg), _long_tail_samples(), cfg, temperature, 0
+            )
+        )
+    assert steps[0]["grad_norm"] == steps[1]["grad_norm"] == steps[2]["grad_norm"]
+
+
 def test_gradient_checkpointing_gives_the_same_step():
     plain, w_plain = _update(10_000)
     recomputed, w_rec = _update(10_000, checkpointing=True)

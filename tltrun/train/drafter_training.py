@@ -181,9 +181,12 @@ def make_batch(
         o = window_start(r, max_seq_len, generator)
         tokens[b, :n] = r.token_ids[o + 1 : o + n + 1]
         hidden[b, :n] = r.hidden[o : o + n]
-        target[b, : n - 1] = r.hidden[o + 1 : o + n]
+        # targets f_{p+1} where they exist: all n pairs of a cropped window but the record's
+        # last (its last pair lost its target, and its training, in every cropped window)
+        m = min(n, len(r.hidden) - 1 - o)
+        target[b, :m] = r.hidden[o + 1 : o + 1 + m]
         lo = max(r.num_prompt_tokens - 2 - o, 0)
-        mask[b, lo : min(n - 1, len(r.token_ids) - 2 - o)] = True
+        mask[b, lo : min(m, len(r.token_ids) - 2 - o)] = True
     return DrafterBatch(tokens.to(device), hidden.to(device), target.to(device), mask.to(device))
 
 

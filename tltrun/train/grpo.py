@@ -50,6 +50,7 @@ import torch
 
 from tltrun.model.batching import padded_groups, right_pad
 from tltrun.model.transformer import CausalContext, Transformer, reduce_grads
+from tltrun.rollout.interface import GREEDY_BELOW_TEMPERATURE
 from tltsim.errors import check_finite
 
 
@@ -166,7 +167,9 @@ def grpo_update(
     state stay in the actor's own dtype (fp32 master weights: mixed precision as in
     Micikevicius et al. 2018, which bf16's fp32-sized exponent lets run without loss scaling).
     Log-probabilities and the loss are computed in fp32 (``token_logprobs`` upcasts)."""
-    temp = temperature if temperature > 0 else 1.0
+    # the rollout's own rule: below GREEDY_BELOW_TEMPERATURE it decoded greedily, and a
+    # division by such a temperature gave NaN or ~1e6x gradients
+    temp = 1.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature
     device = next(actor.parameters()).device
     advantages = torch.tensor(
         group_advantages(samples, cfg.adv_eps), dtype=torch.float32, device=device
