@@ -102,6 +102,15 @@ def traces(draw, is_tabular: bool = False) -> Trace:
                 )
             )
         measured = None if is_tabular else draw(_measured_blocks)
+        if measured is not None and measured.instance_prompts is not None:
+            # the per-prompt fields name this step's prompts (validated against them)
+            measured = dataclasses.replace(
+                measured,
+                response_accept_hist_by_strategy={
+                    p.id: tuple({"2_1_2": (1, 0, 2)} for _ in p.responses) for p in prompts
+                },
+                instance_prompts=(tuple(p.id for p in prompts),),
+            )
         steps.append(Step(step=number, prompts=tuple(prompts), measured=measured))
     meta = draw(_meta_extra)
     if cap is not None:
@@ -215,6 +224,8 @@ def test_measured_block_loads_typed_and_saves_byte_identical() -> None:
     """A block written as a free-form dict loads as a MeasuredStep and dumps to the same text;
     every field is JSON's key of the same name, in field order."""
     doc = json.loads(json.dumps(GOOD))
+    doc["meta"].pop("group_size")  # the block's prompts: p0 with 2 responses, p1 with 1
+    doc["steps"][0]["prompts"].append({"id": "p1", "prompt_tokens": 4, "responses": [3]})
     doc["steps"][0]["measured"] = json.loads(TRAIN_BLOCK)
     trace = trace_from_dict(doc, "mem")
     m = trace.steps[0].measured

@@ -170,6 +170,25 @@ JSON_CASES = {
         lambda d: d["steps"][0].update(measured={"rollout_s": None}),
         ["step 0", "'measured.rollout_s'", "None"],
     ),
+    # validate accepted these; compare overflowed or refused them, fit dropped histograms
+    "measured huge count": (
+        lambda d: d["steps"][0].update(measured={"prefix_block_tokens": 10**30}),
+        ["step 0", "'measured.prefix_block_tokens'", "an integer in [1, "],
+    ),
+    "measured histograms of a prompt not in the step": (
+        lambda d: d["steps"][0].update(
+            measured={"response_accept_hist_by_strategy": {"zz": [{}, {}]}}
+        ),
+        ["step 0", "prompt 'zz' is not in the step"],
+    ),
+    "measured histograms of too few responses": (
+        lambda d: d["steps"][0].update(measured={"response_accept_hist_by_strategy": {"p0": [{}]}}),
+        ["step 0", "prompt 'p0': expected one entry per response (2), got 1"],
+    ),
+    "measured placement missing a prompt": (
+        lambda d: d["steps"][0].update(measured={"instance_prompts": [["p0"], []]}),
+        ["step 0", "'measured.instance_prompts'", "exactly once"],
+    ),
 }
 
 
@@ -256,6 +275,28 @@ FILE_CASES = {
         ["line 3", "max_response_tokens (4)"],
     ),
     "unknown suffix": ("t.txt", lambda: "{}", ["unknown trace file type"]),
+    # json.loads kept the last of a repeated key; a 5,000-digit number raised ValueError
+    "json key twice": (
+        "t.json",
+        lambda: json.dumps(GOOD).replace(
+            '"responses": [5, 7]', '"responses": [5, 7], "responses": [7]'
+        ),
+        ["key 'responses' given twice"],
+    ),
+    "json number too long": (
+        "t.json",
+        lambda: json.dumps(GOOD).replace('"prompt_tokens": 10', '"prompt_tokens": ' + "9" * 5000),
+        ["more than 4,300 digits"],
+    ),
+    "csv meta number too long": (
+        "t.csv",
+        lambda: (
+            '# tlt-trace v1 meta: {"x": '
+            + "9" * 5000
+            + "}\nstep,prompt_id,prompt_tokens,response_tokens\n0,a,3,5\n"
+        ),
+        ["line 1", "more than 4,300 digits"],
+    ),
 }
 
 
@@ -298,3 +339,38 @@ def test_csv_with_a_leading_byte_order_mark_reads_like_without(tmp_path: Path, h
     plain = load_trace(path)
     path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
     assert load_trace(path) == plain and plain.steps[0].prompts
+
+
+def test_parquet_columns_and_metadata_of_other_types_are_one_line(tmp_path, capsys) -> None:
+    """A decimal (or date, bytes) column ended in the .str accessor's AttributeError, schema
+    metadata that is not UTF-8 in a UnicodeDecodeError: internal errors with exit 1."""
+    import decimal
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = {"step": [0], "prompt_id": ["a"], "prompt_tokens": [3]}
+    odd = pa.table({**columns, "response_tokens": pa.array([decimal.Decimal(5)])})
+    pq.write_table(odd, tmp_path / "decimal.parquet")
+    assert "column 'response_tokens': expected integers, got a column of decimal" in (
+        _run_validate(tmp_path / "decimal.parquet", capsys)
+    )
+    plain = pa.table({**columns, "response_tokens": [5]})
+    pq.write_table(
+        plain.replace_schema_metadata({b"tlt-trace": b"\x80\x81"}), tmp_path / "u.parquet"
+    )
+    assert "schema metadata 'tlt-trace' is not valid JSON" in _run_validate(
+        tmp_path / "u.parquet", capsys
+    )
+
+
+def test_validate_counts_the_responses_at_the_cap_apart(tmp_path, capsys) -> None:
+    """A response ended by its own length limit below the cap (tltrun's replays) was counted
+    as one that "finished at the cap"."""
+    doc = json.loads(json.dumps(GOOD))
+    doc["meta"]["max_response_tokens"] = 7
+    doc["steps"][0]["prompts"][0]["responses"] = [{"tokens": 5, "finish": "length"}, 7]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    assert main(["validate", str(path)]) == 0
+    assert "2 ended by length (1 at the cap of 7)" in capsys.readouterr().out

@@ -69,19 +69,48 @@ def read_text(path: str | Path, what: str = "file", error: type[TLTError] = Usag
         raise error(f"{path}: cannot read the {what} ({err.strerror or err})") from None
 
 
+class DuplicateKeyError(ValueError):
+    """A JSON object names one key twice (json.loads keeps the last silently)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def loads_strict(text: str | bytes) -> Any:
+    """``json.loads`` that refuses an object naming a key twice (a typo that kept the last
+    value: ``"responses": [5, 6], "responses": [7]`` loaded as [7]); DuplicateKeyError."""
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
+
+def json_error(err: ValueError, where: str) -> str:
+    """The one-line message of a ``loads_strict`` failure (any ValueError it raises)."""
+    if isinstance(err, json.JSONDecodeError):
+        return f"{where}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno})"
+    if isinstance(err, UnicodeDecodeError):
+        return f"{where}: not UTF-8 text (byte {err.start}; binary or corrupted?)"
+    if isinstance(err, DuplicateKeyError):
+        return f"{where}: key {str(err)!r} given twice in one JSON object (which one is meant?)"
+    if "integer string conversion" in str(err):  # int() of a number over Python's limit
+        return f"{where}: a number of more than 4,300 digits (corrupted file?)"
+    return f"{where}: not valid JSON ({str(err).splitlines()[0]})"
+
+
 def parse_json(text: str | bytes, where: str, error: type[TLTError] = UsageError) -> Any:
-    """``json.loads`` whose failures (bad syntax, nesting deeper than the interpreter's
-    recursion limit, bytes that are not UTF-8) raise one ``error`` line starting with ``where``."""
+    """``loads_strict`` whose failures (bad syntax, a key given twice, a number too long to
+    convert, nesting deeper than the interpreter's recursion limit, bytes that are not UTF-8)
+    raise one ``error`` line starting with ``where``."""
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise error(
-            f"{where}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno})"
-        ) from None
+        return loads_strict(text)
     except RecursionError:
         raise error(f"{where}: JSON nested too deeply to parse") from None
-    except UnicodeDecodeError as err:
-        raise error(f"{where}: not UTF-8 text (byte {err.start}; binary or corrupted?)") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, DuplicateKeyError, ...
+        raise error(json_error(err, where)) from None
 
 
 def read_json(path: str | Path, what: str = "JSON file", error: type[TLTError] = UsageError) -> Any:

@@ -26,7 +26,18 @@ def summary_line(trace: Trace, name: str) -> str:
     """``FILE: 8 steps, 512 prompts, 4096 responses; response tokens median/p99/max ...``"""
     s = trace.summary()
     cap = s["max_response_tokens"]
-    capped = f", {s['num_truncated']} finished at the cap of {cap}" if cap is not None else ""
+    # "length" also ends a response at its own token limit below the cap (tltrun's replays
+    # of a trace's lengths): the line said all of them "finished at the cap"
+    at_cap = (
+        sum(r.tokens >= cap for st in trace.steps for p in st.prompts for r in p.responses)
+        if cap is not None
+        else 0
+    )
+    capped = (
+        f", {s['num_truncated']} ended by length ({at_cap} at the cap of {cap})"
+        if cap is not None
+        else ""
+    )
     return (
         f"{name}: {s['num_steps']} steps, {s['num_prompts']} prompts, {s['num_responses']} responses; "
         f"response tokens median {s['median_tokens']:g} / p99 {s['p99_tokens']:.0f} / max {s['max_tokens']}"

@@ -153,7 +153,7 @@ def history_observations(
                 continue
             if len(per_response) != len(p.responses):
                 raise UsageError(
-                    f"{where}.{p.id}: expected one entry per response ({len(p.responses)}), got {len(per_response)}"
+                    f"{where}[{p.id!r}]: expected one entry per response ({len(p.responses)}), got {len(per_response)}"
                 )
             lengths = [r.tokens for r in p.responses]
             has = worker.get(p.id, 0) in served.get(p.id, set())

@@ -421,18 +421,15 @@ def _response_rates(step: Step, source: str, sibling_rate: float) -> dict[str, t
     if table is None:
         return {}
     where = f"{source}: step {step.step}: field 'measured.response_accept_hist_by_strategy'"
-    prompts = {p.id: len(p.responses) for p in step.prompts}
+    # (a loaded trace was checked so; a Trace built in code is checked here)
+    step.measured.check_against(
+        {p.id: len(p.responses) for p in step.prompts}, f"{source}: step {step.step}"
+    )
     out = {}
     for pid, per_response in table.items():
-        if pid not in prompts:
-            raise UsageError(f"{where}: prompt {pid!r} is not in the step")
-        if len(per_response) != prompts[pid]:
-            raise UsageError(
-                f"{where}.{pid}: expected one entry per response ({prompts[pid]}), got {len(per_response)}"
-            )
         rates = []
         for i, by_strategy in enumerate(per_response):
-            at = f"{where}.{pid}[{i}]"
+            at = f"{where}[{pid!r}][{i}]"
             hists = checked_hists(eagle_hists(hists_by_strategy(by_strategy))[0], at)
             if not hists:
                 rates.append(math.nan)

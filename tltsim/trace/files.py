@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tltsim.jsonio import json_error, loads_strict
 from tltsim.trace.schema import SUFFIXES, Trace, TraceError, dumps_trace, trace_from_dict
 
 TABULAR_SUFFIXES = (".csv", ".parquet")
@@ -49,7 +50,7 @@ def _read_json(path: Path) -> Any:
         data = path.read_bytes()
         if path.name.lower().endswith(".gz"):
             data = gzip.decompress(data)
-        return json.loads(data)
+        return loads_strict(data)
     except FileNotFoundError:
         raise TraceError(f"{path}: no such file") from None
     except IsADirectoryError:
@@ -64,6 +65,8 @@ def _read_json(path: Path) -> Any:
         raise TraceError(
             f"{path}: cannot read: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
         ) from None
+    except ValueError as err:  # a key given twice, a number too long to convert
+        raise TraceError(json_error(err, str(path))) from None
 
 
 def load_trace(path: str | Path) -> Trace:

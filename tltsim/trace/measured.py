@@ -180,6 +180,29 @@ class MeasuredStep:
             values[key] = convert(value)
         return cls(**values)
 
+    def check_against(self, responses: dict[str, int], where: str) -> None:
+        """The per-prompt fields against the step's prompts (``responses``: prompt id ->
+        number of responses): per-response histograms of known prompts, one entry per
+        response; a placement naming every prompt once. One-line TraceError otherwise (validate
+        accepted such blocks, compare refused them and fit dropped their histograms unsaid)."""
+        by_prompt = self.response_accept_hist_by_strategy or {}
+        field = "measured.response_accept_hist_by_strategy"
+        for pid, per in by_prompt.items():
+            if pid not in responses:
+                raise TraceError(f"{where}: field '{field}': prompt {pid!r} is not in the step")
+            if len(per) != responses[pid]:
+                raise TraceError(
+                    f"{where}: field '{field}': prompt {pid!r}: expected one entry per response "
+                    f"({responses[pid]}), got {len(per)}"
+                )
+        if self.instance_prompts is not None:
+            named = [pid for owner in self.instance_prompts for pid in owner]
+            if sorted(named) != sorted(responses) or any(not o for o in self.instance_prompts):
+                raise TraceError(
+                    f"{where}: field 'measured.instance_prompts': expected every prompt of the "
+                    "step exactly once, on instances that have prompts"
+                )
+
 
 # --- validation ------------------------------------------------------------------------------
 
@@ -203,8 +226,17 @@ def _is_seconds(v: Any) -> bool:
     return is_number(v) and v >= 0
 
 
+# Counts above this are no measurement (2^53: exact as a JSON/float number, and within int64:
+# a prefix_block_tokens of 10^30 passed validate and overflowed compare's arrays)
+MAX_MEASURED_COUNT = 2**53
+
+
 def _is_count(v: Any) -> bool:
-    return is_int(v) and v >= 0
+    return is_int(v) and 0 <= v <= MAX_MEASURED_COUNT
+
+
+def _is_positive_count(v: Any) -> bool:
+    return is_int(v) and 1 <= v <= MAX_MEASURED_COUNT
 
 
 def _is_hist(v: Any) -> bool:
@@ -238,7 +270,7 @@ def _same(v: Any) -> Any:
 
 
 _SECONDS = (_is_seconds, "seconds >= 0", _same)
-_COUNT = (_is_count, "an integer >= 0", _same)
+_COUNT = (_is_count, f"an integer in [0, {MAX_MEASURED_COUNT}]", _same)
 _STRING = (lambda v: type(v) is str, "a string", _same)
 _ARM = "strategy or DRAFTER:strategy with DRAFTER among " + ", ".join(
     d for d in DRAFTERS if d != "eagle"
@@ -260,7 +292,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = {
     "hardware": _STRING,
     "backend": _STRING,
     "share_prompts": (lambda v: type(v) is bool, "true or false", _same),
-    "prefix_block_tokens": (lambda v: is_int(v) and v >= 1, "an integer >= 1", _same),
+    "prefix_block_tokens": (_is_positive_count, f"an integer in [1, {MAX_MEASURED_COUNT}]", _same),
     "accept_hist_by_strategy": (_is_hists, "{" + _ARM + ": list of integers >= 0}", _hists),
     "response_accept_hist_by_strategy": (
         lambda v: type(v) is dict and all(_is_list_of(r, _is_hists) for r in v.values()),
@@ -279,7 +311,7 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = {
     ),
     "is_prompt_id_stable": (lambda v: type(v) is bool, "true or false", _same),
     "max_running_requests": (
-        lambda v: v is None or (is_int(v) and v >= 1),
+        lambda v: v is None or _is_positive_count(v),
         "an integer >= 1 or null",
         _same,
     ),

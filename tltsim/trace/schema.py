@@ -272,6 +272,8 @@ def _step_from_dict(
             )
         seen.add(prompt.id)
         prompts.append(prompt)
+    if measured is not None:
+        measured.check_against({p.id: len(p.responses) for p in prompts}, f"{source}: {where}")
     return Step(step=number, prompts=tuple(prompts), measured=measured)
 
 

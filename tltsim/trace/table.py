@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from tltsim.jsonio import json_error, loads_strict
 from tltsim.trace.schema import (
     FINISH_REASONS,
     FORMAT,
@@ -52,10 +53,16 @@ def _header_meta(line: str, source: str) -> dict[str, Any]:
         )
     fmt, version, meta_text = match.groups()
     try:
-        meta = json.loads(meta_text)
+        meta = loads_strict(meta_text)
     except json.JSONDecodeError as err:
         raise TraceError(
             f"{source}: line 1: meta is not valid JSON ({err.msg} at column {err.colno})"
+        ) from None
+    except (ValueError, RecursionError) as err:  # a key twice, a number too long to convert
+        raise TraceError(
+            json_error(err, f"{source}: line 1: meta")
+            if isinstance(err, ValueError)
+            else f"{source}: line 1: meta nested too deeply"
         ) from None
     version_value = int(version) if version.isdigit() else version
     return check_header({"format": fmt, "version": version_value, "meta": meta}, source)
@@ -109,10 +116,11 @@ def _read_parquet(path: Path) -> tuple[dict[str, pd.Series], dict[str, Any], Cal
         meta = {"source": path.name}
     else:
         try:
-            header = json.loads(raw)
-        except json.JSONDecodeError as err:
+            header = loads_strict(raw)
+        except (ValueError, RecursionError) as err:  # bad JSON or UTF-8, a key twice, ...
+            reason = err.msg if isinstance(err, json.JSONDecodeError) else type(err).__name__
             raise TraceError(
-                f"{source}: schema metadata '{PARQUET_META_KEY.decode()}' is not valid JSON ({err.msg})"
+                f"{source}: schema metadata '{PARQUET_META_KEY.decode()}' is not valid JSON ({reason})"
             ) from None
         meta = check_header(header, source)
     columns = {name: table.column(name).to_pandas() for name in table.column_names}
@@ -126,6 +134,14 @@ def _int_column(
     expected = "an integer >= 0" if minimum == 0 else "a positive integer"
     if values.dtype.kind in "iu":
         ints = values.to_numpy(dtype=np.int64)
+    elif values.dtype.kind in "OUST" and pd.api.types.infer_dtype(values) not in (
+        "string",
+        "empty",
+    ):  # decimals, dates, bytes ... in an object column (the .str accessor failed on them)
+        raise TraceError(
+            f"{source}: column '{name}': expected integers, got a column of "
+            f"{pd.api.types.infer_dtype(values)}"
+        )
     elif values.dtype.kind in "OUST":
         # Strict digits only: int() would also take " 5", "1_000" and (via float) "5.0".
         is_digits = (
@@ -155,7 +171,14 @@ def _with_step_and_prompt(
     row: Callable[[int], str], steps: np.ndarray, ids: np.ndarray
 ) -> Callable[[int], str]:
     """Row labels that also name the row's step and prompt, as found in the file."""
-    return lambda i: f"{row(i)} (step {steps[i]}, prompt {ids[i]!r})"
+
+    def label(i: int) -> str:
+        # a step cell read as text is shown quoted (one holding a newline split the line)
+        step = steps[i]
+        step = repr(step) if isinstance(step, str) and not step.isdecimal() else step
+        return f"{row(i)} (step {step}, prompt {ids[i]!r})"
+
+    return label
 
 
 def _trace_from_columns(
