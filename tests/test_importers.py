@@ -19,8 +19,8 @@ from scipy import stats
 
 from tltsim.cli.main import main
 from tltsim.trace.files import load_trace
-from tltsim.trace.importers import ImportConfig, import_azure, import_servegen
-from tltsim.trace.schema import Trace
+from tltsim.trace.importers import ImportConfig, import_azure, import_servegen, import_trace
+from tltsim.trace.schema import Trace, TraceError
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("TLT_SHARED_TRACES", "/work/shared/traces"))
@@ -197,6 +197,13 @@ BAD_SOURCES = {
         ["--client-id", "1"],
         ["line 3", "got 0"],
     ),
+    "bad row after blank lines: its own line": (
+        "servegen",
+        "s.csv",
+        "client_id,window_start_s,output_tokens\n0,0,5\n\n\n0,0,0\n",
+        [],
+        ["line 5", "got 0"],
+    ),
     "no rows selected": (
         "servegen",
         "s.csv",
@@ -221,6 +228,20 @@ BAD_SOURCES = {
     ),
     "empty file": ("azure-code", "a.csv", "", [], ["empty file"]),
 }
+
+
+def test_text_in_a_row_not_selected_does_not_refuse_the_selection(tmp_path: Path) -> None:
+    """Client 2's row held 'abc': importing client 1 blamed its valid first row ("line 2:
+    expected a positive integer, got '100'"); client 2's import names the real line."""
+    text = "client_id,window_start_s,output_tokens\n1,0,100\n1,0,200\n2,0,abc\n1,0,300\n"
+    (tmp_path / "s.csv").write_text(text)
+    argv = ["import", "servegen", str(tmp_path / "s.csv"), "--num-steps", "1"]
+    assert main([*argv, "--client-id", "1", "--out", str(tmp_path / "one.json")]) == 0
+    lengths = {r.tokens for s in load_trace(tmp_path / "one.json").steps for p in s.prompts
+               for r in p.responses}  # fmt: skip
+    assert lengths <= {100, 200, 300}
+    with pytest.raises(TraceError, match="line 4: column 'output_tokens'.*'abc'"):
+        import_trace("servegen", tmp_path / "s.csv", ImportConfig(client_id=2, num_steps=1))
 
 
 @pytest.mark.parametrize("case", sorted(BAD_SOURCES))

@@ -275,6 +275,17 @@ FILE_CASES = {
         ["line 3", "max_response_tokens (4)"],
     ),
     "unknown suffix": ("t.txt", lambda: "{}", ["unknown trace file type"]),
+    # the file's own line after blank lines and a quoted field over two lines (it said 3)
+    "csv line after blank lines": (
+        "t.csv",
+        lambda: "step,prompt_id,prompt_tokens,response_tokens\n0,a,10,5\n\n\n0,a,10,x\n",
+        ["line 5 (step 0, prompt 'a')"],
+    ),
+    "csv line after a quoted newline": (
+        "t.csv",
+        lambda: 'step,prompt_id,prompt_tokens,response_tokens\n0,"multi\nline",10,5\n0,b,10,x\n',
+        ["line 4 (step 0, prompt 'b')"],
+    ),
     # json.loads kept the last of a repeated key; a 5,000-digit number raised ValueError
     "json key twice": (
         "t.json",

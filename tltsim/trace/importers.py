@@ -54,6 +54,7 @@ from tltsim.trace.synth import (
     latent_scores,
     lognormal_ints,
 )
+from tltsim.trace.table import csv_row_lines
 
 SERVEGEN_COLUMNS = ("client_id", "window_start_s", "output_tokens")
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -155,17 +156,24 @@ def _positive_ints(frame: pd.DataFrame, column: str, path: Path) -> np.ndarray:
     """``frame[column]`` (rows of the file, perhaps a selection of them) as positive integers;
     an error names the file's line (header line 1, rows from 2)."""
     values = frame[column]
-    lines = frame.index.to_numpy() + 2  # read_csv's RangeIndex: a row's place in the file
+    rows = frame.index.to_numpy()  # read_csv's RangeIndex: a row's place among the file's rows
+
+    def line(i: int) -> int:  # the file line of selected row i (blank lines skipped by pandas)
+        return csv_row_lines(path, has_meta=False)[rows[i]]
+
     if values.dtype.kind not in "iu":
         # a float column: integral values are counts (a blank cell in a row not selected makes
         # the whole column float); anything else names its line
         numeric = pd.to_numeric(values, errors="coerce")
         bad = np.flatnonzero(numeric.isna().to_numpy() | (numeric % 1 != 0).to_numpy())
-        if bad.size or values.dtype.kind != "f":
-            i = int(bad[0]) if bad.size else 0
+        if bad.size:
+            i = int(bad[0])
             raise TraceError(
-                f"{path}: line {lines[i]}: column '{column}': expected a positive integer, got {values.iloc[i]!r}"
+                f"{path}: line {line(i)}: column '{column}': expected a positive integer, got {values.iloc[i]!r}"
             )
+        # every selected value a whole number (text in a row not selected made the column
+        # text: the first selected row was blamed for it)
+        values = numeric.astype(np.float64)
     if values.dtype.kind == "u" and values.size and int(values.max()) > MAX_COUNT:
         values = values.astype(np.float64)  # beyond int64: compared (and named) as floats
     ints = values.to_numpy(dtype=np.int64) if values.dtype.kind in "iu" else values.to_numpy()
@@ -174,7 +182,7 @@ def _positive_ints(frame: pd.DataFrame, column: str, path: Path) -> np.ndarray:
     if bad.size:
         i = int(bad[0])
         raise TraceError(
-            f"{path}: line {lines[i]}: column '{column}': expected a positive integer up to "
+            f"{path}: line {line(i)}: column '{column}': expected a positive integer up to "
             f"{MAX_COUNT}, got {frame[column].iloc[i]}"
         )
     return ints.astype(np.int64)

@@ -15,6 +15,7 @@ line (CSV) or row (Parquet), the step and prompt where known, and the column.
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 from collections.abc import Callable
@@ -94,8 +95,36 @@ def _read_csv(path: Path) -> tuple[dict[str, pd.Series], dict[str, Any], Callabl
         raise TraceError(
             f"{source}: not a readable CSV: {str(err).strip().splitlines()[0]}"
         ) from None
-    first_line = 3 if has_meta else 2  # file line of the first data row (1-based)
-    return {name: frame[name] for name in frame.columns}, meta, lambda i: f"line {i + first_line}"
+    lines: list[int] = []  # each data row's first file line, found when an error names one
+
+    def row(i: int) -> str:
+        if not lines:
+            lines.extend(csv_row_lines(path, has_meta))
+        return f"line {lines[i]}" if i < len(lines) else f"row {i + 1}"
+
+    return {name: frame[name] for name in frame.columns}, meta, row
+
+
+def csv_row_lines(path: Path, has_meta: bool) -> list[int]:
+    """The file line (1-based) each data row starts on: pandas skips blank lines and reads a
+    quoted field over several lines, so the row index plus the header lines named a wrong
+    line after either (tltsim's own writer quotes an id holding a newline)."""
+    starts = []
+    with path.open(encoding="utf-8-sig", newline="") as fh:
+        offset = 1 if has_meta else 0
+        if has_meta:
+            fh.readline()
+        reader = csv.reader(fh)
+        end, is_header = offset, True
+        for record in reader:
+            start, end = end + 1, offset + reader.line_num
+            if not record:  # a blank line: no row
+                continue
+            if is_header:
+                is_header = False
+                continue
+            starts.append(start)
+    return starts
 
 
 def _read_parquet(path: Path) -> tuple[dict[str, pd.Series], dict[str, Any], Callable[[int], str]]:
