@@ -262,6 +262,13 @@ FILE_CASES = {
     ),
     "csv no rows": ("t.csv", lambda: "step,prompt_id,prompt_tokens,response_tokens\n", ["no rows"]),
     "csv empty": ("t.csv", lambda: "", ["empty CSV"]),
+    "csv version in other digits": (  # int('١') is 1: it was read as version 1
+        "t.csv",
+        lambda: (
+            "# tlt-trace v\u0661 meta: {}\nstep,prompt_id,prompt_tokens,response_tokens\n0,a,3,5\n"
+        ),
+        ["'version'", "got '\u0661'"],
+    ),
     "csv wrong version": (
         "t.csv",
         lambda: "# tlt-trace v3 meta: {}\nstep,prompt_id,prompt_tokens,response_tokens\n0,a,3,5\n",

@@ -65,7 +65,7 @@ def _header_meta(line: str, source: str) -> dict[str, Any]:
             if isinstance(err, ValueError)
             else f"{source}: line 1: meta nested too deeply"
         ) from None
-    version_value = int(version) if version.isdigit() else version
+    version_value = int(version) if version.isascii() and version.isdigit() else version
     return check_header({"format": fmt, "version": version_value, "meta": meta}, source)
 
 
