@@ -156,6 +156,24 @@ def test_small_batch_decode_is_weight_bandwidth_bound():
     assert cost.decode_iter_s(1, 100) == pytest.approx(weights_s + hw.iter_overhead_s, rel=0.01)
 
 
+def test_a_prefill_computes_the_lm_head_for_each_sequences_last_token_only():
+    """A compute-bound prefill of 8 x 1,024 tokens: its FLOPs are the layers' over every token
+    and the LM head's over 8 (it was charged on all 8,192: +8% on Qwen2.5-7B)."""
+    model = get_model("Qwen2.5-7B")
+    cost = RooflineCost(model, get_hardware("H100-SXM"), max_prefill_chunk_tokens=1 << 20)
+    n, seqs = 8192, 8
+    pairs = n * (n / seqs + 1) / 2
+    flops = (
+        2.0 * (model.matmul_params - model.lm_head_params) * n
+        + 2.0 * model.lm_head_params * seqs
+        + model.attn_flops_per_pair * pairs
+    )
+    compute_s = flops / cost.hardware.achievable_flops_per_s
+    assert cost.prefill_s(n, 0.0, seqs) == pytest.approx(
+        compute_s + cost.hardware.iter_overhead_s, rel=1e-9
+    )
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     cost=costs,

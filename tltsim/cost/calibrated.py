@@ -269,8 +269,10 @@ class CalibratedCost(RooflineCost):
         seqs = max(1, num_seqs)
         chunks = math.ceil(num_tokens / self.max_prefill_chunk_tokens)
         pairs = num_tokens * context_tokens / seqs + num_tokens * (num_tokens / seqs + 1) / 2
+        head_tokens = min(seqs, num_tokens)  # logits of each sequence's last token only
         flops = (
-            2.0 * p.matmul_params * (num_tokens + chunks * c.gemm_half_tokens)
+            2.0 * (p.matmul_params - p.head_params) * (num_tokens + chunks * c.gemm_half_tokens)
+            + 2.0 * p.head_params * (head_tokens + chunks * c.gemm_half_tokens)
             + p.attn_flops_per_pair * pairs
         )
         t_comp = flops / (hw.peak_flops_per_s * c.flops_fraction)
