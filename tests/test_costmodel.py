@@ -322,3 +322,14 @@ def test_drafter_training_much_cheaper_than_actor_training():
 def test_kv_capacity():
     assert fitting_cost("Qwen2.5-7B", "H100-SXM").kv_capacity_tokens() > 500_000
     assert RooflineCost(get_model("Llama-3.1-70B"), get_hardware("L40S")).kv_capacity_tokens() == 0
+    # tp 4 over 2 KV heads: each GPU holds a whole head, so 4 GPUs hold what 2 would per token
+    # (it counted them as split 4 ways: twice the tokens)
+    small = get_model("Qwen2.5-1.5B")
+    assert small.num_kv_heads == 2
+    tp4 = RooflineCost(small, get_hardware("H100-SXM"), tp=4)
+    per_token = 2 * (small.kv_bytes_per_token + tp4.drafter_spec.kv_bytes_per_token)
+    free = 4 * tp4.hardware.memory_bytes * 0.9 - (
+        small.num_params + tp4.drafter_spec.trainable_params
+    ) * small.bytes_per_param
+    assert tp4.kv_capacity_tokens() == int(free // per_token)
+    assert tp4.decode_span_s(4, 4000, -3) == 0.0  # no iterations: no time (it was negative)

@@ -335,6 +335,8 @@ class RooflineCost:
         num_iters: int,
     ) -> float:
         """Closed-form sum of ``_iter_s`` over contexts C_i = context_tokens + i * growth."""
+        if num_iters <= 0:  # no iterations cost nothing (it was negative, CalibratedCost's 0)
+            return 0.0
         f0, f1, m0, m1, fixed = self._lines(p, batch, tokens_per_seq)
         flops_s, bytes_s = (
             self.hardware.achievable_flops_per_s,
@@ -466,7 +468,10 @@ class RooflineCost:
             self.model.num_params * self.model.bytes_per_param
             + d.trainable_params * self.model.bytes_per_param
         )
-        per_token = self.model.kv_bytes_per_token + d.kv_bytes_per_token
+        # per token over the instance: KV heads replicated where tp > num_kv_heads (_kv_shard)
+        per_token = (
+            self.tp * self._kv_shard() * (self.model.kv_bytes_per_token + d.kv_bytes_per_token)
+        )
         return max(0, int(free // per_token))
 
 
