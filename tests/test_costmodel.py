@@ -328,8 +328,9 @@ def test_kv_capacity():
     assert small.num_kv_heads == 2
     tp4 = RooflineCost(small, get_hardware("H100-SXM"), tp=4)
     per_token = 2 * (small.kv_bytes_per_token + tp4.drafter_spec.kv_bytes_per_token)
-    free = 4 * tp4.hardware.memory_bytes * 0.9 - (
-        small.num_params + tp4.drafter_spec.trainable_params
-    ) * small.bytes_per_param
+    free = (
+        4 * tp4.hardware.memory_bytes * 0.9
+        - (small.num_params + tp4.drafter_spec.trainable_params) * small.bytes_per_param
+    )
     assert tp4.kv_capacity_tokens() == int(free // per_token)
     assert tp4.decode_span_s(4, 4000, -3) == 0.0  # no iterations: no time (it was negative)
