@@ -134,8 +134,9 @@ def write_step_record(
         "drafter_updates": max(s.num_updates for s in spots),
         "drafter_trained_tokens": extra["drafter_trained_tokens"],
         "idle_worker_s": sum(rollout_s - f for f in finishes),
-        # from the last rollout's end to the end of spot training and the drafter sync:
-        # deterministic mode's wait for the spot budgets (otherwise one update at most)
+        # from the last rollout's end to the end of spot training and the drafter sync (its
+        # broadcast of the drafter and optimizer state included): deterministic mode's wait
+        # for the spot budgets, otherwise the preempted update and that broadcast
         "spot_wait_s": max(g.rollout_end_s for g in gathered) - rollout_s,
         "accept_len": summary.mean_accept_len,
         "sd_on_fraction": sum(it.strategy != "off" for it in decode) / max(len(decode), 1),

@@ -14,6 +14,7 @@ the actor into its engine with ``update_weights``; the reference model stays the
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import os
 import random
@@ -166,7 +167,9 @@ class Worker:
         max_prompt = task.max_prompt_chars + 1 if cfg.is_builtin_task else cfg.max_prompt_tokens
         max_model_len = max_prompt + cfg.max_new_tokens
         sampling = SamplingParams(cfg.temperature, cfg.top_p)
-        engine_drafter = drafter if cfg.policy != "nospec" else None
+        # the engine casts its drafter to its dtype in place: its own copy, so that the spot
+        # trainer's fp32 master weights start from the fp32 load (they were bf16-rounded)
+        engine_drafter = copy.deepcopy(drafter) if cfg.policy != "nospec" else None
         if cfg.backend == "vllm":
             from tltrun.train.vllm_rollout import worker_rollout
 
@@ -404,8 +407,10 @@ class Worker:
                 ts.export_drafter_atomic(self.spot.drafter, self.out / "drafter")
         else:
             dist.barrier()
-        self._finish_checkpoint()  # the last checkpoint's drafter was written meanwhile
+        # before the commit of the last checkpoint (its manifest hashes every file: minutes at
+        # 7B), which spot_wait_s counted as waiting for spot training
         rollout_end_s = self.clock() - t0
+        self._finish_checkpoint()  # the last checkpoint's drafter was written meanwhile
         t_reward = self.clock()
         by_id = {o.id: o for o in result.outputs}
         outputs = [by_id[r.id] for r in requests]
