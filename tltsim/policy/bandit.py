@@ -97,8 +97,9 @@ class BegMab:
         self.is_exploring = False  # whether the last selection was an exploration
         self.is_bandit = False  # whether the last selection had several arms to choose from
         self.is_trying = False  # whether the last selection was an arm's first try
-        # iterations the last greedy selection stands for at most (``greedy_hold``)
-        self.greedy_hold = 1
+        # the last greedy selection's reward windows and arm index: ``hold_iters`` derives
+        # from them how long it may stand (only span drivers ask; a per-iteration one never)
+        self._greedy: tuple[list[deque[float]], int] | None = None
         # whether this rollout may explore arms of a drafter other than the greedy arm's
         # (always under drafter_explore="iteration"; drawn per rollout under "rollout")
         self.is_drafter_round = True
@@ -168,7 +169,7 @@ class BegMab:
             return self.explore_arm
         self.greedy_left -= 1
         arm = greedy_arm(arms, windows)
-        self.greedy_hold = greedy_hold(windows, arms.index(arm), self.config.window)
+        self._greedy = (windows, arms.index(arm))
         return arm
 
     def hold_iters(self) -> int | None:
@@ -182,9 +183,10 @@ class BegMab:
             return 1
         if self.is_exploring:
             return 1 + self.explore_left
+        hold = greedy_hold(*self._greedy, self.config.window) if self._greedy else 1
         if self.greedy_left is None or self.greedy_left == math.inf:
-            return self.greedy_hold
-        return min(1 + int(self.greedy_left), self.greedy_hold)
+            return hold
+        return min(1 + int(self.greedy_left), hold)
 
     def advance(self, num_iters: int) -> None:
         """Count ``num_iters`` more iterations of the last selection (a span driver's extra)."""
