@@ -135,6 +135,7 @@ class VLLMBackend:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self._model_cfg = model_cfg
         self._broken: str | None = None  # why the engine's weights are unusable (a failed sync)
+        self._shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # what -> name -> shape
 
     # ------------------------------------------------------------------ policy -> vLLM's k
 
@@ -383,11 +384,12 @@ class VLLMBackend:
         from tltrun.model.transformer import Transformer
         from tltrun.rollout.slot_state import check_state_dict
 
-        with torch.device("meta"):
-            module = (Transformer if what == "target" else EagleDrafter)(self._model_cfg)
-        shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+        if what not in self._shapes:  # once per engine: a sync comes every RL step
+            with torch.device("meta"):
+                module = (Transformer if what == "target" else EagleDrafter)(self._model_cfg)
+            self._shapes[what] = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         drop = self._model_cfg.tied_names if what == "target" else frozenset()
-        check_state_dict(shapes, state_dict, what, drop)
+        check_state_dict(self._shapes[what], state_dict, what, drop)
 
     def _rpc_weights(self, method: str, state_dict: Mapping[str, torch.Tensor]) -> None:
         if self._broken is not None:
