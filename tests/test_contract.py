@@ -217,13 +217,15 @@ def test_idle_worker_events_match(both):
             assert getattr(sim, name) == getattr(run, name), name
         # the same tokens: response tokens of the idle instances, this step's and the last one's
         assert sim.buffer_tokens == run.buffer_tokens
-        # idle instances x one instance's batch (the runtime's: batch_size records of the
-        # buffer's mean response length; the simulator's: drafter_update_tokens per GPU)
+        assert sim.instance_buffer_tokens == run.instance_buffer_tokens
+        # one batch per idle instance (the runtime's: batch_size records of that instance's
+        # mean response length; the simulator's: drafter_update_tokens per GPU)
         num_idle = len(sim.idle_instances)
-        assert sim.tokens_per_update == num_idle * config.drafter_update_tokens * config.tp
-        num_records = num_idle * len(LENGTHS[run.step]) * (run.step + 1)  # this step and last
-        per_record = max(run.buffer_tokens // num_records, 1)
-        assert run.tokens_per_update == num_idle * batch_size * per_record
+        assert sim.instance_update_tokens == (config.drafter_update_tokens * config.tp,) * num_idle
+        num_records = len(LENGTHS[run.step]) * (run.step + 1)  # per instance: this step and last
+        assert run.instance_update_tokens == tuple(
+            batch_size * max(tokens // num_records, 1) for tokens in run.instance_buffer_tokens
+        )
     # instance 0 is idle first in step 1, with its responses of steps 1 and 0
     first = next(sim for sim, _ in sim_trainer.events if sim.step == 1)
     assert first.idle_instances == (0,)

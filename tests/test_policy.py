@@ -226,11 +226,14 @@ def idle(**overrides) -> IdleObs:
         "idle_instances": (3, 1),
         "num_instances": 4,
         "num_rollout_active_instances": 2,
-        "buffer_tokens": 100_000,
+        "instance_buffer_tokens": (50_000, 50_000),
         "update_s": 2.0,
-        "tokens_per_update": 8192,
+        "instance_update_tokens": (4096, 4096),
         "available_s": 30.0,
     }
+    num_idle = len(overrides.get("idle_instances", base["idle_instances"]))
+    base["instance_buffer_tokens"] = (50_000,) * num_idle
+    base["instance_update_tokens"] = (4096,) * num_idle
     base.update(overrides)
     return IdleObs(**base)
 
@@ -239,12 +242,63 @@ def test_spot_trainer_uses_idle_instances_within_time_and_data():
     decision = SpotTrainerPolicy().decide(idle())
     assert decision.workers == (1, 3) and decision.max_updates == 15  # 30 s / 2 s per update
     data_bound = SpotTrainerPolicy().decide(idle(available_s=None))
-    assert data_bound.max_updates == 10 * 100_000 // 8192  # max_epochs passes over the buffer
-    assert SpotTrainerPolicy(max_trainers=1).decide(idle()).workers == (1,)
-    # one of the two idle instances trains: its updates consume half of all idle instances'
-    # tokens_per_update, so max_epochs passes are twice the updates (it ran half a pass)
+    assert data_bound.max_updates == 10 * 50_000 // 4096  # max_epochs passes over each buffer
+    assert SpotTrainerPolicy(max_trainers=1).decide(idle()).workers == (1,)  # tie: lower index
+    # one trainer runs as many passes over its own buffer as two would over theirs
     one = SpotTrainerPolicy(max_trainers=1).decide(idle(available_s=None))
-    assert one.max_updates == 10 * 100_000 // 4096
+    assert one.max_updates == 10 * 50_000 // 4096
+
+
+def test_spot_trainer_caps_each_trainer_at_max_epochs_of_its_own_buffer():
+    """Each trainer samples its own buffer: the smallest one chosen sets the updates."""
+    policy = SpotTrainerPolicy(max_epochs=2)
+    uneven = {
+        "idle_instances": (0, 1, 2),
+        "num_rollout_active_instances": 1,
+        "instance_buffer_tokens": (128, 40_000, 60_000),
+        "instance_update_tokens": (64, 1000, 1000),
+        "available_s": None,
+    }
+    # all three: 2 x 128 / 64 = 4 updates (12 batches of 2,064 tokens); instances 1 and 2:
+    # 2 x 40,000 / 1,000 = 80 updates of 2,000 tokens each; 2 alone: 120 x 1,000
+    decision = policy.decide(idle(**uneven))
+    assert decision == TrainDecision(workers=(1, 2), max_updates=80)
+    for worker in decision.workers:  # no trainer passes over its buffer more than max_epochs
+        i = uneven["idle_instances"].index(worker)
+        passes = decision.max_updates * uneven["instance_update_tokens"][i]
+        assert passes <= 2 * uneven["instance_buffer_tokens"][i]
+    # with a binding time cap every buffer that allows it trains
+    timed = policy.decide(idle(**{**uneven, "available_s": 8.0}))  # 4 updates
+    assert timed == TrainDecision(workers=(0, 1, 2), max_updates=4)
+    # ties in tokens trained go to more trainers (the same tokens in fewer updates)
+    tie = policy.decide(
+        idle(
+            **{
+                **uneven,
+                "instance_buffer_tokens": (100, 2000, 4000),
+                "instance_update_tokens": (100, 100, 100),
+            }
+        )
+    )
+    assert tie == TrainDecision(workers=(1, 2), max_updates=40)  # 80 batches, as 2 alone
+
+
+def test_idle_obs_refuses_misaligned_buffers():
+    with pytest.raises(ValueError, match="one entry per idle instance"):
+        idle(instance_buffer_tokens=(1,))
+    with pytest.raises(ValueError, match="repeats"):
+        idle(idle_instances=(1, 1))
+    obs = IdleObs.from_buffers(
+        now_s=0.0,
+        step=0,
+        buffer_tokens={2: 30, 0: 10},
+        num_instances=3,
+        update_s=1.0,
+        instance_update_tokens={0: 5, 2: 7},
+    )
+    assert obs.idle_instances == (0, 2) and obs.instance_buffer_tokens == (10, 30)
+    assert obs.instance_update_tokens == (5, 7) and obs.tokens_per_update == 12
+    assert obs.buffer_tokens == 40
 
 
 def test_spot_trainer_declines():
@@ -256,7 +310,7 @@ def test_spot_trainer_declines():
         SpotTrainerPolicy().decide(idle(num_rollout_active_instances=0)) == NO_TRAINING
     )  # preempted
     assert SpotTrainerPolicy().decide(idle(available_s=1.0)) == NO_TRAINING  # no update fits
-    assert SpotTrainerPolicy().decide(idle(buffer_tokens=0)) == NO_TRAINING
+    assert SpotTrainerPolicy().decide(idle(instance_buffer_tokens=(0, 0))) == NO_TRAINING
     assert NoDrafterTraining().decide(idle()) == NO_TRAINING
     with pytest.raises(ValueError, match="update_s"):
         SpotTrainerPolicy().decide(idle(update_s=0.0))

@@ -135,7 +135,8 @@ class TrainConfig:
     )
     # SpotTrainerConfig.max_epochs (fastrl max_epochs)
     spot_max_epochs: int = field(
-        default=10, metadata={"help": "passes over the harvested tokens per RL step at most"}
+        default=10,
+        metadata={"help": "passes over each spot trainer's harvested tokens per RL step at most"},
     )
     # EAGLE uses 3e-5 for 7B targets; small drafters need more
     drafter_lr: float = field(default=1e-3, metadata={"help": "drafter AdamW learning rate"})

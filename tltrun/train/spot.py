@@ -57,8 +57,9 @@ measured second): ``ModelledFeedback`` (end of this module) feeds it ``modelled_
 Data: each trainer samples its batches from its own buffer: the (token, hidden) pairs harvested
 from its responses of this step and of the previous step (``HarvestRecord``s of the engine).
 The ``IdleObs`` counts that buffer as ``tltsim.policy.IdleObs`` defines it, as the simulator does:
-the members' response tokens (``buffer_tokens``), and per update of all members one batch of
-``batch_size`` records of the buffers' mean response length each.
+each member's response tokens (``instance_buffer_tokens``), and per update one batch of
+``batch_size`` records of its buffer's mean response length (``instance_update_tokens``), so
+the policy's cap of ``max_epochs`` passes holds for each trainer's own buffer.
 Per-worker clipping: ``drafter_train_step`` clips gradients by value before the optimiser step;
 we average after that clip (an elementwise clip of each part, the average stays in bounds).
 """
@@ -115,17 +116,21 @@ def idle_obs(
     """The ``IdleObs`` of a phase from its gathered table (rows of the ``members`` in sorted
     rank order: finishes seen, buffer tokens, seconds per update, drafter version, buffered
     records, seconds since the rollout began); the same on every member."""
+    ranks = sorted(members)
     tokens = [int(t) for t in table[:, 1].tolist()]
-    num_records = max(int(table[:, 4].sum()), 1)
-    per_record = max(sum(tokens) // num_records, 1)
+    records = [int(r) for r in table[:, 4].tolist()]
     return IdleObs.from_buffers(
         now_s=float(table[:, 5].max()),  # agreed by all members, like every field
         step=step,
-        buffer_tokens=dict(zip(sorted(members), tokens, strict=True)),
+        buffer_tokens=dict(zip(ranks, tokens, strict=True)),
         num_instances=world_size,
         update_s=float(table[:, 2].max()),
-        # each idle member trains one batch per update; the policy may pick fewer trainers
-        instance_update_tokens=batch_size * per_record,
+        # a trainer's update is one batch of batch_size records from its own buffer: of its
+        # own mean response length
+        instance_update_tokens={
+            rank: batch_size * max(t // max(r, 1), 1)
+            for rank, t, r in zip(ranks, tokens, records, strict=True)
+        },
     )
 
 

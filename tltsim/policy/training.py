@@ -23,20 +23,21 @@ class IdleObs:
     Both drivers (``tltsim.sim.simulator`` and ``tltrun.train.spot``) build it with
     ``IdleObs.from_buffers``, and count tokens as the runtime's spot trainer trains on them:
 
-    * ``buffer_tokens``: response tokens, the positions the drafter's loss covers
-      (``tltrun.train.drafter_training.make_batch``: every response token, no prompt token), of
-      what the idle instances can train on. Each idle instance's trainer samples from its own
-      harvest of this RL step's rollout and of the previous one's (all its responses: an idle
-      instance has finished its share), so ``buffer_tokens`` sums that over the idle instances.
-      Responses still running elsewhere are not in it.
-    * ``tokens_per_update``: response tokens one update of all the idle instances consumes
-      together (data parallel, one batch each): idle instances x one instance's batch.
-      The runtime's batch is ``DrafterTrainConfig.batch_size`` buffered responses of the
-      buffer's mean length; the simulator's, ``SimConfig.drafter_update_tokens`` per GPU.
+    * ``instance_buffer_tokens``: per idle instance (in ``idle_instances``' order), the response
+      tokens it can train on, the positions the drafter's loss covers
+      (``tltrun.train.drafter_training.make_batch``: every response token, no prompt token).
+      Each idle instance's trainer samples from its OWN harvest of this RL step's rollout and of
+      the previous one's (all its responses: an idle instance has finished its share); responses
+      still running elsewhere are in no buffer. ``buffer_tokens`` is their sum.
+    * ``instance_update_tokens``: per idle instance, the response tokens one update takes from
+      its buffer (data parallel, one batch per trainer). The runtime's batch is
+      ``DrafterTrainConfig.batch_size`` buffered responses of that instance's mean response
+      length; the simulator's, ``SimConfig.drafter_update_tokens`` per GPU.
+      ``tokens_per_update`` is their sum (one update of all the idle instances together).
 
-    So ``SpotTrainerPolicy``'s data cap, ``max_epochs x buffer_tokens / tokens_per_update``
-    updates, is ``max_epochs`` passes over the same buffer in either driver for the same
-    rollout; the number of updates differs only as far as the two drivers' batch sizes do.
+    So ``SpotTrainerPolicy``'s data cap, ``max_epochs`` passes over each trainer's own buffer,
+    means the same in either driver for the same rollout; the number of updates differs only
+    as far as the two drivers' batch sizes do.
     """
 
     now_s: float  # driver's clock, seconds since the rollout began
@@ -44,10 +45,31 @@ class IdleObs:
     idle_instances: tuple[int, ...]  # instances that finished their share of this rollout
     num_instances: int
     num_rollout_active_instances: int  # instances still generating; 0 = the rollout has ended
-    buffer_tokens: int  # response tokens the idle instances can train on (class docstring)
+    instance_buffer_tokens: tuple[int, ...]  # per idle instance: its buffer (class docstring)
     update_s: float  # seconds one drafter update takes on the workers that would train
-    tokens_per_update: int  # response tokens one update of all idle instances consumes
+    instance_update_tokens: tuple[int, ...]  # per idle instance: one update's batch tokens
     available_s: float | None = None  # estimated seconds until the rollout ends; None = unknown
+
+    def __post_init__(self) -> None:
+        n = len(self.idle_instances)
+        if len(set(self.idle_instances)) != n:
+            raise ValueError(f"IdleObs: idle_instances repeats an instance: {self.idle_instances}")
+        if len(self.instance_buffer_tokens) != n or len(self.instance_update_tokens) != n:
+            raise ValueError(
+                "IdleObs: instance_buffer_tokens and instance_update_tokens need one entry per "
+                f"idle instance ({n}), got {len(self.instance_buffer_tokens)} and "
+                f"{len(self.instance_update_tokens)}"
+            )
+
+    @property
+    def buffer_tokens(self) -> int:
+        """Response tokens the idle instances can train on, all buffers together."""
+        return sum(self.instance_buffer_tokens)
+
+    @property
+    def tokens_per_update(self) -> int:
+        """Response tokens one update of all the idle instances consumes together."""
+        return sum(self.instance_update_tokens)
 
     @classmethod
     def from_buffers(
@@ -58,22 +80,27 @@ class IdleObs:
         buffer_tokens: Mapping[int, int],
         num_instances: int,
         update_s: float,
-        instance_update_tokens: int,
+        instance_update_tokens: int | Mapping[int, int],
         available_s: float | None = None,
     ) -> IdleObs:
         """The observation when the instances keyed in ``buffer_tokens`` are idle, each with
-        its buffer's response tokens (this step's and the previous step's responses) and
-        ``instance_update_tokens`` response tokens per update of one instance."""
+        its buffer's response tokens (this step's and the previous step's responses), and
+        ``instance_update_tokens`` response tokens per update of one instance (one number for
+        all, or one per idle instance)."""
         idle = tuple(sorted(buffer_tokens))
+        if isinstance(instance_update_tokens, int):
+            per_update = tuple(instance_update_tokens for _ in idle)
+        else:
+            per_update = tuple(instance_update_tokens[i] for i in idle)
         return cls(
             now_s=now_s,
             step=step,
             idle_instances=idle,
             num_instances=num_instances,
             num_rollout_active_instances=num_instances - len(idle),
-            buffer_tokens=sum(buffer_tokens.values()),
+            instance_buffer_tokens=tuple(buffer_tokens[i] for i in idle),
             update_s=update_s,
-            tokens_per_update=instance_update_tokens * len(idle),
+            instance_update_tokens=per_update,
             available_s=available_s,
         )
 
@@ -109,14 +136,17 @@ class SpotTrainerConfig:
     )
     max_trainers: int | None = field(
         default=None,
-        metadata={"help": "idle instances that train at once (default: all, data parallel)"},
+        metadata={
+            "help": "most idle instances that train at once, data parallel (default: no limit)"
+        },
     )
     min_buffer_tokens: int = field(
         default=1, metadata={"help": "no training while fewer harvested tokens are buffered"}
     )
     # fastrl speculative.train.max_epochs
     max_epochs: int = field(
-        default=10, metadata={"help": "passes over the harvested buffer per RL step at most"}
+        default=10,
+        metadata={"help": "passes over each trainer's harvested buffer per RL step at most"},
     )
 
     def __post_init__(self) -> None:
@@ -172,27 +202,47 @@ class SpotTrainerPolicy:
 
     def decide(self, obs: IdleObs) -> TrainDecision:
         cfg = self.config
-        if obs.update_s <= 0 or obs.tokens_per_update < 1:
+        if obs.update_s <= 0 or min(obs.instance_update_tokens, default=1) < 1:
             raise ValueError(
-                f"IdleObs: update_s must be > 0 and tokens_per_update >= 1, got {obs.update_s}, {obs.tokens_per_update}"
+                f"IdleObs: update_s must be > 0 and every instance_update_tokens >= 1, got {obs.update_s}, {obs.instance_update_tokens}"
             )
-        idle = sorted(set(obs.idle_instances))
         if (
             obs.num_rollout_active_instances == 0
             or obs.step % cfg.train_every_steps
-            or len(idle) < cfg.min_idle_instances
+            or len(obs.idle_instances) < cfg.min_idle_instances
             or obs.buffer_tokens < cfg.min_buffer_tokens
         ):
             return NO_TRAINING
-        workers = tuple(idle[: cfg.max_trainers] if cfg.max_trainers is not None else idle)
-        # data cap: max_epochs passes over the buffer by the workers that train (an update
-        # consumes each worker's share; dividing by every idle instance's share let one of
-        # four trainers run a quarter of a pass)
-        per_update = obs.tokens_per_update * len(workers) // len(idle)
-        updates = cfg.max_epochs * obs.buffer_tokens // per_update
+        # Data cap per trainer: each samples its own buffer, so no trainer may run more than
+        # max_epochs passes over ITS buffer (a cap from the summed buffers ran the smallest
+        # buffer 6 times over with max_epochs 2). Trainers are taken in order of the passes
+        # their buffers allow; the k that trains the most tokens, k x min(cap of the k-th,
+        # time cap) updates of a batch each, is chosen (ties: more trainers, fewer updates).
+        caps = {
+            i: cfg.max_epochs * b // u
+            for i, b, u in zip(
+                obs.idle_instances,
+                obs.instance_buffer_tokens,
+                obs.instance_update_tokens,
+                strict=True,
+            )
+        }
+        batch = dict(zip(obs.idle_instances, obs.instance_update_tokens, strict=True))
+        ranked = sorted(caps, key=lambda i: (-caps[i], i))
+        if cfg.max_trainers is not None:
+            ranked = ranked[: cfg.max_trainers]
+        time_cap = None
         if obs.available_s is not None:
-            updates = min(updates, math.floor(max(obs.available_s, 0.0) / obs.update_s))  # time cap
-        return TrainDecision(workers=workers, max_updates=updates) if updates >= 1 else NO_TRAINING
+            time_cap = math.floor(max(obs.available_s, 0.0) / obs.update_s)
+        best, best_key, batch_tokens = NO_TRAINING, (0, 0), 0
+        for k, worker in enumerate(ranked, start=1):
+            batch_tokens += batch[worker]
+            updates = caps[worker] if time_cap is None else min(caps[worker], time_cap)
+            key = (updates * batch_tokens, -updates)
+            if updates >= 1 and key > best_key:
+                best = TrainDecision(workers=tuple(sorted(ranked[:k])), max_updates=updates)
+                best_key = key
+        return best
 
     def state_dict(self) -> dict:
         """No state: a decision depends on the observation and the config only."""
