@@ -109,6 +109,13 @@ def test_frozen_drafter_holds_what_it_cannot_determine() -> None:
         result.dynamics, result.fit.stderr, ("initial_accept_rate", "drift_per_step"), rel=0.2
     )
     assert abs(result.dynamics.stale_accept_rate - TRUE.stale_accept_rate) < 0.08
+    # below the fitted initial rate the base max cannot stay: it is raised, and said so
+    low = dataclasses.replace(TRUE, max_accept_rate=0.7, initial_accept_rate=0.7)
+    raised = fit_trace(trace, FitConfig(), "synthetic", base=low)
+    assert raised.dynamics.max_accept_rate == raised.dynamics.initial_accept_rate > 0.7
+    assert (
+        "raised from the base 0.7 to the fitted initial rate" in raised.fit.held["max_accept_rate"]
+    )
 
 
 def test_tree_fit_recovers_sibling_rate() -> None:
@@ -119,6 +126,35 @@ def test_tree_fit_recovers_sibling_rate() -> None:
     assert "sibling_rate" in result.to_json("x")["fit"]["fitted"]
     assert abs(result.dynamics.sibling_rate - TRUE.sibling_rate) < 4 * result.sibling_rate_se + 0.01
     assert abs(result.dynamics.initial_accept_rate - TRUE.initial_accept_rate) < 0.02
+
+
+@pytest.mark.parametrize(("strategy", "rate"), [("8_4_32", 0.75), ("8_4_48", 0.65)])
+def test_tree_standard_errors_cover_the_estimates_spread(strategy: str, rate: float) -> None:
+    """The model's tree changes shape with a, so the likelihood jumps and the maximum sits at
+    a jump: the standard error must come from the curvature within one shape (across the jump
+    it was up to 400x too small; 95% intervals covered a = 0.75 in half the draws)."""
+    decision = SpecDecision.parse(strategy)
+    pmf = accept_len_pmf(decision, rate, 0.25)
+    rng = np.random.default_rng(0)
+    z = []
+    for _ in range(40):
+        hist = rng.multinomial(1600, pmf).astype(np.float64)
+        a, se, _ = estimate_accept_rate({decision: hist}, 0.25)
+        z.append((a - rate) / se)
+    z = np.abs(np.array(z))
+    assert np.mean(z < 1.96) >= 0.85 and z.max() < 4.5, z.round(1)
+
+
+@pytest.mark.parametrize("seed", [100, 139])
+def test_default_tree_fit_is_consistent_with_its_own_model(seed: int) -> None:
+    """TLT's default tree: data drawn from the fit's own model fit with chi^2/dof near 1 and a
+    finite sibling-rate error (curvatures across the tree's jumps gave chi^2/dof 277 and an
+    infinite or 0.0007 error on these seeds)."""
+    trace = synthetic_trace(TRUE, [0] * 12, "8_4_48", seed=seed, num_prompts=8)
+    result = fit_trace(trace, FitConfig(), "synthetic", base=TRUE)
+    assert result.fit.chi2_per_dof < 3
+    assert 0.002 < result.sibling_rate_se < 0.05
+    assert abs(result.dynamics.sibling_rate - TRUE.sibling_rate) < 4 * result.sibling_rate_se
 
 
 def test_chain_estimate_is_the_likelihood_maximum() -> None:
@@ -222,7 +258,11 @@ def _with_step(trace: Trace, index: int, measured: dict) -> dict:
         ),
         (
             lambda t: _with_step(t, 0, measured={"strategy": "2_1_2"}),
-            "step 0: accept_hist has 4 entries but strategy 2_1_2 drafts at most 2 tokens",
+            "step 0: accept_hist has 4 entries but strategy 2_1_2 accepts at most 2 draft tokens",
+        ),
+        (  # a chain verifying fewer tokens than it drafts accepts no more than it verifies
+            lambda t: _with_step(t, 0, measured={"strategy": "3_1_2"}),
+            "step 0: accept_hist has 4 entries but strategy 3_1_2 accepts at most 2 draft tokens",
         ),
         (
             lambda t: _with_step(

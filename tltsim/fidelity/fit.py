@@ -14,7 +14,8 @@ Two stages, both on the simulator's own model (``tltsim.sim.acceptance``):
    that accepted i tokens contributes a^i (1-a) (i < k) or a^k (i = k): a truncated geometric,
    so a = S / (S + F) (S accepted tokens, F rejections) with standard error sqrt(a(1-a)/(S+F)).
    For trees the likelihood is ``accept_len_pmf`` and ``a`` is found numerically; the tree
-   model's ``sibling_rate`` is fitted once for the whole run by profile likelihood.
+   model's ``sibling_rate`` is fitted once for the whole run by profile likelihood
+   (``tltsim.fidelity.fit_accept``, which says how tree standard errors are taken).
 2. ``DrafterDynamics`` (initial, max and stale acceptance, drift per RL step, learn tokens) by
    weighted least squares (``tltsim.fidelity.fit_dynamics``: scipy, the ``fit`` extra) of the
    per-step ``a`` on the dynamics recursion the simulator runs:
@@ -61,11 +62,12 @@ from typing import Any
 import numpy as np
 
 from tltsim.errors import UsageError
+from tltsim.fidelity.fit_accept import estimate_accept_rate, fit_sibling_rate
 from tltsim.fidelity.fit_dynamics import DYNAMICS_FIELDS, DynamicsFit, StepAcceptance, fit_dynamics
 from tltsim.fidelity.fit_history import LOGITS, HistoryFit, fit_history, history_observations
 from tltsim.jsonio import finite_json, read_json
 from tltsim.policy import SpecDecision
-from tltsim.sim.acceptance import DrafterDynamics, accept_len_pmf
+from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.history_acceptance import HistoryModel
 from tltsim.trace.measured import MeasuredStep, arm_drafter
 from tltsim.trace.schema import Step, Trace
@@ -181,11 +183,13 @@ def checked_hists(hists: dict[str, list[int]], where: str) -> dict[SpecDecision,
             )
         if not decision.enabled:
             raise UsageError(f"{where}: verifies recorded under strategy 'off'")
-        while len(hist) > decision.draft_steps + 1 and hist[-1] == 0:
+        # a verify accepts at most draft_steps tokens, and no more than it verifies
+        most = min(decision.draft_steps, decision.verify_tokens)
+        while len(hist) > most + 1 and hist[-1] == 0:
             hist = hist[:-1]
-        if len(hist) > decision.draft_steps + 1:
+        if len(hist) > most + 1:
             raise UsageError(
-                f"{where}: accept_hist has {len(hist)} entries but strategy {name} drafts at most {decision.draft_steps} tokens (expected <= {decision.draft_steps + 1})"
+                f"{where}: accept_hist has {len(hist)} entries but strategy {name} accepts at most {most} draft tokens per verify (expected <= {most + 1})"
             )
         checked[decision] = np.asarray(hist, dtype=np.float64)
     return checked
@@ -236,103 +240,6 @@ def collect_steps(
             stacklevel=2,
         )
     return steps
-
-
-# --- stage 1: per-step acceptance by maximum likelihood ----------------------------------------
-
-
-def _loglik(hists: dict[SpecDecision, np.ndarray], a: float, sibling_rate: float) -> float:
-    total = 0.0
-    for decision, hist in hists.items():
-        pmf = accept_len_pmf(decision, a, sibling_rate)[: hist.size]
-        total += float(hist @ np.log(np.maximum(pmf, 1e-300)))
-    return total
-
-
-def _argmax(f, lo: float, hi: float, num_grid: int = 41, tol: float = 1e-7) -> float:
-    """Maximiser of a unimodal-ish ``f`` on [lo, hi]: coarse grid, then golden section."""
-    grid = np.linspace(lo, hi, num_grid)
-    best = int(np.argmax([f(x) for x in grid]))
-    a, b = grid[max(best - 1, 0)], grid[min(best + 1, num_grid - 1)]
-    ratio = (math.sqrt(5) - 1) / 2
-    c, d = b - ratio * (b - a), a + ratio * (b - a)
-    fc, fd = f(c), f(d)
-    while b - a > tol:
-        if fc >= fd:
-            b, d, fd = d, c, fc
-            c = b - ratio * (b - a)
-            fc = f(c)
-        else:
-            a, c, fc = c, d, fd
-            d = a + ratio * (b - a)
-            fd = f(d)
-    return (a + b) / 2
-
-
-def _newton(f, x: float, lo: float, hi: float, max_iters: int = 30) -> float | None:
-    """Maximiser of a concave-near-``x`` ``f`` by safeguarded Newton steps; None if it fails."""
-    for _ in range(max_iters):
-        h = min(1e-5, (x - lo) / 2, (hi - x) / 2)
-        f0, fp, fm = f(x), f(x + h), f(x - h)
-        grad, curv = (fp - fm) / (2 * h), (fp - 2 * f0 + fm) / h**2
-        if not curv < 0:
-            return None
-        step = min(max(-grad / curv, -0.05), 0.05)
-        x = min(max(x + step, lo + 1e-9), hi - 1e-9)
-        if abs(step) < 1e-8:
-            return x
-    return None
-
-
-def estimate_accept_rate(
-    hists: dict[SpecDecision, np.ndarray], sibling_rate: float, start: float | None = None
-) -> tuple[float, float, float]:
-    """(a, standard error, log-likelihood) of one step's verify histograms; ``start`` (trees
-    only) warm-starts the numeric search."""
-    if all(d.is_chain for d in hists):
-        accepted = rejected = 0.0
-        for d, hist in hists.items():
-            k = min(d.draft_steps, d.verify_tokens)
-            accepted += float(hist @ np.arange(hist.size))
-            rejected += float(hist[:k].sum())
-        trials = accepted + rejected
-        a = accepted / trials
-        # The Fisher information vanishes at a = 0 or 1; shrink by half a pseudo-count there.
-        a_se = min(max(a, 0.5 / (trials + 1)), 1 - 0.5 / (trials + 1))
-        return a, math.sqrt(a_se * (1 - a_se) / trials), _loglik(hists, a, sibling_rate)
-    eps = 1e-6
-
-    def f(x: float) -> float:
-        return _loglik(hists, x, sibling_rate)
-
-    a = _newton(f, start, eps, 1 - eps) if start is not None else None
-    if a is None:
-        a = _argmax(f, eps, 1 - eps)
-    h = min(1e-4, (a - eps) / 2, (1 - eps - a) / 2)
-    curv = (f(a + h) - 2 * f(a) + f(a - h)) / h**2
-    se = 1 / math.sqrt(-curv) if curv < 0 else math.inf
-    return a, se, f(a)
-
-
-def fit_sibling_rate(steps: list[StepAcceptance]) -> tuple[float, float]:
-    """Profile-likelihood estimate of the tree model's ``sibling_rate`` and its standard error:
-    for each candidate b every step's acceptance is re-maximised (warm-started)."""
-    tried: dict[float, dict[int, float]] = {}  # b -> per step a: warm starts from the nearest b
-
-    def profile(b: float) -> float:
-        near = tried[min(tried, key=lambda x: abs(x - b))] if tried else {}
-        found, total = {}, 0.0
-        for s in steps:
-            if s.hists:
-                found[s.step], _, ll = estimate_accept_rate(s.hists, b, near.get(s.step))
-                total += ll
-        tried[b] = found
-        return total
-
-    b = _argmax(profile, 0.01, 0.99, num_grid=9, tol=1e-4)
-    h = min(1e-3, b - 0.005, 0.995 - b)
-    curv = (profile(b + h) - 2 * profile(b) + profile(b - h)) / h**2
-    return b, (1 / math.sqrt(-curv) if curv < 0 else math.inf)
 
 
 # --- the whole fit -----------------------------------------------------------------------------

@@ -273,9 +273,17 @@ def fit_dynamics(
     else:
         t = {n: getattr(base, n) for n in DYNAMICS_FIELDS}
     if no_training:
+        # not determined, but never below a rate the drafter was seen at (DrafterDynamics
+        # requires initial and stale <= max): say so where that moves it off the base value
         t["max_accept_rate"] = max(
             base.max_accept_rate, t["initial_accept_rate"], t["stale_accept_rate"]
         )
+        if t["max_accept_rate"] != base.max_accept_rate:
+            held["max_accept_rate"] += (
+                f"; raised from the base {base.max_accept_rate:g} to the fitted"
+                f" {'initial' if t['max_accept_rate'] == t['initial_accept_rate'] else 'stale'}"
+                " rate (a drafter's max is at least the rates it was seen at)"
+            )
     r0 = model.residuals_theta(t)
     chi2 = float(r0 @ r0)
     dof = len(model.observed) - len(free)

@@ -65,15 +65,8 @@ from typing import Any
 import numpy as np
 
 from tltsim.errors import UsageError
-from tltsim.fidelity.fit import (
-    _argmax,
-    checked_hists,
-    collect_steps,
-    eagle_hists,
-    estimate_accept_rate,
-    fit_sibling_rate,
-    hists_by_strategy,
-)
+from tltsim.fidelity.fit import checked_hists, collect_steps, eagle_hists, hists_by_strategy
+from tltsim.fidelity.fit_accept import argmax_unimodal, estimate_accept_rate, fit_sibling_rate
 from tltsim.fidelity.fit_history import (
     HistoryObservation,
     fit_history,
@@ -411,7 +404,7 @@ def _history_rate(model: HistoryModel, observations: list[HistoryObservation]) -
             total += float(o.hist @ np.log(np.maximum(pmf, 1e-300)))
         return total
 
-    return float(_argmax(loglik, 1e-6, 1 - 1e-6))
+    return float(argmax_unimodal(loglik, 1e-6, 1 - 1e-6))
 
 
 def _response_rates(step: Step, source: str, sibling_rate: float) -> dict[str, tuple[float, ...]]:

@@ -168,13 +168,24 @@ def accept_len_pmf(
     tree = build_tree(
         decision.draft_steps, decision.topk, decision.verify_tokens, accept_rate, sibling_rate
     )
-    q = rank_probs(accept_rate, sibling_rate, decision.topk)
+    return tree_accept_len_pmf(tree, accept_rate, sibling_rate)
+
+
+def tree_accept_len_pmf(tree: DraftTree, accept_rate: float, sibling_rate: float) -> np.ndarray:
+    """``accept_len_pmf`` of a tree of fixed shape (its parents, ranks and depths) at rates
+    (a, b): each node's value is recomputed as its parent's times q[rank]. With the shape built
+    at the same (a, b) this is ``accept_len_pmf``; with the shape held fixed it is smooth in a
+    and b, where ``accept_len_pmf`` jumps whenever another node set becomes the best
+    (``tltsim.fidelity.fit`` takes its curvatures this way)."""
+    q = rank_probs(accept_rate, sibling_rate, tree.topk)
+    value = [1.0] * len(tree.parent)
     covered = [0.0] * len(tree.parent)  # sum of q over each node's verified children
-    for node in range(1, len(tree.parent)):
+    for node in range(1, len(tree.parent)):  # parents precede children
+        value[node] = value[tree.parent[node]] * q[tree.rank[node]]
         covered[tree.parent[node]] += q[tree.rank[node]]
-    pmf = np.zeros(decision.draft_steps + 1)
-    for node, value in enumerate(tree.value):
-        pmf[tree.depth[node]] += value * max(0.0, 1.0 - covered[node])
+    pmf = np.zeros(tree.draft_steps + 1)
+    for node, v in enumerate(value):
+        pmf[tree.depth[node]] += v * max(0.0, 1.0 - covered[node])
     return pmf
 
 
