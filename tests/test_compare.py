@@ -299,7 +299,7 @@ def _measured_trace(**measured) -> dict:
                 }
             ),
             [],
-            "drafts at most 2",
+            "accepts at most 2 draft tokens",
         ),
     ],
 )
@@ -405,7 +405,7 @@ def test_each_response_replays_its_own_acceptance(exact):
     [
         ([{"4_1_4": [1]}], "one entry per response (3)"),
         ([{"4_1_4": [1]}, {"x_1_4": [1]}, {}], "[1]"),
-        ([{"4_1_4": [1, 0, 0, 0, 0, 1]}, {}, {}], "drafts at most 4 tokens"),
+        ([{"4_1_4": [1, 0, 0, 0, 0, 1]}, {}, {}], "accepts at most 4 draft tokens"),
     ],  # (a negative count fails to load: test_trace_validation.py "measured bad response hist")
 )
 def test_bad_response_histograms_name_the_field(by_strategy, expected):

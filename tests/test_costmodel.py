@@ -257,8 +257,9 @@ def test_crossover_exists_and_grows_as_verify_tokens_shrink(model_name, hardware
         # Except a model whose KV cache is large for its weights (112 KB per token for 1.7B
         # parameters): at large batches its decode is KV-bound and the KV read is shared by all
         # verify tokens, so small trees pay up to (and beyond) the batch its memory can hold;
-        # the largest tree still stops paying.
-        assert cost.kv_capacity_tokens() // 512 < 2048
+        # the largest tree still stops paying. (Its memory holds 656 (L40S) to 2,172 (H200)
+        # requests of 512 tokens.)
+        assert cost.kv_capacity_tokens() // 512 < 2200
         while crossovers and crossovers[-1] is None:
             crossovers.pop()
         assert len(crossovers) >= 2, crossovers

@@ -1,8 +1,9 @@
 """Model, drafter and hardware specifications with cited presets (inputs of the roofline model).
 
 ``ModelSpec`` is a Llama/Qwen2-style dense decoder (GQA, SwiGLU, RMSNorm); ``DrafterSpec`` is an
-EAGLE-1 drafter built on a target; ``HardwareSpec`` is one GPU. ``tltsim.cost.roofline.RooflineCost``
-turns them into seconds. Every preset number is cited where it is set.
+EAGLE-1 drafter built on a target; ``HardwareSpec`` (``tltsim.cost.hardware``, re-exported here) is
+one GPU. ``tltsim.cost.roofline.RooflineCost`` turns them into seconds. Every preset number is
+cited where it is set.
 
     from tltsim.cost.specs import get_model, get_hardware
     get_model("Qwen2.5-7B").num_params          # 7_615_616_512
@@ -17,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from tltsim.cost.hardware import HARDWARE_PRESETS, HardwareSpec, get_hardware
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 
@@ -241,70 +244,6 @@ class DrafterSpec:
         return 4 * self.num_layers * self.target.q_width
 
 
-@dataclass(frozen=True)
-class HardwareSpec:
-    """One GPU. Peaks are datasheet numbers; the fractions turn them into achievable rates."""
-
-    name: str
-    peak_flops_per_s: float  # dense BF16 tensor-core FLOP/s (not the 2:4-sparsity figure)
-    hbm_bytes_per_s: float  # device memory bandwidth
-    memory_bytes: float  # device memory capacity
-    link_bytes_per_s: (
-        float  # GPU-to-GPU bandwidth per direction (NVLink or PCIe), for TP all-reduce
-    )
-    # Assumption (not a published measurement): large bf16 GEMMs in cuBLAS/CUTLASS sustain about
-    # 70% of the dense datasheet peak; decode adds small GEMMs and attention that do worse, which the
-    # per-iteration overhead below partly absorbs. A measured profile (issue #7) replaces it.
-    flops_fraction: float = 0.70
-    # Assumption: streaming kernels (weight GEMV, paged KV reads) sustain about 80% of the datasheet
-    # HBM bandwidth; STREAM-like copies get closer to 90% on H100 (third-party measurements we could
-    # not verify first-hand). Fit from a measured profile (issue #7).
-    bandwidth_fraction: float = 0.80
-    # Training hardware FLOPs utilisation, recompute included: Llama 3 (arXiv 2407.21783, Table 4)
-    # reports 38-43% BF16 MFU for 405B pre-training on H100s; we take 0.40 for FSDP actor updates.
-    train_flops_fraction: float = 0.40
-    # Assumption: fixed cost of one engine iteration with CUDA graphs (scheduling, sampling,
-    # launch, host sync), ~1 ms; e.g. batch-1 decode of an 8B model on H100 runs at 6-7 ms/token
-    # while its weights stream in ~5-6 ms at 80% bandwidth. Fit from a measured profile (issue #7).
-    iter_overhead_s: float = 1.0e-3
-    # Assumption: fixed cost of one drafter forward inside an SD iteration (graph replay + top-k).
-    draft_step_overhead_s: float = 1.0e-4
-    # Assumption: latency of one small intra-node all-reduce (NCCL / custom all-reduce), ~10 us.
-    allreduce_latency_s: float = 1.0e-5
-
-    def __post_init__(self) -> None:
-        for field_name in (
-            "peak_flops_per_s",
-            "hbm_bytes_per_s",
-            "memory_bytes",
-            "link_bytes_per_s",
-        ):
-            # JSON's NaN and Infinity parse: a NaN bandwidth made every time NaN (or, inside
-            # max(), silently dropped the memory term)
-            value = getattr(self, field_name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(
-                    f"HardwareSpec {self.name!r}: {field_name} must be > 0, got {value}"
-                )
-        for field_name in ("flops_fraction", "bandwidth_fraction", "train_flops_fraction"):
-            if not 0 < getattr(self, field_name) <= 1:
-                raise ValueError(f"HardwareSpec {self.name!r}: {field_name} must be in (0, 1]")
-        for field_name in ("iter_overhead_s", "draft_step_overhead_s", "allreduce_latency_s"):
-            value = getattr(self, field_name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(
-                    f"HardwareSpec {self.name!r}: {field_name} must be >= 0, got {value}"
-                )
-
-    @property
-    def achievable_flops_per_s(self) -> float:
-        return self.peak_flops_per_s * self.flops_fraction
-
-    @property
-    def achievable_bytes_per_s(self) -> float:
-        return self.hbm_bytes_per_s * self.bandwidth_fraction
-
-
 # ---------------------------------------------------------------------------------------------
 # Model presets: numbers copied from each model's published Hugging Face config.json.
 # ---------------------------------------------------------------------------------------------
@@ -420,61 +359,6 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     ),
 }
 
-GB = 1e9
-TB = 1e12
-
-# ---------------------------------------------------------------------------------------------
-# Hardware presets: datasheet peaks. Dense BF16 = half the "with sparsity" datasheet figure.
-# ---------------------------------------------------------------------------------------------
-
-HARDWARE_PRESETS: dict[str, HardwareSpec] = {
-    # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column: BF16 1,979 TFLOPS with sparsity (989.5
-    # dense), HBM3 3.35 TB/s, 80 GB, NVLink 900 GB/s (bidirectional: 450 GB/s per direction).
-    "H100-SXM": HardwareSpec(
-        "H100-SXM",
-        peak_flops_per_s=989.5 * TB,
-        hbm_bytes_per_s=3.35 * TB,
-        memory_bytes=80 * GB,
-        link_bytes_per_s=450 * GB,
-    ),
-    # NVIDIA H200 Tensor Core GPU datasheet, SXM column: BF16 1,979 TFLOPS with sparsity (989.5
-    # dense), HBM3e 4.8 TB/s, 141 GB, NVLink 900 GB/s.
-    "H200": HardwareSpec(
-        "H200",
-        peak_flops_per_s=989.5 * TB,
-        hbm_bytes_per_s=4.8 * TB,
-        memory_bytes=141 * GB,
-        link_bytes_per_s=450 * GB,
-    ),
-    # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column: BF16 312 TFLOPS dense (624 with
-    # sparsity), HBM2e 2,039 GB/s, 80 GB, NVLink 600 GB/s (300 GB/s per direction).
-    "A100-80GB": HardwareSpec(
-        "A100-80GB",
-        peak_flops_per_s=312 * TB,
-        hbm_bytes_per_s=2.039 * TB,
-        memory_bytes=80 * GB,
-        link_bytes_per_s=300 * GB,
-    ),
-    # NVIDIA H20 (HGX H20 product brief; not a public datasheet, figures as widely reported):
-    # BF16 148 TFLOPS dense (296 with sparsity), HBM3 4.0 TB/s, 96 GB, NVLink 900 GB/s.
-    "H20": HardwareSpec(
-        "H20",
-        peak_flops_per_s=148 * TB,
-        hbm_bytes_per_s=4.0 * TB,
-        memory_bytes=96 * GB,
-        link_bytes_per_s=450 * GB,
-    ),
-    # NVIDIA L40S datasheet: BF16 362.05 TFLOPS dense (733 with sparsity), GDDR6 864 GB/s, 48 GB,
-    # no NVLink: PCIe Gen4 x16, 64 GB/s bidirectional (32 GB/s per direction).
-    "L40S": HardwareSpec(
-        "L40S",
-        peak_flops_per_s=362.05 * TB,
-        hbm_bytes_per_s=0.864 * TB,
-        memory_bytes=48 * GB,
-        link_bytes_per_s=32 * GB,
-    ),
-}
-
 
 def get_model(name: str) -> ModelSpec:
     if name not in MODEL_PRESETS:
@@ -482,14 +366,6 @@ def get_model(name: str) -> ModelSpec:
             f"unknown model preset {name!r}; expected one of {', '.join(MODEL_PRESETS)}"
         )
     return MODEL_PRESETS[name]
-
-
-def get_hardware(name: str) -> HardwareSpec:
-    if name not in HARDWARE_PRESETS:
-        raise ValueError(
-            f"unknown hardware preset {name!r}; expected one of {', '.join(HARDWARE_PRESETS)}"
-        )
-    return HARDWARE_PRESETS[name]
 
 
 __all__ = [

@@ -191,9 +191,10 @@ def _decision(arm: str, hist: tuple[int, ...], where: str) -> SpecDecision:
     if not decision.enabled:
         raise UsageError(f"{where}: verifies recorded under strategy 'off'")
     last = max((i for i, c in enumerate(hist) if c), default=0)
-    if last > decision.draft_steps:
+    most = min(decision.draft_steps, decision.verify_tokens)  # no more than it verifies
+    if last > most:
         raise UsageError(
-            f"{where}: arm {arm} accepted {last} drafts but drafts at most {decision.draft_steps}"
+            f"{where}: arm {arm} accepted {last} drafts but accepts at most {most} draft tokens per verify"
         )
     return decision
 
