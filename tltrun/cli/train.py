@@ -151,6 +151,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     _check_inputs(cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("always", train_state.RunDirWarning)
+        warnings.simplefilter("always", launch.LaunchWarning)
         warnings.showwarning = _show_warning
         out = launch.run_train(
             cfg, task, is_resume=args.resume, is_override_config=args.override_config
@@ -210,7 +211,7 @@ _default_showwarning = warnings.showwarning
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """A run-directory warning as one ``warning:`` line; any other as Python prints it."""
-    if issubclass(category, train_state.RunDirWarning):
+    if issubclass(category, (train_state.RunDirWarning, launch.LaunchWarning)):
         print(f"warning: {message}", file=sys.stderr)
     else:
         _default_showwarning(message, category, filename, lineno, file, line)

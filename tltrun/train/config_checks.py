@@ -1,16 +1,20 @@
 """Validation of ``TrainConfig`` (called by its ``__post_init__``): every field a user can
 set, checked before any worker starts, each failure one ``ValueError`` line naming the field.
-Kept apart from the fields so that each file reads on its own."""
+Kept apart from the fields so that each file reads on its own. Also what a ``--resume`` may
+change against the run's recorded config and inputs (``check_overridable``,
+``check_same_inputs``)."""
 
 from __future__ import annotations
 
 import math
 import os
+import warnings
+from pathlib import Path
 from typing import Any
 
 from tltrun.model.config import check_device
 from tltrun.rollout.engine_config import DTYPES
-from tltsim.errors import MAX_LR
+from tltsim.errors import MAX_LR, UsageError
 from tltsim.policy import POLICY_NAMES, make_policy
 
 BACKENDS = ("torch", "vllm")
@@ -162,4 +166,76 @@ def check_train_config(cfg: Any) -> None:
         raise ValueError(
             f"lr and drafter_lr in (0, {MAX_LR}] and finite kl_coef >= 0 required, got {cfg.lr}, "
             f"{cfg.drafter_lr}, {cfg.kl_coef}"
+        )
+
+
+def check_same_inputs(out: Path, old: dict | None, data: dict, cfg: Any) -> None:
+    """A resume (``tltrun.train.launch.prepare_run_dir``) refuses training data, evaluation data or a --model-dir (the KL reference,
+    reloaded from it) that changed since the run started. Evaluation rows are compared only at
+    the --eval-max-prompts they were recorded with (a resume may change it, and a
+    reasoning-gym evaluation set is generated that long)."""
+    recorded = (old or {}).get("data", {})
+    if not data or not recorded:
+        return
+    data_changed = "with different data than the run trained on (rows of {} changed); restore "
+    refusals = {  # key -> what the refusal says changed
+        "fingerprint": data_changed.format("--data / --eval-data"),
+        "train_fingerprint": data_changed.format("--data"),
+        "eval_fingerprint": data_changed.format("--eval-data / --eval-split"),
+        "model_sha256": f"with other weights in --model-dir {cfg.model_dir} than the run "
+        "started from (its KL reference is reloaded from there); restore ",
+    }
+    if "train_fingerprint" in recorded:  # else a run started before the split fingerprints
+        del refusals["fingerprint"]
+        # only a generated evaluation set's rows depend on --eval-max-prompts (a file's or a
+        # split's fingerprint is taken before the cut, so it is compared whatever the value)
+        is_generated = (cfg.eval_data or "").startswith("reasoning-gym:")
+        if is_generated and recorded.get("eval_max_prompts") != cfg.eval_max_prompts:
+            del refusals["eval_fingerprint"]
+    for key, changed in refusals.items():
+        if key in recorded and recorded[key] != data.get(key):
+            raise UsageError(f"{out}: --resume {changed}them, or start a new run in another --out")
+
+
+# Settings a resume cannot change, even with --override-config: why, for the refusal.
+FIXED_ON_RESUME = {
+    # the run's trace records one group size (its validation refused the earlier steps)
+    "train.group_size": "the run's trace records one group size per prompt",
+    # the data position of a step is step x prompts per step (rows were skipped or repeated)
+    "train.prompts_per_step": "a step's place in the data is its number x --prompts-per-step",
+    # the worker loads the checkpoint's drafter (spot training continues it): it was ignored
+    "train.drafter_dir": "the run's drafter continues from its checkpoint's drafter/",
+    # the data position is a place in the epoch's seeded shuffle (and the evaluation split is
+    # drawn from the seed): a new seed repeated 6 and skipped 6 of 40 rows in the epoch, and the
+    # checkpoint's sampling and spot-trainer RNG streams kept the old seed's state anyway
+    "train.seed": "each epoch's prompt order and the evaluation split are drawn from the seed",
+}
+# Settings of the SD policy: a resume that changes one starts the policy afresh.
+POLICY_FIELDS = ("train.policy", "train.static_strategy")
+
+
+def check_overridable(out: Path, diff: dict[str, list]) -> None:
+    """Refuse what a resume cannot change (``FIXED_ON_RESUME``, a lower --max-new-tokens:
+    the trace's earlier responses would exceed it); say that a changed SD policy starts afresh
+    (what it learned, bandit estimates and SD switches, was learned under the old settings)."""
+    for key, (before, after) in diff.items():
+        why = FIXED_ON_RESUME.get(key)
+        if key == "train.max_new_tokens" and after < before:
+            why = f"the run's trace holds responses of up to {before} tokens"
+        if why is not None:
+            name = "--" + key.removeprefix("train.").replace("_", "-")
+            raise UsageError(
+                f"{out}: --resume cannot change {name} ({before!r} -> {after!r}), even with "
+                f"--override-config: {why}; start a new run in another --out"
+            )
+    changed = [k for k in diff if k in POLICY_FIELDS or k.startswith("train.tlt_")]
+    if changed:
+        from tltrun.train.state import RunDirWarning
+
+        names = ", ".join("--" + k.removeprefix("train.").replace("_", "-") for k in changed)
+        warnings.warn(
+            f"{out}: {names} changed: the SD policy starts afresh (its bandit estimates and "
+            "SD switches were learned under the old settings)",
+            RunDirWarning,
+            stacklevel=3,
         )

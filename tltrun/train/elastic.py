@@ -34,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tltsim.errors import UsageError
+
 # Seconds torchrun's agent waits after SIGTERM before it SIGKILLs the surviving ranks of a failed
 # job (its own default is 30 s: our workers have no shutdown work that needs that long).
 SHUTDOWN_TIMEOUT_S = 5
@@ -60,17 +62,46 @@ class RankEnv:
 
 
 def rank_env() -> RankEnv | None:
-    """The torchrun environment of this process (None: not started by torchrun or its API)."""
+    """The torchrun environment of this process (None: not started by torchrun or its API).
+    A value that cannot be one (``RANK=abc``, ``RANK`` >= ``WORLD_SIZE``, a port out of range)
+    is one ``UsageError`` naming the variable."""
     names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     if not all(name in os.environ for name in names):
         return None
+    values = {}
+    for name, lowest, highest in (
+        ("WORLD_SIZE", 1, None),
+        ("RANK", 0, None),
+        ("LOCAL_RANK", 0, None),
+        ("MASTER_PORT", 1, 65535),
+    ):
+        text = os.environ.get(name, "0")
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < lowest or (highest is not None and value > highest):
+            bounds = f">= {lowest}" if highest is None else f"in {lowest}..{highest}"
+            raise UsageError(f"environment variable {name}={text!r}: expected an integer {bounds}")
+        values[name] = value
+    if values["RANK"] >= values["WORLD_SIZE"]:
+        raise UsageError(
+            f"environment variables RANK={values['RANK']} WORLD_SIZE={values['WORLD_SIZE']}: "
+            "a rank must be below the world size"
+        )
     return RankEnv(
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        rank=values["RANK"],
+        world_size=values["WORLD_SIZE"],
+        local_rank=values["LOCAL_RANK"],
         master_addr=os.environ["MASTER_ADDR"],
-        master_port=int(os.environ["MASTER_PORT"]),
+        master_port=values["MASTER_PORT"],
     )
+
+
+def is_torchrun_agent() -> bool:
+    """Started by torchrun's agent (or its API), which sets TORCHELASTIC_RUN_ID; the rank
+    variables alone may be left over in a shell, a Kubernetes pod or a SLURM script."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def init_process_group(device: str) -> RankEnv:

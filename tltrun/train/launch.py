@@ -52,6 +52,7 @@ from pathlib import Path
 
 from tltrun.rollout.vllm_config import check_vllm_cpu_head_size
 from tltrun.train.config import RESUME_NEUTRAL_FIELDS, TrainConfig
+from tltrun.train.config_checks import check_overridable, check_same_inputs
 from tltrun.train.tasks import TaskConfig
 from tltsim.errors import TLTError, UsageError, WorkerError, is_input_error_name
 from tltsim.jsonio import write_json
@@ -146,6 +147,10 @@ def _check_spec_policy(cfg: TrainConfig, vocab_size: int) -> None:
             )  # fmt: skip
         except ValueError as err:
             raise UsageError(str(err)) from None
+
+
+class LaunchWarning(UserWarning):
+    """How this process joins a job, where the user may not expect it (one ``warning:`` line)."""
 
 
 def run_train(
@@ -246,6 +251,15 @@ def run_ranked(
     from tltrun.train.worker import die_with_launcher, run_worker
 
     env = elastic.rank_env()
+    if not elastic.is_torchrun_agent():
+        warnings.warn(
+            f"RANK={env.rank} WORLD_SIZE={env.world_size} MASTER_ADDR={env.master_addr} "
+            f"MASTER_PORT={env.master_port} are set: this process joins that job as one rank "
+            f"(--num-workers {cfg.num_workers} is not used) and waits for its "
+            f"{env.world_size} ranks; unset them to start the workers here",
+            LaunchWarning,
+            stacklevel=2,
+        )
     die_with_launcher(os.getppid())  # torchrun's agent: a SIGKILLed agent leaves no rank behind
     torch.set_num_threads(cfg.num_threads)
     if cfg.num_workers != env.world_size:
@@ -266,8 +280,10 @@ def run_ranked(
                 lock.enter_context(train_state.RunLock(out))
                 resume_dir = prepare_run_dir(cfg, task, is_resume, is_override_config, data)
                 verdict = {"resume": str(resume_dir) if resume_dir else None}
-            except TLTError as err:
-                verdict = {"error": str(err), "exit_code": getattr(err, "exit_code", 2)}
+            except Exception as err:  # noqa: BLE001 - any of it stops every rank (an OSError
+                # left the others failing in the broadcast, reported as an internal error)
+                exit_code = getattr(err, "exit_code", 2) if isinstance(err, TLTError) else 1
+                verdict = {"error": str(err), "exit_code": exit_code}
                 first_error = err
         box = [verdict]
         dist.broadcast_object_list(box, src=0)
@@ -340,74 +356,6 @@ def worker_error(out: Path, rank: int, report: str) -> WorkerError:
     )
 
 
-def _check_same_inputs(out: Path, old: dict | None, data: dict, cfg: TrainConfig) -> None:
-    """A resume refuses training data, evaluation data or a --model-dir (the KL reference,
-    reloaded from it) that changed since the run started. Evaluation rows are compared only at
-    the --eval-max-prompts they were recorded with (a resume may change it, and a
-    reasoning-gym evaluation set is generated that long)."""
-    recorded = (old or {}).get("data", {})
-    if not data or not recorded:
-        return
-    data_changed = "with different data than the run trained on (rows of {} changed); restore "
-    refusals = {  # key -> what the refusal says changed
-        "fingerprint": data_changed.format("--data / --eval-data"),
-        "train_fingerprint": data_changed.format("--data"),
-        "eval_fingerprint": data_changed.format("--eval-data / --eval-split"),
-        "model_sha256": f"with other weights in --model-dir {cfg.model_dir} than the run "
-        "started from (its KL reference is reloaded from there); restore ",
-    }
-    if "train_fingerprint" in recorded:  # else a run started before the split fingerprints
-        del refusals["fingerprint"]
-        # only a generated evaluation set's rows depend on --eval-max-prompts (a file's or a
-        # split's fingerprint is taken before the cut, so it is compared whatever the value)
-        is_generated = (cfg.eval_data or "").startswith("reasoning-gym:")
-        if is_generated and recorded.get("eval_max_prompts") != cfg.eval_max_prompts:
-            del refusals["eval_fingerprint"]
-    for key, changed in refusals.items():
-        if key in recorded and recorded[key] != data.get(key):
-            raise UsageError(f"{out}: --resume {changed}them, or start a new run in another --out")
-
-
-# Settings a resume cannot change, even with --override-config: why, for the refusal.
-FIXED_ON_RESUME = {
-    # the run's trace records one group size (its validation refused the earlier steps)
-    "train.group_size": "the run's trace records one group size per prompt",
-    # the data position of a step is step x prompts per step (rows were skipped or repeated)
-    "train.prompts_per_step": "a step's place in the data is its number x --prompts-per-step",
-    # the worker loads the checkpoint's drafter (spot training continues it): it was ignored
-    "train.drafter_dir": "the run's drafter continues from its checkpoint's drafter/",
-}
-# Settings of the SD policy: a resume that changes one starts the policy afresh.
-POLICY_FIELDS = ("train.policy", "train.static_strategy", "train.seed")
-
-
-def _check_overridable(out: Path, diff: dict[str, list]) -> None:
-    """Refuse what a resume cannot change (``FIXED_ON_RESUME``, a lower --max-new-tokens:
-    the trace's earlier responses would exceed it); say that a changed SD policy starts afresh
-    (what it learned, bandit estimates and SD switches, was learned under the old settings)."""
-    for key, (before, after) in diff.items():
-        why = FIXED_ON_RESUME.get(key)
-        if key == "train.max_new_tokens" and after < before:
-            why = f"the run's trace holds responses of up to {before} tokens"
-        if why is not None:
-            name = "--" + key.removeprefix("train.").replace("_", "-")
-            raise UsageError(
-                f"{out}: --resume cannot change {name} ({before!r} -> {after!r}), even with "
-                f"--override-config: {why}; start a new run in another --out"
-            )
-    changed = [k for k in diff if k in POLICY_FIELDS or k.startswith("train.tlt_")]
-    if changed:
-        from tltrun.train.state import RunDirWarning
-
-        names = ", ".join("--" + k.removeprefix("train.").replace("_", "-") for k in changed)
-        warnings.warn(
-            f"{out}: {names} changed: the SD policy starts afresh (its bandit estimates and "
-            "SD switches were learned under the old settings)",
-            RunDirWarning,
-            stacklevel=3,
-        )
-
-
 def prepare_run_dir(
     cfg: TrainConfig,
     task: TaskConfig,
@@ -456,7 +404,7 @@ def prepare_run_dir(
     old = train_state.effective_config(out)
     if old is None and not any((out / "ckpt").glob("step_*")):
         raise UsageError(f"{out}: --resume, but no run was started here (no config.json)")
-    _check_same_inputs(out, old, data or {}, cfg)
+    check_same_inputs(out, old, data or {}, cfg)
     diff, neutral = {}, {}
     if old is not None:
         for section in ("train", "task"):
@@ -472,7 +420,7 @@ def prepare_run_dir(
                 f"{out}: --resume with settings that change the run ({shown}); pass "
                 f"--override-config to resume with them (recorded in {train_state.CONFIG_HISTORY})"
             )
-        _check_overridable(out, diff)
+        check_overridable(out, diff)
     resume_dir = train_state.select_checkpoint(out, cfg.num_workers)
     if resume_dir is None and (out / "final").exists():
         # the run finished and its checkpoints were deleted: starting over at step 0 would
