@@ -64,6 +64,18 @@ def test_surrogate_clip_and_k3_kl_hand_checked():
     assert loss_kl.item() == pytest.approx(0.5 * k3, abs=1e-6)
 
 
+def test_clip_fraction_counts_the_tokens_whose_gradient_the_clip_removes():
+    """veRL's pg_clipfrac: a ratio outside [1 - eps, 1 + eps] counts only where the clipped
+    term wins the min. Tokens: ratio 1.5 with A > 0 (clipped), 0.5 with A > 0 (not: the
+    unclipped term is smaller and keeps its gradient), 0.5 with A < 0 (clipped), 1.5 with
+    A < 0 (not), 1.0 (inside)."""
+    ratio = torch.tensor([[1.5, 0.5], [0.5, 1.5], [1.0, 1.0]])
+    logp, old = ratio.log(), torch.zeros(3, 2)
+    advantages = torch.tensor([1.0, -1.0, 1.0])
+    _, stats = surrogate_loss(logp, old, None, advantages, torch.ones(3, 2), GRPOConfig(), 6)
+    assert stats["clipped_sum"] == 2
+
+
 def test_token_level_aggregation_and_mask():
     samples = [Sample("a", (1, 7), (5, 6, 2), 1.0), Sample("a", (1,), (9,), 0.0)]
     ids, mask = pack(samples, pad_id=0)

@@ -129,7 +129,10 @@ def surrogate_loss(
         per_token = per_token + cfg.kl_coef * kl
     loss = (per_token * mask).sum() / num_tokens
     with torch.no_grad():
-        is_clipped = ((ratio - clipped).abs() > 0).float()
+        # veRL's pg_clipfrac: the tokens where the clipped term won the min (their surrogate
+        # gradient is zero), not every ratio outside the range (baselines' clipfrac: a ratio
+        # outside it on the side the advantage pulls away from still gets its gradient)
+        is_clipped = (clipped * adv < ratio * adv).float()
         stats = {
             "kl_sum": float((kl * mask).sum()),
             "clipped_sum": float((is_clipped * mask).sum()),
