@@ -14,11 +14,10 @@ starts from the same weights and seed, so the runs see the same prompts.
 Run: ``python benchmarks/bench_train.py`` (about 20 minutes on 2 otherwise idle CPU cores; run
 nothing beside it, the runs are timed in wall seconds; they alternate in chunks of
 ``--chunk-steps`` steps, each chunk resuming its run, so a drift in the machine's load reaches
-every contender). A reasoning-gym task instead of the
-built-in one (issue #16): ``python benchmarks/bench_spec.py --task T --work-dir W`` first, then
-``python benchmarks/bench_train.py --task T --model-dir W/target --drafter-dir W/drafter
---spec-results W/results.json``. Prints the table and writes
-``results.json`` + ``config.json`` into ``--out``.
+every contender). A reasoning-gym task instead of the built-in one (issue #16): ``python
+benchmarks/bench_spec.py --task T --work-dir W`` first, then ``python benchmarks/bench_train.py
+--task T --model-dir W/target --drafter-dir W/drafter --spec-results W/results.json``. Prints
+the table and writes ``results.json`` + ``config.json`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -457,12 +456,9 @@ def drafter_eval(cfg: BenchTrainConfig) -> dict[str, float]:
 def print_table(table: list[dict]) -> None:
     print(format_table(table, COLUMNS, FORMATS, left=("run",)))
     print("accept length per step:")
-    for t in table:
-        # None: no SD iteration ran in that step (the batch never shrank to the threshold)
-        print(
-            f"  {t['run']:<12}"
-            + " ".join("-" if a is None else f"{a:.2f}" for a in t["accept_len_per_step"])
-        )
+    for t in table:  # None: no SD iteration in that step (the batch never reached the threshold)
+        accept = " ".join("-" if a is None else f"{a:.2f}" for a in t["accept_len_per_step"])
+        print(f"  {t['run']:<12}{accept}")
     for line in drift_warnings(table):
         print(line)
 
