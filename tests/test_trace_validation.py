@@ -114,6 +114,11 @@ JSON_CASES = {
         ["meta", "'max_response_tokens'"],
     ),
     "meta not object": (lambda d: d.update(meta=[]), ["'meta'", "object"]),
+    # Python's json reads NaN / Infinity; the trace was then saved back as bare NaN (not JSON)
+    "meta nan": (
+        lambda d: d["meta"].update(notes={"loss": [1.0, float("nan")]}),
+        ["meta", "'notes.loss.1'", "a finite number", "got nan"],
+    ),
     "measured not object": (
         lambda d: d["steps"][0].update(measured=[1.5]),
         ["step 0", "'measured'", "an object"],

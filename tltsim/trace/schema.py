@@ -25,6 +25,7 @@ with an arm by its version instead of mistaking the arm for an EAGLE strategy. B
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,7 +197,28 @@ def _meta_from_dict(meta: Any, source: str) -> dict[str, Any]:
     for key in ("source", "model"):
         if key in meta and not isinstance(meta[key], str):
             raise _fail(source, "meta", key, "a string", meta[key])
+    bad = _non_finite(meta, "")
+    if bad is not None:  # Python's json reads NaN / Infinity; a saved trace would not be JSON
+        raise _fail(source, "meta", bad[0], "a finite number (JSON has no NaN or Infinity)", bad[1])
     return meta
+
+
+def _non_finite(value: Any, path: str) -> tuple[str, float] | None:
+    """(dotted path, value) of the first non-finite float inside ``value``, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path, value
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for key, inner in items:
+        found = _non_finite(inner, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def check_header(obj: Any, source: str) -> dict[str, Any]:
