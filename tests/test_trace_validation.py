@@ -385,6 +385,15 @@ def test_parquet_columns_and_metadata_of_other_types_are_one_line(tmp_path, caps
     assert "schema metadata 'tlt-trace' is not valid JSON" in _run_validate(
         tmp_path / "u.parquet", capsys
     )
+    # a misspelt header field: ignored with its contents before (a JSON trace refused it)
+    header = {"format": "tlt-trace", "version": 1, "meta": {}, "mta": {"group_size": 2}}
+    pq.write_table(
+        plain.replace_schema_metadata({b"tlt-trace": json.dumps(header).encode()}),
+        tmp_path / "h.parquet",
+    )
+    assert "unknown field 'mta' (expected only format, meta, version)" in _run_validate(
+        tmp_path / "h.parquet", capsys
+    )
 
 
 def test_validate_counts_the_responses_at_the_cap_apart(tmp_path, capsys) -> None:

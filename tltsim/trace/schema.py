@@ -221,8 +221,10 @@ def _non_finite(value: Any, path: str) -> tuple[str, float] | None:
     return None
 
 
-def check_header(obj: Any, source: str) -> dict[str, Any]:
-    """Check ``format`` and ``version`` of a parsed header object; return its validated meta."""
+def check_header(obj: Any, source: str, is_table_header: bool = False) -> dict[str, Any]:
+    """Check ``format`` and ``version`` of a parsed header object; return its validated meta.
+    A table's header (Parquet metadata) holds no other field: one is refused as in a JSON
+    trace (a misspelt "meta" was ignored with all it held)."""
     if type(obj) is not dict:
         raise TraceError(
             f"{source}: expected a JSON object at the top level, got {type(obj).__name__}"
@@ -234,6 +236,8 @@ def check_header(obj: Any, source: str) -> dict[str, Any]:
     version = _get(obj, "version", source, "", expected)
     if not _is_int(version) or version not in VERSIONS:
         raise _fail(source, "", "version", f"{expected} (the versions this tltsim reads)", version)
+    if is_table_header:
+        _check_keys(obj, _TOP_KEYS - {"steps"}, source, "")
     return _meta_from_dict(_get(obj, "meta", source, "", "an object"), source)
 
 

@@ -151,7 +151,7 @@ def _read_parquet(path: Path) -> tuple[dict[str, pd.Series], dict[str, Any], Cal
             raise TraceError(
                 f"{source}: schema metadata '{PARQUET_META_KEY.decode()}' is not valid JSON ({reason})"
             ) from None
-        meta = check_header(header, source)
+        meta = check_header(header, source, is_table_header=True)
     columns = {name: table.column(name).to_pandas() for name in table.column_names}
     return columns, meta, lambda i: f"row {i + 1}"
 
