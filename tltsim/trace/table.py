@@ -3,7 +3,8 @@
 Columns ``step,prompt_id,prompt_tokens,response_tokens`` plus an optional ``finish``
 (``stop``/``length``; when absent a response equal to the cap is ``length``, see
 ``tltsim.trace.schema.inferred_finish``). The trace's ``meta`` travels in a first comment line of the CSV,
-``# tlt-trace v1 meta: {...}`` (read it with ``pd.read_csv(path, comment="#")``), and in the
+``# tlt-trace v1 meta: {...}`` (read it with ``pd.read_csv(path, skiprows=1)``; ``comment="#"``
+would cut a prompt id holding a ``#``), and in the
 Parquet schema metadata under the key ``tlt-trace``. A CSV without that line is accepted (its meta
 is then ``{"source": <file name>}``). Per-response ``accept_hist`` and per-step ``measured`` are
 JSON-only. Use through ``tltsim.trace.files.load_trace`` / ``save_trace``.
