@@ -441,3 +441,30 @@ def test_config_values_take_their_fields_types():
     ]:
         with pytest.raises(UsageError, match=rf"^c\.toml: {name}: expected {expected}, got "):
             typed_fields(TrainConfig, {name: value}, "c.toml")
+
+
+def test_results_are_written_as_strict_json(tmp_path):
+    """A NaN in a result (compare's per-response rate of a response with no verify in a step)
+    was written as a bare NaN, which strict JSON readers refuse: it is null now, inside
+    dataclasses and numpy scalars too."""
+    import dataclasses
+
+    import numpy as np
+
+    from tltsim.jsonio import write_json
+
+    @dataclasses.dataclass
+    class Rates:
+        response_rates: tuple
+
+    path = tmp_path / "out.json"
+    write_json(path, {"runs": [Rates((0.5, float("nan")))], "x": np.float64("inf"), "n": 3})
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"not strict JSON: {name}")
+
+    assert json.loads(path.read_text(), parse_constant=refuse) == {
+        "runs": [{"response_rates": [0.5, None]}],
+        "x": None,
+        "n": 3,
+    }

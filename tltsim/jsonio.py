@@ -34,8 +34,17 @@ def _default(o: Any) -> Any:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    """Write ``obj`` (dataclasses allowed) as indented JSON."""
-    path.write_text(json.dumps(obj, indent=2, default=_default) + "\n")
+    """Write ``obj`` (dataclasses allowed) as indented strict JSON: a NaN or infinite float is
+    written as ``null`` (``finite_json``; compare's per-response rates of a response with no
+    verify in a step were written as bare NaN, which strict readers refuse)."""
+    path.write_text(dumps_strict(obj, indent=2) + "\n")
+
+
+def dumps_strict(obj: Any, **kwargs: Any) -> str:
+    """``json.dumps`` of ``obj`` (dataclasses, paths, numpy scalars allowed) with every
+    non-finite float as ``null``."""
+    plain = json.loads(json.dumps(obj, default=_default))  # dataclasses, numpy -> plain values
+    return json.dumps(finite_json(plain), allow_nan=False, **kwargs)
 
 
 def finite_json(obj: Any) -> Any:

@@ -29,7 +29,6 @@ the per-step errors, whole-run speedups), ``config.json``, ``parity.png``, ``ste
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -357,7 +356,7 @@ def write_outputs(
     write_json(out / "config.json", config)
     steps.to_csv(out / "steps.csv", index=False)
     ups.to_csv(out / "speedups.csv", index=False)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(out / "summary.json", summary)
     return [parity_plot(steps, out / "parity.png"), steps_plot(steps, ups, out / "steps.png")]
 
 
