@@ -21,6 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from analysis import ReportError
+
 PHASE_COLORS = {
     "prefill": "#8c564b",
     "decode": "#1f77b4",
@@ -312,7 +314,7 @@ def draw_all(out_dir: str | Path) -> list[Path]:
     steps = pd.read_csv(out_dir / "steps.csv")
     missing = {"policy", "step", "sd_verifies"} - set(steps.columns)
     if missing:
-        raise ValueError(
+        raise ReportError(
             f"{out_dir / 'steps.csv'}: not tltsim replay's (no column {min(missing)!r})"
         )
     responses = pd.read_parquet(out_dir / "responses.parquet")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from analysis import ReportError
+
 
 def report(out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
@@ -18,25 +20,25 @@ def report(out_dir: str | Path) -> list[Path]:
     try:
         summary = json.loads(summary_path.read_text())
     except FileNotFoundError:
-        raise ValueError(
+        raise ReportError(
             f"{out_dir}: no summary.json (expected the output directory of tltsim replay or tltsim sweep)"
         ) from None
     except (OSError, ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError
-        raise ValueError(f"{summary_path}: unreadable ({err})") from None
+        raise ReportError(f"{summary_path}: unreadable ({err})") from None
     kind = summary.get("kind") if isinstance(summary, dict) else None
     if kind == "replay":
         from analysis.replay_plots import draw_all
     elif kind == "sweep":
         from analysis.sweep_plots import draw_all
     else:
-        raise ValueError(f"{summary_path}: field 'kind' must be 'replay' or 'sweep', got {kind!r}")
+        raise ReportError(f"{summary_path}: field 'kind' must be 'replay' or 'sweep', got {kind!r}")
     import pandas as pd
 
     try:
         return draw_all(out_dir)
     except FileNotFoundError as err:
-        raise ValueError(f"{out_dir}: missing result file {Path(err.filename).name}") from None
+        raise ReportError(f"{out_dir}: missing result file {Path(err.filename).name}") from None
     except (pd.errors.EmptyDataError, pd.errors.ParserError) as err:  # a damaged results CSV
-        raise ValueError(
+        raise ReportError(
             f"{out_dir}: a result file is not as tltsim {kind} wrote it ({err})"
         ) from None

@@ -21,6 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from analysis import ReportError
 from analysis.replay_plots import POLICY_COLORS, _save, fresh_plots_dir  # noqa: E402
 from tltsim.sim.sweep import setting_matters  # noqa: E402
 
@@ -63,6 +64,8 @@ def speedup_lines(table: pd.DataFrame, setting: str, path: Path) -> Path:
             .agg(["mean", "std"])
             .fillna(0.0)
         )
+        if rows.empty:  # no point of this policy sets it (a grid + random sweep): no line
+            continue
         x = rows.index.to_numpy()
         matters = setting_matters(policy, setting)
         ax.errorbar(
@@ -103,20 +106,25 @@ def speedup_lines(table: pd.DataFrame, setting: str, path: Path) -> Path:
 
 def speedup_surface(
     table: pd.DataFrame, x: str, y: str, path: Path, averaged: tuple[str, ...] = ()
-) -> Path:
+) -> Path | None:
     """A heat map per policy over settings ``x`` and ``y``: each cell the mean over seeds and
     over the ``averaged`` settings the sweep also varied (said in the titles, so that a cell is
-    not read as one setting's result)."""
+    not read as one setting's result). Only points that set both settings count: a sweep whose
+    grid sets one and whose random draws set the other has none (None: no heat map), and a
+    policy with none gets no panel (its empty grid failed the whole report)."""
     spec = _speculating(table)
     over = ", ".join(("seeds", *averaged))
-    policies = list(dict.fromkeys(spec.policy))
-    fig, axes = plt.subplots(1, len(policies), figsize=(5.5 * len(policies), 4.5), squeeze=False)
-    grids = {
-        p: spec[spec.policy == p].pivot_table(
+    grids = {}
+    for p in dict.fromkeys(spec.policy):
+        grid = spec[spec.policy == p].pivot_table(
             index=y, columns=x, values="speedup_vs_nospec", aggfunc="mean"
         )
-        for p in policies
-    }
+        if grid.size and np.isfinite(grid.to_numpy(dtype=float)).any():
+            grids[p] = grid
+    if not grids:
+        return None
+    policies = list(grids)
+    fig, axes = plt.subplots(1, len(policies), figsize=(5.5 * len(policies), 4.5), squeeze=False)
     vmin = min(float(np.nanmin(g.to_numpy())) for g in grids.values())
     vmax = max(float(np.nanmax(g.to_numpy())) for g in grids.values())
     best_policy = max(grids, key=lambda p: np.nanmax(grids[p].to_numpy()))
@@ -153,22 +161,21 @@ def draw_all(out_dir: str | Path) -> list[Path]:
     table = pd.read_parquet(out_dir / "sweep.parquet")
     varying = json.loads((out_dir / "summary.json").read_text())["varying"]
     if not len(_speculating(table)):
-        raise ValueError(
+        raise ReportError(
             f"{out_dir}: the sweep has no speculating policy, nothing to compare with NoSpec"
         )
     written = [speedup_bars(table, plots / "speedup_per_policy.png")]
     if len(varying) == 1:
         written.append(speedup_lines(table, varying[0], plots / f"speedup_vs_{varying[0]}.png"))
     elif len(varying) >= 2:
-        written.append(
-            speedup_surface(
-                table,
-                varying[0],
-                varying[1],
-                plots / f"speedup_{varying[0]}_x_{varying[1]}.png",
-                tuple(varying[2:]),
-            )
+        surface = speedup_surface(
+            table,
+            varying[0],
+            varying[1],
+            plots / f"speedup_{varying[0]}_x_{varying[1]}.png",
+            tuple(varying[2:]),
         )
+        written += [surface] if surface is not None else []
         for setting in varying:
             written.append(speedup_lines(table, setting, plots / f"speedup_vs_{setting}.png"))
     return written

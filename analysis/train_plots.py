@@ -24,6 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from analysis import ReportError
 from tltsim.errors import InputWarning  # noqa: E402
 from tltsim.jsonio import parse_json, read_json, read_text  # noqa: E402
 
@@ -42,7 +43,7 @@ def load_run(run: str | Path) -> tuple[str, list[dict]]:
     path = Path(run)
     log_file = path / "log.jsonl"
     if not log_file.is_file():
-        raise ValueError(f"{path}: no log.jsonl (not a tltrun train output directory)")
+        raise ReportError(f"{path}: no log.jsonl (not a tltrun train output directory)")
     rows = []
     lines = read_text(log_file, "tltrun train log").splitlines()
     for number, line in enumerate(lines, 1):
@@ -57,14 +58,14 @@ def load_run(run: str | Path) -> tuple[str, list[dict]]:
             continue
         rows.append(_checked_row(parse_json(line, f"{log_file}:{number}"), log_file, number))
     if not rows:
-        raise ValueError(f"{log_file}: no steps logged yet")
+        raise ReportError(f"{log_file}: no steps logged yet")
     name = path.resolve().name
     config = path / "config.json"
     if not config.is_file():
         return name, rows
     train = read_json(config, "tltrun train config").get("train")
     if not isinstance(train, dict) or not {"policy", "is_spot_training"} <= set(train):
-        raise ValueError(f"{config}: no train settings (not a tltrun train config.json)")
+        raise ReportError(f"{config}: no train settings (not a tltrun train config.json)")
     policy = train["policy"]
     for step, diff in _overrides(path / "config_history.jsonl"):
         for key, (before, after) in diff.items():
@@ -101,7 +102,7 @@ def _overrides(history: Path) -> list[tuple[int, dict]]:
         if not isinstance(diff, dict) or not all(
             isinstance(v, list) and len(v) == 2 for v in diff.values()
         ):
-            raise ValueError(f"{history}:{number}: expected {{'step', 'diff'}} as tltrun writes")
+            raise ReportError(f"{history}:{number}: expected {{'step', 'diff'}} as tltrun writes")
         out.append((entry.get("step", "?"), diff))
     return out
 
@@ -120,12 +121,12 @@ def unique_labels(runs: list[tuple[str, list[dict]]], dirs: list) -> list[tuple[
 
 def _checked_row(row: object, log_file: Path, number: int) -> dict:
     if not isinstance(row, dict):
-        raise ValueError(f"{log_file}:{number}: expected a JSON object (one step), got {row!r}")
+        raise ReportError(f"{log_file}:{number}: expected a JSON object (one step), got {row!r}")
     for key in PLOTTED_KEYS:
         if key not in row:
-            raise ValueError(f"{log_file}:{number}: no {key!r} (not a tltrun train log row)")
+            raise ReportError(f"{log_file}:{number}: no {key!r} (not a tltrun train log row)")
         if type(row[key]) not in (int, float):
-            raise ValueError(f"{log_file}:{number}: {key!r}: expected a number, got {row[key]!r}")
+            raise ReportError(f"{log_file}:{number}: {key!r}: expected a number, got {row[key]!r}")
     return row
 
 

@@ -234,6 +234,28 @@ def test_report_of_a_sweep_over_a_string_setting(tmp_path: Path) -> None:
     assert (out / "plots" / "speedup_vs_static_strategy.png").stat().st_size > 0
 
 
+def test_report_of_a_grid_plus_random_sweep(tmp_path: Path) -> None:
+    """Grid points lack the random settings and random points the grid's: the heat map's grid
+    was empty and the report failed ('zero-size array to reduction operation'), a policy with
+    no point setting a line's setting failed argmax. Now: a panel per policy with points that
+    set both, a line per policy with points that set it."""
+    spec = write_spec(
+        tmp_path,
+        f'trace = "{TRACE}"\nseeds = [0]\nmax_steps = 1\n[fixed]\nnum_gpus = 4\n'
+        '[grid]\npolicy = ["static", "tlt"]\n"tlt.threshold" = [8, 32]\n'
+        '[random]\nnum_points = 2\nseed = 0\n"tlt.epsilon" = {low = 0.0, high = 0.3}\n',
+    )
+    out = tmp_path / "out"
+    run_sweep(spec, out, workers=1)
+    assert main(["report", str(out)]) == 0
+    pngs = sorted(p.name for p in (out / "plots").glob("*.png"))
+    assert pngs == [
+        "speedup_per_policy.png",
+        "speedup_vs_tlt.epsilon.png",
+        "speedup_vs_tlt.threshold.png",
+    ]
+
+
 def test_a_preset_file_is_read_beside_the_spec_and_a_recalibrated_one_recomputes(
     tmp_path: Path, monkeypatch
 ) -> None:

@@ -218,11 +218,12 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    from analysis import ReportError
     from analysis.train_plots import report
 
     try:
         paths = report(args.runs, args.out, prepare_out=check_out_dir if args.out else None)
-    except ValueError as err:
+    except ReportError as err:
         raise UsageError(str(err)) from None
     for path in paths:
         print(path)

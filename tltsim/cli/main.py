@@ -24,11 +24,12 @@ from tltsim.errors import UsageError
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    from analysis import ReportError
     from analysis.report import report  # matplotlib is only needed here
 
     try:
         paths = report(args.dir)
-    except ValueError as err:
+    except ReportError as err:
         raise UsageError(str(err)) from None
     for path in paths:
         print(f"wrote {path}")
