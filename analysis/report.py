@@ -20,6 +20,11 @@ def report(out_dir: str | Path) -> list[Path]:
     try:
         summary = json.loads(summary_path.read_text())
     except FileNotFoundError:
+        if (out_dir / "config.json").is_file():  # written first, summary.json last
+            raise ReportError(
+                f"{out_dir}: no summary.json: the run that wrote its config.json did not finish "
+                "(killed or interrupted?); run it again"
+            ) from None
         raise ReportError(
             f"{out_dir}: no summary.json (expected the output directory of tltsim replay or tltsim sweep)"
         ) from None

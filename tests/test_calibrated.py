@@ -7,6 +7,7 @@ Run: ``python -m pytest tests/test_calibrated.py -q``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import sys
@@ -330,6 +331,13 @@ def test_calibrate_cli_writes_a_preset_that_replay_uses(tmp_path, capsys):
     assert main([*argv, "--hardware-file", str(preset), "--out", str(run)]) == 0
     config = json.loads((run / "config.json").read_text())
     assert config["sim"]["hardware"] == str(preset)
+    # config.json says which calibration ran: the file's digest and its fitted numbers (it
+    # held the roofline fractions the calibration replaces, and a relative path only)
+    cost = config["cost_model"]
+    assert cost["hardware_file"]["sha256"] == hashlib.sha256(preset.read_bytes()).hexdigest()
+    assert cost["hardware_file"]["path"] == str(preset.resolve())
+    fitted = preset_cost("Qwen2.5-7B", str(preset)).params.flops_fraction
+    assert cost["calibration"]["flops_fraction"] == fitted
 
 
 def test_calibrate_says_when_the_profile_is_incomplete(tmp_path, capsys):

@@ -224,3 +224,34 @@ def test_a_refused_command_leaves_no_directory_it_created(tmp_path: Path, argv, 
     assert not (tmp_path / "o").exists()
     (tmp_path / "o").mkdir()  # already there: kept
     assert main(argv) == 2 and (tmp_path / "o").is_dir()
+
+
+def test_a_replay_killed_before_its_results_leaves_no_stale_ones(
+    replay_dir: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A second replay into the same --out killed while simulating left the first replay's
+    results beside its own config.json, and report drew them as its own: they are removed
+    before the new config.json is written, and summary.json (what report reads first) is
+    written last."""
+    import shutil
+
+    import tltsim.cli.replay as cli_replay
+
+    out = tmp_path / "out"
+    shutil.copytree(replay_dir, out)
+    assert main(["report", str(out)]) == 0
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_replay, "simulate_policies", killed)
+    argv = ["replay", str(SAMPLE), "--max-steps", "1", "--policy", "nospec", "--out", str(out)]
+    assert main(argv) == 130  # what a Ctrl-C gives ("interrupted")
+    assert json.loads((out / "config.json").read_text())["replay"]["policy"] == "nospec"
+    left = sorted(p.name for p in out.iterdir())
+    assert left == ["config.json", "plots"] and not list((out / "plots").glob("*.png"))
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 2
+    assert "no summary.json: the run that wrote its config.json did not finish" in (
+        capsys.readouterr().err
+    )

@@ -347,3 +347,23 @@ def test_a_heat_map_says_which_settings_its_cells_average(tmp_path, monkeypatch)
     texts = _drawn_texts(tmp_path, monkeypatch)["speedup_a_x_b.png"]
     assert "tlt: speedup vs NoSpec\n(mean over seeds, c)" in texts
     assert "best mean over c" in texts
+
+
+def test_a_new_sweep_killed_before_its_table_leaves_no_stale_one(tmp_path: Path, monkeypatch):
+    """A sweep of another spec into the same out, killed while simulating, left the old
+    sweep's table and summary beside its own config.json (report drew them): they are removed
+    first; points.jsonl stays (its rows are keyed by what they simulated)."""
+    import tltsim.sim.sweep as sweep_module
+
+    out = tmp_path / "out"
+    run_sweep(write_spec(tmp_path), out, workers=1)
+    other = write_spec(tmp_path, SPEC.replace("[8, 32]", "[16]"))
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep_module, "_run_task", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(other, out, workers=1)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "points.jsonl"]
+    assert json.loads((out / "config.json").read_text())["spec"]["grid"]["tlt.threshold"] == [16]

@@ -47,6 +47,17 @@ def dumps_strict(obj: Any, **kwargs: Any) -> str:
     return json.dumps(finite_json(plain), allow_nan=False, **kwargs)
 
 
+def remove_stale_outputs(out: Path, names: tuple[str, ...]) -> None:
+    """Delete the result files ``names`` and the figures (``plots/*.png``) an earlier run left
+    in ``out``, before a new run writes its ``config.json`` there: a run killed before its
+    results were written left the old ones beside the new config, and ``report`` drew them as
+    this run's."""
+    for name in names:
+        (out / name).unlink(missing_ok=True)
+    for png in (out / "plots").glob("*.png"):
+        png.unlink()
+
+
 def finite_json(obj: Any) -> Any:
     """``obj`` with every NaN or infinite float replaced by None: strict JSON has no NaN
     (``json.dumps`` writes a bare ``NaN`` that jq, JavaScript and pandas' strict readers refuse),

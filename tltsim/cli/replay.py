@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,10 @@ from tltsim.cli.fidelity import (
     history_from_args,
 )
 from tltsim.cli.table import format_table
-from tltsim.cost.calibrated import is_preset_file, load_hardware_preset
+from tltsim.cost.calibrated import CalibratedCost, is_preset_file, load_hardware_preset
 from tltsim.cost.presets import apply_preset
 from tltsim.errors import UsageError
-from tltsim.jsonio import write_json
+from tltsim.jsonio import remove_stale_outputs, write_json
 from tltsim.policy import SpotTrainerConfig, TLTConfig
 from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.config import SimConfig
@@ -49,6 +50,7 @@ from tltsim.sim.history_acceptance import HistoryModel
 from tltsim.sim.intervals import describe
 from tltsim.sim.metrics import SimResult
 from tltsim.sim.replay import (
+    RESULT_FILES,
     ReplayConfig,
     RunSettings,
     cost_model,
@@ -139,6 +141,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     )
     spec = interval_spec(replay, sim, drafter, getattr(args, "drafter_dynamics", None), history)
     check_out_dir(out)  # after every check of the input (a refused replay left it empty)
+    remove_stale_outputs(out, RESULT_FILES)
     sim = dataclasses.replace(sim, seed=spec.seeds[0])  # the point estimate's seed
     config = {
         "kind": "replay",
@@ -149,12 +152,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "drafter": drafter,
         "history": history,
         "spot": spot,
-        "cost_model": {
-            "model": dataclasses.asdict(cost_model(sim).model),
-            "hardware": dataclasses.asdict(cost_model(sim).hardware),
-            "tp": sim.tp,
-            "profile": None if profile is None else str(profile),
-        },
+        "cost_model": cost_record(sim, profile),
         "speedup_interval": describe(spec),
     }
     write_json(out / "config.json", config)
@@ -176,6 +174,33 @@ def cmd_replay(args: argparse.Namespace) -> int:
     for line in extrapolation_lines(cost):
         print(line)
     return 0
+
+
+def cost_record(sim: SimConfig, profile: Path | None) -> dict[str, Any]:
+    """The cost model as it ran, for config.json: the model and hardware specs, the calibration
+    a calibrated GPU or --hardware-file applies (its numbers, not only the roofline fractions
+    it replaces), and the files read with their sha256 (a path alone does not say which
+    calibration or profile a result came from)."""
+    model = cost_model(sim)
+    record: dict[str, Any] = {
+        "model": dataclasses.asdict(model.model),
+        "hardware": dataclasses.asdict(model.hardware),
+        "tp": sim.tp,
+        "calibration": (
+            dataclasses.asdict(model.params) if isinstance(model, CalibratedCost) else None
+        ),
+        "profile": None if profile is None else _file_record(Path(profile)),
+    }
+    if is_preset_file(sim.hardware):
+        record["hardware_file"] = _file_record(Path(sim.hardware))
+    return record
+
+
+def _file_record(path: Path) -> dict[str, str]:
+    return {
+        "path": str(path.resolve()),
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+    }
 
 
 def hardware_file_name(path: Path) -> str:

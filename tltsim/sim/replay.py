@@ -337,6 +337,17 @@ def comparison(
     return rows, ideal
 
 
+# What write_outputs writes into --out (summary.json last; remove_stale_outputs clears them first)
+RESULT_FILES = (
+    "summary.json",
+    "summary.csv",
+    "steps.csv",
+    "instances.csv",
+    "timeline.parquet",
+    "responses.parquet",
+)
+
+
 def write_outputs(
     out: Path,
     trace: Trace,
@@ -358,7 +369,6 @@ def write_outputs(
         "speedup_interval": describe(spec) if spec is not None and intervals else None,
         "policies": rows,
     }
-    write_json(out / "summary.json", summary)
     table = pd.DataFrame(rows)
     for column in ("strategies_used", "speedup_interval_by_source"):
         if column in table:
@@ -388,4 +398,5 @@ def write_outputs(
             [pd.Series(f) for f in result.finish_s], ignore_index=True
         )
     responses.to_parquet(out / "responses.parquet", index=False)
+    write_json(out / "summary.json", summary)  # last: a replay killed before has none
     return summary

@@ -50,7 +50,7 @@ from tqdm import tqdm
 from tltsim.cost.calibrated import is_preset_file
 from tltsim.cost.presets import apply_preset
 from tltsim.errors import UsageError
-from tltsim.jsonio import write_json
+from tltsim.jsonio import remove_stale_outputs, write_json
 from tltsim.policy import POLICY_NAMES, SpotTrainerConfig, TLTConfig, make_policy
 from tltsim.policy.tlt import TLTBASE_FIELDS
 from tltsim.sim.acceptance import DrafterDynamics
@@ -203,6 +203,8 @@ def run_sweep(spec_path: Path, out: Path | None = None, workers: int | None = No
     points = spec_points(spec)
     for point in points:  # validate every point before spending any time
         cost_model(settings_of(point, spec.seeds[0]).sim)  # a bad model or hardware name too
+    # points.jsonl stays: its rows are keyed by what they simulated (resume, reuse)
+    remove_stale_outputs(out, ("summary.json", "sweep.csv", "sweep.parquet"))
     write_json(
         out / "config.json",
         {
