@@ -150,6 +150,16 @@ def test_parallel_workers_give_the_same_table(tmp_path: Path) -> None:
             'spot.max_trainers: expected an integer, got "all"',
         ),
         ('trace = "x.json"\nseeds = [0, 1, 0]', "'seeds' repeats a seed"),
+        # beyond int64: the Parquet table failed after every simulation had run
+        (
+            'trace = "x.json"\n[grid]\n"tlt.threshold" = [18446744073709551616]',
+            "tlt.threshold: 18446744073709551616 is beyond what the sweep table holds",
+        ),
+        (
+            'trace = "x.json"\nseeds = [0]\n[random]\nnum_points = 2\n'
+            '"tlt.threshold" = {low = 1, high = 99999999999999999999999}',
+            "99999999999999999999999 is beyond what the sweep table holds",
+        ),
     ],
 )
 def test_bad_specs_name_the_problem(tmp_path: Path, text: str, message: str) -> None:

@@ -88,6 +88,20 @@ def _check_value(key: str, value: Any, source: str) -> None:
     else:
         tp = TOP_KEY_TYPES.get(name) or typing.get_type_hints(SimConfig)[name]
     typed_value(tp, value, f"{source}: {key}")
+    _check_int64(value, f"{source}: {key}")
+
+
+# The sweep's table is Parquet: an integer setting beyond int64 failed there, after every
+# simulation had run (an internal error)
+INT64_MAX = 2**63 - 1
+
+
+def _check_int64(value: Any, where: str) -> None:
+    if isinstance(value, list):
+        for item in value:
+            _check_int64(item, where)
+    elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64_MAX:
+        raise UsageError(f"{where}: {value} is beyond what the sweep table holds (|x| <= 2^63 - 1)")
 
 
 def load_spec(path: Path) -> SweepSpec:
@@ -206,6 +220,7 @@ def _check_dist(dist: dict[str, Any], where: str) -> None:
     for end in (low, high):
         if type(end) not in (int, float) or not math.isfinite(end):
             raise UsageError(f"{where}: low and high must be finite numbers, got {end!r}")
+        _check_int64(end, where)
     if low > high:
         raise UsageError(f"{where}: empty range: low = {low} > high = {high}")
 
