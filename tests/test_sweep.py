@@ -377,3 +377,10 @@ def test_a_new_sweep_killed_before_its_table_leaves_no_stale_one(tmp_path: Path,
         run_sweep(other, out, workers=1)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "points.jsonl"]
     assert json.loads((out / "config.json").read_text())["spec"]["grid"]["tlt.threshold"] == [16]
+
+
+def test_an_out_that_is_a_file_is_named(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("")
+    spec = write_spec(tmp_path)
+    with pytest.raises(UsageError, match="out .*afile: exists and is not a directory"):
+        run_sweep(spec, tmp_path / "afile", workers=1)

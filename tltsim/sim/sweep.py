@@ -193,6 +193,8 @@ class SweepOutcome:
 def run_sweep(spec_path: Path, out: Path | None = None, workers: int | None = None) -> SweepOutcome:
     spec = load_spec(spec_path)
     out = out or Path(spec.out or Path("results") / f"sweep-{spec_path.stem}")
+    if out.exists() and not out.is_dir():  # (the spec's out or --out: "File exists" named none)
+        raise UsageError(f"{spec_path}: out {out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     try:
         trace = load_trace(spec.trace)
