@@ -430,7 +430,8 @@ def drafter_eval(cfg: BenchTrainConfig) -> dict[str, float]:
     tok = load_tokenizer(spot_dir / "actor")
     train = TrainConfig(**{**results_config(cfg), "eval_every": 0})
     task = task_for(cfg.model_dir)
-    data = load_run_data(train, task, lambda row: len(tok.encode_prompt(row.prompt)))
+    positions = target.config.max_position_embeddings
+    data = load_run_data(train, task, lambda row: len(tok.encode_prompt(row.prompt)), positions)
     rows = data.step_rows(cfg.num_steps, cfg.eval_prompts)  # prompts of a step after the runs
     prompts = [tuple(tok.encode_prompt(row.prompt)) for row in rows]
     requests = [

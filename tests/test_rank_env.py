@@ -76,7 +76,8 @@ def test_rank_zero_os_error_stops_both_ranks_with_one_line_each(model_dir, tmp_p
         env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                    LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")  # fmt: skip
         cmd = [sys.executable, "-m", "tltrun.cli.main", "train", "--model-dir", str(model_dir),
-               "--out", str(out), "--num-steps", "1", "--num-threads", "1"]  # fmt: skip
+               "--out", str(out), "--num-steps", "1", "--num-threads", "1",
+               "--max-new-tokens", "16"]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
     errs = [p.communicate(timeout=240)[1] for p in procs]
     for rank, (proc, err) in enumerate(zip(procs, errs, strict=True)):

@@ -284,6 +284,7 @@ def test_an_out_that_is_a_file_is_the_usual_refusal(model_dir, tmp_path, capsys)
     """It was "error: X: File exists", unlike every other command's message."""
     taken = tmp_path / "my_trace.json"
     taken.write_text("{}")
-    assert main(["train", "--model-dir", str(model_dir), "--out", str(taken)]) == 2
+    argv = ["train", "--model-dir", str(model_dir), "--max-new-tokens", "16", "--out", str(taken)]
+    assert main(argv) == 2
     assert capsys.readouterr().err == f"error: --out {taken}: exists and is not a directory\n"
     assert taken.read_text() == "{}"

@@ -202,7 +202,7 @@ def test_a_file_is_read_whole_whatever_data_num_rows(data_dir, bpe_model):
         reward="exact",
         data_num_rows=5,
     )
-    data = load_run_data(cfg, TaskConfig(), lambda row: 1)
+    data = load_run_data(cfg, TaskConfig(), lambda row: 1, 1 << 20)
     assert data.num_train_rows == len(QUESTIONS) > 5
 
 
@@ -222,7 +222,7 @@ def test_an_evaluation_file_is_fingerprinted_whole_whatever_eval_max_prompts(dat
             eval_every=1,
             eval_max_prompts=eval_max_prompts,
         )
-        return load_run_data(cfg, TaskConfig(), lambda row: 1)
+        return load_run_data(cfg, TaskConfig(), lambda row: 1, 1 << 20)
 
     few, many = data(2), data(64)
     assert len(few.eval_rows) == 2 and len(many.eval_rows) == len(QUESTIONS) > 2
@@ -242,7 +242,7 @@ def test_the_data_fingerprint_covers_the_columns_a_reward_receives(bpe_model, tm
         cfg = TrainConfig(
             model_dir=str(bpe_model), out="unused", data=str(tmp_path / "d.csv"), reward="exact"
         )
-        return load_run_data(cfg, TaskConfig(), lambda row: 1).train_fingerprint
+        return load_run_data(cfg, TaskConfig(), lambda row: 1, 1 << 20).train_fingerprint
 
     rows = {"prompt": ["1+1", "2+2"], "answer": ["2", "4"]}
     level_1 = fingerprint(pd.DataFrame({**rows, "level": [1, 1]}))
@@ -272,7 +272,7 @@ def test_data_without_an_answer_column_trains_with_the_users_reward(bpe_model, t
     )
     cfg = TrainConfig(model_dir=str(bpe_model), out="unused", data=str(data),
                       prompt_key="question", answer_key="", reward=f"{module}:score")  # fmt: skip
-    rows = load_run_data(cfg, TaskConfig(), lambda row: 1).step_rows(0, 6)
+    rows = load_run_data(cfg, TaskConfig(), lambda row: 1, 1 << 20).step_rows(0, 6)
     assert [row.answer for row in rows] == [None] * 6
     scorer = Scorer(reward_spec(cfg))
     scores = {
@@ -290,7 +290,7 @@ def test_data_without_an_answer_column_trains_with_the_users_reward(bpe_model, t
     assert scores == {"short": 1.0, "long": 0.5}
     # the default --answer-key on this file: a missing column, one line naming it
     base = ["train", "--model-dir", str(bpe_model), "--data", str(data), "--prompt-key",
-            "question", "--num-steps", "1"]  # fmt: skip
+            "question", "--num-steps", "1", "--max-new-tokens", "16"]  # fmt: skip
     code = main([*base, "--out", str(tmp_path / "a"), "--reward", f"{module}:score"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "'answer'" in err and "prefs.csv" in err and "\n" not in err
@@ -401,7 +401,8 @@ def test_bad_rows_and_keys_are_one_line_errors_before_any_worker(
     bad.write_text(
         json.dumps({"question": "fine", "answer": "1"}) + "\n" + json.dumps({"answer": "2"}) + "\n"
     )
-    base = ["train", "--model-dir", str(bpe_model), "--reward", "exact", "--num-steps", "1"]
+    base = ["train", "--model-dir", str(bpe_model), "--reward", "exact", "--num-steps", "1",
+            "--max-new-tokens", "16"]  # fmt: skip
     code = main(
         [*base, "--out", str(tmp_path / "a"), "--data", str(bad), "--prompt-key", "question"]
     )

@@ -120,6 +120,7 @@ def load_rows(
     *,
     prompt_tokens: Callable[[PromptRow], int] | None = None,
     max_prompt_tokens: int | None = None,
+    max_prompt_what: str = "the max prompt length",
 ) -> LoadedData:
     """Read and check every row of ``spec``; see the module docstring for the formats and checks.
     ``prompt_tokens`` (the tokenizer's prompt length) is only called when ``max_prompt_tokens`` is
@@ -154,7 +155,7 @@ def load_rows(
                     key = "question" if spec.is_gym else spec.prompt_key
                     raise _BadRow(
                         f"{candidate.source}: key {key!r}: prompt of {num_tokens} tokens is "
-                        f"longer than the max prompt length ({max_prompt_tokens} tokens)"
+                        f"longer than {max_prompt_what} ({max_prompt_tokens} tokens)"
                     )
         except _BadRow as bad:
             if not spec.is_skip_bad_rows:

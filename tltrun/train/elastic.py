@@ -20,10 +20,14 @@ every failed rank, so a dead rank ends the job instead of leaving the others in 
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import logging
 import os
 import signal
+import sys
+import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,6 +134,31 @@ def side_store(env: RankEnv) -> dist.Store:
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
     return dist.PrefixStore(f"tlt/{os.environ.get('TORCHELASTIC_RUN_ID', '')}", store)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_launcher(launcher_pid: int) -> None:
+    """Make this worker end when its launcher does, however the launcher ends (kill -9 too).
+
+    Linux's PR_SET_PDEATHSIG has the kernel SIGKILL this process when its parent dies (torch's
+    spawn wrapper sets SIGINT, which a worker blocked in a collective or catching
+    KeyboardInterrupt can outlive); elsewhere a daemon thread polls the parent pid. Either only
+    covers deaths from now on, and a worker spends its first seconds importing torch before it
+    gets here: if the launcher died meanwhile, the worker has been re-parented and exits now,
+    before it touches the run directory or joins the other workers."""
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+    if libc is None or libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        threading.Thread(target=_exit_when_orphaned, args=(launcher_pid,), daemon=True).start()
+    if os.getppid() != launcher_pid:
+        os._exit(1)
+
+
+def _exit_when_orphaned(launcher_pid: int) -> None:
+    while os.getppid() == launcher_pid:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def launch_local(num_procs: int, entry: Callable, args: tuple, log_dir: Path) -> None:

@@ -108,7 +108,9 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
     reward_spec(cfg)  # a bad --reward (unknown kind, missing file or function): one line now
     if cfg.backend == "torch":
         _check_spec_policy(cfg, model_cfg.vocab_size)
-    data = load_run_data(cfg, task, lambda row: len(tok.encode_prompt(row.prompt)))
+    data = load_run_data(
+        cfg, task, lambda row: len(tok.encode_prompt(row.prompt)), model_cfg.max_position_embeddings
+    )
     if cfg.eval_every and not data.eval_rows:
         raise UsageError(
             "--eval-every: no evaluation prompts (give --eval-data or --eval-split with --data)"
@@ -248,7 +250,7 @@ def run_ranked(
 
     from tltrun.train import elastic
     from tltrun.train import state as train_state
-    from tltrun.train.worker import die_with_launcher, run_worker
+    from tltrun.train.worker import run_worker
 
     env = elastic.rank_env()
     if not elastic.is_torchrun_agent():
@@ -260,7 +262,9 @@ def run_ranked(
             LaunchWarning,
             stacklevel=2,
         )
-    die_with_launcher(os.getppid())  # torchrun's agent: a SIGKILLed agent leaves no rank behind
+    elastic.die_with_launcher(
+        os.getppid()
+    )  # torchrun's agent: a SIGKILLed agent leaves no rank behind
     torch.set_num_threads(cfg.num_threads)
     if cfg.num_workers != env.world_size:
         try:  # the job's size decides (--num-workers is the size of tltrun's own launcher)

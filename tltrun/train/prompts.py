@@ -30,6 +30,7 @@ from tltrun.data.rewards import RewardSpec, parse_reward
 from tltrun.data.rows import GYM_PREFIX
 from tltrun.train.config import TrainConfig
 from tltrun.train.tasks import TaskConfig, sample_problem
+from tltsim.errors import UsageError
 
 # The evaluation stream of the built-in task: a seed offset no training step uses (training
 # streams are seeded seed * 1_000_003 + step with step >= 0).
@@ -109,11 +110,47 @@ def _spec(cfg: TrainConfig, path: str, is_eval: bool = False) -> DataSpec:
     )
 
 
+def prompt_cap(cfg: TrainConfig, max_positions: int) -> tuple[int, str]:
+    """(longest prompt in tokens, what sets it): --max-prompt-tokens, or less where the model's
+    max_position_embeddings minus --max-new-tokens is less (a prompt and its response must fit
+    the model's positions: the torch engine decoded past them, vLLM refused to start).
+    A --max-new-tokens that leaves no room is one UsageError."""
+    room = max_positions - cfg.max_new_tokens
+    if room < 1:
+        raise UsageError(
+            f"--max-new-tokens {cfg.max_new_tokens}: leaves no room for a prompt in the model's "
+            f"{max_positions} positions (max_position_embeddings, config.json)"
+        )
+    if room < cfg.max_prompt_tokens:
+        return room, (
+            f"what the model's {max_positions} positions leave beside --max-new-tokens "
+            f"{cfg.max_new_tokens}"
+        )
+    return cfg.max_prompt_tokens, "the max prompt length (--max-prompt-tokens)"
+
+
+def max_request_tokens(cfg: TrainConfig, task: TaskConfig, max_positions: int) -> int:
+    """The engine's max_model_len: the longest prompt (``prompt_cap``, or the built-in task's)
+    plus --max-new-tokens, within the model's positions (``load_run_data`` refused more)."""
+    prompt = task.max_prompt_chars + 1 if cfg.data is None else prompt_cap(cfg, max_positions)[0]
+    return prompt + cfg.max_new_tokens
+
+
 def load_run_data(
-    cfg: TrainConfig, task: TaskConfig, prompt_tokens: Callable[[PromptRow], int]
+    cfg: TrainConfig,
+    task: TaskConfig,
+    prompt_tokens: Callable[[PromptRow], int],
+    max_positions: int,
 ) -> RunData:
-    """The run's data; raises DataError (one line: file, line, key) on a bad row."""
+    """The run's data; raises DataError (one line: file, line, key) on a bad row, a prompt
+    longer than ``prompt_cap`` included."""
     if cfg.data is None:
+        if task.max_prompt_chars + 1 + cfg.max_new_tokens > max_positions:
+            raise UsageError(
+                f"the built-in task's prompts ({task.max_prompt_chars + 1} tokens) and "
+                f"--max-new-tokens {cfg.max_new_tokens} exceed the model's {max_positions} "
+                "positions (max_position_embeddings, config.json)"
+            )
         eval_rows = (
             tuple(builtin_rows(task, cfg.seed, _EVAL_STREAM, cfg.eval_max_prompts))
             if cfg.eval_every
@@ -130,9 +167,11 @@ def load_run_data(
             task=task,
             seed=cfg.seed,
         )
+    cap, what = prompt_cap(cfg, max_positions)
     loaded = load_rows(
-        _spec(cfg, cfg.data), prompt_tokens=prompt_tokens, max_prompt_tokens=cfg.max_prompt_tokens
-    )
+        _spec(cfg, cfg.data), prompt_tokens=prompt_tokens, max_prompt_tokens=cap,
+        max_prompt_what=what,
+    )  # fmt: skip
     rows, num_skipped = loaded.rows, loaded.num_skipped
     eval_rows: tuple[PromptRow, ...] = ()
     if cfg.eval_split:
@@ -141,7 +180,8 @@ def load_run_data(
         held = load_rows(
             _spec(cfg, cfg.eval_data, is_eval=True),
             prompt_tokens=prompt_tokens,
-            max_prompt_tokens=cfg.max_prompt_tokens,
+            max_prompt_tokens=cap,
+            max_prompt_what=what,
         )
         eval_rows, num_skipped = held.rows, num_skipped + held.num_skipped
     all_eval_rows, eval_rows = eval_rows, eval_rows[: cfg.eval_max_prompts]

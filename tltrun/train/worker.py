@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
 import os
 import random
 import shutil
-import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -33,6 +30,7 @@ from tqdm import tqdm
 
 from tltrun.data.rewards import RewardPool, Shaping
 from tltrun.data.tokenizer import copy_tokenizer, load_tokenizer
+from tltrun.model.config import read_config
 from tltrun.model.drafter import EagleDrafter, export_vllm, load_drafter, trainable_copy
 from tltrun.model.hf_checkpoint import load_hf, save_hf
 from tltrun.rollout.engine import RolloutEngine
@@ -45,36 +43,12 @@ from tltrun.train import state as ts
 from tltrun.train.config import TrainConfig
 from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord
 from tltrun.train.grpo import GRPOConfig, Sample, autocast_dtype_for, grpo_update, make_optimizer
-from tltrun.train.prompts import load_run_data, reward_spec
+from tltrun.train.prompts import load_run_data, max_request_tokens, reward_spec
 from tltrun.train.responses import ResponseScorer
 from tltrun.train.spot import ModelledFeedback, SpotStats, SpotTrainer, SubsetGroups
 from tltrun.train.step_log import WorkerStepReport, sha1_digest, write_step_record
 from tltrun.train.tasks import TaskConfig
 from tltsim.policy import PolicyStateError, SpotTrainerPolicy, make_policy
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def die_with_launcher(launcher_pid: int) -> None:
-    """Make this worker end when its launcher does, however the launcher ends (kill -9 too).
-
-    Linux's PR_SET_PDEATHSIG has the kernel SIGKILL this process when its parent dies (torch's
-    spawn wrapper sets SIGINT, which a worker blocked in a collective or catching
-    KeyboardInterrupt can outlive); elsewhere a daemon thread polls the parent pid. Either only
-    covers deaths from now on, and a worker spends its first seconds importing torch before it
-    gets here: if the launcher died meanwhile, the worker has been re-parented and exits now,
-    before it touches the run directory or joins the other workers."""
-    libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-    if libc is None or libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-        threading.Thread(target=_exit_when_orphaned, args=(launcher_pid,), daemon=True).start()
-    if os.getppid() != launcher_pid:
-        os._exit(1)
-
-
-def _exit_when_orphaned(launcher_pid: int) -> None:
-    while os.getppid() == launcher_pid:
-        time.sleep(0.5)
-    os._exit(1)
 
 
 @record
@@ -82,7 +56,7 @@ def worker_entry(cfg: TrainConfig, task: TaskConfig, resume: str | None, launche
     """What every rank of ``tltrun train``'s own launcher runs (tltrun.train.elastic.launch_local;
     rank and rendezvous from torchrun's environment). ``errors.record`` writes an exception into
     the agent's error file, from which the launcher reports it (tltrun.train.launch)."""
-    die_with_launcher(launcher_pid)  # first: nothing of the run happens in an orphan
+    elastic.die_with_launcher(launcher_pid)  # first: nothing of the run happens in an orphan
     torch.set_num_threads(cfg.num_threads)
     env = elastic.init_process_group(cfg.device)
     run_worker(env, cfg, task, resume)
@@ -114,7 +88,10 @@ class Worker:
         self.is_async_checkpoint = True  # False: the drafter write blocks (benchmarks compare)
         self.out = Path(cfg.out)
         self.tok = load_tokenizer(cfg.model_dir, is_chat_template=cfg.chat_template)
-        self.data = load_run_data(cfg, task, lambda row: len(self.tok.encode_prompt(row.prompt)))
+        self.max_positions = read_config(cfg.model_dir).max_position_embeddings
+        self.data = load_run_data(
+            cfg, task, lambda row: len(self.tok.encode_prompt(row.prompt)), self.max_positions
+        )
         self.rewards = RewardPool(
             reward_spec(cfg, is_module_checked=False),  # checked by the launcher
             num_processes=cfg.reward_processes,
@@ -164,8 +141,7 @@ class Worker:
         start, count = cfg.shares()[rank]
         self.share = (start, count)
         max_running = cfg.max_running_requests or count * cfg.group_size
-        max_prompt = task.max_prompt_chars + 1 if cfg.is_builtin_task else cfg.max_prompt_tokens
-        max_model_len = max_prompt + cfg.max_new_tokens
+        max_model_len = max_request_tokens(cfg, task, self.max_positions)
         sampling = SamplingParams(cfg.temperature, cfg.top_p)
         # the engine casts its drafter to its dtype in place: its own copy, so that the spot
         # trainer's fp32 master weights start from the fp32 load (they were bf16-rounded)
