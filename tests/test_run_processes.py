@@ -190,6 +190,18 @@ def test_worker_errors_are_one_line_naming_the_rank(tmp_path):
     assert bug.exit_code == 1
     log = (tmp_path / "worker_errors.log").read_text()
     assert "raise CheckpointError" in log and "ZeroDivisionError" in log  # both, appended
+    # a message of several lines (vLLM's config check through pydantic): its first lines, not
+    # the traceback's last ("For further information visit https://errors.pydantic.dev/...")
+    pydantic = worker_error(
+        tmp_path,
+        0,
+        'Traceback ...\n  File "v.py", line 9, in c\n    check()\n'
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+        "  Value error, max_model_len (1048) is greater than the derived max_model_len\n"
+        "    For further information visit https://errors.pydantic.dev/2.14/v/value_error\n",
+    )
+    assert "1 validation error for ModelConfig: Value error, max_model_len (1048)" in str(pydantic)
+    assert "pydantic.dev" not in str(pydantic)
 
 
 def test_a_survivors_broken_collective_says_a_worker_died_and_how_to_resume(tmp_path):

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import traceback
 import warnings
@@ -350,14 +351,32 @@ def worker_error(out: Path, rank: int, report: str) -> WorkerError:
     log = out / "worker_errors.log"
     with log.open("a") as fh:
         fh.write(f"--- worker rank {rank}, {datetime.now(UTC).isoformat()} ---\n{report}\n")
-    lines = [line.strip() for line in report.strip().splitlines() if line.strip()]
-    cause = lines[-1] if lines else "no message"
+    cause = _exception_line(report)
     kind, _, message = cause.partition(": ")
     is_input = is_input_error_name(kind)
     shown = message if is_input and message else cause
     return WorkerError(
         f"worker rank {rank}: {shown} (full traceback in {log})", exit_code=2 if is_input else 1
     )
+
+
+# The first line of a traceback's final exception: "Type: message" at column 0 (a dotted type
+# of a module, e.g. pydantic_core._pydantic_core.ValidationError)
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b(: |$)")
+
+
+def _exception_line(report: str) -> str:
+    """The final exception's first line: not the traceback's last line, which for a message of
+    several lines (pydantic's, vLLM's config errors) was boilerplate ("For further information
+    visit https://errors.pydantic.dev/...")."""
+    lines = report.strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if _EXCEPTION_LINE.match(lines[i]):
+            # a message continued on indented lines (pydantic: "1 validation error for X",
+            # then the error itself): its first continuation says what went wrong
+            more = [line.strip() for line in lines[i + 1 : i + 2] if line.startswith(" ")]
+            return ": ".join([lines[i].strip(), *more])
+    return next((line.strip() for line in reversed(lines) if line.strip()), "no message")
 
 
 def prepare_run_dir(
