@@ -222,3 +222,32 @@ def test_generate_stops_at_generation_config_stop_ids(inputs, tmp_path):
     assert (
         row["finish"] == "stop" and row["output_token_ids"] == tokens[: tokens.index(tokens[1]) + 1]
     )
+
+
+def test_text_and_chat_prompts_of_a_hugging_face_tokenizer(tmp_path, capsys):
+    """generate refused text prompts unless the model had the built-in character tokenizer
+    (found by a user-story hunt): they go through the model's tokenizer as train's prompts do,
+    chat messages through its chat template, text too with --chat-template."""
+    from test_train_data import save_bpe_model
+
+    from tltrun.data.tokenizer import load_tokenizer
+
+    model = save_bpe_model(tmp_path / "bpe")
+    messages = [{"role": "user", "content": "What is 1 plus 2?"}]
+    rows = [{"id": "text", "prompt": "What is 1 plus 2?"}, {"id": "chat", "prompt": messages}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for flags, name in (([], "plain"), (["--chat-template"], "templated")):
+        out = tmp_path / name
+        argv = ["generate", "--model", str(model), "--prompts", str(prompts), "--out", str(out),
+                "--max-new-tokens", "4", "--temperature", "0", *flags]  # fmt: skip
+        assert main(argv) == 0, capsys.readouterr().err
+        lines = (out / "generations.jsonl").read_text().splitlines()
+        done = {json.loads(line)["id"]: json.loads(line) for line in lines}
+        tok = load_tokenizer(model, is_chat_template=bool(flags))
+        for row in rows:
+            got = done[f"{row['id']}/0"]
+            assert got["prompt_token_ids"] == tok.encode_prompt(row["prompt"])
+            assert "text" in got  # decoded with the same tokenizer
+    plain = load_tokenizer(model).encode_prompt("What is 1 plus 2?")
+    assert plain != load_tokenizer(model, is_chat_template=True).encode_prompt("What is 1 plus 2?")

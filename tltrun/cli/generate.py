@@ -7,9 +7,11 @@
 Flags map 1:1 onto ``GenerateConfig``, ``EngineConfig`` and ``SamplingParams``
 (``tltrun.cli.args``).
 
-Prompt file (JSONL, one object per line): ``{"id": "p0", "prompt_token_ids": [...]}`` or
-``{"id": "p0", "prompt": "text"}`` (needs the character tokenizer of ``tltrun.model.tokenizer`` in the
-model directory), optionally ``"max_new_tokens": N``. ``generate`` writes ``config.json`` when
+Prompt file (JSONL, one object per line): ``{"id": "p0", "prompt_token_ids": [...]}``,
+``{"id": "p0", "prompt": "text"}`` or ``{"id": "p0", "prompt": [chat messages]}``, tokenized as
+``tltrun train`` tokenizes its prompts (``tltrun.data.tokenizer``: the model directory's
+tokenizer, its chat template for messages, and for text with ``--chat-template``), optionally
+``"max_new_tokens": N``. ``generate`` writes ``config.json`` when
 it starts, ``generations.jsonl`` as the responses finish (``tltrun.cli.generations_log``: a
 killed run keeps them, and ``--resume`` generates only the others), and at the end
 ``trace.json`` (a measured tlt-trace step of what this process rolled out), which marks the run
@@ -33,6 +35,7 @@ from tltrun.cli.args import (
     recorded_engine_run,
 )
 from tltrun.cli.generations_log import GenerationsLog
+from tltrun.data.tokenizer import load_tokenizer
 from tltrun.rollout.engine_config import DTYPES
 from tltrun.rollout.interface import Request
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
@@ -80,6 +83,10 @@ class GenerateConfig:
         default=1, metadata={"help": 'responses per prompt (request ids "prompt_id/i")'}
     )
     step: int = field(default=0, metadata={"help": "RL step recorded in the trace"})
+    chat_template: bool = field(
+        default=False,
+        metadata={"help": "wrap plain-text prompts as a user message in the model's chat template"},
+    )
 
     def __post_init__(self) -> None:
         for name in ("model", "prompts", "out"):
@@ -116,15 +123,20 @@ def read_prompts(path: str, model_dir: str, cfg: GenerateConfig) -> tuple[list[R
             if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
                 raise UsageError(f"{where}: 'prompt_token_ids' must be a non-empty list of ints")
         elif "prompt" in obj:
-            text = obj["prompt"]
-            if not isinstance(text, str):  # str(123) or str(["x"]) was generated silently
-                raise UsageError(
-                    f"{where}: 'prompt' must be a string, got {type(text).__name__} {text!r:.40}"
+            prompt = obj["prompt"]
+            if not isinstance(prompt, str) and not _is_messages(prompt):
+                raise UsageError(  # str(123) or str(["x"]) was generated silently
+                    f"{where}: 'prompt' must be a string or a list of chat messages "
+                    f'({{"role": ..., "content": ...}}), got {type(prompt).__name__} {prompt!r:.40}'
                 )
-            tokenizer = tokenizer or _load_tokenizer(model_dir)
-            ids = tokenizer.encode(text, add_bos=True)
-            num_unk = ids.count(tokenizer.unk_id)
-            num_empty += not text
+            tokenizer = tokenizer or load_tokenizer(model_dir, is_chat_template=cfg.chat_template)
+            try:
+                ids = tokenizer.encode_prompt(prompt)
+            except UsageError as err:  # the chat template refused it, or there is none
+                raise UsageError(f"{where}: {err}") from None
+            unk_id = tokenizer.hf.unk_token_id
+            num_unk = ids.count(unk_id) if unk_id is not None else 0
+            num_empty += not prompt
             num_with_unk += num_unk > 0
             num_unk_chars += num_unk
         else:
@@ -155,13 +167,12 @@ def read_prompts(path: str, model_dir: str, cfg: GenerateConfig) -> tuple[list[R
     return requests, tokenizer
 
 
-def _load_tokenizer(model_dir: str):
-    from tltrun.model.tokenizer import CharTokenizer
-
-    try:
-        return CharTokenizer.load(model_dir)
-    except (ValueError, OSError) as err:
-        raise UsageError(f"text prompts need the model's character tokenizer: {err}") from None
+def _is_messages(prompt: Any) -> bool:
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt)
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
