@@ -105,6 +105,18 @@ def test_math_reward_uses_math_verify():
             ("\\boxed{3\\times 10^{400}}", "3e400"),
         ],
     ) == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    # ... and in an unboxed response (it went to math-verify as written: "1e-05" read as 1)
+    assert rewards(
+        "math",
+        [
+            ("The answer is 1e-05", "1"),
+            ("The answer is 1e-05", "0.00001"),
+            ("The answer is 1e-05", "1e-05"),
+            ("2.5e-06", "2.5"),
+            ("The answer is 3e8.", "3"),
+            ("The answer is 3e8.", "300000000"),
+        ],
+    ) == [0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
 
 
 def test_exact_and_regex_rewards():

@@ -137,6 +137,22 @@ def positional(text: str) -> str:
         return text
 
 
+# a number in scientific notation inside free text (not part of a word or of another number)
+_SCIENTIFIC_IN_TEXT = re.compile(r"(?<![\w.])[+-]?(?:\d+\.?\d*|\.\d+)[eE][+-]?\d+(?!\w|\.\d)")
+
+
+def positional_in_text(text: str) -> str:
+    """``text`` with each number in scientific notation written out (``positional``) where it
+    has a positional form: an unboxed response went to math-verify as it was, which reads
+    ``1e-05`` as 1 (so 'The answer is 1e-05' matched the answer 1, and not 0.00001)."""
+
+    def written(match: re.Match) -> str:
+        out = positional(match.group())
+        return match.group() if "\\times" in out else out
+
+    return _SCIENTIFIC_IN_TEXT.sub(written, text)
+
+
 def last_boxed(text: str) -> str | None:
     """The content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces
     balanced; None if there is none or it is unclosed."""
@@ -235,7 +251,11 @@ class Scorer:
         if not gold:
             raise ValueError(f"math-verify cannot parse the answer field {gold_text[:80]!r}")
         boxed = last_boxed(item.response)
-        predicted = parse(f"\\boxed{{{positional(boxed)}}}" if boxed is not None else item.response)
+        predicted = parse(
+            f"\\boxed{{{positional(boxed)}}}"
+            if boxed is not None
+            else positional_in_text(item.response)
+        )
         if not predicted:
             return 0.0, boxed is not None
         return float(verify(gold, predicted)), boxed is not None
