@@ -449,6 +449,11 @@ class PromptStream:
         self._permutations: dict[int, list[int]] = {}
 
     @property
+    def rows(self) -> tuple[PromptRow, ...]:
+        """Every row, in file order."""
+        return self._rows
+
+    @property
     def num_rows(self) -> int:
         return len(self._rows)
 

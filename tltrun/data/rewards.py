@@ -54,6 +54,7 @@ line for builtin; user functions are always well-formed).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import io
 import math
 import multiprocessing
@@ -200,14 +201,16 @@ def parse_reward(
     )
 
 
-def check_user_function(arg: str) -> None:
+def check_user_function(arg: str, meta_keys: tuple[str, ...] | None = None) -> None:
     """Import the user's module and find its function in a child process: a module that hangs
     at import fails after STARTUP_TIMEOUT_S, one that exits (``sys.exit``, argparse at module
     level) fails with its exit, each as one UsageError; the launcher never runs the module's
-    top-level code itself."""
+    top-level code itself. With ``meta_keys`` (the data's other columns), a function that
+    cannot take (prompt, response, answer, **those) is one UsageError too: it failed on every
+    call, and the run trained on zero rewards with nothing said but a count in log.jsonl."""
     context = multiprocessing.get_context("spawn")
     receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_check_import, args=(arg, sender), daemon=True)
+    process = context.Process(target=_check_import, args=(arg, sender, meta_keys), daemon=True)
     process.start()
     sender.close()
     try:
@@ -231,7 +234,7 @@ def check_user_function(arg: str) -> None:
         raise UsageError(message)
 
 
-def _check_import(arg: str, conn: Connection) -> None:
+def _check_import(arg: str, conn: Connection, meta_keys: tuple[str, ...] | None = None) -> None:
     """``check_user_function``'s child: ("ok", "") or ("failed", one line). What the module
     prints while importing is kept, and a failure quotes its last line (argparse's usage error)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -239,7 +242,9 @@ def _check_import(arg: str, conn: Connection) -> None:
     message = ""
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
         try:
-            load_user_function(arg)
+            function = load_user_function(arg)
+            if meta_keys is not None:
+                _check_signature(arg, function, meta_keys)
         except UsageError as err:
             message = str(err)
         except BaseException as err:  # the user's module: SystemExit included
@@ -249,6 +254,25 @@ def _check_import(arg: str, conn: Connection) -> None:
         message += f" (it printed: {lines[-1][:200]})"
     conn.send(("failed", message) if message else ("ok", ""))
     conn.close()
+
+
+def _check_signature(arg: str, function: Any, meta_keys: tuple[str, ...]) -> None:
+    """The call ``Scorer`` makes, bound without running it (a signature inspect cannot read,
+    e.g. a C function's, passes)."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return
+    meta = {key: None for key in meta_keys if key not in ("prompt", "response", "answer")}
+    try:
+        signature.bind("prompt", "response", "answer", **meta)
+    except TypeError as err:
+        columns = f" and the data's other columns as keywords ({', '.join(meta)})" if meta else ""
+        hint = " (add **kwargs to take the columns it does not use)" if meta else ""
+        raise UsageError(
+            f"--reward {arg}: the function is called with (prompt, response, answer){columns}: "
+            f"{err}{hint}"
+        ) from None
 
 
 def _worker_main(spec: RewardSpec, conn: Connection) -> None:

@@ -106,12 +106,18 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
             f"{cfg.model_dir}: tokenizer ({tok.vocab_size} tokens, EOS {list(tok.eos_ids)}) does "
             f"not match the model (vocab {model_cfg.vocab_size})"
         )
-    reward_spec(cfg)  # a bad --reward (unknown kind, missing file or function): one line now
+    # a bad --reward (unknown kind, missing file or function, a function that cannot take the
+    # data's columns): one line now; the module is imported once the data's columns are known
+    reward = reward_spec(cfg, is_module_checked=False)
     if cfg.backend == "torch":
         _check_spec_policy(cfg, model_cfg.vocab_size)
     data = load_run_data(
         cfg, task, lambda row: len(tok.encode_prompt(row.prompt)), model_cfg.max_position_embeddings
     )
+    if reward.kind == "python":
+        from tltrun.data.rewards import check_user_function
+
+        check_user_function(reward.arg, data.meta_keys() if cfg.data is not None else None)
     if cfg.eval_every and not data.eval_rows:
         raise UsageError(
             "--eval-every: no evaluation prompts (give --eval-data or --eval-split with --data)"

@@ -73,6 +73,12 @@ class RunData:
     task: TaskConfig
     seed: int
 
+    def meta_keys(self) -> tuple[str, ...]:
+        """The columns a ``file.py:function`` reward receives as keywords besides prompt,
+        response and answer, over every row (``tltrun.data.scoring.Scorer``)."""
+        rows = (*(self.stream.rows if self.stream is not None else ()), *self.eval_rows)
+        return tuple(sorted({key for row in rows for key in row.meta}))
+
     def step_rows(self, step: int, num_prompts: int) -> list[PromptRow]:
         if self.stream is None:
             return builtin_rows(self.task, self.seed, step, num_prompts)

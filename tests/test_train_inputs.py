@@ -1,0 +1,78 @@
+"""Inputs of ``tltrun train`` checked before any worker starts (found by a read-only user-story
+hunt):
+
+* a prompt and its response must fit the model's positions (max_position_embeddings): the
+  longest prompt is --max-prompt-tokens or, where less, what the model's positions leave beside
+  --max-new-tokens (the torch engine decoded 120 positions of a 64-position model without a
+  word; vLLM refused to start a model of 512 positions: max_model_len was 1024 + N);
+* a ``file.py:function`` reward must take (prompt, response, answer, **the data's other
+  columns): one that cannot failed on every call and the run trained on zero rewards.
+
+Run: ``python -m pytest tests/test_train_inputs.py -q``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_train_data import bpe_model, data_dir  # noqa: F401 (fixtures)
+
+from tltrun.data.dataset import DataError
+from tltrun.train.config import TrainConfig
+from tltrun.train.prompts import load_run_data, max_request_tokens, prompt_cap
+from tltrun.train.tasks import TaskConfig
+from tltsim.errors import UsageError
+
+
+def config(model: str, data: str | None, **fields) -> TrainConfig:
+    extra = {"data": data, "prompt_key": "question", "reward": "exact"} if data else {}
+    return TrainConfig(model_dir=model, out="unused", **extra, **fields)
+
+
+def test_the_positions_cap_the_prompt(bpe_model, data_dir):  # noqa: F811
+    cfg = config(str(bpe_model), str(data_dir / "train.csv"), max_new_tokens=40)
+    assert prompt_cap(cfg, 1 << 20) == (1024, "the max prompt length (--max-prompt-tokens)")
+    cap, what = prompt_cap(cfg, 64)
+    assert cap == 24 and "model's 64 positions leave beside --max-new-tokens 40" in what
+    assert max_request_tokens(cfg, TaskConfig(), 64) == 64
+    with pytest.raises(DataError, match=r"prompt of 30 tokens is longer than what the model's 64"):
+        load_run_data(cfg, TaskConfig(), lambda row: 30, 64)
+    assert load_run_data(cfg, TaskConfig(), lambda row: 24, 64).num_train_rows > 0
+
+
+def test_no_room_for_a_prompt_is_one_line(bpe_model, data_dir):  # noqa: F811
+    cfg = config(str(bpe_model), str(data_dir / "train.csv"), max_new_tokens=64)
+    with pytest.raises(UsageError, match="--max-new-tokens 64: leaves no room for a prompt"):
+        load_run_data(cfg, TaskConfig(), lambda row: 1, 64)
+    builtin = config(str(bpe_model), None, max_new_tokens=40)
+    task = TaskConfig()
+    with pytest.raises(UsageError, match="the built-in task's prompts"):
+        load_run_data(builtin, task, lambda row: 1, task.max_prompt_chars + 40)
+    assert max_request_tokens(builtin, task, 1 << 20) == task.max_prompt_chars + 1 + 40
+
+
+def test_a_reward_function_that_cannot_take_the_call_is_one_line(
+    bpe_model,  # noqa: F811
+    data_dir,  # noqa: F811
+    tmp_path,
+    capsys,
+):
+    from tltrun.cli.main import main
+
+    narrow = tmp_path / "narrow.py"
+    narrow.write_text("def score(prompt, response):\n    return 1.0\n")
+    wide = tmp_path / "wide.py"
+    wide.write_text("def score(prompt, response, answer, **columns):\n    return 1.0\n")
+    base = ["train", "--model-dir", str(bpe_model), "--data", str(data_dir / "train.csv"),
+            "--prompt-key", "question", "--num-steps", "1", "--max-new-tokens", "8"]  # fmt: skip
+    out = tmp_path / "run"
+    assert main([*base, "--out", str(out), "--reward", f"{narrow}:score"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "the function is called with (prompt, response, answer)" in err
+    assert "too many positional arguments" in err and not out.exists()
+    from tltrun.data.rewards import check_user_function
+
+    check_user_function(f"{wide}:score", ("answer", "id", "source"))  # takes what it is given
+    no_columns = tmp_path / "no_columns.py"
+    no_columns.write_text("def score(prompt, response, answer):\n    return 1.0\n")
+    with pytest.raises(UsageError, match=r"columns as keywords \(id\): .*unexpected keyword"):
+        check_user_function(f"{no_columns}:score", ("id",))
