@@ -76,3 +76,27 @@ def test_a_reward_function_that_cannot_take_the_call_is_one_line(
     no_columns.write_text("def score(prompt, response, answer):\n    return 1.0\n")
     with pytest.raises(UsageError, match=r"columns as keywords \(id\): .*unexpected keyword"):
         check_user_function(f"{no_columns}:score", ("id",))
+
+
+def test_a_drafter_of_another_target_is_refused_before_any_worker(
+    bpe_model,  # noqa: F811
+    data_dir,  # noqa: F811
+    tmp_path,
+):
+    """It was refused in the workers, after they had started (torch's SIGTERM lines first)."""
+    from tiny_models import tiny_model
+
+    from tltrun.model.drafter import EagleDrafter, export_vllm
+    from tltrun.train.launch import check_inputs
+
+    other = tiny_model(seed=0, hidden_size=64, head_dim=16)
+    export_vllm(EagleDrafter.for_target(other, seed=1), tmp_path / "drafter")
+    cfg = config(
+        str(bpe_model),
+        str(data_dir / "train.csv"),
+        max_new_tokens=8,
+        drafter_dir=str(tmp_path / "drafter"),
+        policy="tlt",
+    )
+    with pytest.raises(UsageError, match="hidden_size=64 but the target has 48"):
+        check_inputs(cfg, TaskConfig())

@@ -427,15 +427,10 @@ def _drafter_config(root: Path) -> ModelConfig:
     return read_config(root)
 
 
-def load_drafter(
-    in_dir: str | Path, target: Transformer, dtype: torch.dtype | None = None
-) -> EagleDrafter:
-    """Load an exported drafter (ours, or any EAGLE-1 checkpoint in vLLM's layout without an
-    fc bias) and bind it to ``target``; sizes must match the target's. Its weights take the
-    target's dtype, or ``dtype`` (a drafter to train keeps fp32 weights fp32)."""
-    from tltrun.model.hf_checkpoint import load_safetensors
-
-    root = Path(in_dir)
+def check_drafter_config(root: Path, target_config: ModelConfig) -> None:
+    """An exported drafter's config.json against its target's (a ``ModelConfig``): the sizes,
+    and what its layer computes with; one CheckpointError naming the field. ``tltrun train``
+    checks it before any worker starts."""
     cfg = _drafter_config(root)
     for name in (
         "hidden_size",
@@ -449,10 +444,22 @@ def load_drafter(
         "rope_theta",
         "rope_scaling",
     ):
-        if _compared(cfg, name) != _compared(target.config, name):
+        if _compared(cfg, name) != _compared(target_config, name):
             raise CheckpointError(
-                f"{root / 'config.json'}: {name}={getattr(cfg, name)} but the target has {getattr(target.config, name)}"
+                f"{root / 'config.json'}: {name}={getattr(cfg, name)} but the target has {getattr(target_config, name)}"
             )
+
+
+def load_drafter(
+    in_dir: str | Path, target: Transformer, dtype: torch.dtype | None = None
+) -> EagleDrafter:
+    """Load an exported drafter (ours, or any EAGLE-1 checkpoint in vLLM's layout without an
+    fc bias) and bind it to ``target``; sizes must match the target's. Its weights take the
+    target's dtype, or ``dtype`` (a drafter to train keeps fp32 weights fp32)."""
+    from tltrun.model.hf_checkpoint import load_safetensors
+
+    root = Path(in_dir)
+    check_drafter_config(root, target.config)
     if not (root / "model.safetensors").is_file():
         raise CheckpointError(f"{root}: no model.safetensors")
     tensors = load_safetensors(root / "model.safetensors")

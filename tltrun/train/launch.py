@@ -75,6 +75,7 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
     summary (``config.json``'s "data" section: a resume refuses data that changed)."""
     from tltrun.data.tokenizer import load_tokenizer
     from tltrun.model.config import CheckpointError, read_config
+    from tltrun.model.drafter import check_drafter_config
     from tltrun.train.prompts import load_run_data, reward_spec
 
     if cfg.backend == "vllm":
@@ -96,6 +97,8 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
         model_cfg = read_config(cfg.model_dir)
         if cfg.drafter_dir is not None:
             read_config(cfg.drafter_dir)
+            # one for another target was refused in the workers, after they started
+            check_drafter_config(Path(cfg.drafter_dir), model_cfg)
     except (CheckpointError, ValueError) as err:
         raise UsageError(str(err)) from None
     tok = load_tokenizer(cfg.model_dir, is_chat_template=cfg.chat_template)
