@@ -89,6 +89,9 @@ def test_generate_then_train_drafter(dirs, capsys):
     assert (
         cfg["engine"]["max_running_requests"] == 3 and cfg["engine"]["sampling"]["temperature"] == 0
     )
+    # what the device decided where the flags left the default (null in "engine")
+    assert cfg["engine"]["dtype"] is None
+    assert cfg["resolved"] == {"dtype": "float32", "attn_impl": "sdpa"}
     rc = main(
         [
             "train-drafter",

@@ -163,6 +163,13 @@ def config_dict(**configs: Any) -> dict[str, Any]:
     return {name: dataclasses.asdict(c) for name, c in configs.items()}
 
 
+def run_config_dict(*, engine: EngineConfig, **configs: Any) -> dict[str, Any]:
+    """``config_dict`` of a generate / bench run, with the engine settings its device decided
+    (``resolved``: the dtype and attention that ran where the flags left them to the default)."""
+    resolved = {"dtype": engine.dtype_name, "attn_impl": engine.attention}
+    return {**config_dict(**configs, engine=engine), "resolved": resolved}
+
+
 def offline_configs_from_args(
     args: argparse.Namespace,
     sections: dict[str, tuple[type, str]],

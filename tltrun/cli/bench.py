@@ -19,10 +19,10 @@ from typing import Any
 from tltrun.cli.args import (
     add_engine_args,
     check_kv_cache_fits,
-    config_dict,
     engine_config_from_args,
     engine_defaults,
     recorded_engine_run,
+    run_config_dict,
 )
 from tltrun.rollout.bench import (
     BenchConfig,
@@ -106,7 +106,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 print(f"note: {note}")
         else:
             _start_fresh(cfg, out)
-            write_json(out / "config.json", config_dict(bench=cfg, engine=engine_cfg))
+            write_json(out / "config.json", run_config_dict(bench=cfg, engine=engine_cfg))
             done = {}
         results = run_bench(cfg, engine_cfg, trace, out, done)
         write_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")

@@ -29,10 +29,10 @@ from typing import Any
 from tltrun.cli.args import (
     add_engine_args,
     check_kv_cache_fits,
-    config_dict,
     engine_config_from_args,
     engine_defaults,
     recorded_engine_run,
+    run_config_dict,
 )
 from tltrun.cli.generations_log import GenerationsLog
 from tltrun.data.tokenizer import load_tokenizer
@@ -226,7 +226,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         engine = _start_engine(cfg, engine_cfg, remaining)
         if not args.resume:
             (out / "trace.json").unlink(missing_ok=True)  # a killed rerun is not "finished"
-            write_json(out / "config.json", config_dict(generate=cfg, engine=engine_cfg))
+            write_json(out / "config.json", run_config_dict(generate=cfg, engine=engine_cfg))
             log.start()
         try:
             return _generate(cfg, engine_cfg, engine, requests, log, done, out)
