@@ -403,6 +403,9 @@ def test_fit_recovers_the_history_model_and_replay_uses_it(tmp_path, capsys) -> 
     assert main([*argv, "--drafter-dynamics", str(out), "--out", str(replay_out)]) == 0
     config = json.loads((replay_out / "config.json").read_text())
     assert config["history"] == dataclasses.asdict(model)
+    # the fit file itself, by digest (its standard errors set --accept-rate-range fit)
+    assert config["drafter_dynamics_file"]["path"] == str(out.resolve())
+    assert len(config["drafter_dynamics_file"]["sha256"]) == 64
     # fixed logits are held
     held = fit_trace(trace, FitConfig(fixed=("history_logit",)), "synthetic").history
     assert "history_logit" not in held.fitted

@@ -152,6 +152,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
         "drafter": drafter,
         "history": history,
         "spot": spot,
+        # the fitted file itself (its standard errors set --accept-rate-range fit's band)
+        "drafter_dynamics_file": (
+            None
+            if getattr(args, "drafter_dynamics", None) is None
+            else _file_record(Path(args.drafter_dynamics))
+        ),
         "cost_model": cost_record(sim, profile),
         "speedup_interval": describe(spec),
     }
