@@ -49,6 +49,45 @@ def test_advise_on_the_shipped_trace(tmp_path, capsys):
     assert (out / "sweep" / "summary.json").exists()
 
 
+# The key paths of fastrl's speculative section that the block sets (mit-han-lab/fastrl,
+# verl/trainer/config/fastrl_trainer.yaml at bce3df7); the block used other names and nesting
+# (speculative.topk, train.enable), which fastrl's Hydra config does not read.
+FASTRL_KEYS = {
+    ("enable",), ("spec_strategy",), ("bs_threshold",), ("eagle", "spec_steps"),
+    ("eagle", "spec_topk"), ("eagle", "spec_verify_tokens"), ("eagle", "tune_algorithm"),
+    ("eagle", "mab_configs"), ("eagle", "mab_bs_threshold"), ("train", "enable_drafter_training"),
+    ("train", "training_interval_steps"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("is_spot_training", [True, False])
+def test_the_fastrl_block_uses_fastrls_keys_and_quotes_strategies(is_spot_training):
+    import yaml
+
+    from tltsim.cli.advise import fastrl_yaml
+    from tltsim.policy import TLTConfig
+
+    tlt = TLTConfig(threshold=16, strategies=("3_1_3", "2_1_2", "1_1_1", "4_1_4"))
+    doc = yaml.safe_load(fastrl_yaml(tlt, is_spot_training))["speculative"]
+
+    def paths(node: dict, prefix: tuple = ()) -> set[tuple]:
+        out = set()
+        for key, value in node.items():
+            out |= paths(value, (*prefix, key)) if isinstance(value, dict) else {(*prefix, key)}
+        return out
+
+    assert paths(doc) <= FASTRL_KEYS, paths(doc) - FASTRL_KEYS
+    assert doc["enable"] is True and doc["bs_threshold"] == 16
+    eagle = doc["eagle"]
+    assert (eagle["spec_steps"], eagle["spec_topk"], eagle["spec_verify_tokens"]) == (3, 1, 3)
+    # strings: YAML reads 2_1_2 unquoted as the integer 212
+    assert eagle["mab_configs"] == ["2_1_2", "1_1_1", "4_1_4"]
+    assert eagle["mab_bs_threshold"] == list(tlt.bucket_starts)
+    assert doc["train"]["enable_drafter_training"] is is_spot_training
+    # TLT as simulated trains every step; fastrl's default (10) collects every 10th
+    assert doc["train"].get("training_interval_steps") == (1 if is_spot_training else None)
+
+
 def test_advise_writes_a_sweep_spec_toml_reads_whatever_the_paths_hold():
     """json.dumps escaped characters beyond U+FFFF as surrogate pairs, which TOML refuses:
     advise then failed on its own sweep.toml for a trace named with an emoji."""
@@ -136,3 +175,16 @@ def test_advise_says_when_the_trace_is_too_short_to_judge_spot_training(tmp_path
         noted = "note: in 2 steps spot training cannot raise" in capsys.readouterr().out
         notes = json.loads((out / "advise.json").read_text())["notes"]
         assert noted == is_noted and bool(notes) == is_noted, notes
+
+
+def test_a_workload_where_tlt_is_slower_says_do_not_use_it(tmp_path, capsys):
+    """A hunt's case: every setting slower than NoSpec (0.99x [0.98-0.99]) read 'does not
+    reliably pay' and printed ready TLT configs."""
+    trace = ROOT / "traces" / "azure_conv_rl.json"
+    out = tmp_path / "advise"
+    assert main(["advise", str(trace), "--preset", "h20x8-qwen7b", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    rec = json.loads((out / "advise.json").read_text())["recommendation"]
+    assert rec["speedup_vs_nospec_high"] < 1.0
+    assert "recommendation: do not use TLT: its best setting is slower than NoSpec" in text
+    assert "for reference only" in text

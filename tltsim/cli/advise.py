@@ -200,23 +200,36 @@ def train_toml(tlt: TLTConfig, is_spot_training: bool) -> str:
 
 
 def fastrl_yaml(tlt: TLTConfig, is_spot_training: bool) -> str:
-    """A fastrl-style block (verl/trainer/config/fastrl_trainer.yaml's ``speculative`` section;
-    key names as TLTConfig's comments cite them: check them against your fastrl version)."""
+    """The ``speculative`` section of fastrl's Hydra config (mit-han-lab/fastrl,
+    verl/trainer/config/fastrl_trainer.yaml at bce3df7): SD settings under ``eagle`` (the first
+    strategy as spec_steps/spec_topk/spec_verify_tokens, which fastrl appends to mab_configs;
+    the others quoted, as YAML reads 8_4_32 unquoted as the integer 8432), drafter training
+    under ``train`` (enable_drafter_training; training_interval_steps 1: fastrl collects the
+    drafter's data every that many RL steps, ray_trainer.py, and TLT as simulated trains every
+    step). What fastrl cannot set is said in comments."""
     first = tlt.strategies[0].split("_")
-    return "\n".join(
-        [
-            "speculative:",
-            f"  bs_threshold: {tlt.threshold}",
-            f"  spec_steps: {first[0]}",
-            f"  topk: {first[1]}",
-            f"  verify_tokens: {first[2]}",
-            f"  mab_configs: [{', '.join(tlt.strategies[1:])}]",
-            f"  mab_bs_threshold: [{', '.join(map(str, tlt.bucket_starts))}]",
-            f"  adaptive_spec_warmup_checks: {tlt.warmup_checks}",
-            "  train:",
-            f"    enable: {'true' if is_spot_training else 'false'}",
-        ]
-    )
+    lines = [
+        "speculative:",
+        "  enable: true",
+        '  spec_strategy: "eagle"',
+        f"  bs_threshold: {tlt.threshold}",
+        "  eagle:",
+        f"    spec_steps: {first[0]}",
+        f"    spec_topk: {first[1]}",
+        f"    spec_verify_tokens: {first[2]}",
+        '    tune_algorithm: "BEG"',
+        f"    mab_configs: {json.dumps(list(tlt.strategies[1:]))}",
+        f"    mab_bs_threshold: {json.dumps(list(tlt.bucket_starts))}",
+        "  train:",
+        f"    enable_drafter_training: {'true' if is_spot_training else 'false'}",
+    ]
+    if is_spot_training:
+        lines.append("    training_interval_steps: 1")
+    # fastrl hard-codes its SD warm-up (10 checks, eagle_worker.py) and has no history drafter
+    lines.append(f"# SD warm-up checks: {tlt.warmup_checks} (a constant in fastrl: 10)")
+    if tlt.drafters != ("eagle",):
+        lines.append(f"# drafters {','.join(tlt.drafters)}: fastrl drafts with EAGLE only")
+    return "\n".join(lines)
 
 
 def recommend(
@@ -349,11 +362,18 @@ def format_advice(report: dict[str, Any], out: Path) -> str:
     if r["speedup_vs_nospec_low"] is not None:
         interval = f" [{r['speedup_vs_nospec_low']:.2f}-{r['speedup_vs_nospec_high']:.2f}]"
     sources = ", ".join(report["speedup_interval"]["sources"]) or "none"
-    verdict = (
-        "use TLT"
-        if (r["speedup_vs_nospec_low"] or r["speedup_vs_nospec"]) > 1.0
-        else ("TLT does not reliably pay on this workload")
-    )
+    low, high = r["speedup_vs_nospec_low"], r["speedup_vs_nospec_high"]
+    low = r["speedup_vs_nospec"] if low is None else low
+    high = r["speedup_vs_nospec"] if high is None else high
+    if low > 1.0:
+        verdict = "use TLT"
+    elif high < 1.0:  # the whole interval below NoSpec: it would slow the run down
+        verdict = (
+            "do not use TLT: its best setting is slower than NoSpec on this workload "
+            "(the config blocks below are for reference only)"
+        )
+    else:
+        verdict = "TLT does not reliably pay on this workload"
     return "\n".join(
         [
             f"recommendation: {verdict}",

@@ -129,8 +129,9 @@ class SpotTrainerConfig:
         default=1, metadata={"help": "idle instances needed before spot training starts"}
     )
     # TLT trains the drafter in the idle time of every rollout (arXiv 2511.16665: "trained
-    # continuously on idle GPUs"). fastrl's reference yaml lists training_interval_steps: 10, whose
-    # exact meaning we could not confirm from its code; set 10 here to mimic that reading.
+    # continuously on idle GPUs"). fastrl's reference yaml sets training_interval_steps: 10, and
+    # its trainer collects the drafter's data only in RL steps s with (s + 1) % 10 == 0
+    # (verl/trainer/ppo/ray_trainer.py at bce3df7): set 10 here to mimic that default.
     train_every_steps: int = field(
         default=1, metadata={"help": "train the drafter only in RL steps divisible by N"}
     )
