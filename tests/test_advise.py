@@ -123,12 +123,15 @@ def test_advise_recommends_the_settings_it_swept_even_when_held_at_one_value():
         ["--cost-error", "1.5"],
         ["--accept-rate-range", "1.2,0.8"],
         ["--accept-rate-range", "fit"],  # a fitted band needs a file only replay takes
+        ["--accept-rate-range", "abc"],  # (it offered 'fit', which advise refuses)
+        ["--thresholds", "99999999999999999999"],  # (it wrote sweep.toml, then failed)
     ],
 )
 def test_advise_bad_input_is_one_line_exit_2(tmp_path, capsys, extra):
     assert main(["advise", str(TRACE), "--out", str(tmp_path / "a"), *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and "--drafter-dynamics FILE)" not in err
+    assert "'fit'" not in err
     assert not (tmp_path / "a").exists()
 
 

@@ -101,8 +101,11 @@ class AdviseConfig:
             raise ValueError(
                 f"--preset {self.preset!r}: expected one of {', '.join(CLUSTER_PRESETS)}"
             )
-        if not self.thresholds or any(t < 1 for t in self.thresholds):
-            raise ValueError(f"--thresholds: expected integers >= 1, got {self.thresholds}")
+        # (the sweep's table holds int64: a larger one failed after advise wrote sweep.toml)
+        if not self.thresholds or any(not 1 <= t <= 2**63 - 1 for t in self.thresholds):
+            raise ValueError(
+                f"--thresholds: expected integers in [1, 2^63 - 1], got {self.thresholds}"
+            )
         bad = [s for s in self.strategy_sets if s not in STRATEGY_SETS]
         if bad or not self.strategy_sets:
             raise ValueError(
@@ -345,6 +348,13 @@ def interval_spec(config: AdviseConfig) -> IntervalSpec:
             if config.accept_rate_range == "none"
             else accept_band(DrafterDynamics(), config.accept_rate_range, None, HistoryModel())
         )
+    except ValueError as err:  # accept_band's message offers 'fit', which advise does not take
+        reason = str(err).replace(" or 'fit'", "")
+        raise UsageError(
+            f"--accept-rate-range {config.accept_rate_range!r}: expected LOW,HIGH (e.g. 0.9,1.1) "
+            f"or none ({reason})"
+        ) from None
+    try:
         return IntervalSpec(
             seeds=tuple(range(config.num_seeds)), accept=accept, cost_error=config.cost_error
         )
