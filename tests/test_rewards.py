@@ -390,3 +390,46 @@ def test_a_user_module_with_a_postponed_annotation_dataclass_imports(tmp_path):
         "    return Cfg().weight * float(answer in response)\n"
     )
     assert load_user_function(f"{path}:score")("q", "it is 4", "4") == 2.0
+
+
+def test_reward_processes_end_with_their_parent(tmp_path):
+    """A rank stopped by SIGTERM or SIGKILL runs no close(): its busy reward processes stayed
+    behind, re-parented, running (a hung one forever; found by a hygiene hunt)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "hang.py").write_text(
+        "import time\ndef hang(prompt, response, answer, **meta):\n    time.sleep(600)\n"
+    )
+    script = f"""
+import sys, time
+from tltrun.data.rewards import RewardPool, parse_reward
+from tltrun.data.scoring import RewardItem
+pool = RewardPool(parse_reward("{tmp_path}/hang.py:hang", is_module_checked=False),
+                  num_processes=2, timeout_s=600)
+print(*(s.process.pid for s in pool._slots), flush=True)
+pool.score([RewardItem(sample_id="a", prompt="p", response="r", answer="1", meta={{}})])
+"""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
+    )
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    time.sleep(3)  # both started, one busy with the hung call
+    assert all(_alive(pid) for pid in pids)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for its new parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -384,3 +386,49 @@ def test_an_out_that_is_a_file_is_named(tmp_path: Path) -> None:
     spec = write_spec(tmp_path)
     with pytest.raises(UsageError, match="out .*afile: exists and is not a directory"):
         run_sweep(spec, tmp_path / "afile", workers=1)
+
+
+LONG_SPEC = f"""
+trace = "{ROOT / "traces" / "synth_reasoning_rl.json"}"
+seeds = [0, 1, 2, 3]
+[fixed]
+preset = "h100x64-qwen7b"
+exact = true
+[grid]
+policy = ["tlt"]
+"tlt.threshold" = [8, 16, 32, 64]
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"])
+def test_a_stopped_parallel_sweep_says_one_line_and_leaves_no_process(tmp_path, how):
+    """Found by a hygiene hunt: SIGTERM left the pool's workers running until their point was
+    done, then printed BrokenPipeError tracebacks and the resource tracker's 'leaked semaphore'
+    warning; Ctrl-C (SIGINT to the whole process group) printed each worker's traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    spec = write_spec(tmp_path, LONG_SPEC)
+    cmd = [sys.executable, "-m", "tltsim.cli.main", "sweep", str(spec), "--out",
+           str(tmp_path / "out"), "--workers", "2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    time.sleep(4)  # the pool is up and simulating
+    children = _children(proc.pid)
+    assert children, "no pool workers seen"
+    if how == "SIGTERM":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends
+    _, err = proc.communicate(timeout=60)
+    expected = {"SIGTERM": (143, "stopped by SIGTERM\n"), "Ctrl-C": (130, "interrupted\n")}[how]
+    assert (proc.returncode, err) == expected
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{pid}") for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in children)
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as fh:
+        return [int(p) for p in fh.read().split()]

@@ -70,10 +70,16 @@ def test_torchrun_standalone_runs_two_grpo_steps(model_dir, tmp_path, num_procs)
 def test_a_rank_exception_is_one_line_naming_the_rank(model_dir, tmp_path, monkeypatch):  # noqa: F811
     """tltrun's own launcher: rank 1 raises (a test hook parses a bad delay); the launcher
     raises one WorkerError naming rank 1 and its exception, the traceback in the log file."""
+    import tempfile
+
     monkeypatch.setenv("TLTRUN_TEST_ROLLOUT_DELAY", "1:not-a-number")
     out = tmp_path / "run"
+    temp = Path(tempfile.gettempdir())
+    before = set(temp.glob("pytorch-errorfile-*"))
     with pytest.raises(WorkerError) as err:
         run_train(config(model_dir, out, num_steps=1), TASK)
+    # torch's per-rank error files went with the launch's temp directory (two were left in /tmp)
+    assert set(temp.glob("pytorch-errorfile-*")) <= before
     line = str(err.value)
     assert line.startswith("worker rank 1: ValueError: could not convert string to float"), line
     assert "\n" not in line and err.value.exit_code == 1

@@ -58,6 +58,7 @@ import inspect
 import io
 import math
 import multiprocessing
+import os
 import signal
 import time
 from collections import deque
@@ -79,6 +80,7 @@ from tltrun.data.scoring import (
     score_one,
 )
 from tltsim.errors import UsageError
+from tltsim.lifetime import die_with_parent
 
 __all__ = [
     "REWARD_KINDS",
@@ -210,7 +212,9 @@ def check_user_function(arg: str, meta_keys: tuple[str, ...] | None = None) -> N
     call, and the run trained on zero rewards with nothing said but a count in log.jsonl."""
     context = multiprocessing.get_context("spawn")
     receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_check_import, args=(arg, sender, meta_keys), daemon=True)
+    process = context.Process(
+        target=_check_import, args=(arg, sender, meta_keys, os.getpid()), daemon=True
+    )
     process.start()
     sender.close()
     try:
@@ -234,10 +238,14 @@ def check_user_function(arg: str, meta_keys: tuple[str, ...] | None = None) -> N
         raise UsageError(message)
 
 
-def _check_import(arg: str, conn: Connection, meta_keys: tuple[str, ...] | None = None) -> None:
+def _check_import(
+    arg: str, conn: Connection, meta_keys: tuple[str, ...] | None, parent_pid: int
+) -> None:
     """``check_user_function``'s child: ("ok", "") or ("failed", one line). What the module
-    prints while importing is kept, and a failure quotes its last line (argparse's usage error)."""
+    prints while importing is kept, and a failure quotes its last line (argparse's usage error).
+    It ends with the launcher (a module that hangs at import outlived a killed one)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent_pid)
     printed = io.StringIO()
     message = ""
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
@@ -275,10 +283,13 @@ def _check_signature(arg: str, function: Any, meta_keys: tuple[str, ...]) -> Non
         ) from None
 
 
-def _worker_main(spec: RewardSpec, conn: Connection) -> None:
+def _worker_main(spec: RewardSpec, conn: Connection, parent_pid: int) -> None:
     """A reward process: load the function, say ready, then score items until told to stop or
-    until the parent goes away (EOF). Ctrl-C is the parent's to handle."""
+    until the parent goes away (EOF). Ctrl-C is the parent's to handle; the parent's death (a
+    rank stopped by SIGTERM or SIGKILL runs no ``close``) ends it too: a busy or hung reward
+    process stayed behind, re-parented, spinning its CPU forever."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent_pid)
     try:
         scorer = Scorer(spec)
     except Exception as err:
@@ -308,7 +319,10 @@ class _Slot:
     def __init__(self, context: Any, spec: RewardSpec) -> None:
         self.conn, child_conn = context.Pipe(duplex=True)
         self.process = context.Process(
-            target=_worker_main, args=(spec, child_conn), daemon=True, name="tlt-reward"
+            target=_worker_main,
+            args=(spec, child_conn, os.getpid()),
+            daemon=True,
+            name="tlt-reward",
         )
         self.process.start()
         # The parent keeps only its end, so the child's death reads as EOF here.

@@ -20,14 +20,11 @@ every failed rank, so a dead rank ends the job instead of leaving the others in 
 
 from __future__ import annotations
 
-import ctypes
 import inspect
 import logging
 import os
 import signal
-import sys
-import threading
-import time
+import tempfile
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from tltsim.errors import UsageError
+from tltsim.lifetime import die_with_parent
 
 # Seconds torchrun's agent waits after SIGTERM before it SIGKILLs the surviving ranks of a failed
 # job (its own default is 30 s: our workers have no shutdown work that needs that long).
@@ -136,29 +134,13 @@ def side_store(env: RankEnv) -> dist.Store:
     return dist.PrefixStore(f"tlt/{os.environ.get('TORCHELASTIC_RUN_ID', '')}", store)
 
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
 def die_with_launcher(launcher_pid: int) -> None:
-    """Make this worker end when its launcher does, however the launcher ends (kill -9 too).
-
-    Linux's PR_SET_PDEATHSIG has the kernel SIGKILL this process when its parent dies (torch's
-    spawn wrapper sets SIGINT, which a worker blocked in a collective or catching
-    KeyboardInterrupt can outlive); elsewhere a daemon thread polls the parent pid. Either only
-    covers deaths from now on, and a worker spends its first seconds importing torch before it
-    gets here: if the launcher died meanwhile, the worker has been re-parented and exits now,
-    before it touches the run directory or joins the other workers."""
-    libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-    if libc is None or libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-        threading.Thread(target=_exit_when_orphaned, args=(launcher_pid,), daemon=True).start()
-    if os.getppid() != launcher_pid:
-        os._exit(1)
-
-
-def _exit_when_orphaned(launcher_pid: int) -> None:
-    while os.getppid() == launcher_pid:
-        time.sleep(0.5)
-    os._exit(1)
+    """Make this worker end when its launcher does, however the launcher ends (kill -9 too):
+    ``tltsim.lifetime.die_with_parent``. (Torch's spawn wrapper sets SIGINT, which a worker
+    blocked in a collective or catching KeyboardInterrupt can outlive; a worker spends its first
+    seconds importing torch, and one whose launcher died meanwhile exits before it touches the
+    run directory or joins the other workers.)"""
+    die_with_parent(launcher_pid)
 
 
 def launch_local(num_procs: int, entry: Callable, args: tuple, log_dir: Path) -> None:
@@ -188,7 +170,13 @@ def launch_local(num_procs: int, entry: Callable, args: tuple, log_dir: Path) ->
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     ))  # fmt: skip
-    elastic_launch(config, entry)(*args)
+    # torch's spawn leaves an error file per rank in the temp directory (delete=False): two
+    # pytorch-errorfile-*.pickle in /tmp per failed run piled up; in log_dir they go with it
+    saved, tempfile.tempdir = tempfile.tempdir, str(log_dir)
+    try:
+        elastic_launch(config, entry)(*args)
+    finally:
+        tempfile.tempdir = saved
 
 
 def _launch_fields(**fields) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -38,14 +39,29 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the command was (``run_command(..., is_sigterm_handled=True)``), so
+    that its ``with`` blocks close what they opened: a sweep's pool was left to the
+    multiprocessing resource tracker, which printed 'leaked semaphore' lines after the exit."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated
+
+
 def run_command(
-    func: Callable[[argparse.Namespace], Any], args: argparse.Namespace, prog: str
+    func: Callable[[argparse.Namespace], Any],
+    args: argparse.Namespace,
+    prog: str,
+    is_sigterm_handled: bool = False,
 ) -> int:
     """Run a subcommand; every failure ends as one ``error:`` line on stderr. Input errors
     (``TLTError``; ``OSError`` naming a file, e.g. disk full or permission denied while writing
-    results) exit 2; Ctrl-C exits 130; any other exception is a bug: exit 1 and its traceback
-    goes to a file named in the line, so the terminal never shows a traceback."""
+    results) exit 2; Ctrl-C exits 130; SIGTERM, where handled here, 143; any other exception is
+    a bug: exit 1 and its traceback goes to a file named in the line, so the terminal never
+    shows a traceback."""
     created = _missing_out_dirs(args)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if is_sigterm_handled else None
     try:
         try:
             with warnings.catch_warnings():
@@ -55,6 +71,12 @@ def run_command(
             _erase_progress_bars()
             _remove_if_empty(created)
             raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+    except Terminated:
+        print("stopped by SIGTERM", file=sys.stderr)
+        return 143
     except TLTError as err:
         if getattr(err, "is_output_cut", False):
             print(file=sys.stderr)  # end the line a killed worker's progress bar left open

@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return run_command(args.func, args, "tltsim")
+    # tltsim's commands hold no process of their own to stop on SIGTERM but a sweep's pool
+    return run_command(args.func, args, "tltsim", is_sigterm_handled=True)
 
 
 if __name__ == "__main__":

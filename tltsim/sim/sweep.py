@@ -51,6 +51,7 @@ from tltsim.cost.calibrated import is_preset_file
 from tltsim.cost.presets import apply_preset
 from tltsim.errors import UsageError
 from tltsim.jsonio import remove_stale_outputs, write_json
+from tltsim.lifetime import pool_worker_init
 from tltsim.policy import POLICY_NAMES, SpotTrainerConfig, TLTConfig, make_policy
 from tltsim.policy.tlt import TLTBASE_FIELDS
 from tltsim.sim.acceptance import DrafterDynamics
@@ -234,7 +235,9 @@ def run_sweep(spec_path: Path, out: Path | None = None, workers: int | None = No
             rows = (_run_task(t, trace) for t in todo)
             _collect(rows, done, sink, bar)
         else:
-            with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            context = multiprocessing.get_context("spawn")
+            # workers end with this process and leave Ctrl-C to it (tltsim.lifetime)
+            with context.Pool(workers, pool_worker_init, (os.getpid(),)) as pool:
                 _collect(
                     pool.imap_unordered(partial(_run_task, trace=trace), todo), done, sink, bar
                 )
