@@ -8,6 +8,9 @@ References: the torch rollout engine (``tltrun.rollout.engine``, same drafter: s
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -161,6 +164,9 @@ def test_greedy_matches_torch_engine_and_transformers(fresh, ckpt):
         )
         assert out.finish == "length" and out.accept_hist == []
     assert {it.strategy for it in result.iterations} == {"off"}
+    # vLLM's IPC sockets are in the engine's own directory (close() removes it), not in /tmp,
+    # where every run left them
+    assert fresh._rpc_dir.startswith(tempfile.gettempdir()) and any(Path(fresh._rpc_dir).iterdir())
     assert sum(it.num_new_tokens for it in result.iterations) == sum(LENGTHS)
 
 

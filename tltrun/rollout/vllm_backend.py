@@ -53,7 +53,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import random
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -120,6 +122,10 @@ class VLLMBackend:
         self.eos_token_ids = model_cfg.eos_token_ids
         self._stats: list[Any] = []
         self._num_submissions = 0
+        # vLLM's IPC sockets (4 per engine, UUID-named) went into /tmp and stayed there after
+        # every run: they go into a directory of the engine's own, removed by close()
+        self._rpc_dir = tempfile.mkdtemp(prefix="tlt-vllm-rpc-")
+        os.environ["VLLM_RPC_BASE_PATH"] = self._rpc_dir  # read when vLLM opens its sockets
         args = engine_args(self.model_dir, drafter_dir, config)
         vllm_config = args.create_engine_config()
         self._engine = LLMEngine(
@@ -434,3 +440,4 @@ class VLLMBackend:
 
     def close(self) -> None:
         self._engine.engine_core.shutdown()
+        shutil.rmtree(self._rpc_dir, ignore_errors=True)
