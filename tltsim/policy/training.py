@@ -131,7 +131,8 @@ class SpotTrainerConfig:
     # TLT trains the drafter in the idle time of every rollout (arXiv 2511.16665: "trained
     # continuously on idle GPUs"). fastrl's reference yaml sets training_interval_steps: 10, and
     # its trainer collects the drafter's data only in RL steps s with (s + 1) % 10 == 0
-    # (verl/trainer/ppo/ray_trainer.py at bce3df7): set 10 here to mimic that default.
+    # (verl/trainer/ppo/ray_trainer.py at bce3df7): a value of 10 here mimics that default, one
+    # step out of phase (here the steps s with s % 10 == 0 train).
     train_every_steps: int = field(
         default=1, metadata={"help": "train the drafter only in RL steps divisible by N"}
     )
