@@ -272,9 +272,8 @@ def run_ranked(
             LaunchWarning,
             stacklevel=2,
         )
-    elastic.die_with_launcher(
-        os.getppid()
-    )  # torchrun's agent: a SIGKILLed agent leaves no rank behind
+    # torchrun's agent is the parent: a SIGKILLed agent leaves no rank behind
+    elastic.die_with_launcher(os.getppid())
     torch.set_num_threads(cfg.num_threads)
     if cfg.num_workers != env.world_size:
         try:  # the job's size decides (--num-workers is the size of tltrun's own launcher)
