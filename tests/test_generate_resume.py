@@ -251,3 +251,29 @@ def test_text_and_chat_prompts_of_a_hugging_face_tokenizer(tmp_path, capsys):
             assert "text" in got  # decoded with the same tokenizer
     plain = load_tokenizer(model).encode_prompt("What is 1 plus 2?")
     assert plain != load_tokenizer(model, is_chat_template=True).encode_prompt("What is 1 plus 2?")
+
+
+def test_sigterm_stops_generate_with_one_line_and_a_resumable_run(inputs, tmp_path, capsys):
+    """SIGTERM (a scheduler's, `timeout`'s) killed generate silently with -15; now one line,
+    exit 143, and the run resumes like a killed one."""
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "termed"
+    path = out / "generations.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_CLI, *argv(inputs, out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (path.is_file() and path.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and err.strip().splitlines()[-1] == "stopped by SIGTERM", err
+    assert main(["generate", "--out", str(out), "--resume"]) == 0, capsys.readouterr().err
+    assert (out / "trace.json").exists()
