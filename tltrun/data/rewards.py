@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from tltrun.data.scoring import (
+    RESERVED_ARGS,
     REWARD_KINDS,
     RewardItem,
     RewardOutcome,
@@ -271,7 +272,7 @@ def _check_signature(arg: str, function: Any, meta_keys: tuple[str, ...]) -> Non
         signature = inspect.signature(function)
     except (TypeError, ValueError):
         return
-    meta = {key: None for key in meta_keys if key not in ("prompt", "response", "answer")}
+    meta = {key: None for key in meta_keys if key not in RESERVED_ARGS}
     try:
         signature.bind("prompt", "response", "answer", **meta)
     except TypeError as err:

@@ -20,7 +20,7 @@ from tltsim.errors import UsageError
 
 REWARD_KINDS = ("builtin", "math", "exact", "regex", "reasoning-gym", "python")
 # Keys of a row's meta that cannot be passed as **meta to a user reward (its own arguments).
-_RESERVED_ARGS = ("prompt", "response", "answer")
+RESERVED_ARGS = ("prompt", "response", "answer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -301,7 +301,7 @@ class Scorer:
 
     def _python(self, item: RewardItem) -> tuple[float, bool]:
         assert self._user_function is not None
-        meta = {k: v for k, v in item.meta.items() if k not in _RESERVED_ARGS}
+        meta = {k: v for k, v in item.meta.items() if k not in RESERVED_ARGS}
         value = self._user_function(item.prompt, item.response, item.answer, **meta)
         return _check_number(value, "the reward function"), True
 
