@@ -191,3 +191,14 @@ def test_a_workload_where_tlt_is_slower_says_do_not_use_it(tmp_path, capsys):
     assert rec["speedup_vs_nospec_high"] < 1.0
     assert "recommendation: do not use TLT: its best setting is slower than NoSpec" in text
     assert "for reference only" in text
+
+
+@pytest.mark.parametrize(("reclaimed", "expected"), [
+    (6.34, "idle GPU-seconds reclaimed per step: 6.3"),
+    (0.0, "idle GPU-seconds reclaimed per step: 0.0"),
+    (-1234.5, "idle GPU-seconds per step: 1,234.5 MORE than NoSpec"),
+])  # fmt: skip
+def test_more_idle_time_than_nospec_is_said_as_a_loss(reclaimed, expected):
+    from tltsim.cli.advise import idle_line
+
+    assert idle_line({"idle_gpu_s_reclaimed_per_step": reclaimed}) == expected

@@ -362,6 +362,15 @@ def interval_spec(config: AdviseConfig) -> IntervalSpec:
         raise UsageError(str(err)) from None
 
 
+def idle_line(r: dict[str, Any]) -> str:
+    """The idle GPU-seconds TLT saves per step against NoSpec, said as a loss when negative (a
+    slower TLT run idles more GPUs for longer, and "reclaimed -12.0" reads like a gain)."""
+    reclaimed = r["idle_gpu_s_reclaimed_per_step"]
+    if reclaimed >= 0:
+        return f"idle GPU-seconds reclaimed per step: {reclaimed:,.1f}"
+    return f"idle GPU-seconds per step: {-reclaimed:,.1f} MORE than NoSpec"
+
+
 def format_advice(report: dict[str, Any], out: Path) -> str:
     """The printed recommendation."""
     from tltsim.cli.sweep import distinguishable_line
@@ -392,8 +401,7 @@ def format_advice(report: dict[str, Any], out: Path) -> str:
             f"{'on' if r['is_spot_training'] else 'off'}",
             f"  expected step speedup vs NoSpec: {r['speedup_vs_nospec']:.2f}x{interval} "
             f"(interval: min-max over {sources})",
-            f"  SD on for {100 * r['sd_on_fraction']:.0f}% of decode time; idle GPU-seconds "
-            f"reclaimed per step: {r['idle_gpu_s_reclaimed_per_step']:,.1f} "
+            f"  SD on for {100 * r['sd_on_fraction']:.0f}% of decode time; {idle_line(r)} "
             f"(drafter training used {r['drafter_train_gpu_s_per_step']:,.1f})",
             distinguishable_line(report["sweep"]),
             *(f"  note: {n}" for n in report["notes"]),
