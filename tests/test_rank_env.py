@@ -88,3 +88,26 @@ def test_rank_zero_os_error_stops_both_ranks_with_one_line_each(model_dir, tmp_p
         assert "(--num-workers 2 is not used)" in err, err
     assert "Not a directory" in errs[0], errs[0]
     assert "error: rank 1: rank 0 stopped the run" in errs[1], errs[1]
+
+
+def test_a_rank_takes_the_first_ctrl_c_and_ignores_the_agents_repeat():
+    """Ctrl-C reaches a rank from the terminal and again from torchrun's agent; the second
+    KeyboardInterrupt hit the progress bar's cleanup and printed tqdm's "Exception ignored in"
+    traceback. In a child process: the first SIGINT raises, the second is ignored."""
+    code = (
+        "import os, signal\n"
+        "from tltrun.train.elastic import interrupt_once\n"
+        "interrupt_once()\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    signal.pause()\n"
+        "except KeyboardInterrupt:\n"
+        "    print('first', flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "print('second ignored', flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["first", "second", "ignored"]

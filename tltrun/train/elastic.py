@@ -143,6 +143,21 @@ def die_with_launcher(launcher_pid: int) -> None:
     die_with_parent(launcher_pid)
 
 
+def interrupt_once() -> None:
+    """Ctrl-C reaches a rank twice: from the terminal (SIGINT goes to the whole process group)
+    and from torchrun's agent, which passes the signal that stopped it on to the ranks. The
+    second KeyboardInterrupt landed in the cleanup the first one started (the progress bar's
+    close) and printed tqdm's "Exception ignored in" traceback before the launcher's one line
+    in 3 of 4 runs. The first SIGINT interrupts; later ones are ignored (the agent SIGKILLs a
+    rank still alive after its shutdown timeout)."""
+
+    def on_sigint(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+
+
 def launch_local(num_procs: int, entry: Callable, args: tuple, log_dir: Path) -> None:
     """Run ``entry(*args)`` in ``num_procs`` ranks on this machine through torchrun's agent
     (what ``torchrun --standalone --nproc-per-node num_procs`` does); raises torchrun's

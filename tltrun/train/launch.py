@@ -274,6 +274,7 @@ def run_ranked(
         )
     # torchrun's agent is the parent: a SIGKILLed agent leaves no rank behind
     elastic.die_with_launcher(os.getppid())
+    elastic.interrupt_once()
     torch.set_num_threads(cfg.num_threads)
     if cfg.num_workers != env.world_size:
         try:  # the job's size decides (--num-workers is the size of tltrun's own launcher)

@@ -57,6 +57,7 @@ def worker_entry(cfg: TrainConfig, task: TaskConfig, resume: str | None, launche
     rank and rendezvous from torchrun's environment). ``errors.record`` writes an exception into
     the agent's error file, from which the launcher reports it (tltrun.train.launch)."""
     elastic.die_with_launcher(launcher_pid)  # first: nothing of the run happens in an orphan
+    elastic.interrupt_once()
     torch.set_num_threads(cfg.num_threads)
     env = elastic.init_process_group(cfg.device)
     run_worker(env, cfg, task, resume)
