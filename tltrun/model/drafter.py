@@ -456,7 +456,7 @@ def load_drafter(
     """Load an exported drafter (ours, or any EAGLE-1 checkpoint in vLLM's layout without an
     fc bias) and bind it to ``target``; sizes must match the target's. Its weights take the
     target's dtype, or ``dtype`` (a drafter to train keeps fp32 weights fp32)."""
-    from tltrun.model.hf_checkpoint import load_safetensors
+    from tltrun.model.hf_checkpoint import check_dtype_range, load_safetensors
 
     root = Path(in_dir)
     check_drafter_config(root, target.config)
@@ -478,8 +478,9 @@ def load_drafter(
                 f"{root / 'model.safetensors'}: tensor {name!r} has shape "
                 f"{tuple(tensors[name].shape)}, the target implies {tuple(tensor.shape)}"
             )
-    drafter.load_state_dict(tensors)
     weight = target.lm_head.weight
+    check_dtype_range(root / "model.safetensors", tensors, dtype or weight.dtype)
+    drafter.load_state_dict(tensors)
     drafter.to(dtype=dtype or weight.dtype, device=weight.device).eval()
     drafter.bind(target)
     return drafter

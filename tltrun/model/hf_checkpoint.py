@@ -50,6 +50,23 @@ def load_safetensors(file: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def check_dtype_range(source: str | Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype):
+    """Refuse weights that ``dtype`` cannot hold: a value beyond float16's 65,504 became inf in
+    the cast after the load's finiteness check, and the engine then sampled token 0 every
+    time without a word. bfloat16 has float32's range, so only float16 refuses in practice."""
+    if not dtype.is_floating_point:
+        return
+    limit = torch.finfo(dtype).max
+    for name, tensor in tensors.items():
+        largest = float(tensor.abs().max()) if tensor.numel() else 0.0
+        if largest > limit:
+            raise CheckpointError(
+                f"{source}: tensor {name!r} holds values up to {largest:.4g}, beyond "
+                f"{str(dtype).removeprefix('torch.')}'s range ({limit:.5g}); load it in "
+                "bfloat16 or float32"
+            )
+
+
 def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of ``model.safetensors`` or of the shards listed in the index file."""
     root = Path(model_dir)
@@ -227,6 +244,7 @@ def load_hf(
                 f"{model_dir}: tensor {name!r} has shape {tuple(tensors[name].shape)}, config implies {want}"
             )
     _check_known(model_dir, cfg, tensors, shapes)
+    check_dtype_range(model_dir, {k: tensors[k] for k in expected}, dtype)
     model = Transformer(cfg)
     model.load_state_dict({k: tensors[k] for k in expected}, strict=False)
     return model.to(device=device, dtype=dtype).eval()

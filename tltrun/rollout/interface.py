@@ -11,9 +11,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tltsim.errors import TLTError
 from tltsim.policy import SpecPolicy
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+class NonFiniteLogitsError(TLTError):
+    """The target's logits for a prompt were NaN or inf: an activation beyond the dtype's range
+    (float16's 65,504; bfloat16 has float32's range) or broken weights. Sampling from them
+    gave token 0 every time, silently; checked once per request, at its prefill."""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from tltrun.model.drafter import EagleDrafter, draft, drafter_prefill
 from tltrun.model.kvcache import KVCache
 from tltrun.model.transformer import Transformer
 from tltrun.rollout.engine_config import EngineConfig
-from tltrun.rollout.interface import IterationRecord
+from tltrun.rollout.interface import IterationRecord, NonFiniteLogitsError
 from tltrun.rollout.scheduler import Sequence
 from tltrun.rollout.speculative import DraftTree, logits_to_probs, sample
 from tltsim.policy import SpecDecision
@@ -116,7 +116,7 @@ def prefill_prompts(
         engine.tokens[slots, lens] = first
         engine.sync()
         now = engine.clock()
-        for s, tok in zip(seqs, first.tolist(), strict=True):
+        for s, tok in zip(seqs, checked_tokens(seqs, logits[:, 0], first), strict=True):
             s.append([tok], engine.eos_ids, now - t0)
         wall = engine.clock() - start
         records.append(
@@ -133,6 +133,22 @@ def prefill_prompts(
     if followers:
         records.append(_prefill_followers(engine, followers, t0))
     return records
+
+
+def checked_tokens(seqs: list, logits: torch.Tensor, first: torch.Tensor) -> list[int]:
+    """The first tokens ``first`` (B,) sampled from ``logits`` (B, V), read in the same one
+    device read as whether each row's logits were finite; a row that was not is
+    ``NonFiniteLogitsError`` naming its request."""
+    is_bad = ~torch.isfinite(logits).all(dim=-1)  # (B,)
+    rows = torch.stack((first, is_bad.long()), dim=1).tolist()  # (B, 2)
+    for s, (_, bad) in zip(seqs, rows, strict=True):
+        if bad:
+            raise NonFiniteLogitsError(
+                f"request {s.request.id}: the model's logits for its prompt are NaN or inf in "
+                f"{str(logits.dtype).removeprefix('torch.')} (an activation beyond float16's "
+                "range of 65,504, or broken weights); run in bfloat16 or float32"
+            )
+    return [tok for tok, _ in rows]
 
 
 def _prefill_followers(
@@ -170,7 +186,7 @@ def _prefill_followers(
     engine.tokens[dst, last + 1] = first
     engine.sync()
     now = engine.clock()
-    for s, tok in zip(seqs, first.tolist(), strict=True):
+    for s, tok in zip(seqs, checked_tokens(seqs, logits[:, 0], first), strict=True):
         s.is_drafter_fresh = False
         s.append([tok], engine.eos_ids, now - t0)
     wall = engine.clock() - start
