@@ -26,6 +26,7 @@ from test_run_integrity import cli, make_fake_run
 
 from tltrun.train import state as ts
 from tltsim.errors import UsageError
+from tltsim.lifetime import owned_tempdir
 
 model_dir = test_run_integrity.model_dir  # its fixture: a tiny model, saved once per module
 
@@ -163,9 +164,34 @@ def test_killing_the_launcher_ends_every_worker(model_dir, tmp_path, moment, del
         # A worker still starting (importing torch) notices the loss of its launcher when it
         # gets to its first statement; give it the time to get there.
         wait_for(lambda: session_pids(launcher.pid) == [], timeout_s=60)
+        # its launch directory stays (SIGKILL runs no finally); the next launch removes it
+        left = list(Path(tempfile.gettempdir()).glob(f"tlt-elastic-{launcher.pid}-*"))
+        assert left or moment != "first step logged"
+        Path(owned_tempdir("tlt-elastic-")).rmdir()
+        assert not any(path.exists() for path in left)
     finally:
         for pid in session_pids(launcher.pid):
             os.kill(pid, 9)
+
+
+def test_a_dead_makers_temp_dirs_are_removed_by_the_next_of_their_prefix(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead = tmp_path / f"tlt-x-{ended.stdout.strip()}-abc"
+    (dead / "sub").mkdir(parents=True)
+    (dead / "sub" / "model.safetensors").write_bytes(b"weights")
+    kept = [
+        tmp_path / f"tlt-x-{os.getpid()}-abc",  # its maker runs
+        tmp_path / f"tlt-y-{ended.stdout.strip()}-abc",  # another prefix
+        tmp_path / "tlt-x-notapid-abc",
+    ]
+    for path in kept:
+        path.mkdir()
+    made = Path(owned_tempdir("tlt-x-"))
+    assert not dead.exists() and all(path.is_dir() for path in kept)
+    assert made.parent == tmp_path and made.name.startswith(f"tlt-x-{os.getpid()}-")
 
 
 # ---- a worker's failure reaches the user as one line ------------------------------------------

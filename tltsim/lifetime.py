@@ -6,16 +6,26 @@ so nothing in the parent can stop its children then. The child asks for it itsel
 
     from tltsim.lifetime import die_with_parent
     die_with_parent(parent_pid)          # first thing in the child
+
+A temporary directory of ours is removed by whoever made it, in a ``finally``; a process
+killed by SIGKILL (or SIGTERM's default action) runs none, so its directory stays. Such
+directories carry their maker's pid, and the next one made with the same prefix removes those
+whose maker is gone:
+
+    work = owned_tempdir("tlt-elastic-")  # /tmp/tlt-elastic-<pid>-<random>
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -47,4 +57,33 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     os._exit(1)
 
 
-__all__ = ["die_with_parent", "pool_worker_init"]
+def owned_tempdir(prefix: str) -> str:
+    """``tempfile.mkdtemp`` named ``<prefix><pid>-<random>``, after removing the directories of
+    this prefix whose maker no longer runs (a SIGKILLed launcher's tlt-elastic-*, a SIGTERMed
+    rank's vLLM directories piled up in /tmp). A maker's pid reused by another process keeps
+    its directory until that one ends: it is never removed while any process has the pid."""
+    root = Path(tempfile.gettempdir())
+    for path in root.glob(f"{prefix}*-*"):
+        pid = path.name[len(prefix) :].split("-", 1)[0]
+        if not pid.isdigit() or _is_running(int(pid)):
+            continue
+        try:
+            if path.stat().st_uid != os.getuid():  # another user's: not ours to judge
+                continue
+        except OSError:  # removed meanwhile
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+__all__ = ["die_with_parent", "owned_tempdir", "pool_worker_init"]

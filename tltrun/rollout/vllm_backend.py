@@ -81,6 +81,7 @@ from tltrun.rollout.vllm_config import (
 )
 from tltrun.rollout.vllm_steps import Live, step_record
 from tltrun.rollout.vllm_worker import stat_logger_factory
+from tltsim.lifetime import owned_tempdir
 from tltsim.policy import (
     OFF,
     DecodeObs,
@@ -124,7 +125,7 @@ class VLLMBackend:
         self._num_submissions = 0
         # vLLM's IPC sockets (4 per engine, UUID-named) went into /tmp and stayed there after
         # every run: they go into a directory of the engine's own, removed by close()
-        self._rpc_dir = tempfile.mkdtemp(prefix="tlt-vllm-rpc-")
+        self._rpc_dir = owned_tempdir("tlt-vllm-rpc-")  # a killed engine's: removed next time
         os.environ["VLLM_RPC_BASE_PATH"] = self._rpc_dir  # read when vLLM opens its sockets
         args = engine_args(self.model_dir, drafter_dir, config)
         vllm_config = args.create_engine_config()
@@ -407,7 +408,9 @@ class VLLMBackend:
             else:
                 from safetensors.torch import save_file
 
-                with tempfile.TemporaryDirectory(prefix="tlt-weights-") as tmp:
+                # inside the engine's own directory: a killed process's copy of the weights
+                # (the whole model, every step) goes with it (owned_tempdir)
+                with tempfile.TemporaryDirectory(prefix="tlt-weights-", dir=self._rpc_dir) as tmp:
                     path = str(Path(tmp) / "model.safetensors")
                     save_file(dict(weights), path)
                     self._engine.collective_rpc(method, args=(path,))

@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
+import shutil
 import traceback
 import warnings
 from dataclasses import asdict, fields, replace
@@ -57,6 +57,7 @@ from tltrun.train.config_checks import check_overridable, check_same_inputs
 from tltrun.train.tasks import TaskConfig
 from tltsim.errors import TLTError, UsageError, WorkerError, is_input_error_name
 from tltsim.jsonio import write_json
+from tltsim.lifetime import owned_tempdir
 
 
 def task_for(model_dir: str | Path) -> TaskConfig:
@@ -190,7 +191,8 @@ def run_train(
     with train_state.RunLock(out):
         resume_dir = prepare_run_dir(cfg, task, is_resume, is_override_config, data)
         resume = str(resume_dir) if resume_dir else None
-        with tempfile.TemporaryDirectory(prefix="tlt-elastic-") as tmp:
+        tmp = owned_tempdir("tlt-elastic-")  # a SIGKILLed launcher's is removed next time
+        try:
             try:
                 elastic.launch_local(
                     cfg.num_workers, worker_entry, (cfg, task, resume, os.getpid()), Path(tmp)
@@ -206,6 +208,8 @@ def run_train(
                     exit_code=128 + int(err.sigval),
                     is_output_cut=True,
                 ) from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

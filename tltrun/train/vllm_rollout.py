@@ -21,7 +21,6 @@ directory in vLLM's EAGLE layout); later drafters arrive through ``update_drafte
 from __future__ import annotations
 
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -34,6 +33,7 @@ from tltrun.rollout.interface import Request, RolloutResult, SamplingParams
 from tltrun.rollout.slot_state import HarvestRecord
 from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig
 from tltrun.train.drafter_training import records_from_outputs
+from tltsim.lifetime import owned_tempdir
 from tltsim.policy import SpecPolicy
 
 
@@ -55,7 +55,7 @@ class VLLMTrainRollout:
         self.model = target.eval()  # mirror of the rollout weights
         self.drafter = drafter
         self.is_harvesting = is_harvesting
-        self._work = Path(tempfile.mkdtemp(prefix="tlt-vllm-train-"))
+        self._work = Path(owned_tempdir("tlt-vllm-train-"))  # a killed rank's: removed next time
         drafter_dir = None
         if drafter is not None:
             drafter_dir = self._work / "drafter"
