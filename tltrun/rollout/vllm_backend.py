@@ -77,6 +77,7 @@ from tltrun.rollout.vllm_config import (
     VLLMBackendConfig,
     check_vllm_cpu_head_size,
     engine_args,
+    quiet_vllm_logs,
     start_table,
 )
 from tltrun.rollout.vllm_steps import Live, step_record
@@ -111,6 +112,7 @@ class VLLMBackend:
         sampling: SamplingParams | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
+        quiet_vllm_logs()  # before vLLM's first import in this process
         from vllm.v1.engine.llm_engine import LLMEngine
         from vllm.v1.executor import Executor
 

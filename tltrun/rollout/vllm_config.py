@@ -47,6 +47,7 @@ Start-up of the tiny test engine: 6-60 s on a shared 2-core CPU (process start, 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -181,6 +182,14 @@ def _is_cpu_platform() -> bool:
     return current_platform.is_cpu()
 
 
+def quiet_vllm_logs() -> None:
+    """vLLM's own log at ERROR level unless the user set ``VLLM_LOGGING_LEVEL``: at INFO each
+    engine printed ~60 lines (platform notes, its config, load times, shutdown) around every
+    ``--backend vllm`` run's progress bar. vLLM reads the variable when it is first imported,
+    in each process (its engine-core and worker processes inherit it): call this before."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
 def engine_args(model_dir: str, drafter_dir: str | None, config: VLLMBackendConfig) -> Any:
     """vLLM's ``EngineArgs`` for a backend (``.create_engine_config()`` validates them)."""
     from vllm.engine.arg_utils import EngineArgs
@@ -226,6 +235,7 @@ def engine_args(model_dir: str, drafter_dir: str | None, config: VLLMBackendConf
         max_num_seqs=config.max_num_seqs,
         kv_cache_memory_bytes=config.kv_cache_bytes,
         enforce_eager=config.is_eager,
+        use_tqdm_on_load=False,  # a bar per engine start, for a load the progress bar covers
         enable_prefix_caching=config.is_prefix_caching,
         speculative_config=spec,
         distributed_executor_backend="mp" if config.is_multiprocess else "uni",

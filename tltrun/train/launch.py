@@ -51,7 +51,7 @@ from dataclasses import asdict, fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tltrun.rollout.vllm_config import check_vllm_cpu_head_size
+from tltrun.rollout.vllm_config import check_vllm_cpu_head_size, quiet_vllm_logs
 from tltrun.train.config import RESUME_NEUTRAL_FIELDS, TrainConfig
 from tltrun.train.config_checks import check_overridable, check_same_inputs
 from tltrun.train.tasks import TaskConfig
@@ -81,6 +81,7 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
 
     if cfg.backend == "vllm":
         try:
+            quiet_vllm_logs()
             import vllm  # noqa: F401
         except ImportError:
             raise UsageError(
