@@ -403,7 +403,8 @@ def test_a_fresh_run_over_a_finished_one_is_not_taken_for_finished(tmp_path):
         )
 
     (tmp_path / "metrics.json").write_text("{}")
+    (tmp_path / "sft_config.json").write_text("{}")
     assert resume() is None  # finished
-    resumable.start_fresh(tmp_path, "tltrun sft", finished_file="metrics.json")
+    resumable.start_fresh(tmp_path, "tltrun sft", config_file="sft_config.json")
     with pytest.raises(UsageError, match="no resume_state.pt to resume from"):
         resume()

@@ -120,6 +120,11 @@ def test_bad_flags_exit_2_with_one_line(tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
     assert main(["sft", "--out", str(tmp_path), "--task-max-ops", "99"]) == 2
     assert "max_ops" in capsys.readouterr().err
+    # an odd head size was an internal error (RoPE's rotate-half) after the run dir was made
+    argv = ["--hidden-size", "6", "--num-heads", "2", "--num-kv-heads", "1"]
+    assert main(["sft", "--out", str(tmp_path / "odd"), *argv]) == 2
+    assert "a head size of 3: RoPE needs an even one" in capsys.readouterr().err
+    assert not (tmp_path / "odd").exists()
     with pytest.raises(SystemExit) as exc:  # argparse's own errors also exit 2
         main(["sft", "--out", str(tmp_path), "--num-steps", "many"])
     assert exc.value.code == 2

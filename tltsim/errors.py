@@ -61,6 +61,17 @@ class WorkerError(TLTError):
         self.is_output_cut = is_output_cut
 
 
+class StoppedError(TLTError):
+    """A run stopped by Ctrl-C (exit 130) or SIGTERM (143) before it finished; ``str(err)`` says
+    how to continue it. Raised by the commands that can resume in place of the bare
+    KeyboardInterrupt / SIGTERM, which printed "interrupted" or nothing at all."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.is_output_cut = True  # a progress bar's line may be open
+
+
 def is_input_error_name(qualified_name: str) -> bool:
     """Whether ``module.Class`` (as a traceback's last line names it) is a TLTError subclass
     that is defined in a module already imported."""

@@ -12,12 +12,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import SamplingParams
-from tltsim.cli.args import add_dataclass_args, dataclass_from_args
-from tltsim.errors import UsageError
+from tltsim.cli.args import Terminated, add_dataclass_args, dataclass_from_args
+from tltsim.errors import StoppedError, UsageError
 
 # cuda_graphs is set by --eager (below): a user turns capture off, never on where it cannot run;
 # is_harvesting keeps each response's hidden states for tltrun train's spot trainers (generate
@@ -249,3 +252,22 @@ def recorded_engine_run(
         )
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise UsageError(f"{path}: not a {command} config ({type(err).__name__}: {err})") from None
+
+
+@contextmanager
+def stop_says_how_to_resume(out: Path, command: str) -> Iterator[None]:
+    """Ctrl-C or SIGTERM (``run_command(..., is_sigterm_handled=True)``) during an offline run
+    ends as one line saying how to continue: from its last resumable state with ``--resume``,
+    or, stopped before its first, by starting again."""
+    from tltrun.train.resumable import STATE_FILE
+
+    try:
+        yield
+    except (KeyboardInterrupt, Terminated) as err:
+        how, code = ("interrupted", 130) if isinstance(err, KeyboardInterrupt) else (
+            "stopped by SIGTERM", 143)  # fmt: skip
+        if (out / STATE_FILE).is_file():
+            then = f"continue from its last state with {command} --out {out} --resume"
+        else:
+            then = "it wrote no resumable state yet (--checkpoint-every); start it again"
+        raise StoppedError(f"{out}: {how}; {then}", code) from None

@@ -62,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the command itself, not a call from Python (tests)
         pin_hash_seed()
     args = build_parser().parse_args(argv)
-    # generate and bench hold no process to stop: SIGTERM (a scheduler's, `timeout`'s) ends them
-    # with one line and exit 143, their run directory unlocked (they died silently with -15);
-    # train's launcher, profile and the offline trainers handle SIGTERM themselves
-    is_sigterm_handled = args.command in ("generate", "bench")
+    # SIGTERM (a scheduler's, `timeout`'s) ends these with one line and exit 143, their run
+    # directory unlocked (they died silently with -15), the offline trainers' line saying how to
+    # resume; train's launcher and profile handle SIGTERM themselves
+    is_sigterm_handled = args.command in ("generate", "bench", "sft", "train-drafter", "sft-eval")
     return run_command(args.func, args, "tltrun", is_sigterm_handled=is_sigterm_handled)
 
 

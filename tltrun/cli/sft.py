@@ -17,7 +17,7 @@ import statistics
 from dataclasses import fields
 from typing import Any
 
-from tltrun.cli.args import offline_configs_from_args
+from tltrun.cli.args import offline_configs_from_args, stop_says_how_to_resume
 from tltrun.train import sft
 from tltrun.train.sft_config import SFTConfig
 from tltrun.train.state import RunLock
@@ -43,13 +43,20 @@ def eval_table(result: dict[str, Any]) -> str:
     greedy = result["greedy"]
     if "by_difficulty" not in greedy:  # --data: accuracy by the task's reward, lengths
         if greedy["accuracy"] is None:
-            return "no held-out prompts evaluated"
+            return "no evaluation prompts"
         rows = [{"name": k, **v, "truncated": greedy["num_truncated"] if k == "greedy" else 0}
                 for k, v in result["response_tokens"].items()]  # fmt: skip
+        # a file is the user's training set, and a small reasoning-gym task may have no
+        # problem training did not see: its accuracy is then on training prompts (said so)
+        kind = (
+            "held-out prompts"
+            if greedy["is_held_out"]
+            else "TRAINING prompts (the data holds no prompt training did not see)"
+        )
         return "\n".join(
             [
                 f"greedy accuracy {greedy['accuracy']:.3f} over {greedy['num_prompts']} "
-                f"held-out prompts (reward errors: {greedy['num_reward_errors']})",
+                f"{kind} (reward errors: {greedy['num_reward_errors']})",
                 format_table(rows, LENGTH_COLUMNS, LENGTH_FORMATS, left=("name",)),
             ]
         )
@@ -113,7 +120,8 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     cfg, task = configs["sft"], configs["task"]
     if not args.resume:
         _check_builtin_only(cfg, task)
-    with RunLock(check_out_dir(cfg.out), "tltrun sft"):
+    out = check_out_dir(cfg.out)
+    with RunLock(out, "tltrun sft"), stop_says_how_to_resume(out, "tltrun sft"):
         metrics = sft.run_sft(cfg, task, is_resume=args.resume)
     print(summary_table(metrics))
     print(f"checkpoint and metrics.json written to {cfg.out}")

@@ -15,7 +15,7 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tltrun.cli.args import config_dict, offline_configs_from_args
+from tltrun.cli.args import config_dict, offline_configs_from_args, stop_says_how_to_resume
 from tltrun.model.config import check_device
 from tltrun.rollout.engine_config import DTYPES
 from tltsim.cli.args import add_dataclass_args, check_out_dir
@@ -86,8 +86,12 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         print(f"{args.out}: the run already finished (history.json is written); nothing to resume")
         return 0
     cfg, train_cfg = configs["train_drafter"], configs["train"]
+    for flag in ("model", "init"):  # the export would replace that model with the drafter
+        given = getattr(cfg, flag)
+        if given and Path(given).resolve() == Path(cfg.out).resolve():
+            raise UsageError(f"--out {cfg.out} is the --{flag} directory; choose another --out")
     out = Path(args.out) if args.resume else check_out_dir(cfg.out)
-    with RunLock(out, "tltrun train-drafter"):
+    with RunLock(out, "tltrun train-drafter"), stop_says_how_to_resume(out, "tltrun train-drafter"):
         return _train_drafter(cfg, train_cfg, out, args.resume)
 
 
@@ -100,7 +104,7 @@ def _train_drafter(cfg: TrainDrafterConfig, train_cfg, out: Path, is_resume: boo
     from tltrun.train.drafter_training import records_from_outputs, train_drafter
 
     if not is_resume:
-        resumable.start_fresh(out, "tltrun train-drafter", finished_file="history.json")
+        resumable.start_fresh(out, "tltrun train-drafter", config_file="train_config.json")
         write_json(out / "train_config.json", config_dict(train_drafter=cfg, train=train_cfg))
     target = load_hf(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
     drafter = trainable_copy(

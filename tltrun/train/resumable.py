@@ -24,8 +24,8 @@ run started) is the source of every setting; flags given with ``--resume`` that 
 are refused with one line naming each field, except ``--out`` (the same directory however it
 is spelt) and ``--checkpoint-every``, which do not change the result (``tltrun train
 --resume`` without ``--override-config`` refuses the same way; there is no override here). A
-fresh run into a directory that holds a state is refused (pass ``--resume`` or another
-``--out``); ``--resume`` where there is none is an error, unless the run finished, which is one
+fresh run into a directory that holds a state, or files that no run of its command wrote, is
+refused (pass ``--resume`` or another ``--out``), and removes an earlier run's outputs first; ``--resume`` where there is none is an error, unless the run finished, which is one
 line and exit 0 (a finished ``tltrun train --resume`` runs no step and exits 0 too).
 
 When the run has written all its outputs the state is deleted: it holds the weights again plus
@@ -148,17 +148,44 @@ def fingerprint(chunks: Iterable[bytes]) -> str:
     return digest.hexdigest()
 
 
-def start_fresh(out: Path, command: str, finished_file: str) -> None:
-    """Ready ``out`` for a fresh run: refused over an unfinished run's state (the first
-    checkpoint would overwrite it, and a later ``--resume`` would continue the wrong run);
-    an earlier finished run's ``finished_file`` goes, so that this run, if killed, is not
-    taken for finished."""
+# What each offline command writes into --out besides its config file: a fresh run removes an
+# earlier run's before it starts (a killed fresh run left the old model.safetensors beside the
+# new config, and generate, train and sft-eval used it as this run's)
+OUTPUTS = {
+    "sft_config.json": (  # tltrun sft: an HF model directory and metrics.json
+        "config.json", "generation_config.json", "model.safetensors", "metrics.json",
+        "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json",
+    ),
+    "train_config.json": (  # tltrun train-drafter: vLLM's EAGLE layout and history.json
+        "config.json", "model.safetensors", "tlt_drafter.json", "history.json",
+    ),
+}  # fmt: skip
+
+
+def start_fresh(out: Path, command: str, config_file: str) -> None:
+    """Ready ``out`` for a fresh run of ``command`` (whose settings go to ``config_file``):
+    refused over an unfinished run's state (the first checkpoint would overwrite it, and a
+    later ``--resume`` would continue the wrong run) and over files that no earlier run of
+    ``command`` wrote (a model directory of the user's: train-drafter --out of its --model
+    replaced the target with the drafter); an earlier run's outputs go, so that this run, if
+    killed, leaves neither the old model nor a finish file beside its own config."""
+    outputs = OUTPUTS[config_file]
+    if not (out / config_file).is_file():
+        found = (
+            sorted({*outputs, *OUTPUTS} & {p.name for p in out.iterdir()}) if out.is_dir() else []
+        )
+        if found:
+            raise UsageError(
+                f"{out}: holds {', '.join(found)} that no {command} run wrote (no "
+                f"{config_file}): another run's or a model's directory; choose another --out"
+            )
     if (out / STATE_FILE).is_file():
         raise UsageError(
             f"{out}: holds the resumable state of an unfinished {command} run ({STATE_FILE}); "
             "pass --resume to continue it, or choose another --out"
         )
-    (out / finished_file).unlink(missing_ok=True)
+    for name in outputs:
+        (out / name).unlink(missing_ok=True)
 
 
 def configs_to_resume(

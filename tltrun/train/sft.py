@@ -53,8 +53,8 @@ from tltrun.model.transformer import CausalContext, Transformer
 from tltrun.train import resumable
 from tltrun.train.resumable import Checkpointing
 from tltrun.train.sft_config import SFTConfig
-from tltrun.train.sft_eval import evaluate
-from tltrun.train.tasks import Example, TaskConfig, length_stats, make_examples
+from tltrun.train.sft_eval import evaluate, evaluate_pairs
+from tltrun.train.tasks import Example, TaskConfig, make_examples
 from tltsim.errors import UsageError, check_finite
 from tltsim.jsonio import write_json
 
@@ -211,10 +211,14 @@ def pair_tokens(prompt: str, response: str, tok: CharTokenizer) -> tuple[list[in
 def pair_stream(
     pairs: list[tuple[str, str]], tok: CharTokenizer, batch_tokens: int, rng: random.Random
 ):
-    """Endless length-sorted batches over the pairs, reshuffled every epoch."""
+    """Endless length-sorted batches over the pairs, reshuffled every epoch: the rows first,
+    so that rows of one length meet others each epoch (the sort is stable: without it the same
+    rows, in file order, made the same batches every epoch), then the batches."""
     seqs = [pair_tokens(p, r, tok) for p, r in pairs]
     while True:
-        yield from length_batches(seqs, batch_tokens, rng)
+        order = seqs[:]
+        rng.shuffle(order)
+        yield from length_batches(order, batch_tokens, rng)
 
 
 def lr_at(step: int, cfg: SFTConfig) -> float:
@@ -329,7 +333,7 @@ def _run_sft(
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     if not is_resume:  # a resume keeps the recorded config: it is the run's
-        resumable.start_fresh(out, "tltrun sft", finished_file="metrics.json")
+        resumable.start_fresh(out, "tltrun sft", config_file="sft_config.json")
         write_json(out / "sft_config.json", {"sft": asdict(cfg), "task": asdict(task)})
     tok = CharTokenizer()
     init_seed, data_seed, eval_seed = stream_seeds(cfg.seed)
@@ -338,8 +342,15 @@ def _run_sft(
     if cfg.data is not None:
         # the run's --seed generates reasoning-gym problems, as tltrun train --data does
         pairs = data_pairs(cfg, seed=cfg.seed, num_rows=cfg.data_num_rows)
-        eval_pairs = _held_out_pairs(cfg, pairs)
-        max_tokens = 2 + max(len(p) + len(r) for p, r in pairs + eval_pairs)
+        eval_pairs, is_held_out = _held_out_pairs(cfg, pairs)
+        # positions for the examples, and for --max-new-tokens of response after the longest
+        # prompt (sized to the examples alone, a model of 60-token rows refused a later
+        # generate or train of longer responses; RoPE has no learned positions to add)
+        longest_prompt = max(len(p) for p, _ in pairs + eval_pairs)
+        max_tokens = max(
+            2 + max(len(p) + len(r) for p, r in pairs + eval_pairs),
+            1 + longest_prompt + cfg.max_new_tokens,
+        )
     model = build_model(cfg, task, tok, init_seed, max_tokens)
     num_params = sum(p.numel() for p in model.parameters())
     checkpoints = Checkpointing(
@@ -351,7 +362,7 @@ def _run_sft(
     save_checkpoint(model, tok, out)
     eval_start_s = time.perf_counter()
     if eval_pairs is not None:
-        evaluation = evaluate_pairs(model, tok, cfg, eval_pairs, show_progress)
+        evaluation = evaluate_pairs(model, tok, cfg, eval_pairs, is_held_out, show_progress)
     else:
         # Evaluation generates with transformers from the saved files: it checks the
         # checkpoint the way every other consumer will load it.
@@ -374,94 +385,22 @@ def _run_sft(
     return metrics
 
 
-def _held_out_pairs(cfg: SFTConfig, pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """Evaluation pairs: reasoning-gym problems of a seed training never uses, minus any that
-    also occur in training (small tasks repeat problems); a file's last rows are not held out
-    (it is the user's training set), so its evaluation reads the training rows."""
+def _held_out_pairs(
+    cfg: SFTConfig, pairs: list[tuple[str, str]]
+) -> tuple[list[tuple[str, str]], bool]:
+    """Evaluation pairs, and whether training never saw their prompts: reasoning-gym problems
+    of a seed training never uses, minus any that also occur in training (small tasks repeat
+    problems; one with fewer distinct problems than the training rows may have none left, and
+    then its evaluation reads training problems, said so); a file's rows are not held out (it
+    is the user's training set), so its evaluation reads the training rows."""
     from tltrun.data.rows import GYM_PREFIX
 
     if not cfg.data.startswith(GYM_PREFIX) or not cfg.num_eval_prompts:
-        return pairs[: cfg.num_eval_prompts]
+        return pairs[: cfg.num_eval_prompts], False
     seen = {p for p, _ in pairs}
     fresh = data_pairs(cfg, seed=cfg.seed + 1_000_003, num_rows=4 * cfg.num_eval_prompts)
     unseen = [pair for pair in fresh if pair[0] not in seen]
-    return (unseen or fresh)[: cfg.num_eval_prompts]
-
-
-def evaluate_pairs(
-    model: Transformer,
-    tok: CharTokenizer,
-    cfg: SFTConfig,
-    pairs: list[tuple[str, str]],
-    show_progress: bool = True,
-) -> dict[str, Any]:
-    """Greedy responses to the held-out prompts (the rollout engine, no SD), scored by the
-    task's own reward: reasoning-gym's scorer, or an exact match for a file's responses."""
-    from tltrun.data.rewards import RewardItem, RewardPool, parse_reward
-    from tltrun.data.rows import GYM_PREFIX
-    from tltrun.rollout.engine import RolloutEngine
-    from tltrun.rollout.engine_config import EngineConfig
-    from tltrun.rollout.interface import Request, SamplingParams
-    from tltsim.policy import make_policy
-
-    if not pairs:
-        return {"greedy": {"accuracy": None, "num_prompts": 0}}
-    gym = cfg.data.startswith(GYM_PREFIX)
-    spec = parse_reward(
-        GYM_PREFIX + cfg.data.removeprefix(GYM_PREFIX).split("?")[0] if gym else "exact",
-        flag="--data",
-    )
-    max_new = min(cfg.max_new_tokens, 2 * max(len(r) for _, r in pairs) + 1)
-    prompts = [tuple(tok.encode(p, add_bos=True)) for p, _ in pairs]
-    engine = RolloutEngine(
-        model,
-        None,
-        EngineConfig(
-            max_running_requests=min(cfg.eval_batch_size, len(pairs)),
-            max_model_len=max(map(len, prompts)) + max_new,
-            sampling=SamplingParams(0.0),
-        ),
-    )
-    requests = [Request(f"e{i}", ids, max_new) for i, ids in enumerate(prompts)]
-    result = engine.generate(requests, make_policy("nospec"))
-    outputs = {o.id: o for o in result.outputs}
-    texts = [tok.decode(outputs[r.id].output_token_ids) for r in requests]
-    gym_rows = []
-    if gym:  # the scorer needs each entry's metadata: regenerate the eval rows
-        from tltrun.data.dataset import DataSpec, load_rows
-
-        spec_rows = DataSpec(path=cfg.data, prompt_key="question", answer_key=cfg.response_key,
-                             num_rows=4 * cfg.num_eval_prompts, seed=cfg.seed + 1_000_003)  # fmt: skip
-        by_prompt = {row.prompt: row for row in load_rows(spec_rows).rows}
-        gym_rows = [by_prompt.get(p) for p, _ in pairs]
-    items = [
-        RewardItem(
-            sample_id=f"eval{i}",
-            prompt=p,
-            response=text,
-            answer=answer,
-            meta=(gym_rows[i].meta if gym and gym_rows[i] is not None else {}),
-        )
-        for i, ((p, answer), text) in enumerate(zip(pairs, texts, strict=True))
-    ]
-    with RewardPool(spec, timeout_s=30.0) as pool:
-        outcomes = pool.score(items)
-    lengths = [len(outputs[r.id].output_token_ids) for r in requests]
-    return {
-        "greedy": {
-            "accuracy": sum(o.reward for o in outcomes) / len(outcomes),
-            "num_prompts": len(pairs),
-            "num_truncated": sum(outputs[r.id].finish == "length" for r in requests),
-            "num_reward_errors": sum(o.error is not None for o in outcomes),
-        },
-        "response_tokens": {
-            "greedy": length_stats(lengths),
-            "reference": length_stats([len(r) + 1 for _, r in pairs]),
-        },
-        "examples": [
-            {"prompt": p, "response": t} for (p, _), t in list(zip(pairs, texts, strict=True))[:3]
-        ],
-    }
+    return (unseen or fresh)[: cfg.num_eval_prompts], bool(unseen)
 
 
 def stream_seeds(seed: int) -> tuple[int, int, int]:
@@ -480,13 +419,23 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, show_progress: bool = True) 
         raise UsageError(f"{checkpoint_dir}: no sft_config.json (not a checkpoint of tltrun sft)")
     recorded = resumable.recorded_configs(config_path, CONFIG_SECTIONS)
     cfg, task = recorded["sft"], recorded["task"]
+    if not (Path(checkpoint_dir) / "metrics.json").is_file():  # killed: its model is missing,
+        # or an earlier run's (sft-eval loaded it as this run's, or failed as an internal error)
+        then = (
+            f"continue it with tltrun sft --out {checkpoint_dir} --resume"
+            if (Path(checkpoint_dir) / resumable.STATE_FILE).is_file()
+            else "start it again"
+        )
+        raise UsageError(
+            f"{checkpoint_dir}: the tltrun sft run did not finish (no metrics.json); {then}"
+        )
     if cfg.data is not None:
         from tltrun.model.hf_checkpoint import load_hf
 
         pairs = data_pairs(cfg, seed=cfg.seed, num_rows=cfg.data_num_rows)
         tok = CharTokenizer.load(checkpoint_dir)
         return evaluate_pairs(
-            load_hf(checkpoint_dir), tok, cfg, _held_out_pairs(cfg, pairs), show_progress
+            load_hf(checkpoint_dir), tok, cfg, *_held_out_pairs(cfg, pairs), show_progress
         )
     model = AutoModelForCausalLM.from_pretrained(checkpoint_dir)
     tok = CharTokenizer.load(checkpoint_dir)

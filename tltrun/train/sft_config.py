@@ -137,6 +137,11 @@ class SFTConfig:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}"
             )
+        if (self.hidden_size // self.num_heads) % 2:  # RoPE rotates pairs of dimensions
+            raise ValueError(
+                f"hidden_size {self.hidden_size} / num_heads {self.num_heads} is a head size of "
+                f"{self.hidden_size // self.num_heads}: RoPE needs an even one"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads {self.num_heads} must be a multiple of num_kv_heads {self.num_kv_heads}"

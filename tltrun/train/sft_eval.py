@@ -1,5 +1,6 @@
 """Held-out evaluation of a model on the built-in task (used by ``tltrun sft``): greedy accuracy
-per difficulty bucket and the response-length distribution of the model's own generations.
+per difficulty bucket and the response-length distribution of the model's own generations;
+``evaluate_pairs`` scores a ``--data`` run's evaluation prompts with the data's own reward.
 
 Generation uses ``transformers``' ``generate`` with a KV cache, prompts left-padded and batched
 in length order (a batch runs until its longest response ends, so grouping similar lengths
@@ -22,6 +23,8 @@ import torch
 from tqdm import tqdm
 
 from tltrun.model.tokenizer import CharTokenizer
+from tltrun.model.transformer import Transformer
+from tltrun.train.sft_config import SFTConfig
 from tltrun.train.tasks import LABELS, Problem, TaskConfig, length_stats, make_examples, reward
 
 # Difficulty buckets by chain length (number of operations), doubling: the long tail spans
@@ -189,5 +192,84 @@ def evaluate(
         "examples": [
             {"prompt": ex.prompt, "response": g.text, "reward": r}
             for ex, g, r in list(zip(held_out, greedy, greedy_rewards, strict=True))[:4]
+        ],
+    }
+
+
+def evaluate_pairs(
+    model: Transformer,
+    tok: CharTokenizer,
+    cfg: SFTConfig,
+    pairs: list[tuple[str, str]],
+    is_held_out: bool,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Greedy responses to the evaluation prompts (the rollout engine, no SD), scored by the
+    task's own reward: reasoning-gym's scorer, or an exact match for a file's responses.
+    ``is_held_out``: training never saw these prompts (else they are training rows)."""
+    from tltrun.data.rewards import RewardItem, RewardPool, parse_reward
+    from tltrun.data.rows import GYM_PREFIX
+    from tltrun.rollout.engine import RolloutEngine
+    from tltrun.rollout.engine_config import EngineConfig
+    from tltrun.rollout.interface import Request, SamplingParams
+    from tltsim.policy import make_policy
+
+    if not pairs:
+        return {"greedy": {"accuracy": None, "num_prompts": 0, "is_held_out": is_held_out}}
+    gym = cfg.data.startswith(GYM_PREFIX)
+    spec = parse_reward(
+        GYM_PREFIX + cfg.data.removeprefix(GYM_PREFIX).split("?")[0] if gym else "exact",
+        flag="--data",
+    )
+    max_new = min(cfg.max_new_tokens, 2 * max(len(r) for _, r in pairs) + 1)
+    prompts = [tuple(tok.encode(p, add_bos=True)) for p, _ in pairs]
+    engine = RolloutEngine(
+        model,
+        None,
+        EngineConfig(
+            max_running_requests=min(cfg.eval_batch_size, len(pairs)),
+            max_model_len=max(map(len, prompts)) + max_new,
+            sampling=SamplingParams(0.0),
+        ),
+    )
+    requests = [Request(f"e{i}", ids, max_new) for i, ids in enumerate(prompts)]
+    result = engine.generate(requests, make_policy("nospec"))
+    outputs = {o.id: o for o in result.outputs}
+    texts = [tok.decode(outputs[r.id].output_token_ids) for r in requests]
+    gym_rows = []
+    if gym:  # the scorer needs each entry's metadata: regenerate the eval rows
+        from tltrun.data.dataset import DataSpec, load_rows
+
+        spec_rows = DataSpec(path=cfg.data, prompt_key="question", answer_key=cfg.response_key,
+                             num_rows=4 * cfg.num_eval_prompts, seed=cfg.seed + 1_000_003)  # fmt: skip
+        by_prompt = {row.prompt: row for row in load_rows(spec_rows).rows}
+        gym_rows = [by_prompt.get(p) for p, _ in pairs]
+    items = [
+        RewardItem(
+            sample_id=f"eval{i}",
+            prompt=p,
+            response=text,
+            answer=answer,
+            meta=(gym_rows[i].meta if gym and gym_rows[i] is not None else {}),
+        )
+        for i, ((p, answer), text) in enumerate(zip(pairs, texts, strict=True))
+    ]
+    with RewardPool(spec, timeout_s=30.0) as pool:
+        outcomes = pool.score(items)
+    lengths = [len(outputs[r.id].output_token_ids) for r in requests]
+    return {
+        "greedy": {
+            "accuracy": sum(o.reward for o in outcomes) / len(outcomes),
+            "num_prompts": len(pairs),
+            "is_held_out": is_held_out,
+            "num_truncated": sum(outputs[r.id].finish == "length" for r in requests),
+            "num_reward_errors": sum(o.error is not None for o in outcomes),
+        },
+        "response_tokens": {
+            "greedy": length_stats(lengths),
+            "reference": length_stats([len(r) + 1 for _, r in pairs]),
+        },
+        "examples": [
+            {"prompt": p, "response": t} for (p, _), t in list(zip(pairs, texts, strict=True))[:3]
         ],
     }

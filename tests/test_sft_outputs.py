@@ -1,0 +1,167 @@
+"""What ``tltrun sft`` and ``tltrun train-drafter`` leave in their ``--out`` and say about it (a
+hunt's findings): a fresh run removes an earlier run's model and refuses a directory no run of
+its command wrote (train-drafter --out of its --model replaced the target with the drafter); a
+killed run's sft-eval and SIGTERM are one line saying how to continue; an evaluation on
+training prompts says so; a file's rows meet other rows each epoch; the model's positions
+cover --max-new-tokens.
+
+Run: ``python -m pytest tests/test_sft_outputs.py -q`` (~30 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_sft import TINY_FLAGS
+
+from tltrun.cli.main import main
+from tltrun.model.tokenizer import CharTokenizer
+from tltrun.train import resumable
+from tltrun.train.sft import _held_out_pairs, pair_stream
+from tltrun.train.sft_config import SFTConfig
+from tltsim.errors import UsageError
+
+# the tiny model of test_sft, less the built-in task's settings (--data refuses them)
+BUILT_IN_ONLY = ("--num-sample-prompts", "--group-size")
+DATA_FLAGS = [
+    x
+    for flag, value in zip(TINY_FLAGS[::2], TINY_FLAGS[1::2], strict=True)
+    if flag not in BUILT_IN_ONLY
+    for x in (flag, value)
+]
+ROWS = "".join(
+    json.dumps({"prompt": f"Q{i}: {i}+{i + 1}=", "response": str(2 * i + 1)}) + "\n"
+    for i in range(12)
+)
+
+
+@pytest.fixture(scope="module")
+def data_run(tmp_path_factory):
+    """A finished one-step sft on a file's rows."""
+    root = tmp_path_factory.mktemp("sftdata")
+    (root / "d.jsonl").write_text(ROWS)
+    argv = ["sft", "--out", str(root / "run"), "--data", str(root / "d.jsonl"), *DATA_FLAGS]
+    return root, [*argv, "--num-steps", "1", "--num-eval-prompts", "3"]
+
+
+def test_a_files_evaluation_is_said_to_read_training_prompts(data_run, capsys):
+    root, argv = data_run
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "over 3 TRAINING prompts (the data holds no prompt training did not see)" in printed
+    metrics = json.loads((root / "run" / "metrics.json").read_text())
+    assert metrics["greedy"]["is_held_out"] is False and "held-out" not in printed
+    # the positions cover the longest prompt and --max-new-tokens (24) of response
+    config = json.loads((root / "run" / "config.json").read_text())
+    longest_prompt = max(len(json.loads(line)["prompt"]) for line in ROWS.splitlines())
+    assert config["max_position_embeddings"] >= 1 + longest_prompt + 24 + 1  # BOS, EOS
+
+
+@pytest.mark.parametrize(
+    ("task", "is_held_out"),
+    [
+        ("tower_of_hanoi?max_disks=3&max_pegs=3", False),  # 6 distinct problems, all trained on
+        ("basic_arithmetic", True),
+    ],
+)
+def test_a_small_gym_task_has_no_held_out_prompts_and_says_so(tmp_path, task, is_held_out):
+    cfg = SFTConfig(out=str(tmp_path), data=f"reasoning-gym:{task}", num_eval_prompts=4)
+    from tltrun.train.sft import data_pairs
+
+    pairs = data_pairs(cfg, seed=cfg.seed, num_rows=200)
+    evaluation, held_out = _held_out_pairs(cfg, pairs)
+    assert held_out is is_held_out and evaluation
+    assert any(p not in {q for q, _ in pairs} for p, _ in evaluation) is is_held_out
+
+
+def test_rows_of_one_length_meet_other_rows_each_epoch():
+    """The length sort is stable: the same rows, in file order, made the same batches."""
+    tok = CharTokenizer()
+    pairs = [(f"q{i:02d}", "r") for i in range(12)]
+    stream = pair_stream(pairs, tok, 28, random.Random(0))  # 3 rows of 7 tokens per batch
+    epochs = [{frozenset(tok.decode(x) for x, _ in next(stream)) for _ in range(4)}
+              for _ in range(3)]  # fmt: skip
+    assert len({frozenset(e) for e in epochs}) > 1, epochs
+
+
+def test_a_fresh_run_removes_an_earlier_runs_outputs_and_refuses_other_files(tmp_path):
+    earlier = tmp_path / "sft"
+    earlier.mkdir()
+    for name in ("sft_config.json", "model.safetensors", "config.json", "metrics.json"):
+        (earlier / name).write_text("{}")
+    (earlier / "notes.txt").write_text("the user's")
+    resumable.start_fresh(earlier, "tltrun sft", config_file="sft_config.json")
+    assert sorted(p.name for p in earlier.iterdir()) == ["notes.txt", "sft_config.json"]
+    # a model directory no sft run wrote, and an sft run's directory for train-drafter
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_text("{}")
+    (model / "config.json").write_text("{}")
+    with pytest.raises(UsageError, match=r"holds config.json, model.safetensors that no tltrun"):
+        resumable.start_fresh(model, "tltrun sft", config_file="sft_config.json")
+    with pytest.raises(UsageError, match=r"holds sft_config.json that no tltrun train-drafter"):
+        resumable.start_fresh(earlier, "tltrun train-drafter", config_file="train_config.json")
+    assert (model / "model.safetensors").is_file()
+
+
+def test_train_drafter_into_its_own_model_directory_is_refused(data_run, capsys):
+    root, argv = data_run
+    if not (root / "run" / "metrics.json").is_file():
+        assert main(argv) == 0
+    model = str(root / "run")
+    rc = main(["train-drafter", "--model", model, "--data", str(root / "d.jsonl"), "--out", model])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err == [
+        f"error: --out {model} is the --model directory; choose another --out"
+    ]
+    assert json.loads((root / "run" / "config.json").read_text())["architectures"] != [
+        "EagleLlamaForCausalLM"
+    ]
+
+
+def test_sft_eval_of_an_unfinished_run_says_how_to_continue(data_run, tmp_path, capsys):
+    root, argv = data_run
+    if not (root / "run" / "metrics.json").is_file():
+        assert main(argv) == 0
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    (killed / "sft_config.json").write_text((root / "run" / "sft_config.json").read_text())
+    assert main(["sft-eval", str(killed)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {killed}: the tltrun sft run did not finish (no metrics.json); "
+                   "start it again"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_sigterm_to_sft_is_one_line_saying_how_to_resume(tmp_path):
+    out = tmp_path / "run"
+    (tmp_path / "d.jsonl").write_text(ROWS)
+    cmd = [sys.executable, "-m", "tltrun.cli.main", "sft", "--out", str(out), "--data",
+           str(tmp_path / "d.jsonl"), *DATA_FLAGS, "--num-steps", "100000",
+           "--checkpoint-every", "1"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / resumable.STATE_FILE).is_file() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()[1][-800:]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == 143, err[-800:]
+    assert lines[-1] == (
+        f"error: {out}: stopped by SIGTERM; continue from its last state with tltrun sft "
+        f"--out {out} --resume"
+    ), err[-800:]
+    assert "Traceback" not in err
