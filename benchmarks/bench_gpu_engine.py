@@ -482,6 +482,15 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
     (out_dir / "bench_gpu_engine.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {out_dir / 'bench_gpu_engine.json'} ({result['wall_s']:.0f} s in all)")
+    # a run whose cells failed is not a good run (gpu_session.sh judges a step by its exit
+    # code: session 13's SD and pool sections all failed at capture, and it said "ended well")
+    failed = [
+        row for rows in result.values() if isinstance(rows, list)
+        for row in rows if isinstance(row, dict) and str(row.get("note", "")).startswith("error: ")
+    ]  # fmt: skip
+    if failed:
+        print(f"failed cells: {len(failed)} (their notes above and in the JSON)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -337,6 +337,23 @@ def test_gpu_benchmark_script_runs_its_smoke_mode_on_cpu(tmp_path, capsys, monke
     assert "unknown ['roofline']" in capsys.readouterr().err
 
 
+def test_a_gpu_benchmark_run_with_failed_cells_exits_1(tmp_path, capsys, monkeypatch):
+    """Every section failing at capture (session 13) exited 0, and gpu_session.sh, which judges
+    steps by exit code, said they ended well."""
+    bench = load_gpu_bench(monkeypatch)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(bench, "bench_sd", broken)
+    argv = ["--device", "cpu", "--smoke", "--out_dir", str(tmp_path), "--sections", "sd"]
+    assert bench.main(argv) == 1
+    captured = capsys.readouterr()
+    assert "error: RuntimeError: capture failed" in captured.out
+    assert "failed cells: 1" in captured.err
+    assert (tmp_path / "bench_gpu_engine.json").is_file()  # what did run is still written
+
+
 def test_gpu_benchmark_sorts_kernel_names_by_kind(monkeypatch):
     load_gpu_bench(monkeypatch)  # puts benchmarks/ on sys.path
     import gpu_engine_where
