@@ -376,7 +376,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20, help="timed rounds per measurement")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/bench_history.json", help="JSON output path")
+    parser.add_argument(
+        "--parse-only",
+        action="store_true",
+        help="check the flags and stop (seeds.sh does, before hours of runs whose summary "
+        "this script would then refuse)",
+    )
     args = parser.parse_args()
+    if args.parse_only:
+        return
     if args.reference:
         rows = print_reference(args.group_size)
         if args.out == "results/bench_history.json":

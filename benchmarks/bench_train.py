@@ -211,7 +211,9 @@ def tlt_threshold(cfg: BenchTrainConfig) -> int:
     if cfg.tlt_threshold > 0:
         return cfg.tlt_threshold
     path = Path(cfg.spec_results)
-    return crossover_batch(read_spec_results(path, "--tlt-threshold", RUN_TEMPERATURE))
+    return crossover_batch(
+        read_spec_results(path, "--tlt-threshold", RUN_TEMPERATURE, dtype=cfg.dtype)
+    )
 
 
 def tlt_buckets(cfg: BenchTrainConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -219,7 +221,9 @@ def tlt_buckets(cfg: BenchTrainConfig) -> tuple[tuple[str, ...], tuple[int, ...]
     if cfg.tlt_buckets == "fastrl":
         return tuple(cfg.tlt_strategies), ()
     path = Path(cfg.spec_results)
-    return profile_buckets(read_spec_results(path, "--tlt-buckets fastrl", RUN_TEMPERATURE))
+    return profile_buckets(
+        read_spec_results(path, "--tlt-buckets fastrl", RUN_TEMPERATURE, dtype=cfg.dtype)
+    )
 
 
 def task_fields(cfg: BenchTrainConfig) -> dict:

@@ -23,7 +23,9 @@
 #
 # PYTHON (default: python) runs the scripts, TLTRUN (default: tltrun) the SFT; a seed whose runs
 # finished is not run again.
-# TRAIN_ARGS goes to bench_train.py and bench_history.py alike: --max-new-tokens, --num-steps.
+# TRAIN_ARGS goes to bench_train.py and bench_history.py alike, so only flags both take
+# (--max-new-tokens, --num-steps, --dtype, --prompts-per-step, --group-size, --tlt-*; see
+# bench_history.py --help): checked before the first run.
 set -euo pipefail
 if [ $# -lt 2 ]; then
   echo "usage: benchmarks/seeds.sh OUT SEED [SEED ...]" >&2
@@ -37,6 +39,13 @@ RUNS=${RUNS:-nospec,tltbase,tlt-frozen,tlt-spot,tlt-mix}  # bench_history.py's G
 # bench_spec's measurement only sets TLT's threshold here: the batches a worker runs (<= 8),
 # sampled as the GRPO runs sample (their temperature 1.0; a greedy profile overstates SD)
 MEAS="--batch-sizes 1,4,8 --repeats 2 --strategies 2_1_2,4_1_4 --max-new-tokens 64 --temperature 1.0"
+# ...and in the rollouts' dtype (TRAIN_ARGS' --dtype): an fp32 profile set the threshold and
+# buckets of bf16 runs, where a batch-8 verify is no longer compute-bound
+DTYPE=$(sed -n 's/.*--dtype[ =]\([a-z0-9]*\).*/\1/p' <<< "${TRAIN_ARGS:-}")
+DTYPE=${DTYPE:-float32}
+if [ "$DTYPE" = float32 ]; then RESULTS=results.json; else RESULTS=results-$DTYPE.json; fi
+# shellcheck disable=SC2086  # a word list
+$PY benchmarks/bench_history.py --grpo --parse-only --runs "$RUNS" ${TRAIN_ARGS:-}
 works=()
 for SEED in "$@"; do
   W=$OUT/spec-seed$SEED
@@ -44,14 +53,14 @@ for SEED in "$@"; do
     # shellcheck disable=SC2086  # SFT_ARGS is a word list
     ${TLTRUN:-tltrun} sft --out "$W/target" --seed "$SEED" $SFT_ARGS
   fi
-  if [ ! -f "$W/results.json" ]; then
+  if [ ! -f "$W/$RESULTS" ]; then
     # shellcheck disable=SC2086  # MEAS and SPEC_ARGS are word lists
     $PY benchmarks/bench_spec.py --seed "$SEED" --task "$TASK" --work-dir "$W" \
-      --num-train-prompts 256 $MEAS ${SPEC_ARGS:-}
+      --num-train-prompts 256 $MEAS --dtype "$DTYPE" ${SPEC_ARGS:-}
   fi
   # shellcheck disable=SC2086
   $PY benchmarks/bench_train.py --seed "$SEED" --task "$TASK" --runs "$RUNS" --reuse-runs \
-    --model-dir "$W/target" --drafter-dir "$W/drafter" --spec-results "$W/results.json" \
+    --model-dir "$W/target" --drafter-dir "$W/drafter" --spec-results "$W/$RESULTS" \
     --out "$OUT/grpo/seed$SEED" ${TRAIN_ARGS:-}
   works+=("$W")
 done

@@ -65,11 +65,15 @@ def profile_buckets(spec_results: dict) -> tuple[tuple[str, ...], tuple[int, ...
     return tuple(strategies), tuple(starts)
 
 
-def read_spec_results(path: Path, instead: str, temperature: float | None = None) -> dict:
+def read_spec_results(
+    path: Path, instead: str, temperature: float | None = None, dtype: str | None = None
+) -> dict:
     """bench_spec's results.json; a UsageError naming the file and the flag to pass instead.
     With the runs' sampling ``temperature``: a warning on stderr where the results were
     measured at another one (greedy drafts are accepted more often than sampled ones, so a
-    greedy profile overstates where SD pays for sampled rollouts)."""
+    greedy profile overstates where SD pays for sampled rollouts). With the runs' rollout
+    ``dtype``: the same where the profile ran in another (on this CPU a batch-8 verify is
+    compute-bound in fp32 and not in bf16: the crossover and the fastest strategies move)."""
     try:
         results = json.loads(path.read_text())
     except (OSError, ValueError) as err:
@@ -83,6 +87,13 @@ def read_spec_results(path: Path, instead: str, temperature: float | None = None
             f"warning: {path} was measured at temperature {measured}, the runs sample at "
             f"{temperature}: its crossover and buckets describe other acceptance "
             "(bench_spec.py --temperature)",
+            file=sys.stderr,
+        )
+    measured_dtype = results.get("dtype", "float32") if isinstance(results, dict) else None
+    if dtype is not None and measured_dtype != dtype:
+        print(
+            f"warning: {path} was measured in {measured_dtype}, the runs roll out in {dtype}: "
+            "its crossover and buckets describe another engine (bench_spec.py --dtype)",
             file=sys.stderr,
         )
     return results

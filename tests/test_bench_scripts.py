@@ -9,6 +9,7 @@ Run: ``python -m pytest tests/test_bench_scripts.py -q``.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from argparse import Namespace
 from pathlib import Path
@@ -73,3 +74,43 @@ def test_a_profile_of_another_temperature_is_warned_about(tmp_path, capsys):
     assert "measured at temperature 0.0, the runs sample at 1.0" in capsys.readouterr().err
     spec_profile.read_spec_results(path, "--tlt-threshold", temperature=0.0)
     assert capsys.readouterr().err == ""
+
+
+def test_a_profile_of_another_dtype_is_warned_about(tmp_path, capsys):
+    """seeds.sh set bf16 runs' threshold and buckets from an fp32 profile without a word."""
+    spec_profile = _module("spec_profile")
+    path = tmp_path / "results.json"
+    path.write_text('{"temperature": 1.0, "rows": []}')  # written before dtype was recorded
+    spec_profile.read_spec_results(path, "--tlt-threshold", temperature=1.0, dtype="bfloat16")
+    assert "measured in float32, the runs roll out in bfloat16" in capsys.readouterr().err
+    path.write_text('{"temperature": 1.0, "dtype": "bfloat16", "rows": []}')
+    spec_profile.read_spec_results(path, "--tlt-threshold", temperature=1.0, dtype="bfloat16")
+    assert capsys.readouterr().err == ""
+
+
+def test_seeds_sh_checks_bench_historys_flags_and_profiles_in_the_runs_dtype(tmp_path):
+    """TRAIN_ARGS bench_history does not take failed only after every seed's runs; a bf16
+    run's bench_spec profile was measured in fp32."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    script = root / "benchmarks" / "seeds.sh"
+    fake = tmp_path / "py"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\nexec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(fake), "TRAIN_ARGS": "--lr 1e-4", "PYTHONPATH": str(root)}
+    done = subprocess.run(["bash", str(script), str(tmp_path / "o"), "1"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "unrecognized arguments: --lr 1e-4" in done.stderr
+    assert (tmp_path / "calls").read_text().count("\n") == 1  # nothing ran after the check
+    # a python that only records: the scripts seeds.sh would run, with which flags
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls2\n')
+    env["TRAIN_ARGS"] = "--max-new-tokens 192 --dtype bfloat16"
+    done = subprocess.run(["bash", str(script), str(tmp_path / "o"), "1"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    calls = (tmp_path / "calls2").read_text().splitlines()
+    spec = next(c for c in calls if "bench_spec.py" in c)
+    train = next(c for c in calls if "bench_train.py" in c)
+    assert "--temperature 1.0 --dtype bfloat16" in spec
+    assert f"--spec-results {tmp_path}/o/spec-seed1/results-bfloat16.json" in train
