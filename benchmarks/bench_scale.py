@@ -13,10 +13,15 @@ Scaling efficiency of W ranks = (step s of 1 rank) / (W x step s of W ranks), ov
 after the first (start-up and first-call costs excluded). The issue sets no CPU target beyond
 "the 2-rank run is not slower than the 1-rank run for the same global batch".
 
-Run: ``python benchmarks/bench_scale.py`` (20 steps x 3 world sizes; minutes on a 2-core CPU,
-on which 4 ranks oversubscribe the cores: run nothing beside it). Smoke test:
-``python benchmarks/bench_scale.py --num-steps 2 --ranks 1,2``. Prints the tables and writes
-``results.json`` + ``config.json`` into ``--out``.
+The world sizes alternate in chunks of ``--chunk-steps`` steps (each chunk resumes its run;
+the first step of each chunk is not timed), so every world size sees the same drift in a
+shared machine's load; ``--seeds 1,2,3`` runs each seed (a fresh tiny model each) and prints
+the median [min-max] over seeds of every world size's speedup over 1 rank.
+
+Run: ``python benchmarks/bench_scale.py --seeds 1,2,3`` (20 steps x 3 world sizes per seed;
+minutes per seed on a 2-core CPU, on which 4 ranks oversubscribe the cores: run nothing beside
+it). Smoke test: ``python benchmarks/bench_scale.py --num-steps 4 --chunk-steps 2 --ranks 1,2``.
+Prints the tables and writes ``results.json`` + ``config.json`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from tltrun.train.config import TrainConfig
@@ -58,7 +63,19 @@ class BenchScaleConfig:
     num_checkpoints: int = field(
         default=5, metadata={"help": "checkpoint writes timed per mode (sync, async)"}
     )
-    seed: int = field(default=0, metadata={"help": "seed of the runs and the tiny model"})
+    seeds: tuple[int, ...] = field(
+        default=(0,), metadata={"help": "seeds of the runs and the tiny model, one run each"}
+    )
+    # The world sizes alternate in chunks of this many steps (each chunk a --resume of its
+    # run, the order rotated per chunk, as bench_train's contenders), so a change in the
+    # shared machine's load reaches every world size; each ran whole, in turn, before.
+    chunk_steps: int = field(
+        default=5, metadata={"help": "steps per chunk; the world sizes alternate (0: whole runs)"}
+    )
+
+    def __post_init__(self) -> None:
+        if not self.seeds or self.chunk_steps < 0:
+            raise UsageError("--seeds needs one seed or more; --chunk-steps an integer >= 0")
 
 
 def tiny_model_dir(out: Path, seed: int) -> Path:
@@ -105,14 +122,20 @@ def tiny_model_dir(out: Path, seed: int) -> Path:
     return model_dir
 
 
-def run_scale(cfg: BenchScaleConfig, model_dir: Path) -> list[dict]:
-    rows = []
+def run_scale(cfg: BenchScaleConfig, model_dir: Path, seed: int) -> list[dict]:
+    """One seed: every world size's run, alternating in chunks; means over the steps that do
+    not start a chunk (each chunk's first step pays the start-up and first-call costs)."""
+    import shutil
+
+    from bench_train import chunk_ends
+
     task = task_for(model_dir)
+    ends = chunk_ends(cfg.num_steps, cfg.chunk_steps)
+    configs, wall_s = {}, dict.fromkeys(cfg.ranks, 0.0)
     for world in cfg.ranks:
-        out = Path(cfg.out) / f"ranks{world}"
-        train = TrainConfig(
+        configs[world] = TrainConfig(
             model_dir=str(model_dir),
-            out=str(out),
+            out=str(Path(cfg.out) / f"seed{seed}" / f"ranks{world}"),
             num_workers=world,
             num_steps=cfg.num_steps,
             prompts_per_step=cfg.prompts_per_step,
@@ -121,26 +144,32 @@ def run_scale(cfg: BenchScaleConfig, model_dir: Path) -> list[dict]:
             policy="nospec",
             is_spot_training=False,
             num_threads=1,
-            checkpoint_every=cfg.num_steps,
+            checkpoint_every=cfg.chunk_steps or cfg.num_steps,
             device=cfg.device,
-            seed=cfg.seed,
+            seed=seed,
         )
-        if out.exists():
-            import shutil
-
-            shutil.rmtree(out)
-        t0 = time.perf_counter()
-        run_train(train, task)
-        wall_s = time.perf_counter() - t0
-        log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
-        timed = log[1:] or log  # the first step pays start-up and first-call costs
+        shutil.rmtree(configs[world].out, ignore_errors=True)
+    for k, end in enumerate(ends):
+        order = cfg.ranks[k % len(cfg.ranks) :] + cfg.ranks[: k % len(cfg.ranks)]
+        for world in order:
+            t0 = time.perf_counter()
+            run_train(replace(configs[world], num_steps=end), task, is_resume=k > 0)
+            wall_s[world] += time.perf_counter() - t0
+    starts = {0, *ends[:-1]}
+    rows = []
+    for world, train in configs.items():
+        log = [
+            json.loads(line) for line in (Path(train.out) / "log.jsonl").read_text().splitlines()
+        ]
+        timed = [r for r in log if r["step"] not in starts] or log
         rows.append(
             {
+                "seed": seed,
                 "ranks": world,
                 "step_s": statistics.mean(r["step_s"] for r in timed),
                 "rollout_s": statistics.mean(r["rollout_s"] for r in timed),
                 "train_s": statistics.mean(r["train_s"] for r in timed),
-                "wall_s": wall_s,
+                "wall_s": wall_s[world],
                 "num_timed_steps": len(timed),
             }
         )
@@ -151,6 +180,23 @@ def run_scale(cfg: BenchScaleConfig, model_dir: Path) -> list[dict]:
             r["rollout_speedup"] = base["rollout_s"] / r["rollout_s"]
             r["efficiency"] = r["step_speedup"] / r["ranks"]
     return rows
+
+
+def seed_summary(rows: list[dict]) -> list[dict]:
+    """Per world size: the median [min-max] over seeds of each seed's step and rollout speedup
+    (each a ratio measured within one seed's alternating runs)."""
+    summary = []
+    for world in dict.fromkeys(r["ranks"] for r in rows):
+        mine = [r for r in rows if r["ranks"] == world and "step_speedup" in r]
+        if not mine:
+            continue
+        row = {"ranks": world, "num_seeds": len(mine)}
+        for key in ("step_speedup", "rollout_speedup", "efficiency"):
+            values = sorted(r[key] for r in mine)
+            row[key] = statistics.median(values)
+            row[f"{key}_range"] = f"{values[0]:.2f}-{values[-1]:.2f}"
+        summary.append(row)
+    return summary
 
 
 def checkpoint_seconds(cfg: BenchScaleConfig, model_dir: Path) -> dict:
@@ -173,7 +219,7 @@ def checkpoint_seconds(cfg: BenchScaleConfig, model_dir: Path) -> dict:
         group = ckpt_io.checkpoint_group()
         actor = load_hf(model_dir).train()
         actor_opt = make_optimizer(actor, GRPOConfig())
-        drafter = EagleDrafter.for_target(actor, seed=cfg.seed)
+        drafter = EagleDrafter.for_target(actor, seed=cfg.seeds[0])
         drafter_opt = torch.optim.AdamW(drafter.parameters())
         times = {"actor_s": [], "drafter_sync_s": [], "drafter_async_s": [], "async_write_s": []}
         with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
@@ -200,7 +246,14 @@ def checkpoint_seconds(cfg: BenchScaleConfig, model_dir: Path) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+SUMMARY_COLUMNS = {
+    "ranks": "ranks", "num_seeds": "seeds", "step_speedup": "step x",
+    "step_speedup_range": "(min-max)", "rollout_speedup": "rollout x",
+    "rollout_speedup_range": "(min-max)", "efficiency": "efficiency",
+}  # fmt: skip
+SUMMARY_FORMATS = {"step_speedup": "{:.2f}x", "rollout_speedup": "{:.2f}x", "efficiency": ".2f"}
 TABLE_COLUMNS = {
+    "seed": "seed",
     "ranks": "ranks",
     "step_s": "step s",
     "rollout_s": "rollout s",
@@ -220,23 +273,29 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "config.json", asdict(cfg))
-        model_dir = Path(cfg.model_dir) if cfg.model_dir else tiny_model_dir(out, cfg.seed)
-        rows = run_scale(cfg, model_dir)
+        rows = []
+        for seed in cfg.seeds:  # a fresh tiny model per seed unless --model-dir names one
+            model_dir = Path(cfg.model_dir) if cfg.model_dir else tiny_model_dir(out, seed)
+            rows += run_scale(cfg, model_dir, seed)
         ckpt = checkpoint_seconds(cfg, model_dir)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(
         f"{cfg.num_steps} GRPO steps, global batch {cfg.prompts_per_step} prompts x "
-        f"{cfg.group_size}, one thread per rank, {cfg.device} (means over steps 1..)"
+        f"{cfg.group_size}, one thread per rank, {cfg.device} (means over the steps that start no chunk)"
     )
     print(format_table(rows, TABLE_COLUMNS, {"efficiency": ".2f"}))
+    summary = seed_summary(rows)
+    if len(cfg.seeds) > 1:
+        print(f"over {len(cfg.seeds)} seeds, median [min-max]:")
+        print(format_table(summary, SUMMARY_COLUMNS, SUMMARY_FORMATS))
     print(
         f"checkpoint (median of {cfg.num_checkpoints}): actor + AdamW {ckpt['actor_s']:.3f} s; "
         f"drafter + AdamW sync {ckpt['drafter_sync_s']:.3f} s, async blocks "
         f"{ckpt['drafter_async_s']:.3f} s (write done after {ckpt['async_write_s']:.3f} s)"
     )
-    write_json(out / "results.json", {"scale": rows, "checkpoint": ckpt})
+    write_json(out / "results.json", {"scale": rows, "over_seeds": summary, "checkpoint": ckpt})
     return 0
 
 

@@ -114,3 +114,36 @@ def test_seeds_sh_checks_bench_historys_flags_and_profiles_in_the_runs_dtype(tmp
     train = next(c for c in calls if "bench_train.py" in c)
     assert "--temperature 1.0 --dtype bfloat16" in spec
     assert f"--spec-results {tmp_path}/o/spec-seed1/results-bfloat16.json" in train
+
+
+def test_bench_scale_alternates_world_sizes_in_chunks_and_summarises_seeds(tmp_path, monkeypatch):
+    """Each world size ran whole, in turn (a load change hit one only), and the README's median
+    over seeds was worked out by hand."""
+    import json
+
+    bench_scale = _module("bench_scale")
+    calls = []
+
+    def fake_run_train(train, task, is_resume=False):
+        calls.append((train.num_workers, train.num_steps, is_resume))
+        log = Path(train.out) / "log.jsonl"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        done = len(log.read_text().splitlines()) if log.is_file() else 0
+        with log.open("a") as f:
+            for step in range(done, train.num_steps):
+                first = step in (0, 2)  # a chunk's first step: start-up costs, not timed
+                step_s = 100.0 if first else 1.0 / train.num_workers
+                row = {"step": step, "step_s": step_s, "rollout_s": step_s, "train_s": 0.0}
+                f.write(json.dumps(row) + "\n")
+
+    monkeypatch.setattr(bench_scale, "run_train", fake_run_train)
+    monkeypatch.setattr(bench_scale, "task_for", lambda model_dir: None)
+    cfg = bench_scale.BenchScaleConfig(out=str(tmp_path), ranks=(1, 2), num_steps=4, chunk_steps=2)
+    rows = bench_scale.run_scale(cfg, tmp_path, seed=7)
+    assert calls == [(1, 2, False), (2, 2, False), (2, 4, True), (1, 4, True)]
+    assert [r["num_timed_steps"] for r in rows] == [2, 2]  # steps 1 and 3
+    assert rows[1]["step_speedup"] == 2.0
+    summary = bench_scale.seed_summary([*rows, {**rows[1], "seed": 8, "step_speedup": 1.5}])
+    two = next(r for r in summary if r["ranks"] == 2)
+    assert two["num_seeds"] == 2 and two["step_speedup"] == 1.75
+    assert two["step_speedup_range"] == "1.50-2.00"
