@@ -403,15 +403,28 @@ def main(argv: list[str] | None = None) -> int:
     write_json(work / name, {"bench": asdict(cfg), "cpu_spec": asdict(CPU_SPEC)})
     steps = workload(cfg, target)
     backends = [b for b in cfg.backends if b != "vllm" or _has_vllm()]
-    results = {"backends": {}}
+    # each backend's entry replaces its own and keeps the others' (README's recipe runs torch,
+    # then vLLM: the second call overwrote the torch results), each with the settings it ran
+    results = {"backends": earlier_backends(work / "results.json")}
     for backend in backends:
-        results["backends"][backend] = run_backend(cfg, backend, work, target, drafter, steps)
+        entry = run_backend(cfg, backend, work, target, drafter, steps)
+        results["backends"][backend] = {**entry, "bench": asdict(cfg)}
     (work / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     print()
     print(results_table(results))
     if "vllm" in cfg.backends and "vllm" not in backends:
         print("vLLM is not installed: its rows are missing")
     return 0
+
+
+def earlier_backends(path: Path) -> dict:
+    """The per-backend results an earlier call wrote into ``path`` ({} if none or unreadable)."""
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    backends = earlier.get("backends") if isinstance(earlier, dict) else None
+    return dict(backends) if isinstance(backends, dict) else {}
 
 
 def _has_vllm() -> bool:

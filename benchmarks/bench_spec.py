@@ -429,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    # the earlier results go before the new config is written: a measurement that stops
+    # (the lossless check, Ctrl-C) left them beside it, and seeds.sh reused them as this one's
+    (work / cfg.results_name).unlink(missing_ok=True)
     write_json(work / cfg.config_name, asdict(cfg))
     res = measure(cfg, work)
     (work / cfg.results_name).write_text(json.dumps(res, indent=2) + "\n")

@@ -147,3 +147,29 @@ def test_bench_scale_alternates_world_sizes_in_chunks_and_summarises_seeds(tmp_p
     two = next(r for r in summary if r["ranks"] == 2)
     assert two["num_seeds"] == 2 and two["step_speedup"] == 1.75
     assert two["step_speedup_range"] == "1.50-2.00"
+
+
+def test_bench_fidelity_keeps_the_other_backends_results(tmp_path):
+    """README's recipe runs torch, then vLLM: the second call overwrote the torch results."""
+    bench_fidelity = _module("bench_fidelity")
+    path = tmp_path / "results.json"
+    assert bench_fidelity.earlier_backends(path) == {}
+    path.write_text('{"backends": {"torch": {"summary": 1}}}')
+    assert bench_fidelity.earlier_backends(path) == {"torch": {"summary": 1}}
+    path.write_text("[1, 2")  # torn
+    assert bench_fidelity.earlier_backends(path) == {}
+
+
+def test_bench_spec_drops_earlier_results_before_a_new_measurement(tmp_path, monkeypatch):
+    """A measurement that stopped left the earlier results.json beside the new config.json."""
+    bench_spec = _module("bench_spec")
+    (tmp_path / "results.json").write_text("{}")
+    monkeypatch.setattr(bench_spec, "run_model_stages", lambda cfg, work: None)
+
+    def stopped(cfg, work):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_spec, "measure", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        bench_spec.main(["--work-dir", str(tmp_path)])
+    assert (tmp_path / "config.json").is_file() and not (tmp_path / "results.json").exists()
