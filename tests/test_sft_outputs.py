@@ -165,3 +165,71 @@ def test_sigterm_to_sft_is_one_line_saying_how_to_resume(tmp_path):
         f"--out {out} --resume"
     ), err[-800:]
     assert "Traceback" not in err
+
+
+def test_data_settings_without_data_and_empty_keys_are_refused(tmp_path, capsys):
+    for extra, message in [
+        (["--prompt-key", "q", "--data-num-rows", "5"], "--prompt-key, --data-num-rows: "
+         "settings of --data, which is not given"),
+        (["--data", "x.jsonl", "--response-key", ""], "--response-key: expected a column name"),
+    ]:  # fmt: skip
+        assert main(["sft", "--out", str(tmp_path / "o"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "o").exists()
+
+
+def test_train_drafter_of_no_steps_says_so(data_run, tmp_path, capsys):
+    """--train-num-steps 0 printed "loss 0.000, top-1 agreement 0.000" for an untrained drafter."""
+    root, argv = data_run
+    if not (root / "run" / "metrics.json").is_file():
+        assert main(argv) == 0
+    capsys.readouterr()
+    gens = tmp_path / "generations.jsonl"
+    row = {"id": "p0", "prompt_token_ids": [1, 20, 21, 22], "output_token_ids": [23, 24, 25, 2]}
+    gens.write_text(json.dumps(row) + "\n")
+    argv = ["train-drafter", "--model", str(root / "run"), "--data", str(gens)]
+    assert main([*argv, "--out", str(tmp_path / "d"), "--train-num-steps", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "for no steps (--train-num-steps 0: the initial drafter)" in printed, printed
+    assert "loss" not in printed
+
+
+def test_skip_bad_rows_skips_chat_rows_too(tmp_path):
+    """Chat-message rows stopped the run even with --skip-bad-rows."""
+    from tltrun.data.dataset import DataError, SkippedRowsWarning
+    from tltrun.train.sft import data_pairs
+
+    path = tmp_path / "d.jsonl"
+    chat = {"prompt": [{"role": "user", "content": "1+1="}], "response": "2"}
+    path.write_text(json.dumps(chat) + "\n" + '{"prompt": "2+2=", "response": "4"}\n')
+    with pytest.raises(DataError, match="no chat messages.*--skip-bad-rows skips such rows"):
+        data_pairs(SFTConfig(out=str(tmp_path / "o"), data=str(path)), seed=0, num_rows=10)
+    skipping = SFTConfig(out=str(tmp_path / "o"), data=str(path), skip_bad_rows=True)
+    with pytest.warns(SkippedRowsWarning, match=r"skipped 1 bad rows of .*d\.jsonl"):
+        assert data_pairs(skipping, seed=0, num_rows=10) == [("2+2=", "4")]
+    path.write_text(json.dumps(chat) + "\n")
+    with pytest.warns(SkippedRowsWarning), pytest.raises(DataError, match="no row left"):
+        data_pairs(skipping, seed=0, num_rows=10)
+
+
+def test_saved_weights_get_the_umasks_permissions(tmp_path):
+    """safetensors wrote model.safetensors 0600 beside 0644 files under umask 022."""
+    import stat
+
+    from tiny_models import tiny_model
+
+    from tltrun.model.drafter import EagleDrafter, export_vllm
+    from tltrun.model.hf_checkpoint import save_hf
+
+    old = os.umask(0o027)
+    try:
+        model = tiny_model(seed=0)
+        save_hf(model, tmp_path / "m")
+        export_vllm(EagleDrafter.for_target(model, seed=1), tmp_path / "d")
+    finally:
+        os.umask(old)
+    for root in ("m", "d"):
+        for name in ("config.json", "model.safetensors"):
+            mode = stat.S_IMODE((tmp_path / root / name).stat().st_mode)
+            assert mode == 0o640, (root, name, oct(mode))

@@ -119,7 +119,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
         return 0
     cfg, task = configs["sft"], configs["task"]
     if not args.resume:
-        _check_builtin_only(cfg, task)
+        _check_unused_settings(cfg, task)
     out = check_out_dir(cfg.out)
     with RunLock(out, "tltrun sft"), stop_says_how_to_resume(out, "tltrun sft"):
         metrics = sft.run_sft(cfg, task, is_resume=args.resume)
@@ -128,10 +128,18 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_builtin_only(cfg: SFTConfig, task: TaskConfig) -> None:
-    """Refuse settings of the built-in task beside --data, which does not read them (they were
-    recorded in sft_config.json and ignored: no sampled evaluation ran)."""
-    if cfg.data is None:
+def _check_unused_settings(cfg: SFTConfig, task: TaskConfig) -> None:
+    """Refuse settings nothing reads: the built-in task's beside --data (they were recorded in
+    sft_config.json and ignored: no sampled evaluation ran), and --data's without it."""
+    if cfg.data is None:  # and the reverse: settings of --data without it (recorded, unused)
+        data_only = ("prompt_key", "response_key", "data_num_rows", "skip_bad_rows")
+        given = [
+            f"--{f.name.replace('_', '-')}"
+            for f in fields(SFTConfig)
+            if f.name in data_only and getattr(cfg, f.name) != f.default
+        ]
+        if given:
+            raise UsageError(f"{', '.join(given)}: settings of --data, which is not given")
         return
     given = [
         f"--{f.name.replace('_', '-')}"

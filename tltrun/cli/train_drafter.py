@@ -138,10 +138,12 @@ def _train_drafter(cfg: TrainDrafterConfig, train_cfg, out: Path, is_resume: boo
     )
     write_json(out / "history.json", history)
     resumable.finish(out)
-    print(
-        f"drafter trained on {len(records)} sequences for {train_cfg.num_steps} steps "
-        f"(last 20: loss {final.get('loss', 0):.3f}, top-1 agreement {final.get('top1', 0):.3f}); exported to {out}"
-    )
+    if history:
+        how = (f"for {train_cfg.num_steps} steps (last 20: loss {final['loss']:.3f}, top-1 "
+               f"agreement {final['top1']:.3f})")  # fmt: skip
+    else:  # (it printed "loss 0.000, top-1 agreement 0.000" for a drafter never trained)
+        how = "for no steps (--train-num-steps 0: the initial drafter)"
+    print(f"drafter trained on {len(records)} sequences {how}; exported to {out}")
     return 0
 
 

@@ -384,13 +384,13 @@ def trainable_copy(drafter: EagleDrafter, target: Transformer) -> EagleDrafter:
 def export_vllm(drafter: EagleDrafter, out_dir: str | Path, meta: dict | None = None) -> Path:
     """Write the drafter in the layout vLLM loads as ``EagleLlamaForCausalLM`` (the single
     source of that layout; see the module docstring). ``meta`` goes to ``tlt_drafter.json``."""
-    from safetensors.torch import save_file
+    from tltrun.model.hf_checkpoint import save_safetensors
 
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(vllm_config(drafter.config), indent=2) + "\n")
     state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
+    save_safetensors(state, root / "model.safetensors")
     info = {
         "format": META_FORMAT,
         "version": 1,

@@ -13,6 +13,7 @@ A truncated, garbage or non-finite file is one ``CheckpointError`` naming it. Tr
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -255,8 +256,6 @@ def save_hf(
 ) -> None:
     """Write ``config.json`` + ``model.safetensors`` (tied LM head stored once, as HF does).
     ``state_dict``: the full weights when the model's own are sharded (FSDP2)."""
-    from safetensors.torch import save_file
-
     root = Path(model_dir)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
@@ -264,4 +263,27 @@ def save_hf(
     state = {k: v.detach().contiguous().cpu() for k, v in weights.items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight")
-    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
+    save_safetensors(state, root / "model.safetensors")
+
+
+def save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    """``safetensors``' ``save_file`` with the permissions any new file of this process gets
+    (safetensors 0.8 writes 0600 whatever the umask: a run directory shared with a group
+    held every file readable but the weights)."""
+    from safetensors.torch import save_file
+
+    save_file(state, path, metadata={"format": "pt"})
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux), else by setting it back."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

@@ -182,21 +182,27 @@ def data_pairs(cfg: SFTConfig, *, seed: int, num_rows: int) -> list[tuple[str, s
         is_skip_bad_rows=cfg.skip_bad_rows,
     )
     loaded = load_rows(spec)
-    if loaded.num_skipped:
-        warnings.warn(
-            f"--skip-bad-rows: skipped {loaded.num_skipped} bad rows of {cfg.data}, first: "
-            f"{loaded.skipped[0]}",
-            SkippedRowsWarning,
-            stacklevel=2,
-        )
-    pairs = []
+    pairs, skipped, num_skipped = [], list(loaded.skipped), loaded.num_skipped
     for row in loaded.rows:
         if not isinstance(row.prompt, str) or row.answer is None:
-            raise DataError(
+            why = (
                 f"{row.source}: tltrun sft trains the character tokenizer on plain-text prompts "
                 "with a response (no chat messages, no missing response)"
             )
+            if not cfg.skip_bad_rows:
+                raise DataError(f"{why}; --skip-bad-rows skips such rows")
+            skipped.append(why)  # a bad row for sft, as the loader's are (it ran into them)
+            num_skipped += 1
+            continue
         pairs.append((row.prompt, row.answer))
+    if num_skipped:
+        warnings.warn(
+            f"--skip-bad-rows: skipped {num_skipped} bad rows of {cfg.data}, first: {skipped[0]}",
+            SkippedRowsWarning,
+            stacklevel=2,
+        )
+    if not pairs:
+        raise DataError(f"--data {cfg.data}: no row left to train on")
     warn_unknown_chars(f"--data {cfg.data}", [p + r for p, r in pairs])
     return pairs
 

@@ -137,6 +137,9 @@ class SFTConfig:
             raise ValueError(
                 f"hidden_size {self.hidden_size} must be a multiple of num_heads {self.num_heads}"
             )
+        for name in ("prompt_key", "response_key"):  # (an empty one was reported as a flag
+            if not getattr(self, name):  # of tltrun train's, --answer-key)
+                raise ValueError(f"--{name.replace('_', '-')}: expected a column name, got ''")
         if (self.hidden_size // self.num_heads) % 2:  # RoPE rotates pairs of dimensions
             raise ValueError(
                 f"hidden_size {self.hidden_size} / num_heads {self.num_heads} is a head size of "
