@@ -54,15 +54,18 @@ def generate(
     ``max_new_tokens[i]`` caps prompt i's response; a batch runs to its largest cap."""
     from transformers import GenerationConfig
 
-    gen_cfg = GenerationConfig(
-        do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else None,
-        top_k=None,
-        top_p=None,
-        pad_token_id=tok.pad_id,
-        bos_token_id=tok.bos_id,
-        eos_token_id=tok.eos_id,
-    )
+    def gen_cfg(cap: int) -> GenerationConfig:  # (a cap beside the config is deprecated)
+        return GenerationConfig(
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None,
+            top_k=None,
+            top_p=None,
+            pad_token_id=tok.pad_id,
+            bos_token_id=tok.bos_id,
+            eos_token_id=tok.eos_id,
+            max_new_tokens=cap,
+        )
+
     order = sorted(range(len(prompts)), key=lambda i: (max_new_tokens[i], len(prompts[i])))
     results: list[Generation | None] = [None] * len(prompts)
     chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
@@ -76,9 +79,7 @@ def generate(
             )  # (B, T) left padded
             mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
             cap = max(max_new_tokens[i] for i in chunk)
-            out = model.generate(
-                input_ids=ids, attention_mask=mask, generation_config=gen_cfg, max_new_tokens=cap
-            )
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg(cap))
             for row, i in enumerate(chunk):
                 new = out[row, width:][: max_new_tokens[i]].tolist()
                 is_finished = tok.eos_id in new
