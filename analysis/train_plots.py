@@ -134,9 +134,14 @@ def _reward(runs, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for i, (label, rows) in enumerate(runs):
         color = f"C{i}"
+        # the reward function's own score, as evaluation reports it (reward_mean is shaped by
+        # --overlong-*/--format-penalty: -0.61 beside an eval 0.11 on one axis); logs older
+        # than the column have only the shaped mean
+        is_raw = all(type(r.get("reward_raw_mean")) in (int, float) for r in rows)
+        key = "reward_raw_mean" if is_raw else "reward_mean"
         ax.plot(
             [r["step"] for r in rows],
-            [r["reward_mean"] for r in rows],
+            [r[key] for r in rows],
             marker="o",
             color=color,
             label=f"{label}: rollouts",

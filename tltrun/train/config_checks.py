@@ -239,3 +239,25 @@ def check_overridable(out: Path, diff: dict[str, list]) -> None:
             RunDirWarning,
             stacklevel=3,
         )
+
+
+def check_eval_flags(cfg) -> None:
+    """Evaluation settings of ``cfg`` (a TrainConfig) that would run without effect: one line,
+    not a silent run (an --eval-split without --eval-every held 20% of the data out of training
+    for nothing)."""
+    from tltrun.rollout.interface import GREEDY_BELOW_TEMPERATURE
+
+    if not cfg.eval_every:
+        given = [flag for flag, is_given in (
+            ("--eval-data", cfg.eval_data is not None), ("--eval-split", cfg.eval_split > 0),
+            ("--eval-num-samples", cfg.eval_num_samples > 1)) if is_given]  # fmt: skip
+        if given:
+            raise UsageError(
+                f"{', '.join(given)} without --eval-every: nothing is evaluated"
+                + (" (and --eval-split's rows are not trained on)" if cfg.eval_split > 0 else "")
+            )
+    if cfg.eval_num_samples > 1 and cfg.temperature < GREEDY_BELOW_TEMPERATURE:
+        raise UsageError(
+            f"--eval-num-samples {cfg.eval_num_samples} at --temperature {cfg.temperature}: "
+            "greedy responses are all the same; use 1, or a temperature to sample at"
+        )

@@ -53,7 +53,7 @@ from pathlib import Path
 
 from tltrun.rollout.vllm_config import check_vllm_cpu_head_size, quiet_vllm_logs
 from tltrun.train.config import RESUME_NEUTRAL_FIELDS, TrainConfig
-from tltrun.train.config_checks import check_overridable, check_same_inputs
+from tltrun.train.config_checks import check_eval_flags, check_overridable, check_same_inputs
 from tltrun.train.tasks import TaskConfig
 from tltsim.errors import TLTError, UsageError, WorkerError, is_input_error_name
 from tltsim.jsonio import write_json
@@ -116,6 +116,7 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
     reward = reward_spec(cfg, is_module_checked=False)
     if cfg.backend == "torch":
         _check_spec_policy(cfg, model_cfg.vocab_size)
+    check_eval_flags(cfg)
     data = load_run_data(
         cfg, task, lambda row: len(tok.encode_prompt(row.prompt)), model_cfg.max_position_embeddings
     )
@@ -126,6 +127,16 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
     if cfg.eval_every and not data.eval_rows:
         raise UsageError(
             "--eval-every: no evaluation prompts (give --eval-data or --eval-split with --data)"
+        )
+    overlap = data.num_eval_in_training()
+    if overlap:  # (README's hanoi recipe evaluated on its training problems without a word)
+        from tltrun.train.prompts import EvalOverlapWarning
+
+        warnings.warn(
+            f"{overlap} of {len(data.eval_rows)} evaluation prompts are training prompts too: "
+            "eval_reward_mean is not a held-out score",
+            EvalOverlapWarning,
+            stacklevel=2,
         )
     from tltrun.model.hf_checkpoint import checkpoint_digest
 

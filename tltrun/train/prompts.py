@@ -32,16 +32,19 @@ from tltrun.train.config import TrainConfig
 from tltrun.train.tasks import TaskConfig, sample_problem
 from tltsim.errors import UsageError
 
-# The evaluation stream of the built-in task: a seed offset no training step uses (training
-# streams are seeded seed * 1_000_003 + step with step >= 0).
-_EVAL_STREAM = -1
+# The evaluation stream of the built-in task, seeded apart from every training stream (those
+# are seeded seed * 1_000_003 + step, step >= 0). It was the int -1: random.Random seeds an int
+# by its absolute value, so at seed 0 it was step 1's stream, and evaluation read prompts that
+# step trained on.
+_EVAL_STREAM = "eval"
 
 
-def builtin_rows(task: TaskConfig, seed: int, step: int, num_prompts: int) -> list[PromptRow]:
-    """The built-in task's prompts of stream ``step``: a pure function of (seed, step). A
-    problem's id is its prompt text's hash, so a prompt that recurs in a later step keeps its
-    id (the history drafter's key for its earlier rollouts, issue #20)."""
-    rng = random.Random(seed * 1_000_003 + step)
+def builtin_rows(task: TaskConfig, seed: int, step: int | str, num_prompts: int) -> list[PromptRow]:
+    """The built-in task's prompts of stream ``step`` (a training step, or ``_EVAL_STREAM``): a
+    pure function of (seed, step). A problem's id is its prompt text's hash, so a prompt that
+    recurs in a later step keeps its id (the history drafter's key for its earlier rollouts,
+    issue #20)."""
+    rng = random.Random(f"{seed}:{step}" if isinstance(step, str) else seed * 1_000_003 + step)
     rows = []
     for _ in range(num_prompts):
         problem = sample_problem(task, rng)
@@ -56,6 +59,14 @@ def builtin_rows(task: TaskConfig, seed: int, step: int, num_prompts: int) -> li
             )
         )
     return rows
+
+
+class EvalOverlapWarning(UserWarning):
+    """Evaluation prompts that training also sees (``RunData.num_eval_in_training``)."""
+
+
+def _prompt_key(prompt) -> str:
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +89,15 @@ class RunData:
         response and answer, over every row (``tltrun.data.scoring.Scorer``)."""
         rows = (*(self.stream.rows if self.stream is not None else ()), *self.eval_rows)
         return tuple(sorted({key for row in rows for key in row.meta}))
+
+    def num_eval_in_training(self) -> int:
+        """Evaluation prompts that are also training prompts (same text or messages): a small
+        reasoning-gym task repeats its few problems in both, and a file's duplicated rows fall
+        on both sides of --eval-split. The built-in task's streams are apart by seed."""
+        if self.stream is None:
+            return 0
+        seen = {_prompt_key(row.prompt) for row in self.stream.rows}
+        return sum(_prompt_key(row.prompt) in seen for row in self.eval_rows)
 
     def step_rows(self, step: int, num_prompts: int) -> list[PromptRow]:
         if self.stream is None:

@@ -45,6 +45,7 @@ class WorkerStepReport:
     rollout_sha1: str  # the response tokens by request id
     result: RolloutResult
     rewards: list[float]  # shaped, one per response
+    raw_rewards: list[float]  # the reward function's own scores (what evaluation reports)
     reward_errors: list[str]
     reward_s: float
     dump: list[dict]  # rollout dump rows (empty without --dump-rollouts)
@@ -122,6 +123,8 @@ def write_step_record(
         "step": step,
         "reward_mean": float(np.mean(rewards)),
         "reward_std": float(np.std(rewards)),
+        # unshaped (before --overlong-*/--format-penalty): the quantity eval_reward_mean holds
+        "reward_raw_mean": float(np.mean([r for g in gathered for r in g.raw_rewards])),
         "response_tokens_mean": float(lengths.mean()),
         "response_tokens_median": float(np.median(lengths)),
         "response_tokens_p90": float(np.percentile(lengths, 90)),
@@ -182,5 +185,8 @@ def eval_columns(evals: list[EvalSummary], eval_s: float) -> dict:
         "eval_response_tokens_mean": float(np.mean(lengths)) if lengths else 0.0,
         "eval_truncated_fraction": sum(e.num_truncated for e in evals) / max(len(lengths), 1),
         "eval_num_prompts": sum(e.num_prompts for e in evals),
+        # scored 0 like any failed reward: counted apart, or a failing eval reward read as
+        # a model that scores 0 (they were in reward_errors.log only)
+        "eval_reward_errors": sum(len(e.errors) for e in evals),
         "eval_s": eval_s,
     }

@@ -431,6 +431,7 @@ class Worker:
             ),
             result=result,
             rewards=[s.reward for s in samples],
+            raw_rewards=[raw for _, raw, _ in scored],
             reward_errors=[e for _, _, e in scored if e],
             reward_s=reward_s,
             dump=dump,

@@ -1,0 +1,132 @@
+"""Evaluation during ``tltrun train`` (a read-only hunt's findings): the built-in task's
+evaluation stream is apart from every training stream (at seed 0 it was step 1's: an int seed
+of -1 is seeded as 1); evaluation reward errors are counted in the log row (they were in
+reward_errors.log only, and eval_reward_mean read them as zeros); the log holds the raw reward
+mean beside the shaped one (evaluation reports raw rewards) and the report draws the raw one;
+evaluation settings without effect are one line; evaluation prompts that training also sees
+are said so.
+
+Run: ``python -m pytest tests/test_train_eval.py -q``.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+from test_train_data import bpe_model, data_dir  # noqa: F401 (fixtures)
+
+from tltrun.train.config import TrainConfig
+from tltrun.train.config_checks import check_eval_flags
+from tltrun.train.prompts import _EVAL_STREAM, EvalOverlapWarning, builtin_rows, load_run_data
+from tltrun.train.responses import EvalSummary
+from tltrun.train.step_log import eval_columns
+from tltrun.train.tasks import TaskConfig
+from tltsim.errors import UsageError
+
+
+def prompts(rows) -> set[str]:
+    return {row.prompt for row in rows}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_built_in_evaluation_stream_is_not_a_training_stream(seed):
+    task = TaskConfig()
+    evaluation = prompts(builtin_rows(task, seed, _EVAL_STREAM, 16))
+    assert len(evaluation) == 16
+    for step in range(8):  # chance repeats of a problem only, never a whole stream
+        assert len(evaluation & prompts(builtin_rows(task, seed, step, 16))) <= 1
+    # the stream is a pure function of the seed
+    assert prompts(builtin_rows(task, seed, _EVAL_STREAM, 16)) == evaluation
+
+
+def test_evaluation_reward_errors_are_counted_in_the_row():
+    evals = [
+        EvalSummary(rewards=[0.0, 1.0], lengths=[3, 4], num_truncated=0, num_prompts=2,
+                    errors=["step0/e0/0: RuntimeError: boom"]),
+        EvalSummary(rewards=[0.0], lengths=[5], num_truncated=1, num_prompts=1,
+                    errors=["step0/e1/0: RuntimeError: boom"]),
+    ]  # fmt: skip
+    row = eval_columns(evals, eval_s=0.5)
+    assert row["eval_reward_errors"] == 2 and row["eval_reward_mean"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"eval_split": 0.2}, "--eval-split without --eval-every: nothing is evaluated (and"),
+        ({"eval_data": "x.jsonl"}, "--eval-data without --eval-every"),
+        ({"eval_num_samples": 3}, "--eval-num-samples without --eval-every"),
+        ({"eval_every": 1, "eval_num_samples": 3, "temperature": 0.0},
+         "--eval-num-samples 3 at --temperature 0.0: greedy responses are all the same"),
+    ],
+)  # fmt: skip
+def test_evaluation_settings_without_effect_are_one_line(fields, message):
+    cfg = TrainConfig(model_dir="m", out="o", data="d.jsonl", reward="exact", **fields)
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+        check_eval_flags(cfg)
+
+
+def test_evaluation_settings_that_take_effect_pass():
+    check_eval_flags(TrainConfig(model_dir="m", out="o"))
+    cfg = TrainConfig(model_dir="m", out="o", data="d.jsonl", reward="exact", eval_every=2,
+                      eval_split=0.2, eval_num_samples=4)  # fmt: skip
+    check_eval_flags(cfg)
+
+
+def test_evaluation_prompts_that_training_sees_are_counted(bpe_model, tmp_path):  # noqa: F811
+    rows = [{"id": f"d{i}", "question": f"q{i % 4}", "answer": "1"} for i in range(20)]
+    data = tmp_path / "dup.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = TrainConfig(model_dir=str(bpe_model), out="o", data=str(data), prompt_key="question",
+                      reward="exact", eval_every=1, eval_split=0.2, max_new_tokens=64)  # fmt: skip
+    run = load_run_data(cfg, TaskConfig(), lambda row: 4, 512)
+    assert len(run.eval_rows) == 4 and run.num_eval_in_training() == 4  # 4 distinct prompts
+    distinct = tmp_path / "distinct.jsonl"
+    distinct.write_text("".join(json.dumps({**r, "question": f"q{i}"}) + "\n"
+                                for i, r in enumerate(rows)))  # fmt: skip
+    cfg = TrainConfig(model_dir=str(bpe_model), out="o", data=str(distinct),
+                      prompt_key="question", reward="exact", eval_every=1, eval_split=0.2,
+                      max_new_tokens=64)  # fmt: skip
+    assert load_run_data(cfg, TaskConfig(), lambda row: 4, 512).num_eval_in_training() == 0
+
+
+def test_the_launcher_warns_of_evaluation_prompts_training_sees(bpe_model, tmp_path):  # noqa: F811
+    from tltrun.train.launch import check_inputs
+
+    rows = [{"id": f"d{i}", "question": f"q{i % 4}", "answer": "1"} for i in range(20)]
+    data = tmp_path / "dup.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = TrainConfig(model_dir=str(bpe_model), out=str(tmp_path / "o"), data=str(data),
+                      prompt_key="question", reward="exact", eval_every=1, eval_split=0.2,
+                      max_new_tokens=64)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_inputs(cfg, TaskConfig())
+    said = [str(w.message) for w in caught if issubclass(w.category, EvalOverlapWarning)]
+    assert said == [
+        "4 of 4 evaluation prompts are training prompts too: eval_reward_mean is not a held-out "
+        "score"
+    ]
+
+
+def test_the_report_draws_the_raw_reward_where_the_log_has_it(tmp_path, monkeypatch):
+    from analysis import train_plots
+
+    drawn = []
+    real_plot = train_plots.plt.Axes.plot
+
+    def spy(self, xs, ys, *args, **kwargs):
+        drawn.append((kwargs.get("label"), list(ys)))
+        return real_plot(self, xs, ys, *args, **kwargs)
+
+    monkeypatch.setattr(train_plots.plt.Axes, "plot", spy)
+    rows = [{"step": s, "reward_mean": -0.6, "reward_raw_mean": 0.2, "eval_reward_mean": 0.1}
+            for s in range(2)]  # fmt: skip
+    train_plots._reward([("run", rows)], tmp_path)
+    assert ("run: rollouts", [0.2, 0.2]) in drawn
+    old = [{k: v for k, v in r.items() if k != "reward_raw_mean"} for r in rows]  # older logs
+    drawn.clear()
+    train_plots._reward([("run", old)], tmp_path)
+    assert ("run: rollouts", [-0.6, -0.6]) in drawn
