@@ -193,16 +193,20 @@ def _step_time(runs, out: Path) -> Path:
     ]
     rollout = [m["rollout_s"] for m in mean]
     train = [m["train_s"] for m in mean]
-    other = [max(m["step_s"] - m["rollout_s"] - m["train_s"], 0.0) for m in mean]
+    # evaluation steps' eval_s, averaged over every step (it was counted as "other")
+    evaluation = [
+        sum(r["eval_s"] for r in rows if type(r.get("eval_s")) in (int, float)) / len(rows)
+        for _, rows in runs
+    ]
+    other = [max(m["step_s"] - m["rollout_s"] - m["train_s"] - e, 0.0)
+             for m, e in zip(mean, evaluation, strict=True)]  # fmt: skip
+    below = [a + b for a, b in zip(rollout, train, strict=True)]
     ax.bar([i - 0.2 for i in x], rollout, width=0.4, label="rollout")
     ax.bar([i - 0.2 for i in x], train, width=0.4, bottom=rollout, label="actor update")
-    ax.bar(
-        [i - 0.2 for i in x],
-        other,
-        width=0.4,
-        bottom=[a + b for a, b in zip(rollout, train, strict=True)],
-        label="other",
-    )
+    if any(evaluation):
+        ax.bar([i - 0.2 for i in x], evaluation, width=0.4, bottom=below, label="evaluation")
+        below = [a + b for a, b in zip(below, evaluation, strict=True)]
+    ax.bar([i - 0.2 for i in x], other, width=0.4, bottom=below, label="other")
     ax.bar(
         [i + 0.2 for i in x],
         [m["drafter_train_s"] for m in mean],

@@ -130,3 +130,23 @@ def test_the_report_draws_the_raw_reward_where_the_log_has_it(tmp_path, monkeypa
     drawn.clear()
     train_plots._reward([("run", old)], tmp_path)
     assert ("run: rollouts", [-0.6, -0.6]) in drawn
+
+
+def test_the_step_time_figure_draws_evaluation_apart_from_other(tmp_path, monkeypatch):
+    from analysis import train_plots
+
+    bars = []
+    real_bar = train_plots.plt.Axes.bar
+
+    def spy(self, xs, heights, *args, **kwargs):
+        bars.append((kwargs.get("label"), [round(h, 6) for h in heights]))
+        return real_bar(self, xs, heights, *args, **kwargs)
+
+    monkeypatch.setattr(train_plots.plt.Axes, "bar", spy)
+    rows = [
+        {"step": 0, "rollout_s": 1.0, "train_s": 0.5, "step_s": 2.0, "drafter_train_s": 0.0},
+        {"step": 1, "rollout_s": 1.0, "train_s": 0.5, "step_s": 3.0, "drafter_train_s": 0.0,
+         "eval_s": 1.0},
+    ]  # fmt: skip
+    train_plots._step_time([("run", rows)], tmp_path)
+    assert ("evaluation", [0.5]) in bars and ("other", [0.5]) in bars  # step 2.5, eval 0.5
