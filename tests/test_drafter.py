@@ -342,3 +342,42 @@ def test_a_trainable_copy_is_fp32_on_the_engine_device_and_trains_there(device):
         trainable, make_batch([record], 16, device), make_optimizer(trainable, cfg), cfg, noise
     )
     assert math.isfinite(stats["loss"]) and not torch.equal(before, trainable.fc.weight)
+
+
+def test_drafter_training_fits_the_target():
+    """The EAGLE loss trains the drafter towards the target (a sign-flipped loss passed every
+    drafter test: they checked finite numbers and changed weights). On the target's own greedy
+    continuations and hidden states, 60 steps lower both loss terms and raise the drafter's
+    top-1 agreement with the target. (Agreement on unseen sequences of this random target
+    rose only from 0.6% to 3%: one drafter layer cannot model its chaotic continuations, so
+    that is not asserted.)"""
+    from tltrun.train.drafter_training import (
+        DrafterTrainConfig,
+        drafter_train_step,
+        make_batch,
+        make_optimizer,
+        records_from_outputs,
+    )
+
+    target = tiny_model(seed=3)
+    gen = torch.Generator().manual_seed(0)
+    sequences = []
+    with torch.no_grad():
+        for _ in range(8):  # the drafter's job: predict the target's own continuations
+            ids = torch.randint(4, VOCAB, (4,), generator=gen).tolist()
+            for _ in range(20):
+                logits, _ = target(torch.tensor([ids]), torch.arange(len(ids))[None],
+                                   CausalContext())  # fmt: skip
+                ids.append(int(logits[0, -1].argmax()))
+            sequences.append((ids, 4))
+        records = records_from_outputs(target, sequences)
+    drafter = EagleDrafter.for_target(target, seed=1)
+    cfg = DrafterTrainConfig(lr=3e-3, feature_noise=0.0)
+    optimizer = make_optimizer(drafter, cfg)
+    batch = make_batch(records, 32)
+    first = drafter_train_step(drafter, batch, optimizer, cfg)
+    for _ in range(59):
+        last = drafter_train_step(drafter, batch, optimizer, cfg)
+    assert last["classification"] < 0.8 * first["classification"]
+    assert last["regression"] < 0.8 * first["regression"]
+    assert last["top1"] > first["top1"] + 0.3, (first, last)

@@ -158,6 +158,26 @@ def _update(max_batch_tokens: int, **kwargs) -> tuple[dict, dict]:
     return stats, {k: v.detach().clone() for k, v in actor.state_dict().items()}
 
 
+@pytest.mark.parametrize("max_batch_tokens", [8192, 48])  # one microbatch, and several
+def test_the_update_is_a_mean_over_every_response_token(max_batch_tokens):
+    """Token-level aggregation in grpo_update itself (surrogate_loss was checked with a count
+    the test passed in; a per-sequence mean passed every test): one epoch without KL has ratio
+    1, so its loss is -sum_i A_i len_i / sum_i len_i over responses of 2 to 40 tokens."""
+    samples = _long_tail_samples()
+    actor = tiny_model(seed=0).train()
+    cfg = GRPOConfig(lr=1e-2, kl_coef=0.0, num_epochs=1, max_batch_tokens=max_batch_tokens)
+    stats = grpo_update(actor, None, make_optimizer(actor, cfg), samples, cfg, 1.0, 0)
+    lengths = [len(s.response_ids) for s in samples]
+    assert stats["num_tokens"] == sum(lengths) == 93
+    advantages = group_advantages(samples, cfg.adv_eps)
+    expected = -sum(a * n for a, n in zip(advantages, lengths, strict=True)) / sum(lengths)
+    # a mean of per-sequence means (0: advantages sum to 0 in a group) or a division by the
+    # number of responses (-0.54) would not match it
+    assert abs(expected) > 0.01
+    assert stats["loss"] == pytest.approx(expected, abs=1e-5)
+    assert stats["clip_frac"] == 0.0 and stats["kl"] == 0.0
+
+
 def test_token_budget_microbatches_sort_by_length_and_keep_the_step():
     from tltrun.train.grpo import microbatches
 
