@@ -25,8 +25,9 @@ are refused with one line naming each field, except ``--out`` (the same director
 is spelt) and ``--checkpoint-every``, which do not change the result (``tltrun train
 --resume`` without ``--override-config`` refuses the same way; there is no override here). A
 fresh run into a directory that holds a state, or files that no run of its command wrote, is
-refused (pass ``--resume`` or another ``--out``), and removes an earlier run's outputs first; ``--resume`` where there is none is an error, unless the run finished, which is one
-line and exit 0 (a finished ``tltrun train --resume`` runs no step and exits 0 too).
+refused (pass ``--resume`` or another ``--out``), and removes an earlier run's outputs first;
+``--resume`` where there is none is an error, unless the run finished, which is one line and
+exit 0 (a finished ``tltrun train --resume`` runs no step and exits 0 too).
 
 When the run has written all its outputs the state is deleted: it holds the weights again plus
 AdamW's two moments (3x the weights), and a finished run is not continued (more steps make a
