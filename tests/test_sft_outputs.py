@@ -233,3 +233,33 @@ def test_saved_weights_get_the_umasks_permissions(tmp_path):
         for name in ("config.json", "model.safetensors"):
             mode = stat.S_IMODE((tmp_path / root / name).stat().st_mode)
             assert mode == 0o640, (root, name, oct(mode))
+
+
+def test_a_run_is_resumed_and_evaluated_from_another_directory(tmp_path, monkeypatch, capsys):
+    """Relative --data was recorded as given: sft-eval and --resume worked only from the
+    directory the run started in, and a respelled path was refused as other data."""
+    from tltrun.cli.args import offline_configs_from_args
+    from tltrun.cli.main import build_parser
+    from tltrun.train.tasks import TaskConfig
+
+    here, there = tmp_path / "a", tmp_path / "b"
+    here.mkdir()
+    there.mkdir()
+    (here / "d.jsonl").write_text(ROWS)
+    monkeypatch.chdir(here)
+    argv = ["sft", "--out", "run", "--data", "d.jsonl", *DATA_FLAGS, "--num-steps", "1"]
+    assert main([*argv, "--num-eval-prompts", "2"]) == 0
+    recorded = json.loads((here / "run" / "sft_config.json").read_text())["sft"]
+    assert recorded["data"] == str(here / "d.jsonl") and recorded["out"] == "run"
+    monkeypatch.chdir(there)
+    capsys.readouterr()
+    assert main(["sft-eval", "../a/run"]) == 0, capsys.readouterr().err
+    # a resume given the data again, spelt from here: the same file, not other data
+    (here / "run" / resumable.STATE_FILE).write_bytes(b"")  # as a killed run leaves it
+    args = build_parser().parse_args(["sft", "--out", "../a/run", "--resume", "--data",
+                                      "../a/d.jsonl"])  # fmt: skip
+    sections = {"sft": (SFTConfig, ""), "task": (TaskConfig, "task-")}
+    configs = offline_configs_from_args(args, sections, command="tltrun sft",
+                                        config_file="sft_config.json",
+                                        finished_file="no-such-file")  # fmt: skip
+    assert configs["sft"].data == str(here / "d.jsonl")

@@ -13,6 +13,8 @@ Run: ``python -m pytest tests/test_train_inputs.py -q``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from test_train_data import bpe_model, data_dir  # noqa: F401 (fixtures)
 
@@ -100,3 +102,21 @@ def test_a_drafter_of_another_target_is_refused_before_any_worker(
     )
     with pytest.raises(UsageError, match="hidden_size=64 but the target has 48"):
         check_inputs(cfg, TaskConfig())
+
+
+def test_input_paths_are_recorded_absolute(bpe_model, data_dir, tmp_path, monkeypatch):  # noqa: F811
+    """A run recorded --model-dir and --data as typed: resumed from another directory, its
+    model and data were not found (and a respelled path counted as a changed setting)."""
+    from tltrun.cli.main import main
+    from tltrun.train import launch
+
+    ran = []
+    monkeypatch.setattr(launch, "run_train", lambda cfg, task, **kw: ran.append(cfg) or "o")
+    monkeypatch.chdir(data_dir)
+    model = Path("..") / bpe_model.relative_to(data_dir.parent)
+    argv = ["train", "--model-dir", str(model), "--out", str(tmp_path / "o"), "--data",
+            "train.csv", "--prompt-key", "question", "--reward", "exact"]  # fmt: skip
+    assert main(argv) == 0
+    assert ran[0].model_dir == str(bpe_model.resolve())
+    assert ran[0].data == str((data_dir / "train.csv").resolve())
+    assert ran[0].out == str(tmp_path / "o")  # as given (the run directory itself)

@@ -185,21 +185,43 @@ def offline_configs_from_args(
     prefix)): from the flags, or with ``--resume`` the run's recorded ones with the flags applied,
     refused where they change the run (``tltrun.train.resumable``). None: ``--resume`` of a run
     that finished (the caller says so)."""
-    from pathlib import Path
-
     from tltrun.train import resumable
 
     if not args.resume:
-        return {name: dataclass_from_args(cls, args, prefix=prefix)
+        return {name: absolute_paths(dataclass_from_args(cls, args, prefix=prefix))
                 for name, (cls, prefix) in sections.items()}  # fmt: skip
     classes = {name: cls for name, (cls, _) in sections.items()}
     recorded = resumable.configs_to_resume(args.out, command, config_file, finished_file, classes)
     if recorded is None:
         return None
-    given = {name: dataclass_from_args(cls, args, prefix=prefix, base=recorded[name])
+    given = {name: absolute_paths(dataclass_from_args(cls, args, prefix=prefix, base=recorded[name]))
              for name, (cls, prefix) in sections.items()}  # fmt: skip
+    # (a run recorded relative paths before session 35: compared as they resolve from here)
+    recorded = {name: absolute_paths(cfg) for name, cfg in recorded.items()}
     resumable.refuse_changes(Path(args.out) / config_file, recorded, given)
     return given
+
+
+def absolute_paths(cfg: Any) -> Any:
+    """``cfg`` with its input paths (fields shown as PATH or DIR, ``out`` aside) absolute where
+    they name something on this machine (a reasoning-gym spec stays as it is): a run recorded
+    `--data d.jsonl` and could be resumed or evaluated only from the directory it started in,
+    and a respelled path (`../d.jsonl`) was refused as other data."""
+    changes = {
+        f.name: absolute_path(f, getattr(cfg, f.name))
+        for f in dataclasses.fields(cfg)
+        if absolute_path(f, getattr(cfg, f.name)) != getattr(cfg, f.name)
+    }
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def absolute_path(f: dataclasses.Field, value: Any) -> Any:
+    """``value`` of field ``f`` as ``absolute_paths`` records it."""
+    if f.name == "out" or f.metadata.get("metavar") not in ("PATH", "DIR"):
+        return value
+    if isinstance(value, str) and value and Path(value).exists():
+        return str(Path(value).resolve())
+    return value
 
 
 def _typed_flag(dest: str, value: Any) -> str:
@@ -218,8 +240,6 @@ def recorded_engine_run(
     """``--resume`` of ``tltrun generate`` / ``bench``: the run's ``OUT/config.json`` (its
     ``section`` as ``cls``, and its engine config); no other flag is taken, so the run continues
     as it started. None: the run finished (``OUT/finished_file`` is written; the caller says so)."""
-    from pathlib import Path
-
     from tltsim.jsonio import read_json, typed_fields
 
     given = sorted(

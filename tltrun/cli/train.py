@@ -22,6 +22,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
+from tltrun.cli.args import absolute_path, absolute_paths
 from tltrun.train import launch
 from tltrun.train import state as train_state
 from tltrun.train.config import TrainConfig
@@ -120,7 +121,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
             base = TrainConfig(**{**_tuples(stored["train"], TrainConfig, where), **raw})
         except (KeyError, TypeError, ValueError) as err:
             raise UsageError(f"{where}: {err}") from None
-    cfg = dataclass_from_args(TrainConfig, args, base=base)
+    # input paths recorded absolute: a run resumes from any directory (see absolute_paths)
+    cfg = absolute_paths(dataclass_from_args(TrainConfig, args, base=base))
     if "?" in (cfg.model_dir, cfg.out):
         raise UsageError("--model-dir and --out are required")
     try:
@@ -139,8 +141,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if stored
         else {f.name: f.default for f in fields(TrainConfig)}
     )
-    changed = {
-        n for n in {*given_fields(TrainConfig, args), *raw} if getattr(cfg, n) != before.get(n)
+    by_name = {f.name: f for f in fields(TrainConfig)}
+    changed = {  # (a path recorded relative by an older run compared as it resolves from here)
+        n
+        for n in {*given_fields(TrainConfig, args), *raw}
+        if getattr(cfg, n) != absolute_path(by_name[n], before.get(n))
     }
     changed_task = {
         n
