@@ -277,3 +277,22 @@ def test_sigterm_stops_generate_with_one_line_and_a_resumable_run(inputs, tmp_pa
     assert proc.returncode == 143 and err.strip().splitlines()[-1] == "stopped by SIGTERM", err
     assert main(["generate", "--out", str(out), "--resume"]) == 0, capsys.readouterr().err
     assert (out / "trace.json").exists()
+
+
+def test_a_run_of_relative_paths_resumes_from_another_directory(inputs, tmp_path, capsys,
+                                                                monkeypatch):  # fmt: skip
+    """config.json recorded --model and --prompts as typed: a --resume from another directory
+    found neither."""
+    monkeypatch.chdir(inputs)
+    out = tmp_path / "g"
+    assert main(["generate", "--model", "model", "--prompts", "prompts.jsonl", "--out", str(out),
+                 "--max-running-requests", "2", "--temperature", "0"]) == 0  # fmt: skip
+    recorded = json.loads((out / "config.json").read_text())["generate"]
+    assert recorded["model"] == str(inputs / "model")
+    assert recorded["prompts"] == str(inputs / "prompts.jsonl")
+    (out / "generations.jsonl").write_text("")  # as if killed before its first response
+    (out / "trace.json").unlink(missing_ok=True)
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["generate", "--out", "g", "--resume"]) == 0, capsys.readouterr().err
+    assert len(rows_of(out)) == NUM_PROMPTS

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tltrun.cli.args import (
+    absolute_paths,
     add_engine_args,
     check_kv_cache_fits,
     engine_config_from_args,
@@ -80,7 +81,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         out = Path(args.out)  # where the run is now (its config names where it started)
         trace = load_bench_trace(cfg)
     else:
-        cfg = dataclass_from_args(BenchConfig, args)
+        cfg = absolute_paths(dataclass_from_args(BenchConfig, args))  # resumable from anywhere
         # (it was ignored; a run recorded before strategy became optional resumes as it was)
         if cfg.strategy is not None and "static" not in cfg.policy:
             raise UsageError(

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from tltrun.cli.args import (
+    absolute_paths,
     add_engine_args,
     check_kv_cache_fits,
     engine_config_from_args,
@@ -195,7 +196,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         requests, tokenizer = read_prompts(cfg.prompts, cfg.model, cfg)
         out = Path(args.out)  # where the run is now (its config names where it started)
     else:
-        cfg = dataclass_from_args(GenerateConfig, args)
+        cfg = absolute_paths(dataclass_from_args(GenerateConfig, args))  # resumable from anywhere
         if cfg.strategy is not None and cfg.policy != "static":  # (it was ignored)
             raise UsageError(
                 f"--strategy {cfg.strategy}: only --policy static takes a strategy; "
