@@ -263,3 +263,14 @@ def test_a_run_is_resumed_and_evaluated_from_another_directory(tmp_path, monkeyp
                                         config_file="sft_config.json",
                                         finished_file="no-such-file")  # fmt: skip
     assert configs["sft"].data == str(here / "d.jsonl")
+
+
+def test_a_run_refused_at_its_data_leaves_no_directory(tmp_path, capsys):
+    """A bad row was found after sft_config.json and run.lock were written into a new --out."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1="}],
+                                "response": "2"}) + "\n")  # fmt: skip
+    out = tmp_path / "new" / "run"
+    assert main(["sft", "--out", str(out), "--data", str(data), *DATA_FLAGS]) == 2
+    assert "no chat messages" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()

@@ -338,16 +338,19 @@ def _run_sft(
 ) -> dict[str, Any]:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    # the data first, so a bad row is refused before the run directory is touched; the run's
+    # --seed generates reasoning-gym problems, as tltrun train --data does
+    pairs = None
+    if cfg.data is not None:
+        pairs = data_pairs(cfg, seed=cfg.seed, num_rows=cfg.data_num_rows)
     if not is_resume:  # a resume keeps the recorded config: it is the run's
         resumable.start_fresh(out, "tltrun sft", config_file="sft_config.json")
         write_json(out / "sft_config.json", {"sft": asdict(cfg), "task": asdict(task)})
     tok = CharTokenizer()
     init_seed, data_seed, eval_seed = stream_seeds(cfg.seed)
-    pairs = eval_pairs = None
+    eval_pairs = None
     max_tokens = None
-    if cfg.data is not None:
-        # the run's --seed generates reasoning-gym problems, as tltrun train --data does
-        pairs = data_pairs(cfg, seed=cfg.seed, num_rows=cfg.data_num_rows)
+    if pairs is not None:
         eval_pairs, is_held_out = _held_out_pairs(cfg, pairs)
         # positions for the examples, and for --max-new-tokens of response after the longest
         # prompt (sized to the examples alone, a model of 60-token rows refused a later

@@ -149,6 +149,14 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         if self._file is not None:
+            # a run refused before it wrote anything leaves no directory holding only its lock
+            # (the command then removes the --out it created, as for any refusal); unlinked
+            # while still held, so no later process can lock the old file
+            try:
+                if [p.name for p in self.path.parent.iterdir()] == [LOCK]:
+                    self.path.unlink()
+            except OSError:
+                pass
             fcntl.flock(self._file, fcntl.LOCK_UN)
             self._file.close()
             self._file = None
