@@ -120,3 +120,49 @@ def test_input_paths_are_recorded_absolute(bpe_model, data_dir, tmp_path, monkey
     assert ran[0].model_dir == str(bpe_model.resolve())
     assert ran[0].data == str((data_dir / "train.csv").resolve())
     assert ran[0].out == str(tmp_path / "o")  # as given (the run directory itself)
+
+
+@pytest.mark.parametrize(
+    ("config", "flags"),
+    [
+        ('reward = "exact"\n', ["--data", "{data}"]),
+        ('data = "{data}"\n', ["--reward", "exact"]),
+        ("prompt_split = [2, 1]\n", ["--prompts-per-step", "3"]),
+        ("prompt_split = [2, 1]\n", ["--prompt-split", "4,4"]),
+        ("prompts_per_step = 1\n", ["--num-workers", "1"]),
+    ],
+)  # fmt: skip
+def test_a_config_file_is_validated_with_the_flags_over_it(
+    bpe_model,  # noqa: F811
+    data_dir,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    config,
+    flags,  # noqa: F811
+):
+    """The file was validated alone, before the flags: settings valid together were refused."""
+    from tltrun.cli.main import main
+    from tltrun.train import launch
+
+    ran = []
+    monkeypatch.setattr(launch, "run_train", lambda cfg, task, **kw: ran.append(cfg) or "o")
+    data = str(data_dir / "train.csv")
+    (tmp_path / "c.toml").write_text(config.replace("{data}", data))
+    argv = ["train", "--model-dir", str(bpe_model), "--out", str(tmp_path / "o"), "--config",
+            str(tmp_path / "c.toml"), "--prompt-key", "question", "--max-new-tokens", "64"]  # fmt: skip
+    if "data" not in config and "{data}" not in flags:
+        argv += ["--data", data, "--reward", "exact"]
+    assert main([*argv, *(f.replace("{data}", data) for f in flags)]) == 0
+    assert len(ran) == 1
+
+
+def test_a_config_file_and_flags_invalid_together_name_the_file(bpe_model, tmp_path, capsys):  # noqa: F811
+    from tltrun.cli.main import main
+
+    (tmp_path / "c.toml").write_text("prompt_split = [2, 1]\n")
+    argv = ["train", "--model-dir", str(bpe_model), "--out", str(tmp_path / "o"), "--config",
+            str(tmp_path / "c.toml")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "summing to prompts_per_step=8" in err and f"--config {tmp_path / 'c.toml'}" in err
+    assert "\n" not in err

@@ -20,6 +20,7 @@ import tomllib
 import warnings
 from dataclasses import asdict, fields
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from tltrun.cli.args import absolute_path, absolute_paths
@@ -94,10 +95,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     raw = load_config_file(args.config) if args.config else {}
     task_raw = raw.pop("task", {})
-    try:
-        base = TrainConfig(**{**{"model_dir": "?", "out": "?"}, **raw})
-    except (TypeError, ValueError) as err:
-        raise UsageError(f"--config {args.config}: {err}") from None
+    # the file's values over the defaults, then the flags over both, validated once together
+    # (the file was validated alone: `prompt_split = [2, 1]` beside --prompts-per-step 3, or
+    # `reward` beside --data, were refused)
+    defaults = {f.name: f.default for f in fields(TrainConfig) if f.init}
+    base = SimpleNamespace(**{**defaults, "model_dir": "?", "out": "?", **raw})
     if args.override_config and not args.resume:
         raise UsageError("--override-config applies to --resume only")
     # A resume starts from the run's own settings; flags and --config change them (and
@@ -118,11 +120,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
             else ""
         )
         try:
-            base = TrainConfig(**{**_tuples(stored["train"], TrainConfig, where), **raw})
+            recorded = TrainConfig(**_tuples(stored["train"], TrainConfig, where))
         except (KeyError, TypeError, ValueError) as err:
             raise UsageError(f"{where}: {err}") from None
+        base = SimpleNamespace(**{**asdict(recorded), **raw})
     # input paths recorded absolute: a run resumes from any directory (see absolute_paths)
-    cfg = absolute_paths(dataclass_from_args(TrainConfig, args, base=base))
+    try:
+        cfg = absolute_paths(dataclass_from_args(TrainConfig, args, base=base))
+    except UsageError as err:
+        if not raw:
+            raise
+        raise UsageError(f"{err} (--config {args.config} with the flags over it)") from None
     if "?" in (cfg.model_dir, cfg.out):
         raise UsageError("--model-dir and --out are required")
     try:
