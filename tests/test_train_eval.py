@@ -19,7 +19,7 @@ from test_train_data import bpe_model, data_dir  # noqa: F401 (fixtures)
 
 from tltrun.train.config import TrainConfig
 from tltrun.train.config_checks import check_eval_flags
-from tltrun.train.prompts import _EVAL_STREAM, EvalOverlapWarning, builtin_rows, load_run_data
+from tltrun.train.prompts import _EVAL_STREAM, DataWarning, builtin_rows, load_run_data
 from tltrun.train.responses import EvalSummary
 from tltrun.train.step_log import eval_columns
 from tltrun.train.tasks import TaskConfig
@@ -104,7 +104,7 @@ def test_the_launcher_warns_of_evaluation_prompts_training_sees(bpe_model, tmp_p
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         check_inputs(cfg, TaskConfig())
-    said = [str(w.message) for w in caught if issubclass(w.category, EvalOverlapWarning)]
+    said = [str(w.message) for w in caught if issubclass(w.category, DataWarning)]
     assert said == [
         "4 of 4 evaluation prompts are training prompts too: eval_reward_mean is not a held-out "
         "score"
@@ -150,3 +150,26 @@ def test_the_step_time_figure_draws_evaluation_apart_from_other(tmp_path, monkey
     ]  # fmt: skip
     train_plots._step_time([("run", rows)], tmp_path)
     assert ("evaluation", [0.5]) in bars and ("other", [0.5]) in bars  # step 2.5, eval 0.5
+
+
+def test_data_smaller_than_a_step_and_a_files_num_rows_are_warned_about(bpe_model, tmp_path):  # noqa: F811
+    """Both ran without a word: every step trained some rows twice; --data-num-rows was
+    ignored for a file."""
+    from tltrun.train.launch import check_inputs
+
+    data = tmp_path / "two.jsonl"
+    data.write_text("".join(json.dumps({"id": f"d{i}", "question": f"q{i}", "answer": "1"}) + "\n"
+                            for i in range(2)))  # fmt: skip
+    cfg = TrainConfig(model_dir=str(bpe_model), out=str(tmp_path / "o"), data=str(data),
+                      prompt_key="question", reward="exact", max_new_tokens=64,
+                      prompts_per_step=4, data_num_rows=1)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_inputs(cfg, TaskConfig())
+    said = [str(w.message) for w in caught if issubclass(w.category, DataWarning)]
+    assert said == [
+        f"--data {data}: 2 training rows for --prompts-per-step 4: every step trains some rows "
+        "more than once",
+        "--data-num-rows 1: a file is read whole (the flag sets how many reasoning-gym problems "
+        "are generated)",
+    ]

@@ -54,6 +54,7 @@ from pathlib import Path
 from tltrun.rollout.vllm_config import check_vllm_cpu_head_size, quiet_vllm_logs
 from tltrun.train.config import RESUME_NEUTRAL_FIELDS, TrainConfig
 from tltrun.train.config_checks import check_eval_flags, check_overridable, check_same_inputs
+from tltrun.train.prompts import warn_data
 from tltrun.train.tasks import TaskConfig
 from tltsim.errors import TLTError, UsageError, WorkerError, is_input_error_name
 from tltsim.jsonio import write_json
@@ -128,16 +129,7 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
         raise UsageError(
             "--eval-every: no evaluation prompts (give --eval-data or --eval-split with --data)"
         )
-    overlap = data.num_eval_in_training()
-    if overlap:  # (README's hanoi recipe evaluated on its training problems without a word)
-        from tltrun.train.prompts import EvalOverlapWarning
-
-        warnings.warn(
-            f"{overlap} of {len(data.eval_rows)} evaluation prompts are training prompts too: "
-            "eval_reward_mean is not a held-out score",
-            EvalOverlapWarning,
-            stacklevel=2,
-        )
+    warn_data(cfg, data)
     from tltrun.model.hf_checkpoint import checkpoint_digest
 
     return {

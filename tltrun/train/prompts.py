@@ -61,8 +61,8 @@ def builtin_rows(task: TaskConfig, seed: int, step: int | str, num_prompts: int)
     return rows
 
 
-class EvalOverlapWarning(UserWarning):
-    """Evaluation prompts that training also sees (``RunData.num_eval_in_training``)."""
+class DataWarning(UserWarning):
+    """Data that runs, but not as the flags read (``warn_data``): one ``warning:`` line."""
 
 
 def _prompt_key(prompt) -> str:
@@ -241,3 +241,38 @@ def reward_spec(cfg: TrainConfig, is_module_checked: bool = True) -> RewardSpec:
     # without --reward, a reasoning-gym --data implies its task's scorer: name --data if bad
     flag = "--reward" if cfg.reward else "--data"
     return parse_reward(cfg.reward_name, flag=flag, is_module_checked=is_module_checked)
+
+
+def warn_data(cfg: TrainConfig, data: RunData) -> None:
+    """Warnings about the run's data (found by hunts): evaluation prompts that are training
+    prompts too (README's hanoi recipe evaluated on its training problems without a word),
+    fewer training rows than a step's prompts (each step trains some rows more than once),
+    and --data-num-rows on a file, which is read whole (it was ignored without a word)."""
+    import warnings
+    from dataclasses import fields
+
+    overlap = data.num_eval_in_training()
+    if overlap:
+        warnings.warn(
+            f"{overlap} of {len(data.eval_rows)} evaluation prompts are training prompts too: "
+            "eval_reward_mean is not a held-out score",
+            DataWarning,
+            stacklevel=3,
+        )
+    if data.stream is None:
+        return
+    if data.num_train_rows < cfg.prompts_per_step:
+        warnings.warn(
+            f"--data {cfg.data}: {data.num_train_rows} training rows for --prompts-per-step "
+            f"{cfg.prompts_per_step}: every step trains some rows more than once",
+            DataWarning,
+            stacklevel=3,
+        )
+    default = next(f.default for f in fields(TrainConfig) if f.name == "data_num_rows")
+    if cfg.data_num_rows != default and not cfg.data.startswith(GYM_PREFIX):
+        warnings.warn(
+            f"--data-num-rows {cfg.data_num_rows}: a file is read whole (the flag sets how many "
+            "reasoning-gym problems are generated)",
+            DataWarning,
+            stacklevel=3,
+        )
