@@ -11,6 +11,7 @@ hunt):
 Run: ``python -m pytest tests/test_train_inputs.py -q``.
 """
 
+# ruff: noqa: F811 (pytest fixtures imported from test_train_data)
 from __future__ import annotations
 
 from pathlib import Path
@@ -166,3 +167,67 @@ def test_a_config_file_and_flags_invalid_together_name_the_file(bpe_model, tmp_p
     err = capsys.readouterr().err.strip()
     assert "summing to prompts_per_step=8" in err and f"--config {tmp_path / 'c.toml'}" in err
     assert "\n" not in err
+
+
+def test_request_slots_never_exceed_a_workers_responses():
+    """10^12 slots tried to allocate 36 PB of KV cache in a worker (an internal error)."""
+    cfg = TrainConfig(model_dir="m", out="o", max_running_requests=10**12, group_size=4)
+    assert cfg.max_running(3) == 12
+    assert (
+        TrainConfig(model_dir="m", out="o", max_running_requests=5, group_size=4).max_running(3)
+        == 5
+    )
+    assert TrainConfig(model_dir="m", out="o", group_size=4).max_running(3) == 12
+
+
+@pytest.mark.parametrize(
+    ("config", "flags", "says"),
+    [
+        # tltbase drafts from the history alone: these were recorded and never read
+        ("", ["--policy", "tltbase", "--tlt-drafter-explore", "rollout"],
+         "--tlt-drafter-explore: not read by --policy tltbase"),
+        # a file's keys are named as the file's, not as flags the user never typed
+        ("tlt_threshold = 16\n", ["--policy", "nospec"],
+         "tlt_threshold (--config {config}): not read by --policy nospec"),
+        ("[task]\nbogus = 1\n", [], "--config {config} [task]: unknown field(s) bogus"),
+        ("[task]\nmax_ops = 300\n", [], "--config {config} [task]: max_ops must be"),
+    ],
+)  # fmt: skip
+def test_unused_and_bad_config_settings_are_named_where_they_were_set(
+    bpe_model,
+    tmp_path,
+    capsys,
+    config,
+    flags,
+    says,  # noqa: F811
+):
+    from tltrun.cli.main import main
+
+    path = tmp_path / "c.TOML"  # (an upper-case suffix was read as JSON)
+    path.write_text(config)
+    argv = ["train", "--model-dir", str(bpe_model), "--out", str(tmp_path / "o"), "--config",
+            str(path), *flags]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert says.format(config=path) in err and "\n" not in err, err
+
+
+def test_under_torchrun_the_world_size_is_the_number_of_workers_before_any_check(
+    bpe_model,
+    tmp_path,
+    monkeypatch,  # noqa: F811
+):
+    """fsdp_size 4 under a 4-rank job was checked against the default 2 workers and refused."""
+    from tltrun.cli.main import main
+    from tltrun.train import launch
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29977", "TORCHELASTIC_RUN_ID": "x"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    ran = []
+    monkeypatch.setattr(launch, "run_train", lambda cfg, task, **kw: ran.append(cfg) or "o")
+    (tmp_path / "c.toml").write_text("fsdp_size = 4\nprompts_per_step = 4\n")
+    argv = ["train", "--model-dir", str(bpe_model), "--out", str(tmp_path / "o"), "--config",
+            str(tmp_path / "c.toml")]  # fmt: skip
+    assert main(argv) == 0
+    assert ran[0].num_workers == 4 and ran[0].fsdp_size == 4

@@ -36,7 +36,7 @@ from tltsim.jsonio import parse_json, read_text, typed_fields
 def load_config_file(path: str) -> dict[str, Any]:
     file = Path(path)
     text = read_text(file, "config file")
-    if file.suffix == ".toml":
+    if file.suffix.lower() == ".toml":  # (T1.TOML was read as JSON)
         try:
             raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as err:
@@ -49,6 +49,9 @@ def load_config_file(path: str) -> dict[str, Any]:
         )
     if not isinstance(raw.get("task", {}), dict):
         raise UsageError(f"--config {path}: [task] must be a table of TaskConfig fields")
+    unknown_task = sorted(set(raw.get("task", {})) - {f.name for f in fields(TaskConfig)})
+    if unknown_task:  # (Python's "unexpected keyword argument" came through)
+        raise UsageError(f"--config {path} [task]: unknown field(s) {', '.join(unknown_task)}")
     known = {f.name for f in fields(TrainConfig)}
     unknown = sorted(set(raw) - known - {"task"})
     if unknown:
@@ -124,6 +127,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
         except (KeyError, TypeError, ValueError) as err:
             raise UsageError(f"{where}: {err}") from None
         base = SimpleNamespace(**{**asdict(recorded), **raw})
+    from tltrun.train import elastic
+
+    env = elastic.rank_env()
+    if env is not None:  # under torchrun the world size is the number of workers, before any
+        # check that reads it (fsdp_size, prompt_split were checked against the default 2)
+        base.num_workers, args.num_workers = env.world_size, None
     # input paths recorded absolute: a run resumes from any directory (see absolute_paths)
     try:
         cfg = absolute_paths(dataclass_from_args(TrainConfig, args, base=base))
@@ -141,7 +150,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         )
         task_base = TaskConfig(**{**stored_task, **task_raw})
     except (KeyError, TypeError, ValueError) as err:
-        raise UsageError(f"[task] section: {err}") from None
+        where_task = f"--config {args.config} [task]" if task_raw else "[task] section"
+        raise UsageError(f"{where_task}: {err}") from None
     task = dataclass_from_args(TaskConfig, args, prefix="task-", base=task_base)
     # what the run had before these flags and --config: the stored settings, else defaults
     before = (
@@ -160,7 +170,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
         for n in {*given_fields(TaskConfig, args, prefix="task-"), *task_raw}
         if getattr(task, n) != stored_task.get(n)
     }
-    _check_used(cfg, changed, changed_task)
+    _check_used(
+        cfg,
+        changed,
+        changed_task,
+        {*raw, *task_raw}
+        - {*given_fields(TrainConfig, args), *given_fields(TaskConfig, args, prefix="task-")},
+        args.config,
+    )
     _check_inputs(cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("always", train_state.RunDirWarning)
@@ -174,15 +191,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_used(cfg: TrainConfig, given: set[str], given_task: set[str]) -> None:
+def _check_used(
+    cfg: TrainConfig,
+    given: set[str],
+    given_task: set[str],
+    from_file: set[str] = frozenset(),
+    config: str | None = None,
+) -> None:
     """Refuse settings given (flags or --config) that this run would not read, where they
     change a value (a config file of every setting, defaults included, stays accepted): the
     built-in task's beside --data, TLT's and the static strategy beside a policy that takes
     neither (they were recorded in config.json and ignored, and a later --resume changing one
     was refused as a change of the run)."""
 
-    def flags(names, prefix: str = "") -> str:
-        return ", ".join(f"--{prefix}{n.replace('_', '-')}" for n in sorted(names))
+    def flags(names, prefix: str = "") -> str:  # a setting of the --config file by its key
+        return ", ".join(
+            f"{n} (--config {config})" if n in from_file else f"--{prefix}{n.replace('_', '-')}"
+            for n in sorted(names)
+        )
 
     if cfg.data is not None and given_task:
         raise UsageError(
@@ -192,6 +218,8 @@ def _check_used(cfg: TrainConfig, given: set[str], given_task: set[str]) -> None
     unused = (
         {n for n in given if n.startswith("tlt_")} if cfg.policy in ("nospec", "static") else set()
     )
+    if cfg.policy == "tltbase":  # it drafts from the history alone (policy_settings)
+        unused |= given & {"tlt_drafters", "tlt_drafter_explore"}
     if "static_strategy" in given and cfg.policy != "static":
         unused.add("static_strategy")
     if unused:

@@ -371,3 +371,10 @@ class TrainConfig:
         ]
         starts = [sum(counts[:r]) for r in range(self.num_workers)]
         return list(zip(starts, counts, strict=True))
+
+    def max_running(self, count: int) -> int:
+        """The engine's request slots on a worker of ``count`` prompts: --max-running-requests,
+        never more than the worker's responses (each slot is preallocated KV cache: 10^12
+        tried to allocate 36 PB and failed as a worker's internal error)."""
+        responses = count * self.group_size
+        return min(self.max_running_requests or responses, responses)

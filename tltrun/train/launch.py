@@ -159,7 +159,7 @@ def _check_spec_policy(cfg: TrainConfig, vocab_size: int) -> None:
     for _, count in cfg.shares():
         try:
             check_policy(
-                policy, cfg.max_running_requests or count * cfg.group_size,
+                policy, cfg.max_running(count),
                 max_verify_tokens=max_verify_tokens, vocab_size=vocab_size, has_drafter=True,
             )  # fmt: skip
         except ValueError as err:

@@ -141,7 +141,7 @@ class Worker:
         )
         start, count = cfg.shares()[rank]
         self.share = (start, count)
-        max_running = cfg.max_running_requests or count * cfg.group_size
+        max_running = cfg.max_running(count)
         max_model_len = max_request_tokens(cfg, task, self.max_positions)
         sampling = SamplingParams(cfg.temperature, cfg.top_p)
         # the engine casts its drafter to its dtype in place: its own copy, so that the spot
