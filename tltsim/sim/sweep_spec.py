@@ -72,23 +72,35 @@ def _check_key(key: str, source: str) -> None:
             raise UsageError(
                 f"{source}: unknown setting {key!r} (expected tlt.*, drafter.* or spot.* with a field of TLTConfig, DrafterDynamics, SpotTrainerConfig)"
             )
+    elif key == "seed":  # (it clashed with the seeds' own in dataclasses.replace)
+        raise UsageError(f"{source}: seed is set by the spec's 'seeds' list, not as a setting")
     elif key not in TOP_KEYS and key not in {f.name for f in dataclasses.fields(SimConfig)}:
         raise UsageError(
             f"{source}: unknown setting {key!r} (expected policy, preset, static_strategy, spot_training or a SimConfig field)"
         )
 
 
-def _check_value(key: str, value: Any, source: str) -> None:
+def _check_value(key: str, value: Any, source: str) -> Any:
     """A value of the setting's type (``typed_value``: an integer setting takes no 1.5, no
-    "abc" and no true), checked when the spec is read, not in a worker's simulation."""
+    "abc" and no true), checked when the spec is read, not in a worker's simulation; returned
+    as that type (a float setting's 0 is 0.0: [0, 0.0] was two points, simulated twice)."""
     name = canonical_key(key)
     section, _, field_name = name.partition(".")
     if field_name:
         tp = typing.get_type_hints(SECTIONS[section])[field_name]
     else:
         tp = TOP_KEY_TYPES.get(name) or typing.get_type_hints(SimConfig)[name]
-    typed_value(tp, value, f"{source}: {key}")
+    typed = typed_value(tp, value, f"{source}: {key}")
     _check_int64(value, f"{source}: {key}")
+    return typed
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 # The sweep's table is Parquet: an integer setting beyond int64 failed there, after every
@@ -136,11 +148,11 @@ def load_spec(path: Path) -> SweepSpec:
         _check_key(key, f"{path} [grid]")
         if not isinstance(values, list) or not values:
             raise UsageError(f"{path} [grid]: {key!r} must be a non-empty list")
-        for value in values:
-            _check_value(key, value, f"{path} [grid]")
+        typed = [_check_value(key, value, f"{path} [grid]") for value in values]
+        raw["grid"][key] = list(dict.fromkeys(typed)) if all(map(_hashable, typed)) else typed
     for key, value in raw.get("fixed", {}).items():
         _check_key(key, f"{path} [fixed]")
-        _check_value(key, value, f"{path} [fixed]")
+        raw["fixed"][key] = _check_value(key, value, f"{path} [fixed]")
     rnd = raw.get("random", {})
     for key, dist in rnd.items():
         if key in ("num_points", "seed"):
@@ -168,11 +180,17 @@ def load_spec(path: Path) -> SweepSpec:
             "simulations per sweep"
         )
     max_steps = raw.get("max_steps")
-    if max_steps is not None and not (isinstance(max_steps, int) and max_steps >= 1):
+    if max_steps is not None and not (type(max_steps) is int and max_steps >= 1):  # (no true)
         raise UsageError(f"{path}: max_steps must be an integer >= 1")
     if not isinstance(raw.get("out", ""), str):
         raise UsageError(f"{path}: out must be a directory path (a string)")
     out = raw.get("out")
+    tables = {name: _canonical(raw.get(name, {}) if name != "random" else rnd, f"{path} [{name}]")
+              for name in ("fixed", "grid", "random")}  # fmt: skip
+    for a, b in (("fixed", "grid"), ("fixed", "random"), ("grid", "random")):
+        both = sorted(set(tables[a]) & set(tables[b]) - {"num_points", "seed"})
+        if both:  # (the later table's value silently won)
+            raise UsageError(f"{path}: {', '.join(both)} set in both [{a}] and [{b}]; keep one")
     return SweepSpec(
         trace,
         tuple(seeds),

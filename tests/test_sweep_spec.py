@@ -1,0 +1,46 @@
+"""What a sweep spec may say (a read-only hunt's findings): each setting in one table only,
+`seed` only through the `seeds` list, `max_steps` an integer (true was read as 1), and a grid's
+values as their setting's type (a float setting's [0, 0.0] was two points, simulated twice).
+
+Run: ``python -m pytest tests/test_sweep_spec.py -q``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tltsim.errors import UsageError
+from tltsim.sim.sweep_spec import load_spec, spec_points
+
+TRACE = Path(__file__).resolve().parents[1] / "traces" / "synth_reasoning_rl.json"
+
+
+def spec(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "sweep.toml"
+    path.write_text(f'trace = "{TRACE}"\nseeds = [0]\n{body}')
+    return path
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ("max_steps = true\n[grid]\n\"tlt.threshold\" = [16]\n", "max_steps must be an integer"),
+        ("[fixed]\nnum_gpus = 8\n[grid]\nnum_gpus = [16]\n",
+         "num_gpus set in both [fixed] and [grid]"),
+        ("[fixed]\nspot_training = true\n[grid]\nis_spot_training = [false]\n",
+         "is_spot_training set in both [fixed] and [grid]"),
+        ("[grid]\nseed = [1, 2]\n", "seed is set by the spec's 'seeds' list"),
+    ],
+)  # fmt: skip
+def test_a_spec_that_says_one_thing_twice_or_wrongly_is_one_line(tmp_path, body, says):
+    with pytest.raises(UsageError, match=says.replace("[", r"\[").replace("]", r"\]")):
+        load_spec(spec(tmp_path, body))
+
+
+def test_grid_values_equal_as_their_type_are_one_point(tmp_path):
+    loaded = load_spec(spec(tmp_path, '[grid]\n"tlt.epsilon" = [0, 0.0, 0.1]\n'))
+    assert loaded.grid["tlt.epsilon"] == [0.0, 0.1]
+    values = [p["tlt.epsilon"] for p in spec_points(loaded) if "tlt.epsilon" in p]
+    assert values == [0.0, 0.1] and all(type(v) is float for v in values)
