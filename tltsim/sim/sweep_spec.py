@@ -95,6 +95,12 @@ def _check_value(key: str, value: Any, source: str) -> Any:
     return typed
 
 
+def _number(typed: Any, value: Any) -> Any:
+    """A number as its setting's type (0 -> 0.0 for a float setting); anything else as the
+    spec wrote it (a strategy list stays the comma string the summary and advise read)."""
+    return typed if type(typed) in (int, float) else value
+
+
 def _hashable(value: Any) -> bool:
     try:
         hash(value)
@@ -148,11 +154,11 @@ def load_spec(path: Path) -> SweepSpec:
         _check_key(key, f"{path} [grid]")
         if not isinstance(values, list) or not values:
             raise UsageError(f"{path} [grid]: {key!r} must be a non-empty list")
-        typed = [_check_value(key, value, f"{path} [grid]") for value in values]
+        typed = [_number(_check_value(key, value, f"{path} [grid]"), value) for value in values]
         raw["grid"][key] = list(dict.fromkeys(typed)) if all(map(_hashable, typed)) else typed
     for key, value in raw.get("fixed", {}).items():
         _check_key(key, f"{path} [fixed]")
-        raw["fixed"][key] = _check_value(key, value, f"{path} [fixed]")
+        raw["fixed"][key] = _number(_check_value(key, value, f"{path} [fixed]"), value)
     rnd = raw.get("random", {})
     for key, dist in rnd.items():
         if key in ("num_points", "seed"):
