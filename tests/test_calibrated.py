@@ -23,6 +23,7 @@ from tltsim.cost.calibrated import (
     CalibratedCost,
     CalibrationError,
     CalibrationParams,
+    load_hardware_preset,
     preset_cost,
     save_hardware_preset,
 )
@@ -455,3 +456,25 @@ def test_sweep_says_whether_the_best_is_distinguishable():
     overlap = summary | {"is_best_distinguishable": False}
     assert "NOT distinguishable" in distinguishable_line(overlap)
     assert "no runner-up" in distinguishable_line({"runner_up": {}})
+
+
+def test_a_preset_of_another_version_and_a_boolean_hardware_field_are_one_line(tmp_path, capsys):
+    """A version 99 preset loaded as version 1; calibrate --hardware FILE took true for a number
+    and wrote a preset that replay then refused."""
+    from tltsim.cli.main import main
+
+    path = tmp_path / "hw.json"
+    save_hardware_preset(path, get_hardware("H100-SXM"), TRUE, {"note": "x"})
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps({**doc, "version": 99}))
+    with pytest.raises(CalibrationError, match="field 'version': expected 1, got 99"):
+        load_hardware_preset(path)
+    spec = {**doc["hardware"], "flops_fraction": True}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    good = _write_profile(tmp_path / "good.csv", _profile_rows(_cost(), noise=0.0))
+    argv = ["calibrate", str(good), "--hardware", str(tmp_path / "spec.json"),
+            "--out", str(tmp_path / "out.json")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "flops_fraction: expected a number, got true" in err and "\n" not in err, err
+    assert not (tmp_path / "out.json").exists()

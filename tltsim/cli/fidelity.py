@@ -47,6 +47,7 @@ from tltsim.fidelity.fit import (
 )
 from tltsim.fidelity.fit_dynamics import DYNAMICS_FIELDS
 from tltsim.fidelity.fit_history import LOGITS, HistoryFit
+from tltsim.jsonio import typed_fields
 from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.history_acceptance import HistoryModel
 from tltsim.trace.files import load_trace
@@ -293,7 +294,14 @@ def _hardware_and_calibration(
         fields = json.loads(path.read_text(encoding="utf-8"))
         if isinstance(fields, dict) and fields.get("format") == PRESET_FORMAT:
             return load_hardware_preset(path)
-        return HardwareSpec(**fields), None
+        if not isinstance(fields, dict):
+            raise TypeError(
+                f"expected an object of HardwareSpec fields, got {type(fields).__name__}"
+            )
+        # each field's type first (true for a number was written out, and replay refused it)
+        return HardwareSpec(**typed_fields(HardwareSpec, fields, f"{path}")), None
+    except UsageError as err:
+        raise UsageError(f"--hardware {arg}: {err}") from None
     except (OSError, TypeError, ValueError, RecursionError) as err:  # JSON/Unicode errors too
         raise UsageError(
             f"--hardware {arg}: not a preset ({', '.join(HARDWARE_PRESETS)}) nor a JSON file of HardwareSpec fields ({err})"

@@ -334,6 +334,11 @@ def load_hardware_preset(path: str | Path) -> tuple[HardwareSpec, CalibrationPar
         raise CalibrationError(
             f"{path}: field 'format': expected '{PRESET_FORMAT}' (written by tltsim calibrate --out)"
         )
+    if doc.get("version") != PRESET_VERSION:  # (a version 99 file loaded as version 1)
+        raise CalibrationError(
+            f"{path}: field 'version': expected {PRESET_VERSION}, got {doc.get('version')!r} "
+            "(written by another tltsim calibrate; calibrate the profile again)"
+        )
     for key, cls in (("hardware", HardwareSpec), ("calibration", CalibrationParams)):
         if type(doc.get(key)) is not dict:
             raise CalibrationError(
