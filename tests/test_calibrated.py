@@ -478,3 +478,10 @@ def test_a_preset_of_another_version_and_a_boolean_hardware_field_are_one_line(t
     err = capsys.readouterr().err.strip()
     assert "flops_fraction: expected a number, got true" in err and "\n" not in err, err
     assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("field", ["sample_s_per_token", "step_overhead_s", "gemm_half_tokens"])
+def test_absurd_calibration_values_are_refused(field):
+    """sample_s_per_token = 1e308 ran to NaN step times and 0.00x speedups, exit 0."""
+    with pytest.raises(ValueError, match=f"{field} must be at most"):
+        dataclasses.replace(TRUE, **{field: 1e308})

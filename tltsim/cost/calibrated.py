@@ -92,6 +92,12 @@ class CalibrationParams:
         ):
             if not getattr(self, name) >= 0 or not math.isfinite(getattr(self, name)):
                 raise ValueError(f"CalibrationParams: {name} must be a finite number >= 0")
+            # A fixed cost beyond a second is no GPU engine's (fits stay within 0.1 s,
+            # tltsim.cost.calibrate.BOUNDS); 1e308 ran to NaN step times and 0.00x speedups
+            if name != "gemm_half_tokens" and getattr(self, name) > 1.0:
+                raise ValueError(f"CalibrationParams: {name} must be at most 1 s")
+        if self.gemm_half_tokens > 2**31:
+            raise ValueError("CalibrationParams: gemm_half_tokens must be at most 2^31 tokens")
         if self.overlap_exponent is not None and not 1.0 <= self.overlap_exponent < math.inf:
             raise ValueError("CalibrationParams: overlap_exponent must be >= 1 (or None: max)")
 
