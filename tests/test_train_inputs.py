@@ -231,3 +231,11 @@ def test_under_torchrun_the_world_size_is_the_number_of_workers_before_any_check
             str(tmp_path / "c.toml")]  # fmt: skip
     assert main(argv) == 0
     assert ran[0].num_workers == 4 and ran[0].fsdp_size == 4
+
+
+def test_more_reward_processes_than_cores_is_refused():
+    import os
+
+    with pytest.raises(ValueError, match="reward_processes 100000: at most this machine's"):
+        TrainConfig(model_dir="m", out="o", reward_processes=100_000)
+    TrainConfig(model_dir="m", out="o", reward_processes=os.cpu_count() or 1)

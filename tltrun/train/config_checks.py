@@ -101,6 +101,12 @@ def check_train_config(cfg: Any) -> None:
                  "max_prompt_tokens", "max_tokens_per_microbatch"):  # fmt: skip
         if getattr(cfg, name) < 1:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    # each is a process per worker: 10^5 would start that many (more than cores only contend)
+    if cfg.reward_processes > (os.cpu_count() or 1):
+        raise ValueError(
+            f"reward_processes {cfg.reward_processes}: at most this machine's "
+            f"{os.cpu_count()} cores"
+        )
     # HSDP (shard within groups of fsdp_size, replicate across them) is not implemented
     if cfg.fsdp_size not in (1, cfg.num_workers):
         raise ValueError(
