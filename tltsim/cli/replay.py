@@ -4,8 +4,11 @@
     tltsim replay traces/servegen_r1_rl.json --num-gpus 64 --policy nospec,tlt --out results/r1
     tltsim report results/r1
 
-Flags map 1:1 onto ``SimConfig`` (cluster), ``ReplayConfig`` (what to run), ``TLTConfig``
-(``--tlt-*``), ``DrafterDynamics`` (``--drafter-*``) and ``SpotTrainerConfig`` (``--spot-*``).
+Flags map 1:1 onto ``SimConfig`` (cluster; ``--spot-startup-s``, ``--spot-checkpoint-s`` and
+``--drafter-update-tokens`` are its fields too), ``ReplayConfig`` (what to run), ``TLTConfig``
+(``--tlt-*``), ``DrafterDynamics`` (``--drafter-*``), ``SpotTrainerConfig`` (``--spot-*``) and
+``HistoryModel`` (``--history-*``), besides the file flags ``--profile``,
+``--drafter-dynamics`` and ``--hardware-file``.
 ``--profile FILE`` (``tltrun profile``) replaces the roofline by the measured profile, which the
 roofline still backs for ops the profile lacks; ``--drafter-dynamics FILE`` (``tltsim fit``)
 sets the ``--drafter-*`` defaults.
