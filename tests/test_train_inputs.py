@@ -239,3 +239,21 @@ def test_more_reward_processes_than_cores_is_refused():
     with pytest.raises(ValueError, match="reward_processes 100000: at most this machine's"):
         TrainConfig(model_dir="m", out="o", reward_processes=100_000)
     TrainConfig(model_dir="m", out="o", reward_processes=os.cpu_count() or 1)
+
+
+def test_a_run_recorded_with_relative_paths_resumes_unchanged(tmp_path, monkeypatch):
+    """Older runs recorded --model-dir / --data / --reward file.py:fn as typed; the resume now
+    records them absolute, which is the same setting, not a change of the run."""
+    from tltrun.train.config_checks import absolute_paths, is_same_path
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "d.jsonl").write_text("{}\n")
+    (tmp_path / "r.py").write_text("def score(prompt, response, answer):\n    return 0.0\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = absolute_paths(TrainConfig(model_dir="m", out="o", data="d.jsonl", reward="r.py:score"))
+    assert cfg.model_dir == str(tmp_path / "m") and cfg.data == str(tmp_path / "d.jsonl")
+    assert cfg.reward == f"{tmp_path / 'r.py'}:score" and cfg.out == "o"
+    for name, old in (("model_dir", "m"), ("data", "d.jsonl"), ("reward", "r.py:score")):
+        assert is_same_path(TrainConfig, name, old, getattr(cfg, name))
+    assert not is_same_path(TrainConfig, "model_dir", "elsewhere", cfg.model_dir)
+    assert not is_same_path(TrainConfig, "lr", 1e-5, 2e-5)

@@ -19,6 +19,7 @@ from typing import Any
 
 from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import SamplingParams
+from tltrun.train.config_checks import absolute_paths
 from tltsim.cli.args import Terminated, add_dataclass_args, dataclass_from_args
 from tltsim.errors import StoppedError, UsageError
 
@@ -200,28 +201,6 @@ def offline_configs_from_args(
     recorded = {name: absolute_paths(cfg) for name, cfg in recorded.items()}
     resumable.refuse_changes(Path(args.out) / config_file, recorded, given)
     return given
-
-
-def absolute_paths(cfg: Any) -> Any:
-    """``cfg`` with its input paths (fields shown as PATH or DIR, ``out`` aside) absolute where
-    they name something on this machine (a reasoning-gym spec stays as it is): a run recorded
-    `--data d.jsonl` and could be resumed or evaluated only from the directory it started in,
-    and a respelled path (`../d.jsonl`) was refused as other data."""
-    changes = {
-        f.name: absolute_path(f, getattr(cfg, f.name))
-        for f in dataclasses.fields(cfg)
-        if absolute_path(f, getattr(cfg, f.name)) != getattr(cfg, f.name)
-    }
-    return dataclasses.replace(cfg, **changes) if changes else cfg
-
-
-def absolute_path(f: dataclasses.Field, value: Any) -> Any:
-    """``value`` of field ``f`` as ``absolute_paths`` records it."""
-    if f.name == "out" or f.metadata.get("metavar") not in ("PATH", "DIR"):
-        return value
-    if isinstance(value, str) and value and Path(value).exists():
-        return str(Path(value).resolve())
-    return value
 
 
 def _typed_flag(dest: str, value: Any) -> str:

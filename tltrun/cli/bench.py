@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from tltrun.cli.args import (
-    absolute_paths,
     add_engine_args,
     check_kv_cache_fits,
     engine_config_from_args,
@@ -33,6 +32,7 @@ from tltrun.rollout.bench import (
     run_bench,
     select_steps,
 )
+from tltrun.train.config_checks import absolute_paths
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.cli.table import format_table
 from tltsim.errors import UsageError

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from tltrun.cli.args import (
-    absolute_paths,
     add_engine_args,
     check_kv_cache_fits,
     engine_config_from_args,
@@ -39,6 +38,7 @@ from tltrun.cli.generations_log import GenerationsLog
 from tltrun.data.tokenizer import load_tokenizer
 from tltrun.rollout.engine_config import DTYPES
 from tltrun.rollout.interface import Request
+from tltrun.train.config_checks import absolute_paths
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.errors import UsageError
 from tltsim.jsonio import parse_json, read_text, write_json

@@ -23,10 +23,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tltrun.cli.args import absolute_path, absolute_paths
 from tltrun.train import launch
 from tltrun.train import state as train_state
 from tltrun.train.config import TrainConfig
+from tltrun.train.config_checks import absolute_path, absolute_paths
 from tltrun.train.tasks import TaskConfig
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args, given_fields
 from tltsim.errors import UsageError

@@ -6,6 +6,7 @@ change against the run's recorded config and inputs (``check_overridable``,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
@@ -267,3 +268,38 @@ def check_eval_flags(cfg) -> None:
             f"--eval-num-samples {cfg.eval_num_samples} at --temperature {cfg.temperature}: "
             "greedy responses are all the same; use 1, or a temperature to sample at"
         )
+
+
+def absolute_paths(cfg: Any) -> Any:
+    """``cfg`` with its input paths (fields shown as PATH or DIR, ``out`` aside) absolute where
+    they name something on this machine (a reasoning-gym spec stays as it is): a run recorded
+    `--data d.jsonl` and could be resumed or evaluated only from the directory it started in,
+    and a respelled path (`../d.jsonl`) was refused as other data."""
+    changes = {
+        f.name: absolute_path(f, getattr(cfg, f.name))
+        for f in dataclasses.fields(cfg)
+        if absolute_path(f, getattr(cfg, f.name)) != getattr(cfg, f.name)
+    }
+    return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def absolute_path(f: dataclasses.Field, value: Any) -> Any:
+    """``value`` of field ``f`` as ``absolute_paths`` records it (``--reward file.py:function``
+    too: its file was looked up from wherever a resume ran)."""
+    if f.name == "reward" and isinstance(value, str):
+        path, sep, function = value.strip().rpartition(":")
+        if sep and path.endswith(".py") and Path(path).is_file():
+            return f"{Path(path).resolve()}:{function}"
+        return value
+    if f.name == "out" or f.metadata.get("metavar") not in ("PATH", "DIR"):
+        return value
+    if isinstance(value, str) and value and Path(value).exists():
+        return str(Path(value).resolve())
+    return value
+
+
+def is_same_path(cls: type, name: str, before: object, after: object) -> bool:
+    """Whether field ``name`` of dataclass ``cls`` went from a relative path (older runs
+    recorded paths as typed) to the same path spelt absolute (``absolute_paths``)."""
+    field = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    return field is not None and before != after and absolute_path(field, before) == after

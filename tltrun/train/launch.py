@@ -53,7 +53,12 @@ from pathlib import Path
 
 from tltrun.rollout.vllm_config import check_vllm_cpu_head_size, quiet_vllm_logs
 from tltrun.train.config import RESUME_NEUTRAL_FIELDS, TrainConfig
-from tltrun.train.config_checks import check_eval_flags, check_overridable, check_same_inputs
+from tltrun.train.config_checks import (
+    check_eval_flags,
+    check_overridable,
+    check_same_inputs,
+    is_same_path,
+)
 from tltrun.train.prompts import warn_data
 from tltrun.train.tasks import TaskConfig
 from tltsim.errors import TLTError, UsageError, WorkerError, is_input_error_name
@@ -450,6 +455,8 @@ def prepare_run_dir(
         for section in ("train", "task"):
             changed = train_state.config_diff(old.get(section, {}), new[section])
             for name, values in changed.items():
+                if section == "train" and is_same_path(TrainConfig, name, *values):
+                    continue  # recorded relative by an older run, absolute now: not a change
                 is_neutral = section == "train" and name in RESUME_NEUTRAL_FIELDS
                 (neutral if is_neutral else diff)[f"{section}.{name}"] = values
         shown = "; ".join(
