@@ -455,9 +455,10 @@ def prepare_run_dir(
         for section in ("train", "task"):
             changed = train_state.config_diff(old.get(section, {}), new[section])
             for name, values in changed.items():
-                if section == "train" and is_same_path(TrainConfig, name, *values):
-                    continue  # recorded relative by an older run, absolute now: not a change
-                is_neutral = section == "train" and name in RESUME_NEUTRAL_FIELDS
+                # a path an older run recorded relative, absolute now: no change of the run,
+                # recorded as such so that later resumes work from any directory too
+                is_same = section == "train" and is_same_path(TrainConfig, name, *values)
+                is_neutral = is_same or (section == "train" and name in RESUME_NEUTRAL_FIELDS)
                 (neutral if is_neutral else diff)[f"{section}.{name}"] = values
         shown = "; ".join(
             f"{key.removeprefix('train.')}: {a!r} -> {b!r}" for key, (a, b) in diff.items()
