@@ -275,11 +275,8 @@ def absolute_paths(cfg: Any) -> Any:
     they name something on this machine (a reasoning-gym spec stays as it is): a run recorded
     `--data d.jsonl` and could be resumed or evaluated only from the directory it started in,
     and a respelled path (`../d.jsonl`) was refused as other data."""
-    changes = {
-        f.name: absolute_path(f, getattr(cfg, f.name))
-        for f in dataclasses.fields(cfg)
-        if absolute_path(f, getattr(cfg, f.name)) != getattr(cfg, f.name)
-    }
+    resolved = {f.name: absolute_path(f, getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    changes = {name: value for name, value in resolved.items() if value != getattr(cfg, name)}
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
