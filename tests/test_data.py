@@ -186,7 +186,7 @@ def test_bad_sources_are_one_line_errors(tmp_path):
             load_rows(DataSpec(path=str(tmp_path / name)))
         assert expected in str(err.value) and "\n" not in str(err.value), (name, str(err.value))
     (tmp_path / "notds").mkdir()
-    with pytest.raises(DataError, match="not a directory written by datasets' save_to_disk"):
+    with pytest.raises(DataError, match="no data files .* save_to_disk did not write"):
         load_rows(DataSpec(path=str(tmp_path / "notds")))
     (tmp_path / "big.json").write_text('[{"prompt": "x", "answer": ' + "9" * 5000 + "}]")
     with pytest.raises(DataError, match="big.json: not a JSON file .*4300 digits"):

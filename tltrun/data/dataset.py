@@ -11,6 +11,9 @@ Sources (``DataSpec.path``), nothing read from the network:
   first line number;
 * a directory written by ``datasets.Dataset.save_to_disk`` (or a ``DatasetDict``: its ``train``
   split, or its only split), read with ``datasets.load_from_disk`` under ``HF_DATASETS_OFFLINE=1``;
+* any other directory: the shards of one dataset, its files of one of the formats above in name
+  order (a hub dataset's ``train-00000-of-00002.parquet`` ...; its train split's files where the
+  names say several splits); a row's place is its shard's;
 * ``reasoning-gym:<task>[?key=value&...]`` — ``num_rows`` procedurally generated problems of a
   reasoning-gym task from ``seed`` (``gym.py``); ``key=value`` pairs go to the task's config
   (values parsed as JSON when they parse, e.g. ``min_terms=2``), except ``system_prompt=<name>``
@@ -25,17 +28,15 @@ a reward receives. A bad row (missing key, wrong type, empty prompt, a prompt lo
 ``DataError`` line naming file, line and key, or, with ``is_skip_bad_rows``, is skipped and
 counted. ``num_rows`` also caps a file: its first N rows are read.
 
-A row's ``prompt_id`` is ``<file name>:<row index>`` (0-based over all rows of the file, skipped
+Reading (formats, directories) is ``readers.py``. A row's ``prompt_id`` is ``<file or directory
+name>:<row index>`` (0-based over all rows of the file, or of the directory's shards, skipped
 ones included, so ids do not move when a bad row is fixed), ``gym:<task>:<seed>:<index>`` for
 reasoning-gym rows.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import math
-import os
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -43,10 +44,10 @@ from pathlib import Path
 from typing import Any
 
 from tltrun.data.gym import gym_rows, parse_gym_path
+from tltrun.data.readers import DataError, RawRow, read_records, type_name
 from tltrun.data.rows import GYM_PREFIX, PromptRow, json_safe
 from tltrun.data.scoring import positional
 from tltrun.data.tokenizer import ChatTemplateError
-from tltsim.errors import UsageError
 
 # reasoning-gym rows generated when DataSpec.num_rows is not given: enough that a run of a few
 # hundred steps x 32 prompts does not repeat a problem within an epoch (a design choice, not a
@@ -54,11 +55,6 @@ from tltsim.errors import UsageError
 DEFAULT_GYM_ROWS = 10_000
 # Reasons kept verbatim in LoadedData.skipped; the rest are only counted.
 MAX_SKIPPED_REASONS = 5
-FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
-
-
-class DataError(UsageError):
-    """A dataset that cannot be used; one line naming the file, the line or row, and the key."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,17 +94,6 @@ class LoadedData:
     rows: tuple[PromptRow, ...]
     num_skipped: int
     skipped: tuple[str, ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class _RawRow:
-    """A record as read, before checking: its 0-based index, its place for messages, and either
-    the record or why it could not be read."""
-
-    index: int
-    place: str
-    record: dict[str, Any] | None
-    problem: str = ""
 
 
 class _BadRow(Exception):
@@ -177,7 +162,7 @@ def _file_rows(spec: DataSpec) -> Iterator[PromptRow | str]:
     if not path.exists():
         raise DataError(f"{spec.path}: no such file or directory")
     name = path.name
-    for raw in _read_records(path, spec.num_rows):
+    for raw in read_records(path, spec.num_rows):
         if raw.record is None:
             yield f"{raw.place}: {raw.problem}"
             continue
@@ -187,146 +172,7 @@ def _file_rows(spec: DataSpec) -> Iterator[PromptRow | str]:
             yield str(bad)
 
 
-def _read_records(path: Path, num_rows: int | None) -> Iterator[_RawRow]:
-    if path.is_dir():
-        records: Iterator[_RawRow] = _read_saved_dataset(path)
-    elif path.suffix == ".jsonl":
-        records = _read_jsonl(path)
-    elif path.suffix == ".json":
-        records = _read_json_list(path)
-    elif path.suffix == ".parquet":
-        records = _read_parquet(path)
-    elif path.suffix == ".csv":
-        records = _read_csv(path)
-    else:
-        raise DataError(
-            f"{path}: unknown data format {path.suffix!r}; expected one of "
-            f"{', '.join(FILE_SUFFIXES)}, a datasets directory or {GYM_PREFIX}<task>"
-        )
-    for raw in records:
-        if num_rows is not None and raw.index >= num_rows:
-            return
-        yield raw
-
-
-def _read_jsonl(path: Path) -> Iterator[_RawRow]:
-    index = 0
-    try:
-        with path.open(encoding="utf-8-sig") as f:  # -sig: a leading BOM is not data
-            for line_no, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                place = f"{path}:{line_no}"
-                try:
-                    record = json.loads(line)
-                except (ValueError, RecursionError) as err:  # too deep; an int of > 4300 digits
-                    msg = err.msg if isinstance(err, json.JSONDecodeError) else _one_line(err)
-                    yield _RawRow(
-                        index=index, place=place, record=None, problem=f"bad JSON ({msg})"
-                    )
-                else:
-                    if isinstance(record, dict):
-                        yield _RawRow(index=index, place=place, record=record)
-                    else:
-                        yield _RawRow(
-                            index=index,
-                            place=place,
-                            record=None,
-                            problem=f"expected a JSON object, got {_type_name(record)}",
-                        )
-                index += 1
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-
-
-def _read_json_list(path: Path) -> Iterator[_RawRow]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8-sig"))
-    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, big int
-        raise DataError(f"{path}: not a JSON file ({_one_line(err)})") from None
-    if not isinstance(data, list):
-        raise DataError(f"{path}: expected a JSON list of objects, got {_type_name(data)}")
-    for index, record in enumerate(data):
-        place = f"{path}:row {index + 1}"
-        if isinstance(record, dict):
-            yield _RawRow(index=index, place=place, record=record)
-        else:
-            problem = f"expected a JSON object, got {_type_name(record)}"
-            yield _RawRow(index=index, place=place, record=None, problem=problem)
-
-
-def _read_parquet(path: Path) -> Iterator[_RawRow]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except (pa.ArrowException, OSError) as err:
-        raise DataError(f"{path}: not a readable Parquet file ({_one_line(err)})") from None
-    for index, record in enumerate(table.to_pylist()):
-        yield _RawRow(index=index, place=f"{path}:row {index + 1}", record=record)
-
-
-def _read_csv(path: Path) -> Iterator[_RawRow]:
-    try:
-        # utf-8-sig: Excel's "CSV UTF-8" starts with a BOM, which would stick to the first column
-        with path.open(encoding="utf-8-sig", newline="") as f:
-            reader = csv.reader(f)
-            header = next(reader, None)
-            if not header:
-                raise DataError(f"{path}: empty CSV file (expected a header line)")
-            line_no = reader.line_num + 1
-            index = 0
-            for values in reader:
-                place = f"{path}:{line_no}"
-                line_no = reader.line_num + 1
-                if not values:  # a blank line, skipped as in JSONL
-                    continue
-                if len(values) != len(header):
-                    problem = f"expected {len(header)} fields as in the header, got {len(values)}"
-                    yield _RawRow(index=index, place=place, record=None, problem=problem)
-                else:
-                    yield _RawRow(
-                        index=index, place=place, record=dict(zip(header, values, strict=True))
-                    )
-                index += 1
-    except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    except csv.Error as err:
-        raise DataError(f"{path}: not a CSV file ({_one_line(err)})") from None
-
-
-def _read_saved_dataset(path: Path) -> Iterator[_RawRow]:
-    # Set before datasets is imported (it reads the variable once): load_from_disk needs no
-    # network, and this keeps any lookup it might do off it.
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    import datasets
-
-    try:
-        loaded = datasets.load_from_disk(str(path))
-    # KeyError, TypeError: a damaged state.json or dataset_info.json
-    except (ValueError, OSError, KeyError, TypeError) as err:
-        raise DataError(
-            f"{path}: not a directory written by datasets' save_to_disk ({_one_line(err)})"
-        ) from None
-    if isinstance(loaded, datasets.DatasetDict):
-        splits = sorted(loaded)
-        if not splits:
-            raise DataError(f"{path}: a DatasetDict without splits (no rows)")
-        if "train" in loaded:
-            loaded = loaded["train"]
-        elif len(splits) == 1:
-            loaded = loaded[splits[0]]
-        else:
-            raise DataError(
-                f"{path}: a DatasetDict without a 'train' split and with several splits "
-                f"({', '.join(splits)}); save the one to use with save_to_disk"
-            )
-    for index, record in enumerate(loaded):
-        yield _RawRow(index=index, place=f"{path}:row {index + 1}", record=dict(record))
-
-
-def _check_record(raw: _RawRow, spec: DataSpec, *, prompt_id: str) -> PromptRow:
+def _check_record(raw: RawRow, spec: DataSpec, *, prompt_id: str) -> PromptRow:
     record = raw.record
     assert record is not None
     prompt = _check_prompt(record, spec.prompt_key, raw.place)
@@ -349,7 +195,7 @@ def _check_prompt(record: dict[str, Any], key: str, place: str) -> str | tuple[d
             raise _BadRow(f"{place}: key {key!r}: empty prompt")
         return value
     if not isinstance(value, list | tuple):
-        raise _BadRow(f"{place}: key {key!r}: {expected}, got {_type_name(value)}")
+        raise _BadRow(f"{place}: key {key!r}: {expected}, got {type_name(value)}")
     if not value:
         raise _BadRow(f"{place}: key {key!r}: empty prompt (no chat messages)")
     messages = []
@@ -357,11 +203,11 @@ def _check_prompt(record: dict[str, Any], key: str, place: str) -> str | tuple[d
         if not isinstance(message, dict):
             raise _BadRow(
                 f"{place}: key {key!r}: message {i}: expected an object with 'role' and "
-                f"'content', got {_type_name(message)}"
+                f"'content', got {type_name(message)}"
             )
         for field_name in ("role", "content"):
             if not isinstance(message.get(field_name), str):
-                got = _type_name(message[field_name]) if field_name in message else "nothing"
+                got = type_name(message[field_name]) if field_name in message else "nothing"
                 raise _BadRow(
                     f"{place}: key {key!r}: message {i}: {field_name!r}: expected a string, "
                     f"got {got}"
@@ -380,7 +226,7 @@ def _check_answer(record: dict[str, Any], key: str, place: str) -> str:
     value = record[key]
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise _BadRow(
-            f"{place}: key {key!r}: expected a string or a number, got {_type_name(value)}"
+            f"{place}: key {key!r}: expected a string or a number, got {type_name(value)}"
         )
     if isinstance(value, float) and not math.isfinite(value):
         raise _BadRow(f"{place}: key {key!r}: expected a finite number, got {value}")
@@ -389,28 +235,10 @@ def _check_answer(record: dict[str, Any], key: str, place: str) -> str:
     return positional(str(value)) if isinstance(value, float) else str(value)
 
 
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {
-        dict: "object",
-        list: "list",
-        str: "string",
-        bool: "bool",
-        int: "int",
-        float: "float",
-    }.get(type(value), type(value).__name__)
-
-
 def _columns(record: dict[str, Any]) -> str:
     names = [str(k) for k in record]
     shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
     return shown or "none"
-
-
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return text[:200] or type(err).__name__
 
 
 def split_eval(

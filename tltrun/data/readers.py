@@ -1,0 +1,256 @@
+"""Reading a data source's records before they are checked (``dataset.py`` checks them): JSONL,
+a JSON list, Parquet, CSV, a ``datasets.save_to_disk`` directory, or a directory of data files.
+
+A directory that ``save_to_disk`` did not write (no ``state.json`` / ``dataset_dict.json``) is
+read as the shards of one dataset, the layout of a Hugging Face hub dataset's files
+(``train-00000-of-00002.parquet``, ``train-00001-of-00002.parquet``) or of a Spark/pandas export
+(``part-0.parquet``, ...): its files with one data suffix, in name order, rows numbered across
+them. Where file names say a split (the name's first word is ``train``, ``test``,
+``validation``, ...) and several splits are there, the ``train`` files are read, or the only
+split's; otherwise the directory is refused naming its splits, as a ``DatasetDict`` is.
+Subdirectories are not read (a hub dataset's configs, ``main/`` and ``socratic/``, are
+directories: pass the one to use).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tltrun.data.rows import GYM_PREFIX
+from tltsim.errors import UsageError
+
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+# Split names as datasets' data-files resolution knows them (its "train"/"validation"/"test"
+# keywords and their usual spellings); the first word of a shard's name.
+# What save_to_disk writes beside the data: a Dataset's state.json, a DatasetDict's dataset_dict.json.
+SAVE_TO_DISK_FILES = ("state.json", "dataset_dict.json")
+SPLIT_WORDS = ("train", "training", "validation", "valid", "val", "dev", "eval", "test", "testing")
+
+
+class DataError(UsageError):
+    """A dataset that cannot be used; one line naming the file, the line or row, and the key."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RawRow:
+    """A record as read, before checking: its 0-based index, its place for messages, and either
+    the record or why it could not be read."""
+
+    index: int
+    place: str
+    record: dict[str, Any] | None
+    problem: str = ""
+
+
+def read_records(path: Path, num_rows: int | None) -> Iterator[RawRow]:
+    """The records of ``path`` (a file or a directory, see the module docstring), their indices
+    0-based over the whole source; only the first ``num_rows`` when it is given."""
+    if not path.is_dir():
+        records = _read_file(path, index_from=0)
+    elif any((path / name).is_file() for name in SAVE_TO_DISK_FILES):
+        records = _read_saved_dataset(path)
+    else:
+        records = _read_shards(path, shard_files(path))
+    for raw in records:
+        if num_rows is not None and raw.index >= num_rows:
+            return
+        yield raw
+
+
+def _read_file(path: Path, *, index_from: int) -> Iterator[RawRow]:
+    readers = {
+        ".jsonl": _read_jsonl,
+        ".json": _read_json_list,
+        ".parquet": _read_parquet,
+        ".csv": _read_csv,
+    }
+    if path.suffix not in readers:
+        raise DataError(
+            f"{path}: unknown data format {path.suffix!r}; expected one of "
+            f"{', '.join(FILE_SUFFIXES)}, a datasets directory or {GYM_PREFIX}<task>"
+        )
+    for raw in readers[path.suffix](path):
+        yield replace(raw, index=raw.index + index_from) if index_from else raw
+
+
+def shard_files(path: Path) -> tuple[Path, ...]:
+    """The files of the directory ``path`` read as one dataset's shards, in name order (see the
+    module docstring); a ``DataError`` naming what is there when none, or no one choice, fits."""
+    files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix in FILE_SUFFIXES)
+    if not files:
+        subdirs = sorted(f.name for f in path.iterdir() if f.is_dir())
+        inside = f"; its subdirectories: {', '.join(subdirs[:8])} (pass one)" if subdirs else ""
+        raise DataError(
+            f"{path}: a directory with no data files ({', '.join(FILE_SUFFIXES)}) that datasets' "
+            f"save_to_disk did not write{inside}"
+        )
+    suffixes = sorted({f.suffix for f in files})
+    if len(suffixes) > 1:
+        raise DataError(
+            f"{path}: data files of several formats ({', '.join(suffixes)}); a directory is read "
+            "as the shards of one dataset: keep one format in it, or pass one file"
+        )
+    splits: dict[str | None, list[Path]] = {}
+    for f in files:
+        word = re.split(r"[-_.]", f.stem.lower(), maxsplit=1)[0]
+        splits.setdefault(word if word in SPLIT_WORDS else None, []).append(f)
+    if set(splits) == {None}:
+        return tuple(files)
+    named = sorted(s for s in splits if s is not None)
+    if "train" in splits:
+        return tuple(splits["train"])
+    if len(splits) == 1:
+        return tuple(splits[named[0]])
+    raise DataError(
+        f"{path}: files of several splits ({', '.join(named)}"
+        f"{', and files of none' if None in splits else ''}) and none named train; pass the "
+        "file to use, or a directory holding one split's files"
+    )
+
+
+def _read_shards(path: Path, files: tuple[Path, ...]) -> Iterator[RawRow]:
+    index_from = 0
+    for f in files:
+        for raw in _read_file(f, index_from=index_from):
+            yield raw
+            index_from = raw.index + 1
+
+
+def _read_jsonl(path: Path) -> Iterator[RawRow]:
+    index = 0
+    try:
+        with path.open(encoding="utf-8-sig") as f:  # -sig: a leading BOM is not data
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                place = f"{path}:{line_no}"
+                try:
+                    record = json.loads(line)
+                except (ValueError, RecursionError) as err:  # too deep; an int of > 4300 digits
+                    msg = err.msg if isinstance(err, json.JSONDecodeError) else one_line(err)
+                    yield RawRow(index=index, place=place, record=None, problem=f"bad JSON ({msg})")
+                else:
+                    if isinstance(record, dict):
+                        yield RawRow(index=index, place=place, record=record)
+                    else:
+                        yield RawRow(
+                            index=index,
+                            place=place,
+                            record=None,
+                            problem=f"expected a JSON object, got {type_name(record)}",
+                        )
+                index += 1
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def _read_json_list(path: Path) -> Iterator[RawRow]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, big int
+        raise DataError(f"{path}: not a JSON file ({one_line(err)})") from None
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON list of objects, got {type_name(data)}")
+    for index, record in enumerate(data):
+        place = f"{path}:row {index + 1}"
+        if isinstance(record, dict):
+            yield RawRow(index=index, place=place, record=record)
+        else:
+            problem = f"expected a JSON object, got {type_name(record)}"
+            yield RawRow(index=index, place=place, record=None, problem=problem)
+
+
+def _read_parquet(path: Path) -> Iterator[RawRow]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{path}: not a readable Parquet file ({one_line(err)})") from None
+    for index, record in enumerate(table.to_pylist()):
+        yield RawRow(index=index, place=f"{path}:row {index + 1}", record=record)
+
+
+def _read_csv(path: Path) -> Iterator[RawRow]:
+    try:
+        # utf-8-sig: Excel's "CSV UTF-8" starts with a BOM, which would stick to the first column
+        with path.open(encoding="utf-8-sig", newline="") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if not header:
+                raise DataError(f"{path}: empty CSV file (expected a header line)")
+            line_no = reader.line_num + 1
+            index = 0
+            for values in reader:
+                place = f"{path}:{line_no}"
+                line_no = reader.line_num + 1
+                if not values:  # a blank line, skipped as in JSONL
+                    continue
+                if len(values) != len(header):
+                    problem = f"expected {len(header)} fields as in the header, got {len(values)}"
+                    yield RawRow(index=index, place=place, record=None, problem=problem)
+                else:
+                    yield RawRow(
+                        index=index, place=place, record=dict(zip(header, values, strict=True))
+                    )
+                index += 1
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except csv.Error as err:
+        raise DataError(f"{path}: not a CSV file ({one_line(err)})") from None
+
+
+def _read_saved_dataset(path: Path) -> Iterator[RawRow]:
+    # Set before datasets is imported (it reads the variable once): load_from_disk needs no
+    # network, and this keeps any lookup it might do off it.
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    # KeyError, TypeError: a damaged state.json or dataset_info.json
+    except (ValueError, OSError, KeyError, TypeError) as err:
+        raise DataError(
+            f"{path}: not a directory written by datasets' save_to_disk ({one_line(err)})"
+        ) from None
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = sorted(loaded)
+        if not splits:
+            raise DataError(f"{path}: a DatasetDict without splits (no rows)")
+        if "train" in loaded:
+            loaded = loaded["train"]
+        elif len(splits) == 1:
+            loaded = loaded[splits[0]]
+        else:
+            raise DataError(
+                f"{path}: a DatasetDict without a 'train' split and with several splits "
+                f"({', '.join(splits)}); save the one to use with save_to_disk"
+            )
+    for index, record in enumerate(loaded):
+        yield RawRow(index=index, place=f"{path}:row {index + 1}", record=dict(record))
+
+
+def type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {
+        dict: "object",
+        list: "list",
+        str: "string",
+        bool: "bool",
+        int: "int",
+        float: "float",
+    }.get(type(value), type(value).__name__)
+
+
+def one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text[:200] or type(err).__name__
