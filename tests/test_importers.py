@@ -18,6 +18,7 @@ import pytest
 from scipy import stats
 
 from tltsim.cli.main import main
+from tltsim.errors import InputWarning
 from tltsim.trace.files import load_trace
 from tltsim.trace.importers import ImportConfig, import_azure, import_servegen, import_trace
 from tltsim.trace.schema import Trace, TraceError
@@ -227,6 +228,28 @@ BAD_SOURCES = {
         ["median_prompt_tokens and prompt_tokens_sigma draw ServeGen's prompt lengths"],
     ),
     "empty file": ("azure-code", "a.csv", "", [], ["empty file"]),
+    # pandas took the first of 4 values for the index and read 500 as a client id, 1 as a length
+    "a value more than the header": (
+        "servegen",
+        "s.csv",
+        "client_id,window_start_s,output_tokens\n1,0,500,1\n1,0,700,1\n",
+        [],
+        ["rows with more values than the header's 3 columns"],
+    ),
+    "a boolean column": (
+        "servegen",
+        "s.csv",
+        "client_id,window_start_s,output_tokens\n1,0,True\n1,0,True\n",
+        [],
+        ["line 2", "got True"],
+    ),
+    "a fraction, as written": (
+        "servegen",
+        "s.csv",
+        "client_id,window_start_s,output_tokens\n1,0,2.5\n",
+        [],
+        ["line 2", "got 2.5"],
+    ),
 }
 
 
@@ -342,3 +365,58 @@ def test_a_blank_cell_in_a_row_not_selected_is_not_read(tmp_path: Path) -> None:
     assert set(lengths) <= {5, 9} and lengths
     (tmp_path / "s.csv").write_text("client_id,window_start_s,output_tokens\n0,0,5\n0,0,2.5\n")
     assert main([*argv[:3], "--out", str(tmp_path / "u.json")]) == 2
+
+
+def test_rows_ending_in_a_comma_keep_their_columns(tmp_path: Path) -> None:
+    """A spreadsheet's trailing comma made pandas shift every column (an internal error, or the
+    client ids read as lengths)."""
+    text = "client_id,window_start_s,output_tokens\n52,0,500,\n52,0,700,\n"
+    (tmp_path / "s.csv").write_text(text)
+    trace = import_servegen(tmp_path / "s.csv", ImportConfig(num_steps=2, prompts_per_step=1,
+                                                             group_size=2))  # fmt: skip
+    assert set(trace.response_lengths()) <= {500, 700} and trace.max_response_tokens == 700
+
+
+def test_a_bad_value_in_a_gzip_or_a_pipe_names_its_place(tmp_path: Path) -> None:
+    """The gzip's line was looked up in its compressed bytes read as text ("'utf-8' codec can't
+    decode"), a pipe's in a stream already read (an internal IndexError)."""
+    import gzip
+
+    text = "client_id,window_start_s,output_tokens\n1,0,5\n\n1,0,-4\n"
+    with gzip.open(tmp_path / "s.csv.gz", "wt") as fh:
+        fh.write(text)
+    with pytest.raises(TraceError, match=r"s\.csv\.gz: line 4: column 'output_tokens'.*got -4$"):
+        import_servegen(tmp_path / "s.csv.gz", ImportConfig(num_steps=1))
+    read, write = os.pipe()
+    os.write(write, text.encode())
+    os.close(write)
+    with pytest.raises(TraceError, match=r": row 2: column 'output_tokens'.*got -4$"):
+        import_servegen(Path(f"/dev/fd/{read}"), ImportConfig(num_steps=1))
+    os.close(read)
+
+
+def test_out_as_the_source_is_refused_and_the_source_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    _servegen_file(tmp_path / "sg.csv")
+    before = (tmp_path / "sg.csv").read_bytes()
+    out = tmp_path / "x" / ".." / "sg.csv"  # another spelling of the same file
+    assert main(["import", "servegen", str(tmp_path / "sg.csv"), "--out", str(out)]) == 2
+    assert "is the source file" in capsys.readouterr().err
+    assert (tmp_path / "sg.csv").read_bytes() == before
+
+
+def test_the_cap_is_the_files_maximum_and_a_small_selection_warns(tmp_path: Path) -> None:
+    """A selection's own maximum was taken for the cap: client 7 window 21600's longest
+    responses were marked as cut at a limit the service never had."""
+    source = _servegen_file(tmp_path / "sg.csv")
+    cfg = ImportConfig(num_steps=2, client_id=7, window_start_s=21600)
+    trace = import_servegen(tmp_path / "sg.csv", cfg)
+    assert trace.max_response_tokens == source.max() > max(trace.response_lengths())
+    assert not any(r.finish == "length" for s in trace.steps for p in s.prompts
+                   for r in p.responses)  # fmt: skip
+    text = "client_id,window_start_s,output_tokens\n1,0,531\n2,0,900\n"
+    (tmp_path / "one.csv").write_text(text)
+    with pytest.warns(InputWarning, match="1 selected rows .* for 256 responses a step"):
+        trace = import_servegen(tmp_path / "one.csv", ImportConfig(num_steps=1, client_id=1))
+    assert set(trace.response_lengths()) == {531} and trace.max_response_tokens == 900

@@ -68,6 +68,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _cmd_import(args: argparse.Namespace) -> int:
     _check_out(args.out)
+    if args.out.resolve() == args.src.resolve():  # the trace replaced the source, then failed
+        raise UsageError(f"--out {args.out}: is the source file; write the trace elsewhere")
     cfg = dataclass_from_args(ImportConfig, args)
     try:
         trace = import_trace(args.kind, args.src, cfg)

@@ -91,13 +91,18 @@ def save_trace(trace: Trace, path: str | Path, allow_lossy: bool = False) -> Non
     suffix = trace_suffix(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    if suffix in TABULAR_SUFFIXES:
-        from tltsim.trace import table
+    try:
+        if suffix in TABULAR_SUFFIXES:
+            from tltsim.trace import table
 
-        table.write_table(trace, path, suffix, allow_lossy, write_to=tmp)
-    else:
-        data = dumps_trace(trace).encode()
-        if suffix == ".json.gz":
-            data = gzip.compress(data, mtime=0)  # mtime=0: same trace, same bytes
-        tmp.write_bytes(data)
-    os.replace(tmp, path)
+            table.write_table(trace, path, suffix, allow_lossy, write_to=tmp)
+        else:
+            data = dumps_trace(trace).encode()
+            if suffix == ".json.gz":
+                data = gzip.compress(data, mtime=0)  # mtime=0: same trace, same bytes
+            tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as err:  # named by the path asked for, not by the temporary one
+        if tmp.is_file():
+            tmp.unlink()
+        raise OSError(err.errno, err.strerror, str(path)) from None

@@ -30,13 +30,14 @@ of its responses: the measured log-log correlation is -0.005 (code) and 0.09 (co
 has no input lengths; prompts get the synthetic generator's lognormal prompt lengths (median and
 spread from the Azure conversation trace, see ``tltsim.trace.synth.GenConfig``).
 
-The response cap (``max_response_tokens``) defaults to the largest length in the selected rows:
-32,768 for ServeGen R1, where requests pile up at the service's output limit; responses equal
+The response cap (``max_response_tokens``) defaults to the largest length in the file, whichever
+rows are selected: 32,768 for ServeGen R1, where requests pile up at the service's output limit; responses equal
 to the cap are marked ``finish: "length"``. The Azure files do not say which requests were cut.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from tltsim.errors import InputWarning
 from tltsim.trace.schema import MAX_COUNT, Trace, TraceError, trace_from_arrays
 from tltsim.trace.synth import (
     DIFFICULTY_SIGMA,
@@ -133,11 +135,22 @@ class ImportConfig:
 
 def _read_csv(path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
     try:
-        frame = pd.read_csv(path)
+        with warnings.catch_warnings():
+            # index_col=False: rows ending in a comma (spreadsheet exports) are read as the header
+            # says; pandas otherwise took their first column for the index and shifted every
+            # column by one. A row with more values than the header is refused (pandas drops the
+            # extra with a ParserWarning).
+            warnings.simplefilter("error", pd.errors.ParserWarning)
+            frame = pd.read_csv(path, index_col=False)
     except FileNotFoundError:
         raise TraceError(f"{path}: no such file") from None
     except pd.errors.EmptyDataError:
         raise TraceError(f"{path}: empty file: expected columns {','.join(columns)}") from None
+    except pd.errors.ParserWarning:
+        raise TraceError(
+            f"{path}: rows with more values than the header's {len(columns)} columns "
+            f"({','.join(columns)})"
+        ) from None
     except (pd.errors.ParserError, UnicodeDecodeError, OSError, EOFError) as err:
         raise TraceError(
             f"{path}: not a readable CSV: {str(err).strip().splitlines()[0]}"
@@ -152,15 +165,32 @@ def _read_csv(path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
     return frame
 
 
+def _text(value: Any) -> str:
+    """A cell as the file wrote it, near enough for a message (numpy's repr says np.float64)."""
+    if isinstance(value, float | np.floating) and float(value).is_integer():
+        return str(int(value))
+    return str(value) if isinstance(value, np.generic) else repr(value)
+
+
 def _positive_ints(frame: pd.DataFrame, column: str, path: Path) -> np.ndarray:
     """``frame[column]`` (rows of the file, perhaps a selection of them) as positive integers;
-    an error names the file's line (header line 1, rows from 2)."""
+    an error names the file's line (header line 1, rows from 2), or its row where the lines
+    cannot be read again (a pipe)."""
     values = frame[column]
     rows = frame.index.to_numpy()  # read_csv's RangeIndex: a row's place among the file's rows
 
-    def line(i: int) -> int:  # the file line of selected row i (blank lines skipped by pandas)
-        return csv_row_lines(path, has_meta=False)[rows[i]]
+    def place(i: int) -> str:  # the file line of selected row i (blank lines skipped by pandas)
+        try:
+            lines = csv_row_lines(path, has_meta=False)
+        except (OSError, ValueError, EOFError):  # a stream read once; a damaged gzip tail
+            lines = []
+        return f"line {lines[rows[i]]}" if rows[i] < len(lines) else f"row {rows[i] + 1}"
 
+    if values.dtype.kind == "b":  # True is not a count of 1
+        raise TraceError(
+            f"{path}: {place(0)}: column '{column}': expected a positive integer, got "
+            f"{values.iloc[0]}"
+        )
     if values.dtype.kind not in "iu":
         # a float column: integral values are counts (a blank cell in a row not selected makes
         # the whole column float); anything else names its line
@@ -169,7 +199,8 @@ def _positive_ints(frame: pd.DataFrame, column: str, path: Path) -> np.ndarray:
         if bad.size:
             i = int(bad[0])
             raise TraceError(
-                f"{path}: line {line(i)}: column '{column}': expected a positive integer, got {values.iloc[i]!r}"
+                f"{path}: {place(i)}: column '{column}': expected a positive integer, got "
+                f"{_text(values.iloc[i])}"
             )
         # every selected value a whole number (text in a row not selected made the column
         # text: the first selected row was blamed for it)
@@ -182,16 +213,17 @@ def _positive_ints(frame: pd.DataFrame, column: str, path: Path) -> np.ndarray:
     if bad.size:
         i = int(bad[0])
         raise TraceError(
-            f"{path}: line {line(i)}: column '{column}': expected a positive integer up to "
-            f"{MAX_COUNT}, got {frame[column].iloc[i]}"
+            f"{path}: {place(i)}: column '{column}': expected a positive integer up to "
+            f"{MAX_COUNT}, got {_text(frame[column].iloc[i])}"
         )
     return ints.astype(np.int64)
 
 
 def read_servegen(
     path: Path, client_id: int | None = None, window_start_s: int | None = None
-) -> np.ndarray:
-    """Output tokens of the selected ServeGen rows (int64)."""
+) -> tuple[np.ndarray, int]:
+    """``(output tokens of the selected rows, the file's largest)`` (int64, int): the service's
+    output limit shows in the whole file's maximum, whichever rows are selected."""
     frame = _read_csv(path, SERVEGEN_COLUMNS)
     keep = np.ones(len(frame), dtype=bool)
     if client_id is not None:
@@ -202,7 +234,11 @@ def read_servegen(
         raise TraceError(
             f"{path}: no rows with client_id={client_id}, window_start_s={window_start_s}"
         )
-    return _positive_ints(frame.loc[keep], "output_tokens", path)
+    pool = _positive_ints(frame.loc[keep], "output_tokens", path)
+    # rows not selected are not checked: only a finite maximum of them counts
+    everywhere = pd.to_numeric(frame["output_tokens"], errors="coerce").max()
+    file_max = int(everywhere) if np.isfinite(everywhere) and everywhere <= MAX_COUNT else 0
+    return pool, max(file_max, int(pool.max()))
 
 
 def read_azure(path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -211,6 +247,19 @@ def read_azure(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return _positive_ints(frame, "ContextTokens", path), _positive_ints(
         frame, "GeneratedTokens", path
     )
+
+
+def warn_small_pool(path: Path, pool: np.ndarray, cfg: ImportConfig) -> None:
+    """An ``InputWarning`` when a step draws more responses than the selection has rows: the
+    bootstrap then repeats rows within a step (one row makes every response the same length)."""
+    num_per_step = cfg.prompts_per_step * cfg.group_size
+    if pool.size < num_per_step:
+        warnings.warn(
+            f"{path}: {pool.size} selected rows ({np.unique(pool).size} distinct lengths) for "
+            f"{num_per_step} responses a step: each step repeats rows of this small selection",
+            InputWarning,
+            stacklevel=2,
+        )
 
 
 def group_by_rank(rng: np.random.Generator, pool: np.ndarray, cfg: ImportConfig) -> np.ndarray:
@@ -246,8 +295,9 @@ def _meta(
 
 def import_servegen(path: str | Path, cfg: ImportConfig) -> Trace:
     path = Path(path)
-    pool = read_servegen(path, cfg.client_id, cfg.window_start_s)
-    cap = cfg.max_response_tokens or int(pool.max())
+    pool, source_max = read_servegen(path, cfg.client_id, cfg.window_start_s)
+    cap = cfg.max_response_tokens or source_max
+    warn_small_pool(path, pool, cfg)
     rng = np.random.default_rng(cfg.seed)
     lengths = group_by_rank(rng, np.minimum(pool, cap), cfg)
     prompt_tokens = lognormal_ints(
@@ -280,6 +330,7 @@ def import_azure(path: str | Path, cfg: ImportConfig, kind: str = "azure-conv") 
         )
     context, generated = read_azure(path)
     cap = cfg.max_response_tokens or int(generated.max())
+    warn_small_pool(path, generated, cfg)
     rng = np.random.default_rng(cfg.seed)
     lengths = group_by_rank(rng, np.minimum(generated, cap), cfg)
     prompt_tokens = rng.choice(context, size=(cfg.num_steps, cfg.prompts_per_step), replace=True)

@@ -17,6 +17,7 @@ line (CSV) or row (Parquet), the step and prompt where known, and the column.
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import re
 from collections.abc import Callable
@@ -111,7 +112,9 @@ def csv_row_lines(path: Path, has_meta: bool) -> list[int]:
     quoted field over several lines, so the row index plus the header lines named a wrong
     line after either (tltsim's own writer quotes an id holding a newline)."""
     starts = []
-    with path.open(encoding="utf-8-sig", newline="") as fh:
+    # a gzipped source (ServeGen's .csv.gz): its lines, not its compressed bytes as text
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8-sig", newline="") as fh:
         offset = 1 if has_meta else 0
         if has_meta:
             fh.readline()
@@ -332,8 +335,16 @@ def write_table(
     frame = trace_to_frame(trace)
     if suffix == ".csv":
         with write_to.open("w", encoding="utf-8", newline="") as fh:
-            fh.write(META_PREFIX + json.dumps(trace.meta) + "\n")
-            frame.to_csv(fh, index=False, lineterminator="\n")
+            # pandas' skiprows tokenizes the line it skips: a field opening with '"' after a
+            # comma (a meta string ending in ',': `"model": ","`) swallowed the whole file. With
+            # json.dumps' ", " separators ',"' only occurs there, and \u002c is the same comma.
+            meta_text = json.dumps(trace.meta).replace(',"', '\\u002c"')
+            fh.write(META_PREFIX + meta_text + "\n")
+            # csv quotes a field holding the line terminator ("\n") but not a bare "\r", which
+            # readers take for a line end: an id holding one is written with every field quoted
+            is_cr = frame["prompt_id"].astype(str).str.contains("\r", regex=False).any()
+            quoting = csv.QUOTE_ALL if is_cr else csv.QUOTE_MINIMAL
+            frame.to_csv(fh, index=False, lineterminator="\n", quoting=quoting)
         return
     import pyarrow as pa
     import pyarrow.parquet as pq
