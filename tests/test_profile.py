@@ -382,3 +382,36 @@ def test_single_measured_value_is_held_with_a_warning() -> None:
         ProfileExtrapolationWarning, match="train: sequence tokens 2048 .* holding it constant"
     ):
         assert cost.train_s(2 * 2048, 2048) == pytest.approx(0.1 * 2)
+
+
+def _rising(ys: list[float]) -> bool:
+    """Nondecreasing up to rounding (interpolated and knot values differ in the last bits)."""
+    return all(y1 >= y0 * (1 - 1e-9) for y0, y1 in zip(ys, ys[1:], strict=False))
+
+
+def test_more_sequences_never_cost_less_beyond_the_grid_either() -> None:
+    """Each batch's curve extrapolates with its own end slopes: the H200 profile priced a prefill
+    of sixteen 16-token prompts (below its 256..1024 grid) at 3 ms and one at 37 ms, and the
+    drafter at 20,000 tokens of context (above it) cheaper at batch 64 than at 16. A batch's
+    curve is now never below the previous batch's, inside or outside the grid."""
+    from pathlib import Path
+
+    from tltsim.cost.profile import load_profile
+
+    path = Path(__file__).resolve().parents[1] / "profiles" / "h200_qwen2.5-1.5b_random.csv"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ProfileExtrapolationWarning)
+        cost = ProfileCost(load_profile(path))
+        batches = [1, 2, 3, 5, 8, 12, 16, 24, 32, 64, 100, 128]
+        for per_seq in (2, 16, 100, 256, 600, 1024, 4096):
+            ys = [cost.prefill_s(b * per_seq, 0.0, b) for b in batches]
+            assert _rising(ys), ("prefill", per_seq, ys)
+        for per_seq in (1, 64, 1000, 8192, 20_000, 60_000):
+            for t in (1, 4):
+                ys = [cost.drafter_iter_s(b, b * per_seq, t) for b in batches]
+                assert _rising(ys), ("drafter", per_seq, t, ys)
+            ys = [cost.decode_iter_s(b, b * per_seq, 1) for b in batches]
+            assert _rising(ys), ("decode", per_seq, ys)
+    # a measured point is still its measured (envelope) value
+    row = next(r for r in cost.profile.rows if r.op == "prefill" and r.batch == 16)
+    assert cost.prefill_s(16 * row.tokens_per_seq, 0.0, 16) == pytest.approx(row.seconds)

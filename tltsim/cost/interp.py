@@ -20,7 +20,8 @@ it would under-charge, so those axes use chords.
 
 Beyond the knots each coordinate extrapolates linearly from its last two points; the upper
 extrapolation never decreases and nothing goes below zero: measured seconds are positive, and
-more work never takes less time even when measurement noise tilts the last two points.
+more work never takes less time even when measurement noise tilts the last two points
+(``profile_tables`` also raises a larger batch's curve to a smaller one's, beyond the grid too).
 
     from tltsim.cost.interp import Table, measured_curve
     t = Table([1, 4], [measured_curve([0, 10], [1.0, 2.0]), measured_curve([0, 10], [2.0, 5.0])])
@@ -41,16 +42,27 @@ _REL_TOL = 1e-9
 
 class Curve:
     """Exact piecewise-linear y(x): chords between knots ``xs`` (strictly increasing, >= 1),
-    lines of slope ``lo_slope`` / ``hi_slope`` below the first / above the last knot."""
+    lines of slope ``lo_slope`` / ``hi_slope`` below the first / above the last knot.
+    ``lo`` / ``hi``: the range its values come from measurements in, the knots' unless
+    ``measured`` says otherwise (a pointwise maximum adds knots where two lines cross beyond
+    the measured points; extrapolation is still reported against the measured range)."""
 
-    __slots__ = ("xs", "ys", "lo_slope", "hi_slope", "_slopes")
+    __slots__ = ("xs", "ys", "lo_slope", "hi_slope", "_slopes", "lo", "hi")
 
-    def __init__(self, xs: Sequence[float], ys: Sequence[float], lo_slope: float, hi_slope: float):
+    def __init__(
+        self,
+        xs: Sequence[float],
+        ys: Sequence[float],
+        lo_slope: float,
+        hi_slope: float,
+        measured: tuple[float, float] | None = None,
+    ):
         if not xs or len(xs) != len(ys) or any(b <= a for a, b in pairwise(xs)):
             raise ValueError(
                 f"Curve: need strictly increasing knots and one y per knot, got {list(xs)}"
             )
         self.xs = tuple(float(x) for x in xs)
+        self.lo, self.hi = measured if measured is not None else (self.xs[0], self.xs[-1])
         self.ys = tuple(float(y) for y in ys)
         self.lo_slope, self.hi_slope = float(lo_slope), float(hi_slope)
         inner = [
@@ -59,14 +71,6 @@ class Curve:
         ]
         # Piece p covers [xs[p-1], xs[p]) and is anchored at knot max(p-1, 0).
         self._slopes = (self.lo_slope, *inner, self.hi_slope)
-
-    @property
-    def lo(self) -> float:
-        return self.xs[0]
-
-    @property
-    def hi(self) -> float:
-        return self.xs[-1]
 
     def _line(self, piece: int) -> tuple[float, float, float]:
         anchor = max(piece - 1, 0)
@@ -146,12 +150,17 @@ def combine(terms: Sequence[tuple[Curve, float]]) -> Curve:
     xs = sorted({x for c, _ in terms for x in c.xs})
     ys = [math.fsum(w * c.value(x) for c, w in terms) for x in xs]
     return Curve(
-        xs, ys, sum(w * c.lo_slope for c, w in terms), sum(w * c.hi_slope for c, w in terms)
+        xs,
+        ys,
+        sum(w * c.lo_slope for c, w in terms),
+        sum(w * c.hi_slope for c, w in terms),
+        measured=(min(c.lo for c, _ in terms), max(c.hi for c, _ in terms)),
     )
 
 
 def _extreme(a: Curve, b: Curve, pick: Callable[[float, float], float]) -> Curve:
-    """Pointwise max or min (``pick``) of two Curves: union knots plus every crossing."""
+    """Pointwise max or min (``pick``) of two Curves: union knots plus every crossing; its
+    measured range is ``a``'s (``b`` bounds it: the previous batch, zero)."""
     union = sorted(set(a.xs) | set(b.xs))
     xs = set(union)
 
@@ -176,7 +185,7 @@ def _extreme(a: Curve, b: Curve, pick: Callable[[float, float], float]) -> Curve
     # Beyond the outer knots one line dominates: the one whose value wins one unit further out.
     lo_pick = pick(a.value(knots[0] - 1.0), b.value(knots[0] - 1.0))
     hi_pick = pick(a.value(knots[-1] + 1.0), b.value(knots[-1] + 1.0))
-    return Curve(knots, ys, ys[0] - lo_pick, hi_pick - ys[-1])
+    return Curve(knots, ys, ys[0] - lo_pick, hi_pick - ys[-1], measured=(a.lo, a.hi))
 
 
 def nondecreasing(curve: Curve) -> Curve:
@@ -187,7 +196,9 @@ def nondecreasing(curve: Curve) -> Curve:
     for y in curve.ys:
         level = max(level, y)
         ys.append(level)
-    return Curve(curve.xs, ys, max(curve.lo_slope, 0.0), max(curve.hi_slope, 0.0))
+    return Curve(
+        curve.xs, ys, max(curve.lo_slope, 0.0), max(curve.hi_slope, 0.0), (curve.lo, curve.hi)
+    )
 
 
 def maximum(a: Curve, b: Curve) -> Curve:
