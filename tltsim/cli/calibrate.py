@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -23,12 +24,13 @@ import numpy as np
 
 from tltsim.cli.args import check_out_file
 from tltsim.cli.table import format_table
-from tltsim.cost.calibrate import BOUNDS, DEFAULT_FIT_FIELDS, fit_calibration
+from tltsim.cost.calibrate import BOUNDS, DEFAULT_FIT_FIELDS, CalibrationFit, fit_calibration
 from tltsim.cost.calibrated import CALIBRATIONS, CalibrationParams, save_hardware_preset
+from tltsim.cost.measured import INCOMPLETE_MARKS
 from tltsim.cost.profile import FORMAT as PROFILE_FORMAT
 from tltsim.cost.profile import Profile, load_profile, sidecar_path
 from tltsim.cost.specs import HardwareSpec, ModelSpec
-from tltsim.errors import UsageError
+from tltsim.errors import InputWarning, UsageError
 
 PARAM_COLUMNS = {"name": "parameter", "value": "value", "status": "status"}
 ERROR_COLUMNS = {
@@ -54,7 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--hardware",
         default=None,
         metavar="NAME|PATH",
-        help="GPU preset or JSON file of HardwareSpec fields (default: the sidecar's hardware)",
+        help="GPU preset or JSON file of HardwareSpec fields (default: the sidecar's hardware, a "
+        "preset or the device name of a preset's exact variant, e.g. 'NVIDIA H200')",
     )
     p.add_argument(
         "--model",
@@ -88,10 +91,10 @@ def check_sidecar_agrees(
     would explain one model's times with another's bytes and FLOPs); a ``--hardware`` whose
     name the sidecar's device name does not contain gets a note (device names vary:
     'NVIDIA H100 80GB HBM3' is the H100-SXM preset)."""
-    from tltsim.cli.fidelity import _model_spec
+    from tltsim.cli.profile_info import model_of_profile
 
     if args.model is not None and isinstance(profile.meta.get("model"), dict | str):
-        measured = _model_spec(None, profile)
+        measured = model_of_profile(None, profile)
         shapes = measured.shape_differences(model) if measured is not None else []
         if shapes:
             raise UsageError(
@@ -124,9 +127,31 @@ def _check_not_a_sidecar(out: Path, profile: Path) -> None:
         )
 
 
+def _warn_at_bounds(fit: CalibrationFit) -> None:
+    """One warning line naming the fitted parameters that ended on a bound of ``BOUNDS``: the
+    curves' form did not fit this profile (a CPU profile sets every fraction to its floor), and
+    the preset then mis-prices what it was fitted to."""
+    values = dataclasses.asdict(fit.params)
+    pinned = []
+    for name in fit.fitted:
+        lo, hi = BOUNDS[name]
+        value = values[name]
+        tol = 1e-6 * max(abs(lo), abs(hi))
+        if value <= lo + tol or value >= hi - tol:
+            pinned.append(f"{name} = {value:g} ({'lower' if value <= lo + tol else 'upper'})")
+    if pinned:
+        warnings.warn(
+            f"fitted parameters at a bound: {', '.join(pinned)}; the calibrated curves do not "
+            f"fit this profile (median |error| {100 * fit.median_abs_error:.1f}%): check the "
+            "fit error below before using the preset",
+            InputWarning,
+            stacklevel=2,
+        )
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     # the profile-info resolution
-    from tltsim.cli.fidelity import _hardware_spec, _model_spec, profile_tp
+    from tltsim.cli.profile_info import hardware_of_profile, model_of_profile, profile_tp
 
     out = args.out or args.profile.with_name(f"{args.profile.stem}-hardware.json")
     if out.suffix != ".json":  # replay --hardware-file reads .json preset files only
@@ -134,7 +159,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     check_out_file(out)
     _check_not_a_sidecar(out, args.profile)
     profile = load_profile(args.profile)
-    model, hardware = _model_spec(args.model, profile), _hardware_spec(args.hardware, profile)
+    model, hardware = (
+        model_of_profile(args.model, profile),
+        hardware_of_profile(args.hardware, profile),
+    )
     if model is None or hardware is None:
         raise UsageError(
             f"{args.profile}: need --model and --hardware (the sidecar names no preset for "
@@ -156,11 +184,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         f"{args.profile}: fitted {len(fit.fitted)} parameters to {len(fit.rows)} points "
         f"({model.name} on {hardware.name}, tp={tp})"
     )
-    for key in ("partial", "interrupted"):  # tltrun profile's marks of a run that did not end
+    for key in INCOMPLETE_MARKS:  # tltrun profile's marks of a run that did not end
         if key in profile.meta:
-            print(
-                f"note: an incomplete profile, fewer repeats than asked ({key}: {profile.meta[key]})"
-            )
+            print(f"note: an incomplete profile ({key}: {profile.meta[key]})")
+    _warn_at_bounds(fit)
     params = dataclasses.asdict(fit.params)
     print(
         format_table(

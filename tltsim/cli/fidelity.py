@@ -1,8 +1,7 @@
-"""``tltsim fit`` and ``tltsim profile-info``, and the ``--profile`` / ``--drafter-dynamics``
-helpers other subcommands (replay, compare) use (issue #7).
+"""``tltsim fit``, and the ``--profile`` / ``--drafter-dynamics`` helpers other subcommands
+(replay, compare) use (issue #7); ``register`` adds ``profile-info`` from ``profile_info.py``.
 
     tltsim fit runs/measured.json --out fitted_drafter.json [--strategy 4_1_4] [--fixed learn_tokens]
-    tltsim profile-info profiles/cpu_torch.csv [--model Qwen2.5-0.5B|config.json] [--hardware H100-SXM|hw.json]
 
 ``tltsim.cli.main`` calls ``register``. For a subcommand that simulates::
 
@@ -18,24 +17,18 @@ Errors are ``UsageError`` lines (``tltsim.cli.main.main`` exits 2).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from tltsim.cli.args import add_dataclass_args, check_out_file, dataclass_from_args
-from tltsim.cli.table import format_fields, format_table
-from tltsim.cost.calibrated import (
-    CALIBRATIONS,
-    PRESET_FORMAT,
-    CalibratedCost,
-    CalibrationParams,
-    load_hardware_preset,
+from tltsim.cli.profile_info import register_profile_info
+from tltsim.cli.table import format_table
+from tltsim.cost.measured import (
+    with_profile,
 )
-from tltsim.cost.measured import compare_to_roofline, summarize_comparison, with_profile
-from tltsim.cost.profile import OPS, Profile, load_profile
 from tltsim.cost.roofline import CostModel, RooflineCost
-from tltsim.cost.specs import HARDWARE_PRESETS, MODEL_PRESETS, HardwareSpec, ModelSpec
+from tltsim.cost.specs import HardwareSpec, ModelSpec
 from tltsim.errors import UsageError
 from tltsim.fidelity.fit import (
     FitConfig,
@@ -47,7 +40,6 @@ from tltsim.fidelity.fit import (
 )
 from tltsim.fidelity.fit_dynamics import DYNAMICS_FIELDS
 from tltsim.fidelity.fit_history import LOGITS, HistoryFit
-from tltsim.jsonio import typed_fields
 from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.history_acceptance import HistoryModel
 from tltsim.trace.files import load_trace
@@ -235,198 +227,6 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 # --- tltsim profile-info -----------------------------------------------------------------------
 
 
-def _model_spec(arg: str | None, profile: Profile) -> ModelSpec | None:
-    source = arg if arg is not None else profile.meta.get("model")
-    if isinstance(source, dict):
-        try:
-            return ModelSpec.from_hf_config(
-                source, name=str(source.get("_name_or_path", "profiled model"))
-            )
-        except ValueError as err:
-            raise UsageError(f"{profile.source}: sidecar field 'model': {err}") from None
-    if source is not None and not isinstance(source, str):  # a sidecar's list, number, ...
-        raise UsageError(
-            f"{profile.source}: sidecar field 'model': expected a preset name or a config.json "
-            f"object, got {type(source).__name__}"
-        )
-    if source is None or source in MODEL_PRESETS:
-        return MODEL_PRESETS.get(source) if source else None
-    if arg is not None:
-        try:
-            return ModelSpec.from_hf_config_file(arg)
-        except ValueError as err:
-            raise UsageError(
-                f"--model: not a preset ({', '.join(MODEL_PRESETS)}) and {err}"
-            ) from None
-    return None
-
-
-def profile_tp(arg: int | None, profile: Profile) -> int:
-    """``--tp``, else the sidecar's ``tp`` (default 1); at least 1 either way."""
-    tp = arg if arg is not None else profile.meta.get("tp", 1)
-    if type(tp) is not int or tp < 1:
-        where = "--tp" if arg is not None else f"{profile.source}: sidecar field 'tp'"
-        raise UsageError(f"{where}: expected an integer >= 1, got {tp!r}")
-    return tp
-
-
-def _hardware_spec(arg: str | None, profile: Profile) -> HardwareSpec | None:
-    return _hardware_and_calibration(arg, profile)[0]
-
-
-def _hardware_and_calibration(
-    arg: str | None, profile: Profile
-) -> tuple[HardwareSpec | None, CalibrationParams | None]:
-    """The GPU (a preset, a JSON file of HardwareSpec fields or a ``tltsim calibrate`` preset
-    file) and its calibration (the preset file's, else the shipped one, else None)."""
-    source = arg if arg is not None else profile.meta.get("hardware")
-    if source is not None and not isinstance(source, str):  # a sidecar's list, object, ...
-        raise UsageError(
-            f"{profile.source}: sidecar field 'hardware': expected a preset name, got "
-            f"{type(source).__name__}"
-        )
-    if source in HARDWARE_PRESETS:
-        return HARDWARE_PRESETS[source], CALIBRATIONS.get(source)
-    if arg is None:
-        return None, None
-    path = Path(arg)
-    try:
-        fields = json.loads(path.read_text(encoding="utf-8"))
-        if isinstance(fields, dict) and fields.get("format") == PRESET_FORMAT:
-            return load_hardware_preset(path)
-        if not isinstance(fields, dict):
-            raise TypeError(
-                f"expected an object of HardwareSpec fields, got {type(fields).__name__}"
-            )
-        # each field's type first (true for a number was written out, and replay refused it)
-        return HardwareSpec(**typed_fields(HardwareSpec, fields, f"{path}")), None
-    except UsageError as err:
-        raise UsageError(f"--hardware {arg}: {err}") from None
-    except (OSError, TypeError, ValueError, RecursionError) as err:  # JSON/Unicode errors too
-        raise UsageError(
-            f"--hardware {arg}: not a preset ({', '.join(HARDWARE_PRESETS)}) nor a JSON file of HardwareSpec fields ({err})"
-        ) from None
-
-
-def _values(values: list[float]) -> str:
-    found = sorted(set(values))
-    shown = ", ".join(f"{v:g}" for v in found[:8])
-    return shown + (f", ... ({len(found)} values)" if len(found) > 8 else "")
-
-
-GRID_COLUMNS = {
-    "op": "op",
-    "num_points": "points",
-    "batch": "batch",
-    "tokens_per_seq": "tokens_per_seq",
-    "context_per_seq": "context/seq",
-}
-
-
-def grid_table(profile: Profile) -> str:
-    """Per op: how many points, and the values measured on each axis (``-``: not measured)."""
-    rows = []
-    for op in OPS:
-        points = profile.rows_of(op)
-        row: dict[str, Any] = {"op": op, "num_points": len(points)}
-        if points:
-            row.update(
-                batch=_values([r.batch for r in points]),
-                tokens_per_seq=_values([r.tokens_per_seq for r in points]),
-                context_per_seq=_values([r.context_tokens / r.batch for r in points]),
-            )
-        rows.append(row)
-    return format_table(
-        rows, GRID_COLUMNS, left=("op", "batch", "tokens_per_seq", "context_per_seq")
-    )
-
-
-def _cmd_profile_info(args: argparse.Namespace) -> int:
-    profile = load_profile(args.file)
-    meta = {k: v for k, v in profile.meta.items() if k not in ("format", "version", "model")}
-    print(f"{profile.source}: {len(profile.rows)} measured points")
-    print(format_fields(meta))
-    print(grid_table(profile))
-    model = _model_spec(args.model, profile)
-    hardware, calibration = _hardware_and_calibration(args.hardware, profile)
-    if model is None or hardware is None:
-        print("(no roofline comparison: pass --model and --hardware, presets or files)")
-        return 0
-    tp = profile_tp(args.tp, profile)
-    try:
-        roofline = RooflineCost(model, hardware, tp=tp)
-        calibrated = (
-            CalibratedCost(model, hardware, params=calibration, tp=tp)
-            if calibration is not None
-            else None
-        )
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    summary = summarize_comparison(compare_to_roofline(profile, roofline))
-    print(f"measured / roofline ({model.name} on {hardware.name}, tp={tp}):")
-    print(
-        format_table(
-            summary.to_dict("records"), list(summary.columns), left=("op",), float_format=".3g"
-        )
-    )
-    if calibrated is None:
-        print(
-            f"(no calibrated comparison: {hardware.name} has no calibration; tltsim calibrate makes one)"
-        )
-        return 0
-    print(f"roofline vs calibrated vs measured, median seconds per op ({calibration.source}):")
-    print(
-        format_table(
-            three_way_rows(profile, roofline, calibrated),
-            THREE_WAY_COLUMNS,
-            left=("op",),
-            float_format=".4g",
-        )
-    )
-    return 0
-
-
-THREE_WAY_COLUMNS = {
-    "op": "op",
-    "num_points": "points",
-    "measured_s": "measured_s",
-    "roofline_s": "roofline_s",
-    "calibrated_s": "calibrated_s",
-    "roofline_ratio": "measured/roofline",
-    "calibrated_ratio": "measured/calibrated",
-    "calibrated_max_error": "calibrated max |err|",
-}
-
-
-def three_way_rows(
-    profile: Profile, roofline: CostModel, calibrated: CostModel
-) -> list[dict[str, Any]]:
-    """Per op: median measured, roofline and calibrated seconds, the median measured / model
-    ratios, and the calibrated model's largest relative error on that op."""
-    frame = compare_to_roofline(profile, roofline).rename(columns={"ratio": "roofline_ratio"})
-    other = compare_to_roofline(profile, calibrated)
-    frame["calibrated_s"] = other["roofline_s"]
-    frame["calibrated_ratio"] = other["ratio"]
-    frame["calibrated_error"] = (frame["calibrated_s"] / frame["seconds"] - 1).abs()
-    rows = []
-    for op in OPS:
-        part = frame[frame.op == op]
-        if len(part):
-            rows.append(
-                {
-                    "op": op,
-                    "num_points": len(part),
-                    "measured_s": part.seconds.median(),
-                    "roofline_s": part.roofline_s.median(),
-                    "calibrated_s": part.calibrated_s.median(),
-                    "roofline_ratio": part.roofline_ratio.median(),
-                    "calibrated_ratio": part.calibrated_ratio.median(),
-                    "calibrated_max_error": f"{100 * part.calibrated_error.max():.1f}%",
-                }
-            )
-    return rows
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``fit`` and ``profile-info`` to the ``tltsim`` command line."""
     fit = subparsers.add_parser(
@@ -455,33 +255,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_dataclass_args(fit, FitConfig)
     fit.set_defaults(func=_cmd_fit)
-
-    info = subparsers.add_parser(
-        "profile-info",
-        help="print a measured profile's grid and how far the roofline and calibrated models are from it",
-        description="Load and validate a profile CSV (schema: tltsim/cost/profile.py docstring); print its grid and, per op, measured / roofline seconds, then roofline vs calibrated vs measured seconds when the GPU has a calibration (shipped, or a tltsim calibrate preset file given as --hardware).",
-    )
-    info.add_argument("file", type=Path, help="profile CSV (its sidecar JSON next to it)")
-    info.add_argument(
-        "--model",
-        default=None,
-        metavar="NAME|PATH",
-        help="model preset or config.json (default: the sidecar's model)",
-    )
-    info.add_argument(
-        "--hardware",
-        default=None,
-        metavar="NAME|PATH",
-        help="GPU preset, JSON file of HardwareSpec fields, or tltsim calibrate preset file (default: the sidecar's hardware, if a preset)",
-    )
-    info.add_argument(
-        "--tp",
-        type=int,
-        default=None,
-        metavar="N",
-        help="TP degree of the roofline (default: the sidecar's tp)",
-    )
-    info.set_defaults(func=_cmd_profile_info)
+    register_profile_info(subparsers)
 
 
 __all__ = [
@@ -489,6 +263,5 @@ __all__ = [
     "cost_model_from_args",
     "dynamics_from_args",
     "extrapolation_lines",
-    "grid_table",
     "register",
 ]

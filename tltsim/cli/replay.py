@@ -43,7 +43,9 @@ from tltsim.cli.fidelity import (
 )
 from tltsim.cli.table import format_table
 from tltsim.cost.calibrated import CalibratedCost, is_preset_file, load_hardware_preset
+from tltsim.cost.measured import profile_gaps
 from tltsim.cost.presets import apply_preset
+from tltsim.cost.profile import load_profile
 from tltsim.errors import UsageError
 from tltsim.jsonio import remove_stale_outputs, write_json
 from tltsim.policy import SpotTrainerConfig, TLTConfig
@@ -198,11 +200,16 @@ def cost_record(sim: SimConfig, profile: Path | None) -> dict[str, Any]:
         "calibration": (
             dataclasses.asdict(model.params) if isinstance(model, CalibratedCost) else None
         ),
-        "profile": None if profile is None else _file_record(Path(profile)),
+        "profile": None if profile is None else _profile_record(Path(profile)),
     }
     if is_preset_file(sim.hardware):
         record["hardware_file"] = _file_record(Path(sim.hardware))
     return record
+
+
+def _profile_record(path: Path) -> dict[str, Any]:
+    """The profile's file record and its gaps (a run that did not end, ops it lacks)."""
+    return {**_file_record(path), **profile_gaps(load_profile(path))}
 
 
 def _file_record(path: Path) -> dict[str, str]:

@@ -139,6 +139,28 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
 }
 
 
+# The device names torch.cuda.get_device_name (NVML's name, as nvidia-smi prints it) gives for the
+# exact variants of the presets above, so that a tltrun profile's sidecar ("hardware": that name)
+# finds its preset. Other variants (H100 PCIe/NVL, A100 40GB or PCIe, H200 NVL) differ in bandwidth
+# or memory and map to none: pass --hardware. Names: this project's H200 runs ("NVIDIA H200",
+# benchmarks/RESULTS.md); the others as NVML reports them in the Modal post cited above and NVIDIA's
+# nvtrust#128 (H20).
+DEVICE_NAMES = {
+    "NVIDIA H100 80GB HBM3": "H100-SXM",
+    "NVIDIA H200": "H200",
+    "NVIDIA A100-SXM4-80GB": "A100-80GB",
+    "NVIDIA H20": "H20",
+    "NVIDIA L40S": "L40S",
+}
+
+
+def preset_of_device(device_name: str) -> str | None:
+    """The preset named ``device_name`` or the one whose exact variant it is (``DEVICE_NAMES``)."""
+    if device_name in HARDWARE_PRESETS:
+        return device_name
+    return DEVICE_NAMES.get(" ".join(device_name.split()))
+
+
 def get_hardware(name: str) -> HardwareSpec:
     if name not in HARDWARE_PRESETS:
         raise ValueError(
@@ -147,4 +169,13 @@ def get_hardware(name: str) -> HardwareSpec:
     return HARDWARE_PRESETS[name]
 
 
-__all__ = ["GB", "HARDWARE_PRESETS", "MIB", "TB", "HardwareSpec", "get_hardware"]
+__all__ = [
+    "DEVICE_NAMES",
+    "GB",
+    "HARDWARE_PRESETS",
+    "MIB",
+    "TB",
+    "HardwareSpec",
+    "get_hardware",
+    "preset_of_device",
+]

@@ -57,6 +57,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -334,11 +335,51 @@ def with_profile(path: Path | None, roofline: CostModel) -> CostModel:
             f"{path}: measured with tp={profile.meta.get('tp')}, but the simulation runs tp={tp} (one profile describes one engine instance)"
         )
     _warn_if_other_model(profile, getattr(roofline, "model", None))
-    return ProfileCost(profile, fallback=roofline)
+    cost = ProfileCost(profile, fallback=roofline)
+    _warn_if_incomplete(profile, roofline)
+    return cost
 
 
 class ProfileModelWarning(UserWarning):
     """A profile measured a model of other shapes than the one simulated."""
+
+
+class ProfileGapWarning(UserWarning):
+    """A profile of a run that did not end, or without some op: the gaps are priced by the
+    fallback cost model, another machine's and model's physics."""
+
+
+# tltrun profile's sidecar marks of a run that did not end as asked (tltrun.profile.measure)
+INCOMPLETE_MARKS = ("partial", "interrupted", "failed_ops")
+
+
+def profile_gaps(profile: Profile) -> dict[str, Any]:
+    """What a profile lacks, for config.json and warnings: the sidecar's marks of a run that did
+    not end (``INCOMPLETE_MARKS``) and the required ops it has no rows for."""
+    return {
+        "incomplete": {k: profile.meta[k] for k in INCOMPLETE_MARKS if k in profile.meta},
+        "ops_not_measured": [op for op in REQUIRED_OPS if op not in profile.ops],
+    }
+
+
+def _warn_if_incomplete(profile: Profile, fallback: CostModel) -> None:
+    gaps = profile_gaps(profile)
+    model, hardware = getattr(fallback, "model", None), getattr(fallback, "hardware", None)
+    machine = f" ({hardware.name}, {model.name})" if model and hardware else ""
+    said = []
+    if gaps["incomplete"]:
+        key, value = next(iter(gaps["incomplete"].items()))
+        said.append(f"is of a run that did not end ({key}: {str(value)[:160]})")
+    if gaps["ops_not_measured"]:
+        said.append(
+            f"has no rows for {', '.join(gaps['ops_not_measured'])}: "
+            f"{type(fallback).__name__}{machine} prices them, so a policy using them mixes two "
+            "machines' times"
+        )
+    if said:
+        warnings.warn(
+            f"profile {profile.source} {'; and it '.join(said)}", ProfileGapWarning, stacklevel=3
+        )
 
 
 def _warn_if_other_model(profile: Profile, simulated: ModelSpec | None) -> None:
