@@ -352,9 +352,7 @@ def test_calibrate_says_when_the_profile_is_incomplete(tmp_path, capsys):
     meta = json.loads(side.read_text())
     side.write_text(json.dumps({**meta, "partial": "the run did not finish; measured: 1 of 3"}))
     assert main(["calibrate", str(profile), "--out", str(tmp_path / "b.json")]) == 0
-    assert "note: an incomplete profile (partial: the run did not" in (
-        capsys.readouterr().out
-    )
+    assert "note: an incomplete profile (partial: the run did not" in capsys.readouterr().out
 
 
 def test_a_held_overlap_exponent_stays_as_the_base_has_it(tmp_path, capsys):

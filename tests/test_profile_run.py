@@ -283,6 +283,9 @@ def test_the_train_op_runs_the_updates_of_the_run_to_predict(monkeypatch):
         (["--model", "m", "--out", "x.csv", "--back-to-back-calls", "0"], "back_to_back_calls"),
         # a 1-token sequence has no response: the drafter op failed as an internal error
         (["--model", "m", "--out", "x.csv", "--train-tokens-per-seq", "1,2"], "must be >= 2"),
+        # internal errors: an IndexError once the model had loaded, a traceback from the engine
+        (["--model", "m", "--drafter", "d", "--out", "x.csv", "--strategies", ""], "at least one"),
+        (["--model", "m", "--out", "x.csv", "--dtype", "int8"], "--dtype int8: expected one of"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(argv, expected, capsys):
@@ -412,6 +415,8 @@ def test_profile_with_a_time_budget_writes_rows_of_fewer_samples(model_dirs, tmp
     assert {r.num_repeats for r in profile.rows} == {1}  # of the grid's 3
     meta = json.loads(out.with_suffix(".json").read_text())
     assert meta["config"]["time_budget_s"] == 1e-3 and meta["flex_fallbacks"] == []
+    # said in the sidecar (it was in no field: the rows' num_repeats alone showed the cut)
+    assert meta["time_budget"] == "--time-budget-s 0.001 ended it: at least 1 of 3 rounds per point"
 
 
 @pytest.mark.parametrize("where", ["rollout", "training"])

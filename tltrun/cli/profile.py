@@ -14,17 +14,20 @@ import datetime
 import signal
 import threading
 import time
+import warnings
 from pathlib import Path
 
 from tltrun.cli.args import check_kv_cache_fits, check_triton_impls
 from tltrun.profile import measure
 from tltsim.cli.args import add_dataclass_args, check_out_file, dataclass_from_args
-from tltsim.errors import UsageError
+from tltsim.errors import InputWarning, UsageError
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(measure.ProfileRunConfig, args)
     check_out_file(cfg.out)
+    # the sidecar is written beside it (a directory there lost the measured run at its write)
+    check_out_file(Path(cfg.out).with_suffix(".json"), flag=f"--out {cfg.out}: its sidecar")
     _check_model_fits(cfg)
     if cfg.backend == "torch":
         check_triton_impls(cfg.device, cfg.dtype, attn_impl=cfg.attn_impl)
@@ -64,9 +67,18 @@ def _check_model_fits(cfg: measure.ProfileRunConfig) -> None:
 
     try:
         check_device(cfg.device)  # before the engine config built from it checks it
-        vocab = read_config(cfg.model).vocab_size
+        config = read_config(cfg.model)
     except (CheckpointError, ValueError) as err:
         raise UsageError(str(err)) from None
+    vocab = config.vocab_size
+    if max(cfg.context_per_seq) > config.max_position_embeddings:
+        warnings.warn(
+            f"--context-per-seq {max(cfg.context_per_seq)}: beyond {cfg.model}'s "
+            f"max_position_embeddings ({config.max_position_embeddings}); timed all the same, "
+            "but no rollout of this model reaches it",
+            InputWarning,
+            stacklevel=2,
+        )
     wide = [d.strategy for d in cfg.decisions if d.topk > vocab] if cfg.drafter else []
     if wide:
         raise UsageError(

@@ -74,7 +74,6 @@ from tltrun.model import attention
 from tltrun.profile.timing import CLOCKS, STATISTICS, Interruption, Measure
 from tltrun.profile.train_ops import train_series
 from tltsim.cost.profile import ProfileRow, write_profile
-from tltsim.errors import UsageError
 from tltsim.policy import SpecDecision
 
 BACKENDS = ("torch", "vllm")
@@ -230,7 +229,13 @@ class ProfileRunConfig:
         for name in ("context_per_seq", "prefill_tokens_per_seq", "train_batches"):
             if len(getattr(self, name)) < 2:
                 raise ValueError(f"{name} needs >= 2 values to interpolate")
+        from tltrun.rollout.engine_config import DTYPES
+
+        if self.dtype not in DTYPES:  # before the engine config's own check (an internal error)
+            raise ValueError(f"--dtype {self.dtype}: expected one of {', '.join(DTYPES)}")
         decisions = [SpecDecision.parse(s) for s in self.strategies]
+        if self.drafter and not decisions:  # the drafter op is timed in each strategy
+            raise ValueError("--strategies: a profile with --drafter needs at least one strategy")
         if not all(d.enabled for d in decisions):
             raise ValueError("strategies must enable SD ('off' is the decode op)")
         widths = [d.verify_tokens for d in decisions]
@@ -343,8 +348,6 @@ def run_profile(
     from tltrun.model.hf_checkpoint import load_hf
     from tltrun.rollout.engine_config import DTYPES
 
-    if cfg.dtype not in DTYPES:
-        raise UsageError(f"--dtype {cfg.dtype}: expected one of {', '.join(DTYPES)}")
     torch.set_num_threads(cfg.num_threads)
     deadline = None if cfg.time_budget_s is None else time.perf_counter() + cfg.time_budget_s
     interruption = Interruption()
@@ -437,7 +440,15 @@ def run_profile(
         rows += [measure.row(op, b, 0, seq, v) for (op, b, seq), v in timed.items()]
         if interruption.is_set:
             _write_interrupted(rows, cfg, now, "during the training ops")
-    write_profile(rows, cfg.out, profile_meta(cfg, now))
+    meta = profile_meta(cfg, now)
+    num_done = min((r.num_repeats for r in rows), default=cfg.num_repeats)
+    if num_done < cfg.num_repeats:  # the only other way a run ends early: --time-budget-s
+        meta["time_budget"] = (
+            f"--time-budget-s {cfg.time_budget_s:g} ended it: at least {num_done} of "
+            f"{cfg.num_repeats} rounds per point"
+        )
+        tqdm.write(f"tltrun profile: {meta['time_budget']}", file=sys.stderr)
+    write_profile(rows, cfg.out, meta)
     return rows
 
 

@@ -9,6 +9,7 @@ It drives the engine through its public pieces only (``start_rollout`` and ``ste
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from functools import partial
 
@@ -21,6 +22,7 @@ from tltrun.rollout.engine import RolloutEngine
 from tltrun.rollout.engine_config import EngineConfig, default_attn_impl
 from tltrun.rollout.interface import Request, SamplingParams
 from tltsim.cost.profile import ProfileRow
+from tltsim.errors import InputWarning
 from tltsim.policy import NoSpec, SpecDecision, SpecPolicy, StaticSpec
 
 
@@ -139,9 +141,12 @@ def _deepest(decisions: list[SpecDecision]) -> list[SpecDecision]:
     return list(best.values())
 
 
-def point_rows(b: int, c: int, decisions, timed: dict, row) -> list[ProfileRow]:
+def point_rows(
+    b: int, c: int, decisions, timed: dict, row, is_warned: bool = False
+) -> list[ProfileRow]:
     """decode, drafter, verify and sd_switch rows of one (batch, context) (module docstring of
-    tltrun.profile.measure: the simulator's draft_steps x drafter + verify is every strategy's T_it)."""
+    tltrun.profile.measure: the simulator's draft_steps x drafter + verify is every strategy's
+    T_it, unless a verify row is floored: ``is_warned`` says so, for the final rows)."""
     ctx = b * c
     rows = [row("decode", b, ctx, 1, timed[("decode", b, c)])]
     if ("switch", b, c) not in timed:
@@ -158,6 +163,19 @@ def point_rows(b: int, c: int, decisions, timed: dict, row) -> list[ProfileRow]:
                 it = timed[("iteration", b, c, d)]
                 rest = np.maximum(it - d.draft_steps * step_s, 0.1 * it)
                 rows.append(row("verify", b, ctx, d.verify_tokens + 1, rest))
+                it_s = row("verify", b, ctx, 1, it).seconds  # the iteration's statistic
+                if is_warned and d.draft_steps * step_s + rows[-1].seconds > 1.05 * it_s:
+                    # the floor engaged: draft_steps x drafter + verify is more than the
+                    # iteration measured (noise in the drafter's or the iteration's samples)
+                    warnings.warn(
+                        f"strategy {d.strategy} at batch {b}, context {c}: {d.draft_steps} x "
+                        f"drafter {1e3 * step_s:.3g} ms is most of the measured iteration "
+                        f"({1e3 * it_s:.3g} ms); its verify row is floored at 10% of the "
+                        "iteration, so the profile charges more than was measured (a noisy "
+                        "point: more --num-repeats)",
+                        InputWarning,
+                        stacklevel=2,
+                    )
     rows.append(row("sd_switch", b, ctx, c, timed[("switch", b, c)]))
     return rows
 
@@ -247,11 +265,11 @@ def profile_torch(
             for t in cfg.prefill_tokens_per_seq:
                 series.append(prefill_series(engine, b, t, gen))
 
-        def rows_of(timed: dict) -> list[ProfileRow]:
+        def rows_of(timed: dict, is_warned: bool = False) -> list[ProfileRow]:
             rows = []
             for b in cfg.batches:
                 for c in cfg.context_per_seq:
-                    rows += point_rows(b, c, decisions, timed, measure.row)
+                    rows += point_rows(b, c, decisions, timed, measure.row, is_warned)
             for b in cfg.prefill_batches:
                 for t in cfg.prefill_tokens_per_seq:
                     rows.append(measure.row("prefill", b, 0, t, timed[("prefill", b, t)]))
@@ -265,7 +283,7 @@ def profile_torch(
             between_series,
             on_round=lambda timed: on_rows(rows_of(timed)),
         )
-    return rows_of(timed)
+    return rows_of(timed, is_warned=True)
 
 
 __all__ = [
