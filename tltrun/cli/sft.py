@@ -186,7 +186,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``sft`` (flags = SFTConfig fields, ``--task-*`` = TaskConfig), ``sft-eval``, ``task``."""
     parser = subparsers.add_parser(
         "sft",
-        help="train a small model on the built-in task's worked solutions",
+        help="train a small model on the built-in task's worked solutions or --data's rows",
         description=sft.__doc__.split("\n\n")[0],
     )
     parser.add_argument(

@@ -1,5 +1,6 @@
 """``tltrun sft``: supervised fine-tuning of a small Llama-style model on the built-in task's
-worked solutions — the starting policy for GRPO (issue #5).
+worked solutions, or on ``--data``'s prompt/response rows (a file, a directory of shards, or
+reasoning-gym problems with their answers) — the starting policy for GRPO (issues #5, #16).
 
 The model is the project's own Llama-shaped ``tltrun.model.transformer.Transformer`` (RMSNorm,
 RoPE, SwiGLU, GQA) — the implementation ``tltrun train`` trains with GRPO — initialised as
@@ -14,7 +15,9 @@ Next to the checkpoint: ``sft_config.json`` (the resolved SFT and task configs),
 own greedy and sampled generations). ``config.json`` in the same directory is the model's
 Hugging Face config, which vLLM and the loaders need under that name.
 
-Data: every step draws fresh problems from the task generator (no epochs, no overfitting).
+Data: with the built-in task every step draws fresh problems from the task generator (no
+epochs, no overfitting); ``--data`` rows are read once and reshuffled every epoch
+(``pair_stream``).
 Examples are sorted by length and cut into batches of at most ``batch_tokens`` padded tokens,
 so the long tail costs compute in proportion to its tokens, not to the longest sequence.
 
