@@ -8,6 +8,7 @@ Run: .venv/bin/python -m pytest tests/test_profile_inputs.py -q
 # ruff: noqa: F811 (model_dirs: the fixture imported from test_profile_run)
 from __future__ import annotations
 
+import datetime
 import json
 import warnings
 
@@ -64,3 +65,18 @@ def test_context_beyond_the_models_positions_is_said(model_dirs, tmp_path):
     cfg = tiny_grid(target, None, tmp_path / "p.csv", context_per_seq=(8, positions + 1))
     with pytest.warns(InputWarning, match=f"beyond .*max_position_embeddings \\({positions}\\)"):
         _check_model_fits(cfg)
+
+
+def test_the_dtype_defaults_as_the_engines_and_the_sidecar_records_it(model_dirs, tmp_path):
+    """--dtype defaulted to float32 everywhere: a GPU profile timed fp32 for bf16 runs."""
+    import dataclasses
+
+    from tltrun.profile.measure import profile_meta
+
+    target, _ = model_dirs
+    cfg = tiny_grid(target, None, tmp_path / "p.csv")
+    assert cfg.dtype is None and cfg.dtype_name == "float32"
+    assert dataclasses.replace(cfg, device="cuda").dtype_name == "bfloat16"
+    assert dataclasses.replace(cfg, device="cuda", dtype="float32").dtype_name == "float32"
+    meta = profile_meta(cfg, datetime.datetime(2026, 1, 1))
+    assert meta["config"]["dtype"] == "float32"

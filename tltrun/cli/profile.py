@@ -30,7 +30,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     check_out_file(Path(cfg.out).with_suffix(".json"), flag=f"--out {cfg.out}: its sidecar")
     _check_model_fits(cfg)
     if cfg.backend == "torch":
-        check_triton_impls(cfg.device, cfg.dtype, attn_impl=cfg.attn_impl)
+        check_triton_impls(cfg.device, cfg.dtype_name, attn_impl=cfg.attn_impl)
         from tltrun.profile.torch_engine import engine_config
 
         engine = engine_config(cfg, cfg.decisions if cfg.drafter else [])

@@ -161,7 +161,14 @@ class ProfileRunConfig:
     )
     seed: int = field(default=0, metadata={"help": "seed of the random states and weights timed"})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
-    dtype: str = field(default="float32", metadata={"help": "dtype of weights and KV cache"})
+    # None: as the engine's default (EngineConfig.dtype: bfloat16 on CUDA, float32 on CPU), so
+    # that a GPU profile times the dtype its runs use (fp32 profiles of bf16 runs were made)
+    dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "dtype of weights and KV cache (default: bfloat16 on CUDA, float32 on CPU)"
+        },
+    )
     attn_impl: str | None = field(
         default=None,
         metadata={
@@ -231,7 +238,7 @@ class ProfileRunConfig:
                 raise ValueError(f"{name} needs >= 2 values to interpolate")
         from tltrun.rollout.engine_config import DTYPES
 
-        if self.dtype not in DTYPES:  # before the engine config's own check (an internal error)
+        if self.dtype is not None and self.dtype not in DTYPES:  # an internal error later
             raise ValueError(f"--dtype {self.dtype}: expected one of {', '.join(DTYPES)}")
         decisions = [SpecDecision.parse(s) for s in self.strategies]
         if self.drafter and not decisions:  # the drafter op is timed in each strategy
@@ -256,6 +263,13 @@ class ProfileRunConfig:
                 f"finite kl_coef >= 0 and num_epochs >= 1 required, got {self.kl_coef}, "
                 f"{self.num_epochs}"
             )
+
+    @property
+    def dtype_name(self) -> str:
+        """``dtype`` with its device default resolved."""
+        if self.dtype is not None:
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
 
     @property
     def decisions(self) -> list[SpecDecision]:
@@ -321,7 +335,7 @@ def profile_meta(cfg: ProfileRunConfig, now: datetime.datetime) -> dict[str, Any
             {"shape": list(map(str, k)), "reason": why}
             for k, why in attention.flex_fallbacks.items()
         ],
-        "config": asdict(cfg),
+        "config": {**asdict(cfg), "dtype": cfg.dtype_name},  # the dtype timed, resolved
     }
 
 
@@ -354,7 +368,7 @@ def run_profile(
     measure = Measure(
         cfg.num_warmup, cfg.num_repeats, cfg.statistic, cfg.clock, deadline, interruption
     )
-    target = load_hf(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
+    target = load_hf(cfg.model, dtype=DTYPES[cfg.dtype_name], device=cfg.device)
     drafter = load_drafter(cfg.drafter, target) if cfg.drafter else None
     with tqdm(
         total=2 * cfg.num_repeats, desc="tltrun profile", disable=not cfg.is_progress_shown

@@ -228,7 +228,7 @@ def engine_config(cfg, decisions: list[SpecDecision]) -> EngineConfig:
         sampling=SamplingParams(temperature=cfg.temperature),
         seed=cfg.seed,
         device=cfg.device,
-        dtype=cfg.dtype,
+        dtype=cfg.dtype_name,
         attn_impl=cfg.attn_impl,
         max_prefill_tokens=cfg.max_prefill_tokens,
         max_verify_tokens=max([d.verify_tokens for d in decisions], default=1),

@@ -27,7 +27,7 @@ def train_series(cfg, target, drafter, gen) -> list[Series]:
     # as tltrun.train.worker builds them: fp32 master weights and AdamW state, bf16 compute
     # under autocast on CUDA only (a bf16 actor timed 2.5x the fp32 update tltrun train runs
     # on a CPU), the frozen KL reference in the compute dtype
-    autocast = autocast_dtype_for(cfg.dtype, cfg.device)
+    autocast = autocast_dtype_for(cfg.dtype_name, cfg.device)
     actor = copy.deepcopy(target).float().train()
     # as tltrun.train.worker: a reference model only with a KL term
     ref = copy.deepcopy(target).to(autocast or torch.float32).eval() if cfg.kl_coef > 0 else None

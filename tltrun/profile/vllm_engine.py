@@ -216,7 +216,7 @@ def start_backend(cfg, margin: int, ks: list[int]):
         max_num_seqs=max(max(cfg.batches), max(cfg.prefill_batches)),
         max_model_len=profile_model_len(cfg, margin),
         kv_cache_bytes=cfg.vllm_kv_cache_bytes,
-        dtype=cfg.dtype,
+        dtype=cfg.dtype_name,
         seed=cfg.seed,
     )
     return VLLMBackend(cfg.model, cfg.drafter or None, config, SamplingParams(cfg.temperature))
