@@ -27,6 +27,7 @@ from tltsim.sim.intervals import (
 )
 from tltsim.sim.replay import RunSettings, replay_intervals, simulate_policies
 from tltsim.sim.sweep import SweepSpec, sweep_summary
+from tltsim.trace.files import save_trace
 
 NAMES = ("nospec", "static", "tlt")
 DRAFTER = DrafterDynamics()
@@ -239,3 +240,31 @@ def test_the_ideal_bound_holds_on_a_measured_profile_with_noise(tmp_path, capsys
     assert ratio.to_numpy() == pytest.approx(table.rollout_over_ideal.to_numpy())
     assert "profile: op decode/verify: 4 of 24 measured points raised" in printed
     assert "profile: decode: context tokens per sequence requested in" in printed
+
+
+def test_without_nospec_there_is_no_interval_and_a_warning_says_so(tmp_path, capsys):
+    """config.json described an interval that was never computed, and nothing was said."""
+    save_trace(long_tail_trace(), tmp_path / "t.json")
+    argv = ["replay", str(tmp_path / "t.json"), "--num-gpus", "2", "--policy", "tlt"]
+    assert main([*argv, "--num-seeds", "2", "--out", str(tmp_path / "r")]) == 0
+    assert "no interval is computed" in capsys.readouterr().err
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["speedup_interval"] is None
+    assert main([*argv, "--out", str(tmp_path / "q")]) == 0  # nothing asked: nothing said
+    assert "interval" not in capsys.readouterr().err
+
+
+def test_tltbase_takes_tlt_arms_as_train_does_unless_tlt_runs_beside_it(tmp_path):
+    """replay --policy tltbase --tlt-strategies 4_1_4 drafted 6_1_6 (tltrun train's tltbase
+    drafts 4_1_4)."""
+    save_trace(long_tail_trace(), tmp_path / "t.json")
+    argv = ["replay", str(tmp_path / "t.json"), "--num-gpus", "2", "--cost-error", "0"]
+    argv += ["--tlt-strategies", "4_1_4", "--tlt-bucket-starts", "1", "--tlt-threshold", "8"]
+
+    def used(policies: str) -> dict:
+        out = tmp_path / policies.replace(",", "-")
+        assert main([*argv, "--policy", policies, "--out", str(out)]) == 0
+        summary = json.loads((out / "summary.json").read_text())
+        return {p["policy"]: p["strategies_used"] for p in summary["policies"]}
+
+    assert used("tltbase") == {"tltbase": ["history:4_1_4"]}
+    assert used("tlt,tltbase") == {"tlt": ["4_1_4"], "tltbase": ["history:6_1_6"]}

@@ -11,7 +11,9 @@ Flags map 1:1 onto ``SimConfig`` (cluster; ``--spot-startup-s``, ``--spot-checkp
 ``--drafter-dynamics`` and ``--hardware-file``.
 ``--profile FILE`` (``tltrun profile``) replaces the roofline by the measured profile, which the
 roofline still backs for ops the profile lacks; ``--drafter-dynamics FILE`` (``tltsim fit``)
-sets the ``--drafter-*`` defaults.
+sets the ``--drafter-*`` defaults. ``tltbase`` takes TLT's switch and bandit settings and
+``--tlt-history-strategies``; ``--tlt-strategies`` / ``--tlt-bucket-starts`` too (as ``tltrun
+train --policy tltbase`` does) unless ``tlt`` is replayed beside it, whose EAGLE arms they are.
 ``--preset`` fills the cluster fields first; explicit flags override it. The output directory
 (default ``results/replay-<trace stem>``) gets ``config.json`` (everything resolved),
 ``summary.json`` and ``summary.csv``, ``steps.csv``, ``instances.csv``, ``timeline.parquet`` and
@@ -21,7 +23,8 @@ Each speedup vs NoSpec comes with an interval (``tltsim.sim.intervals``), min-ma
 was asked for: ``--seeds 0,1,2`` / ``--num-seeds N`` (a replay per seed),
 ``--accept-rate-range 0.9,1.1`` or ``fit`` (replays at both ends of the acceptance model's
 uncertainty) and ``--cost-error 0.1`` (SD iteration seconds -/+ 10%, on by default: it needs no
-extra simulation). Printed as ``1.84x [1.71-1.95]``.
+extra simulation). Printed as ``1.84x [1.71-1.95]``; without ``nospec`` in ``--policy`` there
+is none (a warning says so where seeds or an acceptance range were asked for).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +50,7 @@ from tltsim.cost.calibrated import CalibratedCost, is_preset_file, load_hardware
 from tltsim.cost.measured import profile_gaps
 from tltsim.cost.presets import apply_preset
 from tltsim.cost.profile import load_profile
-from tltsim.errors import UsageError
+from tltsim.errors import InputWarning, UsageError
 from tltsim.jsonio import remove_stale_outputs, write_json
 from tltsim.policy import SpotTrainerConfig, TLTConfig
 from tltsim.sim.acceptance import DrafterDynamics
@@ -145,6 +149,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
         HistoryModel, args, prefix="history-", base=history_from_args(args)
     )
     spec = interval_spec(replay, sim, drafter, getattr(args, "drafter_dynamics", None), history)
+    if "nospec" not in names and (
+        replay.seeds or replay.num_seeds > 1 or replay.accept_rate_range is not None
+    ):
+        warnings.warn(
+            "--seeds/--num-seeds/--accept-rate-range give the speedup's interval against nospec, "
+            f"which --policy {replay.policy} leaves out: no interval is computed",
+            InputWarning,
+            stacklevel=2,
+        )
     check_out_dir(out)  # after every check of the input (a refused replay left it empty)
     remove_stale_outputs(out, RESULT_FILES)
     sim = dataclasses.replace(sim, seed=spec.seeds[0])  # the point estimate's seed
@@ -164,7 +177,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
             else _file_record(Path(args.drafter_dynamics))
         ),
         "cost_model": cost_record(sim, profile),
-        "speedup_interval": describe(spec),
+        # speedups are against nospec: without it none is computed (intervals.speedup_intervals)
+        "speedup_interval": describe(spec) if "nospec" in names else None,
     }
     write_json(out / "config.json", config)
     settings = RunSettings(
@@ -177,6 +191,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         replay.is_spot_training,
         profile,
         history=history,
+        # tltbase takes --tlt-strategies / --tlt-bucket-starts as tltrun train's does, unless
+        # tlt is replayed beside it (they are then tlt's EAGLE arms)
+        is_tltbase_tlt_arms="tlt" not in names,
     )
     results = simulate_policies(trace, names, settings, cost)
     intervals = replay_intervals(trace, names, settings, spec, results, cost)

@@ -177,6 +177,9 @@ class RunSettings:
     is_spot_training: bool = True
     profile: Path | None = None  # measured cost profile (tltrun profile); None: roofline
     history: HistoryModel = HistoryModel()  # the history drafter's acceptance (#20)
+    # tltbase also takes ``tlt``'s strategies and bucket starts where they differ from TLTConfig's
+    # defaults (tltrun train's tltbase takes --tlt-strategies); off where tlt runs beside it
+    is_tltbase_tlt_arms: bool = False
 
 
 def cost_model(sim: SimConfig) -> CalibratedCost | RooflineCost:
@@ -199,7 +202,15 @@ def run_settings(
     elif settings.policy == "static":
         policy = make_policy("static", strategy=settings.static_strategy)
     elif settings.policy == "tltbase":
-        policy = make_policy("tltbase", seed=sim.seed, **tltbase_settings(settings.tlt))
+        own = {}
+        if settings.is_tltbase_tlt_arms:
+            default = TLTConfig()
+            own = {
+                name: getattr(settings.tlt, name)
+                for name in ("strategies", "bucket_starts")
+                if getattr(settings.tlt, name) != getattr(default, name)
+            }
+        policy = make_policy("tltbase", seed=sim.seed, **tltbase_settings(settings.tlt), **own)
     else:
         policy = make_policy(settings.policy, seed=sim.seed)
     # TLTBase has no learned drafter to train on the idle instances
