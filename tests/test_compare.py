@@ -158,7 +158,7 @@ def test_own_simulated_timings_compare_with_zero_error(
     assert "rollout" in capsys.readouterr().out
 
 
-def test_speedups_between_policies(profile_path, tmp_path):
+def test_speedups_between_policies(profile_path, tmp_path, capsys):
     paths = []
     for policy, settings in (("nospec", {}), ("static", {"strategy": "4_1_4"})):
         paths.append(tmp_path / f"{policy}.json")
@@ -172,6 +172,13 @@ def test_speedups_between_policies(profile_path, tmp_path):
     assert up["sim_speedup"] == pytest.approx(up["measured_speedup"], rel=1e-9)
     assert up["measured_speedup"] > 1.0  # SD at accept rate 1 on a GPU roofline pays
     assert (out / "parity.png").stat().st_size > 0 and (out / "steps.png").stat().st_size > 0
+    # a --tlt-* flag no trace's policy takes was dropped without a word
+    argv = ["compare", *map(str, paths), "--profile", str(profile_path), "--out", str(out)]
+    capsys.readouterr()
+    assert main([*argv, "--tlt-threshold", "2"]) == 0
+    assert (
+        "warning: --tlt-threshold: no trace ran a policy that takes it" in capsys.readouterr().err
+    )
 
 
 def test_two_runs_of_one_policy_are_one_error_line(profile_path, tmp_path, capsys):

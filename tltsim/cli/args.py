@@ -212,12 +212,17 @@ def _metavar(field: dataclasses.Field, tp: Any) -> str:
 
 
 def add_dataclass_args(
-    parser: argparse.ArgumentParser, cls: type, prefix: str = "", skip: tuple[str, ...] = ()
+    parser: argparse.ArgumentParser,
+    cls: type,
+    prefix: str = "",
+    skip: tuple[str, ...] = (),
+    default_text: str | None = None,
 ) -> None:
     """Add one flag per field of dataclass ``cls`` except ``skip`` (:func:`flag_name`; every
     flag's default is None = not given). The help line is the field's ``metadata["help"]`` plus
-    its default; ``metadata["metavar"]`` / ``metadata["choices"]`` name the value (else N, X,
-    NAME or LIST by type). The flag's ``dest`` is ``prefix + field.name``."""
+    its default, or ``default_text`` where the default comes from elsewhere (a measured trace's
+    recorded settings); ``metadata["metavar"]`` / ``metadata["choices"]`` name the value (else
+    N, X, NAME or LIST by type). The flag's ``dest`` is ``prefix + field.name``."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
@@ -228,6 +233,8 @@ def add_dataclass_args(
         default = f.default if f.default is not dataclasses.MISSING else None
         if isinstance(default, tuple):  # shown as typed; () shows none (the help says what)
             default = ",".join(map(str, default))
+        if default_text is not None:
+            default = default_text
         helptext = f.metadata.get("help", "") + (
             f" (default: {default})" if default not in (None, "") else ""
         )

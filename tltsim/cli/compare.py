@@ -9,6 +9,7 @@ Prints the per-step table, the per-step speedups over ``--baseline`` and the err
 from __future__ import annotations
 
 import argparse
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,11 @@ import pandas as pd
 
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args, given_fields
 from tltsim.cli.table import format_cell, format_table
+from tltsim.errors import InputWarning
 from tltsim.fidelity import compare
 from tltsim.fidelity.fit import load_dynamics
 from tltsim.policy import TLTConfig
+from tltsim.policy.tlt import TLTBASE_FIELDS
 from tltsim.trace.files import trace_stem
 
 STEP_COLUMNS = {
@@ -78,6 +81,24 @@ def format_report(steps: pd.DataFrame, ups: pd.DataFrame, summary: dict[str, Any
     return "\n".join(lines)
 
 
+def _warn_unused_tlt_flags(tlt: dict, policies: set[str]) -> None:
+    """``--tlt-*`` flags reach tlt traces whole and tltbase traces in ``TLTBASE_FIELDS``
+    (measured_run): one warning line naming those no trace took (they were dropped unsaid)."""
+    if "tlt" in policies:
+        taken = set(tlt)
+    else:
+        taken = set(tlt) & set(TLTBASE_FIELDS) if "tltbase" in policies else set()
+    unused = sorted(set(tlt) - taken)
+    if unused:
+        flags = ", ".join("--tlt-" + name.replace("_", "-") for name in unused)
+        warnings.warn(
+            f"{flags}: no trace ran a policy that takes it (tlt takes every --tlt-* flag, "
+            f"tltbase its switch and bandit settings; the traces ran {', '.join(sorted(policies))})",
+            InputWarning,
+            stacklevel=2,
+        )
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(compare.CompareConfig, args)
     # the --tlt-* flags given replace those fields of each run's recorded config (a whole
@@ -85,6 +106,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     tlt = given_fields(TLTConfig, args, prefix="tlt-")
     drafter = load_dynamics(args.drafter_dynamics) if args.drafter_dynamics else None
     steps, ups, summary, config = compare.compare(args.traces, cfg, tlt, drafter)
+    _warn_unused_tlt_flags(tlt, {run["policy"] for run in config["runs"]})
     out = Path(cfg.out) if cfg.out else Path("results") / f"compare-{trace_stem(args.traces[0])}"
     plots = compare.write_outputs(check_out_dir(out), steps, ups, summary, config)
     print(format_report(steps, ups, summary))
@@ -109,5 +131,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="simulate acceptance with these fitted dynamics (tltsim fit --out) instead of replaying the measured per-step acceptance",
     )
     add_dataclass_args(p, compare.CompareConfig)
-    add_dataclass_args(p, TLTConfig, prefix="tlt-")
+    add_dataclass_args(p, TLTConfig, prefix="tlt-", default_text="each trace's recorded setting")
     p.set_defaults(func=cmd_compare)
