@@ -202,7 +202,8 @@ def _check_used(
     change a value (a config file of every setting, defaults included, stays accepted): the
     built-in task's beside --data, TLT's and the static strategy beside a policy that takes
     neither (they were recorded in config.json and ignored, and a later --resume changing one
-    was refused as a change of the run)."""
+    was refused as a change of the run), --data's settings without --data, and the torch
+    engine's beside --backend vllm."""
 
     def flags(names, prefix: str = "") -> str:  # a setting of the --config file by its key
         return ", ".join(
@@ -214,6 +215,20 @@ def _check_used(
         raise UsageError(
             f"{flags(given_task, 'task-')}: settings of the built-in task, which --data "
             f"{cfg.data} replaces; drop them"
+        )
+    data_settings = given & {
+        "prompt_key", "answer_key", "data_num_rows", "skip_bad_rows", "max_prompt_tokens"
+    }  # fmt: skip
+    if cfg.data is None and data_settings:  # sft refuses them so too
+        raise UsageError(
+            f"{flags(data_settings)}: settings of --data, which is not given (the built-in task "
+            "reads none of them); drop them"
+        )
+    torch_only = given & {"compile_layers", "fuse_projections", "is_history_cross_prompt"}
+    if cfg.backend == "vllm" and torch_only:
+        raise UsageError(
+            f"{flags(torch_only).replace('--is-history', '--history')}: settings of the torch "
+            "engine, which --backend vllm does not run; drop them"
         )
     unused = (
         {n for n in given if n.startswith("tlt_")} if cfg.policy in ("nospec", "static") else set()
