@@ -358,6 +358,15 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
             cli_words("bench --trace T --model M --out y --policy nospec,tlt --strategy 4_1_4"),
             "only --policy static takes a strategy",
         ),
+        # torch-engine flags where only vLLM runs: accepted and ignored
+        (
+            cli_words("bench --trace T --model M --out y --backend vllm --fuse-projections --eager"),
+            "--fuse-projections, --eager: settings of the torch engine",
+        ),
+        (
+            cli_words("generate --model M --prompts P --out y --graph-batch-sizes 1,2"),
+            "--graph-batch-sizes: no CUDA-graph pool runs here",
+        ),
         # the engine's error comes while bench's progress bar is drawn: still one line
         (
             cli_words("bench --trace T --model M --out y --policy nospec --eos-token-ids=-1"),

@@ -24,6 +24,7 @@ from tltrun.rollout.graphs import (
     bucket_for,
     capture_plan,
 )
+from tltsim.errors import UsageError
 from tltsim.policy import NoSpec, StaticSpec, TLTAdaptive, TLTBase, bucket_arms
 
 MODEL = tiny_model(seed=3)
@@ -380,8 +381,15 @@ def test_eager_flag_turns_the_pool_off():
     base = ["--max-running-requests", "2", "--max-model-len", "8"]
     assert engine_config_from_args(parser.parse_args(base)).cuda_graphs is None  # device default
     assert engine_config_from_args(parser.parse_args([*base, "--eager"])).cuda_graphs is False
-    cfg = engine_config_from_args(parser.parse_args([*base, "--graph-batch-sizes", "1,2"]))
-    assert cfg.graph_batch_sizes == (1, 2)
+    # where no pool runs (CPU, --eager) the sizes are refused (they were accepted and ignored)
+    sizes = ["--graph-batch-sizes", "1,2"]
+    with pytest.raises(UsageError, match="--graph-batch-sizes: no CUDA-graph pool runs here"):
+        engine_config_from_args(parser.parse_args([*base, *sizes, "--device", "cpu"]))
+    with pytest.raises(UsageError, match=", --eager\\); drop it"):
+        engine_config_from_args(parser.parse_args([*base, *sizes, "--eager"]))
+    if torch.cuda.is_available():
+        cfg = engine_config_from_args(parser.parse_args([*base, *sizes, "--device", "cuda"]))
+        assert cfg.graph_batch_sizes == (1, 2)
 
 
 @pytest.mark.gpu

@@ -105,7 +105,35 @@ def engine_config_from_args(
     check_triton_impls(
         cfg.device, cfg.dtype_name, attn_impl=cfg.attn_impl, verify_impl=cfg.verify_impl
     )
+    if cfg.graph_batch_sizes and not cfg.is_using_graphs:  # (it was accepted and ignored)
+        raise UsageError(
+            f"--graph-batch-sizes: no CUDA-graph pool runs here (device {cfg.device}, attention "
+            f"{cfg.attention}{', --eager' if cfg.cuda_graphs is False else ''}); drop it"
+        )
     return cfg
+
+
+# EngineConfig fields only the torch engine reads (tltrun.rollout.bench maps the others onto
+# vLLM's settings), with --eager for cuda_graphs
+TORCH_ONLY_FIELDS = (
+    "attn_impl", "compile_layers", "fuse_projections", "graph_batch_sizes", "verify_impl",
+    "catchup_pairs", "max_verify_tokens", "history_max_tokens", "is_history_cross_prompt",
+    "history_shared_max_tokens", "eager",
+)  # fmt: skip
+
+
+def check_torch_only_flags(args: argparse.Namespace, backends: tuple[str, ...]) -> None:
+    """Refuse torch-engine flags where no torch row runs (``--backend vllm``): vLLM was given
+    neither, and nothing said so."""
+    if "torch" in backends:
+        return
+    given = [n for n in TORCH_ONLY_FIELDS if getattr(args, n, None) is not None]
+    if given:
+        flags = ", ".join("--" + n.removeprefix("is_").replace("_", "-") for n in given)
+        raise UsageError(
+            f"{flags}: settings of the torch engine, which --backend {','.join(backends)} does "
+            "not run; drop them"
+        )
 
 
 def check_triton_impls(device: str, dtype: str, **impls: str | None) -> None:

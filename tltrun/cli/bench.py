@@ -19,6 +19,7 @@ from typing import Any
 from tltrun.cli.args import (
     add_engine_args,
     check_kv_cache_fits,
+    check_torch_only_flags,
     engine_config_from_args,
     engine_defaults,
     recorded_engine_run,
@@ -96,6 +97,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         longest = max(
             p.prompt_tokens + r.tokens for s in steps for p in s.prompts for r in p.responses
         )
+        check_torch_only_flags(args, cfg.backend)
         engine_cfg = engine_config_from_args(
             args, defaults=engine_defaults(cfg.model, widest, longest)
         )

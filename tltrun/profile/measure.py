@@ -182,7 +182,11 @@ class ProfileRunConfig:
         default=1.0, metadata={"help": "sampling temperature of the run to predict"}
     )
     max_prefill_tokens: int = field(
-        default=4096, metadata={"help": "--max-prefill-tokens of the run to predict"}
+        default=4096,
+        metadata={
+            "help": "torch only: --max-prefill-tokens of the run to predict (a vllm profile "
+            "keeps vLLM's own step budget, as tltrun train --backend vllm does)"
+        },
     )
     # the train op runs tltrun train's update: with a KL term its frozen reference forward
     # (none at 0, as DAPO-style runs), once per epoch its forward and backward
@@ -220,6 +224,8 @@ class ProfileRunConfig:
             )
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.backend == "vllm" and self.attn_impl is not None:  # vLLM picks its own
+            raise ValueError(f"--attn-impl {self.attn_impl}: the torch engine's; --backend vllm")
         if not self.out.endswith(".csv"):
             raise ValueError(f"--out {self.out}: a profile file name must end in .csv")
         axes = ("batches", "context_per_seq", "prefill_batches", "prefill_tokens_per_seq")
