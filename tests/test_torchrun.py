@@ -28,7 +28,7 @@ from tltsim.errors import WorkerError
 
 SMALL = ["--num-steps", "2", "--prompts-per-step", "6", "--group-size", "2",
          "--max-new-tokens", "16", "--policy", "nospec", "--num-threads", "1", "--seed", "0",
-         "--checkpoint-every", "1"]  # fmt: skip
+         "--checkpoint-every", "1", "--spot-training"]  # fmt: skip
 
 
 def torchrun(num_procs: int, model: Path, out: Path, *flags: str) -> list[str]:

@@ -58,6 +58,7 @@ def config(model_dir: Path, out: Path, **overrides) -> TrainConfig:
         checkpoint_every=1,
         seed=0,
         spot_max_epochs=1000,  # no update cap: only the preemption stops spot training
+        is_spot_training=True,  # asked for: nospec does not spot-train by default
     )
     fields.update(overrides)
     return TrainConfig(**fields)

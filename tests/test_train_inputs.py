@@ -257,3 +257,18 @@ def test_a_run_recorded_with_relative_paths_resumes_unchanged(tmp_path, monkeypa
         assert is_same_path(TrainConfig, name, old, getattr(cfg, name))
     assert not is_same_path(TrainConfig, "model_dir", "elsewhere", cfg.model_dir)
     assert not is_same_path(TrainConfig, "lr", 1e-5, 2e-5)
+
+
+def test_spot_training_by_default_only_where_the_policy_drafts_with_eagle():
+    """nospec and tltbase spot-trained a drafter nothing used (the simulator never does);
+    asked for, they still do; one worker has no idle worker to train on."""
+
+    def harvesting(**fields) -> bool:
+        return TrainConfig(model_dir="m", out="o", **fields).is_spot_harvesting
+
+    assert harvesting(policy="tlt") and harvesting(policy="static", static_strategy="4_1_4")
+    assert not harvesting(policy="nospec") and not harvesting(policy="tltbase")
+    assert not harvesting(policy="tlt", tlt_drafters=("history",))
+    assert harvesting(policy="nospec", is_spot_training=True)
+    assert not harvesting(policy="tlt", is_spot_training=False)
+    assert not harvesting(policy="tlt", num_workers=1, is_spot_training=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from tltrun.model.history_drafter import HistoryConfig
 from tltrun.train.config_checks import BACKENDS, check_train_config
-from tltsim.policy import POLICY_NAMES
+from tltsim.policy import POLICY_NAMES, SpecDecision
 from tltsim.policy.tlt_config import DRAFTER_EXPLORE
 
 # Fields a resumed run may change without --override-config: where and how often it writes,
@@ -121,8 +121,16 @@ class TrainConfig:
         default=32,
         metadata={"help": "tlt/tltbase: SD stays off while a worker has more active requests"},
     )
-    is_spot_training: bool = field(
-        default=True, metadata={"help": "idle workers train the drafter until the rollout ends"}
+    # None: where the policy drafts with the EAGLE drafter (tlt, static), as the simulator
+    # spot-trains; nospec and tltbase trained a drafter nothing used (and, with
+    # --deterministic, each step waited for it)
+    is_spot_training: bool | None = field(
+        default=None,
+        metadata={
+            "help": "idle workers train the EAGLE drafter until the rollout ends, with >= 2 "
+            "workers (default: where the policy drafts with it, tlt and static; not nospec "
+            "and tltbase)"
+        },
     )
     # Spot training's timing dependence (tltrun.train.spot, "Deterministic mode"): off by default
     # because the step then waits for the spot budgets (README, "Reproducible runs").
@@ -333,6 +341,22 @@ class TrainConfig:
         if self.policy == "tlt" and self.tlt_drafter_explore != "iteration":
             settings["drafter_explore"] = self.tlt_drafter_explore
         return settings
+
+    @property
+    def is_spot_harvesting(self) -> bool:
+        """Whether idle workers spot-train the EAGLE drafter: an idle worker possible (>= 2
+        workers) and ``is_spot_training``, by default where the policy drafts with it (nospec and
+        tltbase do not: they trained a drafter nothing used, and the simulator never spot-trains
+        them)."""
+        if self.num_workers < 2:
+            return False
+        if self.is_spot_training is not None:
+            return self.is_spot_training
+        if self.policy == "tlt":
+            return "eagle" in self.tlt_drafters
+        return (
+            self.policy == "static" and SpecDecision.parse(self.static_strategy).drafter == "eagle"
+        )
 
     @property
     def is_history_drafting(self) -> bool:

@@ -132,7 +132,7 @@ class Worker:
         )
         self.optimizer = make_optimizer(self.actor, self.gcfg)
         target = load_hf(actor_dir)
-        is_harvesting = cfg.is_spot_training and cfg.num_workers > 1
+        is_harvesting = cfg.is_spot_harvesting
         drafter_src = ckpt / "drafter" if ckpt and (ckpt / "drafter").is_dir() else cfg.drafter_dir
         drafter = (
             load_drafter(drafter_src, target)

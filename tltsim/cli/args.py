@@ -193,10 +193,11 @@ def _base_type(tp: Any) -> Any:
 
 
 def flag_name(field: dataclasses.Field, prefix: str = "") -> str:
-    """``--{prefix}{field-name}``; a boolean field drops its ``is_`` (``is_spot_training`` ->
-    ``--spot-training/--no-spot-training``): the prefix names Python booleans, not options."""
+    """``--{prefix}{field-name}``; a boolean field (``None`` allowed: a default resolved later)
+    drops its ``is_`` (``is_spot_training`` -> ``--spot-training/--no-spot-training``): the
+    prefix names Python booleans, not options."""
     name = field.name
-    if field.type in (bool, "bool") and name.startswith("is_"):
+    if field.type in (bool, "bool", "bool | None") and name.startswith("is_"):
         name = name.removeprefix("is_")
     return "--" + prefix + name.replace("_", "-")
 
