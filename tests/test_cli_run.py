@@ -360,7 +360,9 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
         ),
         # torch-engine flags where only vLLM runs: accepted and ignored
         (
-            cli_words("bench --trace T --model M --out y --backend vllm --fuse-projections --eager"),
+            cli_words(
+                "bench --trace T --model M --out y --backend vllm --fuse-projections --eager"
+            ),
             "--fuse-projections, --eager: settings of the torch engine",
         ),
         (

@@ -78,7 +78,10 @@ class BenchConfig:
         },
     )
     steps: tuple[int, ...] = field(
-        default=(), metadata={"help": "trace step indices to replay (default: all)"}
+        default=(),
+        metadata={
+            "help": "trace step numbers (the trace's 'step' fields) to replay (default: all)"
+        },
     )
     length_scale: float = field(
         default=1.0,

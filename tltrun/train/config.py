@@ -105,7 +105,7 @@ class TrainConfig:
     # TLTConfig.explore_iters (1: fastrl's per-iteration exploration; its comment)
     tlt_explore_iters: int = field(
         default=1,
-        metadata={"help": "tlt: iterations a bandit exploration holds its random arm"},
+        metadata={"help": "tlt/tltbase: iterations a bandit exploration holds its random arm"},
     )
     # TLTConfig.drafter_explore ("iteration": fastrl's rule for every arm; its comment)
     tlt_drafter_explore: str = field(

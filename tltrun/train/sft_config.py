@@ -77,8 +77,8 @@ class SFTConfig:
     data: str | None = field(
         default=None,
         metadata={
-            "help": "reasoning-gym:<task>[?key=value] or a .jsonl/.json/.parquet/.csv of "
-            "prompt/response rows (default: the built-in task)",
+            "help": "reasoning-gym:<task>[?key=value], a .jsonl/.json/.parquet/.csv of "
+            "prompt/response rows or a directory of them (default: the built-in task)",
             "metavar": "PATH",
         },
     )

@@ -74,7 +74,9 @@ class AdviseConfig:
         default=("fastrl", "chains"),
         metadata=_help("strategy sets to try: " + ", ".join(STRATEGY_SETS)),
     )
-    num_seeds: int = field(default=2, metadata=_help("seeds per setting (>= 2 gives intervals)"))
+    num_seeds: int = field(
+        default=2, metadata=_help("seeds per setting (>= 2 adds the seeds to each interval)")
+    )
     max_steps: int | None = field(default=None, metadata=_help("use only the first N steps"))
     accept_rate_range: str = field(
         default="0.9,1.1",

@@ -72,7 +72,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--fit",
         default=",".join(DEFAULT_FIT_FIELDS),
         metavar="LIST",
-        help=f"calibration fields to fit, comma-separated, among {', '.join(BOUNDS)}",
+        help=f"calibration fields to fit, comma-separated, among {', '.join(BOUNDS)} "
+        f"(default: {','.join(DEFAULT_FIT_FIELDS)}; the others keep the GPU's calibration)",
     )
     p.add_argument(
         "--out",

@@ -97,6 +97,7 @@ class FitConfig:
         metadata=_help(
             "DrafterDynamics and HistoryModel fields held at their base values: "
             + ", ".join(DYNAMICS_FIELDS + ("sibling_rate",) + LOGITS)
+            + " (sibling_rate: DrafterDynamics'; the history model's is not fitted)"
         ),
     )
 
