@@ -236,15 +236,18 @@ class SpotTrainerPolicy:
         time_cap = None
         if obs.available_s is not None:
             time_cap = math.floor(max(obs.available_s, 0.0) / obs.update_s)
-        best, best_key, batch_tokens = NO_TRAINING, (0, 0), 0
+        best_k, best_updates, best_key, batch_tokens = 0, 0, (0, 0), 0
         for k, worker in enumerate(ranked, start=1):
             batch_tokens += batch[worker]
             updates = caps[worker] if time_cap is None else min(caps[worker], time_cap)
             key = (updates * batch_tokens, -updates)
             if updates >= 1 and key > best_key:
-                best = TrainDecision(workers=tuple(sorted(ranked[:k])), max_updates=updates)
-                best_key = key
-        return best
+                best_k, best_updates, best_key = k, updates, key
+        if best_k == 0:
+            return NO_TRAINING
+        # built once: building it at every improvement sorted O(n) workers O(n) times per
+        # decision, which made 2,048-instance replays 50x slower than NoSpec's
+        return TrainDecision(workers=tuple(sorted(ranked[:best_k])), max_updates=best_updates)
 
     def state_dict(self) -> dict:
         """No state: a decision depends on the observation and the config only."""

@@ -392,6 +392,9 @@ class StepRun:
             indexed=sim.history_indexed,
         )
         self.done: list[InstanceRollout] = []
+        # each finished instance's response tokens (its whole share is harvested), summed once:
+        # re-summed for every finished instance at every idle event, they cost O(n^2) sums
+        self.done_tokens: dict[int, int] = {}
         self.instances: list[InstanceRollout] = []
         self.train_decisions: list[tuple[float, TrainDecision]] = []  # (rollout time, decision)
         self.mean_seq_tokens = float(
@@ -477,4 +480,5 @@ class StepRun:
     def instance_done(self, inst: InstanceRollout) -> None:
         """An instance ran out of work: it is idle until the barrier, or a spot trainer."""
         self.done.append(inst)
+        self.done_tokens[inst.index] = int(inst.response_tokens.sum())
         self.sim.instance_idle(self, inst)

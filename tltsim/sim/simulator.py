@@ -264,10 +264,7 @@ class _Simulation:
             now_s=inst.finish_s,
             step=run.step,
             # an idle instance has finished its whole share: all of it is harvested
-            buffer_tokens={
-                done.index: int(done.response_tokens.sum()) + previous.get(done.index, 0)
-                for done in run.done
-            },
+            buffer_tokens={i: n + previous.get(i, 0) for i, n in run.done_tokens.items()},
             num_instances=self.config.num_instances,
             update_s=run.update_s,
             instance_update_tokens=self.config.drafter_update_tokens * self.config.tp,
