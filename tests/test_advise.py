@@ -202,3 +202,24 @@ def test_more_idle_time_than_nospec_is_said_as_a_loss(reclaimed, expected):
     from tltsim.cli.advise import idle_line
 
     assert idle_line({"idle_gpu_s_reclaimed_per_step": reclaimed}) == expected
+
+
+def test_an_interrupted_advice_leaves_no_earlier_advice_beside_its_sweep(
+    tmp_path, capsys, monkeypatch
+):
+    """A new advice killed in its sweep left the earlier run's advise.json and train.toml (a
+    block users paste) beside the new sweep.toml."""
+    import tltsim.cli.advise as advise_cli
+
+    out = tmp_path / "a"
+    argv = ["advise", str(TRACE), "--thresholds", "64", "--strategy-sets", "fastrl"]
+    assert main([*argv, "--max-steps", "3", "--out", str(out)]) == 0
+    assert {"advise.json", "train.toml", "fastrl.yaml"} <= {p.name for p in out.iterdir()}
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(advise_cli, "run_sweep", interrupted)
+    assert main([*argv, "--max-steps", "2", "--out", str(out)]) == 130
+    left = {p.name for p in out.iterdir()}
+    assert "sweep.toml" in left and not left & {"advise.json", "train.toml", "fastrl.yaml"}

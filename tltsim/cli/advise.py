@@ -32,7 +32,7 @@ from typing import Any
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.cost.presets import CLUSTER_PRESETS, apply_preset
 from tltsim.errors import UsageError
-from tltsim.jsonio import write_json
+from tltsim.jsonio import remove_stale_outputs, write_json
 from tltsim.policy import SpotTrainerConfig, TLTConfig
 from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.config import MAX_SIMULATIONS, SimConfig
@@ -257,6 +257,10 @@ def recommend(
     return {**row, **ideal, "num_steps": trace.num_steps}
 
 
+# what an advice writes besides its sweep (advise.json last)
+RESULT_FILES = ("train.toml", "fastrl.yaml", "advise.json")
+
+
 def cmd_advise(args: argparse.Namespace) -> int:
     try:
         config = dataclass_from_args(AdviseConfig, args)
@@ -274,6 +278,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
     out = Path(config.out or Path("results") / f"advise-{trace_stem(args.trace)}")
     check_out_dir(out)
     out.mkdir(parents=True, exist_ok=True)
+    # an earlier advice is removed first: an interrupted run left it beside the new sweep.toml
+    remove_stale_outputs(out, RESULT_FILES)
     spec_path = out / "sweep.toml"
     # the spec resolves a relative preset file beside itself: written absolute, as the trace
     spec_path.write_text(
@@ -316,9 +322,9 @@ def cmd_advise(args: argparse.Namespace) -> int:
         "train_toml": train_toml(tlt, is_spot),
         "fastrl_yaml": fastrl_yaml(tlt, is_spot),
     }
-    write_json(out / "advise.json", report)
     (out / "train.toml").write_text(report["train_toml"] + "\n")
     (out / "fastrl.yaml").write_text(report["fastrl_yaml"] + "\n")
+    write_json(out / "advise.json", report)  # last: the mark of a finished advice
     print(format_advice(report, out))
     return 0
 
