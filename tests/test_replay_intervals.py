@@ -268,3 +268,17 @@ def test_tltbase_takes_tlt_arms_as_train_does_unless_tlt_runs_beside_it(tmp_path
 
     assert used("tltbase") == {"tltbase": ["history:4_1_4"]}
     assert used("tlt,tltbase") == {"tlt": ["4_1_4"], "tltbase": ["history:6_1_6"]}
+
+
+def test_the_progress_bar_weighs_exact_mode(monkeypatch):
+    """An --exact replay of 10k responses ran 51 s with no bar (the threshold counted
+    responses as the fast mode's)."""
+    import sys
+
+    from tltsim.sim import replay as replay_module
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    trace = long_tail_trace()  # 64 responses
+    sims = 50_000 // trace.num_responses // 60 + 1  # under the threshold fast, over it exact
+    assert replay_module.is_progress_quiet(trace, sims, SimConfig())
+    assert not replay_module.is_progress_quiet(trace, sims, SimConfig(exact=True))

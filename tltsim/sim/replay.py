@@ -58,6 +58,15 @@ from tltsim.trace.schema import Trace
 
 # Show a progress bar when a replay simulates at least this many responses (about a second).
 PROGRESS_MIN_RESPONSES = 50_000
+# --exact's per-iteration events cost about this many times the fast mode's per response (a
+# 10k-response trace: 147 s against 2.5 s under --policy all, this 2-core CPU, session 36)
+EXACT_COST_FACTOR = 60
+
+
+def is_progress_quiet(trace: Trace, num_simulations: int, sim: SimConfig) -> bool:
+    """No progress bar: a short replay (under about a second of work), or no terminal."""
+    work = trace.num_responses * num_simulations * (EXACT_COST_FACTOR if sim.exact else 1)
+    return work < PROGRESS_MIN_RESPONSES or not sys.stderr.isatty()
 
 
 def _help(text: str) -> dict[str, str]:
@@ -240,7 +249,7 @@ def simulate_policies(
     """``base`` simulated under each policy of ``names`` (a progress bar for long replays);
     ``cost``: see ``run_settings``."""
     total = trace.num_steps * len(names)
-    is_quiet = trace.num_responses * len(names) < PROGRESS_MIN_RESPONSES or not sys.stderr.isatty()
+    is_quiet = is_progress_quiet(trace, len(names), base.sim)
     results = {}
     with tqdm(total=total, desc="replay", unit="step", disable=is_quiet) as bar:
         for name in names:
@@ -285,16 +294,23 @@ def replay_intervals(
     """Speedup intervals around ``point`` (``simulate_policies(trace, names, base)``); the extra
     simulations (other seeds, acceptance ends) record no timeline."""
 
-    def simulate_one(
-        name: str, seed: int, drafter: DrafterDynamics, history: HistoryModel | None
-    ) -> SimResult:
-        sim = dataclasses.replace(base.sim, seed=seed, is_timeline_recorded=False)
-        settings = dataclasses.replace(
-            base, policy=name, sim=sim, drafter=drafter, history=history or base.history
-        )
-        return run_settings(settings, trace, cost=cost)
+    # the interval's simulations get their own bar (they ran after the point's bar showed
+    # 100%, most of a seeded replay's time); their number follows speedup_intervals, so the
+    # bar counts steps without a total
+    is_quiet = is_progress_quiet(trace, len(names), base.sim)
+    with tqdm(desc="intervals", unit="step", disable=is_quiet) as bar:
 
-    return speedup_intervals(names, spec, base.drafter, point, simulate_one)
+        def simulate_one(
+            name: str, seed: int, drafter: DrafterDynamics, history: HistoryModel | None
+        ) -> SimResult:
+            sim = dataclasses.replace(base.sim, seed=seed, is_timeline_recorded=False)
+            settings = dataclasses.replace(
+                base, policy=name, sim=sim, drafter=drafter, history=history or base.history
+            )
+            bar.set_postfix_str(f"{name} seed {seed}")
+            return run_settings(settings, trace, progress=bar.update, cost=cost)
+
+        return speedup_intervals(names, spec, base.drafter, point, simulate_one)
 
 
 def comparison(
