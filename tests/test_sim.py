@@ -102,6 +102,10 @@ def test_fast_matches_exact_on_every_step_of_a_sample_trace() -> None:
         assert f.step_s == pytest.approx(e.step_s, rel=0.01)
         assert f.rollout_s == pytest.approx(e.rollout_s, rel=1e-9)  # no approximation without SD
     assert [f.tokens_generated for f in fast.steps] == [e.tokens_generated for e in exact.steps]
+    # exact mode merges runs of identical iterations into one timeline segment in every step
+    # (after step 0 the step-relative times differed in their last bits: a row per iteration)
+    rows = np.bincount([seg.step for seg in exact.timeline])
+    assert rows.max() <= 2 * rows[0] and len(exact.timeline) <= 3 * len(fast.timeline)
 
 
 def test_continuous_batching_admits_queued_requests_when_slots_free() -> None:
