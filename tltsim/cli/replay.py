@@ -296,6 +296,8 @@ def format_report(
             f"bound {summary['mean_ideal_work_s']:,.2f} s, critical path "
             f"{summary['mean_ideal_critical_path_s']:,.2f} s):",
             format_table(policies, columns, left=("policy",), float_format=",.2f"),
+            f"(step_s, rollout_s: means per step; reclaimed_gpu_s, drafter_gpu_s: totals over "
+            f"the {summary['policies'][0]['num_steps']} steps)",
             *interval_lines(summary.get("speedup_interval")),
             "",
             f"wrote {out}/: {OUTPUT_FILES}",

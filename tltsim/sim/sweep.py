@@ -135,7 +135,10 @@ def settings_of(point: dict[str, Any], seed: int) -> RunSettings:
         else:
             top.setdefault("sim", {})[key] = value
     try:
-        sim = apply_preset(SimConfig(), point["preset"]) if "preset" in point else SimConfig()
+        # a sweep keeps summaries only: no timeline unless the spec asks (a quarter of a
+        # sweep's time and memory went to timelines it dropped)
+        sim = SimConfig(is_timeline_recorded=False)
+        sim = apply_preset(sim, point["preset"]) if "preset" in point else sim
         sim = dataclasses.replace(sim, **top.get("sim", {}), seed=seed)
         policy = top.get("policy", "tlt")
         if policy not in POLICY_NAMES:
