@@ -44,3 +44,14 @@ def test_grid_values_equal_as_their_type_are_one_point(tmp_path):
     assert loaded.grid["tlt.epsilon"] == [0.0, 0.1]
     values = [p["tlt.epsilon"] for p in spec_points(loaded) if "tlt.epsilon" in p]
     assert values == [0.0, 0.1] and all(type(v) is float for v in values)
+
+
+def test_a_sweep_point_records_no_timeline_unless_asked():
+    """Sweeps keep summaries only; the timelines they recorded and dropped cost a quarter of
+    their time and memory."""
+    from tltsim.sim.sweep import settings_of
+
+    assert not settings_of({"policy": "tlt"}, seed=0).sim.is_timeline_recorded
+    assert not settings_of({"preset": "h100x8-qwen7b"}, seed=0).sim.is_timeline_recorded
+    asked = settings_of({"is_timeline_recorded": True}, seed=0)
+    assert asked.sim.is_timeline_recorded
