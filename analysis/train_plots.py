@@ -77,8 +77,22 @@ def load_run(run: str | Path) -> tuple[str, list[dict]]:
     drafters = train.get("tlt_drafters", ["eagle"])
     if train["policy"] in ("nospec", "tltbase") or "eagle" not in drafters:
         return f"{name} ({policy})", rows  # no learned drafter to train or freeze
-    spot = "spot" if train["is_spot_training"] else "frozen drafter"
+    spot = "spot" if _is_spot_harvesting(train) else "frozen drafter"
     return f"{name} ({policy}, {spot})", rows
+
+
+def _is_spot_harvesting(train: dict) -> bool:
+    """``tltrun.train.config.TrainConfig.is_spot_harvesting`` from config.json's settings (this
+    package reads result files, not tltrun): is_spot_training, where None (the default) means
+    on for a policy that drafts with the EAGLE drafter; never with one worker."""
+    if train.get("num_workers", 2) < 2:
+        return False
+    if train["is_spot_training"] is not None:
+        return bool(train["is_spot_training"])
+    if train["policy"] == "tlt":
+        return "eagle" in train.get("tlt_drafters", ["eagle"])
+    strategy = str(train.get("static_strategy", ""))
+    return train["policy"] == "static" and not strategy.startswith("history:")
 
 
 def _is_json(line: str) -> bool:

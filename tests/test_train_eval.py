@@ -173,3 +173,31 @@ def test_data_smaller_than_a_step_and_a_files_num_rows_are_warned_about(bpe_mode
         "--data-num-rows 1: a file is read whole (the flag sets how many reasoning-gym problems "
         "are generated)",
     ]
+
+
+@pytest.mark.parametrize(
+    ("train", "label"),
+    [
+        # is_spot_training null: the default, on where the policy drafts with EAGLE
+        ({"policy": "tlt", "is_spot_training": None}, "rl (tlt, spot)"),
+        ({"policy": "tlt", "is_spot_training": False}, "rl (tlt, frozen drafter)"),
+        ({"policy": "static", "is_spot_training": None, "static_strategy": "4_1_4"},
+         "rl (static, spot)"),
+        ({"policy": "tlt", "is_spot_training": True, "num_workers": 1}, "rl (tlt, frozen drafter)"),
+        ({"policy": "nospec", "is_spot_training": None}, "rl (nospec)"),
+    ],
+)  # fmt: skip
+def test_the_report_labels_a_run_by_its_effective_spot_training(tmp_path, train, label):
+    """A default tlt run (is_spot_training null since session 36) was labelled "frozen
+    drafter" beside its own spot-training bars."""
+    import json
+
+    from analysis.train_plots import load_run
+
+    run = tmp_path / "rl"
+    run.mkdir()
+    row = {"step": 0, "reward_mean": 0, "accept_len": 1, "rollout_s": 1, "train_s": 1,
+           "step_s": 2, "drafter_train_s": 0}  # fmt: skip
+    (run / "log.jsonl").write_text(json.dumps(row) + "\n")
+    (run / "config.json").write_text(json.dumps({"train": {"num_workers": 2, **train}}))
+    assert load_run(run)[0] == label
