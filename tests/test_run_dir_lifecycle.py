@@ -288,3 +288,21 @@ def test_an_out_that_is_a_file_is_the_usual_refusal(model_dir, tmp_path, capsys)
     assert main(argv) == 2
     assert capsys.readouterr().err == f"error: --out {taken}: exists and is not a directory\n"
     assert taken.read_text() == "{}"
+
+
+def test_a_resume_without_tensorboard_still_drops_the_redone_steps_points(tmp_path):
+    """--tensorboard is free to change on resume, but without it the steps the resumed run
+    redid kept their old points (steps 3-4 of the killed attempt beside the new ones)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    first = SummaryWriter(str(tmp_path / "tensorboard"))
+    for step in range(5):
+        first.add_scalar("train/rollout_s", float(step), step)
+    first.close()
+    assert run_logs.tensorboard_writer(tmp_path, 3, is_on=False) is None
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/rollout_s")] == [0, 1, 2]
+    assert run_logs.tensorboard_writer(tmp_path / "none", 0, is_on=False) is None
+    assert not (tmp_path / "none").exists()  # nothing written where no tensorboard was

@@ -142,3 +142,20 @@ def write_trace(out: Path, meta: dict[str, Any]) -> None:
     )
     save_trace(trace, out / "trace.tmp.json")
     os.replace(out / "trace.tmp.json", out / "trace.json")
+
+
+def tensorboard_writer(out: Path, start_step: int, is_on: bool):
+    """Rank 0's ``SummaryWriter`` of ``out/tensorboard`` (``--tensorboard``), or None. Its
+    ``purge_step`` drops the events of the steps a resumed run redoes (all of them when it
+    restarts from step 0: a run killed before its first checkpoint); a resume without
+    ``--tensorboard`` purges them too (the redone steps' old points stayed beside the new run)."""
+    tb_dir = out / "tensorboard"
+    if not is_on and not tb_dir.is_dir():
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(tb_dir), purge_step=start_step)
+    if is_on:
+        return writer
+    writer.close()
+    return None

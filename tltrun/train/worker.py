@@ -45,6 +45,7 @@ from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord
 from tltrun.train.grpo import GRPOConfig, Sample, autocast_dtype_for, grpo_update, make_optimizer
 from tltrun.train.prompts import load_run_data, max_request_tokens, reward_spec
 from tltrun.train.responses import ResponseScorer
+from tltrun.train.run_logs import tensorboard_writer
 from tltrun.train.spot import ModelledFeedback, SpotStats, SpotTrainer, SubsetGroups
 from tltrun.train.step_log import WorkerStepReport, sha1_digest, write_step_record
 from tltrun.train.tasks import TaskConfig
@@ -198,15 +199,9 @@ class Worker:
         self.start_step = 0
         if ckpt:
             self._restore(ckpt)
-        self.tensorboard = None
-        if cfg.tensorboard and rank == 0:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step: a resumed run drops the events of steps it repeats (all of them when
-            # it restarts from step 0: a run killed before its first checkpoint)
-            self.tensorboard = SummaryWriter(
-                str(self.out / "tensorboard"), purge_step=self.start_step
-            )
+        self.tensorboard = (
+            tensorboard_writer(self.out, self.start_step, cfg.tensorboard) if rank == 0 else None
+        )
 
     # ---- checkpoints ------------------------------------------------------------------------
 
