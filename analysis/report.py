@@ -20,6 +20,10 @@ def report(out_dir: str | Path) -> list[Path]:
     try:
         summary = json.loads(summary_path.read_text())
     except FileNotFoundError:
+        if (out_dir / "log.jsonl").is_file():  # a tltrun train run directory
+            raise ReportError(
+                f"{out_dir}: a tltrun train run (log.jsonl); draw it with tltrun report {out_dir}"
+            ) from None
         if (out_dir / "config.json").is_file():  # written first, summary.json last
             raise ReportError(
                 f"{out_dir}: no summary.json: the run that wrote its config.json did not finish "

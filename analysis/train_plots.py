@@ -6,8 +6,10 @@
   one line per run whose rollouts used SD; a spot-trained and a frozen-drafter run of the same
   policy side by side show what spot training buys once the policy moves;
 * ``step_time.png``: stacked mean seconds per step per run: rollout, actor update, and the rest
-  (syncs, logging); spot drafter training happens inside the rollout's idle time, so it is
-  drawn as a hatched bar beside, not stacked.
+  (syncs and the rest of the step); ``step_s`` ends before the step's record and
+  checkpoint are written, so neither is in it (a checkpoint step at 7B takes longer than the
+  bar). Spot drafter training happens inside the rollout's idle time, so it is drawn as a
+  hatched bar beside, not stacked.
 
 Run: ``tltrun report RUN_DIR [RUN_DIR ...] [--out DIR]``; ``report()`` returns the written
 paths.
@@ -247,6 +249,15 @@ def report(run_dirs: list[str], out: str | None = None, prepare_out=None) -> lis
     by ``prepare_out(path)`` (the CLI's checks) only once every run has been read (a refused
     report left an empty --out behind)."""
     runs = unique_labels([load_run(r) for r in run_dirs], list(run_dirs))
+    lengths = {label: len(rows) for label, rows in runs}
+    if len(set(lengths.values())) > 1:  # the step-time bars average different steps
+        warnings.warn(
+            "runs of different lengths ("
+            + ", ".join(f"{label}: {n} steps" for label, n in lengths.items())
+            + "): each figure's means cover each run's own steps",
+            InputWarning,
+            stacklevel=2,
+        )
     dest = Path(out) if out else Path(run_dirs[0])
     if prepare_out is not None:
         prepare_out(dest)

@@ -255,3 +255,9 @@ def test_a_replay_killed_before_its_results_leaves_no_stale_ones(
     assert "no summary.json: the run that wrote its config.json did not finish" in (
         capsys.readouterr().err
     )
+    # a tltrun train run is not an unfinished replay: the other report draws it
+    (out / "log.jsonl").write_text('{"step": 0}\n')
+    assert main(["report", str(out)]) == 2
+    assert f"a tltrun train run (log.jsonl); draw it with tltrun report {out}" in (
+        capsys.readouterr().err
+    )

@@ -201,3 +201,23 @@ def test_the_report_labels_a_run_by_its_effective_spot_training(tmp_path, train,
     (run / "log.jsonl").write_text(json.dumps(row) + "\n")
     (run / "config.json").write_text(json.dumps({"train": {"num_workers": 2, **train}}))
     assert load_run(run)[0] == label
+
+
+def test_the_report_says_when_runs_differ_in_length(tmp_path):
+    """Runs of 3 and 14 steps were compared without a word: their means cover other steps."""
+    import json
+
+    from analysis.train_plots import report
+    from tltsim.errors import InputWarning
+
+    row = {"reward_mean": 0, "accept_len": 1, "rollout_s": 1, "train_s": 1, "step_s": 2,
+           "drafter_train_s": 0}  # fmt: skip
+    dirs = []
+    for name, num_steps in (("a", 3), ("b", 5)):
+        run = tmp_path / name
+        run.mkdir()
+        lines = [json.dumps({"step": i, **row}) for i in range(num_steps)]
+        (run / "log.jsonl").write_text("\n".join(lines) + "\n")
+        dirs.append(str(run))
+    with pytest.warns(InputWarning, match=r"runs of different lengths \(a: 3 steps, b: 5 steps\)"):
+        report(dirs, str(tmp_path / "out"))

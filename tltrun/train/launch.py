@@ -35,8 +35,9 @@ drafter, vLLM layout), ckpt/step_NNNNNN/ (DCP state of actor, optimizer and draf
 with a manifest.json that ``--resume`` verifies: tltrun.train.state, tltrun.train.checkpoint),
 final/actor + final/drafter, and run.lock (held while a run is going).
 With ``--tensorboard``, rank 0 also writes every numeric column of ``log.jsonl`` as a scalar
-``train/<column>`` per step to ``tensorboard/`` (``tensorboard --logdir OUT/tensorboard``; a
-resumed run purges the events of the steps it repeats).
+per step to ``tensorboard/``, ``train/<column>`` (the evaluation's ``eval_*`` columns as
+``eval/<column>``; ``tensorboard --logdir OUT/tensorboard``); a resumed run purges the events of
+the steps it repeats, with or without ``--tensorboard``.
 """
 
 from __future__ import annotations
