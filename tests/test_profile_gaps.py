@@ -108,3 +108,12 @@ def test_profile_info_refuses_what_replay_refuses_and_names_the_gaps(tmp_path: P
     path.write_text("".join(ln for ln in lines if ln not in decode_b1[1:]))
     assert main(["profile-info", str(path)]) == 2
     assert "batch 1: only one context tokens per sequence value measured" in capsys.readouterr().err
+
+
+def test_profile_info_says_when_model_is_not_the_profiled_one(capsys):
+    assert main(["profile-info", str(SHIPPED), "--model", "Qwen2.5-7B"]) == 0
+    assert "note: --model Qwen2.5-7B: not the model the profile measured (hidden_size 1536 vs " in (
+        capsys.readouterr().out
+    )
+    assert main(["profile-info", str(SHIPPED), "--model", "Qwen2.5-1.5B"]) == 0
+    assert "not the model the profile measured" not in capsys.readouterr().out

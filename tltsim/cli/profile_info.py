@@ -164,6 +164,13 @@ def _cmd_profile_info(args: argparse.Namespace) -> int:
         print("(no roofline comparison: pass --model and --hardware, presets or files)")
         return 0
     tp = profile_tp(args.tp, profile)
+    measured = model_of_profile(None, profile) if args.model is not None else None
+    shapes = measured.shape_differences(model) if measured is not None else []
+    if shapes:  # a deliberate what-if, but said (calibrate refuses it)
+        print(
+            f"note: --model {args.model}: not the model the profile measured ({'; '.join(shapes)});"
+            " the comparison below prices another model's bytes and FLOPs"
+        )
     try:
         roofline = RooflineCost(model, hardware, tp=tp)
         calibrated = (
