@@ -13,7 +13,7 @@ Sources (``DataSpec.path``), nothing read from the network:
   split, or its only split), read with ``datasets.load_from_disk`` under ``HF_DATASETS_OFFLINE=1``;
 * any other directory: the shards of one dataset, its files of one of the formats above in name
   order (a hub dataset's ``train-00000-of-00002.parquet`` ...; its train split's files where the
-  names say several splits); a row's place is its shard's;
+  names say several splits: ``readers.shard_files``); a row's place is its shard's;
 * ``reasoning-gym:<task>[?key=value&...]`` — ``num_rows`` procedurally generated problems of a
   reasoning-gym task from ``seed`` (``gym.py``); ``key=value`` pairs go to the task's config
   (values parsed as JSON when they parse, e.g. ``min_terms=2``), except ``system_prompt=<name>``
@@ -37,6 +37,7 @@ reasoning-gym rows.
 from __future__ import annotations
 
 import math
+import os
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -161,7 +162,7 @@ def _file_rows(spec: DataSpec) -> Iterator[PromptRow | str]:
     path = Path(spec.path)
     if not path.exists():
         raise DataError(f"{spec.path}: no such file or directory")
-    name = path.name
+    name = Path(os.path.abspath(path)).name  # "--data ." named every row ":N"; no symlinks followed
     for raw in read_records(path, spec.num_rows):
         if raw.record is None:
             yield f"{raw.place}: {raw.problem}"

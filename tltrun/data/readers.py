@@ -4,10 +4,11 @@ a JSON list, Parquet, CSV, a ``datasets.save_to_disk`` directory, or a directory
 A directory that ``save_to_disk`` did not write (no ``state.json`` / ``dataset_dict.json``) is
 read as the shards of one dataset, the layout of a Hugging Face hub dataset's files
 (``train-00000-of-00002.parquet``, ``train-00001-of-00002.parquet``) or of a Spark/pandas export
-(``part-0.parquet``, ...): its files with one data suffix, in name order, rows numbered across
-them. Where file names say a split (the name's first word is ``train``, ``test``,
-``validation``, ...) and several splits are there, the ``train`` files are read, or the only
-split's; otherwise the directory is refused naming its splits, as a ``DatasetDict`` is.
+(``part-0.parquet``, ...): its files with one data suffix, in name order (numbers as numbers:
+``part-2`` before ``part-10``), rows numbered across them. Where file names say a split (a word
+of the name is one of datasets' split keywords, ``SPLIT_KEYWORDS``: ``gsm8k_train.jsonl``,
+``test-00000-of-00001.parquet``), the ``train`` files are read, or the only split's; several
+splits without train, or files of a split beside files of none, are refused naming them.
 Subdirectories are not read (a hub dataset's configs, ``main/`` and ``socratic/``, are
 directories: pass the one to use).
 """
@@ -27,11 +28,16 @@ from tltrun.data.rows import GYM_PREFIX
 from tltsim.errors import UsageError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
-# Split names as datasets' data-files resolution knows them (its "train"/"validation"/"test"
-# keywords and their usual spellings); the first word of a shard's name.
 # What save_to_disk writes beside the data: a Dataset's state.json, a DatasetDict's dataset_dict.json.
 SAVE_TO_DISK_FILES = ("state.json", "dataset_dict.json")
-SPLIT_WORDS = ("train", "training", "validation", "valid", "val", "dev", "eval", "test", "testing")
+# The split keywords of datasets' data-files resolution (datasets.data_files: each split's
+# spellings, matched as a word of the file name between the delimiters [-._ 0-9]).
+SPLIT_KEYWORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "dev", "val"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+_SPLIT_OF_WORD = {word: split for split, words in SPLIT_KEYWORDS.items() for word in words}
 
 
 class DataError(UsageError):
@@ -83,7 +89,10 @@ def _read_file(path: Path, *, index_from: int) -> Iterator[RawRow]:
 def shard_files(path: Path) -> tuple[Path, ...]:
     """The files of the directory ``path`` read as one dataset's shards, in name order (see the
     module docstring); a ``DataError`` naming what is there when none, or no one choice, fits."""
-    files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix in FILE_SUFFIXES)
+    files = sorted(
+        (f for f in path.iterdir() if f.is_file() and f.suffix in FILE_SUFFIXES),
+        key=lambda f: _natural_key(f.name),  # part-2 before part-10 (Dask writes part.N)
+    )
     if not files:
         subdirs = sorted(f.name for f in path.iterdir() if f.is_dir())
         inside = f"; its subdirectories: {', '.join(subdirs[:8])} (pass one)" if subdirs else ""
@@ -99,20 +108,36 @@ def shard_files(path: Path) -> tuple[Path, ...]:
         )
     splits: dict[str | None, list[Path]] = {}
     for f in files:
-        word = re.split(r"[-_.]", f.stem.lower(), maxsplit=1)[0]
-        splits.setdefault(word if word in SPLIT_WORDS else None, []).append(f)
+        splits.setdefault(split_of(f.name), []).append(f)
     if set(splits) == {None}:
         return tuple(files)
-    named = sorted(s for s in splits if s is not None)
+    if None in splits:  # read with the others, a test file named otherwise would be trained on
+        others = ", ".join(f.name for f in splits[None][:3])
+        raise DataError(
+            f"{path}: some file names say a split and some do not ({others}); keep one "
+            "dataset's files in the directory, or pass one file"
+        )
     if "train" in splits:
         return tuple(splits["train"])
     if len(splits) == 1:
-        return tuple(splits[named[0]])
+        return tuple(next(iter(splits.values())))
     raise DataError(
-        f"{path}: files of several splits ({', '.join(named)}"
-        f"{', and files of none' if None in splits else ''}) and none named train; pass the "
-        "file to use, or a directory holding one split's files"
+        f"{path}: files of several splits ({', '.join(sorted(splits))}) and none of train; "
+        "pass the file to use, or a directory holding one split's files"
     )
+
+
+def split_of(name: str) -> str | None:
+    """The split a data file's name says (``SPLIT_KEYWORDS``: ``gsm8k_train.jsonl`` and
+    ``train-00000-of-00002.parquet`` are train, ``evaluation.jsonl`` test), None if none or
+    several."""
+    words = re.split(r"[-._ 0-9]+", name.rsplit(".", 1)[0].lower())
+    found = {_SPLIT_OF_WORD[w] for w in words if w in _SPLIT_OF_WORD}
+    return found.pop() if len(found) == 1 else None
+
+
+def _natural_key(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def _read_shards(path: Path, files: tuple[Path, ...]) -> Iterator[RawRow]:
