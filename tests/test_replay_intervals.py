@@ -268,6 +268,10 @@ def test_tltbase_takes_tlt_arms_as_train_does_unless_tlt_runs_beside_it(tmp_path
 
     assert used("tltbase") == {"tltbase": ["history:4_1_4"]}
     assert used("tlt,tltbase") == {"tlt": ["4_1_4"], "tltbase": ["history:6_1_6"]}
+    # arms the policy cannot take are one line before anything is written (an internal error)
+    bad = ["replay", str(tmp_path / "t.json"), "--policy", "nospec,tltbase", "--out"]
+    assert main([*bad, str(tmp_path / "bad"), "--tlt-bucket-starts", "1,4,8,16"]) == 2
+    assert not (tmp_path / "bad").exists()
 
 
 def test_the_progress_bar_weighs_exact_mode(monkeypatch):

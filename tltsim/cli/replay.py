@@ -38,7 +38,7 @@ from typing import Any
 
 import pandas as pd
 
-from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
+from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args, given_fields
 from tltsim.cli.fidelity import (
     add_profile_args,
     dynamics_from_args,
@@ -68,6 +68,7 @@ from tltsim.sim.replay import (
     replay_cost,
     replay_intervals,
     simulate_policies,
+    tltbase_policy,
     write_outputs,
 )
 from tltsim.trace.files import load_trace, trace_stem
@@ -158,6 +159,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
             InputWarning,
             stacklevel=2,
         )
+    # tltbase takes --tlt-strategies / --tlt-bucket-starts as tltrun train's does (where given),
+    # unless tlt is replayed beside it (they are then tlt's EAGLE arms); checked here
+    given = given_fields(TLTConfig, args, prefix="tlt-")
+    tltbase_arms = tuple(
+        (name, getattr(tlt, name))
+        for name in ("strategies", "bucket_starts")
+        if name in given and "tlt" not in names
+    )
+    if "tltbase" in names:
+        try:
+            tltbase_policy(RunSettings(sim, "tltbase", tlt, tltbase_arms=tltbase_arms))
+        except ValueError as err:
+            raise UsageError(f"--policy tltbase: {err}") from None
     check_out_dir(out)  # after every check of the input (a refused replay left it empty)
     remove_stale_outputs(out, RESULT_FILES)
     sim = dataclasses.replace(sim, seed=spec.seeds[0])  # the point estimate's seed
@@ -191,9 +205,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         replay.is_spot_training,
         profile,
         history=history,
-        # tltbase takes --tlt-strategies / --tlt-bucket-starts as tltrun train's does, unless
-        # tlt is replayed beside it (they are then tlt's EAGLE arms)
-        is_tltbase_tlt_arms="tlt" not in names,
+        tltbase_arms=tltbase_arms,
     )
     results = simulate_policies(trace, names, settings, cost)
     intervals = replay_intervals(trace, names, settings, spec, results, cost)

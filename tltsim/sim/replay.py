@@ -186,9 +186,10 @@ class RunSettings:
     is_spot_training: bool = True
     profile: Path | None = None  # measured cost profile (tltrun profile); None: roofline
     history: HistoryModel = HistoryModel()  # the history drafter's acceptance (#20)
-    # tltbase also takes ``tlt``'s strategies and bucket starts where they differ from TLTConfig's
-    # defaults (tltrun train's tltbase takes --tlt-strategies); off where tlt runs beside it
-    is_tltbase_tlt_arms: bool = False
+    # TLTConfig fields tltbase takes besides tltbase_settings' (replay: --tlt-strategies and
+    # --tlt-bucket-starts where given and tlt is not replayed beside it, as tltrun train's
+    # tltbase takes them), as (name, value) pairs
+    tltbase_arms: tuple[tuple[str, Any], ...] = ()
 
 
 def cost_model(sim: SimConfig) -> CalibratedCost | RooflineCost:
@@ -211,20 +212,16 @@ def run_settings(
     elif settings.policy == "static":
         policy = make_policy("static", strategy=settings.static_strategy)
     elif settings.policy == "tltbase":
-        own = {}
-        if settings.is_tltbase_tlt_arms:
-            default = TLTConfig()
-            own = {
-                name: getattr(settings.tlt, name)
-                for name in ("strategies", "bucket_starts")
-                if getattr(settings.tlt, name) != getattr(default, name)
-            }
-        policy = make_policy("tltbase", seed=sim.seed, **tltbase_settings(settings.tlt), **own)
+        policy = tltbase_policy(settings)
     else:
         policy = make_policy(settings.policy, seed=sim.seed)
-    # TLTBase has no learned drafter to train on the idle instances
-    is_spec = settings.policy not in ("nospec", "tltbase")
-    trainer = SpotTrainerPolicy(settings.spot) if is_spec and settings.is_spot_training else None
+    # spot training where the policy can draft with the EAGLE drafter (tltrun train's default,
+    # TrainConfig.is_spot_harvesting): not TLTBase, nor a history-only tlt or static
+    trainer = (
+        SpotTrainerPolicy(settings.spot)
+        if settings.is_spot_training and is_eagle_drafting(settings)
+        else None
+    )
     return simulate(
         trace,
         sim,
@@ -241,6 +238,22 @@ def replay_cost(sim: SimConfig, profile: Path | None = None) -> Any:
     """The cost model of ``sim`` (``cost_model``), or a ProfileCost of ``profile`` falling back
     to it."""
     return with_profile(profile, cost_model(sim))
+
+
+def tltbase_policy(settings: RunSettings) -> Any:
+    """The TLTBase of ``settings`` (a ValueError for arms it cannot take)."""
+    arms = dict(settings.tltbase_arms)
+    return make_policy("tltbase", seed=settings.sim.seed, **tltbase_settings(settings.tlt), **arms)
+
+
+def is_eagle_drafting(settings: RunSettings) -> bool:
+    """Whether the policy of ``settings`` may draft with the learned EAGLE drafter."""
+    if settings.policy == "tlt":
+        return "eagle" in settings.tlt.drafters
+    return (
+        settings.policy == "static"
+        and SpecDecision.parse(settings.static_strategy).drafter == "eagle"
+    )
 
 
 def simulate_policies(
