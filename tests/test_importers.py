@@ -234,7 +234,7 @@ BAD_SOURCES = {
         "s.csv",
         "client_id,window_start_s,output_tokens\n1,0,500,1\n1,0,700,1\n",
         [],
-        ["rows with more values than the header's 3 columns"],
+        ["rows with more values than the header has columns"],
     ),
     "a boolean column": (
         "servegen",
@@ -420,3 +420,8 @@ def test_the_cap_is_the_files_maximum_and_a_small_selection_warns(tmp_path: Path
     with pytest.warns(InputWarning, match="1 selected rows .* for 256 responses a step"):
         trace = import_servegen(tmp_path / "one.csv", ImportConfig(num_steps=1, client_id=1))
     assert set(trace.response_lengths()) == {531} and trace.max_response_tokens == 900
+    # a junk value in a row not selected does not take the file's maximum with it
+    (tmp_path / "junk.csv").write_text(text + "3,0,99999999999\n4,0,abc\n")
+    with pytest.warns(InputWarning):
+        trace = import_servegen(tmp_path / "junk.csv", ImportConfig(num_steps=1, client_id=1))
+    assert trace.max_response_tokens == 900

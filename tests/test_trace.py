@@ -375,3 +375,14 @@ def test_default_output_names_keep_the_dots_of_a_trace_name(tmp_path, monkeypatc
         "replay-exp.1",
         "replay-exp.2",
     ]
+
+
+def test_a_failed_write_names_the_path_asked_for_and_leaves_no_temporary(tmp_path: Path) -> None:
+    """A write error named the temporary file (x.json.tmp) the user never typed."""
+    if Path("/proc/self").is_dir():  # Linux: /proc takes no new files (ENOENT on create)
+        with pytest.raises(FileNotFoundError) as err:
+            save_trace(_example(), "/proc/t.json")
+        assert err.value.filename == "/proc/t.json"
+    (tmp_path / "d.json.tmp").mkdir()  # the temporary's place taken: that is what is named
+    with pytest.raises(IsADirectoryError, match="d.json.tmp"):
+        save_trace(_example(), tmp_path / "d.json")

@@ -102,7 +102,9 @@ def save_trace(trace: Trace, path: str | Path, allow_lossy: bool = False) -> Non
                 data = gzip.compress(data, mtime=0)  # mtime=0: same trace, same bytes
             tmp.write_bytes(data)
         os.replace(tmp, path)
-    except OSError as err:  # named by the path asked for, not by the temporary one
+    except OSError as err:
         if tmp.is_file():
             tmp.unlink()
-        raise OSError(err.errno, err.strerror, str(path)) from None
+        if err.errno is None or err.filename != str(tmp) or isinstance(err, IsADirectoryError):
+            raise  # pyarrow's names both paths; a directory in the way is the temporary one
+        raise OSError(err.errno, err.strerror, str(path)) from None  # the path asked for

@@ -148,8 +148,8 @@ def _read_csv(path: Path, columns: tuple[str, ...]) -> pd.DataFrame:
         raise TraceError(f"{path}: empty file: expected columns {','.join(columns)}") from None
     except pd.errors.ParserWarning:
         raise TraceError(
-            f"{path}: rows with more values than the header's {len(columns)} columns "
-            f"({','.join(columns)})"
+            f"{path}: rows with more values than the header has columns (expected columns "
+            f"{','.join(columns)})"
         ) from None
     except (pd.errors.ParserError, UnicodeDecodeError, OSError, EOFError) as err:
         raise TraceError(
@@ -236,8 +236,9 @@ def read_servegen(
         )
     pool = _positive_ints(frame.loc[keep], "output_tokens", path)
     # rows not selected are not checked: only a finite maximum of them counts
-    everywhere = pd.to_numeric(frame["output_tokens"], errors="coerce").max()
-    file_max = int(everywhere) if np.isfinite(everywhere) and everywhere <= MAX_COUNT else 0
+    everywhere = pd.to_numeric(frame["output_tokens"], errors="coerce")
+    everywhere = everywhere[(everywhere >= 1) & (everywhere <= MAX_COUNT)].max()  # NaN if none
+    file_max = int(everywhere) if np.isfinite(everywhere) else 0
     return pool, max(file_max, int(pool.max()))
 
 
