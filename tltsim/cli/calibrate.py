@@ -170,7 +170,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             f"{'the model' if model is None else 'the hardware'})"
         )
     check_sidecar_agrees(args, profile, model, hardware)
-    tp = profile_tp(args.tp, profile)
+    tp = profile_tp(args.tp, profile, is_strict=True)
     fields = tuple(f.strip() for f in args.fit.split(",") if f.strip())
     if len(set(fields)) != len(fields):
         raise UsageError(f"--fit {args.fit}: a parameter is named twice")

@@ -56,15 +56,16 @@ def model_of_profile(arg: str | None, profile: Profile) -> ModelSpec | None:
     return None
 
 
-def profile_tp(arg: int | None, profile: Profile) -> int:
-    """``--tp``, else the sidecar's ``tp`` (default 1); at least 1 either way. A ``--tp`` other
-    than the sidecar's is refused, as replay refuses it: one profile measures one engine."""
+def profile_tp(arg: int | None, profile: Profile, is_strict: bool = False) -> int:
+    """``--tp``, else the sidecar's ``tp`` (default 1); at least 1 either way. ``is_strict``
+    (calibrate): a ``--tp`` other than the sidecar's is refused, as replay refuses it (one
+    profile measures one engine); profile-info's roofline may price another TP (a what-if)."""
     tp = arg if arg is not None else profile.meta.get("tp", 1)
     if type(tp) is not int or tp < 1:
         where = "--tp" if arg is not None else f"{profile.source}: sidecar field 'tp'"
         raise UsageError(f"{where}: expected an integer >= 1, got {tp!r}")
     recorded = profile.meta.get("tp")
-    if arg is not None and type(recorded) is int and recorded != arg:
+    if is_strict and arg is not None and type(recorded) is int and recorded != arg:
         raise UsageError(
             f"--tp {arg}: {profile.source} was measured with tp={recorded} (its sidecar); "
             "leave --tp out"
