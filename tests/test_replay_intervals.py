@@ -24,6 +24,7 @@ from tltsim.sim.intervals import (
     mean_step_s_scaled,
     parse_seeds,
     scaled_dynamics,
+    speedup_intervals,
 )
 from tltsim.sim.replay import RunSettings, replay_intervals, simulate_policies
 from tltsim.sim.sweep import SweepSpec, sweep_summary
@@ -286,3 +287,19 @@ def test_the_progress_bar_weighs_exact_mode(monkeypatch):
     sims = 50_000 // trace.num_responses // 60 + 1  # under the threshold fast, over it exact
     assert replay_module.is_progress_quiet(trace, sims, SimConfig())
     assert not replay_module.is_progress_quiet(trace, sims, SimConfig(exact=True))
+
+
+def test_each_interval_simulation_runs_once(point):
+    """NoSpec's other seeds were simulated twice (once for the baseline, once as a policy):
+    the extra runs are exactly what IntervalSpec counts, which the progress bar's total uses."""
+    trace, base, results = point
+    calls = []
+
+    def simulate(name, seed, drafter, history):
+        calls.append((name, seed))
+        return results[name]
+
+    spec = IntervalSpec(seeds=(0, 1, 2))
+    speedup_intervals(("nospec", "tlt"), spec, DRAFTER, results, simulate)
+    assert sorted(calls) == [("nospec", 1), ("nospec", 2), ("tlt", 1), ("tlt", 2)]
+    assert len(calls) == (len(spec.seeds) - 1) + spec.num_extra_runs_per_policy

@@ -308,10 +308,15 @@ def replay_intervals(
     simulations (other seeds, acceptance ends) record no timeline."""
 
     # the interval's simulations get their own bar (they ran after the point's bar showed
-    # 100%, most of a seeded replay's time); their number follows speedup_intervals, so the
-    # bar counts steps without a total
-    is_quiet = is_progress_quiet(trace, len(names), base.sim)
-    with tqdm(desc="intervals", unit="step", disable=is_quiet) as bar:
+    # 100%, most of a seeded replay's time): nospec's other seeds, each speculating policy's
+    # extra runs (IntervalSpec.num_extra_runs_per_policy); none, no bar
+    num_runs = (len(spec.seeds) - 1) * ("nospec" in names) + spec.num_extra_runs_per_policy * sum(
+        name != "nospec" for name in names
+    )
+    is_quiet = num_runs == 0 or is_progress_quiet(trace, num_runs, base.sim)
+    with tqdm(
+        total=num_runs * trace.num_steps, desc="intervals", unit="step", disable=is_quiet
+    ) as bar:
 
         def simulate_one(
             name: str, seed: int, drafter: DrafterDynamics, history: HistoryModel | None
