@@ -9,6 +9,7 @@ to ``Measure.interleaved``.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from tltsim.cost.profile import ProfileRow
+from tltsim.errors import InputWarning
 
 STATISTICS = ("median", "mean")
 # "wall": elapsed seconds. "cpu": this process's CPU seconds, which on a machine shared with
@@ -149,3 +151,20 @@ class Measure:
         p10, p50, p90 = (max(float(v), 1e-9) for v in np.percentile(s, [10, 50, 90]))
         value = p50 if self.statistic == "median" else min(max(float(s.mean()), p10), p90)
         return ProfileRow(op, batch, context, tokens_per_seq, value, p10, p90, int(s.size))
+
+
+def warn_if_floored(
+    what: str, draft_steps: int, step_s: float, verify_s: float, it_s: float
+) -> None:
+    """One warning where a verify row, ``it - draft_steps x drafter`` floored at 10% of the
+    iteration, makes ``draft_steps x drafter + verify`` exceed the iteration measured (noise in
+    the drafter's or the iteration's samples): the profile then charges more than it timed."""
+    if draft_steps * step_s + verify_s > 1.05 * it_s:
+        warnings.warn(
+            f"{what}: {draft_steps} x drafter {1e3 * step_s:.3g} ms is most of the measured "
+            f"iteration ({1e3 * it_s:.3g} ms); its verify row is floored at 10% of the "
+            "iteration, so the profile charges more than was measured (a noisy point: more "
+            "--num-repeats)",
+            InputWarning,
+            stacklevel=3,
+        )

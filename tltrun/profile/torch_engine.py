@@ -9,7 +9,6 @@ It drives the engine through its public pieces only (``start_rollout`` and ``ste
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from functools import partial
 
@@ -17,12 +16,11 @@ import numpy as np
 import torch
 
 from tltrun.model.attention import UNPADDED_ATTN_IMPLS
-from tltrun.profile.timing import Series
+from tltrun.profile.timing import Series, warn_if_floored
 from tltrun.rollout.engine import RolloutEngine
 from tltrun.rollout.engine_config import EngineConfig, default_attn_impl
 from tltrun.rollout.interface import Request, SamplingParams
 from tltsim.cost.profile import ProfileRow
-from tltsim.errors import InputWarning
 from tltsim.policy import NoSpec, SpecDecision, SpecPolicy, StaticSpec
 
 
@@ -163,19 +161,10 @@ def point_rows(
                 it = timed[("iteration", b, c, d)]
                 rest = np.maximum(it - d.draft_steps * step_s, 0.1 * it)
                 rows.append(row("verify", b, ctx, d.verify_tokens + 1, rest))
-                it_s = row("verify", b, ctx, 1, it).seconds  # the iteration's statistic
-                if is_warned and d.draft_steps * step_s + rows[-1].seconds > 1.05 * it_s:
-                    # the floor engaged: draft_steps x drafter + verify is more than the
-                    # iteration measured (noise in the drafter's or the iteration's samples)
-                    warnings.warn(
-                        f"strategy {d.strategy} at batch {b}, context {c}: {d.draft_steps} x "
-                        f"drafter {1e3 * step_s:.3g} ms is most of the measured iteration "
-                        f"({1e3 * it_s:.3g} ms); its verify row is floored at 10% of the "
-                        "iteration, so the profile charges more than was measured (a noisy "
-                        "point: more --num-repeats)",
-                        InputWarning,
-                        stacklevel=2,
-                    )
+                if is_warned:
+                    it_s = row("verify", b, ctx, 1, it).seconds  # the iteration's statistic
+                    what = f"strategy {d.strategy} at batch {b}, context {c}"
+                    warn_if_floored(what, d.draft_steps, step_s, rows[-1].seconds, it_s)
     rows.append(row("sd_switch", b, ctx, c, timed[("switch", b, c)]))
     return rows
 

@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from tltrun.profile.timing import Series
+from tltrun.profile.timing import Series, warn_if_floored
 from tltsim.cost.profile import ProfileRow
 
 
@@ -178,8 +178,11 @@ def prefill_series(probe: VLLMProbe, batch: int, tokens: int) -> Series:
     )
 
 
-def point_rows(b: int, c: int, ks: list[int], timed: dict, contexts: dict, measure) -> list:
-    """decode, drafter, verify and sd_switch rows of one (batch, context per sequence)."""
+def point_rows(
+    b: int, c: int, ks: list[int], timed: dict, contexts: dict, measure, is_warned: bool = False
+) -> list:
+    """decode, drafter, verify and sd_switch rows of one (batch, context per sequence);
+    ``is_warned``: a floored verify row is said (the final rows)."""
 
     def ctx(key) -> int:  # the timed calls' contexts (an interrupted round's left out)
         return int(round(np.mean(_timed(contexts[key], measure)[: len(timed[key])])))
@@ -199,6 +202,10 @@ def point_rows(b: int, c: int, ks: list[int], timed: dict, contexts: dict, measu
         it = by_k[k]
         verify = np.maximum(it - k * step_s, 0.1 * it)
         rows.append(measure.row("verify", b, ctx(("step", b, c, k)), k + 1, verify))
+        if is_warned:
+            it_s = measure.row("verify", b, 0, k + 1, it).seconds  # the iteration's statistic
+            what = f"chain of {k} at batch {b}, context {c}"
+            warn_if_floored(what, k, step_s, rows[-1].seconds, it_s)
     total = ctx(("switch", b, c))
     per_seq = max(1, round(total / b))
     rows.append(measure.row("sd_switch", b, total, per_seq, timed[("switch", b, c)]))
@@ -299,11 +306,11 @@ def profile_vllm(
         probe.set_k(0)
         between_rounds(r)
 
-    def rows_of(timed: dict) -> list[ProfileRow]:
+    def rows_of(timed: dict, is_warned: bool = False) -> list[ProfileRow]:
         rows: list[ProfileRow] = []
         for b in cfg.batches:
             for c in cfg.context_per_seq:
-                rows += point_rows(b, c, ks, timed, contexts, measure)
+                rows += point_rows(b, c, ks, timed, contexts, measure, is_warned)
         for b in cfg.prefill_batches:
             for t in cfg.prefill_tokens_per_seq:
                 rows.append(measure.row("prefill", b, 0, t, timed[("prefill", b, t)]))
@@ -319,7 +326,7 @@ def profile_vllm(
     finally:
         if is_own:
             backend.close()
-    return rows_of(timed)
+    return rows_of(timed, is_warned=True)
 
 
 __all__ = ["VLLMProbe", "profile_vllm"]
