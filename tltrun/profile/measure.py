@@ -273,9 +273,9 @@ class ProfileRunConfig:
     @property
     def dtype_name(self) -> str:
         """``dtype`` with its device default resolved."""
-        if self.dtype is not None:
-            return self.dtype
-        return "bfloat16" if self.device.startswith("cuda") else "float32"
+        from tltrun.rollout.engine_config import default_dtype
+
+        return self.dtype if self.dtype is not None else default_dtype(self.device)
 
     @property
     def decisions(self) -> list[SpecDecision]:

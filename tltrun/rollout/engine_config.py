@@ -39,6 +39,12 @@ def default_attn_impl(device: str) -> str:
     return "flex" if torch.device(device).type == "cuda" else "sdpa"
 
 
+def default_dtype(device: str) -> str:
+    """The engine's dtype where none is given: bfloat16 on CUDA (RL rollouts' dtype, veRL's
+    default), float32 elsewhere."""
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The torch rollout engine's settings; ``None`` fields take their device default."""
@@ -237,9 +243,7 @@ class EngineConfig:
     @property
     def dtype_name(self) -> str:
         """``dtype`` with its device default resolved."""
-        if self.dtype is not None:
-            return self.dtype
-        return "bfloat16" if self.is_cuda else "float32"
+        return self.dtype if self.dtype is not None else default_dtype(self.device)
 
     @property
     def attention(self) -> str:
