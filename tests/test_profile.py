@@ -415,3 +415,7 @@ def test_more_sequences_never_cost_less_beyond_the_grid_either() -> None:
     # a measured point is still its measured (envelope) value
     row = next(r for r in cost.profile.rows if r.op == "prefill" and r.batch == 16)
     assert cost.prefill_s(16 * row.tokens_per_seq, 0.0, 16) == pytest.approx(row.seconds)
+    # and the raise is said, per table (an exactly bilinear profile needs none)
+    lines = cost.extrapolation_report()
+    assert "op prefill: 1 of 2 batch curves (batch 16) raised to a smaller batch's" in lines
+    assert not ProfileCost(bilinear_profile()).batch_raises

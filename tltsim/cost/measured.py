@@ -120,7 +120,7 @@ class ProfileCost:
         self.profile = profile
         self.fallback = fallback
         self.is_warned = is_warned
-        self._tables, self.monotone_lifts = profile_tables(profile)
+        self._tables, self.monotone_lifts, self.batch_raises = profile_tables(profile)
         self.fallback_ops = tuple(op for op in REQUIRED_OPS if op not in profile.ops)
         if self.fallback_ops and fallback is None:
             raise ProfileError(
@@ -194,7 +194,7 @@ class ProfileCost:
         """One line per (op, axis) that left the grid, per table whose noise was lifted
         (``monotone_envelope``), and the ops taken from the fallback."""
         lines = [rec.line() for rec in self.extrapolations.values()]
-        lines += [lift.line() for lift in self.monotone_lifts]
+        lines += [lift.line() for lift in (*self.monotone_lifts, *self.batch_raises)]
         if self.fallback_ops:
             lines.append(
                 f"ops not in the profile, from {type(self.fallback).__name__}: {', '.join(self.fallback_ops)}"

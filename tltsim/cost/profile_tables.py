@@ -25,6 +25,12 @@ AXES: dict[str, tuple[tuple[str, bool], ...]] = {
     "drafter_train": (("sequence tokens", False), ("sequences per update", True)),
 }
 _X_MIN = {"prefill": 1.0, "sd_switch": 1.0}
+# where "batch" is among each table's coordinates (AXES' order)
+AXIS_OF_BATCH = {
+    name: [axis for axis, _ in axes].index("batch")
+    for name, axes in AXES.items()
+    if "batch" in [axis for axis, _ in axes]
+}
 _MEMBERS = {
     "target": ("decode", "verify"),
     "drafter": ("drafter",),
@@ -53,13 +59,15 @@ def _build(
     where: str,
     source: str,
     is_monotone_in_batch: bool = False,
+    raised: list[float] | None = None,
 ) -> Curve | Table:
     """Nested Table over the first coordinate of ``points`` down to Curves over the last.
     ``is_monotone_in_batch``: each batch's Curve is raised to the previous batch's wherever it
     falls below it. The envelope makes measured points monotone, but each batch extrapolates
     beyond its own points with its own end slopes: the H200 profile's prefill of 16-token
     prompts (below its grid) cost 37 ms for one prompt and 3 ms for sixteen, and its drafter at
-    20,000 tokens of context (above it) less at batch 64 than at batch 16."""
+    20,000 tokens of context (above it) less at batch 64 than at batch 16. The batches raised
+    so are appended to ``raised``."""
     (name, is_kinked), inner = axes[0], axes[1:]
     if not inner:
         xs = sorted(points)
@@ -73,7 +81,9 @@ def _build(
         groups[coords[0]][coords[1:]] = seconds
     knots = sorted(groups)
     children = [
-        _build(groups[k], inner, x_min, f"{where}, {name} {k:g}", source, is_monotone_in_batch)
+        _build(
+            groups[k], inner, x_min, f"{where}, {name} {k:g}", source, is_monotone_in_batch, raised
+        )
         for k in knots
     ]
     if name == "batch" and is_monotone_in_batch:
@@ -81,7 +91,39 @@ def _build(
             below, curve = children[i - 1], children[i]
             assert isinstance(below, Curve) and isinstance(curve, Curve)  # batch is next to last
             children[i] = maximum(curve, below)
+            if raised is not None and _is_raised(children[i], curve, x_min):
+                raised.append(knots[i])
     return Table(knots, children, is_kinked)
+
+
+def _is_raised(new: Curve, old: Curve, x_min: float) -> bool:
+    """Whether ``new`` (``maximum(old, ...)``) lies above ``old`` anywhere on the axis from
+    ``x_min`` on: at a knot, at ``x_min``, or beyond the last knot (a steeper upper slope).
+    (Lines of two batches may cross below ``x_min``, a negative context: never queried.)"""
+    tol = 1e-12
+    points = [x for x in new.xs if x >= x_min] + [x_min]
+    return (
+        any(new.value(x) > old.value(x) * (1 + tol) + tol for x in points)
+        or new.hi_slope > old.hi_slope * (1 + tol) + tol
+    )
+
+
+@dataclass(frozen=True)
+class BatchRaise:
+    """Batches of one table whose curve ``_build`` raised to a smaller batch's."""
+
+    ops: str
+    batches: tuple[float, ...]
+    num_batches: int
+
+    def line(self) -> str:
+        shown = ", ".join(f"{b:g}" for b in self.batches[:6])
+        more = ", ..." if len(self.batches) > 6 else ""
+        return (
+            f"{self.ops}: {len(self.batches)} of {self.num_batches} batch curves (batch "
+            f"{shown}{more}) raised to a smaller batch's where they fell below it, beyond their "
+            "own measured points (each batch extrapolates with its own end slopes)"
+        )
 
 
 @dataclass(frozen=True)
@@ -134,8 +176,12 @@ def monotone_envelope(
     return out, num_lifted, max_lift
 
 
-def profile_tables(profile: Profile) -> tuple[dict[str, Table], tuple[MonotoneLift, ...]]:
-    tables, lifts = {}, []
+def profile_tables(
+    profile: Profile,
+) -> tuple[dict[str, Table], tuple[MonotoneLift, ...], tuple[BatchRaise, ...]]:
+    """The interpolation tables of ``profile`` per table name, the measured points lifted to
+    the monotone envelope and the batch curves raised to a smaller batch's (each a ``line()``)."""
+    tables, lifts, raises = {}, [], []
     for name, ops in _MEMBERS.items():
         rows = [r for r in profile.rows if r.op in ops]
         if rows:
@@ -146,6 +192,7 @@ def profile_tables(profile: Profile) -> tuple[dict[str, Table], tuple[MonotoneLi
             where = f"op {'/'.join(ops)}"
             if num_lifted:
                 lifts.append(MonotoneLift(where, num_lifted, len(points), max_lift))
+            raised: list[float] = []
             tables[name] = _build(
                 points,
                 AXES[name],
@@ -153,5 +200,9 @@ def profile_tables(profile: Profile) -> tuple[dict[str, Table], tuple[MonotoneLi
                 where,
                 profile.source,
                 is_monotone_in_batch=name in ENVELOPE_FIXED,
+                raised=raised,
             )
-    return tables, tuple(lifts)
+            if raised:
+                num_batches = len({_coords(name, r)[AXIS_OF_BATCH[name]] for r in rows})
+                raises.append(BatchRaise(where, tuple(sorted(set(raised))), num_batches))
+    return tables, tuple(lifts), tuple(raises)
