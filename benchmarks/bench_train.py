@@ -5,11 +5,9 @@ spot-trained vs the frozen drafter at the last step, and the final reward of eac
 the rollout speedup (wall seconds of the slower worker, prefill included), ``decode x`` is the
 engine's decode tokens per decode second vs NoSpec's (the quantity ``bench_spec.py`` measures)
 and ``prefill %`` the share of the engine's seconds spent prefilling, which SD does not shorten:
-together they say why a rollout gains less than the microbenchmark.
-
-Starting point: the fine-tuned target and offline-trained drafter of
-``benchmarks/bench_spec.py`` (``--model-dir`` / ``--drafter-dir``, run that first); every run
-starts from the same weights and seed, so the runs see the same prompts.
+together they say why a rollout gains less than the microbenchmark. Starting point: the target
+and drafter of ``benchmarks/bench_spec.py`` (``--model-dir`` / ``--drafter-dir``, run that
+first); every run starts from the same weights and seed, so the runs see the same prompts.
 
 Run: ``python benchmarks/bench_train.py`` (about 20 minutes on 2 otherwise idle CPU cores; run
 nothing beside it, the runs are timed in wall seconds; they alternate in chunks of
@@ -64,8 +62,7 @@ RUN_SPECS = {
     "tltbase-group": ("tltbase", False, ("eagle",)),
 }
 GROUP_HISTORY_RUNS = ("tltbase-group",)
-# gloo workers of every run: two, one per core of the project's 2-core machine
-NUM_WORKERS = 2
+NUM_WORKERS = 2  # gloo workers of every run: one per core of the project's 2-core machine
 DEFAULT_RUNS = ("nospec", "static", "tlt-frozen", "tlt-spot")
 
 
@@ -89,9 +86,8 @@ class BenchTrainConfig:
             "help": f"runs to compare, nospec and tlt-spot included ({', '.join(RUN_SPECS)})"
         },
     )
-    # issue #16: a reasoning-gym task (prompts and scorer from the library) instead of the
-    # built-in task; the target and drafter must come from bench_spec.py --task with the same
-    # task (its stages SFT the target on that task's problems of the same seed)
+    # issue #16: a reasoning-gym task instead of the built-in one; the target and drafter must
+    # come from bench_spec.py --task with the same task (its SFT on that task's problems)
     task: str = field(
         default="builtin",
         metadata={"help": "builtin, or reasoning-gym:<task>[?key=value&...]"},

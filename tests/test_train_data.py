@@ -324,11 +324,6 @@ def test_data_without_an_answer_column_trains_with_the_users_reward(bpe_model, t
         ([*gym, "--task-max-ops", "9"], "--task-max-ops: settings of the built-in task"),
         (["--policy", "nospec", "--tlt-threshold", "5"], "--tlt-threshold: not read by --policy nospec"),
         (["--policy", "tlt", "--static-strategy", "2_1_2"], "--static-strategy: not read by"),
-        # --data's settings without --data, the torch engine's under vllm: read by nothing
-        (["--data-num-rows", "5", "--skip-bad-rows"], "--data-num-rows, --skip-bad-rows: settings of --data"),
-        (["--max-prompt-tokens", "7"], "--max-prompt-tokens: settings of --data, which is not"),
-        (["--backend", "vllm", "--fuse-projections", "--no-history-cross-prompt"],
-         "--fuse-projections, --history-cross-prompt: settings of the torch engine"),
     ):  # fmt: skip
         code = main([*common, *flags])
         err = capsys.readouterr().err.strip()

@@ -191,6 +191,12 @@ def test_request_slots_never_exceed_a_workers_responses():
          "tlt_threshold (--config {config}): not read by --policy nospec"),
         ("[task]\nbogus = 1\n", [], "--config {config} [task]: unknown field(s) bogus"),
         ("[task]\nmax_ops = 300\n", [], "--config {config} [task]: max_ops must be"),
+        # --data's settings without --data, the torch engine's under vllm: read by nothing
+        ("", ["--data-num-rows", "5", "--skip-bad-rows"],
+         "--data-num-rows, --skip-bad-rows: settings of --data, which is not given"),
+        ("", ["--max-prompt-tokens", "7"], "--max-prompt-tokens: settings of --data"),
+        ("", ["--backend", "vllm", "--fuse-projections", "--no-history-cross-prompt"],
+         "--fuse-projections, --history-cross-prompt: settings of the torch engine"),
     ],
 )  # fmt: skip
 def test_unused_and_bad_config_settings_are_named_where_they_were_set(

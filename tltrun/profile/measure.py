@@ -73,6 +73,7 @@ from tqdm import tqdm
 from tltrun.model import attention
 from tltrun.profile.timing import CLOCKS, STATISTICS, Interruption, Measure
 from tltrun.profile.train_ops import train_series
+from tltrun.rollout.measured_trace import cpu_model
 from tltsim.cost.profile import ProfileRow, write_profile
 from tltsim.policy import SpecDecision
 
@@ -161,8 +162,7 @@ class ProfileRunConfig:
     )
     seed: int = field(default=0, metadata={"help": "seed of the random states and weights timed"})
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
-    # None: as the engine's default (EngineConfig.dtype: bfloat16 on CUDA, float32 on CPU), so
-    # that a GPU profile times the dtype its runs use (fp32 profiles of bf16 runs were made)
+    # None: the engine's default (default_dtype), so a GPU profile times its runs' bf16
     dtype: str | None = field(
         default=None,
         metadata={
@@ -283,17 +283,6 @@ class ProfileRunConfig:
 
 
 # --- the whole profile ------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name from /proc/cpuinfo (Linux), else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def software_versions() -> dict[str, str]:

@@ -86,10 +86,10 @@ def hardware_name(device: str | torch.device) -> str:
     dev = torch.device(device)
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
-    return f"{_cpu_model()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads"
+    return f"{cpu_model()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """The CPU's model name (Linux /proc/cpuinfo), else what ``platform`` knows."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -98,7 +98,7 @@ def _cpu_model() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{platform.processor() or platform.machine()} CPU"
+    return platform.processor() or platform.machine()
 
 
 def rollout_summary(result: RolloutResult) -> dict[str, Any]:
