@@ -29,6 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from analysis import ReportError
 from tltsim.errors import InputWarning  # noqa: E402
 from tltsim.jsonio import parse_json, read_json, read_text  # noqa: E402
+from tltsim.policy import is_eagle_drafting  # noqa: E402
 
 # what every log.jsonl row of tltrun train holds and the figures read (numbers)
 PLOTTED_KEYS = ("step", "reward_mean", "accept_len", "rollout_s", "train_s", "step_s",
@@ -86,15 +87,17 @@ def load_run(run: str | Path) -> tuple[str, list[dict]]:
 def _is_spot_harvesting(train: dict) -> bool:
     """``tltrun.train.config.TrainConfig.is_spot_harvesting`` from config.json's settings (this
     package reads result files, not tltrun): is_spot_training, where None (the default) means
-    on for a policy that drafts with the EAGLE drafter; never with one worker."""
+    on for a policy that drafts with the EAGLE drafter (``tltsim.policy.is_eagle_drafting``);
+    never with one worker."""
     if train.get("num_workers", 2) < 2:
         return False
     if train["is_spot_training"] is not None:
         return bool(train["is_spot_training"])
-    if train["policy"] == "tlt":
-        return "eagle" in train.get("tlt_drafters", ["eagle"])
-    strategy = str(train.get("static_strategy", ""))
-    return train["policy"] == "static" and not strategy.startswith("history:")
+    return is_eagle_drafting(
+        train["policy"],
+        train.get("tlt_drafters", ["eagle"]),
+        str(train.get("static_strategy", "off")),
+    )
 
 
 def _is_json(line: str) -> bool:

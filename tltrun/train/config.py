@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from tltrun.model.history_drafter import HistoryConfig
 from tltrun.train.config_checks import BACKENDS, check_train_config
-from tltsim.policy import POLICY_NAMES, SpecDecision
+from tltsim.policy import POLICY_NAMES, is_eagle_drafting
 from tltsim.policy.tlt_config import DRAFTER_EXPLORE
 
 # Fields a resumed run may change without --override-config: where and how often it writes,
@@ -352,11 +352,7 @@ class TrainConfig:
             return False
         if self.is_spot_training is not None:
             return self.is_spot_training
-        if self.policy == "tlt":
-            return "eagle" in self.tlt_drafters
-        return (
-            self.policy == "static" and SpecDecision.parse(self.static_strategy).drafter == "eagle"
-        )
+        return is_eagle_drafting(self.policy, self.tlt_drafters, self.static_strategy)
 
     @property
     def is_history_drafting(self) -> bool:

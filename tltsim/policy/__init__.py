@@ -38,6 +38,7 @@ export and ``make_policy``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import fields
 
 from tltsim.policy.bandit import REWARD_GROUPS, BegMab, bucket_arms
@@ -116,6 +117,16 @@ def make_policy(name: str, seed: int = 0, **settings) -> SpecPolicy:
     return TLTAdaptive(seed=seed, **settings)
 
 
+def is_eagle_drafting(policy: str, drafters: Sequence[str], static_strategy: str) -> bool:
+    """Whether policy ``policy`` may draft with the learned EAGLE drafter (``drafters``: tlt's
+    bandit drafters; ``static_strategy``: static's strategy): what spot training trains, so the
+    simulator (``tltsim.sim.replay``), ``tltrun train`` (``TrainConfig.is_spot_harvesting``) and
+    its report spot-train, or say so, by the same rule."""
+    if policy == "tlt":
+        return "eagle" in drafters
+    return policy == "static" and SpecDecision.parse(static_strategy).drafter == "eagle"
+
+
 __all__ = [
     "PolicyStateError",
     "ACCEPT_LEN_EMA_WEIGHT",
@@ -138,6 +149,7 @@ __all__ = [
     "SpotTrainerPolicy",
     "StaticSpec",
     "TLTAdaptive",
+    "is_eagle_drafting",
     "TLTBase",
     "TLTConfig",
     "TrainDecision",

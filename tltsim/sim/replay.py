@@ -36,6 +36,7 @@ from tltsim.policy import (
     SpotTrainerConfig,
     SpotTrainerPolicy,
     TLTConfig,
+    is_eagle_drafting,
     make_policy,
     tltbase_settings,
 )
@@ -219,7 +220,8 @@ def run_settings(
     # TrainConfig.is_spot_harvesting): not TLTBase, nor a history-only tlt or static
     trainer = (
         SpotTrainerPolicy(settings.spot)
-        if settings.is_spot_training and is_eagle_drafting(settings)
+        if settings.is_spot_training
+        and is_eagle_drafting(settings.policy, settings.tlt.drafters, settings.static_strategy)
         else None
     )
     return simulate(
@@ -244,16 +246,6 @@ def tltbase_policy(settings: RunSettings) -> Any:
     """The TLTBase of ``settings`` (a ValueError for arms it cannot take)."""
     arms = dict(settings.tltbase_arms)
     return make_policy("tltbase", seed=settings.sim.seed, **tltbase_settings(settings.tlt), **arms)
-
-
-def is_eagle_drafting(settings: RunSettings) -> bool:
-    """Whether the policy of ``settings`` may draft with the learned EAGLE drafter."""
-    if settings.policy == "tlt":
-        return "eagle" in settings.tlt.drafters
-    return (
-        settings.policy == "static"
-        and SpecDecision.parse(settings.static_strategy).drafter == "eagle"
-    )
 
 
 def simulate_policies(
