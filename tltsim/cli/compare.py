@@ -19,7 +19,7 @@ from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_ar
 from tltsim.cli.table import format_cell, format_table
 from tltsim.errors import InputWarning
 from tltsim.fidelity import compare
-from tltsim.fidelity.fit import load_dynamics
+from tltsim.fidelity.fit import load_dynamics, load_history
 from tltsim.policy import TLTConfig
 from tltsim.policy.tlt import TLTBASE_FIELDS
 from tltsim.trace.files import trace_stem
@@ -105,7 +105,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     # TLTConfig of defaults replaced it when one was)
     tlt = given_fields(TLTConfig, args, prefix="tlt-")
     drafter = load_dynamics(args.drafter_dynamics) if args.drafter_dynamics else None
-    steps, ups, summary, config = compare.compare(args.traces, cfg, tlt, drafter)
+    history = load_history(args.drafter_dynamics) if args.drafter_dynamics else None
+    steps, ups, summary, config = compare.compare(args.traces, cfg, tlt, drafter, history)
     _warn_unused_tlt_flags(tlt, {run["policy"] for run in config["runs"]})
     out = Path(cfg.out) if cfg.out else Path("results") / f"compare-{trace_stem(args.traces[0])}"
     plots = compare.write_outputs(check_out_dir(out), steps, ups, summary, config)
