@@ -14,6 +14,7 @@ Run: ``python -m pytest tests/test_train_inputs.py -q``.
 # ruff: noqa: F811 (pytest fixtures imported from test_train_data)
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -278,3 +279,16 @@ def test_spot_training_by_default_only_where_the_policy_drafts_with_eagle():
     assert harvesting(policy="nospec", is_spot_training=True)
     assert not harvesting(policy="tlt", is_spot_training=False)
     assert not harvesting(policy="tlt", num_workers=1, is_spot_training=True)
+
+
+def test_a_resume_that_changes_the_history_settings_says_the_index_starts_empty(tmp_path):
+    """The index was emptied without a word (RolloutHistory.load_state_dict refuses another
+    config's state); the launcher says so, as for a changed SD policy."""
+    from tltrun.train.config_checks import check_overridable
+    from tltrun.train.state import RunDirWarning
+
+    with pytest.warns(RunDirWarning, match="--history-cross-prompt changed: the history drafter"):
+        check_overridable(tmp_path, {"train.is_history_cross_prompt": [True, False]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RunDirWarning)
+        check_overridable(tmp_path, {"train.lr": [1e-3, 2e-3]})

@@ -219,6 +219,9 @@ FIXED_ON_RESUME = {
 }
 # Settings of the SD policy: a resume that changes one starts the policy afresh.
 POLICY_FIELDS = ("train.policy", "train.static_strategy")
+# Settings of the history drafter's index (EngineConfig.history_config): a resume that changes
+# one starts the index empty (RolloutHistory.load_state_dict)
+HISTORY_FIELDS = ("train.is_history_cross_prompt",)
 
 
 def check_overridable(out: Path, diff: dict[str, list]) -> None:
@@ -243,6 +246,19 @@ def check_overridable(out: Path, diff: dict[str, list]) -> None:
         warnings.warn(
             f"{out}: {names} changed: the SD policy starts afresh (its bandit estimates and "
             "SD switches were learned under the old settings)",
+            RunDirWarning,
+            stacklevel=3,
+        )
+    history = [k for k in diff if k in HISTORY_FIELDS]
+    if history:  # (it was emptied without a word)
+        from tltrun.train.state import RunDirWarning
+
+        names = ", ".join(
+            "--" + k.removeprefix("train.").removeprefix("is_").replace("_", "-") for k in history
+        )
+        warnings.warn(
+            f"{out}: {names} changed: the history drafter's index starts empty (the earlier "
+            "rollouts it held were indexed under the old settings)",
             RunDirWarning,
             stacklevel=3,
         )
