@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from test_compare import lengths_trace, profile_path, self_measured  # noqa: F401
 
 from tltsim.cost.measured import ProfileCost
@@ -18,6 +19,7 @@ from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.simulator import simulate
 
 
+@pytest.mark.filterwarnings("ignore::tltsim.cost.measured.ProfileExtrapolationWarning")
 def test_fitted_dynamics_keep_the_fitted_history_model(profile_path, monkeypatch):
     """--drafter-dynamics FILE replaced the run's acceptance by the fitted EAGLE dynamics and
     dropped the history model fitted beside them: the simulator fell back to its defaults (a
