@@ -474,3 +474,30 @@ def test_fast_mode_keeps_the_bandits_exploration_schedule(explore_iters) -> None
     # epsilon 0.1, two arms: ~5% of SD iterations explore EAGLE in both modes
     assert 0.02 < counts[True] < 0.09 and 0.02 < counts[False] < 0.09, counts
     assert counts[False] == pytest.approx(counts[True], abs=0.025), counts
+
+
+def test_the_fit_counts_history_only_on_workers_whose_drafter_drafted() -> None:
+    """Only an engine whose history drafter has drafted keeps its rollouts as history
+    (RolloutHistory.is_used); one worker's history verifies marked every worker's prompts of
+    the step, so an eagle+history run's prompts on an EAGLE-only worker were fitted with h = 1."""
+    from tltsim.fidelity.fit_history import history_observations
+    from tltsim.trace.measured import MeasuredStep
+    from tltsim.trace.schema import Prompt, Response, Step, Trace
+
+    def step(number: int, b_arm: str) -> Step:
+        prompts = tuple(Prompt(pid, 4, (Response(20), Response(30))) for pid in ("a", "b"))
+        hists = {"a": ({"history:2_1_2": (1, 1, 2)},) * 2, "b": ({b_arm: (1, 1, 2)},) * 2}
+        measured = MeasuredStep(
+            response_accept_hist_by_strategy=hists,
+            instance_prompts=(("a",), ("b",)),  # a on worker 0, b on worker 1, every step
+            is_prompt_id_stable=True,
+        )
+        return Step(number, prompts, measured=measured)
+
+    # step 0: worker 1 drafts with EAGLE only; step 1 and 2: both draft from the history
+    trace = Trace(
+        meta={}, steps=(step(0, "2_1_2"), step(1, "history:2_1_2"), step(2, "history:2_1_2"))
+    )
+    seen = {(o.step, o.prompt_id): o.has_history for o in history_observations(trace, "t.json")}
+    assert seen[(1, "a")] and not seen[(1, "b")]  # b's step-0 rollouts were kept by no one
+    assert seen[(2, "b")]  # from step 1 on, worker 1 keeps them

@@ -16,8 +16,9 @@ Contract: what the trace must record (tltrun writes it)
 Covariates, reconstructed from the trace (the trace records no per-verify group progress):
 
 * h, the history flag of (step, prompt): an earlier step ran the same prompt id on the same
-  worker, and that step recorded history-drafter verifies (tltrun keeps a rollout as history
-  once its engine has drafted from the history). This needs prompt ids that name prompts
+  worker, whose engine had drafted from the history by then (that step or before: tltrun keeps
+  a rollout as history once its engine has drafted from the history; another worker's history
+  verifies do not count). This needs prompt ids that name prompts
   across steps (``prompt_ids_name_prompts``): a measured block says so in
   ``is_prompt_id_stable`` (``tltrun train`` names each group by its dataset prompt id, the
   history drafter's key; ``tltrun bench``/``generate`` replays name a step's groups only). A
@@ -140,13 +141,16 @@ def history_observations(
         are_ids_stable = prompt_ids_name_prompts(trace)
     out: list[HistoryObservation] = []
     served: dict[str, set[int]] = {}  # prompt id -> workers that kept its rollouts as history
+    # workers whose history drafter has drafted (rollout_history.RolloutHistory.is_used): only
+    # they keep their rollouts as history; one worker's history verifies marked every worker's
+    # prompts of the step (an eagle+history run's other workers kept nothing)
+    drafting_workers: set[int] = set()
     for step in trace.steps:
         m = step.measured
         table = m.response_accept_hist_by_strategy if m is not None else None
         owners = m.instance_prompts if m is not None and m.instance_prompts else None
         worker = {pid: w for w, ids in enumerate(owners) for pid in ids} if owners else {}
         where = f"{source}: step {step.step}: field 'measured.response_accept_hist_by_strategy'"
-        step_has_history = False
         for p in step.prompts:
             per_response = (table or {}).get(p.id)
             if per_response is None:
@@ -164,7 +168,7 @@ def history_observations(
                     if arm_drafter(arm) != "history" or not sum(hist):
                         continue
                     decision = _decision(arm, hist, f"{where}.{p.id}[{i}]")
-                    step_has_history = True
+                    drafting_workers.add(worker.get(p.id, 0))
                     out.append(
                         HistoryObservation(
                             step=step.step,
@@ -177,9 +181,10 @@ def history_observations(
                             has_history=has,
                         )
                     )
-        if step_has_history and are_ids_stable:
+        if are_ids_stable:
             for p in step.prompts:
-                served.setdefault(p.id, set()).add(worker.get(p.id, 0))
+                if worker.get(p.id, 0) in drafting_workers:
+                    served.setdefault(p.id, set()).add(worker.get(p.id, 0))
     return out
 
 
