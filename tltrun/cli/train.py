@@ -206,8 +206,10 @@ def _check_used(
     engine's beside --backend vllm."""
 
     def flags(names, prefix: str = "") -> str:  # a setting of the --config file by its key
-        return ", ".join(
-            f"{n} (--config {config})" if n in from_file else f"--{prefix}{n.replace('_', '-')}"
+        return ", ".join(  # a boolean's flag drops its is_ (tltsim.cli.args.flag_name)
+            f"{n} (--config {config})"
+            if n in from_file
+            else f"--{prefix}{n.removeprefix('is_').replace('_', '-')}"
             for n in sorted(names)
         )
 
@@ -227,7 +229,7 @@ def _check_used(
     torch_only = given & {"compile_layers", "fuse_projections", "is_history_cross_prompt"}
     if cfg.backend == "vllm" and torch_only:
         raise UsageError(
-            f"{flags(torch_only).replace('--is-history', '--history')}: settings of the torch "
+            f"{flags(torch_only)}: settings of the torch "
             "engine, which --backend vllm does not run; drop them"
         )
     unused = (
