@@ -223,11 +223,13 @@ def _check_computable(d: dict[str, Any], source: str) -> None:
 
 
 def _qkv_bias(d: dict[str, Any], model_type: str, source: str) -> bool:
-    """Whether q/k/v carry a bias. Qwen2's config often carries no attention_bias (it always
-    has q/k/v biases). Llama's attention_bias puts a bias on o_proj too (Hugging Face and vLLM),
-    which this layout lacks; vLLM's qkv_bias (our drafter export) is the q/k/v-only form."""
+    """Whether q/k/v carry a bias. A Qwen2 always has them: Hugging Face's Qwen2Attention and
+    vLLM's Qwen2 build q/k/v with bias=True whatever the config says (most configs carry no
+    attention_bias; a fine-tune's may say false and still ship the biases). Llama's
+    attention_bias puts a bias on o_proj too (Hugging Face and vLLM), which this layout lacks;
+    vLLM's qkv_bias (our drafter export) is the q/k/v-only form."""
     if model_type == "qwen2":
-        return bool(d.get("attention_bias", True))
+        return True
     if d.get("attention_bias") or d.get("bias"):
         raise CheckpointError(
             f"{source}: a Llama with attention_bias=true (biases on q, k, v and o_proj) is not "
