@@ -306,3 +306,23 @@ def test_a_resume_without_tensorboard_still_drops_the_redone_steps_points(tmp_pa
     assert [e.step for e in events.Scalars("train/rollout_s")] == [0, 1, 2]
     assert run_logs.tensorboard_writer(tmp_path / "none", 0, is_on=False) is None
     assert not (tmp_path / "none").exists()  # nothing written where no tensorboard was
+
+
+def test_rollout_dtype_defaults_by_device_and_is_recorded_resolved(
+    model_dir, tmp_path, monkeypatch
+):
+    """`tltrun train --device cuda` rolled out in float32 (issue #18: bf16 on CUDA, fp32 stays
+    the CPU default). config.json records the dtype resolved, so that a resume on the same
+    device compares equal and one whose default would change the run's dtype is refused."""
+    make_fake_run(model_dir, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["dtype"] == "float32"
+    prepare_run_dir(config(model_dir, tmp_path), TASK, is_resume=True, is_override_config=False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    on_gpu = config(model_dir, tmp_path, device="cuda")
+    assert (on_gpu.dtype, on_gpu.dtype_name) == (None, "bfloat16")
+    assert config(model_dir, tmp_path, device="cuda", dtype="float32").dtype_name == "float32"
+    with pytest.raises(
+        UsageError, match=r"device: 'cpu' -> 'cuda'; dtype: 'float32' -> 'bfloat16'\)"
+    ):
+        prepare_run_dir(on_gpu, TASK, is_resume=True, is_override_config=False)

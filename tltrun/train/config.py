@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tltrun.model.history_drafter import HistoryConfig
+from tltrun.rollout.engine_config import default_dtype
 from tltrun.train.config_checks import BACKENDS, check_train_config
 from tltsim.policy import POLICY_NAMES, is_eagle_drafting
 from tltsim.policy.tlt_config import DRAFTER_EXPLORE
@@ -183,11 +184,14 @@ class TrainConfig:
         default=0.01,
         metadata={"help": "seconds between idle workers' checks for the rollout's end"},
     )
-    dtype: str = field(
-        default="float32",
+    # None: the rollout engine's device default (tltrun.rollout.engine_config.default_dtype),
+    # issue #18's "bf16 on CUDA, fp32 stays the CPU default"; it was float32 on CUDA too
+    dtype: str | None = field(
+        default=None,
         metadata={
-            "help": "rollout weights/KV dtype; bfloat16 on CUDA also trains the actor in bf16 "
-            "autocast over fp32 master weights and optimizer state (CPU trains in fp32)"
+            "help": "rollout weights/KV dtype (default: bfloat16 on CUDA, float32 elsewhere); "
+            "bfloat16 on CUDA also trains the actor in bf16 autocast over fp32 master weights "
+            "and optimizer state (CPU trains in fp32)"
         },
     )
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
@@ -353,6 +357,12 @@ class TrainConfig:
         if self.is_spot_training is not None:
             return self.is_spot_training
         return is_eagle_drafting(self.policy, self.tlt_drafters, self.static_strategy)
+
+    @property
+    def dtype_name(self) -> str:
+        """The rollout dtype: ``dtype``, else bfloat16 on CUDA and float32 elsewhere (as the
+        engine's ``default_dtype``; config.json records this resolved name)."""
+        return self.dtype if self.dtype is not None else default_dtype(self.device)
 
     @property
     def is_history_drafting(self) -> bool:

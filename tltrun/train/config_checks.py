@@ -63,7 +63,7 @@ def check_train_config(cfg: Any) -> None:
             raise ValueError(f"{name} must be < 2^31, got {getattr(cfg, name)}")
     if not 0 <= cfg.seed < 2**63:
         raise ValueError(f"seed must be in [0, 2^63), got {cfg.seed}")
-    if cfg.dtype not in DTYPES:
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
         raise ValueError(f"dtype {cfg.dtype!r}: expected one of {', '.join(DTYPES)}")
     check_device(cfg.device)  # before the workers start (cuda without CUDA)
     # torch.set_num_threads(10^8) crashed the workers (SIGSEGV); more threads than cores

@@ -421,7 +421,9 @@ def prepare_run_dir(
     from tltrun.train import state as train_state
 
     out = Path(cfg.out)
-    new = {"train": asdict(cfg), "task": asdict(task), "data": data or {}}
+    # the dtype resolved: a float32 run resumed on CUDA by default (bfloat16) is a change
+    train = {**asdict(cfg), "dtype": cfg.dtype_name}
+    new = {"train": train, "task": asdict(task), "data": data or {}}
     if not is_resume:
         if cfg.num_steps == 0:  # it wrote final/ (the start model) and nothing else: a run
             # directory that could be neither resumed nor reused

@@ -29,6 +29,7 @@ import torch
 
 from tltrun.model.drafter import EagleDrafter, export_vllm
 from tltrun.model.transformer import Transformer
+from tltrun.rollout.engine_config import DTYPES
 from tltrun.rollout.interface import Request, RolloutResult, SamplingParams
 from tltrun.rollout.slot_state import HarvestRecord
 from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig
@@ -123,6 +124,10 @@ def worker_rollout(
     from tltrun.rollout.vllm_config import kv_cache_bytes, max_draft_steps
 
     max_running, max_model_len = shape
+    # the mirror on the run's device in the rollout dtype, as the torch engine keeps its model:
+    # it stayed a CPU fp32 copy, so on a GPU the harvest's recompute and the spot trainer
+    # (bound to it, tltrun.model.drafter.trainable_copy) ran on the CPU
+    target = target.to(device=cfg.device, dtype=DTYPES[cfg.dtype_name])
     vcfg = VLLMBackendConfig(
         control="iteration",
         max_draft_steps=max_draft_steps(cfg.policy, cfg.policy_settings()),
@@ -131,7 +136,7 @@ def worker_rollout(
         kv_cache_bytes=kv_cache_bytes(
             target.config, max_running, max_model_len, drafter is not None
         ),
-        dtype=cfg.dtype,
+        dtype=cfg.dtype_name,
         seed=cfg.seed * 1000 + rank,
         instance=rank,
     )

@@ -120,7 +120,7 @@ class Worker:
                     f"fsdp_size {cfg.fsdp_size}: 1 or the world size ({dist.get_world_size()})"
                 )
             shard_actor(self.actor, cfg.device)
-        self.autocast_dtype = autocast_dtype_for(cfg.dtype, cfg.device)
+        self.autocast_dtype = autocast_dtype_for(cfg.dtype_name, cfg.device)
         self.ref = None
         if cfg.kl_coef > 0:
             ref_dtype = self.autocast_dtype or torch.float32  # frozen: no master copy needed
@@ -165,7 +165,7 @@ class Worker:
                     sampling=sampling,
                     seed=cfg.seed * 1000 + rank,
                     device=cfg.device,
-                    dtype=cfg.dtype,
+                    dtype=cfg.dtype_name,
                     instance=rank,
                     is_harvesting=is_harvesting,
                     eos_token_ids=self.tok.eos_ids,
