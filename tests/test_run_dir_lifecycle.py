@@ -20,6 +20,7 @@ from test_train import TASK, config
 from tiny_models import save_train_model
 
 from tltrun.cli.main import main
+from tltrun.cli.train_drafter import TrainDrafterConfig
 from tltrun.train import run_logs
 from tltrun.train import state as ts
 from tltrun.train.launch import prepare_run_dir
@@ -322,6 +323,10 @@ def test_rollout_dtype_defaults_by_device_and_is_recorded_resolved(
     on_gpu = config(model_dir, tmp_path, device="cuda")
     assert (on_gpu.dtype, on_gpu.dtype_name) == (None, "bfloat16")
     assert config(model_dir, tmp_path, device="cuda", dtype="float32").dtype_name == "float32"
+    # tltrun train-drafter's target, whose hidden states the drafter learns to draft from
+    drafter = TrainDrafterConfig(model="m", data="d", out="o", device="cuda")
+    assert drafter.dtype_name == "bfloat16"
+    assert TrainDrafterConfig(model="m", data="d", out="o").dtype_name == "float32"
     with pytest.raises(
         UsageError, match=r"device: 'cpu' -> 'cuda'; dtype: 'float32' -> 'bfloat16'\)"
     ):

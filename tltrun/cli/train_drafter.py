@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tltrun.cli.args import config_dict, offline_configs_from_args, stop_says_how_to_resume
 from tltrun.model.config import check_device
-from tltrun.rollout.engine_config import DTYPES
+from tltrun.rollout.engine_config import DTYPES, default_dtype
 from tltsim.cli.args import add_dataclass_args, check_out_dir
 from tltsim.errors import UsageError
 from tltsim.jsonio import parse_json, read_text, write_json
@@ -44,10 +44,13 @@ class TrainDrafterConfig:
         metadata={"help": "start from this drafter directory, not a fresh one", "metavar": "DIR"},
     )
     device: str = field(default="cpu", metadata={"help": "torch device, e.g. cpu or cuda"})
-    dtype: str = field(
-        default="float32",
+    # None: the rollout engine's device default (default_dtype), the hidden states the drafter
+    # then drafts from; it was float32 on CUDA too
+    dtype: str | None = field(
+        default=None,
         metadata={
-            "help": "dtype of the target (the drafter trains on fp32 master weights)",
+            "help": "dtype of the target (default: bfloat16 on CUDA, float32 elsewhere; the "
+            "drafter trains on fp32 master weights)",
             "choices": tuple(DTYPES),
         },
     )
@@ -66,9 +69,14 @@ class TrainDrafterConfig:
                 raise ValueError(f"--{name} is required")
         if not 0 <= self.checkpoint_every < 2**31:
             raise ValueError(f"checkpoint_every must be in [0, 2^31), got {self.checkpoint_every}")
-        if self.dtype not in DTYPES:
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r}: expected one of {', '.join(DTYPES)}")
         check_device(self.device)
+
+    @property
+    def dtype_name(self) -> str:
+        """The target's dtype: ``dtype``, else the engine's default for the device."""
+        return self.dtype if self.dtype is not None else default_dtype(self.device)
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
@@ -106,7 +114,7 @@ def _train_drafter(cfg: TrainDrafterConfig, train_cfg, out: Path, is_resume: boo
     if not is_resume:
         resumable.start_fresh(out, "tltrun train-drafter", config_file="train_config.json")
         write_json(out / "train_config.json", config_dict(train_drafter=cfg, train=train_cfg))
-    target = load_hf(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
+    target = load_hf(cfg.model, dtype=DTYPES[cfg.dtype_name], device=cfg.device)
     drafter = trainable_copy(
         load_drafter(cfg.init, target, dtype=torch.float32)  # no round trip through --dtype
         if cfg.init
