@@ -435,3 +435,13 @@ def test_launch_fields_unknown_to_this_torch_are_left_out(monkeypatch):
     }
     monkeypatch.setattr(launcher_api, "LaunchConfig", OlderLaunchConfig)
     assert _launch_fields(min_nodes=1, shutdown_timeout=5) == {"min_nodes": 1}
+
+
+def test_a_cuda_run_keeps_gloo_for_its_cpu_collectives():
+    """GRPO's token count, FSDP's microbatch count and the spot trainer's versions are CPU
+    tensors, which a NCCL-only default group refuses: a CUDA run's group is per-device
+    (the CUDA recipe test, tests/test_train_data.py, runs its GRPO update through it)."""
+    from tltrun.train.elastic import backend_for
+
+    assert backend_for("cuda") == backend_for("cuda:1") == "cpu:gloo,cuda:nccl"
+    assert backend_for("cpu") == "gloo"

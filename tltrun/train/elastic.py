@@ -107,7 +107,13 @@ def is_torchrun_agent() -> bool:
 
 
 def init_process_group(device: str) -> RankEnv:
-    """Join the job (``env://``): NCCL on CUDA with this rank's local device, gloo on CPU."""
+    """Join the job (``env://``): NCCL on CUDA with this rank's local device, gloo on CPU.
+
+    On CUDA the default group is ``cpu:gloo,cuda:nccl`` (torch's per-device backends): the run's
+    bookkeeping collectives hold CPU tensors (GRPO's token count, FSDP's microbatch count, the
+    spot trainer's versions), which a NCCL-only group refuses; object collectives and barriers
+    then go through gloo (torch's ``_get_object_coll_device`` picks cpu), CUDA tensors through
+    NCCL."""
     env = rank_env()
     if env is None:
         raise RuntimeError("not started by torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT unset")
@@ -115,11 +121,16 @@ def init_process_group(device: str) -> RankEnv:
     if is_cuda and device == "cuda":  # "cuda:N" pins every rank to N on purpose
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     dist.init_process_group(
-        "nccl" if is_cuda else "gloo",
+        backend_for(device),
         init_method="env://",
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
     return env
+
+
+def backend_for(device: str) -> str:
+    """The default group's backend for a run on ``device`` (``init_process_group``)."""
+    return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
 
 
 def side_store(env: RankEnv) -> dist.Store:

@@ -74,6 +74,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
 
 from tltrun.model.drafter import EagleDrafter
 from tltrun.model.transformer import reduce_grads
@@ -389,13 +390,11 @@ class SpotTrainer:
         """Drafter weights, AdamW state and version from global rank ``src`` to the group."""
         payload = [None]
         if self.rank == src:
-            payload = [
-                {
-                    "drafter": {k: v.clone() for k, v in self.drafter.state_dict().items()},
-                    "optimizer": self.optimizer.state_dict(),
-                    "version": self.version,
-                }
-            ]
+            # on the CPU: a pickled CUDA tensor unpickles onto the sender's device index, i.e.
+            # onto another rank's GPU (load_state_dict then copies onto each rank's own device)
+            state = {"drafter": self.drafter.state_dict(), "optimizer": self.optimizer.state_dict()}
+            state = tree_map_only(torch.Tensor, lambda t: t.detach().to("cpu", copy=True), state)
+            payload = [{**state, "version": self.version}]
         if group is None:  # the default group: every worker
             dist.broadcast_object_list(payload, src=src)
         else:
