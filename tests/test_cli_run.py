@@ -365,6 +365,11 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
             ),
             "--fuse-projections, --eager: settings of the torch engine",
         ),
+        # vLLM refused float64 after the torch rows, in two lines of pydantic errors
+        (
+            cli_words("bench --trace T --model M --out y --backend torch,vllm --dtype float64"),
+            "--dtype float64: --backend vllm takes float32, bfloat16, float16",
+        ),
         (
             cli_words("generate --model M --prompts P --out y --graph-batch-sizes 1,2"),
             "--graph-batch-sizes: no CUDA-graph pool runs here",

@@ -198,6 +198,8 @@ def test_request_slots_never_exceed_a_workers_responses():
         ("", ["--max-prompt-tokens", "7"], "--max-prompt-tokens: settings of --data"),
         ("", ["--backend", "vllm", "--fuse-projections", "--no-history-cross-prompt"],
          "--fuse-projections, --history-cross-prompt: settings of the torch engine"),
+        ("", ["--backend", "vllm", "--dtype", "float64"],
+         "dtype 'float64': backend vllm takes float32, bfloat16, float16"),
     ],
 )  # fmt: skip
 def test_unused_and_bad_config_settings_are_named_where_they_were_set(

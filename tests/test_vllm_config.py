@@ -43,11 +43,42 @@ def ckpt(tmp_path_factory):
         ({"control": "switch", "is_multiprocess": True}, "needs the in-process engine"),
         ({"max_draft_steps": 0}, "max_draft_steps must be >= 1"),
         ({"kv_cache_bytes": 0}, "kv_cache_bytes"),
+        # vLLM's own refusals, a worker traceback at start-up
+        ({"dtype": "float64"}, "dtype 'float64': vLLM takes float32, bfloat16, float16"),
+        ({"seed": 2**32}, "seed 4294967296: vLLM takes 0 to 2.32 - 1"),
     ],
 )
 def test_config_rejects_bad_values(fields, message):
     with pytest.raises(ValueError, match=message):
         VLLMBackendConfig(**fields)
+
+
+def test_a_run_seed_is_folded_into_vllms_32_bits():
+    """tltrun train gives rank r the seed ``seed * 1000 + r``: --seed 4294968 (valid for the
+    torch backend, < 2^63) crashed vLLM's worker at start-up."""
+    from tltrun.rollout.vllm_config import vllm_seed
+
+    assert [vllm_seed(s) for s in (0, 2**32 - 1, 2**32, 4294968 * 1000 + 1)] == [
+        0, 2**32 - 1, 0, (4294968 * 1000 + 1) % 2**32
+    ]  # fmt: skip
+
+
+def test_a_pydantic_refusal_is_one_line_naming_its_field():
+    """vLLM's configs are pydantic models: their ValidationError's first line is only "2
+    validation errors for ModelConfig"."""
+    import pydantic
+
+    from tltrun.rollout.bench import first_error_line
+
+    class Model(pydantic.BaseModel):
+        dtype: int
+
+    with pytest.raises(ValueError) as err:
+        Model(dtype="float64")
+    assert first_error_line(err.value).startswith(
+        "1 validation error for Model: dtype: Input should be a valid integer"
+    )
+    assert first_error_line(ValueError("one\ntwo")) == "one"
 
 
 def test_engine_args_with_and_without_drafter_are_valid(ckpt):

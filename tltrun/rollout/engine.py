@@ -277,6 +277,10 @@ class RolloutEngine:
         out, self.harvest = self.harvest, []
         return out
 
+    def discard_harvest(self) -> None:
+        """Forget the harvested records (an evaluation's rollout)."""
+        self.harvest = []
+
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """GRPO weight sync: copy a (Hugging Face-named) state dict into the target in place.

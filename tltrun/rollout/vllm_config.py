@@ -106,6 +106,19 @@ def max_draft_steps(policy_name: str, settings: Mapping) -> int:
     return 1
 
 
+# What vLLM's engine takes: its ModelConfig's dtypes (float64 is not one: pydantic refused it
+# with two lines of validation errors) and its seed ("Seed must be between 0 and 2**32 - 1",
+# a worker traceback at start-up).
+VLLM_DTYPES = ("float32", "bfloat16", "float16")
+MAX_VLLM_SEED = 2**32 - 1
+
+
+def vllm_seed(seed: int) -> int:
+    """A run's engine seed folded into vLLM's 32 bits (unchanged below 2^32; a torch-backend
+    seed may be up to 2^63, and ``tltrun train`` derives ``seed * 1000 + rank``)."""
+    return seed % (MAX_VLLM_SEED + 1)
+
+
 @dataclass(frozen=True)
 class VLLMBackendConfig:
     control: str = "table"  # "table" | "iteration" | "switch" (module docstring)
@@ -151,6 +164,10 @@ class VLLMBackendConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1 or None, got {self.max_num_batched_tokens}"
             )
+        if self.dtype not in VLLM_DTYPES:
+            raise ValueError(f"dtype {self.dtype!r}: vLLM takes {', '.join(VLLM_DTYPES)}")
+        if not 0 <= self.seed <= MAX_VLLM_SEED:
+            raise ValueError(f"seed {self.seed}: vLLM takes 0 to 2^32 - 1 (vllm_seed folds one)")
         if self.drafter not in VLLM_METHODS:
             raise ValueError(
                 f"drafter must be one of {', '.join(VLLM_METHODS)}, got {self.drafter!r}"

@@ -15,6 +15,7 @@ from typing import Any
 
 from tltrun.model.config import check_device
 from tltrun.rollout.engine_config import DTYPES
+from tltrun.rollout.vllm_config import VLLM_DTYPES
 from tltsim.errors import MAX_LR, UsageError
 from tltsim.policy import POLICY_NAMES, make_policy
 
@@ -85,6 +86,8 @@ def check_train_config(cfg: Any) -> None:
             "backend vllm: the history drafter (policy tltbase or tlt_drafters with history) "
             "runs on the torch backend only in tltrun train"
         )
+    if cfg.backend == "vllm" and cfg.dtype is not None and cfg.dtype not in VLLM_DTYPES:
+        raise ValueError(f"dtype {cfg.dtype!r}: backend vllm takes {', '.join(VLLM_DTYPES)}")
     if cfg.is_deterministic and cfg.backend != "torch":
         raise ValueError("deterministic: only the torch backend's rollouts are repeatable")
     if cfg.prompts_per_step < cfg.num_workers and not cfg.prompt_split:

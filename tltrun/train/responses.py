@@ -182,7 +182,7 @@ class ResponseScorer:
                 engine.config = saved
             if gen_state is not None:
                 engine.generator.set_state(gen_state)
-            engine.pop_harvest()
+            engine.discard_harvest()  # (vLLM's pop_harvest recomputes hidden states)
         outputs = (
             [] if result is None else [{o.id: o for o in result.outputs}[r.id] for r in requests]
         )

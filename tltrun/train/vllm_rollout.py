@@ -89,6 +89,11 @@ class VLLMTrainRollout:
             for (rid, _, _), r in zip(finished, records, strict=True)
         ]
 
+    def discard_harvest(self) -> None:
+        """Forget the last rollout's responses without the recompute ``pop_harvest`` runs
+        (an evaluation's: the spot trainer never sees them)."""
+        self._finished = []
+
     @torch.no_grad()
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state_dict)
@@ -121,7 +126,7 @@ def worker_rollout(
     """Worker ``rank``'s engine of ``tltrun train --backend vllm`` (``cfg``: its TrainConfig),
     ``shape`` = (max running requests, max model length): the policy's largest k, a KV cache
     sized for the batch (``kv_cache_bytes``), the tokenizer's stop ids beside the checkpoint's."""
-    from tltrun.rollout.vllm_config import kv_cache_bytes, max_draft_steps
+    from tltrun.rollout.vllm_config import kv_cache_bytes, max_draft_steps, vllm_seed
 
     max_running, max_model_len = shape
     # the mirror on the run's device in the rollout dtype, as the torch engine keeps its model:
@@ -137,7 +142,7 @@ def worker_rollout(
             target.config, max_running, max_model_len, drafter is not None
         ),
         dtype=cfg.dtype_name,
-        seed=cfg.seed * 1000 + rank,
+        seed=vllm_seed(cfg.seed * 1000 + rank),
         instance=rank,
     )
     engine = VLLMTrainRollout(actor_dir, target, drafter, vcfg, sampling, is_harvesting, clock)
