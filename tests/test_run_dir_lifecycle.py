@@ -270,6 +270,36 @@ def test_a_resume_refuses_what_the_run_cannot_change_and_says_a_new_policy_start
     assert not (tmp_path / ts.CONFIG_HISTORY).exists()  # nothing recorded
     with pytest.warns(ts.RunDirWarning, match="--tlt-threshold changed: the SD policy starts"):
         resume(tlt_threshold=base.tlt_threshold + 1, max_new_tokens=base.max_new_tokens + 8)
+    # deterministic mode rewards the bandit with modelled costs, not seconds (hunt: a resume
+    # that turned it off mixed both units in one window, unsaid)
+    with pytest.warns(ts.RunDirWarning, match="--deterministic changed: the SD policy starts"):
+        resume(is_deterministic=not base.is_deterministic, tlt_threshold=base.tlt_threshold + 1,
+               max_new_tokens=base.max_new_tokens + 8)  # fmt: skip
+
+
+def test_a_policy_state_learned_in_the_other_reward_mode_is_not_loaded():
+    """ModelledFeedback's state (deterministic mode: modelled costs) and a plain policy's (the
+    clock's seconds) do not load into each other: the worker then starts the policy afresh."""
+    from tltrun.train.spot import ModelledFeedback
+    from tltsim.policy import DecodeObs, PolicyStateError, SpecFeedback, make_policy
+
+    def trained(policy):
+        for i in range(40):  # past the warm-up: SD on, the bandit rewarded
+            obs = DecodeObs(now_s=i, step=0, instance=0, num_active=1, accept_len_ema=2.0)
+            decision = policy.decide(obs)
+            policy.observe(SpecFeedback(step=0, instance=0, num_active=1, decision=decision,
+                                        accepted_tokens=3, iteration_s=0.5))  # fmt: skip
+        return policy
+
+    modelled = trained(ModelledFeedback(make_policy("tlt", seed=0))).state_dict()
+    clock = trained(make_policy("tlt", seed=0)).state_dict()
+    with pytest.raises(PolicyStateError):
+        make_policy("tlt", seed=0).load_state_dict(modelled)
+    with pytest.raises(PolicyStateError):
+        ModelledFeedback(make_policy("tlt", seed=0)).load_state_dict(clock)
+    again = ModelledFeedback(make_policy("tlt", seed=0))
+    again.load_state_dict(modelled)
+    assert again.state_dict() == modelled
 
 
 def test_a_new_run_of_no_steps_is_refused(model_dir, tmp_path):

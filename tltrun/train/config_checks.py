@@ -220,8 +220,9 @@ FIXED_ON_RESUME = {
     # checkpoint's sampling and spot-trainer RNG streams kept the old seed's state anyway
     "train.seed": "each epoch's prompt order and the evaluation split are drawn from the seed",
 }
-# Settings of the SD policy: a resume that changes one starts the policy afresh.
-POLICY_FIELDS = ("train.policy", "train.static_strategy")
+# Settings of the SD policy: a resume that changes one starts the policy afresh
+# (--deterministic: its rewards are modelled costs, not seconds; tltrun.train.spot)
+POLICY_FIELDS = ("train.policy", "train.static_strategy", "train.is_deterministic")
 # Settings of the history drafter's index (EngineConfig.history_config): a resume that changes
 # one starts the index empty (RolloutHistory.load_state_dict)
 HISTORY_FIELDS = ("train.is_history_cross_prompt",)
@@ -245,7 +246,9 @@ def check_overridable(out: Path, diff: dict[str, list]) -> None:
     if changed:
         from tltrun.train.state import RunDirWarning
 
-        names = ", ".join("--" + k.removeprefix("train.").replace("_", "-") for k in changed)
+        names = ", ".join(
+            "--" + k.removeprefix("train.").removeprefix("is_").replace("_", "-") for k in changed
+        )
         warnings.warn(
             f"{out}: {names} changed: the SD policy starts afresh (its bandit estimates and "
             "SD switches were learned under the old settings)",

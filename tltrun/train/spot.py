@@ -85,7 +85,7 @@ from tltrun.train.drafter_training import (
     make_batch,
 )
 from tltsim.policy import DrafterTrainingPolicy, IdleObs
-from tltsim.policy.spec import SpecDecision, SpecFeedback, SpecPolicy
+from tltsim.policy.spec import PolicyStateError, SpecDecision, SpecFeedback, SpecPolicy
 
 
 def buffer_tokens(records: list[TrainRecord]) -> int:
@@ -453,6 +453,9 @@ def modelled_iteration_s(num_active: int, decision: SpecDecision) -> float:
     return 1 + drafts + TOKEN_COST * num_active * positions
 
 
+MODELLED_STATE = "modelled_reward_state"  # ModelledFeedback.state_dict's one key
+
+
 class ModelledFeedback(SpecPolicy):
     """Wraps the run's SpecPolicy in deterministic mode: ``observe`` gets
     ``modelled_iteration_s`` instead of the measured seconds. TLTAdaptive's bandit rewards
@@ -481,10 +484,19 @@ class ModelledFeedback(SpecPolicy):
         return self.inner.vllm_dynamic_table(max_batch)
 
     def state_dict(self) -> dict:
-        return self.inner.state_dict()
+        """The wrapped policy's state under a key of its own: its rewards are modelled costs
+        (~1 per iteration), not seconds, so a resume that turns --deterministic on or off
+        finds no state it can read and starts the policy afresh (a tlt bandit's windows held
+        both units, the clock's arms dominating)."""
+        return {MODELLED_STATE: self.inner.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
+        if set(state) != {MODELLED_STATE}:
+            raise PolicyStateError(
+                f"{self.name}: a policy state learned from the clock, not deterministic mode's "
+                "modelled iteration costs"
+            )
+        self.inner.load_state_dict(state[MODELLED_STATE])
 
     def __getattr__(self, name: str):  # switched_on, switch_time_s, ... of the wrapped policy
         if name == "inner":  # not set yet (copy, unpickling): no recursion
