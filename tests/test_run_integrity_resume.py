@@ -140,6 +140,24 @@ def test_a_resume_that_changes_the_policy_starts_it_afresh(
 
 
 @pytest.mark.slow
+def test_a_resume_that_stops_drafting_carries_the_drafter_on(
+    model_dir, reference_run, tmp_path, capsys
+):
+    """A resume under a policy that neither drafts nor spot-trains wrote checkpoints without
+    drafter/: a later resume that drafts again started from a fresh, untrained drafter (hunt:
+    tlt -> nospec -> tlt ended with the untrained one in final/drafter)."""
+    out = tmp_path / "run"
+    shutil.copytree(reference_run, out)
+    argv = ["train", "--out", str(out), "--resume", "--num-steps", "4", "--no-spot-training",
+            "--override-config"]  # fmt: skip
+    code, err = cli(argv, capsys)
+    assert code == 0, err
+    trained = (ts.checkpoint_dir(out, 3) / "drafter" / "model.safetensors").read_bytes()
+    for carried in (ts.checkpoint_dir(out, 4) / "drafter", out / "final" / "drafter"):
+        assert (carried / "model.safetensors").read_bytes() == trained
+
+
+@pytest.mark.slow
 def test_keep_checkpoints_on_resume_prunes_the_older_ones(
     model_dir, reference_run, tmp_path, capsys
 ):

@@ -147,6 +147,9 @@ class Worker:
         sampling = SamplingParams(cfg.temperature, cfg.top_p)
         # the engine casts its drafter to its dtype in place: its own copy, so that the spot
         # trainer's fp32 master weights start from the fp32 load (they were bf16-rounded)
+        # a policy that drafts with none still carries the run's drafter into its checkpoints
+        # (a tlt -> nospec -> tlt resume ended with a fresh, untrained one)
+        self.carried_drafter = drafter if drafter_src else None
         engine_drafter = copy.deepcopy(drafter) if cfg.policy != "nospec" else None
         if cfg.backend == "vllm":
             from tltrun.train.vllm_rollout import worker_rollout
@@ -274,7 +277,7 @@ class Worker:
             if self.rank == 0:
                 save_hf(self.actor, tmp / "actor", weights)
                 copy_tokenizer(self.cfg.model_dir, tmp / "actor")
-                if self.engine.drafter is not None or self.spot is not None:
+                if self._drafter() is not None:
                     export_vllm(self._drafter(), tmp / "drafter")
         future = None
         if self.spot is not None:
@@ -321,8 +324,12 @@ class Worker:
             return full_state_dict(self.actor)
         return self.actor.state_dict()
 
-    def _drafter(self) -> EagleDrafter:
-        return self.spot.drafter if self.spot is not None else self.engine.drafter
+    def _drafter(self) -> EagleDrafter | None:
+        """The run's drafter now: the spot trainer's, else the engine's, else the one the run
+        was given or resumed with (None: the run has none)."""
+        if self.spot is not None:
+            return self.spot.drafter
+        return self.engine.drafter if self.engine.drafter is not None else self.carried_drafter
 
     # ---- the RL loop ------------------------------------------------------------------------
 
@@ -347,7 +354,7 @@ class Worker:
             final = self.out / "final"
             save_hf(self.actor, final / "actor", weights)
             copy_tokenizer(cfg.model_dir, final / "actor")
-            if self.engine.drafter is not None or self.spot is not None:
+            if self._drafter() is not None:
                 export_vllm(self._drafter(), final / "drafter")
         dist.barrier()
 
