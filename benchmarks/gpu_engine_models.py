@@ -16,7 +16,6 @@ import torch
 
 from tltrun.model.config import ModelConfig
 from tltrun.model.transformer import Transformer
-from tltrun.rollout.engine import RolloutEngine
 from tltsim.cost.specs import MODEL_PRESETS
 
 # the tiny model of --smoke (tests/tiny_models.py's shape)
@@ -79,25 +78,6 @@ def fits(model: Transformer, batch: int, tokens: int, extra_bytes: int, device) 
     dtype = model.lm_head.weight.dtype
     need = batch * tokens * kv_bytes_per_token(model.config, dtype) + extra_bytes
     return need < MEMORY_FRACTION * torch.cuda.mem_get_info(device)[0]
-
-
-def fill_random(engine: RolloutEngine, context: int, gen: torch.Generator) -> None:
-    """Random KV entries, hidden states and tokens up to ``context`` in every slot, made on the
-    device layer by layer (a forward's cost does not depend on the values)."""
-    for cache in (engine.cache, engine.draft_cache):
-        if cache is None:
-            continue
-        for buf in (cache.k, cache.v):
-            for layer in range(buf.shape[0]):
-                view = buf[layer, :, :, :context]
-                view.copy_(0.5 * torch.randn(view.shape, generator=gen, device=buf.device))
-    vocab = engine.model.config.vocab_size
-    engine.tokens[:, : context + 1] = torch.randint(
-        vocab, engine.tokens[:, : context + 1].shape, generator=gen, device=engine.device
-    )
-    if engine.hidden is not None:
-        view = engine.hidden[:, :context]
-        view.copy_(torch.randn(view.shape, generator=gen, device=engine.device))
 
 
 def copy_bandwidth(device: torch.device, num_bytes: int, reps: int = 10) -> float:

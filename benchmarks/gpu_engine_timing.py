@@ -18,9 +18,8 @@ import traceback
 from dataclasses import dataclass
 
 import torch
-from gpu_engine_models import fill_random
 
-from tltrun.profile.torch_engine import EngineProbe
+from tltrun.profile.torch_engine import EngineProbe, fill_engine
 from tltrun.rollout.engine import RolloutEngine
 from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import SamplingParams
@@ -209,7 +208,7 @@ def make_engine(model, drafter, batch: int, context: int, is_graphs: bool, cfg: 
     # one pool for the probe's NoSpec set-up and the timed policy: one capture, not two
     engine.prepare_graphs([NoSpec()] + ([policy] if policy is not None else []))
     gen = torch.Generator(engine.device).manual_seed(cfg.seed)
-    fill_random(engine, context, gen)
+    fill_engine(engine, context, gen)
     probe = EngineProbe(engine, batch, context, margin, torch.Generator().manual_seed(cfg.seed))
     return engine, probe
 

@@ -110,6 +110,17 @@ def test_fixed_policies_capture_only_what_they_run():
     assert plan.only(("x",)).spec_graphs == () and plan.strategies == ("4_2_8",)
 
 
+def test_deterministic_modes_wrapper_plans_as_the_policy_it_wraps():
+    """--deterministic wraps the policy (ModelledFeedback): its plan had decode graphs only,
+    so a deterministic CUDA run verified every SD iteration eagerly."""
+    from tltrun.train.spot import ModelledFeedback
+
+    for policy in (TLTAdaptive(), StaticSpec(strategy="4_2_8")):
+        assert capture_plan(ModelledFeedback(policy), 40, is_drafting=True) == capture_plan(
+            policy, 40, is_drafting=True
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # Padding: the static forward a graph replays, run eagerly on CPU
 # ---------------------------------------------------------------------------------------------
@@ -428,3 +439,24 @@ def test_cuda_engine_defaults_and_lossless_sd_with_graphs():
     _, want = run(NoSpec(), dtype="float32", cuda_graphs=False, fuse_projections=True)
     _, got = run(StaticSpec(strategy="3_2_6"), dtype="float32", fuse_projections=True)
     assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: graph capture is CUDA-only")
+def test_capturing_the_pool_leaves_the_sampling_generator_as_it_was():
+    """Each capture's warm-up draws from the engine's generator: a run resumed from a
+    checkpoint (capturing at its first rollout) drew other numbers from then on than the
+    uninterrupted run, which captured at step 0 (review of the CUDA-only paths)."""
+    from tltrun.model.drafter import EagleDrafter
+    from tltrun.rollout.engine import RolloutEngine
+    from tltrun.rollout.engine_config import EngineConfig
+    from tltrun.rollout.interface import SamplingParams
+
+    model = tiny_model(seed=3)
+    cfg = EngineConfig(max_running_requests=4, max_model_len=64, sampling=SamplingParams(1.0),
+                       device="cuda")  # fmt: skip
+    eng = RolloutEngine(model, EagleDrafter.for_target(model, seed=1), cfg)
+    before = eng.generator.get_state()
+    eng.prepare_graphs([NoSpec(), StaticSpec(strategy="3_1_3")])
+    assert eng.graphs is not None and eng.graphs.pool is not None
+    assert torch.equal(eng.generator.get_state(), before)

@@ -146,6 +146,11 @@ def capture_plan(
     ``is_drafting`` (the engine has an EAGLE drafter): each SD graph whose strategy an EAGLE
     arm of its bucket uses also gets a drafting graph."""
     buckets = batch_buckets(max_batch) if buckets is None else buckets
+    # a wrapper that changes only what the policy is told (tltrun.train.spot.ModelledFeedback,
+    # --deterministic) decides as the policy it wraps: it planned decode graphs only, so every
+    # SD iteration of a deterministic CUDA run ran eagerly
+    while hasattr(policy, "inner"):
+        policy = policy.inner
     if isinstance(policy, TLTAdaptive):
         cfg = policy.config
         policy_buckets = cfg.buckets()
@@ -375,10 +380,16 @@ class GraphPool:
         self.pool = None
         self.captured_bytes = 0
         if is_capturing:
-            self._capture_all(device, pool)
+            generators = {id(s.generator): s.generator for s in (drafting, decoding) if s}
+            self._capture_all(device, pool, list(generators.values()))
 
     @torch.no_grad()  # no autograd records inside the graphs (start_rollout may run with grad)
-    def _capture_all(self, device: torch.device, pool) -> None:
+    def _capture_all(self, device: torch.device, pool, generators: list[torch.Generator]) -> None:
+        """Capture every graph. The sampling generators' states are restored afterwards: each
+        warm-up draws eagerly, so a run resumed from a checkpoint (capturing at its first
+        rollout) drew other numbers from then on than the uninterrupted run (captured at
+        step 0); the registered graphs keep reading the restored state object."""
+        states = [(g, g.get_state()) for g in generators]
         self.pool = torch.cuda.graph_pool_handle() if pool is None else pool
         stream = torch.cuda.Stream(device)
         torch.cuda.synchronize(device)
@@ -394,6 +405,8 @@ class GraphPool:
             step.capture(self.pool, stream)
         torch.cuda.synchronize(device)
         self.captured_bytes = torch.cuda.memory_reserved(device) - before
+        for generator, state in states:
+            generator.set_state(state)
 
     def decode_forward(self, batch: int) -> StaticForward | None:
         b = self.plan.decode_bucket(batch)

@@ -181,6 +181,10 @@ class Worker:
         self.spec_policy = make_policy(cfg.policy, seed=cfg.seed, **cfg.policy_settings())
         if cfg.is_deterministic:
             self.spec_policy = ModelledFeedback(self.spec_policy)
+        if cfg.eval_every and cfg.backend == "torch":  # evaluations decode with nospec: one
+            # CUDA-graph pool for both (a tlt pool lacks small decode graphs, so each
+            # evaluation recaptured a pool and the next rollout recaptured the first)
+            self.engine.prepare_graphs([self.spec_policy, make_policy("nospec")])
         self.spot = None
         if is_harvesting:
             groups = SubsetGroups(store, rank, elastic.COLLECTIVE_TIMEOUT_S)
