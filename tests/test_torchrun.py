@@ -445,3 +445,30 @@ def test_a_cuda_run_keeps_gloo_for_its_cpu_collectives():
 
     assert backend_for("cuda") == backend_for("cuda:1") == "cpu:gloo,cuda:nccl"
     assert backend_for("cpu") == "gloo"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_settings_that_do_not_fit_the_torchrun_world_are_one_line_on_rank_0(
+    model_dir,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    capsys,
+    rank,
+):
+    """Hunt: a --prompt-split made for another world size failed once per rank with no word of
+    the world size, and a --num-workers other than the world size was dropped unsaid."""
+    from tltrun.cli.main import main
+
+    for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "MASTER_ADDR": "h",
+                        "MASTER_PORT": 1, "TORCHELASTIC_RUN_ID": "x"}.items():  # fmt: skip
+        monkeypatch.setenv(name, str(value))
+    argv = ["train", "--model-dir", str(model_dir), "--out", str(tmp_path / "o"),
+            "--num-workers", "3", "--prompt-split", "1,1,2"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    if rank:
+        assert err == ""
+    else:
+        assert "warning: --num-workers 3: not used under torchrun, whose world size (2)" in err
+        assert "error: torchrun world size 2: " in err and "prompt_split (1, 1, 2)" in err
+        assert len(err.strip().splitlines()) == 2

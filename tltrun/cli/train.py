@@ -96,6 +96,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", train_state.RunDirWarning)
+        warnings.simplefilter("always", launch.LaunchWarning)
+        warnings.showwarning = _show_warning
+        try:
+            cfg, task = _train_configs(args)
+        except UsageError:
+            # under torchrun every rank checks the same settings: rank 0 says it (it was
+            # printed once per rank)
+            if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("RANK", "0") != "0":
+                return 2
+            raise
+        out = launch.run_train(
+            cfg, task, is_resume=args.resume, is_override_config=args.override_config
+        )
+    if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 speaks for the job
+        print(f"log.jsonl, trace.json, checkpoints and final/ written to {out}")
+    return 0
+
+
+def _train_configs(args: argparse.Namespace) -> tuple[TrainConfig, TaskConfig]:
+    """The run's settings: --config's, the flags over them, a resume's recorded ones below
+    both; checked (one UsageError naming where a bad value was set)."""
     raw = load_config_file(args.config) if args.config else {}
     task_raw = raw.pop("task", {})
     # the file's values over the defaults, then the flags over both, validated once together
@@ -132,11 +155,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     env = elastic.rank_env()
     if env is not None:  # under torchrun the world size is the number of workers, before any
         # check that reads it (fsdp_size, prompt_split were checked against the default 2)
+        if args.num_workers not in (None, env.world_size) and env.rank == 0:
+            warnings.warn(
+                f"--num-workers {args.num_workers}: not used under torchrun, whose world size "
+                f"({env.world_size}) is the number of workers",
+                launch.LaunchWarning,
+                stacklevel=2,
+            )
         base.num_workers, args.num_workers = env.world_size, None
     # input paths recorded absolute: a run resumes from any directory (see absolute_paths)
     try:
         cfg = absolute_paths(dataclass_from_args(TrainConfig, args, base=base))
     except UsageError as err:
+        if env is not None:  # the world size decided num_workers: a recorded prompt_split
+            # or fsdp_size for another size fails here
+            raise UsageError(f"torchrun world size {env.world_size}: {err}") from None
         if not raw:
             raise
         raise UsageError(f"{err} (--config {args.config} with the flags over it)") from None
@@ -179,16 +212,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         args.config,
     )
     _check_inputs(cfg)
-    with warnings.catch_warnings():
-        warnings.simplefilter("always", train_state.RunDirWarning)
-        warnings.simplefilter("always", launch.LaunchWarning)
-        warnings.showwarning = _show_warning
-        out = launch.run_train(
-            cfg, task, is_resume=args.resume, is_override_config=args.override_config
-        )
-    if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 speaks for the job
-        print(f"log.jsonl, trace.json, checkpoints and final/ written to {out}")
-    return 0
+    return cfg, task
 
 
 def _check_used(
