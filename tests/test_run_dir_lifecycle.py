@@ -361,3 +361,19 @@ def test_rollout_dtype_defaults_by_device_and_is_recorded_resolved(
         UsageError, match=r"device: 'cpu' -> 'cuda'; dtype: 'float32' -> 'bfloat16'\)"
     ):
         prepare_run_dir(on_gpu, TASK, is_resume=True, is_override_config=False)
+
+
+def test_resuming_a_finished_run_says_so_and_touches_nothing(model_dir, tmp_path, capsys):
+    """Hunt: --resume of a run that finished relaunched the workers, which rewrote final/ and
+    added an empty TensorBoard file, and printed "written to" as if it had trained."""
+    from tltrun.train.launch import RunFinished
+
+    make_fake_run(model_dir, tmp_path)  # 3 steps, checkpoints 1..3
+    (tmp_path / "final" / "actor").mkdir(parents=True)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(RunFinished, match=r"already finished \(3 steps, final/ written\)"):
+        prepare_run_dir(config(model_dir, tmp_path), TASK, is_resume=True, is_override_config=False)
+    assert main(["train", "--out", str(tmp_path), "--resume"]) == 0
+    assert "nothing to resume (pass --num-steps above 3 to train on)" in capsys.readouterr().out
+    after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert [p for p in after if p.name != "run.lock"] == before  # (the lock file stays)

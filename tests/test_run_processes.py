@@ -198,7 +198,7 @@ def test_a_dead_makers_temp_dirs_are_removed_by_the_next_of_their_prefix(tmp_pat
 
 
 def test_worker_errors_are_one_line_naming_the_rank(tmp_path):
-    from tltrun.train.launch import worker_error
+    from tltrun.train.elastic import worker_error
 
     report = (
         "\n\n-- Process 1 terminated with the following error:\nTraceback (most recent call "
@@ -233,8 +233,7 @@ def test_worker_errors_are_one_line_naming_the_rank(tmp_path):
 def test_a_survivors_broken_collective_says_a_worker_died_and_how_to_resume(tmp_path):
     """A worker killed while the other waits in a collective: torch reported the survivor's
     gloo error ('Connection reset by peer ... GLHF!'), without the killed rank or --resume."""
-    from tltrun.train.elastic import RankFailure
-    from tltrun.train.launch import failure_error
+    from tltrun.train.elastic import RankFailure, failure_error
 
     gloo = ("Traceback ...\nRuntimeError: [../gloo/transport/tcp/pair.cc:537] Read error "
             "[127.0.0.1]:41211: Connection reset by peer\n")  # fmt: skip

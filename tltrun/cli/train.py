@@ -108,9 +108,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
             if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("RANK", "0") != "0":
                 return 2
             raise
-        out = launch.run_train(
-            cfg, task, is_resume=args.resume, is_override_config=args.override_config
-        )
+        try:
+            out = launch.run_train(
+                cfg, task, is_resume=args.resume, is_override_config=args.override_config
+            )
+        except launch.RunFinished as done:
+            print(done)
+            return 0
+        except launch.RankZeroStopped as err:
+            # one output for all under torchrun's agent: rank 0 says why (and exit 0: the
+            # run had finished, rank 0 said so)
+            if "TORCHELASTIC_RUN_ID" in os.environ or err.exit_code == 0:
+                return err.exit_code
+            raise  # (a rank started on its own, by SLURM say: its own log says it)
     if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 speaks for the job
         print(f"log.jsonl, trace.json, checkpoints and final/ written to {out}")
     return 0

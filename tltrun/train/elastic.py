@@ -23,19 +23,20 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 import signal
 import tempfile
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tltsim.errors import UsageError
+from tltsim.errors import UsageError, WorkerError, is_input_error_name
 from tltsim.lifetime import die_with_parent
 
 # Seconds torchrun's agent waits after SIGTERM before it SIGKILLs the surviving ranks of a failed
@@ -257,3 +258,63 @@ def _traceback(failure) -> str:
     if isinstance(message, dict):
         return message.get("extraInfo", {}).get("py_callstack", "") or message.get("message", "")
     return message if isinstance(message, str) else ""
+
+
+def failure_error(out: Path, failure) -> WorkerError:
+    """One line for the rank that ended a job (tltrun.train.elastic.root_failure)."""
+    if failure.traceback and any(mark in failure.traceback for mark in COLLATERAL):
+        # torch reports the first failure it sees: when a worker is killed outright, often a
+        # survivor's broken collective instead (the killed rank is not in the report)
+        logged = worker_error(out, failure.rank, failure.traceback)
+        return WorkerError(
+            f"worker rank {failure.rank} lost its connection to another worker, which died "
+            f"(killed, or out of memory?); the other workers were stopped; --resume continues "
+            f"from the last checkpoint in {out / 'ckpt'} ({str(logged).rpartition('(')[2]}",
+            is_output_cut=True,
+        )
+    if failure.traceback:
+        return worker_error(out, failure.rank, failure.traceback)
+    how = (
+        f"was killed by {failure.signal_name}"
+        if failure.signal_name
+        else f"exited with code {failure.exit_code}"
+    )
+    return WorkerError(
+        f"worker rank {failure.rank} {how} (pid {failure.pid}); the other workers were "
+        f"stopped; --resume continues from the last checkpoint in {out / 'ckpt'}",
+        is_output_cut=True,
+    )
+
+
+def worker_error(out: Path, rank: int, report: str) -> WorkerError:
+    """One line for a worker's exception: its rank and the exception's last line (type and
+    message); the whole traceback is appended to ``OUT/worker_errors.log``."""
+    log = out / "worker_errors.log"
+    with log.open("a") as fh:
+        fh.write(f"--- worker rank {rank}, {datetime.now(UTC).isoformat()} ---\n{report}\n")
+    cause = _exception_line(report)
+    kind, _, message = cause.partition(": ")
+    is_input = is_input_error_name(kind)
+    shown = message if is_input and message else cause
+    return WorkerError(
+        f"worker rank {rank}: {shown} (full traceback in {log})", exit_code=2 if is_input else 1
+    )
+
+
+# The first line of a traceback's final exception: "Type: message" at column 0 (a dotted type
+# of a module, e.g. pydantic_core._pydantic_core.ValidationError)
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b(: |$)")
+
+
+def _exception_line(report: str) -> str:
+    """The final exception's first line: not the traceback's last line, which for a message of
+    several lines (pydantic's, vLLM's config errors) was boilerplate ("For further information
+    visit https://errors.pydantic.dev/...")."""
+    lines = report.strip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if _EXCEPTION_LINE.match(lines[i]):
+            # a message continued on indented lines (pydantic: "1 validation error for X",
+            # then the error itself): its first continuation says what went wrong
+            more = [line.strip() for line in lines[i + 1 : i + 2] if line.startswith(" ")]
+            return ": ".join([lines[i].strip(), *more])
+    return next((line.strip() for line in reversed(lines) if line.strip()), "no message")

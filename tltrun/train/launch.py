@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import traceback
 import warnings
@@ -62,7 +61,7 @@ from tltrun.train.config_checks import (
 )
 from tltrun.train.prompts import warn_data
 from tltrun.train.tasks import TaskConfig
-from tltsim.errors import TLTError, UsageError, WorkerError, is_input_error_name
+from tltsim.errors import TLTError, UsageError, WorkerError
 from tltsim.jsonio import write_json
 from tltsim.lifetime import owned_tempdir
 
@@ -172,6 +171,17 @@ def _check_spec_policy(cfg: TrainConfig, vocab_size: int) -> None:
             raise UsageError(str(err)) from None
 
 
+class RunFinished(Exception):
+    """``--resume`` of a run that finished (its final/ is written and no step is left): nothing
+    runs and nothing is touched; the CLI says so and exits 0 (it relaunched the workers, which
+    rewrote final/ and left an empty TensorBoard file)."""
+
+
+class RankZeroStopped(WorkerError):
+    """A torchrun rank's end of a job that rank 0 stopped before any step: rank 0 says why
+    (this rank's "rank 0 stopped the run" came before the reason)."""
+
+
 class LaunchWarning(UserWarning):
     """How this process joins a job, where the user may not expect it (one ``warning:`` line)."""
 
@@ -208,7 +218,7 @@ def run_train(
                     cfg.num_workers, worker_entry, (cfg, task, resume, os.getpid()), Path(tmp)
                 )
             except ChildFailedError as err:
-                raise failure_error(out, elastic.root_failure(err.failures)) from None
+                raise elastic.failure_error(out, elastic.root_failure(err.failures)) from None
             except SignalException as err:  # SIGTERM/SIGHUP to the launcher: torchrun's
                 # agent has stopped the workers; a stop, not a bug (exit 128 + signal, as a
                 # shell reports a process a signal ended)
@@ -311,6 +321,8 @@ def run_ranked(
             except Exception as err:  # noqa: BLE001 - any of it stops every rank (an OSError
                 # left the others failing in the broadcast, reported as an internal error)
                 exit_code = getattr(err, "exit_code", 2) if isinstance(err, TLTError) else 1
+                if isinstance(err, RunFinished):
+                    exit_code = 0
                 verdict = {"error": str(err), "exit_code": exit_code}
                 first_error = err
         box = [verdict]
@@ -320,12 +332,12 @@ def run_ranked(
             dist.destroy_process_group()
             if env.rank == 0:
                 raise first_error
-            raise WorkerError(f"rank {env.rank}: rank 0 stopped the run", verdict["exit_code"])
+            raise RankZeroStopped(f"rank {env.rank}: rank 0 stopped the run", verdict["exit_code"])
         try:
             run_worker(env, cfg, task, verdict["resume"])
         except Exception as err:
             ErrorHandler().record_exception(err)  # torchrun's error file: its summary
-            raise worker_error(out, env.rank, traceback.format_exc()) from None
+            raise elastic.worker_error(out, env.rank, traceback.format_exc()) from None
     return out
 
 
@@ -338,68 +350,6 @@ def _warn_skipped(data: dict) -> None:
             RunDirWarning,
             stacklevel=3,
         )
-
-
-def failure_error(out: Path, failure) -> WorkerError:
-    """One line for the rank that ended a job (tltrun.train.elastic.root_failure)."""
-    from tltrun.train import elastic
-
-    if failure.traceback and any(mark in failure.traceback for mark in elastic.COLLATERAL):
-        # torch reports the first failure it sees: when a worker is killed outright, often a
-        # survivor's broken collective instead (the killed rank is not in the report)
-        logged = worker_error(out, failure.rank, failure.traceback)
-        return WorkerError(
-            f"worker rank {failure.rank} lost its connection to another worker, which died "
-            f"(killed, or out of memory?); the other workers were stopped; --resume continues "
-            f"from the last checkpoint in {out / 'ckpt'} ({str(logged).rpartition('(')[2]}",
-            is_output_cut=True,
-        )
-    if failure.traceback:
-        return worker_error(out, failure.rank, failure.traceback)
-    how = (
-        f"was killed by {failure.signal_name}"
-        if failure.signal_name
-        else f"exited with code {failure.exit_code}"
-    )
-    return WorkerError(
-        f"worker rank {failure.rank} {how} (pid {failure.pid}); the other workers were "
-        f"stopped; --resume continues from the last checkpoint in {out / 'ckpt'}",
-        is_output_cut=True,
-    )
-
-
-def worker_error(out: Path, rank: int, report: str) -> WorkerError:
-    """One line for a worker's exception: its rank and the exception's last line (type and
-    message); the whole traceback is appended to ``OUT/worker_errors.log``."""
-    log = out / "worker_errors.log"
-    with log.open("a") as fh:
-        fh.write(f"--- worker rank {rank}, {datetime.now(UTC).isoformat()} ---\n{report}\n")
-    cause = _exception_line(report)
-    kind, _, message = cause.partition(": ")
-    is_input = is_input_error_name(kind)
-    shown = message if is_input and message else cause
-    return WorkerError(
-        f"worker rank {rank}: {shown} (full traceback in {log})", exit_code=2 if is_input else 1
-    )
-
-
-# The first line of a traceback's final exception: "Type: message" at column 0 (a dotted type
-# of a module, e.g. pydantic_core._pydantic_core.ValidationError)
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)\b(: |$)")
-
-
-def _exception_line(report: str) -> str:
-    """The final exception's first line: not the traceback's last line, which for a message of
-    several lines (pydantic's, vLLM's config errors) was boilerplate ("For further information
-    visit https://errors.pydantic.dev/...")."""
-    lines = report.strip().splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        if _EXCEPTION_LINE.match(lines[i]):
-            # a message continued on indented lines (pydantic: "1 validation error for X",
-            # then the error itself): its first continuation says what went wrong
-            more = [line.strip() for line in lines[i + 1 : i + 2] if line.startswith(" ")]
-            return ": ".join([lines[i].strip(), *more])
-    return next((line.strip() for line in reversed(lines) if line.strip()), "no message")
 
 
 def prepare_run_dir(
@@ -481,6 +431,11 @@ def prepare_run_dir(
             f"(nothing in {out / 'ckpt'}); start a new run in another --out"
         )
     start_step = train_state.read_next_step(resume_dir) if resume_dir else 0
+    if start_step >= cfg.num_steps and (out / "final").is_dir():  # written whole, last
+        raise RunFinished(
+            f"{out}: the run already finished ({start_step} steps, final/ written): nothing to "
+            f"resume (pass --num-steps above {start_step} to train on)"
+        )
     if start_step > cfg.num_steps:
         warnings.warn(
             f"{out}: the checkpoint is at step {start_step}, past --num-steps {cfg.num_steps}: "

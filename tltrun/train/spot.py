@@ -440,6 +440,7 @@ class SpotTrainer:
 # calibrated): a drafter forward is one layer against the tiny target's few, and 32 token
 # positions of a forward cost about its fixed overhead.
 DRAFT_FORWARD_COST = 0.25
+MODELLED_STATE = "modelled_reward_state"  # ModelledFeedback.state_dict's one key
 TOKEN_COST = 1 / 32
 
 
@@ -453,15 +454,12 @@ def modelled_iteration_s(num_active: int, decision: SpecDecision) -> float:
     return 1 + drafts + TOKEN_COST * num_active * positions
 
 
-MODELLED_STATE = "modelled_reward_state"  # ModelledFeedback.state_dict's one key
-
-
 class ModelledFeedback(SpecPolicy):
     """Wraps the run's SpecPolicy in deterministic mode: ``observe`` gets
     ``modelled_iteration_s`` instead of the measured seconds. TLTAdaptive's bandit rewards
     accepted tokens per second, so measured seconds made its strategy choices (and, through
     speculative sampling's random draws, the sampled tokens) depend on timing. Everything else
-    is the wrapped policy's, state and checkpoints included."""
+    is the wrapped policy's; its state is checkpointed under MODELLED_STATE."""
 
     def __init__(self, inner: SpecPolicy):
         self.inner = inner
@@ -492,10 +490,7 @@ class ModelledFeedback(SpecPolicy):
 
     def load_state_dict(self, state: dict) -> None:
         if set(state) != {MODELLED_STATE}:
-            raise PolicyStateError(
-                f"{self.name}: a policy state learned from the clock, not deterministic mode's "
-                "modelled iteration costs"
-            )
+            raise PolicyStateError(f"{self.name}: a state learned from the clock's seconds")
         self.inner.load_state_dict(state[MODELLED_STATE])
 
     def __getattr__(self, name: str):  # switched_on, switch_time_s, ... of the wrapped policy

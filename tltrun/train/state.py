@@ -89,7 +89,15 @@ def read_next_step(ckpt: Path) -> int:
 # What a run writes in its directory besides config.json, final/ and the lock: a fresh run
 # removes an earlier, killed run's (one whose directory holds no checkpoint, or launch refuses)
 RUN_FILES = (*LOGS, CONFIG_HISTORY, "reward_errors.log", "worker_errors.log", "trace.json")
-RUN_DIRS = ("rollouts", "tensorboard", "ckpt", "drafter", "drafter.tmp", "drafter.old")
+RUN_DIRS = (
+    "rollouts",
+    "tensorboard",
+    "ckpt",
+    "drafter",
+    "drafter.tmp",
+    "drafter.old",
+    ".tmp_final",
+)
 
 
 def reset_run_dir(out: Path, keep: Sequence[Path] = ()) -> None:

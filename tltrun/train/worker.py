@@ -354,12 +354,14 @@ class Worker:
                 self._checkpoint(step + 1)
         self._finish_checkpoint()
         weights = self._actor_weights()
-        if self.rank == 0:
-            final = self.out / "final"
-            save_hf(self.actor, final / "actor", weights)
-            copy_tokenizer(cfg.model_dir, final / "actor")
+        if self.rank == 0:  # whole or not at all: final/ says the run finished (a resume)
+            tmp = self.out / ".tmp_final"
+            shutil.rmtree(tmp, ignore_errors=True)
+            save_hf(self.actor, tmp / "actor", weights)
+            copy_tokenizer(cfg.model_dir, tmp / "actor")
             if self._drafter() is not None:
-                export_vllm(self._drafter(), final / "drafter")
+                export_vllm(self._drafter(), tmp / "drafter")
+            ts.commit(tmp, self.out / "final")
         dist.barrier()
 
     def step(self, step: int) -> dict:
