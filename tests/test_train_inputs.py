@@ -294,3 +294,21 @@ def test_a_resume_that_changes_the_history_settings_says_the_index_starts_empty(
     with warnings.catch_warnings():
         warnings.simplefilter("error", RunDirWarning)
         check_overridable(tmp_path, {"train.lr": [1e-3, 2e-3]})
+
+
+def test_spot_training_asked_of_one_worker_is_a_warning(bpe_model, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """Hunt: --spot-training on 1 worker (or a 2 -> 1 resume of a spot-training run) trained no
+    drafter, unsaid."""
+    from tltrun.cli.main import main
+    from tltrun.train import launch
+
+    monkeypatch.setattr(launch, "run_train", lambda cfg, task, **kw: "o")
+    argv = ["train", "--model-dir", str(bpe_model), "--out", str(tmp_path / "o"),
+            "--num-workers", "1", "--prompts-per-step", "2", "--spot-training"]  # fmt: skip
+    assert main(argv) == 0
+    assert (
+        "warning: --spot-training: idle workers train the drafter, and 1 worker is never idle"
+        in (capsys.readouterr().err)
+    )
+    assert main([*argv[:-1], "--policy", "tlt"]) == 0  # the default: nothing to say
+    assert "warning" not in capsys.readouterr().err

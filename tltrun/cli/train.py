@@ -222,6 +222,13 @@ def _train_configs(args: argparse.Namespace) -> tuple[TrainConfig, TaskConfig]:
         args.config,
     )
     _check_inputs(cfg)
+    if cfg.is_spot_training and cfg.num_workers < 2 and os.environ.get("RANK", "0") == "0":
+        warnings.warn(  # (it was dropped unsaid: a 2 -> 1 resume lost the drafter's AdamW state)
+            f"--spot-training: idle workers train the drafter, and {cfg.num_workers} worker "
+            "is never idle: no drafter training in this run",
+            launch.LaunchWarning,
+            stacklevel=2,
+        )
     return cfg, task
 
 
