@@ -55,3 +55,23 @@ def test_a_sweep_point_records_no_timeline_unless_asked():
     assert not settings_of({"preset": "h100x8-qwen7b"}, seed=0).sim.is_timeline_recorded
     asked = settings_of({"is_timeline_recorded": True}, seed=0)
     assert asked.sim.is_timeline_recorded
+
+
+def test_a_float_settings_random_range_draws_floats_from_integer_ends(tmp_path):
+    """Hunt: {low = 0, high = 1} for tlt.epsilon drew only 0 and 1 (integers where both ends
+    are), while [grid] read the same 0 as 0.0."""
+    body = '[random]\nnum_points = 6\n"tlt.epsilon" = {low = 0, high = 1}\n"tlt.threshold" = {low = 4, high = 64}\n'
+    points = [p for p in spec_points(load_spec(spec(tmp_path, body))) if "tlt.epsilon" in p]
+    assert len(points) == 6
+    assert all(type(p["tlt.epsilon"]) is float for p in points)
+    assert len({p["tlt.epsilon"] for p in points}) == 6  # not just 0.0 and 1.0
+    assert all(type(p["tlt.threshold"]) is int for p in points)  # an integer setting: integers
+
+
+def test_a_bad_point_names_the_spec_file(tmp_path):
+    """Hunt: an unknown policy in a grid was refused naming the point, not the file."""
+    from tltsim.sim.sweep import run_sweep
+
+    path = spec(tmp_path, '[grid]\npolicy = ["TLT"]\n')
+    with pytest.raises(UsageError, match=f"^{path}: .*unknown policy 'TLT'"):
+        run_sweep(path, tmp_path / "out")

@@ -21,7 +21,7 @@ a ``hardware`` preset file) are relative to the spec file.
     [random]                                       # num_points seeded draws (added to the grid)
     num_points = 8
     seed = 0
-    "tlt.epsilon" = {low = 0.0, high = 0.3}        # uniform (integers if both ends are)
+    "tlt.epsilon" = {low = 0.0, high = 0.3}        # uniform (integers for an integer setting)
     num_gpus = {choices = [8, 16]}
 
 Every point runs once per seed, on all cores (multiprocessing). For each speculating point a
@@ -208,7 +208,10 @@ def run_sweep(spec_path: Path, out: Path | None = None, workers: int | None = No
         trace = Trace(meta=trace.meta, steps=trace.steps[: spec.max_steps])
     points = spec_points(spec)
     for point in points:  # validate every point before spending any time
-        cost_model(settings_of(point, spec.seeds[0]).sim)  # a bad model or hardware name too
+        try:  # (the error named the point, not the spec file it came from)
+            cost_model(settings_of(point, spec.seeds[0]).sim)  # a bad model or hardware too
+        except UsageError as err:
+            raise UsageError(f"{spec_path}: {err}") from None
     # points.jsonl stays: its rows are keyed by what they simulated (resume, reuse)
     remove_stale_outputs(out, ("summary.json", "sweep.csv", "sweep.parquet"))
     write_json(

@@ -171,6 +171,12 @@ def load_spec(path: Path) -> SweepSpec:
         _check_dist(dist, f"{path} [random]: {key!r}")
         for value in dist.get("choices", [dist.get("low"), dist.get("high")]):
             _check_value(key, value, f"{path} [random]")
+        if "choices" not in dist:  # ends as the setting's type: a float setting's
+            # {low = 0, high = 1} drew only the integers 0 and 1 (spec_points draws integers
+            # where both ends are)
+            for end in ("low", "high"):
+                typed = _check_value(key, dist[end], f"{path} [random]")
+                rnd[key] = dist = {**dist, end: _number(typed, dist[end])}
     if rnd and not (
         type(rnd.get("num_points")) is int and 1 <= rnd["num_points"] <= MAX_SWEEP_POINTS
     ):
