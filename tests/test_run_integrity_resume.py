@@ -137,6 +137,12 @@ def test_a_resume_that_changes_the_policy_starts_it_afresh(
     code, err = cli(["train", "--out", str(out), "--resume", "--num-steps", "5"], capsys)
     assert code == 0, err  # the tltbase state of step 4's checkpoint loads
     assert [r["step"] for r in rows(out)] == [0, 1, 2, 3, 4]
+    # the trace's meta names both launches (it named the last one's policy for every step)
+    source = json.loads((out / "trace.json").read_text())["meta"]["source"]
+    assert source == (
+        "tltrun train, resumed with other settings: steps 0..2 policy nospec on 2 workers; "
+        "steps 3..4 policy tltbase on 2 workers"
+    )
 
 
 @pytest.mark.slow

@@ -136,12 +136,35 @@ def _span(steps: list[int]) -> str:
 def write_trace(out: Path, meta: dict[str, Any]) -> None:
     """trace.json from trace_steps.jsonl (each row one tlt-trace step dict)."""
     steps = read_jsonl(out / "trace_steps.jsonl")
+    segments = _launch_segments(steps)
+    if len(segments) > 1:  # (the meta named the last launch's settings for every step)
+        meta = {**meta, "source": "tltrun train, resumed with other settings: " + "; ".join(
+            f"steps {first}..{last} policy {policy} on {workers} workers"
+            for first, last, policy, workers in segments
+        )}  # fmt: skip
     trace = trace_from_dict(
         {"format": "tlt-trace", "version": 1, "meta": meta, "steps": steps},
         str(out / "trace_steps.jsonl"),
     )
     save_trace(trace, out / "trace.tmp.json")
     os.replace(out / "trace.tmp.json", out / "trace.json")
+
+
+def _launch_segments(steps: list[dict[str, Any]]) -> list[tuple[int, int, str, int]]:
+    """(first step, last step, policy, workers) of each run of consecutive measured steps with
+    the same policy and worker count."""
+    segments: list[tuple[int, int, str, int]] = []
+    for row in steps:
+        measured = row.get("measured") or {}
+        key = (
+            str((measured.get("policy") or {}).get("name")),
+            len(measured.get("worker_rollout_s") or []),
+        )
+        if segments and segments[-1][2:] == key:
+            segments[-1] = (segments[-1][0], row["step"], *key)
+        else:
+            segments.append((row["step"], row["step"], *key))
+    return segments
 
 
 def tensorboard_writer(out: Path, start_step: int, is_on: bool):
