@@ -358,7 +358,7 @@ def test_rollout_dtype_defaults_by_device_and_is_recorded_resolved(
     assert drafter.dtype_name == "bfloat16"
     assert TrainDrafterConfig(model="m", data="d", out="o").dtype_name == "float32"
     with pytest.raises(
-        UsageError, match=r"device: 'cpu' -> 'cuda'; dtype: 'float32' -> 'bfloat16'\)"
+        UsageError, match=r"--device: 'cpu' -> 'cuda'; --dtype: 'float32' -> 'bfloat16'\)"
     ):
         prepare_run_dir(on_gpu, TASK, is_resume=True, is_override_config=False)
 

@@ -275,14 +275,14 @@ def test_resume_that_changes_the_run_is_refused_with_the_diff(model_dir, tmp_pat
         prepare_run_dir(changed, TASK, is_resume=True, is_override_config=False)
     message = str(err.value)
     # num_steps and tensorboard do not change what a step computes: not listed
-    assert "lr: 0.01 -> 0.02; policy: 'nospec' -> 'tlt'" in message
+    assert "--lr: 0.01 -> 0.02; --policy: 'nospec' -> 'tlt'" in message
     assert "num_steps" not in message and "--override-config" in message
     task = TaskConfig(median_ops=3, max_ops=4)
-    with pytest.raises(UsageError, match="task.median_ops: 2 -> 3"):
+    with pytest.raises(UsageError, match="--task-median-ops: 2 -> 3"):
         prepare_run_dir(config(model_dir, tmp_path), task, is_resume=True, is_override_config=False)
     # another world size changes the prompt split: a change of the run like any other (the
     # DCP checkpoint loads into it with --override-config: tests/test_torchrun.py)
-    with pytest.raises(UsageError, match="num_workers: 2 -> 4; prompt_split"):
+    with pytest.raises(UsageError, match="--num-workers: 2 -> 4; --prompt-split"):
         prepare_run_dir(
             config(model_dir, tmp_path, num_workers=4, prompt_split=(1, 1, 1, 1)),
             TASK,
@@ -306,7 +306,7 @@ def test_override_config_is_recorded_and_config_json_kept(model_dir, tmp_path):
     # the override is now the run's setting: resuming with it again needs no override
     assert ts.effective_config(tmp_path)["train"]["lr"] == 0.02
     prepare_run_dir(changed, TASK, is_resume=True, is_override_config=False)
-    with pytest.raises(UsageError, match="lr: 0.02 -> 0.01"):
+    with pytest.raises(UsageError, match="--lr: 0.02 -> 0.01"):
         prepare_run_dir(config(model_dir, tmp_path), TASK, is_resume=True, is_override_config=False)
 
 
@@ -322,7 +322,7 @@ def test_cli_errors_are_one_line_before_any_worker(model_dir, tmp_path, capsys):
     make_fake_run(model_dir, out)
     code, err = cli(["train", "--out", str(out), "--resume", "--lr", "0.5"], capsys)
     assert code == 2 and err == (
-        f"error: {out}: --resume with settings that change the run (lr: 0.01 -> 0.5); pass "
+        f"error: {out}: --resume with settings that change the run (--lr: 0.01 -> 0.5); pass "
         "--override-config to resume with them (recorded in config_history.jsonl)"
     )
     (out / "log.jsonl").write_text('{"step": 0}\n')  # next_step 3 beyond the log
@@ -352,9 +352,9 @@ def test_resume_reads_an_older_runs_config_under_current_names(model_dir, tmp_pa
     assert ts.effective_config(out)["train"]["fuse_projections"] is True
     assert "fuse_qkv" not in ts.effective_config(out)["train"]
     code, err = cli(["train", "--out", str(out), "--resume", "--lr", "0.5"], capsys)
-    assert code == 2 and "settings that change the run (lr: 0.01 -> 0.5)" in err
+    assert code == 2 and "settings that change the run (--lr: 0.01 -> 0.5)" in err
     code, err = cli(["train", "--out", str(out), "--resume", "--no-fuse-projections"], capsys)
-    assert code == 2 and "settings that change the run (fuse_projections: True -> False)" in err
+    assert code == 2 and "settings that change the run (--fuse-projections: True -> False)" in err
 
 
 def test_fresh_run_into_a_directory_with_checkpoints_is_refused(model_dir, tmp_path):
