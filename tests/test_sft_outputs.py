@@ -274,3 +274,33 @@ def test_a_run_refused_at_its_data_leaves_no_directory(tmp_path, capsys):
     assert main(["sft", "--out", str(out), "--data", str(data), *DATA_FLAGS]) == 2
     assert "no chat messages" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+def test_a_files_evaluation_compares_final_answers(tmp_path, monkeypatch):
+    """Hunt: a model reproducing multi-line or boxed references exactly scored 0 (the
+    response's final answer was compared with the whole reference)."""
+    from tltrun.rollout import engine as engine_module
+    from tltrun.rollout.interface import RequestOutput, RolloutResult
+    from tltrun.train.sft_eval import evaluate_pairs
+
+    tok = CharTokenizer()
+    pairs = [("1+1=", "1 plus 1\nso \\boxed{2}"), ("2+2=", "2 plus 2\nis\n4"), ("3+3=", "6")]
+    replies = {"1+1=": "1 plus 1\nso \\boxed{2}", "2+2=": "so: 4", "3+3=": "7"}
+
+    class Replay:  # the engine, answering each prompt with its reply
+        def __init__(self, model, drafter, config):
+            pass
+
+        def generate(self, requests, policy):
+            outputs = []
+            for r in requests:
+                text = replies[tok.decode(list(r.prompt_token_ids[1:]))]
+                outputs.append(RequestOutput(id=r.id, prompt_token_ids=r.prompt_token_ids,
+                                             output_token_ids=tok.encode(text), finish="stop"))  # fmt: skip
+            return RolloutResult(outputs=outputs, iterations=[], wall_s=0.0, backend="torch")
+
+    monkeypatch.setattr(engine_module, "RolloutEngine", Replay)
+    cfg = SFTConfig(out=str(tmp_path), data="rows.jsonl")
+    result = evaluate_pairs(None, tok, cfg, pairs, is_held_out=True, show_progress=False)
+    # right: the boxed reply (its final answer 2), "so: 4" is wrong (its last line is not "4")
+    assert result["greedy"]["accuracy"] == 1 / 3

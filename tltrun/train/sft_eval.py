@@ -206,10 +206,12 @@ def evaluate_pairs(
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """Greedy responses to the evaluation prompts (the rollout engine, no SD), scored by the
-    task's own reward: reasoning-gym's scorer, or an exact match for a file's responses.
+    task's own reward: reasoning-gym's scorer, or for a file's responses an exact match of
+    the final answers (the last ``\\boxed{}``, else the last line, of each).
     ``is_held_out``: training never saw these prompts (else they are training rows)."""
     from tltrun.data.rewards import RewardItem, RewardPool, parse_reward
     from tltrun.data.rows import GYM_PREFIX
+    from tltrun.data.scoring import final_answer
     from tltrun.rollout.engine import RolloutEngine
     from tltrun.rollout.engine_config import EngineConfig
     from tltrun.rollout.interface import Request, SamplingParams
@@ -250,7 +252,10 @@ def evaluate_pairs(
             sample_id=f"eval{i}",
             prompt=p,
             response=text,
-            answer=answer,
+            # exact compares the response's final answer (last \boxed{}, else last line) with
+            # this: the reference's own final answer, not all of it (a model reproducing a
+            # multi-line or boxed reference exactly scored 0)
+            answer=answer if gym else final_answer(answer),
             meta=(gym_rows[i].meta if gym and gym_rows[i] is not None else {}),
         )
         for i, ((p, answer), text) in enumerate(zip(pairs, texts, strict=True))
