@@ -304,3 +304,25 @@ def test_a_files_evaluation_compares_final_answers(tmp_path, monkeypatch):
     result = evaluate_pairs(None, tok, cfg, pairs, is_held_out=True, show_progress=False)
     # right: the boxed reply (its final answer 2), "so: 4" is wrong (its last line is not "4")
     assert result["greedy"]["accuracy"] == 1 / 3
+
+
+def test_sft_eval_of_weights_trained_on_evaluates_them(data_run, tmp_path, capsys):
+    """Hunt: tltrun train's final/actor carries the sft_config.json of the model it started
+    from (for this command), and sft-eval refused it as "the tltrun sft run did not finish"."""
+    import shutil
+
+    root, argv = data_run
+    if not (root / "run" / "metrics.json").is_file():
+        assert main(argv) == 0
+    actor = tmp_path / "final" / "actor"
+    shutil.copytree(root / "run", actor)
+    (actor / "metrics.json").unlink()
+    capsys.readouterr()
+    assert main(["sft-eval", str(actor)]) == 0
+    assert "greedy accuracy" in capsys.readouterr().out
+    (root / "run" / "metrics.json").rename(root / "metrics.json")  # the run's own: unfinished
+    try:
+        assert main(["sft-eval", str(root / "run")]) == 2
+        assert "did not finish (no metrics.json)" in capsys.readouterr().err
+    finally:
+        (root / "metrics.json").rename(root / "run" / "metrics.json")

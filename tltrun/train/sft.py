@@ -431,8 +431,12 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, show_progress: bool = True) 
         raise UsageError(f"{checkpoint_dir}: no sft_config.json (not a checkpoint of tltrun sft)")
     recorded = resumable.recorded_configs(config_path, CONFIG_SECTIONS)
     cfg, task = recorded["sft"], recorded["task"]
-    if not (Path(checkpoint_dir) / "metrics.json").is_file():  # killed: its model is missing,
-        # or an earlier run's (sft-eval loaded it as this run's, or failed as an internal error)
+    # killed: its model is missing, or an earlier run's (sft-eval loaded it as this run's, or
+    # failed as an internal error). Weights elsewhere with the sft_config.json copied beside
+    # them (tltrun train's final/actor) are evaluated: they were refused as an unfinished run
+    is_run_dir = Path(cfg.out).resolve() == Path(checkpoint_dir).resolve()
+    has_weights = (Path(checkpoint_dir) / "config.json").is_file()
+    if not (Path(checkpoint_dir) / "metrics.json").is_file() and (is_run_dir or not has_weights):
         then = (
             f"continue it with tltrun sft --out {checkpoint_dir} --resume"
             if (Path(checkpoint_dir) / resumable.STATE_FILE).is_file()
