@@ -326,3 +326,18 @@ def test_sft_eval_of_weights_trained_on_evaluates_them(data_run, tmp_path, capsy
         assert "did not finish (no metrics.json)" in capsys.readouterr().err
     finally:
         (root / "metrics.json").rename(root / "run" / "metrics.json")
+
+
+def test_sft_eval_says_when_the_runs_data_changed(tmp_path, capsys):
+    """Hunt: sft-eval read the --data file as it is now and printed other numbers than the
+    run's metrics.json, unsaid."""
+    (tmp_path / "d.jsonl").write_text(ROWS)
+    argv = ["sft", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "d.jsonl"),
+            *DATA_FLAGS, "--num-steps", "1", "--num-eval-prompts", "3"]  # fmt: skip
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(["sft-eval", str(tmp_path / "run")]) == 0
+    assert "warning" not in capsys.readouterr().err
+    (tmp_path / "d.jsonl").write_text(ROWS.replace('"response": "', '"response": "x'))
+    assert main(["sft-eval", str(tmp_path / "run")]) == 0
+    assert "its --data changed since the run" in capsys.readouterr().err

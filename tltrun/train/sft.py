@@ -58,8 +58,8 @@ from tltrun.train.resumable import Checkpointing
 from tltrun.train.sft_config import SFTConfig
 from tltrun.train.sft_eval import evaluate, evaluate_pairs
 from tltrun.train.tasks import Example, TaskConfig, make_examples
-from tltsim.errors import UsageError, check_finite
-from tltsim.jsonio import write_json
+from tltsim.errors import InputWarning, UsageError, check_finite
+from tltsim.jsonio import read_json, write_json
 
 # sft_config.json's sections
 CONFIG_SECTIONS = {"sft": SFTConfig, "task": TaskConfig}
@@ -282,7 +282,7 @@ def train(
     earlier_s = 0.0  # training seconds of the processes before a resume
     data_sha256 = None
     if pairs is not None and checkpointing is not None:
-        data_sha256 = resumable.fingerprint(s.encode() for pair in pairs for s in pair)
+        data_sha256 = _data_sha256(pairs)
     if checkpointing is not None and checkpointing.is_resume:
         state = checkpointing.load(model, optimizer, data_sha256)
         log, earlier_s = state["log"], state["train_s"]
@@ -390,11 +390,31 @@ def _run_sft(
         "first_loss": log[0]["loss"] if log else None,
         "final_loss": sum(r["loss"] for r in log[-20:]) / len(log[-20:]) if log else None,
         **evaluation,
+        # (sft-eval warns when the data it reads differs: its numbers then differ from these)
+        "data_sha256": None if pairs is None else _data_sha256(pairs),
         "train_log": log,
     }
     write_json(out / "metrics.json", metrics)
     resumable.finish(out)
     return metrics
+
+
+def _data_sha256(pairs: list[tuple[str, str]]) -> str:
+    return resumable.fingerprint(s.encode() for pair in pairs for s in pair)
+
+
+def _warn_if_data_changed(checkpoint_dir: Path, pairs: list[tuple[str, str]]) -> None:
+    """sft-eval of a run whose --data changed since (metrics.json keeps its fingerprint): the
+    evaluation prompts and references are not the run's, so neither are the numbers."""
+    path = checkpoint_dir / "metrics.json"
+    recorded = read_json(path, "sft metrics").get("data_sha256") if path.is_file() else None
+    if recorded is not None and recorded != _data_sha256(pairs):
+        warnings.warn(
+            f"{checkpoint_dir}: its --data changed since the run (fingerprint in metrics.json "
+            "differs): these numbers are not the run's",
+            InputWarning,
+            stacklevel=2,
+        )
 
 
 def _held_out_pairs(
@@ -449,6 +469,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, show_progress: bool = True) 
         from tltrun.model.hf_checkpoint import load_hf
 
         pairs = data_pairs(cfg, seed=cfg.seed, num_rows=cfg.data_num_rows)
+        _warn_if_data_changed(Path(checkpoint_dir), pairs)
         tok = CharTokenizer.load(checkpoint_dir)
         return evaluate_pairs(
             load_hf(checkpoint_dir), tok, cfg, *_held_out_pairs(cfg, pairs), show_progress
