@@ -172,6 +172,10 @@ def test_data_settings_without_data_and_empty_keys_are_refused(tmp_path, capsys)
         (["--prompt-key", "q", "--data-num-rows", "5"], "--prompt-key, --data-num-rows: "
          "settings of --data, which is not given"),
         (["--data", "x.jsonl", "--response-key", ""], "--response-key: expected a column name"),
+        # --data's settings its kind does not read (hunt: recorded, ignored)
+        (["--data", "reasoning-gym:chain_sum", "--prompt-key", "foo"],
+         "--prompt-key: not read for a reasoning-gym task"),
+        (["--data", "x.jsonl", "--data-num-rows", "5"], "--data-num-rows: not read for a file"),
     ]:  # fmt: skip
         assert main(["sft", "--out", str(tmp_path / "o"), *extra]) == 2
         err = capsys.readouterr().err

@@ -18,6 +18,7 @@ from dataclasses import fields
 from typing import Any
 
 from tltrun.cli.args import offline_configs_from_args, stop_says_how_to_resume
+from tltrun.data.rows import GYM_PREFIX
 from tltrun.train import sft
 from tltrun.train.sft_config import SFTConfig
 from tltrun.train.state import RunLock
@@ -141,6 +142,21 @@ def _check_unused_settings(cfg: SFTConfig, task: TaskConfig) -> None:
         if given:
             raise UsageError(f"{', '.join(given)}: settings of --data, which is not given")
         return
+    # --data's settings its kind does not read (recorded in sft_config.json and ignored): a
+    # reasoning-gym task gives question and answer, a file holds what it holds
+    unread = (
+        ("prompt_key", "response_key") if cfg.data.startswith(GYM_PREFIX) else ("data_num_rows",)
+    )
+    given = [
+        f"--{f.name.replace('_', '-')}"
+        for f in fields(SFTConfig)
+        if f.name in unread and getattr(cfg, f.name) != f.default
+    ]
+    if given:
+        kind = "a reasoning-gym task (its question and answer)" if unread[0] == "prompt_key" else (
+            "a file (it is read whole; reasoning-gym tasks are generated that many rows)"
+        )  # fmt: skip
+        raise UsageError(f"{', '.join(given)}: not read for {kind}: drop them")
     given = [
         f"--{f.name.replace('_', '-')}"
         for f in fields(SFTConfig)

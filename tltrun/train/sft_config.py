@@ -70,7 +70,12 @@ class SFTConfig:
     # Global cap on a generated response; each problem is also capped at the longest
     # well-formed solution it can have (TaskConfig.max_response_chars_for).
     max_new_tokens: int = field(
-        default=2048, metadata={"help": "token cap of an evaluation response"}
+        default=2048,
+        metadata={
+            "help": "token cap of an evaluation response; with --data it also sizes the "
+            "model's positions (the longest prompt + this), the most a later generate or train "
+            "may ask of the model"
+        },
     )
     # Your data instead of the built-in task (issue #16): reasoning-gym problems generated from
     # the seed (question -> the entry's answer) or a local file of prompt/response rows.
