@@ -115,6 +115,33 @@ def test_generate_then_train_drafter(dirs, capsys):
     assert "exported to" in capsys.readouterr().out
 
 
+def test_train_drafter_refuses_another_tokenizers_generations_and_overlong_rows(dirs, capsys):
+    """Hunt: generations of a model with another tokenizer (ids that merely fell inside the
+    vocabulary) and sequences beyond the model's positions trained a drafter, exit 0."""
+    import shutil
+
+    from tltrun.model.tokenizer import CharTokenizer
+
+    gen, other = dirs / "gen_tok", dirs / "model_other_tok"
+    for path, alphabet in ((dirs / "model_tok", "abc"), (other, "xyz")):
+        shutil.copytree(dirs / "model", path)
+        CharTokenizer(alphabet).save(path)
+    argv = ["generate", "--model", str(dirs / "model_tok"), "--prompts", str(dirs / "prompts.jsonl"),
+            "--out", str(gen), "--max-new-tokens", "4", *ENGINE]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err
+    argv = ["train-drafter", "--data", str(gen / "generations.jsonl"), "--train-num-steps", "1"]
+    assert main([*argv, "--model", str(other), "--out", str(dirs / "t_tok")]) == 2
+    assert "whose tokenizer.json differs from --model" in capsys.readouterr().err
+    assert main([*argv, "--model", str(dirs / "model_tok"), "--out", str(dirs / "t_same")]) == 0
+    capsys.readouterr()
+    limit = json.loads((dirs / "model" / "config.json").read_text())["max_position_embeddings"]
+    rows = [{"prompt_token_ids": [1, 2, 3], "output_token_ids": [4] * limit}]
+    argv = ["train-drafter", "--model", str(dirs / "model"), "--out", str(dirs / "t_long"),
+            "--data", _generations(dirs / "long.jsonl", rows), "--train-num-steps", "1"]  # fmt: skip
+    assert main(argv) == 2
+    assert f"beyond the model's max_position_embeddings ({limit})" in capsys.readouterr().err
+
+
 def _generations(path, rows) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
