@@ -376,6 +376,11 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
             cli_words("bench --trace T --model M --out y --policy nospec,tlt,nospec"),
             "--policy names nospec more than once",
         ),
+        # an empty item was dropped (a typo read as another list)
+        (
+            cli_words("bench --trace T --model M --out y --policy nospec,,tlt"),
+            "--policy: an empty item in 'nospec,,tlt'",
+        ),
         (
             cli_words("generate --model M --prompts P --out y --instance -1"),
             "instance must be >= 0",

@@ -136,17 +136,46 @@ def test_refusals_are_one_error_line(inputs, tmp_path, capsys):
         assert_one_error_line(rc, stdout, err)
         assert says in err, name
     assert len(rows_of(out)) == 3  # refused runs wrote nothing
-    # the prompt file changed under the run: its recorded path now holds other prompts
+    # the prompt file changed under the run: its recorded path now holds other prompts, an
+    # answered one's or (hunt: accepted) one not yet answered, a cap, an added line
     prompts = inputs / "prompts.jsonl"
     original = prompts.read_text()
-    changed.write_text(original.replace("[5, 6,", "[9, 6,"))
-    try:
-        os.replace(changed, prompts)
-        rc, stdout, err = run("tltrun", ["generate", "--out", str(out), "--resume"], capsys)
-    finally:
-        prompts.write_text(original)
-    assert_one_error_line(rc, stdout, err)
-    assert "differs from the prompt file's" in err
+    extra = json.dumps({"id": "p9", "prompt_token_ids": [5, 6, 7], "max_new_tokens": 4}) + "\n"
+    for edited in (
+        original.replace("[5, 6,", "[9, 6,"),
+        original.replace("[12, 13,", "[9, 13,"),  # p7's, not answered before the kill
+        original.replace('"max_new_tokens": 32', '"max_new_tokens": 3'),
+        original + extra,
+    ):
+        changed.write_text(edited)
+        try:
+            os.replace(changed, prompts)
+            rc, stdout, err = run("tltrun", ["generate", "--out", str(out), "--resume"], capsys)
+        finally:
+            prompts.write_text(original)
+        assert_one_error_line(rc, stdout, err)
+        assert "its requests changed since the run started" in err
+    assert len(rows_of(out)) == 3
+
+
+def test_a_sampled_resume_draws_new_samples(inputs, tmp_path, capsys):
+    """Hunt: a resumed sampled run restarted the run's generator, so the responses it drew
+    for the rest copied the finished ones (4 of a group's 16 samples came out twice). At
+    temperature 5 the tiny model's 12-token samples are all distinct unless copied."""
+    out = tmp_path / "sampled"
+    args = ["generate", "--model", str(inputs / "model"), "--prompts", str(inputs / "one.jsonl"),
+            "--out", str(out), "--max-running-requests", "4", "--temperature", "5",
+            "--group-size", "16", "--max-new-tokens", "12"]  # fmt: skip
+    (inputs / "one.jsonl").write_text(json.dumps({"id": "a", "prompt_token_ids": [5, 6, 7]}))
+    assert main(args) == 0, capsys.readouterr().err
+    whole = [r["output_token_ids"] for r in rows_of(out)]
+    assert len({tuple(o) for o in whole}) == 16
+    lines = (out / "generations.jsonl").read_text().splitlines(keepends=True)
+    (out / "generations.jsonl").write_text("".join(lines[:4]))  # killed after four
+    (out / "trace.json").unlink()
+    assert main(["generate", "--out", str(out), "--resume"]) == 0, capsys.readouterr().err
+    resumed = [tuple(r["output_token_ids"]) for r in rows_of(out)]
+    assert len(resumed) == 16 and len(set(resumed)) == 16
 
 
 @pytest.mark.parametrize(
@@ -251,6 +280,17 @@ def test_text_and_chat_prompts_of_a_hugging_face_tokenizer(tmp_path, capsys):
             assert "text" in got  # decoded with the same tokenizer
     plain = load_tokenizer(model).encode_prompt("What is 1 plus 2?")
     assert plain != load_tokenizer(model, is_chat_template=True).encode_prompt("What is 1 plus 2?")
+    # an empty text prompt of a tokenizer that adds no BOS: no token to start from (hunt: a
+    # warning called it legal, then the engine refused it without naming the file)
+    assert load_tokenizer(model).encode_prompt("") == []
+    prompts.write_text(json.dumps({"id": "e", "prompt": ""}) + "\n")
+    argv = ["generate", "--model", str(model), "--prompts", str(prompts), "--out",
+            str(tmp_path / "empty"), "--max-new-tokens", "4"]  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{prompts} line 1: 'prompt' is empty and the tokenizer adds no BOS" in err
+    assert "warning" not in err
 
 
 def test_sigterm_stops_generate_with_one_line_and_a_resumable_run(inputs, tmp_path, capsys):

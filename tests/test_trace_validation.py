@@ -139,6 +139,10 @@ JSON_CASES = {
         lambda d: d["steps"][0].update(measured={"policy": {"name": "tlt", "seed": -1}}),
         ["step 0", "'measured.policy.seed'", "-1"],
     ),
+    "measured policy seed beyond int64": (  # (2^53 < a seed < 2^63 loads: an identifier)
+        lambda d: d["steps"][0].update(measured={"policy": {"name": "tlt", "seed": 2**63}}),
+        ["step 0", "'measured.policy.seed'", "[0, 2^63)"],
+    ),
     "measured unknown policy field": (
         lambda d: d["steps"][0].update(measured={"policy": {"nam": "tlt"}}),
         ["step 0", "unknown field 'measured.policy.nam'"],
@@ -225,6 +229,17 @@ def test_good_document_is_accepted(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["validate", str(path)]) == 0
     out = capsys.readouterr().out.strip()
     assert out.startswith(f"{path}: 1 steps, 1 prompts, 2 responses") and "\n" not in out
+
+
+def test_a_policy_seed_beyond_2_to_53_loads(tmp_path: Path, capsys) -> None:
+    """A seed is an identifier: tltrun generate --seed 2^53 + 1 wrote a trace that tltsim
+    refused ("expected an integer in [0, 2^53]")."""
+    doc = _bad(
+        lambda d: d["steps"][0].update(measured={"policy": {"name": "tlt", "seed": 2**53 + 1}})
+    )
+    path = tmp_path / "seed.json"
+    path.write_text(json.dumps(doc))
+    assert main(["validate", str(path)]) == 0, capsys.readouterr().err
 
 
 FILE_CASES = {

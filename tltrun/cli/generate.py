@@ -21,8 +21,10 @@ finished. A progress bar counts the finished responses.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,7 @@ from tltrun.rollout.interface import Request
 from tltrun.train.config_checks import absolute_paths
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.errors import UsageError
-from tltsim.jsonio import parse_json, read_text, write_json
+from tltsim.jsonio import parse_json, read_json, read_text, write_json
 from tltsim.policy import POLICY_NAMES, StaticSpec
 from tltsim.trace.schema import MAX_COUNT
 
@@ -135,6 +137,11 @@ def read_prompts(path: str, model_dir: str, cfg: GenerateConfig) -> tuple[list[R
                 ids = tokenizer.encode_prompt(prompt)
             except UsageError as err:  # the chat template refused it, or there is none
                 raise UsageError(f"{where}: {err}") from None
+            if not ids:  # (warned as legal, then refused by the engine without a place)
+                raise UsageError(
+                    f"{where}: 'prompt' is empty and the tokenizer adds no BOS: no token to "
+                    "start from"
+                )
             unk_id = tokenizer.hf.unk_token_id
             num_unk = ids.count(unk_id) if unk_id is not None else 0
             num_empty += not prompt
@@ -195,6 +202,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         cfg, engine_cfg = configs
         requests, tokenizer = read_prompts(cfg.prompts, cfg.model, cfg)
         out = Path(args.out)  # where the run is now (its config names where it started)
+        recorded = read_json(out / "config.json", "run config").get("requests_sha256")
+        if recorded is not None and recorded != requests_sha256(requests):
+            raise UsageError(  # (only the answered prompts' rows were compared)
+                f"--prompts {cfg.prompts}: its requests changed since the run started (a "
+                "prompt, a max_new_tokens or the lines); restore it, or start a new run"
+            )
     else:
         cfg = absolute_paths(dataclass_from_args(GenerateConfig, args))  # resumable from anywhere
         if cfg.strategy is not None and cfg.policy != "static":  # (it was ignored)
@@ -213,6 +226,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         log = GenerationsLog(out / "generations.jsonl", tokenizer)
         if args.resume:
             done = log.resume(requests)
+            # new samples for the rest: the run's seed again drew the very numbers the
+            # finished responses were drawn with (4 of a group's 16 samples came out twice)
+            engine_cfg = replace(engine_cfg, seed=resume_seed(engine_cfg.seed, len(done)))
         else:
             if (out / "generations.jsonl").is_file() and not (out / "trace.json").is_file():
                 raise UsageError(
@@ -227,12 +243,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
         engine = _start_engine(cfg, engine_cfg, remaining)
         if not args.resume:
             (out / "trace.json").unlink(missing_ok=True)  # a killed rerun is not "finished"
-            write_json(out / "config.json", run_config_dict(generate=cfg, engine=engine_cfg))
+            write_json(
+                out / "config.json",
+                {
+                    **run_config_dict(generate=cfg, engine=engine_cfg),
+                    "requests_sha256": requests_sha256(requests),
+                },
+            )
             log.start()
         try:
             return _generate(cfg, engine_cfg, engine, requests, log, done, out)
         finally:
             log.close()
+
+
+def requests_sha256(requests: list[Request]) -> str:
+    """A fingerprint of a run's requests, in order: ids, prompt ids and token caps."""
+    digest = hashlib.sha256()
+    for r in requests:
+        digest.update(json.dumps([r.id, list(r.prompt_token_ids), r.max_new_tokens]).encode())
+    return digest.hexdigest()
+
+
+def resume_seed(seed: int, num_done: int) -> int:
+    """The sampling seed of a resume that finds ``num_done`` responses written: another stream
+    than the run's (and than an earlier resume's, which had fewer) from the same seed."""
+    digest = hashlib.sha256(f"tltrun generate resume {seed} {num_done}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 11  # [0, 2^53): the trace's JSON-safe ints
 
 
 def _policy_settings(cfg: GenerateConfig) -> dict[str, Any]:

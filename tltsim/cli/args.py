@@ -303,8 +303,11 @@ def given_fields(cls: type, ns: argparse.Namespace, prefix: str = "") -> dict[st
         if tp in (tuple, list) and isinstance(raw, str):
             inner = typing.get_args(hints[f.name])
             elem = inner[0] if inner and inner[0] is not Ellipsis else str
+            items = raw.split(",") if raw != "" else []
+            if "" in items:  # (nospec,,tlt was read as nospec,tlt)
+                raise UsageError(f"{flag_name(f, prefix)}: an empty item in {raw!r}")
             try:
-                raw = tuple(elem(x) for x in raw.split(",") if x != "")
+                raw = tuple(elem(x) for x in items)
             except ValueError:
                 raise UsageError(
                     f"{flag_name(f, prefix)}: expected comma-separated {elem.__name__} values, got {raw!r}"

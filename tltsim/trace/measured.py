@@ -326,7 +326,9 @@ _POLICY_CHECKS: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]
         _same,
     ),
     "config": (lambda v: type(v) is dict, "an object", _same),
-    "seed": _COUNT,
+    # a seed is an identifier, not a count: the engines take any in torch's int64 range (a
+    # generate --seed above 2^53 wrote a trace that its own readers refused)
+    "seed": (lambda v: is_int(v) and 0 <= v < 2**63, "an integer in [0, 2^63)", _same),
 }
 __all__ = [
     "CLOCKS",
