@@ -402,6 +402,11 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
             cli_words("bench --trace T --model M --out y --backend torch,vllm --dtype float64"),
             "--dtype float64: --backend vllm takes float32, bfloat16, float16",
         ),
+        # a drafter the policy never drafts with: loaded and unused
+        (
+            cli_words("generate --model M --prompts P --out y --drafter D --policy nospec"),
+            "--drafter D: --policy nospec never drafts with it",
+        ),
         (
             cli_words("generate --model M --prompts P --out y --graph-batch-sizes 1,2"),
             "--graph-batch-sizes: no CUDA-graph pool runs here",

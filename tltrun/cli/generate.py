@@ -44,7 +44,8 @@ from tltrun.train.config_checks import absolute_paths
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.errors import UsageError
 from tltsim.jsonio import parse_json, read_json, read_text, write_json
-from tltsim.policy import POLICY_NAMES, StaticSpec
+from tltsim.policy import POLICY_NAMES, StaticSpec, is_eagle_drafting
+from tltsim.policy.tlt_config import TLTConfig
 from tltsim.trace.schema import MAX_COUNT
 
 # Most requests (prompt lines x group size) one ``generate`` builds: vLLM's max_num_seqs default
@@ -214,6 +215,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--strategy {cfg.strategy}: only --policy static takes a strategy; "
                 f"--policy {cfg.policy} chooses its own"
+            )
+        if cfg.drafter and not is_eagle_drafting(
+            cfg.policy, TLTConfig().drafters, cfg.strategy or StaticSpec().decision.strategy
+        ):  # (loaded and never used, unsaid)
+            raise UsageError(
+                f"--drafter {cfg.drafter}: --policy {cfg.policy} never drafts with it; drop it, "
+                "or choose a policy that does (static, tlt)"
             )
         out = check_out_dir(cfg.out)
         requests, tokenizer = read_prompts(cfg.prompts, cfg.model, cfg)
