@@ -472,3 +472,36 @@ def test_settings_that_do_not_fit_the_torchrun_world_are_one_line_on_rank_0(
         assert "warning: --num-workers 3: not used under torchrun, whose world size (2)" in err
         assert "error: torchrun world size 2: " in err and "prompt_split (1, 1, 2)" in err
         assert len(err.strip().splitlines()) == 2
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ctrl_c_under_torchrun_is_one_line_on_rank_0_saying_how_to_resume(
+    model_dir,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    capsys,
+    rank,
+):
+    """Hunt: Ctrl-C to torchrun's agent printed "interrupted" once per rank and never said
+    --resume."""
+    from tltrun.cli.main import main
+    from tltrun.train import launch
+
+    for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "MASTER_ADDR": "h",
+                        "MASTER_PORT": 1, "TORCHELASTIC_RUN_ID": "x"}.items():  # fmt: skip
+        monkeypatch.setenv(name, str(value))
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "run_train", interrupted)
+    out = tmp_path / "o"
+    assert main(["train", "--model-dir", str(model_dir), "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    if rank:
+        assert err == ""
+    else:
+        assert err.strip() == (
+            f"interrupted; continue from the last checkpoint with: torchrun ... -m tltrun train "
+            f"--out {out} --resume"
+        )

@@ -121,6 +121,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
             if "TORCHELASTIC_RUN_ID" in os.environ or err.exit_code == 0:
                 return err.exit_code
             raise  # (a rank started on its own, by SLURM say: its own log says it)
+        except KeyboardInterrupt:
+            if "TORCHELASTIC_RUN_ID" not in os.environ:
+                raise
+            # Ctrl-C to torchrun's agent reaches every rank: rank 0 says how to go on (each
+            # rank printed "interrupted", nothing said --resume)
+            if os.environ.get("RANK", "0") == "0":
+                print(
+                    f"interrupted; continue from the last checkpoint with: torchrun ... -m "
+                    f"tltrun train --out {cfg.out} --resume",
+                    file=sys.stderr,
+                )
+            return 130
     if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 speaks for the job
         print(f"log.jsonl, trace.json, checkpoints and final/ written to {out}")
     return 0
