@@ -277,11 +277,14 @@ def test_a_resume_refuses_what_the_run_cannot_change_and_says_a_new_policy_start
                max_new_tokens=base.max_new_tokens + 8)  # fmt: skip
 
 
-def test_a_policy_state_learned_in_the_other_reward_mode_is_not_loaded():
-    """ModelledFeedback's state (deterministic mode: modelled costs) and a plain policy's (the
-    clock's seconds) do not load into each other: the worker then starts the policy afresh."""
+def test_a_policy_state_learned_in_the_other_reward_mode_is_not_loaded(model_dir, tmp_path):
+    """ModelledFeedback's state (deterministic mode: modelled costs) does not load into a
+    plain policy (the clock's seconds); the worker loads a checkpoint's state only where the
+    run's mode at that checkpoint is the mode now (config.json + the overrides of resumes that
+    started before it); a deterministic checkpoint written before the wrapping still loads."""
+    from tltrun.train.checkpoint import is_reward_mode_kept
     from tltrun.train.spot import ModelledFeedback
-    from tltsim.policy import DecodeObs, PolicyStateError, SpecFeedback, make_policy
+    from tltsim.policy import DecodeObs, PolicyStateError, SpecFeedback, TLTAdaptive
 
     def trained(policy):
         for i in range(40):  # past the warm-up: SD on, the bandit rewarded
@@ -291,15 +294,23 @@ def test_a_policy_state_learned_in_the_other_reward_mode_is_not_loaded():
                                         accepted_tokens=3, iteration_s=0.5))  # fmt: skip
         return policy
 
-    modelled = trained(ModelledFeedback(make_policy("tlt", seed=0))).state_dict()
-    clock = trained(make_policy("tlt", seed=0)).state_dict()
+    modelled = trained(ModelledFeedback(TLTAdaptive(seed=0))).state_dict()
     with pytest.raises(PolicyStateError):
-        make_policy("tlt", seed=0).load_state_dict(modelled)
-    with pytest.raises(PolicyStateError):
-        ModelledFeedback(make_policy("tlt", seed=0)).load_state_dict(clock)
-    again = ModelledFeedback(make_policy("tlt", seed=0))
+        TLTAdaptive(seed=0).load_state_dict(modelled)
+    again = ModelledFeedback(TLTAdaptive(seed=0))
     again.load_state_dict(modelled)
     assert again.state_dict() == modelled
+    older = ModelledFeedback(TLTAdaptive(seed=0))  # an unwrapped state of before 2026-11-29
+    older.load_state_dict(modelled["modelled_reward_state"])
+    assert older.state_dict() == modelled
+    make_fake_run(model_dir, tmp_path)  # 3 steps, not deterministic
+    assert is_reward_mode_kept(tmp_path, 3, False) and not is_reward_mode_kept(tmp_path, 3, True)
+    with pytest.warns(ts.RunDirWarning):
+        prepare_run_dir(config(model_dir, tmp_path, is_deterministic=True), TASK,
+                        is_resume=True, is_override_config=True)  # fmt: skip
+    # checkpoint 3 was learned before the resume that switched (its override is at step 3)
+    assert not is_reward_mode_kept(tmp_path, 3, True)
+    assert is_reward_mode_kept(tmp_path, 4, True)  # a checkpoint the switched run wrote
 
 
 def test_a_new_run_of_no_steps_is_refused(model_dir, tmp_path):

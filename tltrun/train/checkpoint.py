@@ -20,6 +20,7 @@ then never interleaves its collectives with the training loop's on the default g
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils._pytree import tree_map_only
 
+from tltrun.train.state import effective_config
 from tltsim.errors import TLTError
 
 ACTOR_DCP = "dcp"
@@ -118,3 +120,33 @@ def load_drafter(drafter, optimizer, path: Path, group: dist.ProcessGroup) -> di
         drafter, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     return state["meta"]
+
+
+# ---- the SD policy's state ----------------------------------------------------------------
+
+
+def save_policy_state(ckpt_dir: Path, rank: int, policy) -> None:
+    """``policy.state_dict()`` as ``ckpt_dir/policy_rank{rank}.json`` (``write_state`` fsyncs it)."""
+    (ckpt_dir / f"policy_rank{rank}.json").write_text(json.dumps(policy.state_dict()) + "\n")
+
+
+def load_policy_state(ckpt_dir: Path, rank: int, policy) -> None:
+    """Restore ``save_policy_state``'s file into ``policy`` (built from the run's config)."""
+    path = ckpt_dir / f"policy_rank{rank}.json"
+    if not path.is_file():
+        from tltrun.model.config import CheckpointError
+
+        raise CheckpointError(
+            f"{path}: missing (a checkpoint written before policies were saved as state_dict(); start the run afresh)"
+        )
+    policy.load_state_dict(json.loads(path.read_text()))
+
+
+def is_reward_mode_kept(out: Path, step: int, is_deterministic: bool) -> bool:
+    """Whether the SD policy state of checkpoint ``step`` was learned in the reward mode the run
+    has now: --deterministic's modelled costs or the clock's seconds (a resume that switched
+    starts the policy afresh: its bandit windows held both units)."""
+    learned = effective_config(out, before_step=step)
+    if learned is None:
+        return True
+    return bool(learned["train"].get("is_deterministic", False)) == is_deterministic

@@ -85,7 +85,7 @@ from tltrun.train.drafter_training import (
     make_batch,
 )
 from tltsim.policy import DrafterTrainingPolicy, IdleObs
-from tltsim.policy.spec import PolicyStateError, SpecDecision, SpecFeedback, SpecPolicy
+from tltsim.policy.spec import SpecDecision, SpecFeedback, SpecPolicy
 
 
 def buffer_tokens(records: list[TrainRecord]) -> int:
@@ -483,15 +483,15 @@ class ModelledFeedback(SpecPolicy):
 
     def state_dict(self) -> dict:
         """The wrapped policy's state under a key of its own: its rewards are modelled costs
-        (~1 per iteration), not seconds, so a resume that turns --deterministic on or off
-        finds no state it can read and starts the policy afresh (a tlt bandit's windows held
-        both units, the clock's arms dominating)."""
+        (~1 per iteration), not seconds, so a policy of the clock's mode cannot load it (a tlt
+        bandit's windows held both units). The worker loads a checkpoint's state only where
+        the mode did not change (tltrun.train.checkpoint.is_reward_mode_kept): a state of the
+        inner policy's own form is a deterministic checkpoint written before 2026-11-29."""
         return {MODELLED_STATE: self.inner.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if set(state) != {MODELLED_STATE}:
-            raise PolicyStateError(f"{self.name}: a state learned from the clock's seconds")
-        self.inner.load_state_dict(state[MODELLED_STATE])
+        is_wrapped = set(state) == {MODELLED_STATE}
+        self.inner.load_state_dict(state[MODELLED_STATE] if is_wrapped else state)
 
     def __getattr__(self, name: str):  # switched_on, switch_time_s, ... of the wrapped policy
         if name == "inner":  # not set yet (copy, unpickling): no recursion

@@ -184,12 +184,14 @@ def config_diff(old: dict[str, Any], new: dict[str, Any]) -> dict[str, list]:
 RENAMED_FIELDS = {"train": {"fuse_qkv": "fuse_projections"}}  # when gate/up were stacked too
 
 
-def effective_config(out: Path) -> dict[str, Any] | None:
+def effective_config(out: Path, before_step: int | None = None) -> dict[str, Any] | None:
     """The run's settings now: the first run's ``config.json`` with every override of
     ``config_history.jsonl`` applied in order (None: no config.json), fields renamed since
     (``RENAMED_FIELDS``) under their current names. Keys of the diffs are ``section.field``
-    (``train.lr``). A file not as tltrun train wrote it is one CheckpointError naming the file
-    (and the history's line) and what was expected."""
+    (``train.lr``). ``before_step``: the settings the steps before it ran with (the overrides
+    of resumes that started earlier; a resume from step s records its changes at s). A file
+    not as tltrun train wrote it is one CheckpointError naming the file (and the history's
+    line) and what was expected."""
     path = out / "config.json"
     if not path.is_file():
         return None
@@ -211,6 +213,10 @@ def effective_config(out: Path) -> dict[str, Any] | None:
         diff = row.get("diff")
         if not isinstance(diff, dict):
             raise _not_written(where, 'a "diff" object', diff)
+        if before_step is not None and not (
+            isinstance(row.get("step"), int) and row["step"] < before_step
+        ):
+            continue
         for key, change in diff.items():
             section, _, name = key.partition(".")
             if section not in SECTIONS or not name:
@@ -405,23 +411,6 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def save_policy_state(ckpt_dir: Path, rank: int, policy) -> None:
-    """``policy.state_dict()`` as ``ckpt_dir/policy_rank{rank}.json`` (``write_state`` fsyncs it)."""
-    (ckpt_dir / f"policy_rank{rank}.json").write_text(json.dumps(policy.state_dict()) + "\n")
-
-
-def load_policy_state(ckpt_dir: Path, rank: int, policy) -> None:
-    """Restore ``save_policy_state``'s file into ``policy`` (built from the run's config)."""
-    path = ckpt_dir / f"policy_rank{rank}.json"
-    if not path.is_file():
-        from tltrun.model.config import CheckpointError
-
-        raise CheckpointError(
-            f"{path}: missing (a checkpoint written before policies were saved as state_dict(); start the run afresh)"
-        )
-    policy.load_state_dict(json.loads(path.read_text()))
 
 
 def write_state(

@@ -240,8 +240,9 @@ class Worker:
             self.engine.history.load_state_dict(state["history"])
         # --override-config changed the SD policy or its settings (the launcher said so): what
         # the old one learned does not apply, and this one starts afresh
-        with contextlib.suppress(PolicyStateError):
-            ts.load_policy_state(ckpt, self.rank, self.spec_policy)
+        if ckpt_io.is_reward_mode_kept(self.out, self.start_step, self.cfg.is_deterministic):
+            with contextlib.suppress(PolicyStateError):
+                ckpt_io.load_policy_state(ckpt, self.rank, self.spec_policy)
         if self.spot is not None and "spot_data_generator" in state:
             self.spot.data_gen.set_state(state["spot_data_generator"])
             self.spot.noise_gen.set_state(state["spot_noise_generator"])
@@ -275,7 +276,7 @@ class Worker:
             ]
         with ckpt_io.explain_write_failure(tmp):
             torch.save(state, tmp / f"rank{self.rank}.pt")
-            ts.save_policy_state(tmp, self.rank, self.spec_policy)
+            ckpt_io.save_policy_state(tmp, self.rank, self.spec_policy)
             ckpt_io.save_actor(self.actor, self.optimizer, tmp / ckpt_io.ACTOR_DCP, self.ckpt_group)
             weights = self._actor_weights()  # a collective when sharded: every rank gathers
             if self.rank == 0:
