@@ -381,6 +381,16 @@ def test_resuming_a_finished_run_says_so_and_touches_nothing(model_dir, tmp_path
 
     make_fake_run(model_dir, tmp_path)  # 3 steps, checkpoints 1..3
     (tmp_path / "final" / "actor").mkdir(parents=True)
+    # a final/ without its record (a run before 2026-11-29 wrote it in place, maybe torn) or
+    # of fewer steps than the checkpoint (review: a run extended by a resume that was killed
+    # writing its final/ kept the old one): not finished, the workers write it again
+    for record in (None, {"num_steps": 2}):
+        if record is not None:
+            (tmp_path / "final" / ts.FINAL_STATE).write_text(json.dumps(record))
+        assert prepare_run_dir(
+            config(model_dir, tmp_path), TASK, is_resume=True, is_override_config=False
+        ) == ts.checkpoint_dir(tmp_path, 3)
+    (tmp_path / "final" / ts.FINAL_STATE).write_text(json.dumps({"num_steps": 3}))
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     with pytest.raises(RunFinished, match=r"already finished \(3 steps, final/ written\)"):
         prepare_run_dir(config(model_dir, tmp_path), TASK, is_resume=True, is_override_config=False)

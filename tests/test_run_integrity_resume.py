@@ -161,6 +161,7 @@ def test_a_resume_that_stops_drafting_carries_the_drafter_on(
     trained = (ts.checkpoint_dir(out, 3) / "drafter" / "model.safetensors").read_bytes()
     for carried in (ts.checkpoint_dir(out, 4) / "drafter", out / "final" / "drafter"):
         assert (carried / "model.safetensors").read_bytes() == trained
+    assert ts.final_steps(out) == 4  # final/ records the steps it holds
 
 
 @pytest.mark.slow

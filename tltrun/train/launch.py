@@ -437,7 +437,8 @@ def prepare_run_dir(
             f"(nothing in {out / 'ckpt'}); start a new run in another --out"
         )
     start_step = train_state.read_next_step(resume_dir) if resume_dir else 0
-    if start_step >= cfg.num_steps and (out / "final").is_dir():  # written whole, last
+    # final/ is written whole, last, and records its steps: those of the checkpoint resumed
+    if start_step >= cfg.num_steps and train_state.final_steps(out) == start_step:
         raise RunFinished(
             f"{out}: the run already finished ({start_step} steps, final/ written): nothing to "
             f"resume (pass --num-steps above {start_step} to train on)"

@@ -97,7 +97,19 @@ RUN_DIRS = (
     "drafter.tmp",
     "drafter.old",
     ".tmp_final",
+    ".tmp_old_final",
 )
+FINAL_STATE = "run_state.json"  # final/'s record of the steps trained ({"num_steps": N})
+
+
+def final_steps(out: Path) -> int | None:
+    """The steps the run's final/ holds (None: no final/, or one without the record: a run
+    before 2026-11-29 wrote it in place, so it may be torn or of fewer steps)."""
+    try:
+        value = json.loads((out / "final" / FINAL_STATE).read_text())["num_steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if isinstance(value, int) else None
 
 
 def reset_run_dir(out: Path, keep: Sequence[Path] = ()) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import os
 import random
 import shutil
@@ -362,6 +363,10 @@ class Worker:
             copy_tokenizer(cfg.model_dir, tmp / "actor")
             if self._drafter() is not None:
                 export_vllm(self._drafter(), tmp / "drafter")
+            # the steps it holds: a resume is "finished" only where they are the checkpoint's
+            # (a final/ of fewer steps stays from before a resume that ran more)
+            trained = {"num_steps": max(cfg.num_steps, self.start_step)}
+            (tmp / ts.FINAL_STATE).write_text(json.dumps(trained) + "\n")
             ts.commit(tmp, self.out / "final")
         dist.barrier()
 
