@@ -130,10 +130,12 @@ def test_train_drafter_refuses_another_tokenizers_generations_and_overlong_rows(
             "--out", str(gen), "--max-new-tokens", "4", *ENGINE]  # fmt: skip
     assert main(argv) == 0, capsys.readouterr().err
     argv = ["train-drafter", "--data", str(gen / "generations.jsonl"), "--train-num-steps", "1"]
-    assert main([*argv, "--model", str(other), "--out", str(dirs / "t_tok")]) == 2
-    assert "whose tokenizer.json differs from --model" in capsys.readouterr().err
     assert main([*argv, "--model", str(dirs / "model_tok"), "--out", str(dirs / "t_same")]) == 0
     capsys.readouterr()
+    # refused before anything is touched (review: the earlier drafter in --out was deleted)
+    assert main([*argv, "--model", str(other), "--out", str(dirs / "t_same")]) == 2
+    assert "whose tokenizer.json differs from --model" in capsys.readouterr().err
+    assert (dirs / "t_same" / "model.safetensors").is_file()
     limit = json.loads((dirs / "model" / "config.json").read_text())["max_position_embeddings"]
     rows = [{"prompt_token_ids": [1, 2, 3], "output_token_ids": [4] * limit}]
     argv = ["train-drafter", "--model", str(dirs / "model"), "--out", str(dirs / "t_long"),

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tltrun.cli.args import config_dict, offline_configs_from_args, stop_says_how_to_resume
-from tltrun.model.config import check_device
+from tltrun.model.config import check_device, read_config
 from tltrun.rollout.engine_config import DTYPES, default_dtype
 from tltsim.cli.args import add_dataclass_args, check_out_dir
 from tltsim.errors import UsageError
@@ -112,6 +112,11 @@ def _train_drafter(cfg: TrainDrafterConfig, train_cfg, out: Path, is_resume: boo
     from tltrun.train import resumable
     from tltrun.train.drafter_training import records_from_outputs, train_drafter
 
+    # the data first, against the model's config: a refusal after start_fresh had deleted the
+    # earlier drafter in --out (and loaded the whole target first)
+    _check_same_vocabulary(cfg.data, cfg.model)
+    model_cfg = read_config(cfg.model)
+    sequences = _read_generations(cfg.data, model_cfg.vocab_size, model_cfg.max_position_embeddings)
     if not is_resume:
         resumable.start_fresh(out, "tltrun train-drafter", config_file="train_config.json")
         write_json(out / "train_config.json", config_dict(train_drafter=cfg, train=train_cfg))
@@ -121,10 +126,6 @@ def _train_drafter(cfg: TrainDrafterConfig, train_cfg, out: Path, is_resume: boo
         if cfg.init
         else EagleDrafter.for_target(target, seed=train_cfg.seed),
         target,
-    )
-    _check_same_vocabulary(cfg.data, cfg.model)
-    sequences = _read_generations(
-        cfg.data, target.config.vocab_size, target.config.max_position_embeddings
     )
     records = records_from_outputs(target, sequences)
     checkpoints = resumable.Checkpointing(
