@@ -505,3 +505,21 @@ def test_ctrl_c_under_torchrun_is_one_line_on_rank_0_saying_how_to_resume(
             f"interrupted; continue from the last checkpoint with: torchrun ... -m tltrun train "
             f"--out {out} --resume"
         )
+
+
+def test_a_bad_flag_under_torchrun_is_not_blamed_on_the_world_size(
+    model_dir,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    capsys,
+):
+    """Review: every flag error under torchrun was prefixed "torchrun world size N:"."""
+    from tltrun.cli.main import main
+
+    for name, value in {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 2, "MASTER_ADDR": "h",
+                        "MASTER_PORT": 1, "TORCHELASTIC_RUN_ID": "x"}.items():  # fmt: skip
+        monkeypatch.setenv(name, str(value))
+    argv = ["train", "--model-dir", str(model_dir), "--out", str(tmp_path / "o"), "--lr", "-1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "lr and drafter_lr in (0, 1.0]" in err and "world size" not in err

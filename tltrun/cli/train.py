@@ -103,9 +103,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         try:
             cfg, task = _train_configs(args)
         except UsageError:
-            # under torchrun every rank checks the same settings: rank 0 says it (it was
-            # printed once per rank)
-            if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("RANK", "0") != "0":
+            # under torchrun every rank checks the same settings: one rank per node says it (it
+            # was printed once per rank; a file only one node lacks is said by that node)
+            if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("LOCAL_RANK", "0") != "0":
                 return 2
             raise
         try:
@@ -189,12 +189,14 @@ def _train_configs(args: argparse.Namespace) -> tuple[TrainConfig, TaskConfig]:
     try:
         cfg = absolute_paths(dataclass_from_args(TrainConfig, args, base=base))
     except UsageError as err:
-        if env is not None:  # the world size decided num_workers: a recorded prompt_split
-            # or fsdp_size for another size fails here
-            raise UsageError(f"torchrun world size {env.world_size}: {err}") from None
-        if not raw:
-            raise
-        raise UsageError(f"{err} (--config {args.config} with the flags over it)") from None
+        said = str(err)
+        if env is not None and any(n in said for n in ("num_workers", "prompt_split", "fsdp_size")):
+            # the world size decided num_workers: a recorded prompt_split or fsdp_size for
+            # another size fails here
+            said = f"torchrun world size {env.world_size}: {said}"
+        if raw:
+            said += f" (--config {args.config} with the flags over it)"
+        raise UsageError(said) from None
     if "?" in (cfg.model_dir, cfg.out):
         raise UsageError("--model-dir and --out are required")
     try:
