@@ -133,8 +133,8 @@ class ProfileRunConfig:
     num_warmup: int = field(default=2, metadata={"help": "untimed calls before each timed one"})
     num_repeats: int = field(default=5, metadata={"help": "timed samples per grid point"})
     # torch backend only (vLLM's profile times its engine steps one call each). Ops a rollout
-    # runs back to back (decode, SD iterations, drafting) are timed as the
-    # mean of this many consecutive calls per sample, after the warm-up: measured on this CPU
+    # runs back to back (decode, SD iterations, drafting) are timed as the mean of this many
+    # consecutive calls per sample, after the warm-up: measured on this CPU
     # (4-layer hidden-256 model, decode at batch 1-16 right after another point's SD iteration,
     # interleaved), the first call after one warm-up costs 7-17% more than calls 6-10 of the
     # same run, calls 2-4 still 3-10% more; at batch 64 1-3%. A rollout's iterations are that
@@ -145,13 +145,11 @@ class ProfileRunConfig:
     )
     # What a row's ``seconds`` is: the schema's median (robust to rare stalls on a quiet
     # machine), or the mean, the unbiased predictor of a SUM of iterations when the machine is
-    # shared and the time per call is right-skewed (other jobs preempt some calls). The sidecar
-    # records the choice.
+    # shared and the time per call is right-skewed (other jobs preempt some calls; sidecar).
     statistic: str = field(
         default="median",
         metadata={"help": "what a row's seconds are, of its samples", "choices": STATISTICS},
     )
-    # wall | cpu (CLOCKS)
     clock: str = field(
         default="wall",
         metadata={"help": "wall seconds or this process's CPU seconds", "choices": tuple(CLOCKS)},
@@ -243,9 +241,11 @@ class ProfileRunConfig:
             if len(getattr(self, name)) < 2:
                 raise ValueError(f"{name} needs >= 2 values to interpolate")
         from tltrun.rollout.engine_config import DTYPES
+        from tltrun.rollout.vllm_config import VLLM_DTYPES
 
-        if self.dtype is not None and self.dtype not in DTYPES:  # an internal error later
-            raise ValueError(f"--dtype {self.dtype}: expected one of {', '.join(DTYPES)}")
+        allowed = VLLM_DTYPES if self.backend == "vllm" else DTYPES  # (vLLM: float64 refused)
+        if self.dtype is not None and self.dtype not in allowed:  # an internal error later
+            raise ValueError(f"--dtype {self.dtype}: expected one of {', '.join(allowed)}")
         decisions = [SpecDecision.parse(s) for s in self.strategies]
         if self.drafter and not decisions:  # the drafter op is timed in each strategy
             raise ValueError("--strategies: a profile with --drafter needs at least one strategy")

@@ -216,6 +216,7 @@ def start_backend(cfg, margin: int, ks: list[int]):
     """An in-process engine configured as the run's ``VLLMBackend`` would be."""
     from tltrun.rollout.interface import SamplingParams
     from tltrun.rollout.vllm_backend import VLLMBackend, VLLMBackendConfig
+    from tltrun.rollout.vllm_config import vllm_seed
 
     config = VLLMBackendConfig(
         control="iteration",
@@ -224,7 +225,7 @@ def start_backend(cfg, margin: int, ks: list[int]):
         max_model_len=profile_model_len(cfg, margin),
         kv_cache_bytes=cfg.vllm_kv_cache_bytes,
         dtype=cfg.dtype_name,
-        seed=cfg.seed,
+        seed=vllm_seed(cfg.seed),
     )
     return VLLMBackend(cfg.model, cfg.drafter or None, config, SamplingParams(cfg.temperature))
 
