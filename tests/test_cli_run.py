@@ -384,6 +384,10 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
             "--policy: an empty item in 'nospec,,tlt'",
         ),
         (
+            cli_words("generate --model M --prompts P --out y --eos-token-ids 1,,2"),
+            "--eos-token-ids: expected comma-separated integers",
+        ),
+        (
             cli_words("generate --model M --prompts P --out y --instance -1"),
             "instance must be >= 0",
         ),

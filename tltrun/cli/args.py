@@ -84,7 +84,8 @@ def engine_config_from_args(
     for name in ("eos_token_ids", "graph_batch_sizes"):  # EngineConfig's int tuples
         if isinstance(values.get(name), str):
             try:
-                values[name] = tuple(int(x) for x in values[name].split(",") if x)
+                text = values[name]  # (an empty item is refused: 1,,2)
+                values[name] = tuple(int(x) for x in text.split(",")) if text else ()
             except ValueError:
                 flag = "--" + name.replace("_", "-")
                 raise UsageError(f"{flag}: expected comma-separated integers") from None

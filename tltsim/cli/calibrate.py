@@ -171,7 +171,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         )
     check_sidecar_agrees(args, profile, model, hardware)
     tp = profile_tp(args.tp, profile, is_strict=True)
-    fields = tuple(f.strip() for f in args.fit.split(",") if f.strip())
+    fields = tuple(f.strip() for f in args.fit.split(","))
+    if "" in fields:  # (fit_a,,fit_b was read as fit_a,fit_b)
+        raise UsageError(f"--fit {args.fit}: an empty item")
     if len(set(fields)) != len(fields):
         raise UsageError(f"--fit {args.fit}: a parameter is named twice")
     base = CALIBRATIONS.get(hardware.name) or CalibrationParams.roofline_limit(hardware)

@@ -233,7 +233,7 @@ def parse_seeds(spec: str | None, num_seeds: int, first: int) -> tuple[int, ...]
             )
         return tuple(range(first, first + num_seeds))
     try:
-        seeds = tuple(int(s) for s in spec.split(",") if s.strip())
+        seeds = tuple(int(s) for s in spec.split(","))  # (an empty item is refused: 0,,1)
     except ValueError:
         raise ValueError(f"seeds: expected comma-separated integers, got {spec!r}") from None
     if not seeds or len(set(seeds)) != len(seeds) or len(seeds) > MAX_SIMULATIONS:

@@ -163,10 +163,8 @@ class ReplayConfig:
 
 def policy_names(spec: str) -> tuple[str, ...]:
     # "all" includes tltbase: the simulator models the history drafter (HistoryModel, #20).
-    names = (
-        POLICY_NAMES if spec == "all" else tuple(n.strip() for n in spec.split(",") if n.strip())
-    )
-    bad = [n for n in names if n not in POLICY_NAMES]
+    names = POLICY_NAMES if spec == "all" else tuple(n.strip() for n in spec.split(","))
+    bad = [n for n in names if n not in POLICY_NAMES]  # (an empty item: nospec,,tlt)
     if bad or not names:
         raise ValueError(
             f"policy: expected a comma-separated list of {', '.join(POLICY_NAMES)} or 'all', got {spec!r}"
