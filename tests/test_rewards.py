@@ -330,6 +330,22 @@ def test_math_reward_reads_a_latex_answer_without_dollars_as_latex():
     assert rewards("math", cases) == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
 
 
+def test_math_reward_reads_a_number_with_words_or_spaced_digits_as_text():
+    """Hunt: an answer field of a number and words or spaced digits was parsed as LaTeX, its
+    words a product of letters: '18 dollars' matched nothing, not even itself, and '1 000' was
+    1*0, which \\boxed{0} matched; '\\boxed{42.}' (a sentence's period) held no number."""
+    cases = [
+        ("\\boxed{18}", "18 dollars"),
+        ("18 dollars", "18 dollars"),
+        ("\\boxed{0}", "1 000"),
+        ("\\boxed{1000}", "1 000"),
+        ("\\boxed{1.5}", "1.5 million"),
+        ("\\boxed{42.}", "42"),
+        ("\\boxed{x^2}", "x^2"),
+    ]
+    assert rewards("math", cases) == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+
+
 def test_pool_with_math_and_reasoning_gym_in_processes():
     with RewardPool(parse_reward("math"), num_processes=2) as pool:
         outcomes = pool.score([item("\\boxed{3/4}", "0.75"), item("\\boxed{1/4}", "0.75")])

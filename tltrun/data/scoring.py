@@ -244,13 +244,17 @@ class Scorer:
         written = positional(gold_text)
         # LaTeX (m\times 10^{e}) parses only as math: plain, math-verify reads "10" out of it
         # as LaTeX first when it holds any ('2\sqrt{2}' read bare is [2]: then \boxed{2} scored 1)
-        is_latex = written != gold_text or not _is_plain_number(gold_text)
+        is_latex = written != gold_text or _is_math_notation(gold_text)
         gold = parse(f"${written}$" if is_latex else gold_text)
         if not gold:
             gold = parse(f"${gold_text}$")
         if not gold:
             raise ValueError(f"math-verify cannot parse the answer field {gold_text[:80]!r}")
         boxed = last_boxed(item.response)
+        if (
+            boxed is not None
+        ):  # a sentence's period inside the box: '\\boxed{42.}' read as no number
+            boxed = boxed.strip().removesuffix(".")
         predicted = parse(
             f"\\boxed{{{positional(boxed)}}}"
             if boxed is not None
@@ -334,6 +338,19 @@ def score_in_process(spec: RewardSpec, items: Sequence[RewardItem]) -> list[Rewa
     that score a handful of responses (``tltrun`` itself always uses a RewardPool)."""
     scorer = Scorer(spec)
     return [score_one(scorer, item) for item in items]
+
+
+def _is_math_notation(text: str) -> bool:
+    """Whether an answer field is read as LaTeX math (``$...$``) rather than as text: LaTeX
+    marks (``\\``, ``^``, braces, ``_``) or an expression of numbers and one-letter variables
+    ('2x+3'). A number with words ('18 dollars', '1.5 million') or spaced digits ('1 000') is
+    text: as math its words were products of letters ('18*a*do*l*l*r*s', which nothing
+    matched) and '1 000' was 1*0, which \\boxed{0} matched."""
+    if re.search(r"[\\^{}_]", text):
+        return True
+    if re.search(r"[A-Za-z]{2}", text) or re.fullmatch(r"[\d\s,.]+", text.strip()):
+        return False
+    return not _is_plain_number(text)
 
 
 def _is_plain_number(text: str) -> bool:
