@@ -449,3 +449,28 @@ def _alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_failed_reward_scores_0_unshaped():
+    """Hunt: the overlong term was added to a reward that raised (README: it scores 0), so a
+    long response whose reward failed trained as -1."""
+    from types import SimpleNamespace
+
+    from tltrun.data.scoring import RewardOutcome
+    from tltrun.rollout.interface import Request, RequestOutput
+    from tltrun.train.responses import ResponseScorer
+
+    class Pool:  # the failed one first, then a reward of 1
+        def score(self, items):
+            return [RewardOutcome(reward=0.0, error="ValueError: bad"), RewardOutcome(reward=1.0)]
+
+    row = SimpleNamespace(prompt_text="p", answer="1", meta={}, source="d.jsonl:0")
+    tok = SimpleNamespace(decode=lambda ids: "x" * len(ids))
+    scorer = ResponseScorer(SimpleNamespace(max_new_tokens=8), tok, Pool(),
+                            Shaping(overlong_buffer_tokens=4))  # fmt: skip
+    requests = [Request(f"g/{i}", (1, 2), 8) for i in range(2)]
+    outputs = [RequestOutput(id=r.id, prompt_token_ids=(1, 2), output_token_ids=[5] * n,
+                             finish="stop") for r, n in zip(requests, (8, 6), strict=True)]  # fmt: skip
+    _, scored = scorer.score(0, requests, outputs, {"g": row})
+    # failed: 0, not 0 + the overlong -1; the other: 1 + (4 - 6) / 4
+    assert [(shaped, raw) for shaped, raw, _ in scored] == [(0.0, 0.0), (0.5, 1.0)]

@@ -312,3 +312,11 @@ def test_spot_training_asked_of_one_worker_is_a_warning(bpe_model, tmp_path, mon
     )
     assert main([*argv[:-1], "--policy", "tlt"]) == 0  # the default: nothing to say
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_format_penalty_beside_a_user_reward_function_is_refused():
+    """Hunt: --format-penalty with a file.py:function reward was recorded and never applied
+    (a user function has no answer form to miss)."""
+    with pytest.raises(ValueError, match="format_penalty 0.5: a file.py:function reward has no"):
+        TrainConfig(model_dir="m", out="o", data="d.jsonl", reward="r.py:score", format_penalty=0.5)
+    TrainConfig(model_dir="m", out="o", data="d.jsonl", reward="math", format_penalty=0.5)

@@ -157,6 +157,12 @@ def check_train_config(cfg: Any) -> None:
             f"data {cfg.data}: name its reward with --reward (math, exact, regex:PATTERN, "
             "reasoning-gym:<task> or file.py:function)"
         )
+    if cfg.format_penalty > 0 and cfg.is_user_reward:  # (recorded, never applied)
+        raise ValueError(
+            f"format_penalty {cfg.format_penalty}: a file.py:function reward has no answer "
+            "form to miss (its function decides the whole reward); drop it, or penalise "
+            "inside the function"
+        )
     if not cfg.answer_key and not (cfg.data and cfg.is_user_reward):
         raise ValueError(
             f"answer_key '': reward {cfg.reward_name!r} compares responses with an answer "

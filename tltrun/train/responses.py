@@ -92,13 +92,15 @@ class ResponseScorer:
             )
         scored = []
         for item, o, outcome in zip(items, outputs, self.rewards.score(items), strict=True):
-            shaped = apply_shaping(
+            # a failed reward scores 0, unshaped (README): its overlong term was added, so a
+            # long response whose reward raised scored -1
+            shaped = outcome.reward if outcome.error else apply_shaping(
                 outcome.reward,
                 num_response_tokens=len(o.output_token_ids),
                 max_response_tokens=self.cfg.max_new_tokens,
                 shaping=self.shaping,
                 is_format_ok=outcome.is_format_ok,
-            )
+            )  # fmt: skip
             source = by_group[o.id.rpartition("/")[0]].source
             error = f"{item.sample_id} ({source}): {outcome.error}" if outcome.error else ""
             scored.append((shaped, outcome.reward, error))
