@@ -57,6 +57,15 @@ def numpy_bool(prompt, response, answer, **meta):
 
 def crash(prompt, response, answer, **meta):
     os._exit(7)
+
+def interrupt(prompt, response, answer, **meta):
+    raise KeyboardInterrupt("the function's own")
+
+async def coroutine(prompt, response, answer, **meta):
+    return 1.0
+
+def generator(prompt, response, answer, **meta):
+    yield 1.0
 '''
 
 
@@ -474,3 +483,20 @@ def test_a_failed_reward_scores_0_unshaped():
     _, scored = scorer.score(0, requests, outputs, {"g": row})
     # failed: 0, not 0 + the overlong -1; the other: 1 + (4 - 6) / 4
     assert [(shaped, raw) for shaped, raw, _ in scored] == [(0.0, 0.0), (0.5, 1.0)]
+
+
+def test_a_user_functions_own_base_exception_is_said_per_sample(user_module):
+    """Hunt: a reward function raising KeyboardInterrupt (or its own BaseException) was
+    "reward process died (exit code 1)", the exception unsaid."""
+    with RewardPool(parse_reward(f"{user_module}:interrupt"), timeout_s=30.0) as pool:
+        [outcome] = pool.score([item("r", "1")])
+    assert outcome.reward == 0.0 and "KeyboardInterrupt: the function's own" in outcome.error
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"), [("coroutine", "an async"), ("generator", "a generator")]
+)
+def test_async_and_generator_reward_functions_are_refused_at_launch(user_module, name, kind):
+    """Hunt: they passed the launch check and failed on every call ("returned coroutine")."""
+    with pytest.raises(UsageError, match=f"{name}: {kind} function; the reward is a plain"):
+        parse_reward(f"{user_module}:{name}")

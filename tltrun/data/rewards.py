@@ -252,6 +252,12 @@ def _check_import(
     with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
         try:
             function = load_user_function(arg)
+            if inspect.iscoroutinefunction(function) or inspect.isgeneratorfunction(function):
+                kind = "an async" if inspect.iscoroutinefunction(function) else "a generator"
+                raise UsageError(  # (it failed on every call: "returned coroutine")
+                    f"--reward {arg}: {kind} function; the reward is a plain function "
+                    "returning a float"
+                )
             if meta_keys is not None:
                 _check_signature(arg, function, meta_keys)
         except UsageError as err:
@@ -306,7 +312,14 @@ def _worker_main(spec: RewardSpec, conn: Connection, parent_pid: int) -> None:
             return
         index, item = message
         try:
-            conn.send(("done", index, score_one(scorer, item)))
+            outcome = score_one(scorer, item)
+        except (SystemExit, GeneratorExit):
+            raise  # (the pool says the process died, with its exit code)
+        except BaseException as err:  # the user function's own KeyboardInterrupt (this process
+            # ignores SIGINT) or BaseException: said per sample (only "process died" was said)
+            outcome = RewardOutcome(reward=0.0, error=one_line(err))
+        try:
+            conn.send(("done", index, outcome))
         except (BrokenPipeError, OSError):  # the parent went away mid-call
             return
 
