@@ -500,3 +500,12 @@ def test_async_and_generator_reward_functions_are_refused_at_launch(user_module,
     """Hunt: they passed the launch check and failed on every call ("returned coroutine")."""
     with pytest.raises(UsageError, match=f"{name}: {kind} function; the reward is a plain"):
         parse_reward(f"{user_module}:{name}")
+
+
+def test_exact_and_regex_edges():
+    """Hunt: \\boxed{\\text{Paris}} did not match Paris; an answer normalising to nothing
+    ('...') matched the empty response; a regex that can match empty text took its empty
+    match after the answer."""
+    cases = [("\\boxed{\\text{Paris}}", "Paris"), ("", "..."), ("...", "...")]
+    assert rewards("exact", cases) == [1.0, 0.0, 1.0]
+    assert rewards("regex:(?P<answer>\\d+)?$", [("x 42", "42"), ("x 41", "42")]) == [1.0, 0.0]

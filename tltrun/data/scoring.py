@@ -175,10 +175,15 @@ def final_answer(response: str) -> str:
     """The response's final answer for ``exact``: the last ``\\boxed{}`` content if present,
     else its last non-empty line."""
     boxed = last_boxed(response)
-    if boxed is not None:
-        return boxed
+    if boxed is not None:  # \\boxed{\\text{Paris}} is Paris
+        wrapped = re.fullmatch(r"\\(?:text|textbf|mathrm)\{(.*)\}", boxed.strip(), re.DOTALL)
+        return wrapped[1] if wrapped else boxed
     lines = [line for line in response.splitlines() if line.strip()]
     return lines[-1] if lines else ""
+
+
+def _exact_form(text: str) -> str:
+    return normalize(text) or " ".join(text.split())
 
 
 def normalize(text: str) -> str:
@@ -222,16 +227,19 @@ class Scorer:
             return self._math(item)
         if kind == "exact":
             answer = _need_answer(item, kind)
-            matched = normalize(final_answer(item.response)) == normalize(answer)
+            # text that normalises to nothing ('...') is compared as written: such an answer
+            # matched every empty response
+            matched = _exact_form(final_answer(item.response)) == _exact_form(answer)
             return float(matched), last_boxed(item.response) is not None
         if kind == "regex":
             answer = _need_answer(item, kind)
             assert self._pattern is not None
-            matches = list(self._pattern.finditer(item.response))
+            # the last match that captured something: a pattern that can match empty text
+            # ('(?P<answer>\d+)?$') took its empty match at the end, after the answer
+            matches = [m for m in self._pattern.finditer(item.response) if m.group("answer")]
             if not matches:
                 return 0.0, False
-            found = matches[-1].group("answer") or ""
-            return float(normalize(found) == normalize(answer)), True
+            return float(normalize(matches[-1].group("answer")) == normalize(answer)), True
         if kind == "reasoning-gym":
             return self._gym(item)
         return self._python(item)
