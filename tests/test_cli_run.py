@@ -408,6 +408,10 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
             cli_words("bench --trace T --model M --out y --backend torch,vllm --dtype float64"),
             "--dtype float64: --backend vllm takes float32, bfloat16, float16",
         ),
+        (
+            cli_words("bench --trace T --model M --out y --drafter D --policy nospec,tltbase"),
+            "--drafter D: no --policy drafts with it",
+        ),
         # a drafter the policy never drafts with: loaded and unused
         (
             cli_words("generate --model M --prompts P --out y --drafter D --policy nospec"),

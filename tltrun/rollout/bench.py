@@ -117,6 +117,8 @@ class BenchConfig:
                 make_policy("static", strategy=self.static_strategy)
             except ValueError as err:
                 raise ValueError(f"--strategy: {err}") from None
+        if self.drafter and not any(self.uses_eagle(p) for p in self.policy):  # (loaded, unused)
+            raise ValueError(f"--drafter {self.drafter}: no --policy drafts with it; drop it")
 
     @property
     def static_strategy(self) -> str:
