@@ -243,37 +243,34 @@ def check_overridable(out: Path, diff: dict[str, list]) -> None:
         if key == "train.max_new_tokens" and after < before:
             why = f"the run's trace holds responses of up to {before} tokens"
         if why is not None:
-            name = "--" + key.removeprefix("train.").replace("_", "-")
             raise UsageError(
-                f"{out}: --resume cannot change {name} ({before!r} -> {after!r}), even with "
+                f"{out}: --resume cannot change {flag_of(key)} ({before!r} -> {after!r}), even with "
                 f"--override-config: {why}; start a new run in another --out"
             )
-    changed = [k for k in diff if k in POLICY_FIELDS or k.startswith("train.tlt_")]
-    if changed:
-        from tltrun.train.state import RunDirWarning
+    from tltrun.train.state import RunDirWarning
 
-        names = ", ".join(
-            "--" + k.removeprefix("train.").removeprefix("is_").replace("_", "-") for k in changed
-        )
-        warnings.warn(
-            f"{out}: {names} changed: the SD policy starts afresh (its bandit estimates and "
-            "SD switches were learned under the old settings)",
-            RunDirWarning,
-            stacklevel=3,
-        )
-    history = [k for k in diff if k in HISTORY_FIELDS]
-    if history:  # (it was emptied without a word)
-        from tltrun.train.state import RunDirWarning
+    policy = [k for k in diff if k in POLICY_FIELDS or k.startswith("train.tlt_")]
+    history = [k for k in diff if k in HISTORY_FIELDS]  # (it was emptied without a word)
+    for keys, what in (
+        (policy, "the SD policy starts afresh (its bandit estimates and SD switches were learned"),
+        (history, "the history drafter's index starts empty (the earlier rollouts it held were "
+                  "indexed"),
+    ):  # fmt: skip
+        if keys:
+            names = ", ".join(map(flag_of, keys))
+            warnings.warn(
+                f"{out}: {names} changed: {what} under the old settings)",
+                RunDirWarning,
+                stacklevel=3,
+            )
 
-        names = ", ".join(
-            "--" + k.removeprefix("train.").removeprefix("is_").replace("_", "-") for k in history
-        )
-        warnings.warn(
-            f"{out}: {names} changed: the history drafter's index starts empty (the earlier "
-            "rollouts it held were indexed under the old settings)",
-            RunDirWarning,
-            stacklevel=3,
-        )
+
+def flag_of(key: str) -> str:
+    """A config.json key as the flag a user types (``train.is_deterministic`` ->
+    ``--deterministic``, ``task.median_ops`` -> ``--task-median-ops``)."""
+    section, _, name = key.partition(".")
+    prefix = "--task-" if section == "task" else "--"
+    return prefix + name.removeprefix("is_").replace("_", "-")
 
 
 def check_eval_flags(cfg) -> None:

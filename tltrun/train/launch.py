@@ -57,6 +57,7 @@ from tltrun.train.config_checks import (
     check_eval_flags,
     check_overridable,
     check_same_inputs,
+    flag_of,
     is_same_path,
 )
 from tltrun.train.prompts import warn_data
@@ -352,14 +353,6 @@ def _warn_skipped(data: dict) -> None:
         )
 
 
-def _flag(key: str) -> str:
-    """A config.json key as the flag a user types (``train.is_deterministic`` ->
-    ``--deterministic``, ``task.median_ops`` -> ``--task-median-ops``)."""
-    section, _, name = key.partition(".")
-    prefix = "--task-" if section == "task" else "--"
-    return prefix + name.removeprefix("is_").replace("_", "-")
-
-
 def prepare_run_dir(
     cfg: TrainConfig,
     task: TaskConfig,
@@ -421,7 +414,7 @@ def prepare_run_dir(
                 is_same = section == "train" and is_same_path(TrainConfig, name, *values)
                 is_neutral = is_same or (section == "train" and name in RESUME_NEUTRAL_FIELDS)
                 (neutral if is_neutral else diff)[f"{section}.{name}"] = values
-        shown = "; ".join(f"{_flag(key)}: {a!r} -> {b!r}" for key, (a, b) in diff.items())
+        shown = "; ".join(f"{flag_of(key)}: {a!r} -> {b!r}" for key, (a, b) in diff.items())
         if diff and not is_override_config:
             raise UsageError(
                 f"{out}: --resume with settings that change the run ({shown}); pass "
