@@ -454,6 +454,10 @@ def test_sweep_says_whether_the_best_is_distinguishable():
     overlap = summary | {"is_best_distinguishable": False}
     assert "NOT distinguishable" in distinguishable_line(overlap)
     assert "no runner-up" in distinguishable_line({"runner_up": {}})
+    # both as the sweep ranks them (hunt: advise's single-replay figure above a runner-up's
+    # mean over seeds made a tie look like a worse pick)
+    ranked = summary | {"best": {"policy": "tlt", "speedup_vs_nospec": 1.65}}
+    assert "(best 1.650x vs 1.500x, means over seeds)" in distinguishable_line(ranked)
 
 
 def test_a_preset_of_another_version_and_a_boolean_hardware_field_are_one_line(tmp_path, capsys):

@@ -408,7 +408,8 @@ def format_advice(report: dict[str, Any], out: Path) -> str:
             f"(buckets from {','.join(map(str, tlt.bucket_starts))}), spot training "
             f"{'on' if r['is_spot_training'] else 'off'}",
             f"  expected step speedup vs NoSpec: {r['speedup_vs_nospec']:.2f}x{interval} "
-            f"(interval: min-max over {sources})",
+            f"(seed {report['speedup_interval']['seeds'][0]}'s replay; interval: min-max over "
+            f"{sources})",
             f"  SD on for {100 * r['sd_on_fraction']:.0f}% of decode time; {idle_line(r)} "
             f"(drafter training used {r['drafter_train_gpu_s_per_step']:,.1f})",
             distinguishable_line(report["sweep"]),
