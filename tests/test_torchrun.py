@@ -437,14 +437,29 @@ def test_launch_fields_unknown_to_this_torch_are_left_out(monkeypatch):
     assert _launch_fields(min_nodes=1, shutdown_timeout=5) == {"min_nodes": 1}
 
 
-def test_a_cuda_run_keeps_gloo_for_its_cpu_collectives():
+@pytest.mark.parametrize(
+    ("device", "backend"), [("cuda", "cpu:gloo,cuda:nccl"), ("cuda:1", "cpu:gloo,cuda:nccl"),
+                            ("cpu", "gloo")],
+)  # fmt: skip
+def test_a_cuda_run_keeps_gloo_for_its_cpu_collectives(monkeypatch, device, backend):
     """GRPO's token count, FSDP's microbatch count and the spot trainer's versions are CPU
-    tensors, which a NCCL-only default group refuses: a CUDA run's group is per-device
-    (the CUDA recipe test, tests/test_train_data.py, runs its GRPO update through it)."""
-    from tltrun.train.elastic import backend_for
+    tensors, which a NCCL-only default group refuses: a CUDA run's default group is
+    per-device (the CUDA recipe test, tests/test_train_data.py, runs a GRPO update through
+    it). Here the group's creation is intercepted: this machine has no NCCL."""
+    import torch
+    import torch.distributed as dist
 
-    assert backend_for("cuda") == backend_for("cuda:1") == "cpu:gloo,cuda:nccl"
-    assert backend_for("cpu") == "gloo"
+    from tltrun.train import elastic
+
+    for name, value in {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1, "MASTER_ADDR": "h",
+                        "MASTER_PORT": 1}.items():  # fmt: skip
+        monkeypatch.setenv(name, str(value))
+    made = []
+    monkeypatch.setattr(dist, "init_process_group", lambda b, **kw: made.append(b))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    elastic.init_process_group(device)
+    assert made == [backend]
 
 
 @pytest.mark.parametrize("rank", [0, 1])

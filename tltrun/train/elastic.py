@@ -122,16 +122,11 @@ def init_process_group(device: str) -> RankEnv:
     if is_cuda and device == "cuda":  # "cuda:N" pins every rank to N on purpose
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
     dist.init_process_group(
-        backend_for(device),
+        "cpu:gloo,cuda:nccl" if is_cuda else "gloo",
         init_method="env://",
         timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
     )
     return env
-
-
-def backend_for(device: str) -> str:
-    """The default group's backend for a run on ``device`` (``init_process_group``)."""
-    return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
 
 
 def side_store(env: RankEnv) -> dist.Store:
