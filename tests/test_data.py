@@ -110,6 +110,18 @@ def test_keys_answerless_rows_and_num_rows(tmp_path):
     assert [(r.prompt, r.answer) for r in rows] == [("a?", "1")]
 
 
+def test_a_missing_value_reaches_the_reward_as_none(tmp_path):
+    """NaN is pandas' missing value: a JSON file written from a DataFrame carries it in the other
+    columns, which a reward receives; it arrived as the string 'nan'. Infinities stay strings."""
+    path = tmp_path / "q.jsonl"
+    path.write_text(
+        '{"prompt": "a?", "answer": "1", "hint": NaN, "w": [1.5, NaN], "cap": Infinity}\n'
+    )
+    (row,) = load_rows(DataSpec(path=str(path))).rows
+    assert row.meta == {"hint": None, "w": [1.5, None], "cap": "inf"}
+    json.dumps(row.meta, allow_nan=False)
+
+
 BAD_ROWS = [
     ({"answer": "1"}, "key 'prompt': missing (columns: answer)"),
     ({"prompt": "x"}, "key 'answer': missing (columns: prompt)"),

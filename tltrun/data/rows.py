@@ -30,11 +30,16 @@ class PromptRow:
 
 
 def json_safe(value: Any) -> Any:
-    """``value`` with tuples as lists, non-string keys as strings and anything JSON cannot hold
-    (bytes, dates, numpy scalars of odd kinds) as its ``str``."""
+    """``value`` with tuples as lists, non-string keys as strings, NaN as None and anything else
+    JSON cannot hold (infinities, bytes, dates, numpy scalars of odd kinds) as its ``str``.
+
+    NaN is how pandas (and a JSON file written from it) marks a missing value: a reward reading a
+    row's other columns gets None there, as from a null in Parquet, not the string "nan"."""
     if value is None or isinstance(value, str | bool | int):
         return value
     if isinstance(value, float):
+        if math.isnan(value):
+            return None
         return value if math.isfinite(value) else str(value)
     if isinstance(value, dict):
         return {str(k): json_safe(v) for k, v in value.items()}
