@@ -112,6 +112,9 @@ def test_generate_then_train_drafter(dirs, capsys):
         "EagleLlamaForCausalLM"
     ]
     assert len(json.loads((dirs / "trained" / "history.json").read_text())) == 5
+    recorded = json.loads((dirs / "trained" / "train_config.json").read_text())
+    assert recorded["train_drafter"]["dtype"] is None  # as typed (none): the device decides
+    assert recorded["resolved"] == {"dtype": "float32"}  # what it decided on the CPU
     assert "exported to" in capsys.readouterr().out
 
 
@@ -136,6 +139,13 @@ def test_train_drafter_refuses_another_tokenizers_generations_and_overlong_rows(
     assert main([*argv, "--model", str(other), "--out", str(dirs / "t_same")]) == 2
     assert "whose tokenizer.json differs from --model" in capsys.readouterr().err
     assert (dirs / "t_same" / "model.safetensors").is_file()
+    # the same vocabulary written otherwise (indentation, key order) is the same tokenizer
+    resaved = dirs / "model_resaved_tok"
+    shutil.copytree(dirs / "model_tok", resaved)
+    doc = json.loads((resaved / "tokenizer.json").read_text())
+    (resaved / "tokenizer.json").write_text(json.dumps(dict(reversed(doc.items())), indent=4))
+    assert main([*argv, "--model", str(resaved), "--out", str(dirs / "t_resaved")]) == 0
+    capsys.readouterr()
     limit = json.loads((dirs / "model" / "config.json").read_text())["max_position_embeddings"]
     rows = [{"prompt_token_ids": [1, 2, 3], "output_token_ids": [4] * limit}]
     argv = ["train-drafter", "--model", str(dirs / "model"), "--out", str(dirs / "t_long"),
