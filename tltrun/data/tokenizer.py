@@ -11,7 +11,10 @@ Prompts:
 
 * a list of chat messages (``{"role": ..., "content": ...}``) always goes through the model's
   chat template with the generation prompt appended (``add_generation_prompt=True``), the way
-  veRL and TRL build RL prompts from chat datasets; a model without a template is an error;
+  veRL and TRL build RL prompts from chat datasets; a list ending in an assistant message is
+  a start of the response (an R1-style ``"<think>\n"``): that message is continued
+  (``continue_final_message=True``, as TRL's ``apply_chat_template`` does), not closed and
+  followed by a new assistant turn; a model without a template is an error;
 * a plain string is encoded as it is (with the tokenizer's own special tokens, e.g. the BOS the
   built-in task's character tokenizer prepends), or wrapped as one user message and templated
   when ``is_chat_template`` is on (``--chat-template``).
@@ -113,9 +116,14 @@ class TextTokenizer:
             )
         import jinja2
 
+        # the response continues a final assistant message (the module docstring)
+        is_continued = messages[-1]["role"] == "assistant"
         try:
             return self.hf.apply_chat_template(
-                [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+                [dict(m) for m in messages],
+                tokenize=False,
+                add_generation_prompt=not is_continued,
+                continue_final_message=is_continued,
             )
         except jinja2.TemplateSyntaxError as err:
             raise TokenizerError(
@@ -125,6 +133,11 @@ class TextTokenizer:
         except jinja2.TemplateError as err:
             raise ChatTemplateError(
                 f"the model's chat template refused the prompt: {err}"
+            ) from None
+        except ValueError as err:  # transformers: a continued message the template dropped
+            # (templates that strip an assistant turn's <think> part, e.g.)
+            raise ChatTemplateError(
+                f"the model's chat template cannot continue the final assistant message: {err}"
             ) from None
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
