@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from tiny_models import tiny_model
 from tltrun.cli.main import main
 from tltrun.model.drafter import EagleDrafter, export_vllm
 from tltrun.model.hf_checkpoint import load_safetensors, save_hf
+from tltsim.errors import UsageError
 from tltsim.fidelity.measured_run import measured_run
 from tltsim.trace.files import load_trace
 
@@ -475,6 +477,51 @@ def test_prompt_max_new_tokens_errors_name_the_value(dirs, tmp_path, capsys, row
     err = capsys.readouterr().err
     assert err.startswith(f"error: {prompts} line 1: ") and err.count("\n") == 1, err
     assert message in err, err
+
+
+@pytest.mark.parametrize(
+    "prompt,message",
+    [
+        ([{"role": "user", "content": None}], "message 0: 'content': expected a string, got null"),
+        ([{"role": "user", "content": 5}], "message 0: 'content': expected a string, got int"),
+        ([{"role": 1, "content": "hi"}], "message 0: 'role': expected a string, got int"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "message 0: 'content': expected a string, got list",
+        ),
+        (7, "expected a string or a list of chat messages, got int"),
+    ],
+)
+def test_a_bad_chat_message_is_refused_as_train_refuses_it(dirs, tmp_path, capsys, prompt, message):
+    """Hunt: generate templated None, 5, a content list's repr and an int role as text."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": prompt, "max_new_tokens": 2}) + "\n")
+    argv = ["generate", "--model", str(dirs / "model"), "--prompts", str(prompts)]
+    assert main([*argv, "--out", str(tmp_path / "o"), *ENGINE]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {prompts} line 1: key 'prompt': {message}\n"
+
+
+def test_prompt_lines_split_at_newlines_only_and_ids_do_not_repeat(dirs, tmp_path, capsys):
+    """Hunt: a raw U+2028 inside a JSON string (json.dumps(ensure_ascii=False) writes it so) was
+    read as a line break; a repeated id was refused naming neither file nor line."""
+    from tltrun.cli.generate import GenerateConfig, read_prompts
+
+    rows = [
+        {"id": "a\u2028b\u0085c", "prompt_token_ids": [1, 2]},
+        {"id": 7, "prompt_token_ids": [3]},
+    ]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    cfg = GenerateConfig(model="m", prompts=str(prompts), out="o", max_new_tokens=2)
+    requests, _ = read_prompts(str(prompts), "m", cfg)
+    assert [r.id for r in requests] == ["a\u2028b\u0085c/0", "7/0"]
+    with prompts.open("a") as f:
+        f.write(json.dumps({"id": "7", "prompt_token_ids": [4]}) + "\n")
+    with pytest.raises(
+        UsageError, match=rf"^{re.escape(str(prompts))} line 3: 'id' '7' repeats line 2's$"
+    ):
+        read_prompts(str(prompts), "m", cfg)
 
 
 def test_bad_prompt_line_names_file_and_line(dirs, tmp_path):

@@ -37,6 +37,7 @@ from tltrun.cli.args import (
     run_config_dict,
 )
 from tltrun.cli.generations_log import GenerationsLog
+from tltrun.data.dataset import checked_prompt
 from tltrun.data.tokenizer import load_tokenizer
 from tltrun.rollout.engine_config import DTYPES
 from tltrun.rollout.interface import Request
@@ -113,7 +114,10 @@ def read_prompts(path: str, model_dir: str, cfg: GenerateConfig) -> tuple[list[R
     tokenizer = None
     requests = []
     num_empty = num_with_unk = num_unk_chars = 0
-    for lineno, line in enumerate(read_text(path, "prompt file").splitlines(), start=1):
+    line_of_id: dict[str, int] = {}
+    # split at "\n" only: str.splitlines also splits at U+2028, U+0085, ..., which
+    # json.dumps(ensure_ascii=False) writes raw inside a string
+    for lineno, line in enumerate(read_text(path, "prompt file").split("\n"), start=1):
         if not line.strip():
             continue
         where = f"{path} line {lineno}"
@@ -122,17 +126,21 @@ def read_prompts(path: str, model_dir: str, cfg: GenerateConfig) -> tuple[list[R
             raise UsageError(f"{where}: expected an object with an 'id' field")
         if not isinstance(obj["id"], (str, int)) or isinstance(obj["id"], bool):
             raise UsageError(f"{where}: 'id' must be a string or an integer, got {obj['id']!r}")
+        if str(obj["id"]) in line_of_id:  # (the engine refused it naming neither file nor line)
+            raise UsageError(
+                f"{where}: 'id' {obj['id']!r} repeats line {line_of_id[str(obj['id'])]}'s"
+            )
+        line_of_id[str(obj["id"])] = lineno
         if "prompt_token_ids" in obj:
             ids = obj["prompt_token_ids"]
             if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
                 raise UsageError(f"{where}: 'prompt_token_ids' must be a non-empty list of ints")
         elif "prompt" in obj:
             prompt = obj["prompt"]
-            if not isinstance(prompt, str) and not _is_messages(prompt):
-                raise UsageError(  # str(123) or str(["x"]) was generated silently
-                    f"{where}: 'prompt' must be a string or a list of chat messages "
-                    f'({{"role": ..., "content": ...}}), got {type(prompt).__name__} {prompt!r:.40}'
-                )
+            if not isinstance(prompt, str):  # (an empty string is legal here: BOS, warned)
+                # a data row's rule: str(123), str(["x"]), a None content or an int role were
+                # generated as text
+                prompt = checked_prompt(prompt, "prompt", where)
             tokenizer = tokenizer or load_tokenizer(model_dir, is_chat_template=cfg.chat_template)
             try:
                 ids = tokenizer.encode_prompt(prompt)
@@ -174,14 +182,6 @@ def read_prompts(path: str, model_dir: str, cfg: GenerateConfig) -> tuple[list[R
             stacklevel=2,
         )
     return requests, tokenizer
-
-
-def _is_messages(prompt: Any) -> bool:
-    return (
-        isinstance(prompt, list)
-        and bool(prompt)
-        and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt)
-    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -213,7 +213,8 @@ def _read_generations(
     path: str, vocab_size: int, max_positions: int
 ) -> list[tuple[list[int], int]]:
     out = []
-    for lineno, line in enumerate(read_text(path, "generations file").splitlines(), start=1):
+    # split at "\n" only (a raw U+2028 inside a string is JSON: generate.read_prompts)
+    for lineno, line in enumerate(read_text(path, "generations file").split("\n"), start=1):
         if not line.strip():
             continue
         obj = parse_json(line, f"{path} line {lineno}")

@@ -186,6 +186,16 @@ def _check_record(raw: RawRow, spec: DataSpec, *, prompt_id: str) -> PromptRow:
     return PromptRow(prompt_id=prompt_id, prompt=prompt, answer=answer, meta=meta, source=raw.place)
 
 
+def checked_prompt(value: Any, key: str, place: str) -> str | tuple[dict[str, str], ...]:
+    """``value`` as a prompt (a non-empty string or list of chat messages, each role and content
+    a string), else a ``DataError`` naming ``place`` and ``key``: the rule of a data row, for
+    files read elsewhere (``tltrun generate``'s prompts)."""
+    try:
+        return _check_prompt({key: value}, key, place)
+    except _BadRow as bad:
+        raise DataError(str(bad)) from None
+
+
 def _check_prompt(record: dict[str, Any], key: str, place: str) -> str | tuple[dict[str, str], ...]:
     """The record's prompt: a non-empty string or a non-empty list of chat messages."""
     if key not in record:
