@@ -110,6 +110,18 @@ def test_keys_answerless_rows_and_num_rows(tmp_path):
     assert [(r.prompt, r.answer) for r in rows] == [("a?", "1")]
 
 
+def test_a_json_file_of_json_lines_is_read_as_datasets_reads_it(tmp_path):
+    """Hunt: ``Dataset.to_json("x.json")`` writes JSON Lines (``load_dataset("json")`` reads a list
+    or lines); it was refused as "not a JSON file". A bad line is named as in a .jsonl."""
+    import datasets
+
+    datasets.Dataset.from_list(PLAIN).to_json(str(tmp_path / "train.json"))
+    _check_plain(load_rows(DataSpec(path=str(tmp_path / "train.json"))).rows)
+    (tmp_path / "bad.json").write_text('{"prompt": "a?", "answer": "1"}\n[1]\n')
+    with pytest.raises(DataError, match=r"bad.json:2: expected a JSON object, got list"):
+        load_rows(DataSpec(path=str(tmp_path / "bad.json")))
+
+
 def test_a_missing_value_reaches_the_reward_as_none(tmp_path):
     """NaN is pandas' missing value: a JSON file written from a DataFrame carries it in the other
     columns, which a reward receives; it arrived as the string 'nan'. Infinities stay strings."""

@@ -1,5 +1,5 @@
 """Reading a data source's records before they are checked (``dataset.py`` checks them): JSONL,
-a JSON list, Parquet, CSV, a ``datasets.save_to_disk`` directory, or a directory of data files.
+a JSON list (or JSON Lines named ``.json``), Parquet, CSV, a ``datasets.save_to_disk`` directory, or a directory of data files.
 
 A directory that ``save_to_disk`` did not write (no ``state.json`` / ``dataset_dict.json``) is
 read as the shards of one dataset, the layout of a Hugging Face hub dataset's files
@@ -177,9 +177,16 @@ def _read_jsonl(path: Path) -> Iterator[RawRow]:
 
 
 def _read_json_list(path: Path) -> Iterator[RawRow]:
+    """A ``.json`` file: a list of objects, or JSON Lines (what ``datasets``' ``to_json`` and
+    pandas' ``to_json(lines=True)`` write under that name; ``load_dataset("json")`` reads both)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8-sig"))
-    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError, big int
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data":  # one value, then more: JSON Lines
+            yield from _read_jsonl(path)
+            return
+        raise DataError(f"{path}: not a JSON file ({one_line(err)})") from None
+    except (ValueError, RecursionError) as err:  # UnicodeDecodeError, an int of > 4300 digits
         raise DataError(f"{path}: not a JSON file ({one_line(err)})") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON list of objects, got {type_name(data)}")
