@@ -374,6 +374,31 @@ def test_byte_order_marks_blank_csv_lines_and_float_answers(tmp_path):
     ]
 
 
+def test_whole_floats_and_decimals_are_answers_as_written(tmp_path):
+    """Hunt: pandas stores an integer column with a missing value as float64, so 7 arrived as
+    '7.0', which 'exact' never matched with \\boxed{7}; a Parquet decimal was refused."""
+    from decimal import Decimal
+
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    frame = pd.DataFrame({"prompt": ["a?", "b?", "c?"], "answer": [7, None, -3]})
+    assert str(frame["answer"].dtype) == "float64"
+    frame.to_parquet(tmp_path / "ints.parquet")
+    loaded = load_rows(DataSpec(path=str(tmp_path / "ints.parquet"), is_skip_bad_rows=True))
+    assert [r.answer for r in loaded.rows] == ["7", "-3"] and loaded.num_skipped == 1
+    table = pa.table(
+        {
+            "prompt": ["a?", "b?"],
+            "answer": pa.array([Decimal("7.50"), Decimal("-2")], pa.decimal128(5, 2)),
+        }
+    )
+    pq.write_table(table, tmp_path / "dec.parquet")
+    rows = load_rows(DataSpec(path=str(tmp_path / "dec.parquet"))).rows
+    assert [r.answer for r in rows] == ["7.50", "-2.00"]
+
+
 def test_jsonl_lines_json_cannot_hold_are_bad_rows(tmp_path):
     deep = "[" * 100_000 + "]" * 100_000
     path = write_jsonl(

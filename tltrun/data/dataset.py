@@ -231,20 +231,30 @@ def _check_prompt(record: dict[str, Any], key: str, place: str) -> str | tuple[d
 
 
 def _check_answer(record: dict[str, Any], key: str, place: str) -> str:
-    """The record's answer as a string (a number is kept as ``str(number)``, a float written out
-    without an exponent: ``str(1e-05)`` is ``'1e-05'``, which math-verify reads as 1)."""
+    """The record's answer as a string: a number as ``str(number)``, but a float written out
+    without an exponent (``str(1e-05)`` is ``'1e-05'``, which math-verify reads as 1) and a
+    whole float as an integer: pandas stores an integer column holding one missing value as
+    float64, and ``'7.0'`` never equals ``\\boxed{7}`` under ``exact``. A Parquet decimal is
+    a number too (``str``: its scale kept)."""
+    from decimal import Decimal
+
     if key not in record:
         raise _BadRow(f"{place}: key {key!r}: missing (columns: {_columns(record)})")
     value = record[key]
-    if isinstance(value, bool) or not isinstance(value, str | int | float):
+    if isinstance(value, bool) or not isinstance(value, str | int | float | Decimal):
         raise _BadRow(
             f"{place}: key {key!r}: expected a string or a number, got {type_name(value)}"
         )
-    if isinstance(value, float) and not math.isfinite(value):
+    if isinstance(value, float | Decimal) and not math.isfinite(value):
         raise _BadRow(f"{place}: key {key!r}: expected a finite number, got {value}")
     if isinstance(value, str) and not value.strip():  # 'exact' then rewarded empty responses
         raise _BadRow(f"{place}: key {key!r}: empty answer")
-    return positional(str(value)) if isinstance(value, float) else str(value)
+    if isinstance(value, float):
+        # (below 2^53 every whole float is the integer it prints as)
+        return (
+            str(int(value)) if value.is_integer() and abs(value) < 2**53 else positional(str(value))
+        )
+    return str(value)
 
 
 def _columns(record: dict[str, Any]) -> str:
