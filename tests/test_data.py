@@ -122,6 +122,74 @@ def test_a_json_file_of_json_lines_is_read_as_datasets_reads_it(tmp_path):
         load_rows(DataSpec(path=str(tmp_path / "bad.json")))
 
 
+def test_what_pandas_and_arrow_write_beside_the_data(tmp_path):
+    """Hunt: a filtered DataFrame's index reached the reward as '__index_level_0__'; a date past
+    year 9999 was an internal error (now a bad row, named); a CSV field over 131,072 characters
+    refused the file; a CSV header or a JSONL object naming a column twice kept the last."""
+    import datetime
+
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    frame = pd.DataFrame(PLAIN * 2, columns=["prompt", "answer"]).iloc[[0, 1, 3]]  # not a range
+    frame.to_parquet(tmp_path / "filtered.parquet")
+    assert "__index_level_0__" in pq.read_table(tmp_path / "filtered.parquet").schema.names
+    rows = load_rows(DataSpec(path=str(tmp_path / "filtered.parquet"))).rows
+    assert [(r.answer, r.meta) for r in rows] == [("3", {}), ("Paris", {}), ("Paris", {})]
+
+    far = pa.array([0, 2_933_000], pa.date32())  # day 2,933,000: year ~10000
+    pq.write_table(
+        pa.table({"prompt": ["a?", "b?"], "answer": ["1", "2"], "d": far}), tmp_path / "d.parquet"
+    )
+    spec = DataSpec(path=str(tmp_path / "d.parquet"))
+    with pytest.raises(
+        DataError, match=r"d.parquet:row 2: a value Python cannot hold \(OverflowError: date"
+    ):
+        load_rows(spec)
+    loaded = load_rows(DataSpec(path=spec.path, is_skip_bad_rows=True))
+    assert [r.meta for r in loaded.rows] == [{"d": datetime.date(1970, 1, 1).isoformat()}]
+
+    long = "x" * 200_000
+    (tmp_path / "long.csv").write_text(f"prompt,answer\n{long},1\nshort?,2\n")
+    assert [r.prompt for r in load_rows(DataSpec(path=str(tmp_path / "long.csv"))).rows] == [
+        long,
+        "short?",
+    ]
+    (tmp_path / "dup.csv").write_text("prompt,answer,answer\nq?,1,2\n")
+    with pytest.raises(DataError, match=r"dup.csv: column 'answer' given twice in the header"):
+        load_rows(DataSpec(path=str(tmp_path / "dup.csv")))
+    (tmp_path / "dup.jsonl").write_text('{"prompt": "q?", "answer": "1", "answer": "2"}\n')
+    with pytest.raises(
+        DataError, match=r"dup.jsonl:1: bad JSON \(key 'answer' given twice in one object\)"
+    ):
+        load_rows(DataSpec(path=str(tmp_path / "dup.jsonl")))
+
+
+def test_a_datasets_sequence_of_messages_is_a_message_list(tmp_path):
+    """Hunt: datasets stores ``Sequence({"role", "content"})`` (older hub chat datasets) as a dict
+    of lists; such a prompt was refused as 'got object'."""
+    import datasets
+
+    features = datasets.Features(
+        {
+            "messages": datasets.Sequence(
+                {"role": datasets.Value("string"), "content": datasets.Value("string")}
+            ),
+            "answer": datasets.Value("int64"),
+        }
+    )
+    turns = {"role": ["system", "user"], "content": ["Be brief.", "hi?"]}
+    ds = datasets.Dataset.from_dict({"messages": [turns], "answer": [7]}, features=features)
+    ds.save_to_disk(str(tmp_path / "seq"))
+    (row,) = load_rows(DataSpec(path=str(tmp_path / "seq"), prompt_key="messages")).rows
+    assert row.prompt == (
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "hi?"},
+    )
+    assert row.answer == "7"
+
+
 def test_a_missing_value_reaches_the_reward_as_none(tmp_path):
     """NaN is pandas' missing value: a JSON file written from a DataFrame carries it in the other
     columns, which a reward receives; it arrived as the string 'nan'. Infinities stay strings."""

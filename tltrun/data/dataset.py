@@ -206,6 +206,10 @@ def _check_prompt(record: dict[str, Any], key: str, place: str) -> str | tuple[d
         if not value.strip():
             raise _BadRow(f"{place}: key {key!r}: empty prompt")
         return value
+    if isinstance(value, dict) and _is_columns_of_messages(value):
+        # datasets' Sequence({"role": ..., "content": ...}) stores a message list as a dict of
+        # lists (older hub chat datasets): its rows are the messages
+        value = [dict(zip(value, row, strict=True)) for row in zip(*value.values(), strict=True)]
     if not isinstance(value, list | tuple):
         raise _BadRow(f"{place}: key {key!r}: {expected}, got {type_name(value)}")
     if not value:
@@ -228,6 +232,15 @@ def _check_prompt(record: dict[str, Any], key: str, place: str) -> str | tuple[d
     if not any(m["content"].strip() for m in messages):
         raise _BadRow(f"{place}: key {key!r}: empty prompt (every message is empty)")
     return tuple(messages)
+
+
+def _is_columns_of_messages(value: dict[str, Any]) -> bool:
+    columns = list(value.values())
+    return (
+        {"role", "content"} <= value.keys()
+        and all(isinstance(c, list) for c in columns)
+        and len({len(c) for c in columns}) == 1
+    )
 
 
 def _check_answer(record: dict[str, Any], key: str, place: str) -> str:

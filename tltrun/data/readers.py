@@ -19,13 +19,14 @@ import csv
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from tltrun.data.rows import GYM_PREFIX
 from tltsim.errors import UsageError
+from tltsim.jsonio import DuplicateKeyError, loads_strict
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 # What save_to_disk writes beside the data: a Dataset's state.json, a DatasetDict's dataset_dict.json.
@@ -157,10 +158,10 @@ def _read_jsonl(path: Path) -> Iterator[RawRow]:
                     continue
                 place = f"{path}:{line_no}"
                 try:
-                    record = json.loads(line)
+                    record = loads_strict(line)  # a key given twice: which value is meant?
                 except (ValueError, RecursionError) as err:  # too deep; an int of > 4300 digits
-                    msg = err.msg if isinstance(err, json.JSONDecodeError) else one_line(err)
-                    yield RawRow(index=index, place=place, record=None, problem=f"bad JSON ({msg})")
+                    problem = f"bad JSON ({_json_problem(err)})"
+                    yield RawRow(index=index, place=place, record=None, problem=problem)
                 else:
                     if isinstance(record, dict):
                         yield RawRow(index=index, place=place, record=record)
@@ -174,6 +175,14 @@ def _read_jsonl(path: Path) -> Iterator[RawRow]:
                 index += 1
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
+def _json_problem(err: BaseException) -> str:
+    if isinstance(err, json.JSONDecodeError):
+        return err.msg
+    if isinstance(err, DuplicateKeyError):
+        return f"key {str(err)!r} given twice in one object"
+    return one_line(err)
 
 
 def _read_json_list(path: Path) -> Iterator[RawRow]:
@@ -207,18 +216,55 @@ def _read_parquet(path: Path) -> Iterator[RawRow]:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{path}: not a readable Parquet file ({one_line(err)})") from None
-    for index, record in enumerate(table.to_pylist()):
-        yield RawRow(index=index, place=f"{path}:row {index + 1}", record=record)
+    yield from _table_rows(table.to_batches(), path)
+
+
+# pandas writes a DataFrame's index beside its columns under these names (a filtered frame's
+# to_parquet, datasets' from_pandas): not data, and a reward would receive it as a keyword
+_PANDAS_INDEX = re.compile(r"__index_level_\d+__")
+
+
+def _table_rows(batches: Iterable[Any], path: Path) -> Iterator[RawRow]:
+    """The rows of Arrow record batches (or tables) as records, the pandas index dropped. A
+    value Python cannot hold (a date past year 9999) makes its row bad, not the file."""
+    index = 0
+    for batch in batches:
+        names = [n for n in batch.schema.names if not _PANDAS_INDEX.fullmatch(n)]
+        if len(names) < len(batch.schema.names):
+            batch = batch.select(names)
+        try:
+            records: list[Any] = batch.to_pylist()
+        except (OverflowError, ValueError):  # per row, to name the bad ones
+            records = []
+            for i in range(batch.num_rows):
+                try:
+                    records.append(batch.slice(i, 1).to_pylist()[0])
+                except (OverflowError, ValueError) as row_err:
+                    records.append(f"a value Python cannot hold ({type(row_err).__name__}: "
+                                   f"{one_line(row_err)})")  # fmt: skip
+        for record in records:
+            place = f"{path}:row {index + 1}"
+            if isinstance(record, str):
+                yield RawRow(index=index, place=place, record=None, problem=record)
+            else:
+                yield RawRow(index=index, place=place, record=record)
+            index += 1
 
 
 def _read_csv(path: Path) -> Iterator[RawRow]:
     try:
         # utf-8-sig: Excel's "CSV UTF-8" starts with a BOM, which would stick to the first column
+        # a field's cap (131,072 characters by default) refused a whole file that pandas and
+        # datasets read; prompts are capped by tokens later, naming the row
+        csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))
         with path.open(encoding="utf-8-sig", newline="") as f:
             reader = csv.reader(f)
             header = next(reader, None)
             if not header:
                 raise DataError(f"{path}: empty CSV file (expected a header line)")
+            twice = sorted({name for name in header if header.count(name) > 1})
+            if twice:  # (the last column of a name was kept)
+                raise DataError(f"{path}: column {twice[0]!r} given twice in the header")
             line_no = reader.line_num + 1
             index = 0
             for values in reader:
@@ -266,8 +312,7 @@ def _read_saved_dataset(path: Path) -> Iterator[RawRow]:
                 f"{path}: a DatasetDict without a 'train' split and with several splits "
                 f"({', '.join(splits)}); save the one to use with save_to_disk"
             )
-    for index, record in enumerate(loaded):
-        yield RawRow(index=index, place=f"{path}:row {index + 1}", record=dict(record))
+    yield from _table_rows(loaded.with_format("arrow").iter(batch_size=1024), path)
 
 
 def type_name(value: Any) -> str:
