@@ -314,6 +314,22 @@ def test_spot_training_asked_of_one_worker_is_a_warning(bpe_model, tmp_path, mon
     assert "warning" not in capsys.readouterr().err
 
 
+def test_a_data_warning_is_one_warning_line(bpe_model, data_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """Hunt: tltrun train printed its data warnings in Python's two-line form (file, line, source
+    line), its own handler passing every warning but two classes to Python's."""
+    from tltrun.cli.main import main
+    from tltrun.train import launch
+
+    monkeypatch.setattr(launch, "run_train", lambda cfg, task, **kw: launch.check_inputs(cfg, task))
+    data = str(data_dir / "train.csv")
+    argv = ["train", "--model-dir", str(bpe_model), "--out", str(tmp_path / "o"), "--data", data,
+            "--eval-data", data, "--eval-every", "1", "--prompts-per-step", "2", "--reward", "exact", "--prompt-key", "question", "--max-new-tokens", "16"]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: ") and "evaluation prompts are training prompts too" in err
+    assert "DataWarning" not in err and "launch.py" not in err, err
+
+
 def test_a_format_penalty_beside_a_user_reward_function_is_refused():
     """Hunt: --format-penalty with a file.py:function reward was recorded and never applied
     (a user function has no answer form to miss)."""

@@ -99,7 +99,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("always", train_state.RunDirWarning)
         warnings.simplefilter("always", launch.LaunchWarning)
-        warnings.showwarning = _show_warning
         try:
             cfg, task = _train_configs(args)
         except UsageError:
@@ -317,17 +316,6 @@ def _tuples(section: Any, cls: type, where: str) -> dict[str, Any]:
         raise UsageError(f"{where}: expected an object of settings, got {type(section).__name__}")
     names = {f.name for f in fields(cls)}
     return typed_fields(cls, {k: v for k, v in section.items() if k in names}, where)
-
-
-_default_showwarning = warnings.showwarning
-
-
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """A run-directory warning as one ``warning:`` line; any other as Python prints it."""
-    if issubclass(category, (train_state.RunDirWarning, launch.LaunchWarning)):
-        print(f"warning: {message}", file=sys.stderr)
-    else:
-        _default_showwarning(message, category, filename, lineno, file, line)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
