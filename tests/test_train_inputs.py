@@ -330,6 +330,31 @@ def test_a_data_warning_is_one_warning_line(bpe_model, data_dir, tmp_path, monke
     assert "DataWarning" not in err and "launch.py" not in err, err
 
 
+def test_prompts_the_tokenizer_cannot_encode_are_a_warning(tmp_path, monkeypatch, capsys):
+    """Hunt: generate and sft warn of prompts encoded with <unk>; train trained on them unsaid."""
+    from tiny_models import save_train_model
+
+    from tltrun.cli.main import main
+    from tltrun.train import launch
+
+    model = save_train_model(tmp_path / "m", TaskConfig())
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        '{"prompt": "na\\u00efve caf\\u00e9 1+2", "answer": "3"}\n{"prompt": "1+2", "answer": "3"}\n'
+    )
+    monkeypatch.setattr(launch, "run_train", lambda cfg, task, **kw: launch.check_inputs(cfg, task))
+    argv = ["train", "--model-dir", str(model), "--out", str(tmp_path / "o"), "--data", str(data),
+            "--reward", "exact", "--prompts-per-step", "2", "--max-new-tokens", "8"]  # fmt: skip
+    assert main(argv) == 0
+    assert capsys.readouterr().err == (
+        "warning: 1 prompt(s) of --data/--eval-data hold 2 token(s) the tokenizer cannot encode "
+        "(<unk>): the model sees another text\n"
+    )
+    data.write_text('{"prompt": "1+2", "answer": "3"}\n{"prompt": "2+2", "answer": "4"}\n')
+    assert main(argv) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_a_format_penalty_beside_a_user_reward_function_is_refused():
     """Hunt: --format-penalty with a file.py:function reward was recorded and never applied
     (a user function has no answer form to miss)."""

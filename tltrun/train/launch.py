@@ -47,6 +47,7 @@ import os
 import shutil
 import traceback
 import warnings
+from collections import Counter
 from dataclasses import asdict, fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -60,7 +61,7 @@ from tltrun.train.config_checks import (
     flag_of,
     is_same_path,
 )
-from tltrun.train.prompts import warn_data
+from tltrun.train.prompts import DataWarning, warn_data
 from tltrun.train.tasks import TaskConfig
 from tltsim.errors import TLTError, UsageError, WorkerError
 from tltsim.jsonio import write_json
@@ -124,9 +125,24 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
     if cfg.backend == "torch":
         _check_spec_policy(cfg, model_cfg.vocab_size)
     check_eval_flags(cfg)
-    data = load_run_data(
-        cfg, task, lambda row: len(tok.encode_prompt(row.prompt)), model_cfg.max_position_embeddings
-    )
+    # prompts holding tokens the tokenizer maps to <unk> (a character tokenizer's, a WordPiece
+    # vocabulary's): generate and sft say so, and so does train (hunt)
+    unk_id, unknown = tok.hf.unk_token_id, Counter()
+
+    def prompt_tokens(row) -> int:
+        ids = tok.encode_prompt(row.prompt)
+        num_unk = ids.count(unk_id) if unk_id is not None else 0
+        unknown.update(prompts=num_unk > 0, tokens=num_unk)
+        return len(ids)
+
+    data = load_run_data(cfg, task, prompt_tokens, model_cfg.max_position_embeddings)
+    if unknown["prompts"]:
+        warnings.warn(
+            f"{unknown['prompts']} prompt(s) of --data/--eval-data hold {unknown['tokens']} "
+            f"token(s) the tokenizer cannot encode (<unk>): the model sees another text",
+            DataWarning,
+            stacklevel=2,
+        )
     if reward.kind == "python":
         from tltrun.data.rewards import check_user_function
 
