@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import replace
 
 import pytest
 from test_train_data import bpe_model, data_dir  # noqa: F401 (fixtures)
@@ -90,6 +91,40 @@ def test_evaluation_prompts_that_training_sees_are_counted(bpe_model, tmp_path):
                       prompt_key="question", reward="exact", eval_every=1, eval_split=0.2,
                       max_new_tokens=64)  # fmt: skip
     assert load_run_data(cfg, TaskConfig(), lambda row: 4, 512).num_eval_in_training() == 0
+
+
+def test_the_launcher_says_which_evaluation_rows_it_takes_and_text_that_reads_as_messages(
+    bpe_model,  # noqa: F811
+    tmp_path,
+):
+    """Hunt: a 1,319-row --eval-data was evaluated on its first 64 rows, unsaid; pandas' to_csv of
+    a messages column (its repr) was trained on as text without the chat template, unsaid."""
+    from tltrun.train.prompts import warn_data
+
+    rows = [{"question": f"q{i}", "answer": "1"} for i in range(6)]
+    rows[0]["question"] = str([{"role": "user", "content": "What is 3 plus 0?"}])
+    data, held = tmp_path / "d.jsonl", tmp_path / "e.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    held.write_text(
+        "".join(json.dumps({"question": f"e{i}", "answer": "1"}) + "\n" for i in range(5))
+    )
+    cfg = TrainConfig(model_dir=str(bpe_model), out="o", data=str(data), eval_data=str(held),
+                      prompt_key="question", reward="exact", eval_every=1, eval_max_prompts=3,
+                      max_new_tokens=64, prompts_per_step=2)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_data(cfg, load_run_data(cfg, TaskConfig(), lambda row: 4, 512))
+    assert [str(w.message) for w in caught] == [
+        "--eval-max-prompts 3: each evaluation takes the first 3 of 5 evaluation rows",
+        "1 prompt(s) are text that reads like a list of chat messages (a CSV of a messages "
+        "column?): they are used as text, without the chat template; keep messages in JSONL or "
+        "Parquet",
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows[1:]))
+    quiet = replace(cfg, eval_max_prompts=5)  # every evaluation row, no message-like text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_data(quiet, load_run_data(quiet, TaskConfig(), lambda row: 4, 512))
 
 
 def test_the_launcher_warns_of_evaluation_prompts_training_sees(bpe_model, tmp_path):  # noqa: F811

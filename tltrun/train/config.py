@@ -296,7 +296,8 @@ class TrainConfig:
         default=0, metadata={"help": "evaluate every N steps and after the last (0: never)"}
     )
     eval_max_prompts: int = field(
-        default=64, metadata={"help": "evaluation prompts per evaluation at most"}
+        default=64,
+        metadata={"help": "evaluation prompts per evaluation at most (the first N rows)"},
     )
     eval_num_samples: int = field(
         default=1,

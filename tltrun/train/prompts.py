@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -83,6 +84,7 @@ class RunData:
     eval_fingerprint: str
     task: TaskConfig
     seed: int
+    num_eval_rows_left: int = 0  # evaluation rows past --eval-max-prompts, never evaluated
 
     def meta_keys(self) -> tuple[str, ...]:
         """The columns a ``file.py:function`` reward receives as keywords besides prompt,
@@ -221,6 +223,7 @@ def load_run_data(
         eval_fingerprint=_rows_digest(all_eval_rows),
         task=task,
         seed=cfg.seed,
+        num_eval_rows_left=len(all_eval_rows) - len(eval_rows),
     )
 
 
@@ -243,11 +246,16 @@ def reward_spec(cfg: TrainConfig, is_module_checked: bool = True) -> RewardSpec:
     return parse_reward(cfg.reward_name, flag=flag, is_module_checked=is_module_checked)
 
 
+# the start of a message list's repr or JSON: [{'role': ... / [{"content": ...
+_MESSAGES_TEXT = re.compile(r"""\s*\[\s*\{\s*['"](role|content)['"]\s*:""")
+
+
 def warn_data(cfg: TrainConfig, data: RunData) -> None:
     """Warnings about the run's data (found by hunts): evaluation prompts that are training
     prompts too (README's hanoi recipe evaluated on its training problems without a word),
     fewer training rows than a step's prompts (each step trains some rows more than once),
-    and --data-num-rows on a file, which is read whole (it was ignored without a word)."""
+    --data-num-rows on a file, which is read whole (it was ignored without a word), evaluation
+    rows past --eval-max-prompts, and text prompts that read like a message list's repr."""
     import warnings
     from dataclasses import fields
 
@@ -259,8 +267,28 @@ def warn_data(cfg: TrainConfig, data: RunData) -> None:
             DataWarning,
             stacklevel=3,
         )
+    if data.num_eval_rows_left:
+        num_given = len(data.eval_rows) + data.num_eval_rows_left
+        warnings.warn(
+            f"--eval-max-prompts {cfg.eval_max_prompts}: each evaluation takes the first "
+            f"{len(data.eval_rows)} of {num_given} evaluation rows",
+            DataWarning,
+            stacklevel=3,
+        )
     if data.stream is None:
         return
+    num_like = sum(
+        isinstance(row.prompt, str) and _MESSAGES_TEXT.match(row.prompt) is not None
+        for row in (*data.stream.rows, *data.eval_rows)
+    )
+    if num_like:  # pandas' to_csv writes a messages column as its Python repr
+        warnings.warn(
+            f"{num_like} prompt(s) are text that reads like a list of chat messages "
+            f"(a CSV of a messages column?): they are used as text, without the chat template; "
+            f"keep messages in JSONL or Parquet",
+            DataWarning,
+            stacklevel=3,
+        )
     if data.num_train_rows < cfg.prompts_per_step:
         warnings.warn(
             f"--data {cfg.data}: {data.num_train_rows} training rows for --prompts-per-step "
