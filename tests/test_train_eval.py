@@ -127,6 +127,36 @@ def test_the_launcher_says_which_evaluation_rows_it_takes_and_text_that_reads_as
         warn_data(quiet, load_run_data(quiet, TaskConfig(), lambda row: 4, 512))
 
 
+def test_training_on_a_directory_s_only_test_split_is_said(bpe_model, tmp_path):  # noqa: F811
+    """Hunt: a DatasetDict (or hub shards) holding only a test split was trained on, unsaid."""
+    import datasets
+
+    from tltrun.train.prompts import warn_data
+
+    rows = [{"question": f"q{i}", "answer": "1"} for i in range(4)]
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)}).save_to_disk(
+        str(tmp_path / "dd")
+    )
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "test-00000-of-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    said = {}
+    for source in ("dd", "shards", "train.jsonl"):
+        cfg = TrainConfig(model_dir=str(bpe_model), out="o", data=str(tmp_path / source),
+                          prompt_key="question", reward="exact", max_new_tokens=64,
+                          prompts_per_step=2)  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warn_data(cfg, load_run_data(cfg, TaskConfig(), lambda row: 4, 512))
+        said[source] = [str(w.message) for w in caught]
+    assert said == {
+        "dd": [f"--data {tmp_path / 'dd'}: its only split is 'test': training on it"],
+        "shards": [f"--data {tmp_path / 'shards'}: its only split is 'test': training on it"],
+        "train.jsonl": [],
+    }
+
+
 def test_the_launcher_warns_of_evaluation_prompts_training_sees(bpe_model, tmp_path):  # noqa: F811
     from tltrun.train.launch import check_inputs
 

@@ -71,6 +71,29 @@ def read_records(path: Path, num_rows: int | None) -> Iterator[RawRow]:
         yield raw
 
 
+def split_read(path: Path) -> str | None:
+    """The split of ``path`` that ``read_records`` reads, where the source names splits: a
+    DatasetDict's ``train`` or only split, a shard directory's split by file names; None for a
+    file, a Dataset and unnamed shards. (For the caller to say which split trains: a directory
+    holding only a ``test`` split is read, as datasets reads it.)"""
+    if not path.is_dir():
+        return None
+    if (path / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # read_records says what is wrong with it
+        if not isinstance(splits, list) or not splits:
+            return None
+        return "train" if "train" in splits else str(splits[0])
+    if any((path / name).is_file() for name in SAVE_TO_DISK_FILES):
+        return None
+    try:
+        return split_of(shard_files(path)[0].name)
+    except (DataError, OSError):
+        return None
+
+
 def _read_file(path: Path, *, index_from: int) -> Iterator[RawRow]:
     readers = {
         ".jsonl": _read_jsonl,

@@ -25,8 +25,10 @@ import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from tltrun.data.dataset import DataSpec, PromptRow, PromptStream, load_rows, split_eval
+from tltrun.data.readers import split_read
 from tltrun.data.rewards import RewardSpec, parse_reward
 from tltrun.data.rows import GYM_PREFIX
 from tltrun.train.config import TrainConfig
@@ -277,6 +279,13 @@ def warn_data(cfg: TrainConfig, data: RunData) -> None:
         )
     if data.stream is None:
         return
+    split = split_read(Path(cfg.data)) if cfg.data else None
+    if split not in (None, "train"):  # (a DatasetDict or shards holding only a test split)
+        warnings.warn(
+            f"--data {cfg.data}: its only split is {split!r}: training on it",
+            DataWarning,
+            stacklevel=3,
+        )
     num_like = sum(
         isinstance(row.prompt, str) and _MESSAGES_TEXT.match(row.prompt) is not None
         for row in (*data.stream.rows, *data.eval_rows)
