@@ -118,6 +118,30 @@ def test_frozen_drafter_holds_what_it_cannot_determine() -> None:
     )
 
 
+def test_a_value_a_bound_or_a_held_value_sets_is_not_called_fitted(tmp_path, capsys) -> None:
+    """Hunt: four steps of a drafter accepting ~0.3, trained between them: stale_accept_rate is
+    held at the base 0.5, the floor of max_accept_rate, which the fit printed as 'fitted' at
+    exactly 0.5; drift and learn_tokens, free, acted on nothing. Said now, in print and JSON;
+    a fit the data sets (the five-parameter recovery) has no caveat."""
+    low = dataclasses.replace(
+        TRUE, max_accept_rate=0.35, initial_accept_rate=0.3, stale_accept_rate=0.25
+    )
+    trace = synthetic_trace(low, [0, 3000, 3000, 3000], "4_1_4", num_prompts=4)
+    result = fit_trace(trace, FitConfig(), "synthetic")
+    assert "too few steps" in result.fit.held["stale_accept_rate"]
+    assert result.dynamics.max_accept_rate == pytest.approx(0.5, abs=1e-6)
+    assert result.fit.caveats["max_accept_rate"].startswith(
+        "at its floor, the held stale_accept_rate 0.5: hold that lower (--base)"
+    )
+    save_trace(trace, tmp_path / "t.json")
+    assert main(["fit", str(tmp_path / "t.json"), "--out", str(tmp_path / "fit.json")]) == 0
+    assert "fitted (at its floor, the held stale_accept_rate 0.5" in capsys.readouterr().out
+    written = json.loads((tmp_path / "fit.json").read_text())["fit"]["caveats"]
+    assert written == result.fit.caveats
+    good = fit_trace(synthetic_trace(TRUE, TRAINED, "4_1_4"), FitConfig(), "synthetic")
+    assert good.fit.caveats == {}
+
+
 def test_tree_fit_recovers_sibling_rate() -> None:
     trace = synthetic_trace(TRUE, TRAINED[:6] + TRAINED[-6:], "4_2_6", seed=2)
     result = fit_trace(

@@ -163,9 +163,11 @@ def _format_dynamics(result: FitResult, source: str) -> str:
             "name": name,
             "value": getattr(result.dynamics, name),
             "stderr": stderr.get(name),
-            "status": "fitted"
-            if name in stderr
-            else "held: " + fit.held.get(name, "no tree verifies in the trace"),
+            "status": (
+                "fitted" + (f" ({fit.caveats[name]})" if name in fit.caveats else "")
+                if name in stderr
+                else "held: " + fit.held.get(name, "no tree verifies in the trace")
+            ),
         }
         for name in DYNAMICS_FIELDS + ("sibling_rate",)
     ]

@@ -274,6 +274,7 @@ class FitResult:
             "fitted": list(self.fit.fitted)
             + (["sibling_rate"] if self.sibling_rate_se is not None else []),
             "held": self.fit.held,
+            "caveats": self.fit.caveats,
             "stderr": {k: (v if math.isfinite(v) else None) for k, v in stderr.items()},
             "chi2_per_dof": self.fit.chi2_per_dof,
             "steps": [

@@ -66,6 +66,9 @@ class DynamicsFit:
     stderr: dict[str, float]
     chi2_per_dof: float
     predicted: list[float] = field(default_factory=list)  # per step, observed or not
+    # fitted parameter -> why its value says little: at a bound (one a held value sets, too),
+    # or not determined by the data (an infinite standard error)
+    caveats: dict[str, str] = field(default_factory=dict)
 
 
 def predict(dynamics: DrafterDynamics, steps: list[StepAcceptance]) -> list[float]:
@@ -291,8 +294,50 @@ def fit_dynamics(
     stderr = _stderr(model, t, r0, scale) if free else {}
     dynamics = dataclasses.replace(base, **t)
     return DynamicsFit(
-        dynamics, free, held, stderr, chi2 / dof if dof > 0 else math.nan, predict(dynamics, steps)
+        dynamics,
+        free,
+        held,
+        stderr,
+        chi2 / dof if dof > 0 else math.nan,
+        predict(dynamics, steps),
+        _caveats(model, t, stderr),
     )
+
+
+_AT_BOUND = 1e-6  # a logistic coordinate's value this close to its end is at its bound
+
+
+def _caveats(model: _Model, t: dict[str, float], stderr: dict[str, float]) -> dict[str, str]:
+    """Fitted parameters whose value the data did not set (hunt: max_accept_rate printed as
+    'fitted' at exactly the held stale rate, 0.5, above every measured rate of 0.27-0.35, and
+    a drift that acted on nothing): at a bound, or with an infinite standard error."""
+    out = {}
+    m = t["max_accept_rate"]
+    for n in model.free:
+        if n == "max_accept_rate" and m - model.floor <= _AT_BOUND * max(1 - model.floor, 1e-9):
+            setters = [
+                h for h in ("initial_accept_rate", "stale_accept_rate")
+                if h not in model.free and getattr(model.base, h) == model.floor
+            ]  # fmt: skip
+            if setters:
+                out[n] = (
+                    f"at its floor, the held {setters[0]} {model.floor:g}: hold that lower "
+                    "(--base) or measure more steps"
+                )
+            else:
+                out[n] = f"at its bound {model.floor:g}"
+        elif n in ("initial_accept_rate", "stale_accept_rate") and t[n] >= m * (1 - _AT_BOUND):
+            out[n] = f"at its bound, max_accept_rate {m:g}"
+        elif n == "drift_per_step" and not _AT_BOUND < t[n] < 1 - _AT_BOUND:
+            out[n] = f"at its bound {round(t[n]):d}"
+        elif n == "learn_tokens" and not (
+            _LOG_LEARN_BOUNDS[0] + _AT_BOUND < math.log(t[n]) < _LOG_LEARN_BOUNDS[1] - _AT_BOUND
+        ):
+            out[n] = f"at its bound e^{round(math.log(t[n])):d} tokens"
+        if not math.isfinite(stderr.get(n, math.inf)):
+            reason = "not determined by the data: infinite standard error"
+            out[n] = f"{out[n]}; {reason}" if n in out else reason
+    return out
 
 
 __all__ = [
