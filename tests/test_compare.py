@@ -14,6 +14,7 @@ import json
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 from tiny_models import VOCAB, tiny_model
 
@@ -78,6 +79,11 @@ def lengths_trace(num_steps: int = 3, seed: int = 0) -> Trace:
     return Trace(meta={"source": "test"}, steps=tuple(steps))
 
 
+def worker_train_s(cost: ProfileCost, prompts) -> float:
+    tokens = sum(p.prompt_tokens * len(p.responses) + sum(p.response_lengths()) for p in prompts)
+    return cost.train_s(tokens, tokens / sum(len(p.responses) for p in prompts))
+
+
 def self_measured(
     trace: Trace,
     policy: str,
@@ -113,16 +119,16 @@ def self_measured(
             for p in step.prompts
         )
         share = len(step.prompts) // num_instances
+        owners = [step.prompts[i * share : (i + 1) * share] for i in range(num_instances)]
         measured = {
             "rollout_s": rec.rollout_s,
-            "train_s": rec.train_s,
+            # what tltrun records: each worker trains the sequences it rolled out, the step
+            # waits for the slowest (the simulator's rec.train_s splits the tokens evenly)
+            "train_s": max(worker_train_s(cost, owner) for owner in owners),
             "policy": {"name": policy, "config": settings, "seed": 3},
             "max_running_requests": cap,
             "share_prompts": sim.share_prompts,
-            "instance_prompts": [
-                [p.id for p in step.prompts[i * share : (i + 1) * share]]
-                for i in range(num_instances)
-            ],
+            "instance_prompts": [[p.id for p in owner] for owner in owners],
         }
         if policy == "tlt":  # verifies of both strategies, all drafts accepted
             measured["accept_hist_by_strategy"] = {"4_1_4": [0, 0, 0, 0, 5], "2_1_2": [0, 0, 5]}
@@ -156,6 +162,59 @@ def test_own_simulated_timings_compare_with_zero_error(
     assert config["runs"][0]["num_instances"] == num_instances
     assert config["runs"][0]["policy"] == policy
     assert "rollout" in capsys.readouterr().out
+
+
+def test_training_is_priced_per_worker_as_tltrun_trains(profile_path, tmp_path):
+    """Hunt: compare priced training as the step's tokens split evenly, but each tltrun worker
+    trains its own rollouts (gradients all-reduced, data not rebalanced): with --prompt-split
+    1,3 the slowest worker trains 3/4 of the tokens. The slowest worker's share is priced."""
+    trace = self_measured(lengths_trace(), "nospec", {}, profile_path, 2, 5)
+    step = trace.steps[0]
+    ids = [p.id for p in step.prompts]
+    uneven = dataclasses.replace(step.measured, instance_prompts=(tuple(ids[:1]), tuple(ids[1:])))
+    path = tmp_path / "uneven.json"
+    save_trace(
+        dataclasses.replace(trace, steps=(dataclasses.replace(step, measured=uneven),)), path
+    )
+    out = tmp_path / "cmp"
+    assert main(["compare", str(path), "--profile", str(profile_path), "--out", str(out)]) == 0
+    sim_train_s = pd.read_csv(out / "steps.csv")["sim_train_s"].iloc[0]
+    cost = ProfileCost(load_profile(profile_path), is_warned=False)
+    big = worker_train_s(cost, step.prompts[1:])
+    assert sim_train_s == pytest.approx(big, rel=1e-9)
+    assert big > max(
+        worker_train_s(cost, step.prompts[:1]), 1.01 * worker_train_s(cost, step.prompts) / 2
+    )
+
+
+def test_a_trace_of_other_hardware_than_the_profile_is_a_warning(profile_path, tmp_path, capsys):
+    """Hunt: generate's trace (torch's default threads) was compared with a 1-thread profile
+    without a word. The old sidecar spelling ("N cores") names the same machine as "N CPUs"."""
+    trace = self_measured(lengths_trace(1), "nospec", {}, profile_path, 1, 32)
+
+    def compare_on(hardware: str) -> str:
+        step = trace.steps[0]
+        measured = dataclasses.replace(step.measured, hardware=hardware)
+        path = tmp_path / "t.json"
+        save_trace(
+            dataclasses.replace(trace, steps=(dataclasses.replace(step, measured=measured),)), path
+        )
+        argv = ["compare", str(path), "--profile", str(profile_path), "--out", str(tmp_path / "c")]
+        assert main(argv) == 0
+        return capsys.readouterr().err
+
+    assert compare_on("test") == ""
+    assert compare_on("EPYC, 2 CPUs, 2 torch threads") == (
+        f"warning: {tmp_path / 't.json'}: measured on 'EPYC, 2 CPUs, 2 torch threads', the "
+        f"profile {profile_path} on 'test': simulated times are the profile's machine's (profile "
+        "with the settings the run used)\n"
+    )
+    old = tmp_path / "old.csv"
+    write_profile(
+        load_profile(profile_path).rows, old, {**META, "hardware": "EPYC, 2 cores, 1 torch threads"}
+    )
+    profile_path = old
+    assert compare_on("EPYC, 2 CPUs, 1 torch threads") == ""
 
 
 def test_speedups_between_policies(profile_path, tmp_path, capsys):

@@ -307,8 +307,8 @@ def profile_meta(cfg: ProfileRunConfig, now: datetime.datetime) -> dict[str, Any
     num_cores = os.cpu_count() or 1
     if cfg.device.startswith("cuda"):
         hardware = torch.cuda.get_device_name(torch.device(cfg.device))
-    else:
-        hardware = f"{cpu_model()}, {num_cores} cores, {cfg.num_threads} torch threads"
+    else:  # as a measured trace names it (hardware_name): tltsim compare compares them
+        hardware = f"{cpu_model()}, {num_cores} CPUs, {cfg.num_threads} torch threads"
     return {
         "hardware": hardware,
         "cpu_model": cpu_model(),

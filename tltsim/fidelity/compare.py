@@ -18,6 +18,10 @@ a rollout couples instances except the barrier, and the step's simulated rollout
 instance. Spot drafter training is not scheduled (the replayed acceptance already contains its
 effect; with ``--drafter-dynamics`` the model learns each step's measured trained tokens,
 ``TrainedAsMeasured``). Exact mode (one event and one policy call per iteration, as the engine) is the default.
+Training is priced per worker, as tltrun trains: each worker its own rollouts' tokens, the step
+waiting for the one that served the most (``measured.instance_prompts``; even without it).
+A trace measured on other hardware than the profile (``measured.hardware`` vs the sidecar's
+``hardware``: another GPU, another CPU or torch thread count) is one warning.
 
 Printed and written to ``--out`` (default ``results/compare-<first trace stem>``):
 ``steps.csv`` (per trace and step: measured and simulated rollout, train, prefill, SD and
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,10 +132,7 @@ def _step_rows(run: MeasuredRun, per_instance: list[Any], cost: ProfileCost) -> 
     for k, step in enumerate(run.trace.steps):
         recs = [result.steps[k] for result in per_instance]
         m = step.measured
-        tokens = sum(p.prompt_tokens * len(p.responses) for p in step.prompts)
-        tokens += step.total_response_tokens
-        # The training phase as tltsim.sim.simulator prices it: data parallel over the instances.
-        train_s = cost.train_s(int(round(tokens / n)), tokens / step.num_responses)
+        train_s = _train_s(step, n, cost)
         sd_tokens, verifies = sum(r.sd_tokens for r in recs), sum(r.sd_verifies for r in recs)
         busy = sum(r.busy_gpu_s for r in recs) / int(cost.profile.meta["tp"])  # instance-s
         decode, reprefill = (
@@ -159,6 +161,50 @@ def _step_rows(run: MeasuredRun, per_instance: list[Any], cost: ProfileCost) -> 
             }
         )
     return rows
+
+
+class CompareWarning(UserWarning):
+    """A comparison that runs but may not mean what it says."""
+
+
+def _warn_other_hardware(run: MeasuredRun, profile: Profile, path: Path) -> None:
+    """Hunt: a trace of ``tltrun generate`` (torch's default threads) against a 1-thread
+    ``tltrun profile`` compared without a word (54.7% vs 45.4% rollout error on one run)."""
+    profiled = profile.meta.get("hardware")
+    measured = {s.measured.hardware for s in run.trace.steps if s.measured is not None} - {None}
+    if not isinstance(profiled, str) or not measured:
+        return
+    # tltrun profile wrote "N cores" until session 38, the measured trace "N CPUs"
+    other = sorted(m for m in measured if m != profiled.replace(" cores, ", " CPUs, "))
+    if other:
+        warnings.warn(
+            f"{path}: measured on {other[0]!r}, the profile {profile.source} on {profiled!r}: "
+            "simulated times are the profile's machine's (profile with the settings the run used)",
+            CompareWarning,
+            stacklevel=2,
+        )
+
+
+def _train_s(step: Any, num_instances: int, cost: ProfileCost) -> float:
+    """The step's training phase: each worker trains the sequences it rolled out (tltrun's GRPO
+    all-reduces gradients, it does not rebalance data), so the slowest is the one that served
+    the most tokens (``measured.instance_prompts``; a placement of --prompt-split 1,3 gives one
+    worker 3/4 of them). Without a recorded placement, as tltsim.sim.simulator prices it: the
+    tokens split evenly (data parallel over the instances)."""
+
+    def tokens_of(prompts: list[Any]) -> tuple[int, int]:
+        tokens = sum(
+            p.prompt_tokens * len(p.responses) + sum(p.response_lengths()) for p in prompts
+        )
+        return tokens, sum(len(p.responses) for p in prompts)
+
+    owners = step.measured.instance_prompts if step.measured is not None else None
+    if owners:
+        by_id = {p.id: p for p in step.prompts}
+        shares = [tokens_of([by_id[pid] for pid in owner]) for owner in owners]
+        return max(cost.train_s(tokens, tokens / seqs) for tokens, seqs in shares if seqs)
+    tokens, seqs = tokens_of(list(step.prompts))
+    return cost.train_s(int(round(tokens / num_instances)), tokens / seqs)
 
 
 def _number(value: float | None) -> float:
@@ -331,6 +377,7 @@ def compare(
             raise UsageError(
                 f"{path}: measured in {run.clock} seconds but the profile {profile.source} in {profile.meta.get('clock', 'wall')} seconds (measure both with the same clock)"
             )
+        _warn_other_hardware(run, profile, path)
         step_rows, sims = simulate_run(run, cost, cfg, drafter, history)
         rows += step_rows
         runs.append(
