@@ -24,6 +24,12 @@ def report(out_dir: str | Path) -> list[Path]:
             raise ReportError(
                 f"{out_dir}: a tltrun train run (log.jsonl); draw it with tltrun report {out_dir}"
             ) from None
+        command = _tltrun_command(out_dir / "config.json")
+        if command is not None:  # (it was told to run a finished tltrun output again)
+            raise ReportError(
+                f"{out_dir}: a tltrun {command} output directory; tltsim report draws tltsim "
+                f"replay and sweep outputs (replay its traces: tltsim replay {out_dir}/trace*.json)"
+            ) from None
         if (out_dir / "config.json").is_file():  # written first, summary.json last
             raise ReportError(
                 f"{out_dir}: no summary.json: the run that wrote its config.json did not finish "
@@ -51,3 +57,14 @@ def report(out_dir: str | Path) -> list[Path]:
         raise ReportError(
             f"{out_dir}: a result file is not as tltsim {kind} wrote it ({err})"
         ) from None
+
+
+def _tltrun_command(config_path: Path) -> str | None:
+    """``generate`` or ``bench`` when ``config_path`` is such a tltrun run's config.json."""
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    if isinstance(config, dict) and "engine" in config:
+        return next((c for c in ("generate", "bench") if c in config), None)
+    return None

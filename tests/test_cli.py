@@ -261,3 +261,11 @@ def test_a_replay_killed_before_its_results_leaves_no_stale_ones(
     assert f"a tltrun train run (log.jsonl); draw it with tltrun report {out}" in (
         capsys.readouterr().err
     )
+    # nor is a finished tltrun generate or bench output (hunt: "run it again")
+    (out / "log.jsonl").unlink()
+    for command in ("generate", "bench"):
+        (out / "config.json").write_text(json.dumps({command: {}, "engine": {}}))
+        assert main(["report", str(out)]) == 2
+        assert f"{out}: a tltrun {command} output directory; tltsim report draws" in (
+            capsys.readouterr().err
+        )

@@ -421,3 +421,8 @@ def test_validate_counts_the_responses_at_the_cap_apart(tmp_path, capsys) -> Non
     path.write_text(json.dumps(doc))
     assert main(["validate", str(path)]) == 0
     assert "2 ended by length (1 at the cap of 7)" in capsys.readouterr().out
+    # without a cap in meta (tltrun generate's traces) the count was left out altogether
+    del doc["meta"]["max_response_tokens"]
+    path.write_text(json.dumps(doc))
+    assert main(["validate", str(path)]) == 0
+    assert capsys.readouterr().out.endswith("), 1 ended by length\n")

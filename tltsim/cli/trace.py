@@ -33,11 +33,12 @@ def summary_line(trace: Trace, name: str) -> str:
         if cap is not None
         else 0
     )
-    capped = (
-        f", {s['num_truncated']} ended by length ({at_cap} at the cap of {cap})"
-        if cap is not None
-        else ""
-    )
+    if cap is not None:
+        capped = f", {s['num_truncated']} ended by length ({at_cap} at the cap of {cap})"
+    elif s["num_truncated"]:  # a trace without a cap in its meta (tltrun generate's)
+        capped = f", {s['num_truncated']} ended by length"
+    else:
+        capped = ""
     return (
         f"{name}: {s['num_steps']} steps, {s['num_prompts']} prompts, {s['num_responses']} responses; "
         f"response tokens median {s['median_tokens']:g} / p99 {s['p99_tokens']:.0f} / max {s['max_tokens']}"
