@@ -362,6 +362,11 @@ def test_default_output_names_keep_the_dots_of_a_trace_name(tmp_path, monkeypatc
     cases = {"qwen2.5-7b.json.gz": "qwen2.5-7b", "exp.1.JSON": "exp.1", "a.b.csv": "a.b",
              "run.parquet": "run", "noext": "noext", ".json": ".json"}  # fmt: skip
     assert {name: trace_stem(Path(name)) for name in cases} == cases
+    # every tltrun run names its trace trace.json: its directory names it (all wrote
+    # results/compare-trace, one replacing the other)
+    assert trace_stem(Path("runs/static/trace.json")) == "static"
+    monkeypatch.chdir(tmp_path)
+    assert trace_stem(Path("trace.json.gz")) == tmp_path.name
     shipped = Path(__file__).resolve().parents[1] / "traces" / "synth_reasoning_rl.json"
     trace = load_trace(shipped)
     short = dataclasses.replace(trace, steps=trace.steps[:1])

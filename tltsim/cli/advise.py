@@ -93,7 +93,7 @@ class AdviseConfig:
     out: str | None = field(
         default=None,
         metadata={
-            "help": "output directory (default results/advise-<trace stem>)",
+            "help": "output directory (default results/advise-<trace stem>; a trace.json's: its directory's name)",
             "metavar": "DIR",
         },
     )

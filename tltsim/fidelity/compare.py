@@ -71,7 +71,7 @@ class CompareConfig:
     out: str | None = field(
         default=None,
         metadata={
-            "help": "output directory (default results/compare-<trace stem>)",
+            "help": "output directory (default results/compare-<trace stem>; a trace.json's: its directory's name)",
             "metavar": "DIR",
         },
     )

@@ -91,7 +91,7 @@ class ReplayConfig:
     out: str | None = field(
         default=None,
         metadata={
-            "help": "output directory (default results/replay-<trace stem>)",
+            "help": "output directory (default results/replay-<trace stem>; a trace.json's: its directory's name)",
             "metavar": "DIR",
         },
     )

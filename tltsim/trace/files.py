@@ -36,13 +36,20 @@ def trace_suffix(path: Path) -> str:
 
 def trace_stem(path: Path) -> str:
     """``path``'s name without its format suffix: ``qwen2.5-7b.json.gz`` -> ``qwen2.5-7b`` (the
-    default output directories' names; the first dot cut it to ``qwen2``)."""
+    default output directories' names; the first dot cut it to ``qwen2``). A ``trace.json``,
+    the name every tltrun train and generate run gives its trace, is named by its directory:
+    ``runs/static/trace.json`` -> ``static`` (each run's compare wrote results/compare-trace,
+    the next replacing the last)."""
     name = path.name
     lower = name.lower()
+    stem = path.stem
     for suffix in sorted(SUFFIXES, key=len, reverse=True):
         if lower.endswith(suffix) and len(name) > len(suffix):
-            return name[: -len(suffix)]
-    return path.stem
+            stem = name[: -len(suffix)]
+            break
+    if stem == "trace":
+        return Path(os.path.abspath(path)).parent.name or stem
+    return stem
 
 
 def _read_json(path: Path) -> Any:
