@@ -20,7 +20,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from analysis import step_axis  # noqa: E402
 
 POLICY_COLORS = {"nospec": "#1f77b4", "static": "#ff7f0e", "tlt": "#2ca02c"}
 BAND = 0.05  # issue #7's torch target: per-step rollout error <= 5%
@@ -83,8 +84,7 @@ def steps_plot(steps: pd.DataFrame, ups: pd.DataFrame, path: str | Path) -> Path
             f.step, f.measured_rollout_s, "o-", color=_color(policy), label=f"{policy} measured"
         )
         ax.plot(f.step, f.sim_rollout_s, "x--", color=_color(policy), label=f"{policy} simulated")
-    ax.set_xlabel("RL step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    step_axis(ax, steps.step)
     ax.set_ylabel("rollout seconds")
     ax.set_title("Rollout time per step")
     ax.grid(alpha=0.3)
@@ -97,8 +97,7 @@ def steps_plot(steps: pd.DataFrame, ups: pd.DataFrame, path: str | Path) -> Path
             )
             ax.plot(f.step, f.sim_speedup, "x--", color=_color(policy), label=f"{policy} simulated")
         ax.axhline(1.0, color="black", lw=0.8)
-        ax.set_xlabel("RL step")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        step_axis(ax, ups.step)
         ax.set_ylabel("rollout speedup over baseline")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

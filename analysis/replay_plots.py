@@ -21,7 +21,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from analysis import ReportError
+from analysis import ReportError, step_axis
 
 PHASE_COLORS = {
     "prefill": "#8c564b",
@@ -205,7 +205,7 @@ def step_breakdown(steps: pd.DataFrame, path: Path) -> Path:
             bottom += values.to_numpy()
         ax.set_ylabel("seconds")
         ax.set_title(f"{policy}: step-time breakdown")
-    axes[-1, 0].set_xlabel("RL step")
+    step_axis(axes[-1, 0], steps.step)
     axes[0, 0].legend(fontsize=8, loc="upper left")
     return _save(fig, path)
 
@@ -238,9 +238,10 @@ def step_time_per_policy(steps: pd.DataFrame, path: Path, summary: dict | None =
         ideal.values,
         color="black",
         ls=":",
+        marker="_",  # (a run of one step drew no line: the marker shows it)
         label="ideal rollout (lower bound: max(work bound, critical path))",
     )
-    ax.set_xlabel("RL step")
+    step_axis(ax, steps.step)
     ax.set_ylabel("step time (seconds)")
     ax.set_title("Step time per policy")
     ax.grid(alpha=0.3)
@@ -294,9 +295,11 @@ def accept_length(steps: pd.DataFrame, path: Path, learned: set[str] | None = No
                 s.drafter_acceptance,
                 color=color,
                 ls="--",
+                marker="x",
+                ms=3,
                 label=f"{policy}: EAGLE drafter per-token acceptance",
             )
-    ax.set_xlabel("RL step")
+    step_axis(ax, steps.step)
     ax.set_ylabel("tokens per request per verify (incl. bonus)")
     right.set_ylabel("per-token acceptance")
     right.set_ylim(0, 1)

@@ -118,6 +118,37 @@ def test_report_colours_every_policy_and_keeps_no_stale_figure(replay_dir: Path,
     assert len({color for _, color in drawn["step_time_per_policy.png"]}) >= 4
 
 
+def test_a_one_step_run_is_drawn_on_a_step_axis_with_every_line_visible(tmp_path, monkeypatch):
+    """Hunt: with one step the x axis ran -0.045..0.045 'RL step' with fractional ticks, and the
+    ideal rollout and the drafter's acceptance (lines without markers) drew nothing."""
+    import matplotlib.pyplot as plt
+
+    from analysis import replay_plots
+
+    out = tmp_path / "one"
+    argv = ["replay", str(SAMPLE), "--max-steps", "1", "--policy", "nospec,tlt", "--out", str(out)]
+    assert main(argv) == 0
+    axes = {}
+
+    def keep(fig, path):
+        axes[Path(path).name] = [
+            (ax.get_xlim(), ax.get_xticks(), ax.get_lines()) for ax in fig.axes
+        ]
+        plt.close(fig)
+        return Path(path)
+
+    monkeypatch.setattr(replay_plots, "_save", keep)
+    replay_plots.draw_all(out)
+    for name in ("step_time_per_policy.png", "accept_length.png"):
+        xlim, ticks, lines = axes[name][0]
+        assert xlim == (-1.0, 1.0) and all(t == int(t) for t in ticks), (name, xlim, ticks)
+        # the step axes (accept_length's twin too); not the speedup bars' reference line
+        every = [line for ax in axes[name] if ax[0] == xlim for line in ax[2]]
+        assert len(every) >= 2 and all(
+            line.get_marker() not in (None, "None", "") for line in every
+        ), [(line.get_label(), line.get_marker()) for line in every]
+
+
 def test_single_policy_prints_the_per_step_table(tmp_path: Path, capsys) -> None:
     assert (
         main(
