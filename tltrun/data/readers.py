@@ -1,5 +1,6 @@
 """Reading a data source's records before they are checked (``dataset.py`` checks them): JSONL,
-a JSON list (or JSON Lines named ``.json``), Parquet, CSV, a ``datasets.save_to_disk`` directory, or a directory of data files.
+a JSON list (or JSON Lines named ``.json``), Parquet, CSV, a ``datasets.save_to_disk``
+directory, or a directory of data files.
 
 A directory that ``save_to_disk`` did not write (no ``state.json`` / ``dataset_dict.json``) is
 read as the shards of one dataset, the layout of a Hugging Face hub dataset's files
