@@ -23,8 +23,7 @@ Each row needs ``prompt_key`` — a non-empty string, or a non-empty list of cha
 ``{"role": str, "content": str}`` (other keys of a message are dropped) — and, unless
 ``answer_key`` is None, ``answer_key`` — a string or a number (kept as ``str(value)``). The other
 columns become ``PromptRow.meta`` (JSON-serialisable: NaN as None, anything else JSON cannot
-hold as its ``str``), which
-a reward receives. A bad row (missing key, wrong type, empty prompt, a prompt longer than
+hold as its ``str``), which a reward receives. A bad row (missing key, wrong type, empty prompt, a prompt longer than
 ``max_prompt_tokens``, a JSONL line that is not a JSON object) stops loading with one
 ``DataError`` line naming file, line and key, or, with ``is_skip_bad_rows``, is skipped and
 counted. ``num_rows`` also caps a file: its first N rows are read.
