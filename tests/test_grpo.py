@@ -87,6 +87,24 @@ def test_token_level_aggregation_and_mask():
     assert loss.item() == pytest.approx((-3 + 1) / 4)  # every token weighs 1/N, N = 4
 
 
+def test_a_masked_position_s_log_ratio_cannot_overflow_the_loss():
+    """Review: k3 = exp(ref - logp) - (ref - logp) - 1 and exp(logp - old) were evaluated at
+    prompt and padding positions too, then masked: a gap of > 88 nats there overflowed to inf,
+    and inf * 0 made the loss and gradient NaN (reported as divergence)."""
+    logp = torch.tensor([[-120.0, -1.0, -2.0]], requires_grad=True)  # position 0: the prompt
+    ref = torch.tensor([[-20.0, -1.1, -1.9]])
+    old = torch.tensor([[-300.0, -1.0, -2.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    cfg = GRPOConfig(kl_coef=0.04)
+    loss, stats = surrogate_loss(logp, old, ref, torch.tensor([0.5]), mask, cfg, 2)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all() and logp.grad[0, 0] == 0
+    # the response positions' terms are what they were
+    kl = [math.exp(d) - d - 1 for d in (-0.1, 0.1)]
+    assert loss.item() == pytest.approx((-0.5 - 0.5 + cfg.kl_coef * sum(kl)) / 2)
+    assert stats["kl_sum"] == pytest.approx(sum(kl))
+
+
 @given(st.lists(st.integers(1, 40), min_size=1, max_size=30), st.integers(1, 100))
 def test_padded_groups_cover_in_order_within_the_cap(lengths, cap):
     """The packing GRPO's micro-batches and the engine's prefill share: consecutive groups,

@@ -118,13 +118,17 @@ def surrogate_loss(
     num_tokens: int,  # normaliser N (global over all workers)
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Sum over masked tokens of the clipped-surrogate + KL loss, divided by ``num_tokens``."""
-    ratio = torch.exp(logp - old_logp)
+    # log-ratios are zeroed off the mask before exp: a prompt or padding position whose ratio
+    # overflowed to inf made inf * 0 = NaN in the loss and gradient (review), which the run
+    # then reported as divergence
+    is_on = mask.bool()
+    ratio = torch.exp(torch.where(is_on, logp - old_logp, 0.0))
     adv = advantages[:, None]
     clipped = torch.clamp(ratio, 1 - cfg.clip_eps, 1 + cfg.clip_eps)
     per_token = -torch.minimum(ratio * adv, clipped * adv)  # (B,T)
     kl = torch.zeros_like(logp)
     if ref_logp is not None and cfg.kl_coef > 0:
-        delta = ref_logp - logp
+        delta = torch.where(is_on, ref_logp - logp, 0.0)
         kl = torch.exp(delta) - delta - 1  # k3: unbiased, always >= 0
         per_token = per_token + cfg.kl_coef * kl
     loss = (per_token * mask).sum() / num_tokens
