@@ -216,6 +216,9 @@ def test_token_budget_microbatches_sort_by_length_and_keep_the_step():
     small, w_small = _update(48)
     large, w_large = _update(10_000)
     assert small["loss"] == pytest.approx(large["loss"], rel=1e-4, abs=1e-6)
+    # the gradient's scale too: AdamW's first step is about lr * sign(g), so the weights alone
+    # would not see a micro-batch count in the normaliser (review)
+    assert small["grad_norm"] == pytest.approx(large["grad_norm"], rel=1e-4)
     for name in w_small:  # atol: 1% of an AdamW step (lr 1e-2) on near-zero gradients
         torch.testing.assert_close(w_small[name], w_large[name], rtol=1e-4, atol=1e-4)
 
