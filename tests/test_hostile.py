@@ -473,3 +473,23 @@ def test_results_are_written_as_strict_json(tmp_path):
         "x": None,
         "n": 3,
     }
+
+
+def test_a_json_result_killed_mid_write_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    """Hunt: summary.json was written in place, so a kill during the write left a torn file
+    that report took for a finished run's. Now a temporary renamed over it."""
+    import os
+
+    from tltsim import jsonio
+
+    path = tmp_path / "summary.json"
+    jsonio.write_json(path, {"kind": "replay", "n": 1})
+
+    def killed(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        jsonio.write_json(path, {"kind": "replay", "n": 2})
+    assert json.loads(path.read_text()) == {"kind": "replay", "n": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]

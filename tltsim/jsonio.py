@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -36,8 +37,17 @@ def _default(o: Any) -> Any:
 def write_json(path: Path, obj: Any) -> None:
     """Write ``obj`` (dataclasses allowed) as indented strict JSON: a NaN or infinite float is
     written as ``null`` (``finite_json``; compare's per-response rates of a response with no
-    verify in a step were written as bare NaN, which strict readers refuse)."""
-    path.write_text(dumps_strict(obj, indent=2) + "\n")
+    verify in a step were written as bare NaN, which strict readers refuse). Atomically: a
+    temporary file beside it, renamed over it, so that a kill mid-write never leaves a torn
+    ``summary.json`` that ``report`` would take for a finished run's."""
+    path = Path(path)
+    text = dumps_strict(obj, indent=2) + "\n"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def dumps_strict(obj: Any, **kwargs: Any) -> str:
