@@ -88,6 +88,13 @@ def test_the_fastrl_block_uses_fastrls_keys_and_quotes_strategies(is_spot_traini
     assert doc["train"].get("training_interval_steps") == (1 if is_spot_training else None)
 
 
+def test_advise_sweeps_on_every_core_by_default_as_sweep_does():
+    """Hunt: advise's sweep ran on one worker (84 s of a 112 s advise on 2 cores)."""
+    from tltsim.cli.advise import AdviseConfig
+
+    assert AdviseConfig().workers is None  # run_sweep: None is every core
+
+
 def test_advise_writes_a_sweep_spec_toml_reads_whatever_the_paths_hold():
     """json.dumps escaped characters beyond U+FFFF as surrogate pairs, which TOML refuses:
     advise then failed on its own sweep.toml for a trace named with an emoji."""
@@ -125,6 +132,7 @@ def test_advise_recommends_the_settings_it_swept_even_when_held_at_one_value():
         ["--accept-rate-range", "fit"],  # a fitted band needs a file only replay takes
         ["--accept-rate-range", "abc"],  # (it offered 'fit', which advise refuses)
         ["--thresholds", "99999999999999999999"],  # (it wrote sweep.toml, then failed)
+        ["--workers", "0"],
     ],
 )
 def test_advise_bad_input_is_one_line_exit_2(tmp_path, capsys, extra):
