@@ -124,7 +124,8 @@ def gantt(timeline: pd.DataFrame, step: int, path: Path) -> Path:
         [handles[lab] for lab in labels], labels, loc="lower center", ncol=len(labels), fontsize=8
     )
     fig.suptitle(f"Per-instance timeline of the slowest step (step {step})")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    # room at the top for the suptitle (it overlapped the first panel's title)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.96))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

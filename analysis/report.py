@@ -24,6 +24,10 @@ def report(out_dir: str | Path) -> list[Path]:
             raise ReportError(
                 f"{out_dir}: a tltrun train run (log.jsonl); draw it with tltrun report {out_dir}"
             ) from None
+        if (out_dir / "advise.json").is_file():
+            raise ReportError(
+                f"{out_dir}: a tltsim advise output; draw its sweep: tltsim report {out_dir / 'sweep'}"
+            ) from None
         command = _tltrun_command(out_dir / "config.json")
         if command is not None:  # (it was told to run a finished tltrun output again)
             raise ReportError(

@@ -294,6 +294,13 @@ def test_a_replay_killed_before_its_results_leaves_no_stale_ones(
     )
     # nor is a finished tltrun generate or bench output (hunt: "run it again")
     (out / "log.jsonl").unlink()
+    # an advise output points to its sweep (hunt)
+    (out / "advise.json").write_text("{}")
+    assert main(["report", str(out)]) == 2
+    assert f"a tltsim advise output; draw its sweep: tltsim report {out / 'sweep'}" in (
+        capsys.readouterr().err
+    )
+    (out / "advise.json").unlink()
     for command in ("generate", "bench"):
         (out / "config.json").write_text(json.dumps({command: {}, "engine": {}}))
         assert main(["report", str(out)]) == 2
