@@ -6,12 +6,16 @@
 Reads ``sweep.parquet`` and ``summary.json``. Speedup vs NoSpec (mean over seeds, other settings
 averaged) against the settings the sweep varied: bars when none varies, lines (one per policy)
 for one setting, a heat map per policy over the first two otherwise (cells averaged over a third
-and later ones, as its titles say). The best setting is marked.
+and later ones, as its titles say). The best setting is marked. A numeric setting with more
+than ``MAX_CATEGORIES`` values (a ``[random]`` section draws a new one per point) is drawn as a
+scatter of the points instead: as heat-map categories it gave a grid of ~100 x 150 mostly empty
+cells with unreadable tick labels, and its lines zigzagged between single draws.
 """
 
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -25,9 +29,17 @@ from analysis import ReportError
 from analysis.replay_plots import POLICY_COLORS, _save, fresh_plots_dir  # noqa: E402
 from tltsim.sim.sweep import setting_matters  # noqa: E402
 
+MAX_CATEGORIES = 12  # distinct values of a setting drawn as categories (cells, line points)
+
 
 def _speculating(table: pd.DataFrame) -> pd.DataFrame:
     return table[table.policy != "nospec"]
+
+
+def _is_continuous(table: pd.DataFrame, setting: str) -> bool:
+    """A numeric setting with more values than categories can show (random draws)."""
+    column = _speculating(table)[setting].dropna()
+    return pd.api.types.is_numeric_dtype(column) and column.nunique() > MAX_CATEGORIES
 
 
 def speedup_bars(table: pd.DataFrame, path: Path) -> Path:
@@ -55,6 +67,7 @@ def speedup_bars(table: pd.DataFrame, path: Path) -> Path:
 
 def speedup_lines(table: pd.DataFrame, setting: str, path: Path) -> Path:
     spec = _speculating(table)
+    is_scatter = _is_continuous(table, setting)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     best_val, best_at = -np.inf, None
     for policy in dict.fromkeys(spec.policy):
@@ -68,16 +81,14 @@ def speedup_lines(table: pd.DataFrame, setting: str, path: Path) -> Path:
             continue
         x = rows.index.to_numpy()
         matters = setting_matters(policy, setting)
-        ax.errorbar(
-            x,
-            rows["mean"],
-            yerr=rows["std"],
-            marker="o",
-            capsize=3,
-            color=POLICY_COLORS.get(policy),
-            ls="-" if matters else ":",
-            label=policy if matters else f"{policy} (does not read {setting})",
-        )
+        label = policy if matters else f"{policy} (does not read {setting})"
+        if is_scatter:  # one point per drawn value: no line joins unrelated draws
+            ax.plot(x, rows["mean"], marker="o", ms=3, ls="none", alpha=0.7,
+                    color=POLICY_COLORS.get(policy), label=label)  # fmt: skip
+        else:
+            ax.errorbar(x, rows["mean"], yerr=rows["std"], marker="o", capsize=3,
+                        color=POLICY_COLORS.get(policy), ls="-" if matters else ":",
+                        label=label)  # fmt: skip
         if not matters:  # its flat line is no best value of the setting (the summary's rule)
             continue
         i = int(np.argmax(rows["mean"].to_numpy()))
@@ -98,7 +109,8 @@ def speedup_lines(table: pd.DataFrame, setting: str, path: Path) -> Path:
     ax.axhline(1.0, color="black", lw=1, ls=":")
     ax.set_xlabel(setting)
     ax.set_ylabel("step-time speedup vs NoSpec")
-    ax.set_title(f"Sweep: speedup vs {setting}\n(mean and std over seeds and the other settings)")
+    over = "mean over seeds and the other settings" + ("" if is_scatter else ", and std")
+    ax.set_title(f"Sweep: speedup vs {setting}\n({over})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
@@ -114,6 +126,8 @@ def speedup_surface(
     policy with none gets no panel (its empty grid failed the whole report)."""
     spec = _speculating(table)
     over = ", ".join(("seeds", *averaged))
+    if _is_continuous(table, x) or _is_continuous(table, y):
+        return _speedup_scatter(spec, x, y, path, over)
     grids = {}
     for p in dict.fromkeys(spec.policy):
         grid = spec[spec.policy == p].pivot_table(
@@ -152,6 +166,38 @@ def speedup_surface(
         ax.set_ylabel(y)
         ax.set_title(f"{policy}: speedup vs NoSpec\n(mean over {over})")
         fig.colorbar(im, ax=ax, label="speedup (x)")
+    return _save(fig, path)
+
+
+def _speedup_scatter(spec: pd.DataFrame, x: str, y: str, path: Path, over: str) -> Path | None:
+    """``speedup_surface`` for settings with many values: each (x, y) a point coloured by its
+    speedup (mean over ``over``), one panel per policy."""
+    points = {
+        p: spec[spec.policy == p].groupby([x, y])["speedup_vs_nospec"].mean().dropna()
+        for p in dict.fromkeys(spec.policy)
+    }
+    points = {p: v for p, v in points.items() if len(v)}
+    if not points:
+        return None
+    fig, axes = plt.subplots(1, len(points), figsize=(5.5 * len(points), 4.5), squeeze=False)
+    vmin = min(float(v.min()) for v in points.values())
+    vmax = max(float(v.max()) for v in points.values())
+    best_policy = max(points, key=lambda p: points[p].max())
+    for ax, (policy, values) in zip(axes[0], points.items(), strict=True):
+        xs = values.index.get_level_values(0).to_numpy()
+        ys = values.index.get_level_values(1).to_numpy()
+        dots = ax.scatter(xs, ys, c=values.to_numpy(), cmap="viridis", vmin=vmin, vmax=vmax, s=18)
+        if policy == best_policy:
+            at = values.idxmax()
+            ax.plot([at[0]], [at[1]], marker="*", ms=20, color="gold", mec="black", ls="none",
+                    label=f"best ({values.max():.2f}x)")  # fmt: skip
+            ax.legend(loc="upper right", fontsize=8)
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
+        shown = textwrap.fill(f"(each point: mean over {over})", 48)  # a long list was clipped
+        ax.set_title(f"{policy}: speedup vs NoSpec\n{shown}", fontsize=10)
+        ax.grid(alpha=0.3)
+        fig.colorbar(dots, ax=ax, label="speedup (x)")
     return _save(fig, path)
 
 

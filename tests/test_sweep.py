@@ -268,6 +268,40 @@ def test_report_of_a_grid_plus_random_sweep(tmp_path: Path) -> None:
     ]
 
 
+def test_a_random_sweep_is_drawn_as_points_not_as_a_grid_of_categories(tmp_path, monkeypatch):
+    """Hunt: 150 random draws of two settings became a heat map of ~100 x 150 mostly empty
+    cells with a tick label each, and lines zigzagging between single draws. Settings with
+    more than MAX_CATEGORIES values are drawn as scatters; a small grid keeps its heat map."""
+    import matplotlib.pyplot as plt
+
+    from analysis import sweep_plots
+
+    spec = write_spec(
+        tmp_path,
+        f'trace = "{TRACE}"\nseeds = [0]\nmax_steps = 1\n[fixed]\nnum_gpus = 4\n'
+        '[grid]\npolicy = ["tlt"]\n[random]\nnum_points = 14\nseed = 0\n'
+        '"tlt.threshold" = {low = 4, high = 128}\n"tlt.epsilon" = {low = 0.0, high = 0.3}\n',
+    )
+    out = tmp_path / "out"
+    run_sweep(spec, out, workers=1)
+    kinds = {}
+
+    def keep(fig, path):
+        kinds[Path(path).name] = [
+            (len(ax.images), len(ax.collections), [line.get_linestyle() for line in ax.get_lines()])
+            for ax in fig.axes
+        ]
+        plt.close(fig)
+        return Path(path)
+
+    monkeypatch.setattr(sweep_plots, "_save", keep)
+    sweep_plots.draw_all(out)
+    images, collections, _ = kinds["speedup_tlt.threshold_x_tlt.epsilon.png"][0]
+    assert images == 0 and collections == 1  # a scatter, no heat map
+    _, _, styles = kinds["speedup_vs_tlt.threshold.png"][0]
+    assert styles[0] == "None"  # the points, unjoined (then the best star)
+
+
 def test_a_preset_file_is_read_beside_the_spec_and_a_recalibrated_one_recomputes(
     tmp_path: Path, monkeypatch
 ) -> None:
