@@ -119,7 +119,9 @@ class HistoryModel:
     scope: str = field(
         default="instance",
         metadata={
-            "help": "whose history a drafter indexes: its own instance's (tltrun) or the cluster's",
+            "help": "whose history a drafter indexes: its own instance's (tltrun) or the "
+            "cluster's (simulated an iteration at a time while siblings run elsewhere: as "
+            "slow as --exact)",
             "choices": HISTORY_SCOPES,
         },
     )

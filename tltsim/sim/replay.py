@@ -64,9 +64,15 @@ PROGRESS_MIN_RESPONSES = 50_000
 EXACT_COST_FACTOR = 60
 
 
-def is_progress_quiet(trace: Trace, num_simulations: int, sim: SimConfig) -> bool:
-    """No progress bar: a short replay (under about a second of work), or no terminal."""
-    work = trace.num_responses * num_simulations * (EXACT_COST_FACTOR if sim.exact else 1)
+def is_progress_quiet(
+    trace: Trace, num_simulations: int, sim: SimConfig, history: HistoryModel | None = None
+) -> bool:
+    """No progress bar: a short replay (under about a second of work), or no terminal. A
+    cluster-wide history index costs what --exact does (the history drafter's iterations run one
+    event each while a sibling runs on another instance: 26 s against 0.35 s for 2 steps of a
+    64-GPU servegen replay, session 38), so it is weighed as exact."""
+    is_per_iteration = sim.exact or (history is not None and history.scope == "cluster")
+    work = trace.num_responses * num_simulations * (EXACT_COST_FACTOR if is_per_iteration else 1)
     return work < PROGRESS_MIN_RESPONSES or not sys.stderr.isatty()
 
 
@@ -252,7 +258,7 @@ def simulate_policies(
     """``base`` simulated under each policy of ``names`` (a progress bar for long replays);
     ``cost``: see ``run_settings``."""
     total = trace.num_steps * len(names)
-    is_quiet = is_progress_quiet(trace, len(names), base.sim)
+    is_quiet = is_progress_quiet(trace, len(names), base.sim, base.history)
     results = {}
     with tqdm(total=total, desc="replay", unit="step", disable=is_quiet) as bar:
         for name in names:
@@ -303,7 +309,7 @@ def replay_intervals(
     num_runs = (len(spec.seeds) - 1) * ("nospec" in names) + spec.num_extra_runs_per_policy * sum(
         name != "nospec" for name in names
     )
-    is_quiet = num_runs == 0 or is_progress_quiet(trace, num_runs, base.sim)
+    is_quiet = num_runs == 0 or is_progress_quiet(trace, num_runs, base.sim, base.history)
     with tqdm(
         total=num_runs * trace.num_steps, desc="intervals", unit="step", disable=is_quiet
     ) as bar:
