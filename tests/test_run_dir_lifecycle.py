@@ -21,6 +21,7 @@ from tiny_models import save_train_model
 
 from tltrun.cli.main import main
 from tltrun.cli.train_drafter import TrainDrafterConfig
+from tltrun.data.readers import READER_VERSION
 from tltrun.train import run_logs
 from tltrun.train import state as ts
 from tltrun.train.launch import prepare_run_dir
@@ -40,6 +41,7 @@ def data(**changes) -> dict:
         "eval_fingerprint": "eval",
         "model_sha256": "weights",
         "eval_max_prompts": 64,  # TrainConfig's default
+        "reader_version": READER_VERSION,
         **changes,
     }
 
@@ -138,10 +140,34 @@ def test_resume_refuses_inputs_that_changed_and_accepts_fewer_eval_prompts(model
         resume(data(eval_fingerprint="other", eval_max_prompts=7), **file_eval)
     # a run recorded before the split fingerprints compares the combined one, as then
     (tmp_path / ts.CONFIG_HISTORY).unlink()
-    (tmp_path / "config.json").write_text(json.dumps({**saved, "data": {"fingerprint": "both"}}))
+    combined = {"fingerprint": "both", "reader_version": READER_VERSION}  # (its reading: now's)
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "data": combined}))
     resume(data(train_fingerprint="new", model_sha256="new"))
     with pytest.raises(UsageError, match="different data"):
         resume(data(fingerprint="other"))
+
+
+def test_a_run_of_an_older_data_reader_resumes_with_a_warning(model_dir, tmp_path):
+    """Review: session 38's readers read whole float answers, NaN and pandas' index otherwise,
+    so a run started before them had other fingerprints of the same file and its resume was
+    refused ('rows of --data changed; restore them'). Its data cannot be compared: said. The
+    KL reference's weights still can: still refused."""
+    make_fake_run(model_dir, tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    older = {k: v for k, v in data().items() if k != "reader_version"}
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "data": older}))
+
+    def resume(inputs: dict) -> None:
+        prepare_run_dir(config(model_dir, tmp_path), TASK, is_resume=True,
+                        is_override_config=False, data=inputs)  # fmt: skip
+
+    with pytest.warns(ts.RunDirWarning, match=r"reader version 1, now 2: .*cannot be told"):
+        resume(data(train_fingerprint="read otherwise"))
+    with pytest.raises(UsageError, match="other weights in --model-dir"):
+        resume(data(train_fingerprint="read otherwise", model_sha256="retrained"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resume(data())  # the same fingerprints: nothing to say
 
 
 def test_resume_without_a_run_and_a_damaged_config_are_one_line(model_dir, tmp_path, capsys):

@@ -208,9 +208,28 @@ def check_same_inputs(out: Path, old: dict | None, data: dict, cfg: Any) -> None
         is_generated = (cfg.eval_data or "").startswith("reasoning-gym:")
         if is_generated and recorded.get("eval_max_prompts") != cfg.eval_max_prompts:
             del refusals["eval_fingerprint"]
-    for key, changed in refusals.items():
-        if key in recorded and recorded[key] != data.get(key):
-            raise UsageError(f"{out}: --resume {changed}them, or start a new run in another --out")
+    # a run started before the readers' version was recorded read some values otherwise (a
+    # whole float answer as '7.0', a NaN as 'nan', pandas' index as a column): its
+    # fingerprints cannot tell the same file from another one (review: a resume on unchanged
+    # data was refused, "restore them")
+    from tltrun.train.state import RunDirWarning
+
+    changed = [key for key in refusals if key in recorded and recorded[key] != data.get(key)]
+    is_other_reading = recorded.get("reader_version") != data.get("reader_version")
+    if changed and (not is_other_reading or "model_sha256" in changed):
+        key = "model_sha256" if "model_sha256" in changed else changed[0]
+        raise UsageError(
+            f"{out}: --resume {refusals[key]}them, or start a new run in another --out"
+        )
+    if changed:
+        warnings.warn(
+            f"{out}: the run's data fingerprint was taken by a tltrun that read data files "
+            f"otherwise (reader version {recorded.get('reader_version', 1)}, now "
+            f"{data.get('reader_version')}: whole float answers, NaN, pandas' index), so "
+            "whether its rows changed cannot be told: continuing with this reading",
+            RunDirWarning,
+            stacklevel=2,
+        )
 
 
 # Settings a resume cannot change, even with --override-config: why, for the refusal.

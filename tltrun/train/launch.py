@@ -52,6 +52,7 @@ from dataclasses import asdict, fields, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from tltrun.data.readers import READER_VERSION
 from tltrun.rollout.vllm_config import check_vllm_cpu_head_size, quiet_vllm_logs
 from tltrun.train.config import RESUME_NEUTRAL_FIELDS, TrainConfig
 from tltrun.train.config_checks import (
@@ -164,6 +165,7 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
         "num_train_rows": data.num_train_rows,
         "num_eval_rows": len(data.eval_rows),
         "num_skipped_rows": data.num_skipped,
+        "reader_version": READER_VERSION,  # how the fingerprints' rows were read
     }
 
 
