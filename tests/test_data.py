@@ -156,6 +156,11 @@ def test_what_pandas_and_arrow_write_beside_the_data(tmp_path):
         long,
         "short?",
     ]
+    # a spreadsheet's export ends rows with empty columns: not data (review: refused as named
+    # twice, the name '')
+    (tmp_path / "trail.csv").write_text("prompt,answer,,\nq?,1,,\n")
+    (row,) = load_rows(DataSpec(path=str(tmp_path / "trail.csv"))).rows
+    assert (row.answer, row.meta) == ("1", {})
     (tmp_path / "dup.csv").write_text("prompt,answer,answer\nq?,1,2\n")
     with pytest.raises(DataError, match=r"dup.csv: column 'answer' given twice in the header"):
         load_rows(DataSpec(path=str(tmp_path / "dup.csv")))
@@ -266,7 +271,16 @@ def test_bad_sources_are_one_line_errors(tmp_path):
     cases = {
         "missing.jsonl": (None, "no such file or directory"),
         "data.txt": ("hello", "unknown data format '.txt'"),
-        "obj.json": ('{"prompt": "x"}', "expected a JSON list of objects, got object"),
+        # an object spanning lines (a nested dataset) is no list; on one line it is one row
+        "obj.json": (
+            '{\n"data": [{"prompt": "x"}]\n}',
+            "expected a JSON list of objects, got object",
+        ),
+        "one.json": ('{"prompt": "x"}', "one.json:1: key 'answer': missing (columns: prompt)"),
+        "twice.json": (
+            '[{"prompt": "x", "prompt": "y"}]',
+            "key 'prompt' given twice in one object",
+        ),
         "broken.json": ("[{", "not a JSON file"),
         "broken.parquet": ("not parquet", "not a readable Parquet file"),
         "empty.csv": ("", "empty CSV file"),
@@ -456,15 +470,14 @@ def test_whole_floats_and_decimals_are_answers_as_written(tmp_path):
     frame.to_parquet(tmp_path / "ints.parquet")
     loaded = load_rows(DataSpec(path=str(tmp_path / "ints.parquet"), is_skip_bad_rows=True))
     assert [r.answer for r in loaded.rows] == ["7", "-3"] and loaded.num_skipped == 1
+    values = [Decimal("7.50"), Decimal("-2"), Decimal("0.0000001")]
     table = pa.table(
-        {
-            "prompt": ["a?", "b?"],
-            "answer": pa.array([Decimal("7.50"), Decimal("-2")], pa.decimal128(5, 2)),
-        }
+        {"prompt": ["a?", "b?", "c?"], "answer": pa.array(values, pa.decimal128(38, 8))}
     )
     pq.write_table(table, tmp_path / "dec.parquet")
     rows = load_rows(DataSpec(path=str(tmp_path / "dec.parquet"))).rows
-    assert [r.answer for r in rows] == ["7.50", "-2.00"]
+    # (review: str() gave '7.50000000', '-2.00000000' and '1.0E-7', which math-verify reads as 1)
+    assert [r.answer for r in rows] == ["7.5", "-2", "0.0000001"]
 
 
 def test_jsonl_lines_json_cannot_hold_are_bad_rows(tmp_path):

@@ -5,10 +5,11 @@ shuffled order that is a pure function of (seed, step), so a resumed run sees th
 Sources (``DataSpec.path``), nothing read from the network:
 
 * ``train.jsonl`` — one JSON object per line (blank lines ignored); a row's place is its line;
-* ``train.json`` — a JSON list of objects; a row's place is ``row N`` (1-based);
-* ``train.parquet`` — read with pyarrow; ``row N``;
-* ``train.csv`` — a header line, then one row per record (every value a string); the record's
-  first line number;
+* ``train.json`` — a JSON list of objects; a row's place is ``row N`` (1-based); or JSON Lines
+  (what ``datasets``' ``to_json`` writes), read as ``train.jsonl``;
+* ``train.parquet`` — read with pyarrow; ``row N``; pandas' index column is not data;
+* ``train.csv`` — a header line, then one row per record (every value a string; unnamed
+  columns dropped); the record's first line number;
 * a directory written by ``datasets.Dataset.save_to_disk`` (or a ``DatasetDict``: its ``train``
   split, or its only split), read with ``datasets.load_from_disk`` under ``HF_DATASETS_OFFLINE=1``;
 * any other directory: the shards of one dataset, its files of one of the formats above in name
@@ -21,10 +22,11 @@ Sources (``DataSpec.path``), nothing read from the network:
 
 Each row needs ``prompt_key`` — a non-empty string, or a non-empty list of chat messages
 ``{"role": str, "content": str}`` (other keys of a message are dropped) — and, unless
-``answer_key`` is None, ``answer_key`` — a string or a number (kept as ``str(value)``). The other
-columns become ``PromptRow.meta`` (JSON-serialisable: NaN as None, anything else JSON cannot
-hold as its ``str``), which a reward receives. A bad row (missing key, wrong type, empty prompt, a prompt longer than
-``max_prompt_tokens``, a JSONL line that is not a JSON object) stops loading with one
+``answer_key`` is None, ``answer_key`` — a string or a number (written out: ``_check_answer``).
+The other columns become ``PromptRow.meta`` (JSON-serialisable: NaN as None, anything else JSON
+cannot hold as its ``str``), which a reward receives. A bad row (missing key, wrong type, empty
+prompt, a prompt longer than ``max_prompt_tokens``, a JSONL line that is not a JSON object, a
+key given twice) stops loading with one
 ``DataError`` line naming file, line and key, or, with ``is_skip_bad_rows``, is skipped and
 counted. ``num_rows`` also caps a file: its first N rows are read.
 
@@ -247,7 +249,7 @@ def _check_answer(record: dict[str, Any], key: str, place: str) -> str:
     without an exponent (``str(1e-05)`` is ``'1e-05'``, which math-verify reads as 1) and a
     whole float as an integer: pandas stores an integer column holding one missing value as
     float64, and ``'7.0'`` never equals ``\\boxed{7}`` under ``exact``. A Parquet decimal is
-    a number too (``str``: its scale kept)."""
+    a number too, written the same way (its column's scale dropped: ``7.50`` is ``7.5``)."""
     from decimal import Decimal
 
     if key not in record:
@@ -265,6 +267,12 @@ def _check_answer(record: dict[str, Any], key: str, place: str) -> str:
         # (below 2^53 every whole float is the integer it prints as)
         return (
             str(int(value)) if value.is_integer() and abs(value) < 2**53 else positional(str(value))
+        )
+    if isinstance(value, Decimal):  # a decimal128(38, 8)'s 7 is '7.00000000', 1e-7 '1.0E-7'
+        return (
+            str(int(value))
+            if value == value.to_integral_value()
+            else format(value.normalize(), "f")
         )
     return str(value)
 

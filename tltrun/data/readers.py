@@ -205,6 +205,26 @@ def _read_jsonl(path: Path) -> Iterator[RawRow]:
         raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
 
 
+def _is_json_lines(path: Path) -> bool:
+    """Whether a ``.json`` file is JSON Lines: its first non-blank line is a JSON object on its
+    own (a list, or an object spanning lines, is read whole and refused if not a list)."""
+    try:
+        with path.open(encoding="utf-8-sig") as f:
+            for line in f:
+                if line.strip():
+                    return line.lstrip()[0] == "{" and isinstance(_loads_or_none(line), dict)
+    except UnicodeDecodeError:
+        pass  # the whole-file reader says it is not UTF-8
+    return False
+
+
+def _loads_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
 def _json_problem(err: BaseException) -> str:
     if isinstance(err, json.JSONDecodeError):
         return err.msg
@@ -216,15 +236,14 @@ def _json_problem(err: BaseException) -> str:
 def _read_json_list(path: Path) -> Iterator[RawRow]:
     """A ``.json`` file: a list of objects, or JSON Lines (what ``datasets``' ``to_json`` and
     pandas' ``to_json(lines=True)`` write under that name; ``load_dataset("json")`` reads both)."""
+    if _is_json_lines(path):  # streamed (a single-line object is one row, as in datasets)
+        yield from _read_jsonl(path)
+        return
     try:
-        data = json.loads(path.read_text(encoding="utf-8-sig"))
-    except json.JSONDecodeError as err:
-        if err.msg == "Extra data":  # one value, then more: JSON Lines
-            yield from _read_jsonl(path)
-            return
-        raise DataError(f"{path}: not a JSON file ({one_line(err)})") from None
+        data = loads_strict(path.read_text(encoding="utf-8-sig"))
     except (ValueError, RecursionError) as err:  # UnicodeDecodeError, an int of > 4300 digits
-        raise DataError(f"{path}: not a JSON file ({one_line(err)})") from None
+        problem = _json_problem(err) if isinstance(err, ValueError) else one_line(err)
+        raise DataError(f"{path}: not a JSON file ({problem})") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON list of objects, got {type_name(data)}")
     for index, record in enumerate(data):
@@ -290,8 +309,10 @@ def _read_csv(path: Path) -> Iterator[RawRow]:
             header = next(reader, None)
             if not header:
                 raise DataError(f"{path}: empty CSV file (expected a header line)")
-            twice = sorted({name for name in header if header.count(name) > 1})
-            if twice:  # (the last column of a name was kept)
+            # a named column given twice kept its last value; unnamed ones (the trailing
+            # commas of a spreadsheet's export) are not data: dropped, as before
+            twice = sorted({name for name in header if name and header.count(name) > 1})
+            if twice:
                 raise DataError(f"{path}: column {twice[0]!r} given twice in the header")
             line_no = reader.line_num + 1
             index = 0
@@ -304,9 +325,8 @@ def _read_csv(path: Path) -> Iterator[RawRow]:
                     problem = f"expected {len(header)} fields as in the header, got {len(values)}"
                     yield RawRow(index=index, place=place, record=None, problem=problem)
                 else:
-                    yield RawRow(
-                        index=index, place=place, record=dict(zip(header, values, strict=True))
-                    )
+                    record = {k: v for k, v in zip(header, values, strict=True) if k}
+                    yield RawRow(index=index, place=place, record=record)
                 index += 1
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
