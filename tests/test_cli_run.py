@@ -146,6 +146,9 @@ def test_train_drafter_refuses_another_tokenizers_generations_and_overlong_rows(
     shutil.copytree(dirs / "model_tok", resaved)
     doc = json.loads((resaved / "tokenizer.json").read_text())
     (resaved / "tokenizer.json").write_text(json.dumps(dict(reversed(doc.items())), indent=4))
+    # and a sentencepiece file beside it serialised otherwise: its ids were compared already
+    (dirs / "model_tok" / "tokenizer.model").write_bytes(b"sentencepiece, one serialisation")
+    (resaved / "tokenizer.model").write_bytes(b"sentencepiece, another")
     assert main([*argv, "--model", str(resaved), "--out", str(dirs / "t_resaved")]) == 0
     capsys.readouterr()
     limit = json.loads((dirs / "model" / "config.json").read_text())["max_position_embeddings"]

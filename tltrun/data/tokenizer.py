@@ -135,10 +135,9 @@ class TextTokenizer:
                 f"the model's chat template refused the prompt: {err}"
             ) from None
         except ValueError as err:  # transformers: a continued message the template dropped
-            # (templates that strip an assistant turn's <think> part, e.g.)
-            raise ChatTemplateError(
-                f"the model's chat template cannot continue the final assistant message: {err}"
-            ) from None
+            # (templates that strip an assistant turn's <think> part, e.g.), or another refusal
+            what = "cannot continue the final assistant message" if is_continued else "refused"
+            raise ChatTemplateError(f"the model's chat template {what}: {err}") from None
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt: a templated prompt carries its own special tokens, a plain one
