@@ -215,6 +215,12 @@ def test_a_trace_of_other_hardware_than_the_profile_is_a_warning(profile_path, t
     )
     profile_path = old
     assert compare_on("EPYC, 2 CPUs, 1 torch threads") == ""
+    # a sidecar naming the GPU by its preset: the same GPU (review)
+    preset = tmp_path / "preset.csv"
+    write_profile(load_profile(old).rows, preset, {**META, "hardware": "H100-SXM"})
+    profile_path = preset
+    assert compare_on("NVIDIA H100 80GB HBM3") == ""
+    assert "measured on 'NVIDIA H200'" in compare_on("NVIDIA H200")
 
 
 def test_speedups_between_policies(profile_path, tmp_path, capsys):

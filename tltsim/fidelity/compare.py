@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from tltsim.cost.hardware import preset_of_device
 from tltsim.cost.measured import ProfileCost
 from tltsim.cost.profile import Profile, load_profile
 from tltsim.cost.roofline import RooflineCost
@@ -174,8 +175,15 @@ def _warn_other_hardware(run: MeasuredRun, profile: Profile, path: Path) -> None
     measured = {s.measured.hardware for s in run.trace.steps if s.measured is not None} - {None}
     if not isinstance(profiled, str) or not measured:
         return
-    # tltrun profile wrote "N cores" until session 38, the measured trace "N CPUs"
-    other = sorted(m for m in measured if m != profiled.replace(" cores, ", " CPUs, "))
+    # tltrun profile wrote "N cores" until session 38, the measured trace "N CPUs"; a sidecar
+    # may name a GPU by its preset ("H100-SXM" for "NVIDIA H100 80GB HBM3", review)
+    profiled_preset = preset_of_device(profiled)
+    other = sorted(
+        m
+        for m in measured
+        if m != profiled.replace(" cores, ", " CPUs, ")
+        and (profiled_preset is None or preset_of_device(m) != profiled_preset)
+    )
     if other:
         warnings.warn(
             f"{path}: measured on {other[0]!r}, the profile {profile.source} on {profiled!r}: "
