@@ -140,6 +140,14 @@ def test_a_value_a_bound_or_a_held_value_sets_is_not_called_fitted(tmp_path, cap
     assert written == result.fit.caveats
     good = fit_trace(synthetic_trace(TRUE, TRAINED, "4_1_4"), FitConfig(), "synthetic")
     assert good.fit.caveats == {}
+    # the other end (review): every draft accepted pins max_accept_rate at 1
+    sure = dataclasses.replace(
+        TRUE, max_accept_rate=1.0, initial_accept_rate=1.0, stale_accept_rate=1.0
+    )
+    ones = fit_trace(
+        synthetic_trace(sure, [0] + [3000] * 5, "4_1_4", num_prompts=4), FitConfig(), "s"
+    )
+    assert ones.fit.caveats["max_accept_rate"].startswith("at its bound 1")
 
 
 def test_tree_fit_recovers_sibling_rate() -> None:

@@ -326,8 +326,12 @@ def _caveats(model: _Model, t: dict[str, float], stderr: dict[str, float]) -> di
                 )
             else:
                 out[n] = f"at its bound {model.floor:g}"
+        elif n == "max_accept_rate" and m >= 1 - _AT_BOUND:
+            out[n] = "at its bound 1"
         elif n in ("initial_accept_rate", "stale_accept_rate") and t[n] >= m * (1 - _AT_BOUND):
             out[n] = f"at its bound, max_accept_rate {m:g}"
+        elif n in ("initial_accept_rate", "stale_accept_rate") and t[n] <= m * _AT_BOUND:
+            out[n] = "at its bound 0"
         elif n == "drift_per_step" and not _AT_BOUND < t[n] < 1 - _AT_BOUND:
             out[n] = f"at its bound {round(t[n]):d}"
         elif n == "learn_tokens" and not (
