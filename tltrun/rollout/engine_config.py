@@ -198,7 +198,10 @@ class EngineConfig:
     # tltrun.cli.args.engine_defaults for generate and bench
     eos_token_ids: tuple[int, ...] = field(
         default=(),
-        metadata={"help": "stop token ids besides config.json's and generation_config.json's EOS"},
+        metadata={
+            "help": "stop token ids besides config.json's and generation_config.json's EOS "
+            "(bench replays recorded lengths: it stops at none)"
+        },
     )
 
     def __post_init__(self) -> None:
