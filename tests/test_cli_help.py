@@ -1,6 +1,7 @@
 """Every option of every ``tltsim`` / ``tltrun`` subcommand reads as documentation: a help line,
 a metavar that names the value (N, X, PATH, LIST, the choices) rather than a field path, and
-booleans as options (``--spot-training/--no-spot-training``, never ``--is-...``).
+booleans as options (``--spot-training/--no-spot-training``, never ``--is-...``); and the
+``tltrun`` command's start (it re-executes itself with ``PYTHONHASHSEED`` pinned).
 
 Run: ``python -m pytest tests/test_cli_help.py -q``.
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -138,3 +141,29 @@ def test_python_dash_m_runs_the_command(package):
         [sys.executable, "-m", package, "--help"], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and done.stdout.startswith(f"usage: {package}"), done.stderr
+
+
+def test_the_command_pins_the_hash_seed_unless_the_user_set_one():
+    """Some reasoning-gym tasks generate other problems under another hash seed: the command
+    re-executes itself with PYTHONHASHSEED pinned (its workers and reward processes inherit it);
+    a seed the user set is kept."""
+    import os
+
+    code = (
+        "import os, sys; from tltrun.cli.main import main; "
+        "print('seed', os.environ.get('PYTHONHASHSEED'), hash('tlt'), flush=True); "
+        "sys.argv = ['tltrun', '--help']; main()"
+    )
+
+    def seeds(**env) -> list[list[str]]:
+        base = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+        out = subprocess.run([sys.executable, "-c", code], env={**base, **env},
+                             capture_output=True, text=True, check=False)  # fmt: skip
+        assert out.returncode == 0 and "usage: tltrun" in out.stdout, out.stderr
+        return [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("seed ")]
+
+    first, second = seeds(), seeds(PYTHONHASHSEED="random")
+    # unset (or 'random'): a second start, pinned, and the same hash each time
+    assert [s[0] for s in first] == ["None", "0"] and [s[0] for s in second] == ["random", "0"]
+    assert first[1] == second[1]
+    assert seeds(PYTHONHASHSEED="7") == [["7", seeds(PYTHONHASHSEED="7")[0][1]]]
