@@ -164,65 +164,6 @@ def test_own_simulated_timings_compare_with_zero_error(
     assert "rollout" in capsys.readouterr().out
 
 
-def test_training_is_priced_per_worker_as_tltrun_trains(profile_path, tmp_path):
-    """Hunt: compare priced training as the step's tokens split evenly, but each tltrun worker
-    trains its own rollouts (gradients all-reduced, data not rebalanced): with --prompt-split
-    1,3 the slowest worker trains 3/4 of the tokens. The slowest worker's share is priced."""
-    trace = self_measured(lengths_trace(), "nospec", {}, profile_path, 2, 5)
-    step = trace.steps[0]
-    ids = [p.id for p in step.prompts]
-    uneven = dataclasses.replace(step.measured, instance_prompts=(tuple(ids[:1]), tuple(ids[1:])))
-    path = tmp_path / "uneven.json"
-    save_trace(
-        dataclasses.replace(trace, steps=(dataclasses.replace(step, measured=uneven),)), path
-    )
-    out = tmp_path / "cmp"
-    assert main(["compare", str(path), "--profile", str(profile_path), "--out", str(out)]) == 0
-    sim_train_s = pd.read_csv(out / "steps.csv")["sim_train_s"].iloc[0]
-    cost = ProfileCost(load_profile(profile_path), is_warned=False)
-    big = worker_train_s(cost, step.prompts[1:])
-    assert sim_train_s == pytest.approx(big, rel=1e-9)
-    assert big > max(
-        worker_train_s(cost, step.prompts[:1]), 1.01 * worker_train_s(cost, step.prompts) / 2
-    )
-
-
-def test_a_trace_of_other_hardware_than_the_profile_is_a_warning(profile_path, tmp_path, capsys):
-    """Hunt: generate's trace (torch's default threads) was compared with a 1-thread profile
-    without a word. The old sidecar spelling ("N cores") names the same machine as "N CPUs"."""
-    trace = self_measured(lengths_trace(1), "nospec", {}, profile_path, 1, 32)
-
-    def compare_on(hardware: str) -> str:
-        step = trace.steps[0]
-        measured = dataclasses.replace(step.measured, hardware=hardware)
-        path = tmp_path / "t.json"
-        save_trace(
-            dataclasses.replace(trace, steps=(dataclasses.replace(step, measured=measured),)), path
-        )
-        argv = ["compare", str(path), "--profile", str(profile_path), "--out", str(tmp_path / "c")]
-        assert main(argv) == 0
-        return capsys.readouterr().err
-
-    assert compare_on("test") == ""
-    assert compare_on("EPYC, 2 CPUs, 2 torch threads") == (
-        f"warning: {tmp_path / 't.json'}: measured on 'EPYC, 2 CPUs, 2 torch threads', the "
-        f"profile {profile_path} on 'test': simulated times are the profile's machine's (profile "
-        "with the settings the run used)\n"
-    )
-    old = tmp_path / "old.csv"
-    write_profile(
-        load_profile(profile_path).rows, old, {**META, "hardware": "EPYC, 2 cores, 1 torch threads"}
-    )
-    profile_path = old
-    assert compare_on("EPYC, 2 CPUs, 1 torch threads") == ""
-    # a sidecar naming the GPU by its preset: the same GPU (review)
-    preset = tmp_path / "preset.csv"
-    write_profile(load_profile(old).rows, preset, {**META, "hardware": "H100-SXM"})
-    profile_path = preset
-    assert compare_on("NVIDIA H100 80GB HBM3") == ""
-    assert "measured on 'NVIDIA H200'" in compare_on("NVIDIA H200")
-
-
 def test_speedups_between_policies(profile_path, tmp_path, capsys):
     paths = []
     for policy, settings in (("nospec", {}), ("static", {"strategy": "4_1_4"})):
@@ -512,7 +453,6 @@ def test_drafter_dynamics_learn_the_tokens_the_run_trained(profile_path, tmp_pat
     argv = ["compare", str(tmp_path / "m.json"), "--profile", str(profile_path), "--out", str(out),
             "--drafter-dynamics", str(path)]  # fmt: skip
     assert main(argv) == 0
-    import pandas as pd
 
     accept = pd.read_csv(out / "steps.csv").sim_accept_len.tolist()
     # chain 4: expected accept length (1 - a^5) / (1 - a): 1.11 at a = 0.1, 4.1 at a = 0.9

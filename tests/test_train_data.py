@@ -27,7 +27,7 @@ import torch
 from tiny_models import cuda_param, tiny_model
 
 from tltrun.cli.main import main
-from tltrun.data.tokenizer import ChatTemplateError, load_tokenizer
+from tltrun.data.tokenizer import load_tokenizer
 from tltrun.model.hf_checkpoint import save_hf
 from tltrun.train.config import TrainConfig
 from tltrun.train.launch import run_train
@@ -151,25 +151,6 @@ def test_tokenizer_from_model_dir_applies_chat_template_and_gathers_stop_ids(bpe
     assert tok.decode(plain) == "What is 1 plus 2?" and len(plain) < len(chat)
     wrapped = load_tokenizer(bpe_model, is_chat_template=True).encode_prompt("What is 1 plus 2?")
     assert wrapped == chat
-
-
-def test_a_final_assistant_message_is_continued_not_closed(bpe_model):
-    """Hunt: an R1-style prefill (the prompt ends in an assistant "<think>\\n") was closed with
-    <|im_end|> and followed by a new assistant turn; TRL continues it. A template that drops
-    the continued message (as R1's drops an assistant turn's thinking) is a bad row."""
-    tok = load_tokenizer(bpe_model)
-    user = {"role": "user", "content": "What is 1 plus 2?"}
-    prefill = [user, {"role": "assistant", "content": "<think>\n"}]
-    assert tok.prompt_text(prefill) == (
-        "<|im_start|>user\nWhat is 1 plus 2?<|im_end|>\n<|im_start|>assistant\n<think>\n"
-    )
-    assert tok.prompt_text([user]).endswith("<|im_end|>\n<|im_start|>assistant\n")
-    tok.hf.chat_template = (
-        "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}"
-        "{% endfor %}"
-    )
-    with pytest.raises(ChatTemplateError, match="cannot continue the final assistant message"):
-        tok.prompt_text(prefill)
 
 
 def test_chat_template_refusals_are_bad_rows_and_a_broken_template_one_line(bpe_model, tmp_path):

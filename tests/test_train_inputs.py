@@ -21,6 +21,7 @@ import pytest
 from test_train_data import bpe_model, data_dir  # noqa: F401 (fixtures)
 
 from tltrun.data.dataset import DataError
+from tltrun.data.tokenizer import ChatTemplateError, load_tokenizer
 from tltrun.train.config import TrainConfig
 from tltrun.train.prompts import load_run_data, max_request_tokens, prompt_cap
 from tltrun.train.tasks import TaskConfig
@@ -361,3 +362,22 @@ def test_a_format_penalty_beside_a_user_reward_function_is_refused():
     with pytest.raises(ValueError, match="format_penalty 0.5: a file.py:function reward has no"):
         TrainConfig(model_dir="m", out="o", data="d.jsonl", reward="r.py:score", format_penalty=0.5)
     TrainConfig(model_dir="m", out="o", data="d.jsonl", reward="math", format_penalty=0.5)
+
+
+def test_a_final_assistant_message_is_continued_not_closed(bpe_model):  # noqa: F811
+    """Hunt: an R1-style prefill (the prompt ends in an assistant "<think>\\n") was closed with
+    <|im_end|> and followed by a new assistant turn; TRL continues it. A template that drops
+    the continued message (as R1's drops an assistant turn's thinking) is a bad row."""
+    tok = load_tokenizer(bpe_model)
+    user = {"role": "user", "content": "What is 1 plus 2?"}
+    prefill = [user, {"role": "assistant", "content": "<think>\n"}]
+    assert tok.prompt_text(prefill) == (
+        "<|im_start|>user\nWhat is 1 plus 2?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+    )
+    assert tok.prompt_text([user]).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    tok.hf.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}"
+        "{% endfor %}"
+    )
+    with pytest.raises(ChatTemplateError, match="cannot continue the final assistant message"):
+        tok.prompt_text(prefill)

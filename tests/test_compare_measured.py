@@ -1,0 +1,85 @@
+"""``tltsim compare`` against what a tltrun run measured: training priced per worker (each
+trains its own rollouts), and a trace measured on other hardware than the profile (a warning).
+The measured traces and profile: tests/test_compare.py's helpers.
+
+Run: .venv/bin/python -m pytest tests/test_compare_measured.py -q
+"""
+
+# ruff: noqa: F811 (profile_path: the fixture imported from test_compare)
+from __future__ import annotations
+
+import dataclasses
+
+import pandas as pd
+import pytest
+from test_compare import (  # noqa: F401
+    META,
+    lengths_trace,
+    profile_path,
+    self_measured,
+    worker_train_s,
+)
+
+from tltsim.cli.main import main
+from tltsim.cost.measured import ProfileCost
+from tltsim.cost.profile import load_profile, write_profile
+from tltsim.trace.files import save_trace
+
+
+def test_training_is_priced_per_worker_as_tltrun_trains(profile_path, tmp_path):
+    """Hunt: compare priced training as the step's tokens split evenly, but each tltrun worker
+    trains its own rollouts (gradients all-reduced, data not rebalanced): with --prompt-split
+    1,3 the slowest worker trains 3/4 of the tokens. The slowest worker's share is priced."""
+    trace = self_measured(lengths_trace(), "nospec", {}, profile_path, 2, 5)
+    step = trace.steps[0]
+    ids = [p.id for p in step.prompts]
+    uneven = dataclasses.replace(step.measured, instance_prompts=(tuple(ids[:1]), tuple(ids[1:])))
+    path = tmp_path / "uneven.json"
+    save_trace(
+        dataclasses.replace(trace, steps=(dataclasses.replace(step, measured=uneven),)), path
+    )
+    out = tmp_path / "cmp"
+    assert main(["compare", str(path), "--profile", str(profile_path), "--out", str(out)]) == 0
+    sim_train_s = pd.read_csv(out / "steps.csv")["sim_train_s"].iloc[0]
+    cost = ProfileCost(load_profile(profile_path), is_warned=False)
+    big = worker_train_s(cost, step.prompts[1:])
+    assert sim_train_s == pytest.approx(big, rel=1e-9)
+    assert big > max(
+        worker_train_s(cost, step.prompts[:1]), 1.01 * worker_train_s(cost, step.prompts) / 2
+    )
+
+
+def test_a_trace_of_other_hardware_than_the_profile_is_a_warning(profile_path, tmp_path, capsys):
+    """Hunt: generate's trace (torch's default threads) was compared with a 1-thread profile
+    without a word. The old sidecar spelling ("N cores") names the same machine as "N CPUs"."""
+    trace = self_measured(lengths_trace(1), "nospec", {}, profile_path, 1, 32)
+
+    def compare_on(hardware: str) -> str:
+        step = trace.steps[0]
+        measured = dataclasses.replace(step.measured, hardware=hardware)
+        path = tmp_path / "t.json"
+        save_trace(
+            dataclasses.replace(trace, steps=(dataclasses.replace(step, measured=measured),)), path
+        )
+        argv = ["compare", str(path), "--profile", str(profile_path), "--out", str(tmp_path / "c")]
+        assert main(argv) == 0
+        return capsys.readouterr().err
+
+    assert compare_on("test") == ""
+    assert compare_on("EPYC, 2 CPUs, 2 torch threads") == (
+        f"warning: {tmp_path / 't.json'}: measured on 'EPYC, 2 CPUs, 2 torch threads', the "
+        f"profile {profile_path} on 'test': simulated times are the profile's machine's (profile "
+        "with the settings the run used)\n"
+    )
+    old = tmp_path / "old.csv"
+    write_profile(
+        load_profile(profile_path).rows, old, {**META, "hardware": "EPYC, 2 cores, 1 torch threads"}
+    )
+    profile_path = old
+    assert compare_on("EPYC, 2 CPUs, 1 torch threads") == ""
+    # a sidecar naming the GPU by its preset: the same GPU (review)
+    preset = tmp_path / "preset.csv"
+    write_profile(load_profile(old).rows, preset, {**META, "hardware": "H100-SXM"})
+    profile_path = preset
+    assert compare_on("NVIDIA H100 80GB HBM3") == ""
+    assert "measured on 'NVIDIA H200'" in compare_on("NVIDIA H200")
