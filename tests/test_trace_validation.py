@@ -364,6 +364,27 @@ def test_missing_file_directory_and_broken_gzip(
     assert "Parquet" in _run_validate(tmp_path / "junk.parquet", capsys)
 
 
+def test_a_csv_cut_at_a_prompt_boundary_is_refused(tmp_path: Path, capsys) -> None:
+    """Hunt (twice): a CSV twin cut between two prompts validated as a shorter trace; its meta
+    line now counts the rows written. A CSV without the count (older) is read as it is."""
+    from tltsim.trace.files import load_trace, save_trace
+    from tltsim.trace.schema import trace_from_dict
+
+    prompts = [{"id": f"p{i}", "prompt_tokens": 10, "responses": [5, 7]} for i in range(3)]
+    doc = {"format": "tlt-trace", "version": 1, "meta": {"group_size": 2},
+           "steps": [{"step": 0, "prompts": prompts}]}  # fmt: skip
+    save_trace(trace_from_dict(doc, "doc"), tmp_path / "t.csv")
+    lines = (tmp_path / "t.csv").read_text().splitlines(keepends=True)  # meta, header, 6 rows
+    (tmp_path / "cut.csv").write_text("".join(lines[:-2]))  # the last prompt's two rows
+    err = _run_validate(tmp_path / "cut.csv", capsys)
+    assert "4 rows, but its meta line says 6 were written: the file was cut" in err
+    header = json.loads(lines[0].split("meta: ", 1)[1])
+    del header["_tlt_num_rows"]
+    old = lines[0].split("meta: ", 1)[0] + "meta: " + json.dumps(header) + "\n"
+    (tmp_path / "old.csv").write_text(old + "".join(lines[1:-2]))
+    assert load_trace(tmp_path / "old.csv").num_responses == 4
+
+
 @pytest.mark.parametrize("has_meta", [True, False])
 def test_csv_with_a_leading_byte_order_mark_reads_like_without(tmp_path: Path, has_meta) -> None:
     """A spreadsheet's BOM hid the '#' of the meta line: 'missing column step' for a good file."""

@@ -2,10 +2,10 @@
 
 Columns ``step,prompt_id,prompt_tokens,response_tokens`` plus an optional ``finish``
 (``stop``/``length``; when absent a response equal to the cap is ``length``, see
-``tltsim.trace.schema.inferred_finish``). The trace's ``meta`` travels in a first comment line of the CSV,
-``# tlt-trace v1 meta: {...}`` (read it with ``pd.read_csv(path, skiprows=1)``; ``comment="#"``
-would cut a prompt id holding a ``#``), and in the
-Parquet schema metadata under the key ``tlt-trace``. A CSV without that line is accepted (its meta
+``tltsim.trace.schema.inferred_finish``). The trace's ``meta`` travels in a first comment line
+of the CSV, ``# tlt-trace v1 meta: {...}``, with the file's row count (``CSV_ROWS_KEY``, checked
+on reading); read the CSV with ``pd.read_csv(path, skiprows=1)`` (``comment="#"`` would cut a
+prompt id holding a ``#``). In Parquet the header is the schema metadata's ``tlt-trace`` key. A CSV without that line is accepted (its meta
 is then ``{"source": <file name>}``). Per-response ``accept_hist`` and per-step ``measured`` are
 JSON-only. Use through ``tltsim.trace.files.load_trace`` / ``save_trace``.
 
@@ -44,6 +44,11 @@ from tltsim.trace.schema import (
 COLUMNS = ("step", "prompt_id", "prompt_tokens", "response_tokens")
 META_PREFIX = f"# {FORMAT} v{VERSION} meta: "
 PARQUET_META_KEY = b"tlt-trace"
+# The CSV's meta line also counts its rows under this key (taken out of the trace's meta on
+# reading): a file cut at a prompt boundary read as a valid, shorter trace. JSON, gzip and
+# Parquet catch a cut file themselves; a CSV without the key (older, or written by hand) is
+# read as it is.
+CSV_ROWS_KEY = "_tlt_num_rows"
 _HEADER_RE = re.compile(r"# (\S+) v(\S+) meta: (.*)")
 _MAX_DIGITS = 15  # int64-safe; no real token count comes near 10**15
 
@@ -97,6 +102,12 @@ def _read_csv(path: Path) -> tuple[dict[str, pd.Series], dict[str, Any], Callabl
         raise TraceError(
             f"{source}: not a readable CSV: {str(err).strip().splitlines()[0]}"
         ) from None
+    num_rows = meta.pop(CSV_ROWS_KEY, None) if has_meta else None
+    if num_rows is not None and num_rows != len(frame):
+        raise TraceError(
+            f"{source}: {len(frame)} rows, but its meta line says {num_rows} were written: the "
+            "file was cut (copied or written in part?)"
+        )
     lines: list[int] = []  # each data row's first file line, found when an error names one
 
     def row(i: int) -> str:
@@ -338,7 +349,8 @@ def write_table(
             # pandas' skiprows tokenizes the line it skips: a field opening with '"' after a
             # comma (a meta string ending in ',': `"model": ","`) swallowed the whole file. With
             # json.dumps' ", " separators ',"' only occurs there, and \u002c is the same comma.
-            meta_text = json.dumps(trace.meta).replace(',"', '\\u002c"')
+            meta_text = json.dumps({**trace.meta, CSV_ROWS_KEY: len(frame)})
+            meta_text = meta_text.replace(',"', '\\u002c"')
             fh.write(META_PREFIX + meta_text + "\n")
             # csv quotes a field holding the line terminator ("\n") but not a bare "\r", which
             # readers take for a line end: an id holding one is written with every field quoted
