@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -148,6 +149,24 @@ def test_a_value_a_bound_or_a_held_value_sets_is_not_called_fitted(tmp_path, cap
         synthetic_trace(sure, [0] + [3000] * 5, "4_1_4", num_prompts=4), FitConfig(), "s"
     )
     assert ones.fit.caveats["max_accept_rate"].startswith("at its bound 1")
+
+
+def test_a_parameter_the_data_cannot_move_leaves_the_others_standard_errors() -> None:
+    """README tour: a 20-step run's fit (drift at its bound 0, so the stale rate moved nothing)
+    printed every standard error as infinite (one zero Jacobian column made the information
+    matrix singular), and --accept-rate-range fit refused the file. Only the unmoved one is."""
+    from tltsim.fidelity.fit_dynamics import _stderr
+
+    class Linear:  # residuals 2a - 1 and 3a: b moves nothing
+        free = ("a", "b")
+
+        def residuals_theta(self, t):
+            return np.array([2 * t["a"] - 1, 3 * t["a"]])
+
+    t = {"a": 0.5, "b": 0.3}
+    stderr = _stderr(Linear(), t, Linear().residuals_theta(t), 1.0)
+    assert stderr["b"] == math.inf
+    assert stderr["a"] == pytest.approx(1 / math.sqrt(2**2 + 3**2), rel=1e-4)  # (J^T J)^-1/2
 
 
 def test_tree_fit_recovers_sibling_rate() -> None:

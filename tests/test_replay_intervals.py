@@ -114,6 +114,11 @@ def test_a_fit_band_moves_the_history_logits_by_their_standard_errors(tmp_path: 
     fit.write_text(json.dumps({"fit": {"stderr": {"max_accept_rate": 0.01}}}))
     band = accept_band(DRAFTER, "fit", fit, history)
     assert band.history_low is None and "history drafter held" in band.description
+    # the rates without a finite standard error stay at their fitted values, said
+    assert "(initial_accept_rate, stale_accept_rate held: no finite standard error)" in (
+        band.description
+    )
+    assert band.low.stale_accept_rate == band.high.stale_accept_rate == DRAFTER.stale_accept_rate
 
 
 def test_seeds_change_results(point) -> None:

@@ -241,12 +241,18 @@ def _stderr(model: _Model, t: dict[str, float], r0: np.ndarray, scale: float) ->
         else:
             cols.append(np.zeros_like(r0))
     jac = np.column_stack(cols)
-    info = jac.T @ jac
-    try:
-        cov = np.linalg.inv(info) * scale
-        diag = np.diag(cov)
-    except np.linalg.LinAlgError:
-        diag = np.full(len(model.free), math.inf)
+    # A parameter the residuals do not move (a zero column: drift at its bound 0 leaves the
+    # stale rate nothing to act on) has an infinite standard error; the others' come from the
+    # rest of the information matrix (one zero column made the whole matrix singular, and
+    # every standard error was reported infinite: the tour's 20-step run, review)
+    norms = np.linalg.norm(jac, axis=0)
+    keep = norms > 1e-12 * max(float(norms.max(initial=0.0)), 1e-300)
+    diag = np.full(len(model.free), math.inf)
+    if keep.any():
+        sub = jac[:, keep]
+        # still singular: every kept parameter is undetermined too
+        with contextlib.suppress(np.linalg.LinAlgError):
+            diag[keep] = np.diag(np.linalg.inv(sub.T @ sub)) * scale
     return {
         n: (math.sqrt(d) if d >= 0 and math.isfinite(d) else math.inf)
         for n, d in zip(model.free, diag, strict=True)

@@ -143,6 +143,9 @@ def _fit_band(dynamics: DrafterDynamics, path: Path, history: HistoryModel | Non
 
     history_ses = _history_stderr(obj) if history is not None else {}
     description = f"fit +/- {Z_95:.2f} se"
+    held = [n for n in ACCEPT_RATE_FIELDS if n not in ses]
+    if held:  # an undetermined rate (infinite standard error) stays at its fitted value
+        description += f" ({', '.join(held)} held: no finite standard error)"
     if history is None or not history_ses:
         if history is not None:
             description += " (history drafter held: the fit has no history standard errors)"
