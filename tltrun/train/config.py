@@ -256,7 +256,8 @@ class TrainConfig:
         default="",
         metadata={
             "help": "builtin | math | exact | regex:PATTERN | reasoning-gym:<task> | "
-            "file.py:function (default: builtin, or reasoning-gym:<task> for such --data)"
+            "file.py:function (default: builtin for the built-in task, reasoning-gym:<task> for "
+            "such --data; required with a data file)"
         },
     )
     reward_timeout_s: float = field(
