@@ -155,13 +155,19 @@ def speedup_surface(
             range(grid.shape[0]), [f"{v:g}" if isinstance(v, float) else str(v) for v in grid.index]
         )
         for (i, j), value in np.ndenumerate(grid.to_numpy()):
-            if np.isfinite(value):
-                ax.text(j, i, f"{value:.2f}", ha="center", va="center", color="white", fontsize=8)
+            if np.isfinite(value):  # dark text on viridis' bright (yellow) end, light elsewhere
+                bright = vmax > vmin and (value - vmin) / (vmax - vmin) > 0.6
+                color = "black" if bright else "white"
+                ax.text(j, i, f"{value:.2f}", ha="center", va="center", color=color, fontsize=8)
         if policy == best_policy:
             i, j = np.unravel_index(np.nanargmax(grid.to_numpy()), grid.shape)
             best = f"best mean over {', '.join(averaged)}" if averaged else "best"
-            ax.plot([j], [i], marker="*", ms=22, color="gold", mec="black", ls="none", label=best)
-            ax.legend(loc="upper right", fontsize=8)
+            # an outline: a filled star hid the cell's value
+            ax.plot(
+                [j], [i], marker="*", ms=26, mfc="none", mec="red", mew=1.5, ls="none", label=best
+            )
+            # below the axes: inside, it covered the top-right cell
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), fontsize=8)
         ax.set_xlabel(x)
         ax.set_ylabel(y)
         ax.set_title(f"{policy}: speedup vs NoSpec\n(mean over {over})")
