@@ -24,7 +24,7 @@ import pytest
 from test_train import TASK, config, deterministic, model_dir, rows  # noqa: F401 (a fixture)
 
 from tltrun.train.launch import run_train
-from tltsim.errors import WorkerError
+from tltsim.errors import UsageError, WorkerError
 
 SMALL = ["--num-steps", "2", "--prompts-per-step", "6", "--group-size", "2",
          "--max-new-tokens", "16", "--policy", "nospec", "--num-threads", "1", "--seed", "0",
@@ -65,6 +65,47 @@ def test_torchrun_standalone_runs_two_grpo_steps(model_dir, tmp_path, num_procs)
     assert config_json["train"]["num_workers"] == num_procs  # the world size decides
     assert (out / "ckpt" / "step_000002" / "manifest.json").is_file()
     assert (out / "final" / "actor" / "model.safetensors").is_file()
+
+
+def test_ranks_started_with_other_settings_or_blind_to_out_stop_together(monkeypatch, tmp_path):
+    """Hunt (two nodes on one machine): a node started with another --lr trained other weights
+    with exit 0, another --checkpoint-every deadlocked, node-local --out failed at the first
+    checkpoint blaming the disk. Every rank compares its settings with rank 0's, and checks it
+    sees the run directory; the exchange itself is torch's (faked here with rank 1's values)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from tltrun.train import elastic
+
+    cfg = config(Path("m"), tmp_path / "run", num_steps=1)
+    other = {"cfg": dataclasses.replace(cfg, lr=0.5, checkpoint_every=2), "sees": False}
+
+    def gather(into, mine):  # rank 0 is this process, rank 1 differs
+        into[0] = mine
+        into[1] = (
+            other["sees"]
+            if isinstance(mine, bool)
+            else {**mine, **{f"train.{k}": v for k, v in dataclasses.asdict(other["cfg"]).items()}}
+        )
+
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
+    with pytest.raises(UsageError) as err:
+        elastic.check_same_command(cfg, TASK, False, False)
+    assert str(err.value) == (
+        f"rank 1 was started with other settings than rank 0 (--lr {cfg.lr!r} vs 0.5; "
+        "--checkpoint-every 1 vs 2): run the same tltrun train command on every node"
+    )
+    other["cfg"] = cfg
+    elastic.check_same_command(cfg, TASK, False, False)  # the same command: nothing to say
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{}")
+    with pytest.raises(UsageError, match="rank 1 cannot see the run directory rank 0 prepared"):
+        elastic.check_shared_out(tmp_path / "run")
+    other["sees"] = True
+    elastic.check_shared_out(tmp_path / "run")
 
 
 def test_a_rank_exception_is_one_line_naming_the_rank(model_dir, tmp_path, monkeypatch):  # noqa: F811

@@ -285,8 +285,12 @@ def worker_error(out: Path, rank: int, report: str) -> WorkerError:
     """One line for a worker's exception: its rank and the exception's last line (type and
     message); the whole traceback is appended to ``OUT/worker_errors.log``."""
     log = out / "worker_errors.log"
-    with log.open("a") as fh:
-        fh.write(f"--- worker rank {rank}, {datetime.now(UTC).isoformat()} ---\n{report}\n")
+    try:
+        with log.open("a") as fh:
+            fh.write(f"--- worker rank {rank}, {datetime.now(UTC).isoformat()} ---\n{report}\n")
+    except OSError:  # a rank that cannot reach --out: the error is said, not the log's failure
+        log = Path(tempfile.gettempdir()) / f"tltrun-worker-{rank}-{os.getpid()}.log"
+        log.write_text(report)
     cause = _exception_line(report)
     kind, _, message = cause.partition(": ")
     is_input = is_input_error_name(kind)
@@ -313,3 +317,47 @@ def _exception_line(report: str) -> str:
             more = [line.strip() for line in lines[i + 1 : i + 2] if line.startswith(" ")]
             return ": ".join([lines[i].strip(), *more])
     return next((line.strip() for line in reversed(lines) if line.strip()), "no message")
+
+
+def check_same_command(cfg: Any, task: Any, is_resume: bool, is_override_config: bool) -> None:
+    """Every rank of a torchrun job parsed its own command line, and only rank 0's is checked
+    and recorded: a node started with another --lr trained other weights with exit 0, another
+    --checkpoint-every deadlocked in the checkpoint barrier, another --out failed at the first
+    checkpoint (hunt). The ranks compare their settings and stop together, naming the flags."""
+    from dataclasses import asdict
+
+    from tltrun.train.config_checks import flag_of
+
+    mine = {
+        **{f"train.{k}": v for k, v in asdict(cfg).items()},
+        **{f"task.{k}": v for k, v in asdict(task).items()},
+        "train.resume": is_resume,
+        "train.override_config": is_override_config,
+    }
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for rank, theirs in enumerate(every):
+        differ = [k for k in mine if every[0].get(k) != theirs.get(k)]
+        if differ:
+            shown = "; ".join(
+                f"{flag_of(k)} {every[0].get(k)!r} vs {theirs.get(k)!r}" for k in differ[:4]
+            )
+            dist.destroy_process_group()
+            raise UsageError(
+                f"rank {rank} was started with other settings than rank 0 ({shown}): run the "
+                "same tltrun train command on every node"
+            )
+
+
+def check_shared_out(out: Path) -> None:
+    """Rank 0 prepared ``out``; a rank that cannot see it (node-local disks under one path)
+    would fail at the first checkpoint, blaming the disk (hunt): every rank stops now."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (out / "config.json").is_file())
+    blind = [r for r, sees in enumerate(every) if not sees]
+    if blind:
+        dist.destroy_process_group()
+        raise UsageError(
+            f"--out {out}: rank {blind[0]} cannot see the run directory rank 0 prepared: --out "
+            "must be on a file system every node shares"
+        )

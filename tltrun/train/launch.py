@@ -325,6 +325,7 @@ def run_ranked(
         except ValueError as err:
             raise UsageError(f"torchrun world size {env.world_size}: {err}") from None
     elastic.init_process_group(cfg.device)
+    elastic.check_same_command(cfg, task, is_resume, is_override_config)
     out = Path(cfg.out)
     with ExitStack() as lock:
         verdict: dict = {}
@@ -352,11 +353,15 @@ def run_ranked(
             if env.rank == 0:
                 raise first_error
             raise RankZeroStopped(f"rank {env.rank}: rank 0 stopped the run", verdict["exit_code"])
+        elastic.check_shared_out(out)
         try:
             run_worker(env, cfg, task, verdict["resume"])
         except Exception as err:
             ErrorHandler().record_exception(err)  # torchrun's error file: its summary
-            raise elastic.worker_error(out, env.rank, traceback.format_exc()) from None
+            failure = elastic.RankFailure(rank=env.rank, pid=os.getpid(), exit_code=1,
+                                          traceback=traceback.format_exc())  # fmt: skip
+            # (a peer's death reached this rank as gloo's raw "Connection closed by peer")
+            raise elastic.failure_error(out, failure) from None
     return out
 
 
