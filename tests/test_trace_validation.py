@@ -377,7 +377,7 @@ def test_a_csv_cut_at_a_prompt_boundary_is_refused(tmp_path: Path, capsys) -> No
     lines = (tmp_path / "t.csv").read_text().splitlines(keepends=True)  # meta, header, 6 rows
     (tmp_path / "cut.csv").write_text("".join(lines[:-2]))  # the last prompt's two rows
     err = _run_validate(tmp_path / "cut.csv", capsys)
-    assert "4 rows, but its meta line says 6 were written: the file was cut" in err
+    assert "4 rows, but its meta line says 6 were written: the file was cut or edited" in err
     header = json.loads(lines[0].split("meta: ", 1)[1])
     del header["_tlt_num_rows"]
     old = lines[0].split("meta: ", 1)[0] + "meta: " + json.dumps(header) + "\n"

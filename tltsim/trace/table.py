@@ -5,9 +5,9 @@ Columns ``step,prompt_id,prompt_tokens,response_tokens`` plus an optional ``fini
 ``tltsim.trace.schema.inferred_finish``). The trace's ``meta`` travels in a first comment line
 of the CSV, ``# tlt-trace v1 meta: {...}``, with the file's row count (``CSV_ROWS_KEY``, checked
 on reading); read the CSV with ``pd.read_csv(path, skiprows=1)`` (``comment="#"`` would cut a
-prompt id holding a ``#``). In Parquet the header is the schema metadata's ``tlt-trace`` key. A CSV without that line is accepted (its meta
-is then ``{"source": <file name>}``). Per-response ``accept_hist`` and per-step ``measured`` are
-JSON-only. Use through ``tltsim.trace.files.load_trace`` / ``save_trace``.
+prompt id holding a ``#``). In Parquet the header is the schema metadata's ``tlt-trace`` key.
+A CSV without that line is accepted (its meta is then ``{"source": <file name>}``).
+Per-response ``accept_hist`` and per-step ``measured`` are JSON-only. Use through ``tltsim.trace.files.load_trace`` / ``save_trace``.
 
 Rows may come in any order: steps are sorted by number, prompts keep their first appearance
 within the step, responses keep row order. Bad rows raise one-line ``TraceError`` naming the
@@ -106,7 +106,8 @@ def _read_csv(path: Path) -> tuple[dict[str, pd.Series], dict[str, Any], Callabl
     if num_rows is not None and num_rows != len(frame):
         raise TraceError(
             f"{source}: {len(frame)} rows, but its meta line says {num_rows} were written: the "
-            "file was cut (copied or written in part?)"
+            f"file was cut or edited since (to read it as it is, remove {CSV_ROWS_KEY!r} from "
+            "the meta line)"
         )
     lines: list[int] = []  # each data row's first file line, found when an error names one
 
