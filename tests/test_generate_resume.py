@@ -314,7 +314,9 @@ def test_sigterm_stops_generate_with_one_line_and_a_resumable_run(inputs, tmp_pa
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143 and err.strip().splitlines()[-1] == "stopped by SIGTERM", err
+    # (the line said nothing of --resume)
+    said = f"error: {out}: stopped by SIGTERM; continue with tltrun generate --out {out} --resume"
+    assert proc.returncode == 143 and err.strip().splitlines()[-1] == said, err
     assert main(["generate", "--out", str(out), "--resume"]) == 0, capsys.readouterr().err
     assert (out / "trace.json").exists()
 

@@ -299,3 +299,17 @@ def stop_says_how_to_resume(out: Path, command: str) -> Iterator[None]:
         else:
             then = "it wrote no resumable state yet (--checkpoint-every); start it again"
         raise StoppedError(f"{out}: {how}; {then}", code) from None
+
+
+@contextmanager
+def stop_says_resume(out: Path, command: str) -> Iterator[None]:
+    """``stop_says_how_to_resume`` for generate and bench, which resume from what they wrote
+    whenever they stop (their rows, not a state file): the stop said "stopped by SIGTERM" and
+    nothing of --resume."""
+    try:
+        yield
+    except (KeyboardInterrupt, Terminated) as err:
+        how, code = ("interrupted", 130) if isinstance(err, KeyboardInterrupt) else (
+            "stopped by SIGTERM", 143)  # fmt: skip
+        then = f"continue with {command} --out {out} --resume"
+        raise StoppedError(f"{out}: {how}; {then}", code) from None

@@ -24,6 +24,7 @@ from tltrun.cli.args import (
     engine_defaults,
     recorded_engine_run,
     run_config_dict,
+    stop_says_resume,
 )
 from tltrun.rollout.bench import (
     BenchConfig,
@@ -109,7 +110,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--dtype {engine_cfg.dtype_name}: --backend vllm takes {', '.join(VLLM_DTYPES)}"
             )
-    with RunLock(out, "tltrun bench"):
+    with RunLock(out, "tltrun bench"), stop_says_resume(out, "tltrun bench"):
         if args.resume:
             done, notes = finished_rows(cfg, select_steps(trace, cfg, None), out)
             for note in notes:

@@ -35,6 +35,7 @@ from tltrun.cli.args import (
     engine_defaults,
     recorded_engine_run,
     run_config_dict,
+    stop_says_resume,
 )
 from tltrun.cli.generations_log import GenerationsLog
 from tltrun.data.dataset import checked_prompt
@@ -230,7 +231,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             args, defaults=engine_defaults(cfg.model, len(requests), longest)
         )
     check_kv_cache_fits(cfg.model, engine_cfg)
-    with RunLock(out, "tltrun generate"):
+    with RunLock(out, "tltrun generate"), stop_says_resume(out, "tltrun generate"):
         log = GenerationsLog(out / "generations.jsonl", tokenizer)
         if args.resume:
             done = log.resume(requests)
