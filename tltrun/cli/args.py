@@ -283,10 +283,14 @@ def recorded_engine_run(
 
 
 @contextmanager
-def stop_says_how_to_resume(out: Path, command: str) -> Iterator[None]:
+def stop_says_how_to_resume(
+    out: Path, command: str, is_resumable_anytime: bool = False
+) -> Iterator[None]:
     """Ctrl-C or SIGTERM (``run_command(..., is_sigterm_handled=True)``) during an offline run
     ends as one line saying how to continue: from its last resumable state with ``--resume``,
-    or, stopped before its first, by starting again."""
+    or, stopped before its first, by starting again. ``is_resumable_anytime``: generate and
+    bench, which resume from the rows they wrote whenever they stop (their stop said nothing of
+    --resume)."""
     from tltrun.train.resumable import STATE_FILE
 
     try:
@@ -294,22 +298,10 @@ def stop_says_how_to_resume(out: Path, command: str) -> Iterator[None]:
     except (KeyboardInterrupt, Terminated) as err:
         how, code = ("interrupted", 130) if isinstance(err, KeyboardInterrupt) else (
             "stopped by SIGTERM", 143)  # fmt: skip
-        if (out / STATE_FILE).is_file():
+        if is_resumable_anytime:
+            then = f"continue with {command} --out {out} --resume"
+        elif (out / STATE_FILE).is_file():
             then = f"continue from its last state with {command} --out {out} --resume"
         else:
             then = "it wrote no resumable state yet (--checkpoint-every); start it again"
-        raise StoppedError(f"{out}: {how}; {then}", code) from None
-
-
-@contextmanager
-def stop_says_resume(out: Path, command: str) -> Iterator[None]:
-    """``stop_says_how_to_resume`` for generate and bench, which resume from what they wrote
-    whenever they stop (their rows, not a state file): the stop said "stopped by SIGTERM" and
-    nothing of --resume."""
-    try:
-        yield
-    except (KeyboardInterrupt, Terminated) as err:
-        how, code = ("interrupted", 130) if isinstance(err, KeyboardInterrupt) else (
-            "stopped by SIGTERM", 143)  # fmt: skip
-        then = f"continue with {command} --out {out} --resume"
         raise StoppedError(f"{out}: {how}; {then}", code) from None

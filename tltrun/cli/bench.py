@@ -24,7 +24,7 @@ from tltrun.cli.args import (
     engine_defaults,
     recorded_engine_run,
     run_config_dict,
-    stop_says_resume,
+    stop_says_how_to_resume,
 )
 from tltrun.rollout.bench import (
     BenchConfig,
@@ -110,7 +110,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise UsageError(
                 f"--dtype {engine_cfg.dtype_name}: --backend vllm takes {', '.join(VLLM_DTYPES)}"
             )
-    with RunLock(out, "tltrun bench"), stop_says_resume(out, "tltrun bench"):
+    with (
+        RunLock(out, "tltrun bench"),
+        stop_says_how_to_resume(out, "tltrun bench", is_resumable_anytime=True),
+    ):
         if args.resume:
             done, notes = finished_rows(cfg, select_steps(trace, cfg, None), out)
             for note in notes:

@@ -35,7 +35,7 @@ from tltrun.cli.args import (
     engine_defaults,
     recorded_engine_run,
     run_config_dict,
-    stop_says_resume,
+    stop_says_how_to_resume,
 )
 from tltrun.cli.generations_log import GenerationsLog
 from tltrun.data.dataset import checked_prompt
@@ -231,7 +231,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             args, defaults=engine_defaults(cfg.model, len(requests), longest)
         )
     check_kv_cache_fits(cfg.model, engine_cfg)
-    with RunLock(out, "tltrun generate"), stop_says_resume(out, "tltrun generate"):
+    with (
+        RunLock(out, "tltrun generate"),
+        stop_says_how_to_resume(out, "tltrun generate", is_resumable_anytime=True),
+    ):
         log = GenerationsLog(out / "generations.jsonl", tokenizer)
         if args.resume:
             done = log.resume(requests)
