@@ -88,15 +88,21 @@ def split_read(path: Path) -> str | None:
             splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
         except (OSError, ValueError, KeyError, TypeError):
             return None  # read_records says what is wrong with it
-        if not isinstance(splits, list) or not splits:
-            return None
-        return "train" if "train" in splits else str(splits[0])
+        return _dict_split([str(x) for x in splits]) if isinstance(splits, list) else None
     if any((path / name).is_file() for name in SAVE_TO_DISK_FILES):
         return None
     try:
         return split_of(shard_files(path)[0].name)
     except (DataError, OSError):
         return None
+
+
+def _dict_split(splits: list[str]) -> str | None:
+    """The split of a DatasetDict that is read: ``train``, else the only one (None: several
+    without train, which the reader refuses)."""
+    if "train" in splits:
+        return "train"
+    return splits[0] if len(splits) == 1 else None
 
 
 def _read_file(path: Path, *, index_from: int) -> Iterator[RawRow]:
@@ -280,22 +286,22 @@ def _table_rows(batches: Iterable[Any], path: Path) -> Iterator[RawRow]:
         if len(names) < len(batch.schema.names):
             batch = batch.select(names)
         try:
-            records: list[Any] = batch.to_pylist()
+            rows = [(record, "") for record in batch.to_pylist()]
         except (OverflowError, ValueError):  # per row, to name the bad ones
-            records = []
-            for i in range(batch.num_rows):
-                try:
-                    records.append(batch.slice(i, 1).to_pylist()[0])
-                except (OverflowError, ValueError) as row_err:
-                    records.append(f"a value Python cannot hold ({type(row_err).__name__}: "
-                                   f"{one_line(row_err)})")  # fmt: skip
-        for record in records:
-            place = f"{path}:row {index + 1}"
-            if isinstance(record, str):
-                yield RawRow(index=index, place=place, record=None, problem=record)
-            else:
-                yield RawRow(index=index, place=place, record=record)
+            rows = [_one_row(batch, i) for i in range(batch.num_rows)]
+        for record, problem in rows:
+            yield RawRow(
+                index=index, place=f"{path}:row {index + 1}", record=record, problem=problem
+            )
             index += 1
+
+
+def _one_row(batch: Any, i: int) -> tuple[dict[str, Any] | None, str]:
+    """Row ``i`` of ``batch`` as (record, ""), or (None, why Python cannot hold it)."""
+    try:
+        return batch.slice(i, 1).to_pylist()[0], ""
+    except (OverflowError, ValueError) as err:
+        return None, f"a value Python cannot hold ({type(err).__name__}: {one_line(err)})"
 
 
 def _read_csv(path: Path) -> Iterator[RawRow]:
@@ -351,10 +357,9 @@ def _read_saved_dataset(path: Path) -> Iterator[RawRow]:
         splits = sorted(loaded)
         if not splits:
             raise DataError(f"{path}: a DatasetDict without splits (no rows)")
-        if "train" in loaded:
-            loaded = loaded["train"]
-        elif len(splits) == 1:
-            loaded = loaded[splits[0]]
+        chosen = _dict_split(splits)
+        if chosen is not None:
+            loaded = loaded[chosen]
         else:
             raise DataError(
                 f"{path}: a DatasetDict without a 'train' split and with several splits "
