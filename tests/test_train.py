@@ -296,3 +296,16 @@ def test_tlt_drafters_reach_the_policy_and_are_checked(model_dir, tmp_path):
         assert "history:8_1_8" in {a.arm for a in policy.config.buckets()[0][2]}
     with pytest.raises(ValueError, match="history_strategies"):
         config(model_dir, tmp_path, policy="tlt", tlt_history_strategies=("8_1_8",))
+
+
+def test_the_largest_seed_runs_every_worker_and_spot_trainer(model_dir, tmp_path):
+    """--seed 2^63 - 1 is legal; the workers derive ``seed * 1000 + stream + rank`` from it,
+    which overflowed torch's seed range and stopped every worker (engine and spot trainer)."""
+    largest = 2**63 - 1
+    cfg = config(model_dir, tmp_path / "r", seed=largest, num_steps=1, policy="tlt")
+    assert [cfg.worker_seed(r, stream=s) for s in (0, 500) for r in (0, 1)] == [
+        (largest * 1000 + s + r) % 2**63 for s in (0, 500) for r in (0, 1)
+    ]  # fmt: skip
+    assert config(model_dir, tmp_path, seed=7).worker_seed(1, stream=500) == 7501  # as before
+    run_train(cfg, TASK)
+    assert [r["step"] for r in rows(tmp_path / "r")] == [0]

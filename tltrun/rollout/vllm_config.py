@@ -115,7 +115,7 @@ MAX_VLLM_SEED = 2**32 - 1
 
 def vllm_seed(seed: int) -> int:
     """A run's engine seed folded into vLLM's 32 bits (unchanged below 2^32; a torch-backend
-    seed may be up to 2^63, and ``tltrun train`` derives ``seed * 1000 + rank``)."""
+    seed may be up to 2^63, as ``tltrun train``'s per-rank ``TrainConfig.worker_seed``)."""
     return seed % (MAX_VLLM_SEED + 1)
 
 

@@ -348,6 +348,12 @@ class TrainConfig:
             settings["drafter_explore"] = self.tlt_drafter_explore
         return settings
 
+    def worker_seed(self, rank: int, stream: int = 0) -> int:
+        """Rank ``rank``'s seed of one random stream (0: the rollout engine's sampling, 500: the
+        spot trainer's batches and noise): ``seed * 1000 + stream + rank``, folded into torch's
+        int64 seed range (a ``--seed`` near 2^63 overflowed it and stopped every worker)."""
+        return (self.seed * 1000 + stream + rank) % 2**63
+
     @property
     def is_spot_harvesting(self) -> bool:
         """Whether idle workers spot-train the EAGLE drafter: an idle worker possible (>= 2

@@ -142,7 +142,7 @@ def worker_rollout(
             target.config, max_running, max_model_len, drafter is not None
         ),
         dtype=cfg.dtype_name,
-        seed=vllm_seed(cfg.seed * 1000 + rank),
+        seed=vllm_seed(cfg.worker_seed(rank)),
         instance=rank,
     )
     engine = VLLMTrainRollout(actor_dir, target, drafter, vcfg, sampling, is_harvesting, clock)

@@ -167,7 +167,7 @@ class Worker:
                     max_running_requests=max_running,
                     max_model_len=max_model_len,
                     sampling=sampling,
-                    seed=cfg.seed * 1000 + rank,
+                    seed=cfg.worker_seed(rank),
                     device=cfg.device,
                     dtype=cfg.dtype_name,
                     instance=rank,
@@ -200,7 +200,7 @@ class Worker:
                 trainable,
                 SpotTrainerPolicy(max_epochs=cfg.spot_max_epochs),
                 dcfg,
-                seed=cfg.seed * 1000 + 500 + rank,
+                seed=cfg.worker_seed(rank, stream=500),
                 poll_s=cfg.poll_s,
                 clock=self.clock,
             )
