@@ -284,6 +284,27 @@ def test_a_prompt_longer_than_the_window_still_trains_its_response():
     assert all(make_batch([record], 12, generator=gen).loss_mask.any() for _ in range(50))
 
 
+def test_num_trained_pairs_counts_the_loss_mask_of_a_whole_record():
+    """The spot trainer keeps out harvests with no trained pair (a 1-token prompt answered by
+    one token): a batch of only those stepped AdamW on a zero loss, its decay moving the
+    drafter and the version counting an update. A batch of 1-token records is one error."""
+    from tltrun.train.drafter_training import TrainRecord, make_batch, num_trained_pairs
+
+    for num_tokens in range(1, 9):
+        for num_prompt in range(1, num_tokens + 1):
+            record = TrainRecord(
+                torch.arange(num_tokens), num_prompt, torch.zeros(num_tokens - 1, 2)
+            )
+            expected = num_trained_pairs(record)
+            if num_tokens == 1:
+                with pytest.raises(ValueError, match="no record has two tokens"):
+                    make_batch([record], 16)
+                continue
+            assert int(make_batch([record], 16).loss_mask.sum()) == expected
+    assert num_trained_pairs(TrainRecord(torch.arange(2), 1, torch.zeros(1, 2))) == 0
+    assert num_trained_pairs(TrainRecord(torch.arange(9), 4, torch.zeros(8, 2))) == 5  # T - P
+
+
 def test_a_non_finite_drafter_loss_stops_before_the_update():
     """Spot training and train-drafter share the step: a NaN loss raises DivergedError
     before AdamW touches the weights (train-drafter exported a NaN drafter with exit 0)."""

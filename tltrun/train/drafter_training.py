@@ -146,6 +146,13 @@ def records_from_outputs(
     return out
 
 
+def num_trained_pairs(record: TrainRecord) -> int:
+    """Positions ``make_batch`` trains in the whole record: p in [max(P - 2, 0), T - 3]. Zero
+    for a record without a response token to predict (T < 3, or no response): an update
+    on a batch of only such records would train nothing, yet AdamW's decay moves the weights."""
+    return max(0, len(record.token_ids) - 2 - max(record.num_prompt_tokens - 2, 0))
+
+
 def window_start(record: TrainRecord, max_seq_len: int, generator: torch.Generator | None) -> int:
     """The first pair of ``record``'s window of ``max_seq_len`` pairs: 0 when it fits, or
     without a generator (the head, as EAGLE's offline training truncates); else uniform over the
@@ -173,7 +180,9 @@ def make_batch(
     x_{p+2}, is a response token (p >= num_prompt_tokens - 2). Positions within a window
     count from 0: the drafter's attention (RoPE) sees only relative offsets."""
     num_pairs = [min(len(r.token_ids) - 1, max_seq_len) for r in records]
-    width = max(num_pairs)
+    width = max(num_pairs, default=0)
+    if width < 1:  # (torch's "cannot reshape tensor of 0 elements" otherwise)
+        raise ValueError("make_batch: no record has two tokens (a token pair to train on)")
     dim = records[0].hidden.shape[-1]
     tokens = torch.zeros(len(records), width, dtype=torch.long)
     hidden = torch.zeros(len(records), width, dim)

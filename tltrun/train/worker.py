@@ -42,7 +42,7 @@ from tltrun.train import checkpoint as ckpt_io
 from tltrun.train import elastic
 from tltrun.train import state as ts
 from tltrun.train.config import TrainConfig
-from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord
+from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord, num_trained_pairs
 from tltrun.train.grpo import GRPOConfig, Sample, autocast_dtype_for, grpo_update, make_optimizer
 from tltrun.train.prompts import load_run_data, max_request_tokens, reward_spec
 from tltrun.train.responses import ResponseScorer
@@ -382,6 +382,7 @@ class Worker:
         spot = SpotStats()
         if self.spot is not None:
             records = [_record(h) for h in self.engine.pop_harvest()]
+            records = [r for r in records if num_trained_pairs(r) > 0]  # (nothing to train)
             order = self.spot.announce_done(step)
             if cfg.is_deterministic:
                 spot = self.spot.run_budget(step, records)
