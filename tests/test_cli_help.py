@@ -167,3 +167,19 @@ def test_the_command_pins_the_hash_seed_unless_the_user_set_one():
     assert [s[0] for s in first] == ["None", "0"] and [s[0] for s in second] == ["random", "0"]
     assert first[1] == second[1]
     assert seeds(PYTHONHASHSEED="7") == [["7", seeds(PYTHONHASHSEED="7")[0][1]]]
+
+
+def test_a_value_starting_with_minus_says_how_to_write_it(monkeypatch, capsys):
+    """argparse reads ``-8,16`` (not a plain negative number) as a flag and said only "expected
+    one argument"; where a word starts with '-' and a digit, the line says ``--flag=VALUE``."""
+    parser = tltsim_parser()
+    for argv, is_hinted in (
+        (["gen", "--num-steps", "-1,2"], True),
+        (["gen", "--num-steps"], False),
+    ):
+        monkeypatch.setattr(sys, "argv", ["tltsim", *argv])
+        with pytest.raises(SystemExit) as stop:
+            parser.parse_args(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.count("\n") == 1 and "expected one argument" in err
+        assert ("--flag=VALUE" in err) is is_hinted

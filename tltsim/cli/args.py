@@ -36,6 +36,10 @@ class OneLineParser(argparse.ArgumentParser):
     input error of the CLIs; ``--help`` still prints the full usage."""
 
     def error(self, message: str) -> typing.NoReturn:
+        if message.endswith("expected one argument") and any(
+            len(word) > 1 and word[0] == "-" and word[1] in "0123456789." for word in sys.argv[1:]
+        ):  # argparse takes "-8,16" (not a plain negative number) for a flag
+            message += " (a value that starts with '-' is written --flag=VALUE)"
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
