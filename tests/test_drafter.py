@@ -174,6 +174,34 @@ def test_qwen2_target_exports_qkv_bias(tmp_path):
         load_drafter(tmp_path, target)
 
 
+def test_a_qwen3_target_drafts_losslessly_with_a_llama_layer(tmp_path):
+    """A Qwen3 target (per-head q/k norms) gets an EAGLE-1 drafter whose layer is a Llama one,
+    as vLLM's EagleLlamaForCausalLM builds it: no q/k norm tensors, a Llama config without
+    biases; it loads back, and greedy SD with it equals plain greedy, chain and tree."""
+    from engine_tools import engine, make_requests
+
+    from tltsim.policy import NoSpec, StaticSpec
+
+    target = tiny_model(seed=2, model_type="qwen3")
+    with torch.no_grad():  # norm weights apart from ones: a skipped q/k norm would show
+        for name, p in target.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
+    assert any("q_norm" in n for n in target.state_dict())
+    drafter = EagleDrafter.for_target(target, seed=1)
+    assert not any("_norm.weight" in n and "layernorm" not in n for n in drafter.state_dict())
+    export_vllm(drafter, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["EagleLlamaForCausalLM"] and cfg["model_type"] == "llama"
+    assert not cfg["attention_bias"] and "qkv_bias" not in cfg
+    loaded = load_drafter(tmp_path, target)
+    reqs = make_requests(5, seed=3)
+    want = [o.output_token_ids for o in engine(model=target).generate(reqs, NoSpec()).outputs]
+    for policy in (StaticSpec(4, 1, 4), StaticSpec(3, 2, 6)):
+        got = engine(loaded, model=target).generate(reqs, policy)
+        assert [o.output_token_ids for o in got.outputs] == want
+
+
 def test_drafter_never_trains_the_shared_head():
     ids = torch.randint(0, VOCAB, (1, 5))
     logits, _ = DRAFTER(ids, torch.randn(1, 5, 48), torch.arange(5)[None], CausalContext())

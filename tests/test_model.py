@@ -1,4 +1,4 @@
-"""tltrun.model.transformer matches transformers' Llama/Qwen2 logits on the same weights (fp32, <= 1e-4),
+"""tltrun.model.transformer matches transformers' Llama/Qwen2/Qwen3 logits on the same weights (fp32, <= 1e-4),
 loads single-file and sharded checkpoints, and round-trips through save_hf.
 
 Run: ``python -m pytest tests/test_model.py -q -s`` (``-s`` shows the max abs diffs).
@@ -15,7 +15,7 @@ from tiny_models import cuda_param
 
 from tltrun.model.config import CheckpointError, ModelConfig, read_config
 from tltrun.model.hf_checkpoint import load_hf, save_hf
-from tltrun.model.transformer import CausalContext
+from tltrun.model.transformer import CausalContext, fuse_projections
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,14 +48,20 @@ def _hf_model(kind: str, *, kv_heads: int, tied: bool, rope: dict | None = None,
     if kind == "llama":
         cfg = transformers.LlamaConfig(**common, rope_scaling=rope, rope_theta=500000.0)
         model = transformers.LlamaForCausalLM(cfg)
-    else:
+    elif kind == "qwen2":
         cfg = transformers.Qwen2Config(**common)
         model = transformers.Qwen2ForCausalLM(cfg)
-    # Random (not zero) q/k/v biases so the Qwen2 bias path is exercised.
+    else:  # head_dim 24, not hidden / heads = 16: Qwen3's configs give it apart
+        cfg = transformers.Qwen3Config(**common, head_dim=24, rope_scaling=rope)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    # Random (not zero) q/k/v biases so the Qwen2 bias path is exercised, and norm weights
+    # (not ones) so a wrong or missing Qwen3 q/k norm shows.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
+            elif name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
     return model.eval()
 
 
@@ -67,8 +73,9 @@ def _ours_vs_hf(hf_model, model_dir) -> float:
     with torch.no_grad():
         want = hf_model(input_ids=ids).logits
         got, hidden = ours(ids, pos, CausalContext())
+        fused, _ = fuse_projections(ours)(ids, pos, CausalContext())  # q, k, v stacked: one GEMM
     assert hidden.shape == (3, 40, 64)
-    return (got - want).abs().max().item()
+    return max((got - want).abs().max().item(), (fused - want).abs().max().item())
 
 
 CASES = [
@@ -78,6 +85,8 @@ CASES = [
     ("llama", 2, True, {"rope_type": "linear", "factor": 4.0}),
     ("qwen2", 2, False, None),  # QKV bias inferred from model_type
     ("qwen2", 2, True, None),
+    ("qwen3", 2, False, None),  # per-head q/k norms before RoPE, head_dim given apart
+    ("qwen3", 1, True, {"rope_type": "linear", "factor": 4.0}),
 ]
 
 
@@ -141,13 +150,14 @@ def test_sharded_checkpoint_loads(tmp_path):
     assert _ours_vs_hf(hf, tmp_path) <= TOL
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_save_hf_round_trips_through_transformers(tmp_path, tied):
-    hf = _hf_model("llama", kv_heads=2, tied=tied, rope=LLAMA3_ROPE)
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("llama", True), ("qwen3", True)])
+def test_save_hf_round_trips_through_transformers(tmp_path, kind, tied):
+    hf = _hf_model(kind, kv_heads=2, tied=tied, rope=LLAMA3_ROPE if kind == "llama" else None)
     hf.save_pretrained(tmp_path / "a")
     ours = load_hf(tmp_path / "a")
     save_hf(ours, tmp_path / "b")
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b").eval()
+    assert type(again).__name__ == type(hf).__name__
     diff = _ours_vs_hf(again, tmp_path / "a")
     assert diff <= TOL
     ids = torch.randint(0, 97, (1, 30))
@@ -255,6 +265,24 @@ def test_config_fields_read_as_transformers_reads_them_or_refused():
         {**both, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
     )
     assert (same.rope_theta, same.rope_scaling.factor) == (5e5, 2.0)  # saying the same: kept
+
+
+def test_qwen3_configs_that_compute_another_layer_are_refused():
+    """What a Qwen3 config may say that this layout does not compute: biases (Qwen3's
+    attention_bias puts one on o_proj too), sliding-window layers (transformers 5's
+    layer_types); its default context is Qwen3Config's."""
+    qwen3 = ModelConfig.from_hf_dict({"model_type": "qwen3", **BASE})
+    assert qwen3.has_qk_norm and not qwen3.attention_bias
+    assert qwen3.max_position_embeddings == transformers.Qwen3Config().max_position_embeddings
+    with pytest.raises(CheckpointError, match="a Qwen3 with attention_bias=true"):
+        ModelConfig.from_hf_dict({"model_type": "qwen3", **BASE, "attention_bias": True})
+    with pytest.raises(CheckpointError, match="qkv_bias=true is a Llama field"):
+        ModelConfig.from_hf_dict({"model_type": "qwen3", **BASE, "qkv_bias": True})
+    sliding = ["full_attention", "sliding_attention"]
+    with pytest.raises(CheckpointError, match="layer_types .* not supported"):
+        ModelConfig.from_hf_dict({"model_type": "qwen3", **BASE, "layer_types": sliding})
+    full = ModelConfig.from_hf_dict({"model_type": "qwen2", **BASE, "layer_types": sliding[:1]})
+    assert full.attention_bias and not full.has_qk_norm
 
 
 def test_rope_frequencies_stay_float32_in_bfloat16():

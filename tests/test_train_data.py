@@ -49,9 +49,9 @@ def score(prompt, response, answer, **meta):
 '''
 
 
-def save_bpe_model(out: Path) -> Path:
-    """Qwen2-shaped tiny model + byte-level BPE tokenizer with a chat template and two stop ids
-    (EOS <|im_end|> in config.json, <|endoftext|> too in generation_config.json)."""
+def save_bpe_model(out: Path, model_type: str = "qwen2") -> Path:
+    """Qwen2-shaped (or ``model_type``) tiny model + byte-level BPE tokenizer with a chat
+    template, two stop ids (<|im_end|> in config.json, <|endoftext|> in generation_config)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -73,8 +73,8 @@ def save_bpe_model(out: Path) -> Path:
     im_end, text_end = fast.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     model = tiny_model(
         seed=0,
-        model_type="qwen2",
-        attention_bias=True,
+        model_type=model_type,
+        attention_bias=model_type == "qwen2",
         vocab_size=len(fast),
         eos_token_ids=(im_end,),
         bos_token_id=None,

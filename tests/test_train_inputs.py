@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from test_train_data import bpe_model, data_dir  # noqa: F401 (fixtures)
 
 from tltrun.data.dataset import DataError
@@ -381,3 +382,31 @@ def test_a_final_assistant_message_is_continued_not_closed(bpe_model):  # noqa: 
     )
     with pytest.raises(ChatTemplateError, match="cannot continue the final assistant message"):
         tok.prompt_text(prefill)
+
+
+@pytest.mark.slow
+def test_a_qwen3_model_trains_on_user_data_and_saves_as_qwen3(data_dir, tmp_path):  # noqa: F811
+    """A Qwen3 checkpoint (per-head q/k norms) through a whole run: rollouts with TLT's EAGLE
+    drafter, spot training, GRPO updates of every weight, the q/k norms included, and a final
+    actor transformers loads as Qwen3ForCausalLM."""
+    import transformers
+    from safetensors.torch import load_file
+    from test_train_data import config, log_rows, save_bpe_model
+
+    from tltrun.train.launch import run_train
+
+    model = save_bpe_model(tmp_path / "qwen3", model_type="qwen3")
+    out = tmp_path / "run"
+    cfg = config(model, out, data_dir / "train.jsonl", prompt_key="messages", eval_every=0,
+                 eval_split=0.0)  # fmt: skip
+    run_train(cfg, TaskConfig())
+    log = log_rows(out)
+    assert [r["step"] for r in log] == [0, 1] and any(r["sd_on_fraction"] > 0 for r in log)
+    assert any(r["drafter_updates"] > 0 for r in log)
+    final = out / "final" / "actor"
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(final)).__name__ == (
+        "Qwen3ForCausalLM"
+    )
+    before, after = load_file(model / "model.safetensors"), load_file(final / "model.safetensors")
+    name = "model.layers.0.self_attn.k_norm.weight"
+    assert not torch.equal(before[name], after[name])  # GRPO trained the q/k norms too

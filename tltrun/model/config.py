@@ -19,9 +19,15 @@ import torch
 from tltsim.errors import TLTError
 from tltsim.jsonio import read_json
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # max_position_embeddings of a config.json without one: transformers' LlamaConfig / Qwen2Config
-MAX_POSITIONS_DEFAULT = {"llama": 2048, "qwen2": 32768}
+# / Qwen3Config
+MAX_POSITIONS_DEFAULT = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 ROPE_KINDS = ("default", "linear", "llama3")
 
 
@@ -55,7 +61,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model_type: str  # "llama" | "qwen2"
+    model_type: str  # "llama" | "qwen2" | "qwen3" (Qwen2's layout, no biases, q/k norms)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -97,6 +103,12 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+
+    @property
+    def has_qk_norm(self) -> bool:
+        """Qwen3: each head's query and key RMS-normalised (``q_norm``/``k_norm``, weights of
+        head_dim) after the projection, before RoPE (transformers' Qwen3Attention)."""
+        return self.model_type == "qwen3"
 
     @property
     def tied_names(self) -> frozenset[str]:
@@ -157,7 +169,7 @@ class ModelConfig:
         """A ``config.json`` that transformers (4.x and 5.x) and vLLM load. One exception: a
         Llama with q/k/v-only biases (``qkv_bias``, vLLM's form, as this project's drafter
         export) has no transformers equivalent, which loads it without them (and says so)."""
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.model_type]
+        arch = ARCHITECTURES[self.model_type]
         rope: dict[str, Any] | None = None
         if self.rope_scaling.kind != "default":
             rope = {"rope_type": self.rope_scaling.kind, "factor": self.rope_scaling.factor}
@@ -202,10 +214,17 @@ ACTIVATIONS = ("silu", "swish")
 
 
 def _check_computable(d: dict[str, Any], source: str) -> None:
-    """Refuse what the Llama/Qwen2 layout here cannot compute, rather than load it and compute
-    something else: a sliding window, another activation, MLP biases, quantized weights."""
+    """Refuse what the Llama/Qwen2/Qwen3 layout here cannot compute, rather than load it and
+    compute something else: a sliding window, another activation, MLP biases, quantized
+    weights."""
     if d.get("use_sliding_window"):
         raise CheckpointError(f"{source}: use_sliding_window=true is not supported")
+    layer_types = d.get("layer_types") or []  # transformers 5 (Qwen2/Qwen3): one per layer
+    if not isinstance(layer_types, list) or any(t != "full_attention" for t in layer_types):
+        raise CheckpointError(
+            f"{source}: layer_types {layer_types!r} not supported (every layer must be "
+            "'full_attention': no sliding-window layers)"
+        )
     act = d.get("hidden_act", "silu")
     if act not in ACTIVATIONS:
         raise CheckpointError(
@@ -231,10 +250,13 @@ def _qkv_bias(d: dict[str, Any], model_type: str, source: str) -> bool:
     if model_type == "qwen2":
         return True
     if d.get("attention_bias") or d.get("bias"):
+        name = "Llama" if model_type == "llama" else "Qwen3"
         raise CheckpointError(
-            f"{source}: a Llama with attention_bias=true (biases on q, k, v and o_proj) is not "
+            f"{source}: a {name} with attention_bias=true (biases on q, k, v and o_proj) is not "
             "supported"
         )
+    if model_type == "qwen3" and d.get("qkv_bias"):  # (vLLM's Llama-only form)
+        raise CheckpointError(f"{source}: qkv_bias=true is a Llama field, not a Qwen3 one")
     return bool(d.get("qkv_bias", False))
 
 

@@ -9,8 +9,9 @@ Layout, checked against vLLM 0.32 ``vllm/model_executor/models/llama_eagle.py`` 
   the NEXT token x_{p+1}; concatenation order is (token embedding, hidden) and ``fc`` has no
   bias (vLLM's ``fc`` is ``bias=False``; EAGLE's original checkpoints carry an fc bias that
   vLLM's loader would reject, so we do not have one);
-* the decoder layer has no ``input_layernorm`` (vLLM replaces it by Identity for layer 0,
-  following EAGLE), and there is no final norm: the layer output g_{p+1} (a prediction of
+* the decoder layer is a Llama layer whatever the target (a Qwen3 target's per-head q/k norms
+  are not in it: vLLM builds it as one), with no ``input_layernorm`` (vLLM replaces it by
+  Identity for layer 0, following EAGLE), and there is no final norm: the layer output g_{p+1} (a prediction of
   f_{p+1}) goes straight into the target's LM head and is the next step's hidden input;
 * export: ``config.json`` (the target's sizes, ``architectures: ["EagleLlamaForCausalLM"]``,
   ``model_type: "llama"``, ``num_hidden_layers: 1``) + ``model.safetensors`` with ``fc.weight``
@@ -38,7 +39,7 @@ Run the tests: ``python -m pytest tests/test_drafter.py -q``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,9 @@ class EagleDrafter(nn.Module):
         super().__init__()
         self.config = cfg
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, 0, has_input_norm=False)])
+        # a Llama layer (EagleLlamaForCausalLM): a Qwen3 target's q/k norms are not in it
+        layer_cfg = replace(cfg, model_type="llama") if cfg.model_type == "qwen3" else cfg
+        self.layers = nn.ModuleList([DecoderLayer(layer_cfg, 0, has_input_norm=False)])
         self.rotary = Rotary(cfg)
         # The target's embedding and LM head, held outside the module tree (a plain tuple):
         # not in state_dict(), not in parameters(), used detached — "shared and frozen".

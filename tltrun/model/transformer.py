@@ -1,7 +1,8 @@
-"""Llama / Qwen2-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention) built from a
-``tltrun.model.config.ModelConfig``; it matches ``transformers``' logits on the same weights, and
-``tltrun.model.hf_checkpoint`` loads and saves it as a Hugging Face checkpoint (``config.json`` +
-``model.safetensors`` or a sharded ``model.safetensors.index.json``).
+"""Llama / Qwen2 / Qwen3-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention; Qwen3's
+per-head q/k norms) built from a ``tltrun.model.config.ModelConfig``; it matches
+``transformers``' logits on the same weights, and ``tltrun.model.hf_checkpoint`` loads and saves
+it as a Hugging Face checkpoint (``config.json`` + ``model.safetensors`` or a sharded
+``model.safetensors.index.json``).
 
 Parameter names are exactly Hugging Face's (``model.layers.0.self_attn.q_proj.weight`` ...), so
 a state dict moves unchanged between this model, ``transformers`` and vLLM (GRPO weight sync).
@@ -122,9 +123,7 @@ class AttentionContext(Protocol):
 @dataclass(frozen=True)
 class CausalContext:
     """No cache: plain causal attention over the T tokens given (training, reference forward).
-
-    Right padding is harmless: a valid query never attends to a later (padded) key.
-    """
+    Right padding is harmless: a valid query never attends to a later (padded) key."""
 
     def kv_write(self, layer: int) -> None:
         return None
@@ -213,6 +212,9 @@ class Attention(StackedProjections):
         self.k_proj = nn.Linear(c, self.num_kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(c, self.num_kv_heads * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * d, c, bias=False)
+        # Qwen3 normalises each head's query and key before RoPE (elsewhere: identities)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.has_qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.has_qk_norm else nn.Identity()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
@@ -230,12 +232,14 @@ class Attention(StackedProjections):
         cos, signed_sin = cos[:, None], signed_sin[:, None]  # (B,1,T,D)
         qkv = self.stacked_linear(x)  # (B,T,(H+2Hkv)D) or None
         if qkv is not None:  # q and k side by side: one rotation of both
-            qk = qkv[..., : (h + h_kv) * d].view(b, t, h + h_kv, d).transpose(1, 2)
-            q, k = apply_rope(qk, cos, signed_sin).split([h, h_kv], dim=1)  # (B,H|Hkv,T,D)
+            qk = qkv[..., : (h + h_kv) * d].view(b, t, h + h_kv, d)  # (B,T,H+Hkv,D)
+            if isinstance(self.q_norm, RMSNorm):  # (no copy of q and k where there is no norm)
+                qk = torch.cat([self.q_norm(qk[:, :, :h]), self.k_norm(qk[:, :, h:])], dim=2)
+            q, k = apply_rope(qk.transpose(1, 2), cos, signed_sin).split([h, h_kv], dim=1)
             v = qkv[..., (h + h_kv) * d :]
         else:
-            q = self.q_proj(x).view(b, t, h, d).transpose(1, 2)  # (B,H,T,D)
-            k = self.k_proj(x).view(b, t, h_kv, d).transpose(1, 2)  # (B,Hkv,T,D)
+            q = self.q_norm(self.q_proj(x).view(b, t, h, d)).transpose(1, 2)  # (B,H,T,D)
+            k = self.k_norm(self.k_proj(x).view(b, t, h_kv, d)).transpose(1, 2)  # (B,Hkv,T,D)
             q, k, v = apply_rope(q, cos, signed_sin), apply_rope(k, cos, signed_sin), self.v_proj(x)
         return q, k, v.view(b, t, h_kv, d).transpose(1, 2)  # v: (B,Hkv,T,D)
 
