@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -338,6 +340,59 @@ def test_cli_errors_are_one_line_before_any_worker(model_dir, tmp_path, capsys):
     assert err.count("rank0.pt: sha256 differs") == 3
     code, err = cli(["train", "--out", str(out), "--override-config"], capsys)
     assert code == 2 and err == "error: --override-config applies to --resume only"
+
+
+def test_a_resume_without_config_json_or_with_another_tokenizer_is_refused(
+    model_dir, tmp_path, capsys
+):
+    """A run whose config.json was lost took any flags on --resume (seed, group size) and
+    wrote them as its settings, after which its own were refused; the tokenizer files (stop
+    ids, chat template) in --model-dir could change unseen: the digest covered the weights."""
+    from tltrun.train.launch import check_inputs
+
+    model, out = tmp_path / "model", tmp_path / "run"
+    shutil.copytree(model_dir, model)
+    cfg = config(model, out)
+    out.mkdir()
+    prepare_run_dir(cfg, TASK, is_resume=False, is_override_config=False,
+                    data=check_inputs(cfg, TASK))  # fmt: skip
+    for step in (1, 2, 3):
+        fake_checkpoint(out, step)
+    fake_logs(out, 3)
+    resumed = prepare_run_dir(cfg, TASK, True, False, data=check_inputs(cfg, TASK))
+    assert resumed == ts.checkpoint_dir(out, 3)  # unchanged: resumes
+    (model / "tokenizer_config.json").write_text(
+        (model / "tokenizer_config.json").read_text().replace("{", '{"model_max_length": 7, ', 1)
+    )
+    with pytest.raises(UsageError, match="with another tokenizer, chat template or generation"):
+        prepare_run_dir(cfg, TASK, True, False, data=check_inputs(cfg, TASK))
+    (out / "config.json").unlink()
+    code, err = cli(["train", "--out", str(out), "--resume", "--seed", "7"], capsys)
+    assert code == 2 and err == (
+        f"error: {out}: --resume, but the run's config.json is missing (its checkpoints, up to "
+        "step_000003, are there): the run's settings cannot be checked; put config.json back, "
+        "or start a new run in another --out"
+    )
+    with pytest.raises(UsageError, match="config.json is missing"):
+        prepare_run_dir(cfg, TASK, is_resume=True, is_override_config=False)
+    assert not (out / "config.json").exists()
+
+
+def test_a_deterministic_resume_at_another_thread_count_is_warned(model_dir, tmp_path):
+    """--num-threads is resume-neutral, but a --deterministic run repeats itself at one thread
+    count only (a hunt saw the drafter's digest change at the first step resumed)."""
+    for is_deterministic in (True, False):
+        out = tmp_path / str(is_deterministic)
+        out.mkdir()
+        cfg = config(model_dir, out, is_deterministic=is_deterministic, num_threads=1)
+        prepare_run_dir(cfg, TASK, is_resume=False, is_override_config=False)
+        fake_checkpoint(out, 1)
+        fake_logs(out, 1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            prepare_run_dir(replace(cfg, num_threads=2), TASK, True, False)
+        said = [str(w.message) for w in caught if "--num-threads 1 -> 2" in str(w.message)]
+        assert len(said) == is_deterministic
 
 
 def test_resume_reads_an_older_runs_config_under_current_names(model_dir, tmp_path, capsys):

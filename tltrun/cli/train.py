@@ -155,9 +155,7 @@ def _train_configs(args: argparse.Namespace) -> tuple[TrainConfig, TaskConfig]:
     if args.resume and (args.out or raw.get("out")):
         resumed = Path(args.out or raw["out"])
         launch.check_resume_dir(resumed, is_resume=True)  # before "--model-dir is required"
-        stored = train_state.effective_config(resumed)
-        if stored is None and not any((resumed / "ckpt").glob("step_*")):
-            raise UsageError(f"{resumed}: --resume, but no run was started here (no config.json)")
+        stored = launch.resumed_config(resumed)
     if stored is not None:
         run_dir = Path(args.out or raw["out"])
         # the settings now are config.json's with the history's overrides applied

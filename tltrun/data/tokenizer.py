@@ -210,6 +210,20 @@ def load_tokenizer(model_dir: str | Path, *, is_chat_template: bool = False) -> 
     return TextTokenizer(hf, tuple(eos), is_chat_template, str(directory))
 
 
+def tokenizer_digest(model_dir: str | Path) -> str:
+    """sha256 over the tokenizer files of ``model_dir`` (``TOKENIZER_COPY_FILES`` but
+    ``sft_config.json``), each named: what a resume reloads the prompts' tokens, the chat
+    template and the stop ids from (``checkpoint_digest`` covers the weights only)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in TOKENIZER_COPY_FILES:
+        path = Path(model_dir) / name
+        if name != "sft_config.json" and path.is_file():
+            digest.update(f"{name}:{path.stat().st_size}:".encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
 def copy_tokenizer(model_dir: str | Path, dest: Path) -> None:
     """Copy the tokenizer files of ``model_dir`` (those of ``TOKENIZER_COPY_FILES`` it has) into
     ``dest``, so a directory of saved weights loads with its tokenizer."""

@@ -200,6 +200,9 @@ def check_same_inputs(out: Path, old: dict | None, data: dict, cfg: Any) -> None
         "eval_fingerprint": data_changed.format("--eval-data / --eval-split"),
         "model_sha256": f"with other weights in --model-dir {cfg.model_dir} than the run "
         "started from (its KL reference is reloaded from there); restore ",
+        "tokenizer_sha256": f"with another tokenizer, chat template or generation_config.json "
+        f"in --model-dir {cfg.model_dir} than the run started with (the prompts' tokens, stop "
+        "ids and scored text would change mid-run); restore ",
     }
     if "train_fingerprint" in recorded:  # else a run started before the split fingerprints
         del refusals["fingerprint"]
@@ -216,8 +219,9 @@ def check_same_inputs(out: Path, old: dict | None, data: dict, cfg: Any) -> None
 
     changed = [key for key in refusals if key in recorded and recorded[key] != data.get(key)]
     is_other_reading = recorded.get("reader_version") != data.get("reader_version")
-    if changed and (not is_other_reading or "model_sha256" in changed):
-        key = "model_sha256" if "model_sha256" in changed else changed[0]
+    is_model = {"model_sha256", "tokenizer_sha256"} & set(changed)  # (not the readers' doing)
+    if changed and (not is_other_reading or is_model):
+        key = min(is_model) if is_model else changed[0]
         raise UsageError(
             f"{out}: --resume {refusals[key]}them, or start a new run in another --out"
         )
@@ -227,6 +231,21 @@ def check_same_inputs(out: Path, old: dict | None, data: dict, cfg: Any) -> None
             f"otherwise (reader version {recorded.get('reader_version', 1)}, now "
             f"{data.get('reader_version')}: whole float answers, NaN, pandas' index), so "
             "whether its rows changed cannot be told: continuing with this reading",
+            RunDirWarning,
+            stacklevel=2,
+        )
+
+
+def warn_neutral_changes(out: Path, neutral: dict[str, list], cfg: Any) -> None:
+    """A resume-neutral change that still changes a ``--deterministic`` run's numbers: the
+    thread count (a hunt saw the drafter's digest change at the first step resumed)."""
+    from tltrun.train.state import RunDirWarning
+
+    if cfg.is_deterministic and "train.num_threads" in neutral:
+        before, now = neutral["train.num_threads"]
+        warnings.warn(
+            f"{out}: --num-threads {before} -> {now}: a --deterministic run repeats itself at "
+            "one thread count; the steps from here on will differ from an uninterrupted run's",
             RunDirWarning,
             stacklevel=2,
         )

@@ -61,6 +61,7 @@ from tltrun.train.config_checks import (
     check_same_inputs,
     flag_of,
     is_same_path,
+    warn_neutral_changes,
 )
 from tltrun.train.prompts import DataWarning, warn_data
 from tltrun.train.tasks import TaskConfig
@@ -153,6 +154,7 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
             "--eval-every: no evaluation prompts (give --eval-data or --eval-split with --data)"
         )
     warn_data(cfg, data)
+    from tltrun.data.tokenizer import tokenizer_digest
     from tltrun.model.hf_checkpoint import checkpoint_digest
 
     return {
@@ -161,6 +163,8 @@ def check_inputs(cfg: TrainConfig, task: TaskConfig) -> dict:
         "eval_fingerprint": data.eval_fingerprint,
         # the KL reference is reloaded from --model-dir on resume: its weights must not change
         "model_sha256": checkpoint_digest(cfg.model_dir),
+        # and so are the tokenizer, chat template and stop ids (prompts, rewards, EOS)
+        "tokenizer_sha256": tokenizer_digest(cfg.model_dir),
         "eval_max_prompts": cfg.eval_max_prompts,  # what eval_fingerprint was taken at
         "num_train_rows": data.num_train_rows,
         "num_eval_rows": len(data.eval_rows),
@@ -257,6 +261,26 @@ def check_resume_dir(out: Path, is_resume: bool) -> None:
     an empty --out holding run.lock)."""
     if is_resume and not out.is_dir():
         raise UsageError(f"{out}: --resume, but no run was started here (no such directory)")
+
+
+def resumed_config(out: Path) -> dict:
+    """The settings ``--resume`` continues ``out``'s run with (``effective_config``). Without
+    ``config.json`` there is nothing to check the flags against: a run whose file was lost
+    took any flags, wrote them as its settings (seed, group size) and could not be resumed
+    with its own after, so it is refused; its checkpoints are kept."""
+    from tltrun.train import state as train_state
+
+    stored = train_state.effective_config(out)
+    if stored is not None:
+        return stored
+    kept = sorted((out / "ckpt").glob("step_*")) if (out / "ckpt").is_dir() else []
+    if not kept:
+        raise UsageError(f"{out}: --resume, but no run was started here (no config.json)")
+    raise UsageError(
+        f"{out}: --resume, but the run's config.json is missing (its checkpoints, up to "
+        f"{kept[-1].name}, are there): the run's settings cannot be checked; put config.json "
+        "back, or start a new run in another --out"
+    )
 
 
 def make_out_dir(out: Path) -> None:
@@ -423,27 +447,25 @@ def prepare_run_dir(
             train_state.reset_run_dir(out, keep=[Path(p) for p in inputs if p])
         write_json(out / "config.json", new)
         return None
-    old = train_state.effective_config(out)
-    if old is None and not any((out / "ckpt").glob("step_*")):
-        raise UsageError(f"{out}: --resume, but no run was started here (no config.json)")
+    old = resumed_config(out)
     check_same_inputs(out, old, data or {}, cfg)
     diff, neutral = {}, {}
-    if old is not None:
-        for section in ("train", "task"):
-            changed = train_state.config_diff(old.get(section, {}), new[section])
-            for name, values in changed.items():
-                # a path an older run recorded relative, absolute now: no change of the run,
-                # recorded as such so that later resumes work from any directory too
-                is_same = section == "train" and is_same_path(TrainConfig, name, *values)
-                is_neutral = is_same or (section == "train" and name in RESUME_NEUTRAL_FIELDS)
-                (neutral if is_neutral else diff)[f"{section}.{name}"] = values
-        shown = "; ".join(f"{flag_of(key)}: {a!r} -> {b!r}" for key, (a, b) in diff.items())
-        if diff and not is_override_config:
-            raise UsageError(
-                f"{out}: --resume with settings that change the run ({shown}); pass "
-                f"--override-config to resume with them (recorded in {train_state.CONFIG_HISTORY})"
-            )
-        check_overridable(out, diff)
+    for section in ("train", "task"):
+        changed = train_state.config_diff(old.get(section, {}), new[section])
+        for name, values in changed.items():
+            # a path an older run recorded relative, absolute now: no change of the run,
+            # recorded as such so that later resumes work from any directory too
+            is_same = section == "train" and is_same_path(TrainConfig, name, *values)
+            is_neutral = is_same or (section == "train" and name in RESUME_NEUTRAL_FIELDS)
+            (neutral if is_neutral else diff)[f"{section}.{name}"] = values
+    shown = "; ".join(f"{flag_of(key)}: {a!r} -> {b!r}" for key, (a, b) in diff.items())
+    if diff and not is_override_config:
+        raise UsageError(
+            f"{out}: --resume with settings that change the run ({shown}); pass "
+            f"--override-config to resume with them (recorded in {train_state.CONFIG_HISTORY})"
+        )
+    check_overridable(out, diff)
+    warn_neutral_changes(out, neutral, cfg)
     resume_dir = train_state.select_checkpoint(out, cfg.num_workers)
     if resume_dir is None and (out / "final").exists():
         # the run finished and its checkpoints were deleted: starting over at step 0 would
@@ -467,9 +489,7 @@ def prepare_run_dir(
             stacklevel=2,
         )
     run_logs.prepare_logs(out, start_step)
-    if old is None:
-        write_json(out / "config.json", new)
-    elif diff or neutral:
+    if diff or neutral:
         # resume-neutral changes (num_steps, ...) are recorded too: the next plain --resume
         # starts from them (a run extended to 6 steps stays a 6-step run)
         now = datetime.now(UTC).isoformat(timespec="seconds")
