@@ -1,4 +1,4 @@
-"""The model's configuration: a Hugging Face ``config.json`` (Llama / Qwen2; RoPE scaling
+"""The model's configuration: a Hugging Face ``config.json`` (Llama / Qwen2 / Qwen3; RoPE scaling
 "default", "linear" or "llama3") read into a ``ModelConfig`` and written back, the error a bad
 checkpoint raises, and the check that a ``--device`` exists on this machine.
 
