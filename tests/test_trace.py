@@ -391,3 +391,36 @@ def test_a_failed_write_names_the_path_asked_for_and_leaves_no_temporary(tmp_pat
     (tmp_path / "d.json.tmp").mkdir()  # the temporary's place taken: that is what is named
     with pytest.raises(IsADirectoryError, match="d.json.tmp"):
         save_trace(_example(), tmp_path / "d.json")
+
+
+def test_appended_steps_write_the_bytes_a_whole_save_writes(tmp_path: Path) -> None:
+    """``append_steps`` (tltrun train after each step: a whole rebuild was quadratic in the
+    run's length) gives the file ``save_trace`` gives for all the steps, the version raised
+    where a new step holds a history arm; it writes nothing where it cannot append (no file,
+    another meta, a gzipped or foreign layout)."""
+    from tltsim.trace.files import append_steps
+
+    trace = load_trace(REPO / "traces" / "synth_reasoning_rl.json")
+    path = tmp_path / "t.json"
+    for k in (1, len(trace.steps) - 1):
+        save_trace(dataclasses.replace(trace, steps=trace.steps[:k]), path)
+        assert append_steps(dataclasses.replace(trace, steps=trace.steps[k:]), path)
+        assert path.read_text() == dumps_trace(trace)
+    block = {"accept_hist_by_strategy": {"history:6_1_6": [0, 1]}, "policy": {"name": "tltbase"}}
+    arm = dataclasses.replace(trace.steps[-1], measured=MeasuredStep.from_dict(block))
+    save_trace(dataclasses.replace(trace, steps=trace.steps[:-1]), path)
+    assert append_steps(dataclasses.replace(trace, steps=(arm,)), path)
+    whole = dataclasses.replace(trace, steps=trace.steps[:-1] + (arm,))
+    assert path.read_text() == dumps_trace(whole) and json.loads(path.read_text())["version"] == 2
+    first = dataclasses.replace(trace, steps=trace.steps[:1])
+    rest = dataclasses.replace(trace, steps=trace.steps[1:])
+    save_trace(first, path)
+    before = path.read_bytes()
+    assert not append_steps(dataclasses.replace(rest, meta={**trace.meta, "source": "x"}), path)
+    path.write_text(json.dumps(trace_to_dict(first)))  # valid, but not dumps_trace's layout
+    assert not append_steps(rest, path)
+    save_trace(first, tmp_path / "t.json.gz")
+    assert not append_steps(rest, tmp_path / "t.json.gz")
+    assert not append_steps(rest, tmp_path / "none.json") and not (tmp_path / "none.json").exists()
+    save_trace(first, path)
+    assert path.read_bytes() == before and not list(tmp_path.glob("*.tmp"))

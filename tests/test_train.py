@@ -27,6 +27,7 @@ from tiny_models import save_train_model
 
 from tltrun.train.config import TrainConfig
 from tltrun.train.launch import run_train
+from tltrun.train.run_logs import write_trace
 from tltrun.train.tasks import TaskConfig
 from tltsim.fidelity.measured_run import measured_run
 from tltsim.trace.files import load_trace
@@ -100,6 +101,10 @@ def test_run_writes_logs_trace_checkpoints_and_spot_trains(reference_run):
     assert [r["step"] for r in log] == [0, 1, 2]
     trace = load_trace(reference_run / "trace.json")
     assert trace.num_steps == 3 and all(s.num_responses == 16 for s in trace.steps)
+    # steps 1 and 2 were appended to the file, not rebuilt: the bytes of a whole rebuild
+    appended = (reference_run / "trace.json").read_bytes()
+    write_trace(reference_run, json.loads(appended)["meta"])
+    assert (reference_run / "trace.json").read_bytes() == appended
     assert {"rollout_s", "train_s", "drafter_train_s"} <= set(trace.steps[0].measured.to_dict())
     for step in (1, 2, 3):
         assert (reference_run / "ckpt" / f"step_{step:06d}" / "state.json").is_file()

@@ -114,7 +114,7 @@ def write_step_record(
     )
     step_dict = trace_to_dict(Trace(meta={}, steps=(trace_step,)))["steps"][0]
     ts.append_jsonl(out / "trace_steps.jsonl", step_dict)
-    run_logs.write_trace(out, trace_meta(cfg))
+    run_logs.append_trace(out, trace_meta(cfg), step_dict)
     rewards = [r for g in gathered for r in g.rewards]
     lengths = np.array([len(o.output_token_ids) for o in outputs])
     summary = trace_step.measured

@@ -408,22 +408,37 @@ def trace_to_dict(trace: Trace) -> dict[str, Any]:
 
 def dumps_trace(trace: Trace) -> str:
     """JSON text with one prompt per line: diff-friendly, compact, byte-identical for equal traces."""
-    cap = trace.max_response_tokens
-    lines = [
-        f'{{"format": "{FORMAT}", "version": {version_of(trace)},',
-        f' "meta": {json.dumps(trace.meta)},',
+    lines = header_lines(trace.meta, version_of(trace))
+    for i, step in enumerate(trace.steps):
+        lines += step_lines(step, trace.max_response_tokens)
+        if i + 1 < len(trace.steps):
+            lines[-1] += ","
+    lines.append(TRACE_END)
+    return "\n".join(lines) + "\n"
+
+
+TRACE_END = " ]}"  # dumps_trace's last line (files.append_steps finds it there)
+
+
+def header_lines(meta: dict[str, Any], version: int) -> list[str]:
+    """``dumps_trace``'s lines before the first step."""
+    return [
+        f'{{"format": "{FORMAT}", "version": {version},',
+        f' "meta": {json.dumps(meta)},',
         ' "steps": [',
     ]
-    for i, step in enumerate(trace.steps):
-        head = _step_to_dict(Step(step.step, (), step.measured), cap)
-        del head["prompts"]
-        lines.append("  " + json.dumps(head)[:-1] + ', "prompts": [')
-        for j, p in enumerate(step.prompts):
-            comma = "," if j + 1 < len(step.prompts) else ""
-            lines.append("   " + json.dumps(_prompt_to_dict(p, cap)) + comma)
-        lines.append("  ]}" + ("," if i + 1 < len(trace.steps) else ""))
-    lines.append(" ]}")
-    return "\n".join(lines) + "\n"
+
+
+def step_lines(step: Step, cap: int | None) -> list[str]:
+    """``dumps_trace``'s lines of one step (no comma after its last)."""
+    head = _step_to_dict(Step(step.step, (), step.measured), cap)
+    del head["prompts"]
+    lines = ["  " + json.dumps(head)[:-1] + ', "prompts": [']
+    for j, p in enumerate(step.prompts):
+        comma = "," if j + 1 < len(step.prompts) else ""
+        lines.append("   " + json.dumps(_prompt_to_dict(p, cap)) + comma)
+    lines.append("  ]}")
+    return lines
 
 
 # --- building from arrays (generators, importers) --------------------------------------------
