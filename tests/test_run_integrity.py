@@ -445,3 +445,32 @@ def test_weight_digests_hash_raw_bytes_of_any_dtype():
     moved[0, 0] += 1
     assert sha1_digest({"w": moved}) != sha1_digest({"w": bf})
     assert sha1_digest({"w": bf.t()}) == sha1_digest({"w": bf.t().contiguous()})
+
+
+def test_the_on_device_checksum_tells_equal_weights_from_moved_ones(monkeypatch):
+    """A GPU worker's weights are summed on the GPU (copying a 7B model to the host and
+    SHA-1 hashing it took ~15 s a step); the same function runs on CPU tensors here, with
+    small chunks so that a tensor spans several, a padded tail and a widening pass each."""
+    import torch
+
+    from tltrun.train import step_log
+
+    monkeypatch.setattr(step_log, "CHECKSUM_CHUNK", 16)
+    monkeypatch.setattr(step_log, "CHECKSUM_CHUNKS_AT_ONCE", 2)
+    gen = torch.Generator().manual_seed(0)
+    for w in (torch.randn(7, 11, generator=gen).to(torch.bfloat16), torch.randn(37, generator=gen),
+              torch.randint(0, 255, (5,), dtype=torch.uint8, generator=gen)):  # fmt: skip
+        same = step_log.device_checksum(w.clone())
+        assert step_log.device_checksum(w) == same
+        flat = w.reshape(-1)
+        for i in (0, flat.numel() // 2, flat.numel() - 1):  # any element, any chunk
+            moved = flat.clone()
+            moved[i] = moved[i] + 1
+            assert step_log.device_checksum(moved.view_as(w)) != same
+        if flat.numel() > 1:  # two elements swapped: the plain sum cannot tell
+            swapped = flat.clone()
+            swapped[[0, 1]] = flat[[1, 0]]
+            assert flat[0] == flat[1] or step_log.device_checksum(swapped.view_as(w)) != same
+    assert step_log.device_checksum(torch.zeros(0)) == b"(0,):torch.float32:"
+    a, b = torch.zeros(2, 3), torch.zeros(3, 2)  # equal bytes, other shapes
+    assert step_log.device_checksum(a) != step_log.device_checksum(b)
