@@ -161,7 +161,10 @@ def test_a_run_of_an_older_data_reader_resumes_with_a_warning(model_dir, tmp_pat
         prepare_run_dir(config(model_dir, tmp_path), TASK, is_resume=True,
                         is_override_config=False, data=inputs)  # fmt: skip
 
-    with pytest.warns(ts.RunDirWarning, match=r"reader version 1, now 2: .*cannot be told"):
+    with pytest.warns(
+        ts.RunDirWarning,
+        match=r"reader version 1, now 3: whole float .*; chat messages' other keys\), so .*cannot be told",
+    ):
         resume(data(train_fingerprint="read otherwise"))
     with pytest.raises(UsageError, match="other weights in --model-dir"):
         resume(data(train_fingerprint="read otherwise", model_sha256="retrained"))

@@ -410,3 +410,50 @@ def test_a_qwen3_model_trains_on_user_data_and_saves_as_qwen3(data_dir, tmp_path
     before, after = load_file(model / "model.safetensors"), load_file(final / "model.safetensors")
     name = "model.layers.0.self_attn.k_norm.weight"
     assert not torch.equal(before[name], after[name])  # GRPO trained the q/k norms too
+
+
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.name }}</call>{% endfor %}"
+    "{{ m.content or '' }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_chat_messages_reach_the_template_whole(bpe_model, tmp_path):  # noqa: F811
+    """A message's other keys (Qwen3's template renders an assistant's reasoning_content as a
+    <think> block; tool calls, with content null) reach the chat template as transformers
+    gives them: they were dropped, so the prompt differed from apply_chat_template's. Null
+    ones (Arrow's fill for rows without the key) are not keys."""
+    import shutil
+
+    import pandas as pd
+    from transformers import AutoTokenizer
+
+    from tltrun.data.dataset import DataSpec, load_rows
+
+    model = tmp_path / "model"
+    shutil.copytree(bpe_model, model)
+    (model / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    for stale in ("chat_template.json",):
+        (model / stale).unlink(missing_ok=True)
+    turns = [
+        {"role": "user", "content": "What is 3 plus 4?"},
+        {"role": "assistant", "content": None, "reasoning_content": "add them",
+         "tool_calls": [{"name": "add"}]},
+        {"role": "tool", "content": "7", "name": "add"},
+    ]  # fmt: skip
+    rows = [{"messages": turns, "answer": "7"}, {"messages": turns[:1], "answer": "1"}]
+    pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")  # Arrow fills the missing keys
+    loaded = load_rows(DataSpec(path=str(tmp_path / "train.parquet"), prompt_key="messages"))
+    first, second = (r.prompt for r in loaded.rows)
+    assert [dict(m) for m in first] == turns and [dict(m) for m in second] == turns[:1]
+    want = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        turns, add_generation_prompt=True, tokenize=False
+    )
+    assert "<think>add them</think><call>add</call><|im_end|>" in want
+    tok = load_tokenizer(str(model))
+    assert tok.decode(tok.encode_prompt(first)) == tok.decode(tok.encode_prompt(turns))
+    assert "<think>add them</think>" in tok.decode(tok.encode_prompt(first))
+    assert loaded.rows[0].prompt_text.startswith("user: What is 3 plus 4?\nassistant: \ntool: 7")

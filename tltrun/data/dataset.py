@@ -21,7 +21,9 @@ Sources (``DataSpec.path``), nothing read from the network:
   which turns each prompt into chat messages with that reasoning-gym system prompt.
 
 Each row needs ``prompt_key`` — a non-empty string, or a non-empty list of chat messages
-``{"role": str, "content": str}`` (other keys of a message are dropped) — and, unless
+``{"role": str, "content": str}``, whose other keys (``reasoning_content``, ``tool_calls``,
+``name``: what a model's chat template may render) are kept, null ones dropped (Arrow's fill
+for a row without them), and whose content may be null beside ``tool_calls`` — and, unless
 ``answer_key`` is None, ``answer_key`` — a string or a number (written out: ``_check_answer``).
 The other columns become ``PromptRow.meta`` (JSON-serialisable: NaN as None, anything else JSON
 cannot hold as its ``str``), which a reward receives. A bad row (missing key, wrong type, empty
@@ -187,7 +189,7 @@ def _check_record(raw: RawRow, spec: DataSpec, *, prompt_id: str) -> PromptRow:
     return PromptRow(prompt_id=prompt_id, prompt=prompt, answer=answer, meta=meta, source=raw.place)
 
 
-def checked_prompt(value: Any, key: str, place: str) -> str | tuple[dict[str, str], ...]:
+def checked_prompt(value: Any, key: str, place: str) -> str | tuple[dict[str, Any], ...]:
     """``value`` as a prompt (a non-empty string or list of chat messages, each role and content
     a string), else a ``DataError`` naming ``place`` and ``key``: the rule of a data row, for
     files read elsewhere (``tltrun generate``'s prompts)."""
@@ -197,8 +199,10 @@ def checked_prompt(value: Any, key: str, place: str) -> str | tuple[dict[str, st
         raise DataError(str(bad)) from None
 
 
-def _check_prompt(record: dict[str, Any], key: str, place: str) -> str | tuple[dict[str, str], ...]:
-    """The record's prompt: a non-empty string or a non-empty list of chat messages."""
+def _check_prompt(record: dict[str, Any], key: str, place: str) -> str | tuple[dict[str, Any], ...]:
+    """The record's prompt: a non-empty string or a non-empty list of chat messages (their
+    other keys kept: Qwen3's template renders an assistant turn's ``reasoning_content`` as a
+    <think> block, and dropping it gave prompts other than transformers' own)."""
     if key not in record:
         raise _BadRow(f"{place}: key {key!r}: missing (columns: {_columns(record)})")
     value = record[key]
@@ -223,14 +227,17 @@ def _check_prompt(record: dict[str, Any], key: str, place: str) -> str | tuple[d
                 f"'content', got {type_name(message)}"
             )
         for field_name in ("role", "content"):
-            if not isinstance(message.get(field_name), str):
+            value = message.get(field_name)
+            is_call = field_name == "content" and value is None and message.get("tool_calls")
+            if not isinstance(value, str) and not is_call:  # (OpenAI's tool call: content null)
                 got = type_name(message[field_name]) if field_name in message else "nothing"
                 raise _BadRow(
                     f"{place}: key {key!r}: message {i}: {field_name!r}: expected a string, "
                     f"got {got}"
                 )
-        messages.append({"role": message["role"], "content": message["content"]})
-    if not any(m["content"].strip() for m in messages):
+        extra = {k: v for k, v in message.items() if k not in ("role", "content") and v is not None}
+        messages.append({"role": message["role"], "content": message["content"], **extra})
+    if not any((m["content"] or "").strip() for m in messages):
         raise _BadRow(f"{place}: key {key!r}: empty prompt (every message is empty)")
     return tuple(messages)
 

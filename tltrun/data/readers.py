@@ -32,8 +32,10 @@ from tltsim.jsonio import DuplicateKeyError, loads_strict
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 # How rows are read, recorded with a run's data fingerprint (tltrun train's config.json): 2 since
 # session 38 (whole float answers as integers, NaN as None in other columns, pandas' index
-# dropped, a key given twice refused). A resume cannot compare fingerprints across versions.
-READER_VERSION = 2
+# dropped, a key given twice refused); 3 since session 39 (a chat message's other keys kept,
+# reasoning_content, tool_calls, name). A resume cannot compare fingerprints across versions.
+READER_VERSION = 3
+READER_CHANGES = {2: "whole float answers, NaN, pandas' index", 3: "chat messages' other keys"}
 # What save_to_disk writes beside the data: a Dataset's state.json, a DatasetDict's dataset_dict.json.
 SAVE_TO_DISK_FILES = ("state.json", "dataset_dict.json")
 # The split keywords of datasets' data-files resolution (datasets.data_files: each split's

@@ -15,7 +15,7 @@ class PromptRow:
     """One prompt of a dataset, ready for the tokenizer and the reward."""
 
     prompt_id: str
-    prompt: str | tuple[dict[str, str], ...]
+    prompt: str | tuple[dict[str, Any], ...]
     answer: str | None
     meta: dict = field(default_factory=dict)
     source: str = ""
@@ -26,7 +26,7 @@ class PromptRow:
         reward's ``prompt`` argument and the rollout dump show."""
         if isinstance(self.prompt, str):
             return self.prompt
-        return "\n".join(f"{m['role']}: {m['content']}" for m in self.prompt)
+        return "\n".join(f"{m['role']}: {m['content'] or ''}" for m in self.prompt)
 
 
 def json_safe(value: Any) -> Any:

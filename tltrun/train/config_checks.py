@@ -226,11 +226,14 @@ def check_same_inputs(out: Path, old: dict | None, data: dict, cfg: Any) -> None
             f"{out}: --resume {refusals[key]}them, or start a new run in another --out"
         )
     if changed:
+        from tltrun.data.readers import READER_CHANGES
+
+        then, now = recorded.get("reader_version", 1), data.get("reader_version")
+        what = "; ".join(c for v, c in READER_CHANGES.items() if then < v <= (now or 0))
         warnings.warn(
             f"{out}: the run's data fingerprint was taken by a tltrun that read data files "
-            f"otherwise (reader version {recorded.get('reader_version', 1)}, now "
-            f"{data.get('reader_version')}: whole float answers, NaN, pandas' index), so "
-            "whether its rows changed cannot be told: continuing with this reading",
+            f"otherwise (reader version {then}, now {now}: {what}), so whether its rows "
+            "changed cannot be told: continuing with this reading",
             RunDirWarning,
             stacklevel=2,
         )
