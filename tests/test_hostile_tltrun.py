@@ -153,6 +153,16 @@ def test_device_cuda_without_cuda_is_one_error_line(files, tmp_path, capsys):
         assert "CUDA is not available" in err
 
 
+def test_a_directory_that_is_no_model_is_named_as_such_by_each_command(files, tmp_path, capsys):
+    """generate loaded the tokenizer first and said "missing tokenizer.json" of a hub cache's
+    root, where train said "no config.json"; both say the latter now."""
+    (tmp_path / "hub").mkdir()
+    for argv in (swap(GEN, model="{tmp}/hub"), swap(TRAIN, model_dir="{tmp}/hub")):
+        rc, out, err = run("tltrun", fill(argv, files, tmp_path), capsys)
+        assert_one_error_line(rc, out, err)
+        assert "hub: no config.json (expected a Hugging Face model directory)" in err
+
+
 def test_grpo_group_size_one_names_the_reason(files, tmp_path, capsys):
     rc, out, err = run("tltrun", fill(swap(TRAIN, "--group-size 1"), files, tmp_path), capsys)
     assert_one_error_line(rc, out, err)

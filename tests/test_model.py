@@ -174,7 +174,10 @@ def test_bad_checkpoints_give_one_line_errors(tmp_path):
     hf = _hf_model("llama", kv_heads=2, tied=False)
     hf.save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="neither model.safetensors"):
+    with pytest.raises(CheckpointError, match=r"neither model.safetensors.*found$"):
+        load_hf(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")  # an older hub checkpoint's weights
+    with pytest.raises(CheckpointError, match=r"found \(pytorch_model.bin is not read: save"):
         load_hf(tmp_path)
 
 

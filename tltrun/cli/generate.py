@@ -112,6 +112,9 @@ def read_prompts(path: str, model_dir: str, cfg: GenerateConfig) -> tuple[list[R
     """Requests (``group_size`` per prompt line) and the tokenizer if text prompts were used.
     A legal but suspicious text prompt (empty, or with characters the tokenizer maps to
     ``<unk>``) is generated anyway, with one ``PromptWarning`` counting them all."""
+    from tltrun.model.config import read_config
+
+    read_config(model_dir)  # not a model directory: said as train says it, not by the tokenizer
     tokenizer = None
     requests = []
     num_empty = num_with_unk = num_unk_chars = 0

@@ -75,9 +75,7 @@ def read_safetensors(model_dir: str | Path) -> dict[str, torch.Tensor]:
     if single.is_file():
         return load_safetensors(single)
     if not index.is_file():
-        raise CheckpointError(
-            f"{root}: neither model.safetensors nor model.safetensors.index.json found"
-        )
+        raise _no_safetensors(root)
     try:
         weight_map = read_json(index, "safetensors index", CheckpointError)["weight_map"]
         shards = sorted(set(weight_map.values()))
@@ -136,8 +134,21 @@ def _safetensors_files(root: Path) -> list[Path]:
         if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
             raise CheckpointError(f"{index}: expected JSON with a 'weight_map' field")
         return [root / str(s) for s in sorted(set(map(str, weight_map["weight_map"].values())))]
-    raise CheckpointError(
-        f"{root}: neither model.safetensors nor model.safetensors.index.json found"
+    raise _no_safetensors(root)
+
+
+def _no_safetensors(root: Path) -> CheckpointError:
+    """The refusal of a directory without safetensors weights; PyTorch ``.bin`` weights (older
+    hub checkpoints) are named: they are not read (pickles run code when loaded)."""
+    bins = sorted(p.name for p in root.glob("pytorch_model*.bin"))
+    hint = (
+        f" ({bins[0]} is not read: save the model with safetensors, e.g. transformers' "
+        "save_pretrained)"
+        if bins
+        else ""
+    )
+    return CheckpointError(
+        f"{root}: neither model.safetensors nor model.safetensors.index.json found{hint}"
     )
 
 
