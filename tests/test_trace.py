@@ -393,7 +393,7 @@ def test_a_failed_write_names_the_path_asked_for_and_leaves_no_temporary(tmp_pat
         save_trace(_example(), tmp_path / "d.json")
 
 
-def test_appended_steps_write_the_bytes_a_whole_save_writes(tmp_path: Path) -> None:
+def test_appended_steps_write_the_bytes_a_whole_save_writes(tmp_path: Path, monkeypatch) -> None:
     """``append_steps`` (tltrun train after each step: a whole rebuild was quadratic in the
     run's length) gives the file ``save_trace`` gives for all the steps, the version raised
     where a new step holds a history arm; it writes nothing where it cannot append (no file,
@@ -402,7 +402,9 @@ def test_appended_steps_write_the_bytes_a_whole_save_writes(tmp_path: Path) -> N
 
     trace = load_trace(REPO / "traces" / "synth_reasoning_rl.json")
     path = tmp_path / "t.json"
-    for k in (1, len(trace.steps) - 1):
+    for k in (1, len(trace.steps) - 1, 2):
+        if k == 2:  # the copy a chunk at a time, where the kernel's copy_file_range is not
+            monkeypatch.delattr("os.copy_file_range")
         save_trace(dataclasses.replace(trace, steps=trace.steps[:k]), path)
         assert append_steps(dataclasses.replace(trace, steps=trace.steps[k:]), path)
         assert path.read_text() == dumps_trace(trace)
@@ -423,4 +425,28 @@ def test_appended_steps_write_the_bytes_a_whole_save_writes(tmp_path: Path) -> N
     assert not append_steps(rest, tmp_path / "t.json.gz")
     assert not append_steps(rest, tmp_path / "none.json") and not (tmp_path / "none.json").exists()
     save_trace(first, path)
+    assert not append_steps(first, path)  # a step not after the file's last
+    for tiny in (b"", b"{}", b"{}\n ]}\n"):  # not a trace of this layout: no error either
+        (tmp_path / "tiny.json").write_bytes(tiny)
+        assert not append_steps(rest, tmp_path / "tiny.json")
     assert path.read_bytes() == before and not list(tmp_path.glob("*.tmp"))
+
+
+def test_an_append_that_fails_leaves_the_trace_and_no_copy(tmp_path: Path, monkeypatch) -> None:
+    """A full disk (or Ctrl-C) mid-append: the trace as it was, no trace-sized temporary."""
+    import os
+
+    from tltsim.trace.files import append_steps
+
+    trace = load_trace(REPO / "traces" / "synth_reasoning_rl.json")
+    path = tmp_path / "t.json"
+    save_trace(dataclasses.replace(trace, steps=trace.steps[:2]), path)
+    before = path.read_bytes()
+
+    def full_disk(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        append_steps(dataclasses.replace(trace, steps=trace.steps[2:]), path)
+    assert path.read_bytes() == before and list(tmp_path.iterdir()) == [path]

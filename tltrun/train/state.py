@@ -88,7 +88,15 @@ def read_next_step(ckpt: Path) -> int:
 
 # What a run writes in its directory besides config.json, final/ and the lock: a fresh run
 # removes an earlier, killed run's (one whose directory holds no checkpoint, or launch refuses)
-RUN_FILES = (*LOGS, CONFIG_HISTORY, "reward_errors.log", "worker_errors.log", "trace.json")
+RUN_FILES = (
+    *LOGS,
+    CONFIG_HISTORY,
+    "reward_errors.log",
+    "worker_errors.log",
+    "trace.json",
+    "trace.json.tmp",  # a kill mid-append (tltsim.trace.files.append_steps)
+    "trace.tmp.json",  # a kill between run_logs.write_trace's save and rename
+)
 RUN_DIRS = (
     "rollouts",
     "tensorboard",

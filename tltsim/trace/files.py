@@ -129,17 +129,18 @@ def save_trace(trace: Trace, path: str | Path, allow_lossy: bool = False) -> Non
 
 
 COPY_CHUNK_BYTES = 8 << 20
+_STEP_HEAD = b'\n  {"step": '  # how dumps_trace starts a step's line (prompts: 3 spaces)
 
 
 def append_steps(trace: Trace, path: str | Path) -> bool:
     """Append ``trace``'s steps to the JSON trace ``save_trace`` wrote at ``path`` with the same
     meta, without parsing the steps it holds: a run that rebuilt its whole trace after every
-    step spent time quadratic in its length (0.14 s per MB parsed and validated: about a
-    minute per step at step 1,000 of 256 x 8 responses). The file's bytes are copied to a
-    temporary file, the new steps written after them, and the copy renamed over it (a kill
-    leaves the old file or the new one). Returns False and writes nothing where the file is
-    missing, has another meta or is not in ``dumps_trace``'s layout (the caller then saves
-    the whole trace); the new steps must come after the file's (not checked here)."""
+    step parsed and validated all of it each time (0.14 s per MB: about a minute per step at
+    step 1,000 of 256 x 8 responses). The file's bytes are still copied, to a temporary file
+    with the new steps after them, renamed over it (a kill leaves the old file or the new
+    one): a copy per step that grows with the file, at disk speed. Returns False and writes
+    nothing where the file is missing, has another meta, is not in ``dumps_trace``'s layout or
+    ends at a step not below the first new one (the caller then saves the whole trace)."""
     path = Path(path)
     if trace_suffix(path) != ".json" or not trace.steps or not path.is_file():
         return False
@@ -147,6 +148,8 @@ def append_steps(trace: Trace, path: str | Path) -> bool:
     with path.open("rb") as old:
         head = [old.readline() for _ in range(3)]
         size = old.seek(0, os.SEEK_END)
+        if size < sum(map(len, head)) + len(end) + 4:
+            return False
         old.seek(size - len(end) - 4)
         if old.read() != b"  ]}" + end:  # not a trace of >= 1 step in this layout
             return False
@@ -155,18 +158,52 @@ def append_steps(trace: Trace, path: str | Path) -> bool:
             for v in VERSIONS
             if head == [(line + "\n").encode() for line in header_lines(trace.meta, v)]
         ]
-        if not versions:
+        last = _last_step(old, size)
+        if not versions or last is None or last >= trace.steps[0].step:
             return False
         header = header_lines(trace.meta, max(versions[0], version_of(trace)))
         steps = [step_lines(step, trace.max_response_tokens) for step in trace.steps]
         tmp = path.with_name(path.name + ".tmp")
-        with tmp.open("wb") as new:
-            new.write(("\n".join(header) + "\n").encode())
-            old.seek(sum(map(len, head)))
-            left = size - len(end) - old.tell()
-            while left > 0 and (chunk := old.read(min(COPY_CHUNK_BYTES, left))):
-                new.write(chunk)
-                left -= len(chunk)
-            new.write((",\n" + ",\n".join("\n".join(lines) for lines in steps)).encode() + end)
-    os.replace(tmp, path)
+        try:
+            with tmp.open("wb") as new:
+                new.write(("\n".join(header) + "\n").encode())
+                old.seek(sum(map(len, head)))
+                new.flush()
+                _copy(old, new, size - len(end) - old.tell())
+                new.write((",\n" + ",\n".join("\n".join(x) for x in steps)).encode() + end)
+            os.replace(tmp, path)
+        except BaseException:  # (a full disk, or Ctrl-C mid-copy: no stray copy of the trace)
+            tmp.unlink(missing_ok=True)
+            raise
     return True
+
+
+def _last_step(f: Any, size: int) -> int | None:
+    """The number of the last step of a ``dumps_trace`` file (its head line found from the end,
+    a block at a time), or None."""
+    end = size
+    while end > 0:
+        start = max(0, end - COPY_CHUNK_BYTES)
+        f.seek(start)
+        block = f.read(end - start + len(_STEP_HEAD) + 24)  # a head cut at the block's end
+        at = block.rfind(_STEP_HEAD)
+        if at >= 0:
+            number = block[at + len(_STEP_HEAD) :].split(b",", 1)[0]
+            return int(number) if number.isdigit() else None
+        end = start
+    return None
+
+
+def _copy(src: Any, dst: Any, count: int) -> None:
+    """``count`` bytes from ``src``'s position to ``dst``'s: in the kernel where it can
+    (``copy_file_range``: no pass through Python's memory), else a chunk at a time."""
+    try:
+        while count > 0 and (n := os.copy_file_range(src.fileno(), dst.fileno(), count)):
+            count -= n
+        dst.seek(0, os.SEEK_END)
+        return
+    except (AttributeError, OSError):  # no such call, or not between these files
+        pass
+    while count > 0 and (chunk := src.read(min(COPY_CHUNK_BYTES, count))):
+        dst.write(chunk)
+        count -= len(chunk)
