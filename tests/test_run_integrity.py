@@ -472,5 +472,7 @@ def test_the_on_device_checksum_tells_equal_weights_from_moved_ones(monkeypatch)
             swapped[[0, 1]] = flat[[1, 0]]
             assert flat[0] == flat[1] or step_log.device_checksum(swapped.view_as(w)) != same
     assert step_log.device_checksum(torch.zeros(0)) == b"(0,):torch.float32:"
+    odd = torch.arange(10, dtype=torch.uint8)[1:9]  # contiguous, at an odd byte offset
+    assert step_log.device_checksum(odd) == step_log.device_checksum(odd.clone())
     a, b = torch.zeros(2, 3), torch.zeros(3, 2)  # equal bytes, other shapes
     assert step_log.device_checksum(a) != step_log.device_checksum(b)

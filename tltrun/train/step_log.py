@@ -28,7 +28,9 @@ def sha1_digest(tensors: dict[str, torch.Tensor]) -> str:
     """A digest of named tensors (names sorted): equal digests <=> equal weights or tokens.
     Their raw bytes, any dtype (numpy has no bfloat16: a bf16 engine's weights are hashed as
     bytes too). A GPU tensor is summed where it lives (``device_checksum``): copying a 7B
-    model's 15 GB to the host and hashing them at ~1 GB/s took every worker ~15 s a step."""
+    model's 15 GB to the host and hashing them at ~1 GB/s took every worker ~15 s a step
+    (so a CUDA run's digests are not a CPU run's, and equal ones are equal weights but for
+    a checksum collision, not a SHA-1 one)."""
     digest = hashlib.sha1()
     for name in sorted(tensors):
         digest.update(name.encode())
@@ -42,7 +44,7 @@ def sha1_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 CHECKSUM_CHUNK = 1 << 20  # 16-bit words per position-weighted sum (no int64 sum can overflow)
-CHECKSUM_CHUNKS_AT_ONCE = 64  # 64 x 2^20 words widened to int64 at a time: 512 MB
+CHECKSUM_CHUNKS_AT_ONCE = 64  # 64 x 2^20 words widened to int64 at a time: 512 MiB
 
 
 def device_checksum(tensor: torch.Tensor) -> bytes:
@@ -51,10 +53,11 @@ def device_checksum(tensor: torch.Tensor) -> bytes:
     its place in the chunk (|word| < 2^15, place < 2^20, so a sum stays under 2^55; integer
     sums do not depend on the reduction order). Any changed word changes its chunk's sums
     (a swap of two words the weighted one), so equal weights give equal bytes and moved ones
-    differ but for a collision no training update is built to find. Shape and dtype lead."""
+    differ but for a collision (a linear checksum has them: +1, -1, -1, +1 on four words
+    placed just so) no training update is built to find. Shape and dtype lead."""
     raw = tensor.contiguous().reshape(-1).view(torch.uint8)
-    if raw.numel() % 2:
-        raw = torch.cat([raw, raw.new_zeros(1)])
+    if raw.numel() % 2 or raw.storage_offset() % 2:  # (an int16 view needs an even offset)
+        raw = torch.cat([raw, raw.new_zeros(raw.numel() % 2)])
     words = raw.view(torch.int16)
     pad = -words.numel() % CHECKSUM_CHUNK
     place = torch.arange(1, CHECKSUM_CHUNK + 1, device=words.device, dtype=torch.int64)
@@ -64,7 +67,8 @@ def device_checksum(tensor: torch.Tensor) -> bytes:
         if start + part.numel() == words.numel() and pad:
             part = torch.cat([part, part.new_zeros(pad)])
         wide = part.view(-1, CHECKSUM_CHUNK).to(torch.int64)  # (chunks, CHUNK)
-        sums.append(torch.stack([wide.sum(1), (wide * place).sum(1)], dim=1))
+        plain = wide.sum(1)
+        sums.append(torch.stack([plain, wide.mul_(place).sum(1)], dim=1))  # (in place: 512 MiB)
     head = f"{tuple(tensor.shape)}:{tensor.dtype}:".encode()
     return head + (torch.cat(sums).cpu().numpy().tobytes() if sums else b"")
 
