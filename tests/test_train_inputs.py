@@ -14,6 +14,7 @@ Run: ``python -m pytest tests/test_train_inputs.py -q``.
 # ruff: noqa: F811 (pytest fixtures imported from test_train_data)
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -457,3 +458,26 @@ def test_chat_messages_reach_the_template_whole(bpe_model, tmp_path):  # noqa: F
     assert tok.decode(tok.encode_prompt(first)) == tok.decode(tok.encode_prompt(turns))
     assert "<think>add them</think>" in tok.decode(tok.encode_prompt(first))
     assert loaded.rows[0].prompt_text.startswith("user: What is 3 plus 4?\nassistant: \ntool: 7")
+
+
+def test_message_keys_are_json_safe_and_a_nan_tool_call_is_a_bad_row(tmp_path):
+    """Python's json writes NaN: a NaN reasoning_content was passed to the template as is, and
+    a NaN tool_calls let a null content through to a template TypeError traceback."""
+    from tltrun.data.dataset import DataSpec, load_rows
+
+    user = '{"role": "user", "content": "hi"}'
+    lines = [
+        f'{{"m": [{user}, {{"role": "assistant", "content": "ok", "reasoning_content": NaN}}]}}',
+        f'{{"m": [{user}, {{"role": "assistant", "content": null, "tool_calls": NaN}}]}}',
+    ]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    spec = DataSpec(path=str(tmp_path / "d.jsonl"), prompt_key="m", answer_key=None)
+    with pytest.raises(
+        DataError, match=r"d.jsonl:2: key 'm': message 1: 'content': expected a string, got null"
+    ):
+        load_rows(spec)
+    loaded = load_rows(dataclasses.replace(spec, is_skip_bad_rows=True))
+    assert loaded.num_skipped == 1 and loaded.rows[0].prompt[1] == {
+        "role": "assistant",
+        "content": "ok",
+    }

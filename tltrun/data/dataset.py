@@ -228,14 +228,19 @@ def _check_prompt(record: dict[str, Any], key: str, place: str) -> str | tuple[d
             )
         for field_name in ("role", "content"):
             value = message.get(field_name)
-            is_call = field_name == "content" and value is None and message.get("tool_calls")
+            calls = json_safe(message.get("tool_calls"))
+            is_call = (
+                field_name == "content" and value is None and isinstance(calls, list) and calls
+            )
             if not isinstance(value, str) and not is_call:  # (OpenAI's tool call: content null)
                 got = type_name(message[field_name]) if field_name in message else "nothing"
                 raise _BadRow(
                     f"{place}: key {key!r}: message {i}: {field_name!r}: expected a string, "
                     f"got {got}"
                 )
-        extra = {k: v for k, v in message.items() if k not in ("role", "content") and v is not None}
+        # JSON-safe as the other columns (a NaN is None: Python's json writes NaN)
+        extra = {k: json_safe(v) for k, v in message.items() if k not in ("role", "content")}
+        extra = {k: v for k, v in extra.items() if v is not None}
         messages.append({"role": message["role"], "content": message["content"], **extra})
     if not any((m["content"] or "").strip() for m in messages):
         raise _BadRow(f"{place}: key {key!r}: empty prompt (every message is empty)")
