@@ -35,9 +35,14 @@ class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one ``error:`` line (exit 2) like every other
     input error of the CLIs; ``--help`` still prints the full usage."""
 
+    def parse_known_args(self, args=None, namespace=None):  # (the words error() looks at)
+        self.words = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> typing.NoReturn:
         if message.endswith("expected one argument") and any(
-            len(word) > 1 and word[0] == "-" and word[1] in "0123456789." for word in sys.argv[1:]
+            len(word) > 1 and word[0] == "-" and word[1] in "0123456789."
+            for word in getattr(self, "words", sys.argv[1:])
         ):  # argparse takes "-8,16" (not a plain negative number) for a flag
             message += " (a value that starts with '-' is written --flag=VALUE)"
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
