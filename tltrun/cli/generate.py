@@ -108,13 +108,19 @@ class GenerateConfig:
             StaticSpec(strategy=self.strategy)
 
 
+def _model_tokenizer(model_dir: str, is_chat_template: bool) -> Any:
+    """The model's tokenizer; a directory that is no model (a hub cache's root) said as such,
+    as ``tltrun train`` says it, not as a missing tokenizer.json."""
+    from tltrun.model.config import read_config
+
+    read_config(model_dir)
+    return load_tokenizer(model_dir, is_chat_template=is_chat_template)
+
+
 def read_prompts(path: str, model_dir: str, cfg: GenerateConfig) -> tuple[list[Request], Any]:
     """Requests (``group_size`` per prompt line) and the tokenizer if text prompts were used.
     A legal but suspicious text prompt (empty, or with characters the tokenizer maps to
     ``<unk>``) is generated anyway, with one ``PromptWarning`` counting them all."""
-    from tltrun.model.config import read_config
-
-    read_config(model_dir)  # not a model directory: said as train says it, not by the tokenizer
     tokenizer = None
     requests = []
     num_empty = num_with_unk = num_unk_chars = 0
@@ -145,7 +151,7 @@ def read_prompts(path: str, model_dir: str, cfg: GenerateConfig) -> tuple[list[R
                 # a data row's rule: str(123), str(["x"]), a None content or an int role were
                 # generated as text
                 prompt = checked_prompt(prompt, "prompt", where)
-            tokenizer = tokenizer or load_tokenizer(model_dir, is_chat_template=cfg.chat_template)
+            tokenizer = tokenizer or _model_tokenizer(model_dir, cfg.chat_template)
             try:
                 ids = tokenizer.encode_prompt(prompt)
             except UsageError as err:  # the chat template refused it, or there is none
