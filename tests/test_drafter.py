@@ -451,3 +451,25 @@ def test_recomputed_hidden_states_skip_the_full_vocabulary_logits():
         for (ids, _), record in zip(sequences, records, strict=True):
             _, hidden = target(torch.tensor([ids]), torch.arange(len(ids))[None], CausalContext())
             assert torch.allclose(record.hidden, hidden[0, :-1], atol=1e-5)
+
+
+def test_the_spot_trainer_deletes_a_finished_steps_store_keys():
+    """Every step's finish order went into the launcher's store (num_done and one key per
+    finisher) and stayed there, growing it for as long as the run; the end-of-step collective
+    is where every worker is past them."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from tltrun.train.spot import SpotTrainer
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        worker = SimpleNamespace(rank=0, world_size=1, store=store, version=0)
+        for step in range(3):
+            assert SpotTrainer.announce_done(worker, step) == 1 and store.num_keys() == 2
+            assert SpotTrainer.sync_end_of_step(worker, 0, False, step) == 0
+            assert store.num_keys() == 0
+    finally:
+        dist.destroy_process_group()

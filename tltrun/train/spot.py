@@ -272,8 +272,6 @@ class SpotTrainer:
         self.update_s = 1.0  # EMA of seconds per update; only a time cap would use it
         self.previous: list[TrainRecord] = []  # last step's harvest
 
-    # ---- store keys ------------------------------------------------------------------------
-
     def announce_done(self, step: int) -> int:
         order = self.store.add(f"s{step}/num_done", 1)
         self.store.set(f"s{step}/order/{order}", str(self.rank))
@@ -420,14 +418,18 @@ class SpotTrainer:
         stats.train_s += seconds
         self.update_s = seconds if stats.num_updates == 1 else 0.8 * self.update_s + 0.2 * seconds
 
-    def sync_end_of_step(self, num_updates: int = 0, is_deterministic: bool = False) -> int:
-        """All workers: make every drafter the freshest one (most updates; ties: the lowest
-        rank). Returns the source rank. ``num_updates``: this worker's updates of the step; in
-        deterministic mode copies trained apart can have equal versions and differ, so any
-        training at all means a broadcast."""
+    def sync_end_of_step(
+        self, num_updates: int = 0, is_deterministic: bool = False, step: int | None = None
+    ) -> int:
+        """All workers: make every drafter the freshest one (most updates; ties: lowest rank);
+        returns its rank. ``num_updates``: this worker's updates of the step (in deterministic
+        mode copies trained apart can have equal versions and differ: any training broadcasts).
+        Rank 0 then deletes ``step``'s store keys (kept, they grew the launcher's store)."""
         mine = torch.tensor([self.version, num_updates], dtype=torch.long)
         rows = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(rows, mine)
+        for k in range(self.world_size + 1) if self.rank == 0 and step is not None else ():
+            self.store.delete_key(f"s{step}/order/{k}" if k else f"s{step}/num_done")
         versions = [int(r[0]) for r in rows]
         src = versions.index(max(versions))
         trained = max(int(r[1]) for r in rows) > 0
@@ -455,11 +457,10 @@ def modelled_iteration_s(num_active: int, decision: SpecDecision) -> float:
 
 
 class ModelledFeedback(SpecPolicy):
-    """Wraps the run's SpecPolicy in deterministic mode: ``observe`` gets
-    ``modelled_iteration_s`` instead of the measured seconds. TLTAdaptive's bandit rewards
-    accepted tokens per second, so measured seconds made its strategy choices (and, through
-    speculative sampling's random draws, the sampled tokens) depend on timing. Everything else
-    is the wrapped policy's; its state is checkpointed under MODELLED_STATE."""
+    """Wraps the run's SpecPolicy in deterministic mode: ``observe`` gets ``modelled_iteration_s``
+    instead of the measured seconds (TLTAdaptive's bandit rewards accepted tokens per second, so
+    its choices and, through speculative sampling's draws, the tokens depended on timing).
+    Everything else is the wrapped policy's; its state is checkpointed under MODELLED_STATE."""
 
     def __init__(self, inner: SpecPolicy):
         self.inner = inner
@@ -482,11 +483,10 @@ class ModelledFeedback(SpecPolicy):
         return self.inner.vllm_dynamic_table(max_batch)
 
     def state_dict(self) -> dict:
-        """The wrapped policy's state under a key of its own: its rewards are modelled costs
-        (~1 per iteration), not seconds, so a policy of the clock's mode cannot load it (a tlt
-        bandit's windows held both units). The worker loads a checkpoint's state only where
-        the mode did not change (tltrun.train.checkpoint.is_reward_mode_kept): a state of the
-        inner policy's own form is a deterministic checkpoint written before 2026-11-29."""
+        """The wrapped policy's state under a key of its own: its rewards are modelled costs, not
+        seconds (a clock-mode policy cannot load it; the worker loads a state only where the mode
+        is kept, tltrun.train.checkpoint.is_reward_mode_kept). One of the inner policy's own form
+        is a deterministic checkpoint written before 2026-11-29."""
         return {MODELLED_STATE: self.inner.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:

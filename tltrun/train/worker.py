@@ -388,7 +388,7 @@ class Worker:
                 spot = self.spot.run_budget(step, records)
             else:
                 spot = self.spot.run_idle(step, order, records, t0)
-            src = self.spot.sync_end_of_step(spot.num_updates, cfg.is_deterministic)
+            src = self.spot.sync_end_of_step(spot.num_updates, cfg.is_deterministic, step)
             if cfg.is_deterministic and src != self.rank:
                 # the workers trained apart and only rank src's drafter is kept: the others'
                 # tokens trained nothing that stays (the log summed them all)
