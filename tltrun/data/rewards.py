@@ -1,7 +1,10 @@
 """Rewards for ``tltrun train``: a small registry of verifiable rewards, scored in a pool of
 worker processes with a per-call timeout, plus optional, documented reward shaping.
 
-``--reward`` kinds (``parse_reward``):
+``--reward`` kinds (``parse_reward``). Every kind but ``builtin`` and a user function reads only
+the response's final part (``scoring.final_part``): what follows its last ``</think>``; a
+response whose thinking never closed (opened in it, or by the prompt's template) has no answer
+(0.0, not well formed).
 
 * ``builtin`` — the built-in long-tail task's reward (``tltrun.train.tasks.reward``): 1.0 iff the
   response's last non-empty line is ``answer: N`` with N the integer answer field.

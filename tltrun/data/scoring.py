@@ -12,7 +12,7 @@ import numbers
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,9 @@ class RewardItem:
     response: str
     answer: str | None
     meta: dict = field(default_factory=dict)
+    # the rendered prompt ends in an open <think> (DeepSeek-R1 distills' templates): the response
+    # starts inside its thinking (``final_part``)
+    is_thinking_open: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,6 +174,22 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def final_part(response: str, is_thinking_open: bool = False) -> str | None:
+    """The part of a reasoning model's response that holds its answer: after the last
+    ``</think>``; None if the response's thinking never closed (opened in it, or by the prompt:
+    a response cut at the token cap mid-thought); the whole response if it does not think. The
+    built-in rewards score this part only: drafts inside the thinking scored (a response cut
+    mid-thought got credit for a boxed draft, a reward hack) and beat the final answer."""
+    if THINK_CLOSE in response:
+        return response.rsplit(THINK_CLOSE, 1)[1]
+    if is_thinking_open or THINK_OPEN in response:
+        return None
+    return response
+
+
 def final_answer(response: str) -> str:
     """The response's final answer for ``exact``: the last ``\\boxed{}`` content if present,
     else its last non-empty line."""
@@ -223,6 +242,14 @@ class Scorer:
 
             answer = _need_answer(item, kind)
             return reward(item.response, int(answer)), parse_answer(item.response) is not None
+        if kind == "python":  # the user's function sees the whole response
+            return self._python(item)
+        if kind != "reasoning-gym":
+            _need_answer(item, kind)
+        final = final_part(item.response, item.is_thinking_open)
+        if final is None:  # thinking that never ended: no answer, not well formed
+            return 0.0, False
+        item = replace(item, response=final)
         if kind == "math":
             return self._math(item)
         if kind == "exact":
@@ -230,7 +257,7 @@ class Scorer:
             # text that normalises to nothing ('...') is compared as written: such an answer
             # matched every empty response
             matched = _exact_form(final_answer(item.response)) == _exact_form(answer)
-            return float(matched), last_boxed(item.response) is not None
+            return float(matched), bool((last_boxed(item.response) or "").strip())
         if kind == "regex":
             answer = _need_answer(item, kind)
             assert self._pattern is not None
@@ -240,9 +267,7 @@ class Scorer:
             if not matches:
                 return 0.0, False
             return float(normalize(matches[-1].group("answer")) == normalize(answer)), True
-        if kind == "reasoning-gym":
-            return self._gym(item)
-        return self._python(item)
+        return self._gym(item)
 
     def _math(self, item: RewardItem) -> tuple[float, bool]:
         from math_verify import parse, verify
@@ -268,9 +293,10 @@ class Scorer:
             if boxed is not None
             else positional_in_text(item.response)
         )
+        is_boxed = bool(boxed)  # an empty \\boxed{} is no answer
         if not predicted:
-            return 0.0, boxed is not None
-        return float(verify(gold, predicted)), boxed is not None
+            return 0.0, is_boxed
+        return float(verify(gold, predicted)), is_boxed
 
     def _gym(self, item: RewardItem) -> tuple[float, bool]:
         from reasoning_gym.utils import extract_answer
@@ -356,7 +382,10 @@ def _is_math_notation(text: str) -> bool:
     matched) and '1 000' was 1*0, which \\boxed{0} matched."""
     if re.search(r"[\\^{}_]", text):
         return True
-    if re.search(r"[A-Za-z]{2}", text) or re.fullmatch(r"[\d\s,.]+", text.strip()):
+    # words, or one number in groups of three ('1 000', '1,000.5'); a list ('2, 3') is math
+    if re.search(r"[A-Za-z]{2}", text) or re.fullmatch(
+        r"\d{1,3}(?:[ ,]\d{3})+(?:\.\d+)?", text.strip()
+    ):
         return False
     return not _is_plain_number(text)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from tltrun.data.rewards import RewardItem, RewardPool, Shaping, apply_shaping
 from tltrun.data.rows import PromptRow
+from tltrun.data.scoring import THINK_OPEN
 from tltrun.data.tokenizer import TextTokenizer
 from tltrun.rollout.interface import Request, RequestOutput, SamplingParams
 from tltrun.train.config import TrainConfig
@@ -88,6 +89,10 @@ class ResponseScorer:
                     response=self.tok.decode(o.output_token_ids),
                     answer=row.answer,
                     meta=row.meta,
+                    # R1 distills' templates open <think> in the prompt (scoring.final_part)
+                    is_thinking_open=self.tok.decode(r.prompt_token_ids[-8:])
+                    .rstrip()
+                    .endswith(THINK_OPEN),
                 )
             )
         scored = []

@@ -1,0 +1,70 @@
+"""Rewards on what reasoning models write (Qwen3, DeepSeek-R1 distills): the built-in rewards
+score only the text after the last ``</think>`` (``scoring.final_part``); a response whose
+thinking never ended (cut at the token cap mid-thought, or opened by the prompt's template)
+has no answer and is not well formed; a user's function still sees the whole response. And
+an answer field listing numbers ('2, 3') is a list, not its last number.
+
+Run: ``python -m pytest tests/test_rewards_thinking.py -q``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tltrun.data.rewards import parse_reward
+from tltrun.data.scoring import RewardItem, final_part, score_in_process
+
+DRAFT = "<think>\nMaybe \\boxed{42}. Hmm wait, re-check step 1: 3*7 is"  # cut at the cap
+
+
+def scored(spec: str, response: str, answer: str | None, is_open: bool = False):
+    item = RewardItem(sample_id="s", prompt="q?", response=response, answer=answer,
+                      is_thinking_open=is_open)  # fmt: skip
+    (outcome,) = score_in_process(parse_reward(spec), [item])
+    assert outcome.error is None, outcome.error
+    return outcome.reward, outcome.is_format_ok
+
+
+@pytest.mark.parametrize(
+    "spec,response,answer,expected",
+    [
+        # cut mid-thought: a boxed draft, or a bare number, earned full credit
+        ("math", DRAFT, "42", (0.0, False)),
+        ("math", "<think>\nSo 40 + 2 = 42 and then multiply by", "42", (0.0, False)),
+        ("exact", "<think>\\boxed{Paris} or maybe", "Paris", (0.0, False)),
+        ("regex:Answer:\\s*(?P<answer>\\d+)", "<think>Answer: 42 maybe, let me", "42", (0.0, False)),
+        # a draft in the thinking no longer beats the final answer, nor stands in for a wrong one
+        ("math", "<think>draft \\boxed{41}</think>\nThe final answer is \\boxed{42}.", "42", (1.0, True)),
+        ("math", "<think>draft \\boxed{41}</think>\nThe final answer is 42.", "42", (1.0, False)),
+        ("math", "<think>maybe \\boxed{42}? no.</think>\nThe final answer is 41.", "42", (0.0, False)),
+        ("math", "<think>2+2=4, and 42 maybe</think>\nI could not solve it.", "42", (0.0, False)),
+        ("exact", "<think>\\boxed{London}</think>\n\\boxed{Paris}", "Paris", (1.0, True)),
+        ("regex:Answer:\\s*(?P<answer>\\d+)", "<think>Answer: 41</think>Answer: 42", "42", (1.0, True)),
+        # no thinking at all: as before
+        ("math", "so \\boxed{42}", "42", (1.0, True)),
+        # an empty box is no answer, so not the form the format penalty asks for
+        ("math", "\\boxed{}", "42", (0.0, False)),
+        # an answer listing numbers is a list (it was read as its last number)
+        ("math", "\\boxed{2, 3}", "2, 3", (1.0, True)),
+        ("math", "\\boxed{3}", "2, 3", (0.0, True)),
+        ("math", "\\boxed{1000}", "1 000", (1.0, True)),
+    ],
+)  # fmt: skip
+def test_the_built_in_rewards_score_the_final_part(spec, response, answer, expected):
+    assert scored(spec, response, answer) == expected
+
+
+def test_a_prompt_that_opens_the_thinking_and_a_users_function(tmp_path):
+    """DeepSeek-R1 distills' templates end the prompt in ``<think>\\n``: the response starts
+    mid-thought and only closes it; until it does it holds no answer. A user's function gets
+    the whole response, thinking included (its own rule)."""
+    assert scored("math", "So 40 + 2 = 42 and", "42", is_open=True) == (0.0, False)
+    assert scored("math", "draft \\boxed{41}</think>\n\\boxed{42}", "42", is_open=True) == (
+        1.0,
+        True,
+    )
+    assert final_part("a</think>b</think>c") == "c" and final_part("plain") == "plain"
+    assert final_part("<think>unended") is None and final_part("x", is_thinking_open=True) is None
+    module = tmp_path / "mine.py"
+    module.write_text("def whole(prompt, response, answer, **meta):\n    return len(response)\n")
+    assert scored(f"{module}:whole", DRAFT, "42") == (float(len(DRAFT)), True)
