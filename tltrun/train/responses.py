@@ -7,6 +7,7 @@ prompts; rank 0 gathers the results (tltrun.train.step_log). Not run directly.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from tltrun.data.rewards import RewardItem, RewardPool, Shaping, apply_shaping
@@ -45,6 +46,13 @@ class EvalSummary:
     num_truncated: int  # responses that hit max_new_tokens
     num_prompts: int
     errors: list[str]  # reward errors, each with its sample id
+
+
+def opens_thinking(tok: TextTokenizer, prompt_token_ids: Sequence[int]) -> bool:
+    """Whether the rendered prompt ends in an open ``<think>`` (DeepSeek-R1 distills' chat
+    templates end the generation prompt so): the response starts mid-thought
+    (``tltrun.data.scoring.final_part``)."""
+    return tok.decode(prompt_token_ids[-8:]).rstrip().endswith(THINK_OPEN)
 
 
 class ResponseScorer:
@@ -89,10 +97,7 @@ class ResponseScorer:
                     response=self.tok.decode(o.output_token_ids),
                     answer=row.answer,
                     meta=row.meta,
-                    # R1 distills' templates open <think> in the prompt (scoring.final_part)
-                    is_thinking_open=self.tok.decode(r.prompt_token_ids[-8:])
-                    .rstrip()
-                    .endswith(THINK_OPEN),
+                    is_thinking_open=opens_thinking(self.tok, r.prompt_token_ids),
                 )
             )
         scored = []
