@@ -330,7 +330,7 @@ def test_cli_errors_are_one_line_before_any_worker(model_dir, tmp_path, capsys):
     (out / "log.jsonl").write_text('{"step": 0}\n')  # next_step 3 beyond the log
     code, err = cli(["train", "--out", str(out), "--resume"], capsys)
     assert code == 2 and err.startswith("error: ") and "\n" not in err
-    assert "next_step beyond the log" in err
+    assert "next_step beyond the log); restore the file, or start a new run" in err
     fake_logs(out, 3)
     for step in (1, 2, 3):
         flip_bytes(ts.checkpoint_dir(out, step) / "rank0.pt")

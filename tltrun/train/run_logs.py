@@ -81,7 +81,8 @@ def prepare_logs(out: Path, start_step: int) -> None:
         if len(kept) < start_step:
             raise checkpoint_error(
                 f"{path}: has steps {_span(steps)} but the checkpoint's next_step is "
-                f"{start_step} (next_step beyond the log)"
+                f"{start_step} (next_step beyond the log); restore the file, or start a new "
+                "run in another --out"
             )
         if kept != rows or (path.is_file() and not path.read_bytes().endswith(b"\n")):
             write_atomic(path, "".join(row + "\n" for row in kept))
