@@ -244,22 +244,19 @@ class Scorer:
             return reward(item.response, int(answer)), parse_answer(item.response) is not None
         if kind == "python":  # the user's function sees the whole response
             return self._python(item)
-        if kind != "reasoning-gym":
-            _need_answer(item, kind)
+        answer = item.answer if kind == "reasoning-gym" else _need_answer(item, kind)
         final = final_part(item.response, item.is_thinking_open)
         if final is None:  # thinking that never ended: no answer, not well formed
             return 0.0, False
         item = replace(item, response=final)
         if kind == "math":
-            return self._math(item)
+            return self._math(item, answer)
         if kind == "exact":
-            answer = _need_answer(item, kind)
             # text that normalises to nothing ('...') is compared as written: such an answer
             # matched every empty response
             matched = _exact_form(final_answer(item.response)) == _exact_form(answer)
             return float(matched), bool((last_boxed(item.response) or "").strip())
         if kind == "regex":
-            answer = _need_answer(item, kind)
             assert self._pattern is not None
             # the last match that captured something: a pattern that can match empty text
             # ('(?P<answer>\d+)?$') took its empty match at the end, after the answer
@@ -269,10 +266,9 @@ class Scorer:
             return float(normalize(matches[-1].group("answer")) == normalize(answer)), True
         return self._gym(item)
 
-    def _math(self, item: RewardItem) -> tuple[float, bool]:
+    def _math(self, item: RewardItem, answer: str) -> tuple[float, bool]:
         from math_verify import parse, verify
 
-        answer = _need_answer(item, "math")
         gold_text = answer.rsplit("####", 1)[-1].strip() if "####" in answer else answer
         written = positional(gold_text)
         # LaTeX (m\times 10^{e}) parses only as math: plain, math-verify reads "10" out of it

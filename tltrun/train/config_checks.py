@@ -185,12 +185,12 @@ def check_train_config(cfg: Any) -> None:
         )
 
 
-def check_same_inputs(out: Path, old: dict | None, data: dict, cfg: Any) -> None:
+def check_same_inputs(out: Path, old: dict, data: dict, cfg: Any) -> None:
     """A resume (``tltrun.train.launch.prepare_run_dir``) refuses training data, evaluation data or a --model-dir (the KL reference,
     reloaded from it) that changed since the run started. Evaluation rows are compared only at
     the --eval-max-prompts they were recorded with (a resume may change it, and a
     reasoning-gym evaluation set is generated that long)."""
-    recorded = (old or {}).get("data", {})
+    recorded = old.get("data", {})
     if not data or not recorded:
         return
     data_changed = "with different data than the run trained on (rows of {} changed); restore "
@@ -219,9 +219,9 @@ def check_same_inputs(out: Path, old: dict | None, data: dict, cfg: Any) -> None
 
     changed = [key for key in refusals if key in recorded and recorded[key] != data.get(key)]
     is_other_reading = recorded.get("reader_version") != data.get("reader_version")
-    is_model = {"model_sha256", "tokenizer_sha256"} & set(changed)  # (not the readers' doing)
-    if changed and (not is_other_reading or is_model):
-        key = min(is_model) if is_model else changed[0]
+    model_keys = {"model_sha256", "tokenizer_sha256"} & set(changed)  # (not the readers' doing)
+    if changed and (not is_other_reading or model_keys):
+        key = min(model_keys) if model_keys else changed[0]
         raise UsageError(
             f"{out}: --resume {refusals[key]}them, or start a new run in another --out"
         )

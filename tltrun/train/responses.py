@@ -88,7 +88,11 @@ class ResponseScorer:
         """Per response its reward input (prompt and response text) and (shaped reward, raw
         reward, error or ""); the rewards run in the pool."""
         items = []
+        thinking: dict[tuple[int, ...], bool] = {}  # by prompt: a group's requests share it
         for r, o in zip(requests, outputs, strict=True):
+            ids = tuple(r.prompt_token_ids)
+            if ids not in thinking:
+                thinking[ids] = opens_thinking(self.tok, ids)
             row = by_group[r.id.rpartition("/")[0]]
             items.append(
                 RewardItem(
@@ -97,7 +101,7 @@ class ResponseScorer:
                     response=self.tok.decode(o.output_token_ids),
                     answer=row.answer,
                     meta=row.meta,
-                    is_thinking_open=opens_thinking(self.tok, r.prompt_token_ids),
+                    is_thinking_open=thinking[ids],
                 )
             )
         scored = []
