@@ -2,6 +2,7 @@
 
     tltsim advise traces/synth_reasoning_rl.json --preset h100x8-qwen7b
     tltsim advise my_trace.json --preset h100x64-qwen7b --hardware-file h100.json --num-seeds 3
+    tltsim advise my_trace.json --preset h100x8-qwen7b --model ~/models/Qwen3-4B --num-gpus 16
 
 Runs the sweep a user would run (``tltsim.sim.sweep``: TLTAdaptive's threshold x strategy set x
 spot training on/off, each against NoSpec, over ``--num-seeds`` seeds), takes the setting with
@@ -31,6 +32,7 @@ from typing import Any
 
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.cost.presets import CLUSTER_PRESETS, apply_preset
+from tltsim.cost.specs import is_model_path
 from tltsim.errors import UsageError
 from tltsim.jsonio import remove_stale_outputs, write_json
 from tltsim.policy import SpotTrainerConfig, TLTConfig
@@ -41,6 +43,7 @@ from tltsim.sim.intervals import DEFAULT_COST_ERROR, IntervalSpec, accept_band, 
 from tltsim.sim.replay import (
     RunSettings,
     comparison,
+    cost_model,
     replay_intervals,
     simulate_policies,
 )
@@ -66,6 +69,16 @@ class AdviseConfig:
     preset: str = field(
         default="h100x8-qwen7b", metadata=_help("cluster preset: " + ", ".join(CLUSTER_PRESETS))
     )
+    # the user's own cluster and model over the preset's (a preset's 8 or 64 GPUs, Qwen2.5-7B)
+    model: str | None = field(
+        default=None,
+        metadata=_help(
+            "target model over the preset's: a preset name, or a Hugging Face config.json or "
+            "model directory"
+        ),
+    )
+    num_gpus: int | None = field(default=None, metadata=_help("GPUs over the preset's"))
+    tp: int | None = field(default=None, metadata=_help("tensor-parallel degree over the preset's"))
     # 16, 32, 64: TLT's default threshold (32, fastrl bs_threshold) and one bucket either side.
     thresholds: tuple[int, ...] = field(
         default=(16, 32, 64), metadata=_help("TLT thresholds to try (SD off above this batch)")
@@ -118,6 +131,8 @@ class AdviseConfig:
             )
         if self.num_seeds < 1 or (self.workers is not None and self.workers < 1):
             raise ValueError("--num-seeds and --workers must be >= 1")
+        if any(n is not None and n < 1 for n in (self.num_gpus, self.tp)):
+            raise ValueError("--num-gpus and --tp must be >= 1")
         # the sweep: thresholds x strategy sets x spot training on/off, each per seed
         num_simulations = len(self.thresholds) * len(self.strategy_sets) * 2 * self.num_seeds
         if num_simulations > MAX_SIMULATIONS:
@@ -155,11 +170,21 @@ def _toml_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def cluster_overrides(config: AdviseConfig) -> dict[str, Any]:
+    """The SimConfig fields ``config`` sets over its preset (a model path made absolute: the
+    sweep resolves paths beside its spec)."""
+    fields = {"model": config.model, "num_gpus": config.num_gpus, "tp": config.tp}
+    if config.model is not None and is_model_path(config.model):
+        fields["model"] = str(Path(config.model).resolve())
+    return {k: v for k, v in fields.items() if v is not None}
+
+
 def sweep_toml(trace: Path, config: AdviseConfig, hardware: str | None) -> str:
     """The sweep spec a user would write for this question (TOML)."""
-    fixed = {"preset": config.preset, "policy": "tlt"}
+    fixed: dict[str, Any] = {"preset": config.preset, "policy": "tlt"}
     if hardware is not None:
         fixed["hardware"] = hardware
+    fixed.update(cluster_overrides(config))
     lines = [
         f"trace = {_toml_string(str(trace.resolve()))}",
         f"seeds = {json.dumps(list(range(config.num_seeds)))}",
@@ -167,7 +192,10 @@ def sweep_toml(trace: Path, config: AdviseConfig, hardware: str | None) -> str:
     if config.max_steps is not None:
         lines.append(f"max_steps = {config.max_steps}")
     lines.append("[fixed]")
-    lines += [f"{k} = {_toml_string(v)}" for k, v in fixed.items()]
+    lines += [
+        f"{k} = {_toml_string(v) if isinstance(v, str) else json.dumps(v)}"
+        for k, v in fixed.items()
+    ]
     lines.append("[grid]")
     lines.append(f'"tlt.threshold" = {json.dumps(list(config.thresholds))}')
     lines.append(
@@ -275,6 +303,15 @@ def cmd_advise(args: argparse.Namespace) -> int:
 
         hardware = hardware_file_name(args.hardware_file)
     spec = interval_spec(config)  # a bad band or cost error is refused before the sweep runs
+    try:  # and a bad model or cluster (the sweep would name its own spec file, not the flag)
+        sim = dataclasses.replace(
+            apply_preset(SimConfig(), config.preset), **cluster_overrides(config)
+        )
+        if hardware is not None:
+            sim = dataclasses.replace(sim, hardware=hardware)
+        cost_model(sim)
+    except (ValueError, UsageError) as err:
+        raise UsageError(f"advise --preset {config.preset}: {err}") from None
     trace = load_trace(args.trace)
     if config.max_steps is not None:
         trace = Trace(meta=trace.meta, steps=trace.steps[: config.max_steps])
@@ -292,9 +329,6 @@ def cmd_advise(args: argparse.Namespace) -> int:
     outcome = run_sweep(spec_path, out / "sweep", config.workers)
     summary = json.loads((outcome.out / "summary.json").read_text())
     tlt, is_spot = best_settings(summary, config)
-    sim = apply_preset(SimConfig(), config.preset)
-    if hardware is not None:
-        sim = dataclasses.replace(sim, hardware=hardware)
     row = recommend(trace, sim, tlt, is_spot, spec)
     report = {
         "kind": "advise",
@@ -404,8 +438,12 @@ def format_advice(report: dict[str, Any], out: Path) -> str:
         )
     else:
         verdict = "TLT does not reliably pay on this workload"
+    sim: SimConfig = report["sim"]
+    model = Path(sim.model).name if is_model_path(sim.model) else sim.model
+    hardware = Path(sim.hardware).stem if sim.hardware.endswith(".json") else sim.hardware
     return "\n".join(
         [
+            f"simulated: {model} on {sim.num_gpus} x {hardware} (TP {sim.tp})",
             f"recommendation: {verdict}",
             f"  threshold {tlt.threshold}, strategies {','.join(tlt.strategies)} "
             f"(buckets from {','.join(map(str, tlt.bucket_starts))}), spot training "

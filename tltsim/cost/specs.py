@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -150,6 +151,15 @@ class ModelSpec:
                 )
             return value
 
+        # A mixture-of-experts model reads a few experts' weights per token, not all of them:
+        # priced as dense it would be off by the expert count, silently. Refused instead.
+        for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+            experts = cfg.get(key)
+            if isinstance(experts, int) and not isinstance(experts, bool) and experts > 0:
+                raise ValueError(
+                    f"config.json: field {key!r} = {experts}: a mixture-of-experts model; "
+                    "the cost model prices dense decoders only"
+                )
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         model_type = str(cfg.get("model_type", ""))
         dtype = str(cfg.get("torch_dtype", cfg.get("dtype", "bfloat16")))
@@ -360,12 +370,34 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 }
 
 
+def is_model_path(name: str) -> bool:
+    """Whether a model name is a path (a ``*.json`` file, or a directory: an existing one, or
+    any name with a path separator) rather than a preset name."""
+    if name in MODEL_PRESETS:
+        return False
+    return name.lower().endswith(".json") or "/" in name or os.sep in name or Path(name).is_dir()
+
+
+def model_config_file(name: str) -> Path:
+    """The ``config.json`` a model path names (the file, or the one in the directory)."""
+    path = Path(name)
+    return path / "config.json" if not name.lower().endswith(".json") else path
+
+
 def get_model(name: str) -> ModelSpec:
-    if name not in MODEL_PRESETS:
-        raise ValueError(
-            f"unknown model preset {name!r}; expected one of {', '.join(MODEL_PRESETS)}"
-        )
-    return MODEL_PRESETS[name]
+    """A preset by name, else the model a Hugging Face ``config.json`` describes: ``name`` is
+    the file (``*.json``) or a model directory holding one (named after the directory)."""
+    if name in MODEL_PRESETS:
+        return MODEL_PRESETS[name]
+    if is_model_path(name):
+        config = model_config_file(name)
+        if config.parent.is_dir() and not config.exists() and config.name == "config.json":
+            raise ValueError(f"{config.parent}: no config.json there (not a model directory)")
+        return ModelSpec.from_hf_config_file(config)
+    raise ValueError(
+        f"unknown model preset {name!r}; expected one of {', '.join(MODEL_PRESETS)}, "
+        "or a Hugging Face config.json (or the model directory holding it)"
+    )
 
 
 __all__ = [
@@ -376,4 +408,6 @@ __all__ = [
     "ModelSpec",
     "get_hardware",
     "get_model",
+    "is_model_path",
+    "model_config_file",
 ]

@@ -36,7 +36,11 @@ class SimConfig:
     """
 
     model: str = field(
-        default="Qwen2.5-7B", metadata=_help("target model preset (tltsim.cost.specs)")
+        default="Qwen2.5-7B",
+        metadata=_help(
+            "target model: a preset (tltsim.cost.specs) or a Hugging Face config.json or model "
+            "directory"
+        ),
     )
     hardware: str = field(default="H100-SXM", metadata=_help("GPU preset (tltsim.cost.specs)"))
     num_gpus: int = field(default=8, metadata=_help("GPUs in the cluster"))

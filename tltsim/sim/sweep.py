@@ -8,7 +8,7 @@ A spec (TOML) names a trace and the settings to vary. Setting names: ``policy``,
 ``tlt.<TLTConfig field>``, ``drafter.<DrafterDynamics field>``, ``spot.<SpotTrainerConfig field>``.
 Boolean settings are named as their flags (``spot_training``, ``timeline_recorded``); the
 Python field names (``is_spot_training``) are accepted too. Paths in a spec (``trace``, ``out``,
-a ``hardware`` preset file) are relative to the spec file.
+a ``hardware`` preset file, a ``model`` config.json or directory) are relative to the spec file.
 
     trace = "../traces/synth_reasoning_rl.json"   # relative to the spec file
     seeds = [0, 1]
@@ -49,6 +49,7 @@ from tqdm import tqdm
 
 from tltsim.cost.calibrated import is_preset_file
 from tltsim.cost.presets import apply_preset
+from tltsim.cost.specs import is_model_path, model_config_file
 from tltsim.errors import UsageError
 from tltsim.jsonio import remove_stale_outputs, write_json
 from tltsim.lifetime import pool_worker_init
@@ -109,16 +110,21 @@ def point_key(point: dict[str, Any], seed: int | None = None, trace_id: str = ""
 
 def inputs_id(point: dict[str, Any], trace_id: str) -> str:
     """What a point reads besides its settings: the trace (``trace_id``) and, where its
-    ``hardware`` is a preset file, the file's contents (a recalibrated file reused the rows
-    simulated with the old one)."""
-    hardware = point.get("hardware")
-    if not (isinstance(hardware, str) and is_preset_file(hardware)):
-        return trace_id
-    try:
-        digest = hashlib.sha1(Path(hardware).read_bytes()).hexdigest()[:16]
-    except OSError as err:
-        raise UsageError(f"{hardware}: cannot read the hardware preset ({err.strerror})") from None
-    return f"{trace_id}:{digest}"
+    ``hardware`` is a preset file or its ``model`` a config.json, the file's contents (a
+    recalibrated file reused the rows simulated with the old one)."""
+    files = []
+    hardware, model = point.get("hardware"), point.get("model")
+    if isinstance(hardware, str) and is_preset_file(hardware):
+        files.append((Path(hardware), "hardware preset"))
+    if isinstance(model, str) and is_model_path(model):
+        files.append((model_config_file(model), "model config"))
+    digests = [trace_id]
+    for path, what in files:
+        try:
+            digests.append(hashlib.sha1(path.read_bytes()).hexdigest()[:16])
+        except OSError as err:
+            raise UsageError(f"{path}: cannot read the {what} ({err.strerror})") from None
+    return ":".join(digests)
 
 
 def settings_of(point: dict[str, Any], seed: int) -> RunSettings:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tltsim.cost.calibrated import is_preset_file
+from tltsim.cost.specs import MODEL_PRESETS, is_model_path
 from tltsim.errors import UsageError
 from tltsim.jsonio import read_text, typed_value
 from tltsim.policy import SpotTrainerConfig, TLTConfig
@@ -220,24 +221,32 @@ def _beside(spec: Path, name: str) -> Path:
 
 
 def _relative_to(spec: Path, table: dict[str, Any]) -> dict[str, Any]:
-    """``hardware`` preset files (``*.json``; a GPU name stays) resolved beside the spec, in a
-    value, a grid's list or a random table's choices."""
+    """``hardware`` preset files (``*.json``; a GPU name stays) and ``model`` paths (a
+    config.json or model directory; a preset name stays) resolved beside the spec, in a value,
+    a grid's list or a random table's choices."""
+    is_path = {
+        "hardware": is_preset_file,
+        "model": lambda name: (
+            is_model_path(name) or (name not in MODEL_PRESETS and _beside(spec, name).is_dir())
+        ),
+    }
 
-    def resolve(value: Any) -> Any:
-        if isinstance(value, str) and is_preset_file(value):
-            return str(_beside(spec, value))
-        return value
+    def resolve(value: Any, is_file: Any) -> Any:
+        return str(_beside(spec, value)) if isinstance(value, str) and is_file(value) else value
 
-    value = table.get("hardware")
-    if value is None:
-        return table
-    if isinstance(value, list):
-        value = [resolve(v) for v in value]
-    elif isinstance(value, dict) and isinstance(value.get("choices"), list):
-        value = {**value, "choices": [resolve(v) for v in value["choices"]]}
-    else:
-        value = resolve(value)
-    return {**table, "hardware": value}
+    resolved = dict(table)
+    for key, is_file in is_path.items():
+        value = table.get(key)
+        if value is None:
+            continue
+        if isinstance(value, list):
+            value = [resolve(v, is_file) for v in value]
+        elif isinstance(value, dict) and isinstance(value.get("choices"), list):
+            value = {**value, "choices": [resolve(v, is_file) for v in value["choices"]]}
+        else:
+            value = resolve(value, is_file)
+        resolved[key] = value
+    return resolved
 
 
 def _check_dist(dist: dict[str, Any], where: str) -> None:

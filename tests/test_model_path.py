@@ -1,0 +1,136 @@
+"""A user's own model in ``tltsim``: ``--model`` takes a Hugging Face config.json or model
+directory besides the presets (replay, sweep specs, advise); mixture-of-experts configs are
+refused, not priced as dense.
+
+Run: ``python -m pytest tests/test_model_path.py -q``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tltsim.cli.main import main
+from tltsim.cost.specs import ModelSpec, get_model
+from tltsim.sim.sweep import run_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT / "traces" / "azure_conv_rl.json"
+
+# Qwen3-4B's published config.json (huggingface.co/Qwen/Qwen3-4B), the fields the cost model reads
+QWEN3_4B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "head_dim": 128,
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "model_type": "qwen3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 151936,
+}
+
+
+def model_dir(root: Path, name: str = "Qwen3-4B", config: dict | None = None) -> Path:
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(config or QWEN3_4B))
+    return path
+
+
+def test_get_model_reads_a_config_file_or_a_model_directory(tmp_path):
+    directory = model_dir(tmp_path)
+    by_dir, by_file = get_model(str(directory)), get_model(str(directory / "config.json"))
+    assert by_dir == by_file and by_dir.name == "Qwen3-4B"
+    assert by_dir.head_dim == 128 and by_dir.num_kv_heads == 8 and not by_dir.has_qkv_bias
+    assert by_dir.tie_word_embeddings
+    assert get_model("Qwen2.5-7B").name == "Qwen2.5-7B"  # presets unchanged
+    with pytest.raises(ValueError, match="no config.json there"):
+        get_model(str(tmp_path))
+    with pytest.raises(ValueError, match="unknown model preset 'Qwen3-4B'.*config.json"):
+        get_model("Qwen3-4B")  # a name that is neither a preset nor a path here
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("num_experts", 128), ("num_local_experts", 8), ("n_routed_experts", 256)],
+)
+def test_a_mixture_of_experts_config_is_refused(key, value):
+    with pytest.raises(ValueError, match=f"'{key}' = {value}: a mixture-of-experts model"):
+        ModelSpec.from_hf_config({**QWEN3_4B, key: value})
+    assert ModelSpec.from_hf_config({**QWEN3_4B, key: 0}).num_layers == 36  # "no experts"
+
+
+def test_replay_with_a_model_directory(tmp_path, capsys):
+    directory = model_dir(tmp_path)
+    out = tmp_path / "r"
+    argv = ["replay", str(TRACE), "--model", str(directory), "--max-steps", "1"]
+    assert main([*argv, "--policy", "nospec", "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    model = config["cost_model"]["model"]
+    assert model["name"] == "Qwen3-4B" and model["num_layers"] == 36
+    # the same replay of the 7B preset is slower: the 4B model was priced, not the default
+    assert main(["replay", str(TRACE), "--max-steps", "1", "--policy", "nospec", "--out",
+                 str(tmp_path / "7b")]) == 0  # fmt: skip
+    four_b = json.loads((out / "summary.json").read_text())["policies"][0]["mean_step_s"]
+    seven_b = json.loads((tmp_path / "7b" / "summary.json").read_text())["policies"][0]
+    assert four_b < seven_b["mean_step_s"]
+    capsys.readouterr()
+    assert main(["replay", str(TRACE), "--model", str(tmp_path / "nope.json")]) == 2
+    assert "nope.json: cannot read a JSON config" in capsys.readouterr().err
+
+
+def test_a_sweep_reads_the_model_beside_its_spec_and_recomputes_when_it_changes(
+    tmp_path, monkeypatch
+):
+    here = tmp_path / "study"
+    model_dir(here)
+    spec = f"""
+trace = "{TRACE}"
+max_steps = 1
+out = "o"
+[fixed]
+num_gpus = 4
+[grid]
+policy = ["static"]
+model = ["Qwen3-4B", "Qwen2.5-7B"]
+"""
+    (here / "spec.toml").write_text(spec)
+    monkeypatch.chdir(tmp_path)  # not the spec's directory
+    first = run_sweep(here / "spec.toml", workers=1)
+    assert first.num_computed == 4  # 2 models x (static + its NoSpec)
+    models = set(first.table["model"])
+    assert models == {str(here / "Qwen3-4B"), "Qwen2.5-7B"}
+    (here / "Qwen3-4B" / "config.json").write_text(
+        json.dumps({**QWEN3_4B, "num_hidden_layers": 72})
+    )
+    again = run_sweep(here / "spec.toml", workers=1)
+    assert again.num_computed == 2 and again.num_reused == 2  # the preset's rows kept
+    deeper = again.table[again.table["model"] != "Qwen2.5-7B"]
+    shallower = first.table[first.table["model"] != "Qwen2.5-7B"]
+    assert (deeper.mean_step_s.to_numpy() > shallower.mean_step_s.to_numpy()).all()
+
+
+def test_advise_on_a_users_model_and_cluster(tmp_path, capsys):
+    directory = model_dir(tmp_path)
+    out = tmp_path / "advise"
+    argv = ["advise", str(TRACE), "--max-steps", "1", "--num-seeds", "1", "--thresholds", "32"]
+    argv += ["--strategy-sets", "chains", "--workers", "1", "--out", str(out)]
+    assert main([*argv, "--model", str(directory), "--num-gpus", "16"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("simulated: Qwen3-4B on 16 x H100-SXM (TP 1)\n")
+    report = json.loads((out / "advise.json").read_text())
+    assert report["sim"]["num_gpus"] == 16 and report["sim"]["model"] == str(directory)
+    assert 'model = "' + str(directory) + '"' in (out / "sweep.toml").read_text()
+    sweep = pd.read_csv(out / "sweep" / "sweep.csv")
+    assert set(sweep.num_gpus) == {16} and set(sweep.model) == {str(directory)}
+    assert main([*argv, "--tp", "3"]) == 2  # 8 GPUs of the preset: checked before the sweep
+    err = capsys.readouterr().err
+    assert "advise --preset h100x8-qwen7b: num_gpus=8 is not a multiple of tp=3" in err
+    assert not (out / "sweep.toml").read_text().count("tp =")  # the refused run wrote nothing
