@@ -111,7 +111,9 @@ def parse_config(argv: list[str] | None) -> BenchConfig:
     p.add_argument(
         "--attn-impl",
         default=None,
-        choices=("sdpa", "flex", "ref", "triton"),
+        # ref and triton attention have no graph capture (EngineConfig refuses cuda_graphs
+        # with them): every graphs cell would fail
+        choices=("sdpa", "flex"),
         help="engine attention (default: the engine's, flex on CUDA)",
     )
     p.add_argument(
@@ -167,12 +169,14 @@ def parse_config(argv: list[str] | None) -> BenchConfig:
 SECTION_SHARES = {"decode": 0.42, "where": 0.06, "sd": 0.24, "pool": 0.11, "hf": 0.17}
 
 
-def bench_decode(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budget) -> list[dict]:
+def bench_decode(
+    cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budget, rows: list[dict]
+) -> list[dict]:
     """Decode cells in priority order: every shape at the first context and batch before any
     larger one, so a run cut short by its budget has measured what the targets rest on (batch 1
-    at 1k context) rather than one shape's whole grid. The shapes' models stay resident."""
+    at 1k context) rather than one shape's whole grid. The shapes' models stay resident.
+    ``rows`` gets each cell as it is measured (an interrupted run keeps them)."""
     models = {shape: build_model(shape, device, dtype, cfg.seed) for shape in cfg.shapes}
-    rows = []
     for context in cfg.contexts:
         for batch in cfg.batches:
             for shape, model in models.items():
@@ -232,8 +236,7 @@ def bench_decode(cfg: BenchConfig, device, dtype, bandwidth: float, budget: Budg
     return rows
 
 
-def bench_sd(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
-    rows = []
+def bench_sd(cfg: BenchConfig, device, dtype, budget: Budget, rows: list[dict]) -> list[dict]:
     threshold = TLTAdaptive().config.threshold
     for shape in cfg.sd_shapes:
         model = build_model(shape, device, dtype, cfg.seed)
@@ -269,7 +272,7 @@ def bench_sd(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
     return rows
 
 
-def bench_pool(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
+def bench_pool(cfg: BenchConfig, device, dtype, budget: Budget, rows: list[dict]) -> list[dict]:
     """Pool memory of TLTAdaptive's default plan at 256 requests (bucketed, one pool) vs one
     pool per strategy, each at every SD bucket (naive), vs one strategy's graphs."""
     if device.type != "cuda":
@@ -310,7 +313,6 @@ def bench_pool(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
         return used, num
 
     decode = CapturePlan(decode_buckets=plan.decode_buckets)
-    rows = []
     single_name = f"single strategy ({strategies[0]})"
     # the issue's target (bucketed vs single) first, measured as a pair once begun: a budget
     # cut spares it (a 60 s H200 call of session 21 ended inside the pair, nothing printed)
@@ -345,12 +347,11 @@ def hf_generate_s(hf, ids: torch.Tensor, num_new: int, device) -> float:
     return time.perf_counter() - start
 
 
-def bench_hf(cfg: BenchConfig, device, dtype, budget: Budget) -> list[dict]:
+def bench_hf(cfg: BenchConfig, device, dtype, budget: Budget, rows: list[dict]) -> list[dict]:
     try:
         import transformers
     except ImportError:
         return [{"shape": "all", "note": "transformers is not installed"}]
-    rows = []
     for shape in cfg.shapes:
         model = build_model(shape, device, dtype, cfg.seed)
         hf_cfg = transformers.Qwen2Config(**model.config.to_hf_dict())
@@ -422,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {name}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s (read + write)")
     result = {"device": name, "copy_bytes_per_s": bandwidth, "dtype": str(dtype)}
     sections = (
-        ("decode", lambda b: bench_decode(cfg, device, dtype, bandwidth, b),
+        ("decode", lambda b, rows: bench_decode(cfg, device, dtype, bandwidth, b, rows),
          {"shape": "shape", "context": "context", "batch": "batch", "eager_tokens_per_s": "eager tok/s",
           "graphs_tokens_per_s": "graphs tok/s", "graph_speedup": "graphs/eager",
           "graph_speedup_range": "range", "roofline_fraction": "of roofline", "step_ms": "step ms", "forward_ms": "graph ms",
@@ -431,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
          {"eager_tokens_per_s": ",.0f", "graphs_tokens_per_s": ",.0f", "graph_speedup": "{:.2f}x",
           "roofline_fraction": ".0%", "step_ms": ".2f", "forward_ms": ".2f",
           "forward_roofline_fraction": ".0%", **target_mode_formats()}),
-        ("where", lambda b: bench_where(cfg, device, dtype, bandwidth, b),
+        ("where", lambda b, rows: bench_where(cfg, device, dtype, bandwidth, b, rows),
          {"shape": "shape", "context": "context", "batch": "batch", "mode": "mode",
           "step_ms": "step ms", "busy_ms": "device busy ms", "host_wait_ms": "waits for host ms",
           "kernels_per_step": "kernels", "gemm_ms": "GEMM ms", "attention_ms": "attention ms",
@@ -440,16 +441,16 @@ def main(argv: list[str] | None = None) -> int:
          {"step_ms": ".2f", "busy_ms": ".2f", "host_wait_ms": ".2f", "kernels_per_step": ".0f",
           "gemm_ms": ".2f", "attention_ms": ".2f", "other_ms": ".2f",
           "gemm_gb_per_s": ",.0f", "gemm_of_bandwidth": ".0%"}),
-        ("sd", lambda b: bench_sd(cfg, device, dtype, b),
+        ("sd", lambda b, rows: bench_sd(cfg, device, dtype, b, rows),
          {"shape": "shape", "strategy": "strategy", "batch": "batch", "eager_ms": "eager ms",
           "graphs_ms": "graphs ms", "graph_speedup": "graphs/eager",
           "graph_speedup_range": "range", "note": "note"},
          {"eager_ms": ".2f", "graphs_ms": ".2f", "graph_speedup": "{:.2f}x"}),
-        ("pool", lambda b: bench_pool(cfg, device, dtype, b),
+        ("pool", lambda b, rows: bench_pool(cfg, device, dtype, b, rows),
          {"pool": "pool", "num_graphs": "graphs", "memory_gib": "GiB", "vs_single": "vs single",
           "note": "note"},
          {"memory_gib": ".3f", "vs_single": "{:.2f}x"}),
-        ("hf", lambda b: bench_hf(cfg, device, dtype, b),
+        ("hf", lambda b, rows: bench_hf(cfg, device, dtype, b, rows),
          {"shape": "shape", "batch": "batch", "context": "context",
           "tokens_per_s": "transformers generate tok/s", "note": "note"},
          {"tokens_per_s": ",.0f"}),
@@ -458,13 +459,22 @@ def main(argv: list[str] | None = None) -> int:
     by_key = {x[0]: x for x in sections}
     sections = tuple(by_key[key] for key in cfg.sections)
     shares_left = sum(SECTION_SHARES[x[0]] for x in sections)
+    is_interrupted = False
     for key, run, columns, formats in sections:
         t0 = time.perf_counter()
-        try:
-            rows = run(budget.share(SECTION_SHARES[key] / shares_left))
-        except Exception as e:  # noqa: BLE001 -- the sections after it still run
-            rows = [{"note": failure(e)}]
-            release(device)
+        rows: list[dict] = []  # filled as cells finish: an interrupted section keeps them
+        if is_interrupted:
+            rows = [{"note": "skipped: interrupted"}]
+        else:
+            try:
+                rows = run(budget.share(SECTION_SHARES[key] / shares_left), rows)
+            except Exception as e:  # noqa: BLE001 -- the sections after it still run
+                rows = [*rows, {"note": failure(e)}]
+                release(device)
+            except KeyboardInterrupt:  # gpu_session.sh's time limit (SIGINT, then SIGKILL
+                # 15 s later): what was measured is written, the rest marked, exit 1
+                rows = [*rows, {"note": "error: interrupted (the step's time limit)"}]
+                is_interrupted = True
         shares_left -= SECTION_SHARES[key]
         result[key] = rows
         print(f"\n{key} ({time.perf_counter() - t0:.0f} s)")

@@ -83,20 +83,25 @@ def profile_steps(engine: RolloutEngine, steps: int, device) -> dict:
 
 
 def bench_where(
-    cfg: timing.BenchConfig, device, dtype, bandwidth: float, budget: timing.Budget
+    cfg: timing.BenchConfig,
+    device,
+    dtype,
+    bandwidth: float,
+    budget: timing.Budget,
+    rows: list[dict],
 ) -> list[dict]:
     """Where the batch-1 decode step's time goes (the roofline target's cell: the largest
     shape, the first context), eager, graphs, compiled layers, and compiled layers with fused
     projections, then graphs at the largest decode batch up to ``LARGE_BATCH``: device busy vs
     waiting for the host, and the busy time by kernel kind (GEMM, attention, other) with the
-    costliest kernels."""
+    costliest kernels. ``rows`` gets each row as it is measured (an interrupted run keeps
+    them)."""
     shape, context = cfg.shapes[-1], cfg.contexts[0]
     large = max(b for b in (1, *cfg.batches) if b <= LARGE_BATCH)
     if budget.is_over:
         return [{"shape": shape, "note": timing.SKIPPED}]
     model = build_model(shape, device, dtype, cfg.seed)
     weight_bytes = weight_bytes_per_token(model)
-    rows = []
     try:
         modes = [(m, 1) for m in (timing.MODES[1], timing.COMPILED, timing.COMPILED_FUSED)]
         modes += [(timing.MODES[0], 1)] + ([(timing.MODES[1], large)] if large > 1 else [])

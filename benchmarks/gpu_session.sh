@@ -19,10 +19,12 @@
 #                                           # SECTIONS=decode / =pool, RUN_S, RECIPE=0 split it.
 #                                           # The pool's captures took ~105 s a run on an H200
 #                                           # (session 23), so one call holds three runs of
-#                                           # one section: first `SECTIONS=decode TOTAL_S=560`
-#                                           # (the roofline and graphs targets, the recipe),
-#                                           # then, if >= 8 min of device time are left,
-#                                           # `SECTIONS=pool RECIPE=0 RUN_S=140 TOTAL_S=480`
+#                                           # one section: `SECTIONS=decode TOTAL_S=560` (the
+#                                           # roofline and graphs targets, then the recipe in
+#                                           # what is left). A session's 15 device minutes,
+#                                           # ~3 of them the machine's start, hold one such
+#                                           # call: `SECTIONS=pool RECIPE=0 RUN_S=140
+#                                           # TOTAL_S=480` is the next lent session's
 #   benchmarks/gpu_session.sh all OUT       # both stages in one call of TOTAL_S seconds
 #                                           # (default 520): each step gets at most its own
 #                                           # limit and never more than is left, the engine

@@ -79,32 +79,43 @@ def load_run(run_dir: Path) -> tuple[dict, dict]:
     return config, result
 
 
-def value_of(figure: Figure, config: dict, result: dict) -> float | None:
-    """The figure's value in one run; None where the run has no such cell (skipped, failed)."""
+def value_of(figure: Figure, config: dict, result: dict) -> tuple[float | None, str | None]:
+    """(The figure's value in one run, why it has none): None where the run has no such cell
+    (skipped, failed) or measured another path than the figure names: flex_attention fell back
+    to dense SDPA (the run's ``flex_fallbacks``), compiled layers ran eagerly (the row's note)."""
     rows = result.get(figure.section) or []
     if figure.shape_index is None:
         rows = [r for r in rows if str(r.get("pool", "")).startswith("bucketed")]
     else:
+        if result.get("flex_fallbacks"):
+            return None, "flex_attention fell back to dense SDPA (flex_fallbacks)"
         shape = config["shapes"][figure.shape_index]
         context = config["contexts"][0]
         rows = [
             r for r in rows
             if r.get("shape") == shape and r.get("batch") == 1 and r.get("context") == context
         ]  # fmt: skip
+    if figure.key.startswith("compiled") and any(
+        str(r.get("note", "")).startswith("compiled ran eagerly") for r in rows
+    ):
+        return None, "compiled layers ran eagerly (the row's note)"
     values = [r[figure.key] for r in rows if isinstance(r.get(figure.key), (int, float))]
-    return float(values[0]) if values else None
+    return (float(values[0]), None) if values else (None, None)
 
 
 def summarise(runs: list[tuple[str, dict, dict]]) -> list[dict]:
     rows = []
     for figure in FIGURES:
-        values = {name: value_of(figure, cfg, res) for name, cfg, res in runs}
+        found = {name: value_of(figure, cfg, res) for name, cfg, res in runs}
+        values = {name: value for name, (value, _) in found.items()}
+        excluded = {name: why for name, (_, why) in found.items() if why is not None}
         got = sorted(v for v in values.values() if v is not None)
         shape = None
         if figure.shape_index is not None and runs:
             shape = runs[0][1]["shapes"][figure.shape_index]
         row = {"figure": figure.name, "shape": shape or runs[0][1]["pool_shape"],
-               "unit": figure.unit, "num_runs": len(got), "values": values}  # fmt: skip
+               "unit": figure.unit, "num_runs": len(got), "values": values,
+               "excluded": excluded}  # fmt: skip
         if got:
             row |= {"median": statistics.median(got), "min": got[0], "max": got[-1]}
         if figure.target is not None:
@@ -158,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{fmt(row['max'], row['unit'])}] ({row['num_runs']})")  # fmt: skip
         target = f"  target {row['target']}: {row['verdict']}" if "target" in row else ""
         print(f"  {row['shape']:<13} {row['figure']:<44} {spread}{target}")
+        for name, why in row["excluded"].items():  # measured, but not on the path named
+            print(f"  {'':<13} {'':<44} {name} left out: {why}")
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         summary = {"devices": devices, "runs": [n for n, _, _ in runs], "figures": rows,

@@ -168,6 +168,28 @@ def test_target_summary_takes_medians_of_the_right_cells_and_needs_three_runs():
     assert pool["median"] == 1.4 and pool["verdict"] == "met"
 
 
+def test_target_summary_leaves_out_runs_that_measured_a_fallback_path():
+    """A run whose flex_attention fell back to dense SDPA, or whose compiled layers ran
+    eagerly, measured another engine than the figure names: its value is not a sample."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import gpu_targets
+
+    runs = [_target_run(seed, 0.85, 2.5, 1.2) for seed in range(3)]
+    runs[1][2]["flex_fallbacks"] = [{"shape": ["1", "2"], "reason": "inductor failed"}]
+    for row in runs[2][2]["decode"]:
+        row |= {"compiled_roofline_fraction": 0.5, "note": "compiled ran eagerly: boom"}
+    runs[0][2]["decode"][-1]["compiled_roofline_fraction"] = 0.9
+    rows = {r["figure"]: r for r in gpu_targets.summarise(runs)}
+    graphs = rows["decode of roofline, graphs"]
+    assert graphs["num_runs"] == 2 and graphs["verdict"] == "n < 3: not a result"
+    assert graphs["values"]["seed_1"] is None and "dense SDPA" in graphs["excluded"]["seed_1"]
+    assert rows["graphs over eager, batch 1"]["num_runs"] == 2
+    compiled = rows["decode of roofline, compiled layers"]
+    assert compiled["values"] == {"seed_0": 0.9, "seed_1": None, "seed_2": None}
+    assert "ran eagerly" in compiled["excluded"]["seed_2"]
+    assert rows["bucketed pool over a single strategy"]["num_runs"] == 3  # no decode path
+
+
 def test_stage_all_skips_what_its_deadline_leaves_no_time_for(tmp_path):
     out = tmp_path / "late"
     result = run("all", out, SMOKE="1", TOTAL_S="20")  # 15 s stay for packing: 5 s for steps

@@ -366,6 +366,32 @@ def test_a_gpu_benchmark_run_with_failed_cells_exits_1(tmp_path, capsys, monkeyp
     assert (tmp_path / "bench_gpu_engine.json").is_file()  # what did run is still written
 
 
+def test_an_interrupted_gpu_benchmark_writes_the_cells_it_measured(tmp_path, capsys, monkeypatch):
+    """gpu_session.sh stops a step at its limit with SIGINT: the JSON was written only after
+    every section, so a run cut inside its one section lost every figure it had measured."""
+    import json
+
+    bench = load_gpu_bench(monkeypatch)
+    measured = bench.time_cell
+    calls = []
+
+    def interrupted_at_the_second_cell(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return measured(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "time_cell", interrupted_at_the_second_cell)
+    argv = ["--device", "cpu", "--smoke", "--out_dir", str(tmp_path), "--sections", "decode,sd"]
+    assert bench.main(argv) == 1
+    result = json.loads((tmp_path / "bench_gpu_engine.json").read_text())
+    first, cut = result["decode"]
+    assert first["batch"] == 1 and first["graphs_tokens_per_s"] > 0
+    assert cut == {"note": "error: interrupted (the step's time limit)"}
+    assert result["sd"] == [{"note": "skipped: interrupted"}] and len(calls) == 2
+    assert "failed cells: 1" in capsys.readouterr().err
+
+
 def test_gpu_benchmark_sorts_kernel_names_by_kind(monkeypatch):
     load_gpu_bench(monkeypatch)  # puts benchmarks/ on sys.path
     import gpu_engine_where
