@@ -473,8 +473,10 @@ def test_a_failed_reward_scores_0_unshaped():
         def score(self, items):
             return [RewardOutcome(reward=0.0, error="ValueError: bad"), RewardOutcome(reward=1.0)]
 
-    row = SimpleNamespace(prompt_text="p", answer="1", meta={}, source="d.jsonl:0")
-    tok = SimpleNamespace(decode=lambda ids: "x" * len(ids))
+    row = SimpleNamespace(prompt="p", prompt_text="p", answer="1", meta={}, source="d.jsonl:0")
+    tok = SimpleNamespace(
+        decode=lambda ids: "x" * len(ids), prompt_text=str, is_chat_template=False
+    )
     scorer = ResponseScorer(SimpleNamespace(max_new_tokens=8), tok, Pool(),
                             Shaping(overlong_buffer_tokens=4))  # fmt: skip
     requests = [Request(f"g/{i}", (1, 2), 8) for i in range(2)]

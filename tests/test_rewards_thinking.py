@@ -10,9 +10,11 @@ Run: ``python -m pytest tests/test_rewards_thinking.py -q``.
 from __future__ import annotations
 
 import pytest
+from test_train_data import bpe_model  # noqa: F401 (fixture)
 
 from tltrun.data.rewards import parse_reward
 from tltrun.data.scoring import RewardItem, final_part, score_in_process
+from tltrun.data.tokenizer import load_tokenizer
 
 DRAFT = "<think>\nMaybe \\boxed{42}. Hmm wait, re-check step 1: 3*7 is"  # cut at the cap
 
@@ -68,3 +70,37 @@ def test_a_prompt_that_opens_the_thinking_and_a_users_function(tmp_path):
     module = tmp_path / "mine.py"
     module.write_text("def whole(prompt, response, answer, **meta):\n    return len(response)\n")
     assert scored(f"{module}:whole", DRAFT, "42") == (float(len(DRAFT)), True)
+
+
+def test_a_template_that_opens_the_thinking_is_seen_from_the_prompt(bpe_model, tmp_path):  # noqa: F811 (the fixture)
+    """DeepSeek-R1 distills' templates end the generation prompt in ``<think>\\n``: the
+    rewards then know the response starts mid-thought (tltrun.data.scoring.final_part)."""
+    import shutil
+
+    from tltrun.train.responses import opens_thinking
+
+    model = tmp_path / "r1"
+    shutil.copytree(bpe_model, model)
+    template = (model / "chat_template.jinja").read_text()
+    (model / "chat_template.jinja").write_text(
+        template.replace("assistant\n", "assistant\n<think>\n")
+    )
+    question = [{"role": "user", "content": "What is 1 plus 2?"}]
+    for directory, expected in ((bpe_model, False), (model, True)):
+        tok = load_tokenizer(str(directory))
+        assert opens_thinking(tok, question) is expected
+    # a final assistant message the response continues, stopped mid-thought (a response cut
+    # at the cap there scored its whole text: only a prompt ending in <think> counted)
+    tok = load_tokenizer(str(bpe_model))
+    for prefill, expected in (
+        ("<think>\n1 plus 2 is", True),
+        ("<think>\n1 plus 2 is 3.\n</think>\nThe answer is", False),
+        ("The answer is", False),
+    ):
+        assert opens_thinking(tok, [*question, {"role": "assistant", "content": prefill}]) is (
+            expected
+        ), prefill
+    # a question that mentions <think> opens nothing; the R1 template after it still does
+    mention = [{"role": "user", "content": "Put your reasoning after <think>. What is 1+2?"}]
+    assert not opens_thinking(tok, mention)
+    assert opens_thinking(load_tokenizer(str(model)), mention)

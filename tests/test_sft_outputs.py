@@ -288,8 +288,11 @@ def test_a_files_evaluation_compares_final_answers(tmp_path, monkeypatch):
     from tltrun.train.sft_eval import evaluate_pairs
 
     tok = CharTokenizer()
-    pairs = [("1+1=", "1 plus 1\nso \\boxed{2}"), ("2+2=", "2 plus 2\nis\n4"), ("3+3=", "6")]
-    replies = {"1+1=": "1 plus 1\nso \\boxed{2}", "2+2=": "so: 4", "3+3=": "7"}
+    # and a thinking reference, whose boxed draft inside <think> was the answer compared
+    think = "<think>\nguess \\boxed{13}? no, 14\n</think>\nThe answer is 14."
+    pairs = [("1+1=", "1 plus 1\nso \\boxed{2}"), ("2+2=", "2 plus 2\nis\n4"), ("3+3=", "6"),
+             ("7+7=", think)]  # fmt: skip
+    replies = {"1+1=": "1 plus 1\nso \\boxed{2}", "2+2=": "so: 4", "3+3=": "7", "7+7=": think}
 
     class Replay:  # the engine, answering each prompt with its reply
         def __init__(self, model, drafter, config):
@@ -306,8 +309,9 @@ def test_a_files_evaluation_compares_final_answers(tmp_path, monkeypatch):
     monkeypatch.setattr(engine_module, "RolloutEngine", Replay)
     cfg = SFTConfig(out=str(tmp_path), data="rows.jsonl")
     result = evaluate_pairs(None, tok, cfg, pairs, is_held_out=True, show_progress=False)
-    # right: the boxed reply (its final answer 2), "so: 4" is wrong (its last line is not "4")
-    assert result["greedy"]["accuracy"] == 1 / 3
+    # right: the boxed reply (its final answer 2) and the thinking one reproduced exactly;
+    # "so: 4" is wrong (its last line is not "4")
+    assert result["greedy"]["accuracy"] == 2 / 4
 
 
 def test_sft_eval_of_weights_trained_on_evaluates_them(data_run, tmp_path, capsys):

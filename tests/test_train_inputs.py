@@ -481,22 +481,3 @@ def test_message_keys_are_json_safe_and_a_nan_tool_call_is_a_bad_row(tmp_path):
         "role": "assistant",
         "content": "ok",
     }
-
-
-def test_a_template_that_opens_the_thinking_is_seen_from_the_prompt(bpe_model, tmp_path):  # noqa: F811
-    """DeepSeek-R1 distills' templates end the generation prompt in ``<think>\\n``: the
-    rewards then know the response starts mid-thought (tltrun.data.scoring.final_part)."""
-    import shutil
-
-    from tltrun.train.responses import opens_thinking
-
-    model = tmp_path / "r1"
-    shutil.copytree(bpe_model, model)
-    template = (model / "chat_template.jinja").read_text()
-    (model / "chat_template.jinja").write_text(
-        template.replace("assistant\n", "assistant\n<think>\n")
-    )
-    question = [{"role": "user", "content": "What is 1 plus 2?"}]
-    for directory, expected in ((bpe_model, False), (model, True)):
-        tok = load_tokenizer(str(directory))
-        assert opens_thinking(tok, tok.encode_prompt(question)) is expected

@@ -7,13 +7,12 @@ prompts; rank 0 gathers the results (tltrun.train.step_log). Not run directly.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from tltrun.data.rewards import RewardItem, RewardPool, Shaping, apply_shaping
 from tltrun.data.rows import PromptRow
-from tltrun.data.scoring import THINK_OPEN
-from tltrun.data.tokenizer import TextTokenizer
+from tltrun.data.scoring import THINK_CLOSE, THINK_OPEN
+from tltrun.data.tokenizer import Prompt, TextTokenizer
 from tltrun.rollout.interface import Request, RequestOutput, SamplingParams
 from tltrun.train.config import TrainConfig
 from tltrun.train.grpo import Sample, group_advantages
@@ -48,11 +47,23 @@ class EvalSummary:
     errors: list[str]  # reward errors, each with its sample id
 
 
-def opens_thinking(tok: TextTokenizer, prompt_token_ids: Sequence[int]) -> bool:
-    """Whether the rendered prompt ends in an open ``<think>`` (DeepSeek-R1 distills' chat
-    templates end the generation prompt so): the response starts mid-thought
-    (``tltrun.data.scoring.final_part``)."""
-    return tok.decode(prompt_token_ids[-8:]).rstrip().endswith(THINK_OPEN)
+def opens_thinking(tok: TextTokenizer, prompt: Prompt) -> bool:
+    """Whether the rendered prompt leaves a ``<think>`` open, so that the response starts
+    mid-thought (``tltrun.data.scoring.final_part``): DeepSeek-R1 distills' templates end the
+    generation prompt in ``<think>\\n``, and a final assistant message the response continues may
+    stop inside its thinking (``<think>\\n5 plus 9 is``; only a prompt *ending* in ``<think>``
+    counted, and a response cut there mid-thought scored its whole text). Open: the last
+    ``<think>`` after the last ``</think>``, looked for after the last user or system message's
+    text, so that a question that mentions ``<think>`` opens nothing."""
+    text = tok.prompt_text(prompt)
+    if isinstance(prompt, str):
+        asked = [prompt] if tok.is_chat_template else []
+    else:
+        asked = [m.get("content") for m in prompt if m.get("role") != "assistant"]
+    asked = [c.strip() for c in asked if isinstance(c, str) and c.strip()]
+    if asked and (at := text.rfind(asked[-1])) >= 0:
+        text = text[at + len(asked[-1]) :]
+    return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
 
 
 class ResponseScorer:
@@ -88,12 +99,12 @@ class ResponseScorer:
         """Per response its reward input (prompt and response text) and (shaped reward, raw
         reward, error or ""); the rewards run in the pool."""
         items = []
-        thinking: dict[tuple[int, ...], bool] = {}  # by prompt: a group's requests share it
+        thinking: dict[str, bool] = {}  # by group: its requests share the prompt
         for r, o in zip(requests, outputs, strict=True):
-            ids = tuple(r.prompt_token_ids)
-            if ids not in thinking:
-                thinking[ids] = opens_thinking(self.tok, ids)
-            row = by_group[r.id.rpartition("/")[0]]
+            group = r.id.rpartition("/")[0]
+            row = by_group[group]
+            if group not in thinking:
+                thinking[group] = opens_thinking(self.tok, row.prompt)
             items.append(
                 RewardItem(
                     sample_id=f"step{step}/{r.id}",
@@ -101,7 +112,7 @@ class ResponseScorer:
                     response=self.tok.decode(o.output_token_ids),
                     answer=row.answer,
                     meta=row.meta,
-                    is_thinking_open=thinking[ids],
+                    is_thinking_open=thinking[group],
                 )
             )
         scored = []

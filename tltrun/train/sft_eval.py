@@ -211,7 +211,7 @@ def evaluate_pairs(
     ``is_held_out``: training never saw these prompts (else they are training rows)."""
     from tltrun.data.rewards import RewardItem, RewardPool, parse_reward
     from tltrun.data.rows import GYM_PREFIX
-    from tltrun.data.scoring import final_answer
+    from tltrun.data.scoring import final_answer, final_part
     from tltrun.rollout.engine import RolloutEngine
     from tltrun.rollout.engine_config import EngineConfig
     from tltrun.rollout.interface import Request, SamplingParams
@@ -254,8 +254,9 @@ def evaluate_pairs(
             response=text,
             # exact compares the response's final answer (last \boxed{}, else last line) with
             # this: the reference's own final answer, not all of it (a model reproducing a
-            # multi-line or boxed reference exactly scored 0)
-            answer=answer if gym else final_answer(answer),
+            # multi-line or boxed reference exactly scored 0), taken after its thinking as the
+            # response's is (a boxed draft inside the reference's <think> was compared)
+            answer=answer if gym else final_answer(final_part(answer) or answer),
             meta=(gym_rows[i].meta if gym and gym_rows[i] is not None else {}),
         )
         for i, ((p, answer), text) in enumerate(zip(pairs, texts, strict=True))
