@@ -12,6 +12,7 @@ Errors are ``TraceError`` or ``UsageError`` (one line; ``tltsim.cli.main.main`` 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from tltsim.cli.args import add_dataclass_args, check_out_file, dataclass_from_args
@@ -67,37 +68,55 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _save_imported(out: Path, what: str, build: Callable[[], Trace]) -> int:
+    """Build a trace (an importer's ValueError is one ``what: ...`` line) and write it."""
+    try:
+        trace = build()
+    except ValueError as err:
+        if isinstance(err, TraceError):
+            raise
+        raise UsageError(f"{what}: {err}") from None
+    save_trace(trace, out)
+    print("wrote " + summary_line(trace, str(out)))
+    return 0
+
+
 def _cmd_import(args: argparse.Namespace) -> int:
     _check_out(args.out)
     if args.out.resolve() == args.src.resolve():  # the trace replaced the source, then failed
         raise UsageError(f"--out {args.out}: is the source file; write the trace elsewhere")
     cfg = dataclass_from_args(ImportConfig, args)
-    try:
-        trace = import_trace(args.kind, args.src, cfg)
-    except ValueError as err:
-        if isinstance(err, TraceError):
-            raise
-        raise UsageError(f"import {args.kind}: {err}") from None
-    save_trace(trace, args.out)
-    print("wrote " + summary_line(trace, str(args.out)))
-    return 0
+    return _save_imported(
+        args.out, f"import {args.kind}", lambda: import_trace(args.kind, args.src, cfg)
+    )
+
+
+def _cmd_import_verl(args: argparse.Namespace) -> int:
+    from tltsim.trace.verl import VerlImportConfig, import_verl
+
+    _check_out(args.out)
+    base = VerlImportConfig(tokenizer=args.tokenizer)
+    cfg = dataclass_from_args(VerlImportConfig, args, base=base)
+    return _save_imported(args.out, "import-verl", lambda: import_verl(args.dir, cfg))
+
+
+def _add_out(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out", type=Path, required=True, metavar="PATH",
+        help=f"output file ({', '.join(SUFFIXES)})",
+    )  # fmt: skip
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``gen``, ``validate`` and ``import`` to the ``tltsim`` command line."""
+    """Add ``gen``, ``validate``, ``import`` and ``import-verl`` to the ``tltsim`` command
+    line."""
     gen = subparsers.add_parser(
         "gen",
         help="generate a synthetic long-tail trace",
         description="Generate a synthetic reasoning-RL trace (model: tltsim/trace/synth.py docstring).",
     )
     add_dataclass_args(gen, GenConfig)
-    gen.add_argument(
-        "--out",
-        type=Path,
-        required=True,
-        metavar="PATH",
-        help=f"output file ({', '.join(SUFFIXES)})",
-    )
+    _add_out(gen)
     gen.set_defaults(func=_cmd_gen)
 
     validate = subparsers.add_parser(
@@ -117,11 +136,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     imp.add_argument("kind", choices=KINDS, help="source format")
     imp.add_argument("src", type=Path, help="source file (see /work/shared/traces/README.md)")
     add_dataclass_args(imp, ImportConfig)
-    imp.add_argument(
-        "--out",
-        type=Path,
+    _add_out(imp)
+    imp.set_defaults(func=_cmd_import)
+
+    from tltsim.trace import verl
+
+    verl_parser = subparsers.add_parser(
+        "import-verl",
+        help="build a trace of your own veRL run from its rollout dumps",
+        description=verl.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    verl_parser.add_argument(
+        "dir", type=Path, help="veRL's trainer.rollout_data_dir (one STEP.jsonl per step)"
+    )
+    verl_parser.add_argument(
+        "--tokenizer",
         required=True,
         metavar="PATH",
-        help=f"output file ({', '.join(SUFFIXES)})",
+        help="the model's tokenizer.json, or the model directory holding it",
     )
-    imp.set_defaults(func=_cmd_import)
+    add_dataclass_args(verl_parser, verl.VerlImportConfig, skip=("tokenizer",))
+    _add_out(verl_parser)
+    verl_parser.set_defaults(func=_cmd_import_verl)

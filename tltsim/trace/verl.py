@@ -1,0 +1,217 @@
+"""veRL's rollout dumps -> a ``tlt-trace`` of your own run ("would TLT help MY run?").
+
+    tltsim import-verl runs/rollout_data --tokenizer ~/models/Qwen2.5-7B-Instruct \\
+        --max-response-tokens 8192 --out my_run.json
+    tltsim replay my_run.json --model ~/models/Qwen2.5-7B-Instruct --num-gpus 64
+
+veRL (and fastrl, the TLT paper's veRL fork) writes, with ``trainer.rollout_data_dir`` set, one
+``STEP.jsonl`` per RL step (``RayPPOTrainer._dump_generations``): a row per response with the
+prompt and response as text (``input``, ``output``), its ``score`` and ``step``. No token counts,
+so this importer counts tokens again with the model's own tokenizer (``tokenizer.json``, read by
+Hugging Face ``tokenizers``; the only module of tltsim that needs it, imported here alone):
+
+* response tokens: the text's tokens, plus one for the EOS that veRL's decode dropped
+  (``skip_special_tokens=True``; veRL's ``response_length`` counts it); a response whose count
+  reaches ``max_response_tokens`` (veRL's ``data.max_response_length``) was cut there: it is
+  the cap, ``finish: "length"``. Without the cap no response is known to be cut.
+* prompt tokens: the decoded prompt's tokens. The chat template's special tokens were dropped by
+  the decode too and are not counted (a few per message).
+* Counts are of the text as encoded now, not of the tokens the model sampled: where it sampled a
+  non-canonical split of a word, the two differ.
+* groups: a step's rows with the same ``input`` (GRPO's n samples of a prompt; veRL's
+  ``balance_batch`` reorders rows, so rows need not be adjacent), in order of first appearance.
+  A prompt drawn k times in one step (k x n rows) becomes k groups of the step's most common
+  group size n, when k x n rows it has.
+
+Bad input (a file that is not JSON lines, a row without ``input``/``output`` text, a ``step``
+field other than its file's) is one error naming the file, line and field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from tltsim.trace.errors import TraceError
+from tltsim.trace.schema import MAX_COUNT, Prompt, Response, Step, Trace
+
+STEP_FILE = re.compile(r"(\d+)\.jsonl")  # veRL's f"{global_steps}.jsonl"
+VERL_SOURCE = "veRL rollout dumps (trainer.rollout_data_dir; RayPPOTrainer._dump_generations)"
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerlImportConfig:
+    """How veRL's dumps become a trace (``tltsim import-verl``; one flag per field)."""
+
+    tokenizer: str = field(
+        metadata=_help("the model's tokenizer.json, or the model directory holding it")
+    )
+    max_response_tokens: int | None = field(
+        default=None,
+        metadata=_help(
+            "the run's response cap (veRL's data.max_response_length): responses that reach it "
+            "were cut (default: none known)"
+        ),
+    )
+    max_steps: int | None = field(default=None, metadata=_help("use only the first N steps"))
+    model: str | None = field(
+        default=None, metadata=_help("model name for the trace's meta (default: the tokenizer's)")
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("max_response_tokens", "max_steps"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or not 1 <= value <= MAX_COUNT):
+                raise ValueError(f"{name} must be an integer in [1, {MAX_COUNT}], got {value!r}")
+
+
+def load_tokenizer(path: str) -> Any:
+    """A ``tokenizers.Tokenizer`` from ``tokenizer.json`` (or a directory holding it)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ValueError(
+            "import-verl counts tokens with Hugging Face tokenizers, which is not installed: "
+            "pip install -e '.[import-verl]' (or the run extra)"
+        ) from None
+    file = Path(path)
+    if file.is_dir():
+        file = file / "tokenizer.json"
+    if not file.is_file():
+        raise ValueError(f"--tokenizer {path}: no tokenizer.json there")
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as err:  # tokenizers raises its own Exception types on a bad file
+        raise ValueError(f"{file}: not a Hugging Face tokenizer.json ({err})") from None
+
+
+def step_files(directory: Path) -> list[tuple[int, Path]]:
+    """veRL's ``STEP.jsonl`` files of ``directory``, by step; any other ``*.jsonl`` is refused
+    (a file this importer would leave out, silently)."""
+    if not directory.is_dir():
+        raise ValueError(f"{directory}: not a directory (veRL's trainer.rollout_data_dir)")
+    found, foreign = [], []
+    for path in directory.glob("*.jsonl"):
+        m = STEP_FILE.fullmatch(path.name)
+        (found if m else foreign).append((int(m[1]) if m else -1, path))
+    if foreign:
+        names = ", ".join(sorted(p.name for _, p in foreign)[:3])
+        raise ValueError(
+            f"{directory}: {names}{' ...' if len(foreign) > 3 else ''}: not a veRL dump name "
+            "(STEP.jsonl); move other files out of the directory"
+        )
+    if not found:
+        raise ValueError(f"{directory}: no STEP.jsonl files (veRL's rollout dumps)")
+    return sorted(found)
+
+
+def read_rows(path: Path, step: int) -> list[tuple[str, str]]:
+    """(input, output) of each row of one step's dump."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise TraceError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    rows = []
+    for line_no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise TraceError(f"{path}:{line_no}: not a JSON line ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise TraceError(f"{path}:{line_no}: expected a JSON object (a veRL dump row)")
+        for key in ("input", "output"):
+            if not isinstance(row.get(key), str):
+                got = "missing" if key not in row else type(row[key]).__name__
+                raise TraceError(f"{path}:{line_no}: field {key!r}: expected text, got {got}")
+        if "step" in row and row["step"] != step:
+            raise TraceError(
+                f"{path}:{line_no}: field 'step': {row['step']!r}, but the file is step {step}"
+            )
+        rows.append((row["input"], row["output"]))
+    if not rows:
+        raise TraceError(f"{path}: no rows")
+    return rows
+
+
+def groups_of(rows: list[tuple[str, str]]) -> list[tuple[str, list[int]]]:
+    """(input, row indices) per GRPO group, in order of first appearance; a prompt with k times
+    the most common group size of rows split into k groups."""
+    by_input: dict[str, list[int]] = {}
+    for i, (text, _) in enumerate(rows):
+        by_input.setdefault(text, []).append(i)
+    size = Counter(len(ix) for ix in by_input.values()).most_common(1)[0][0]
+    groups = []
+    for text, ix in by_input.items():
+        if len(ix) > size and len(ix) % size == 0:
+            groups += [(text, ix[k : k + size]) for k in range(0, len(ix), size)]
+        else:
+            groups.append((text, ix))
+    return groups
+
+
+def import_step(step: int, rows: list[tuple[str, str]], tok: Any, cap: int | None) -> Step:
+    outputs = [o for _, o in rows]
+    # encode_batch runs over all cores; special tokens are not added (none were in the text)
+    out_counts = [len(e.ids) for e in tok.encode_batch(outputs, add_special_tokens=False)]
+    groups = groups_of(rows)
+    unique_inputs = [text for text, _ in groups]
+    in_counts = dict(
+        zip(
+            unique_inputs,
+            (len(e.ids) for e in tok.encode_batch(unique_inputs, add_special_tokens=False)),
+            strict=True,
+        )
+    )
+    prompts = []
+    for j, (text, ix) in enumerate(groups):
+        responses = []
+        for i in ix:
+            tokens = out_counts[i] + 1  # the EOS the decode dropped
+            if cap is not None and out_counts[i] >= cap:
+                responses.append(Response(tokens=cap, finish="length"))
+            else:
+                responses.append(Response(tokens=min(tokens, MAX_COUNT)))
+        prompt_tokens = min(max(in_counts[text], 1), MAX_COUNT)
+        prompts.append(Prompt(id=f"s{step}p{j}", prompt_tokens=prompt_tokens,
+                              responses=tuple(responses)))  # fmt: skip
+    return Step(step=step, prompts=tuple(prompts))
+
+
+def import_verl(directory: str | Path, cfg: VerlImportConfig, progress: bool = True) -> Trace:
+    """The trace of veRL's dumps in ``directory`` (module docstring)."""
+    directory = Path(directory)
+    tok = load_tokenizer(cfg.tokenizer)
+    files = step_files(directory)[: cfg.max_steps]
+    steps = []
+    bars = None if progress else True  # None: a bar on a terminal only (tqdm)
+    for step, path in tqdm(files, desc="import-verl", unit="step", disable=bars):
+        steps.append(import_step(step, read_rows(path, step), tok, cfg.max_response_tokens))
+    sizes = {len(p.responses) for s in steps for p in s.prompts}
+    tokenizer = Path(cfg.tokenizer)
+    name = cfg.model or (tokenizer.name if tokenizer.is_dir() else tokenizer.parent.name)
+    meta: dict[str, Any] = {
+        "source": f"{VERL_SOURCE}: {directory.name}; tokens counted again with {name}'s "
+        "tokenizer (tltsim.trace.verl)",
+        "model": name,
+        "importer": {"kind": "verl", "dir": str(directory), **asdict(cfg)},
+    }
+    if cfg.max_response_tokens is not None:
+        meta["max_response_tokens"] = cfg.max_response_tokens
+    if len(sizes) == 1:
+        meta["group_size"] = sizes.pop()
+    return Trace(meta=meta, steps=tuple(steps))
+
+
+__all__ = ["VerlImportConfig", "import_verl"]
