@@ -122,14 +122,15 @@ def test_advise_on_a_users_model_and_cluster(tmp_path, capsys):
     out = tmp_path / "advise"
     argv = ["advise", str(TRACE), "--max-steps", "1", "--num-seeds", "1", "--thresholds", "32"]
     argv += ["--strategy-sets", "chains", "--workers", "1", "--out", str(out)]
-    assert main([*argv, "--model", str(directory), "--num-gpus", "16"]) == 0
+    assert main([*argv, "--model", str(directory / "config.json"), "--num-gpus", "16"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("simulated: Qwen3-4B on 16 x H100-SXM (TP 1)\n")
     report = json.loads((out / "advise.json").read_text())
-    assert report["sim"]["num_gpus"] == 16 and report["sim"]["model"] == str(directory)
-    assert 'model = "' + str(directory) + '"' in (out / "sweep.toml").read_text()
+    model = str(directory / "config.json")
+    assert report["sim"]["num_gpus"] == 16 and report["sim"]["model"] == model
+    assert 'model = "' + model + '"' in (out / "sweep.toml").read_text()
     sweep = pd.read_csv(out / "sweep" / "sweep.csv")
-    assert set(sweep.num_gpus) == {16} and set(sweep.model) == {str(directory)}
+    assert set(sweep.num_gpus) == {16} and set(sweep.model) == {model}
     assert main([*argv, "--tp", "3"]) == 2  # 8 GPUs of the preset: checked before the sweep
     err = capsys.readouterr().err
     assert "advise --preset h100x8-qwen7b: num_gpus=8 is not a multiple of tp=3" in err

@@ -32,7 +32,7 @@ from typing import Any
 
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.cost.presets import CLUSTER_PRESETS, apply_preset
-from tltsim.cost.specs import is_model_path
+from tltsim.cost.specs import get_model, is_model_path
 from tltsim.errors import UsageError
 from tltsim.jsonio import remove_stale_outputs, write_json
 from tltsim.policy import SpotTrainerConfig, TLTConfig
@@ -439,7 +439,7 @@ def format_advice(report: dict[str, Any], out: Path) -> str:
     else:
         verdict = "TLT does not reliably pay on this workload"
     sim: SimConfig = report["sim"]
-    model = Path(sim.model).name if is_model_path(sim.model) else sim.model
+    model = get_model(sim.model).name  # a config.json's: its directory's name
     hardware = Path(sim.hardware).stem if sim.hardware.endswith(".json") else sim.hardware
     return "\n".join(
         [
