@@ -161,19 +161,25 @@ def groups_of(rows: list[tuple[str, str]]) -> list[tuple[str, list[int]]]:
     return groups
 
 
+# texts encoded at once: encode_batch runs over all cores, and its Encoding objects (ids,
+# offsets, masks) took 1.2 GB for a 23 MB dump encoded whole
+ENCODE_CHUNK = 64
+
+
+def token_counts(tok: Any, texts: list[str]) -> list[int]:
+    """Tokens of each text, special tokens not added (the dump's text has none)."""
+    counts = []
+    for i in range(0, len(texts), ENCODE_CHUNK):
+        batch = tok.encode_batch(texts[i : i + ENCODE_CHUNK], add_special_tokens=False)
+        counts += [len(e.ids) for e in batch]
+    return counts
+
+
 def import_step(step: int, rows: list[tuple[str, str]], tok: Any, cap: int | None) -> Step:
-    outputs = [o for _, o in rows]
-    # encode_batch runs over all cores; special tokens are not added (none were in the text)
-    out_counts = [len(e.ids) for e in tok.encode_batch(outputs, add_special_tokens=False)]
+    out_counts = token_counts(tok, [o for _, o in rows])
     groups = groups_of(rows)
-    unique_inputs = [text for text, _ in groups]
-    in_counts = dict(
-        zip(
-            unique_inputs,
-            (len(e.ids) for e in tok.encode_batch(unique_inputs, add_special_tokens=False)),
-            strict=True,
-        )
-    )
+    unique_inputs = list(dict.fromkeys(text for text, _ in groups))
+    in_counts = dict(zip(unique_inputs, token_counts(tok, unique_inputs), strict=True))
     prompts = []
     for j, (text, ix) in enumerate(groups):
         responses = []
