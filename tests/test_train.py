@@ -314,3 +314,20 @@ def test_the_largest_seed_runs_every_worker_and_spot_trainer(model_dir, tmp_path
     assert config(model_dir, tmp_path, seed=7).worker_seed(1, stream=500) == 7501  # as before
     run_train(cfg, TASK)
     assert [r["step"] for r in rows(tmp_path / "r")] == [0]
+
+
+def test_eager_and_attn_impl_reach_the_rollout_engine(tmp_path):
+    """``tltrun train --eager`` turns the CUDA-graph pool off (issue #18) and ``--attn-impl``
+    picks the attention, as generate and bench take them (train had neither flag)."""
+    from tltrun.rollout.engine_config import EngineConfig
+    from tltrun.train.config import TrainConfig
+
+    sizes = {"max_running_requests": 4, "max_model_len": 64}
+    default = EngineConfig(
+        **sizes, **TrainConfig(model_dir="m", out=str(tmp_path)).engine_settings()
+    )
+    assert default.cuda_graphs is None and default.attn_impl is None  # graphs where CUDA runs
+    cfg = TrainConfig(model_dir="m", out=str(tmp_path), is_eager=True, attn_impl="flex",
+                      compile_layers=True)  # fmt: skip
+    engine = EngineConfig(**sizes, **cfg.engine_settings())
+    assert engine.cuda_graphs is False and engine.attention == "flex" and engine.compile_layers

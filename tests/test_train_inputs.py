@@ -203,6 +203,11 @@ def test_request_slots_never_exceed_a_workers_responses():
          "--fuse-projections, --history-cross-prompt: settings of the torch engine"),
         ("", ["--backend", "vllm", "--dtype", "float64"],
          "dtype 'float64': backend vllm takes float32, bfloat16, float16"),
+        ("", ["--backend", "vllm", "--eager", "--attn-impl", "flex"],
+         "--attn-impl, --eager: settings of the torch engine"),
+        ("", ["--attn-impl", "paged"], "attn_impl 'paged': expected one of sdpa, flex"),
+        # Triton's interpreter runs no bf16 tree attention: refused before any worker
+        ("", ["--attn-impl", "triton", "--dtype", "bfloat16"], "--attn-impl triton: "),
     ],
 )  # fmt: skip
 def test_unused_and_bad_config_settings_are_named_where_they_were_set(

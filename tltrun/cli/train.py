@@ -278,7 +278,9 @@ def _check_used(
             f"{flags(data_settings)}: settings of --data, which is not given (the built-in task "
             "reads none of them); drop them"
         )
-    torch_only = given & {"compile_layers", "fuse_projections", "is_history_cross_prompt"}
+    torch_only = given & {
+        "compile_layers", "fuse_projections", "is_history_cross_prompt", "is_eager", "attn_impl"
+    }  # fmt: skip
     if cfg.backend == "vllm" and torch_only:
         raise UsageError(
             f"{flags(torch_only)}: settings of the torch "
@@ -296,10 +298,14 @@ def _check_used(
 
 
 def _check_inputs(cfg: TrainConfig) -> None:
-    """Validate the model and drafter checkpoints' files before any worker starts: a truncated
-    or garbage safetensors file is one error line here instead of a traceback per worker."""
+    """Validate the model and drafter checkpoints' files (and a Triton --attn-impl's platform)
+    before any worker starts: a truncated or garbage safetensors file is one error line here
+    instead of a traceback per worker."""
+    from tltrun.cli.args import check_triton_impls
     from tltrun.model.hf_checkpoint import check_checkpoint, safetensors_shapes
 
+    if cfg.backend == "torch":  # Triton attention where Triton cannot run: one line here
+        check_triton_impls(cfg.device, cfg.dtype_name, attn_impl=cfg.attn_impl)
     check_checkpoint(cfg.model_dir)
     if cfg.drafter_dir is not None:
         safetensors_shapes(Path(cfg.drafter_dir) / "model.safetensors")

@@ -9,7 +9,9 @@ the workers import their settings from here rather than from the module that spa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from tltrun.model.attention import ATTN_IMPLS
 from tltrun.model.history_drafter import HistoryConfig
 from tltrun.rollout.engine_config import default_dtype
 from tltrun.train.config_checks import BACKENDS, check_train_config
@@ -200,6 +202,22 @@ class TrainConfig:
         default=False,
         metadata={"help": "torch engine: torch.compile each layer's work around attention"},
     )
+    # the torch engine's EngineConfig.cuda_graphs off (issue #18: capture off with --eager) and
+    # attn_impl, as generate and bench take them
+    is_eager: bool = field(
+        default=False,
+        metadata={
+            "help": "torch engine: every forward eagerly, no CUDA-graph pool (default: the pool "
+            "on CUDA; CPU runs eagerly)"
+        },
+    )
+    attn_impl: str | None = field(
+        default=None,
+        metadata={
+            "help": "torch engine: attention, one of " + ", ".join(ATTN_IMPLS) + " (default: "
+            "flex on CUDA, sdpa on CPU)"
+        },
+    )
     # the torch engine's EngineConfig.fuse_projections (off by default)
     fuse_projections: bool = field(
         default=False,
@@ -379,6 +397,16 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_train_config(self)
+
+    def engine_settings(self) -> dict[str, Any]:
+        """The torch engine's ``EngineConfig`` fields this run sets (the rest are per worker)."""
+        return {
+            "compile_layers": self.compile_layers,
+            "fuse_projections": self.fuse_projections,
+            "cuda_graphs": False if self.is_eager else None,  # None: the pool on CUDA
+            "attn_impl": self.attn_impl,
+            "is_history_cross_prompt": self.is_history_cross_prompt,
+        }
 
     @property
     def reward_name(self) -> str:

@@ -43,6 +43,10 @@ def check_train_config(cfg: Any) -> None:
             raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
     if cfg.num_steps < 0:
         raise ValueError(f"num_steps must be >= 0, got {cfg.num_steps}")
+    from tltrun.model.attention import ATTN_IMPLS
+
+    if cfg.attn_impl is not None and cfg.attn_impl not in ATTN_IMPLS:
+        raise ValueError(f"attn_impl {cfg.attn_impl!r}: expected one of {', '.join(ATTN_IMPLS)}")
     if cfg.keep_checkpoints < 0:
         raise ValueError(f"keep_checkpoints must be >= 0, got {cfg.keep_checkpoints}")
     # GRPO normalises rewards within a group: with one response per prompt every advantage

@@ -173,9 +173,7 @@ class Worker:
                     instance=rank,
                     is_harvesting=is_harvesting,
                     eos_token_ids=self.tok.eos_ids,
-                    compile_layers=cfg.compile_layers,
-                    fuse_projections=cfg.fuse_projections,
-                    is_history_cross_prompt=cfg.is_history_cross_prompt,
+                    **cfg.engine_settings(),
                 ),
                 clock=self.clock,
             )
