@@ -5,8 +5,10 @@
     tltsim replay my_run.json --model ~/models/Qwen2.5-7B-Instruct --num-gpus 64
 
 veRL (and fastrl, the TLT paper's veRL fork) writes, with ``trainer.rollout_data_dir`` set, one
-``STEP.jsonl`` per RL step (``RayPPOTrainer._dump_generations``): a row per response with the
-prompt and response as text (``input``, ``output``), its ``score`` and ``step``. No token counts,
+``STEP.jsonl`` per RL step (``RayPPOTrainer._dump_generations``; read in mit-han-lab/fastrl's
+verl/trainer/ppo/ray_trainer.py at bce3df7): a row per response with the prompt and response as
+text (``input``, ``output``: ``tokenizer.batch_decode(..., skip_special_tokens=True)``), its
+``score`` and ``step``. No token counts,
 so this importer counts tokens again with the model's own tokenizer (``tokenizer.json``, read by
 Hugging Face ``tokenizers``; the only module of tltsim that needs it, imported here alone):
 
