@@ -6,6 +6,7 @@ Run: ``python -m pytest tests/test_import_verl.py -q``.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from tltsim.cli.main import main
+from tltsim.errors import InputWarning
+from tltsim.trace.errors import TraceError
 from tltsim.trace.files import load_trace
 from tltsim.trace.verl import VerlImportConfig, import_verl
 
@@ -52,20 +55,25 @@ def tokenizer(tmp_path_factory) -> Path:
     return model
 
 
-def count(tokenizer: Path, text: str) -> int:
+@functools.cache
+def _loaded(path: Path):
     from tokenizers import Tokenizer
 
-    return len(Tokenizer.from_file(str(tokenizer / "tokenizer.json")).encode(text).ids)
+    return Tokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def count(tokenizer: Path, text: str) -> int:
+    return len(_loaded(tokenizer).encode(text).ids)
 
 
 def text(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
-def write_dump(directory: Path, step: int, rows: list[dict]) -> None:
+def write_dump(directory: Path, step: int, rows: list[dict], ensure_ascii: bool = True) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps({**r, "score": 0.0, "step": step}) for r in rows]
-    (directory / f"{step}.jsonl").write_text("\n".join(lines) + "\n")
+    lines = [json.dumps({**r, "score": 0.0, "step": step}, ensure_ascii=ensure_ascii) for r in rows]
+    (directory / f"{step}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def test_a_dump_becomes_groups_of_token_counts(tokenizer, tmp_path):
@@ -86,7 +94,8 @@ def test_a_dump_becomes_groups_of_token_counts(tokenizer, tmp_path):
                                          for r in rows if r["input"] == q))
             for q in first_seen
         ]  # fmt: skip
-    trace = import_verl(dumps, VerlImportConfig(tokenizer=str(tokenizer)), progress=False)
+    with pytest.warns(InputWarning, match="no --max-response-tokens: responses cut"):
+        trace = import_verl(dumps, VerlImportConfig(tokenizer=str(tokenizer)), progress=False)
     assert [s.step for s in trace.steps] == [1, 2, 10]
     assert trace.meta["group_size"] == 4 and trace.meta["model"] == tokenizer.name
     assert "max_response_tokens" not in trace.meta
@@ -100,31 +109,68 @@ def test_a_dump_becomes_groups_of_token_counts(tokenizer, tmp_path):
 
 def test_the_cap_marks_cut_responses_and_a_prompt_drawn_twice_is_two_groups(tokenizer, tmp_path):
     rng = random.Random(1)
-    long, short = text(rng, 40), text(rng, 2)
-    cap = count(tokenizer, long) - 1  # the long answer reaches the cap: it was cut
-    rows = [{"input": "q0", "output": o} for o in (long, short)]
-    rows += [{"input": "q1", "output": short}] * 4  # drawn twice: 2 x the group size of 2
-    rows += [{"input": "q2", "output": short}] * 2
+    words = [text(rng, 1) for _ in range(4000)]
+    cap = 2000  # the run's; a cut response recounts to it give or take non-canonical splits
+    outputs = {}
+    for name, num_tokens in (("cut", cap), ("cut_resplit", cap - 3), ("stopped", cap - 50)):
+        # words until the recount reaches num_tokens (each word is a token or two here)
+        out = ""
+        for w in words:
+            grown = (out + " " + w).strip()
+            if count(tokenizer, grown) > num_tokens:
+                break
+            out = grown
+        outputs[name] = out
+    assert cap - 4 <= count(tokenizer, outputs["cut_resplit"]) < cap - 1  # within the slack
+    rows = [{"input": "q0", "output": outputs[k]} for k in ("cut", "cut_resplit", "stopped")]
+    rows += [{"input": "q1", "output": "four"}] * 6  # drawn twice: 2 x the group size of 3
+    rows += [{"input": "q2", "output": "nine"}] * 3
     write_dump(tmp_path / "d", 5, rows)
     cfg = VerlImportConfig(tokenizer=str(tokenizer / "tokenizer.json"), max_response_tokens=cap)
     (step,) = import_verl(tmp_path / "d", cfg, progress=False).steps
-    assert [len(p.responses) for p in step.prompts] == [2, 2, 2, 2]
-    cut, stopped = step.prompts[0].responses
-    assert (cut.tokens, cut.finish) == (cap, "length")
-    assert (stopped.tokens, stopped.finish) == (count(tokenizer, short) + 1, "stop")
+    assert [len(p.responses) for p in step.prompts] == [3, 3, 3, 3]
+    cut, resplit, stopped = step.prompts[0].responses
+    assert (cut.tokens, cut.finish) == (resplit.tokens, resplit.finish) == (cap, "length")
+    assert (stopped.tokens, stopped.finish) == (count(tokenizer, outputs["stopped"]) + 1, "stop")
+    # the second draw of q1 is its own group, named apart
+    assert step.prompts[2].id == step.prompts[1].id + "#1"
+
+
+def test_a_cap_below_the_runs_is_refused_not_clamped(tokenizer, tmp_path):
+    rows = [{"input": "q", "output": text(random.Random(3), 60)}] * 2
+    write_dump(tmp_path / "d", 1, rows)
+    cfg = VerlImportConfig(tokenizer=str(tokenizer), max_response_tokens=20)
+    with pytest.raises(TraceError, match=r"1\.jsonl:1: the output recounts to \d+ tokens, past"):
+        import_verl(tmp_path / "d", cfg, progress=False)
+
+
+def test_prompt_ids_link_a_prompts_steps_and_text_keeps_its_line_separators(tokenizer, tmp_path):
+    """A prompt seen again in a later step (a second epoch) keeps its id: the simulated
+    history drafter indexes its earlier rollouts by it. veRL writes ensure_ascii=False, so a
+    U+2028 in a response stands unescaped in its line (str.splitlines split the row there)."""
+    odd = "line\u2028separator\u2029and\x85next"
+    for step in (1, 2):
+        rows = [{"input": f"q{p}", "output": odd if p == 0 else "four"}
+                for p in (0, step) for _ in range(2)]  # fmt: skip
+        write_dump(tmp_path / "d", step, rows, ensure_ascii=False)
+    cfg = VerlImportConfig(tokenizer=str(tokenizer), max_response_tokens=100)
+    first, second = import_verl(tmp_path / "d", cfg, progress=False).steps
+    assert first.prompts[0].id == second.prompts[0].id  # q0 in both steps
+    assert first.prompts[1].id != second.prompts[1].id  # q1, then q2
+    assert first.prompts[0].responses[0].tokens == count(tokenizer, odd) + 1
 
 
 def test_the_cli_writes_a_trace_replay_reads(tokenizer, tmp_path, capsys):
     rng = random.Random(2)
-    rows = [{"input": f"q{p}", "output": text(rng, rng.randint(1, 60))}
+    rows = [{"input": f"q{p}", "output": text(rng, rng.randint(1, 20))}
             for p in range(4) for _ in range(2)]  # fmt: skip
     write_dump(tmp_path / "d", 1, rows)
     out = tmp_path / "run.json"
     argv = ["import-verl", str(tmp_path / "d"), "--tokenizer", str(tokenizer), "--out", str(out)]
-    assert main([*argv, "--max-response-tokens", "30"]) == 0
+    assert main([*argv, "--max-response-tokens", "60"]) == 0
     assert "1 steps, 4 prompts, 8 responses" in capsys.readouterr().out
     trace = load_trace(out)
-    assert trace.meta["max_response_tokens"] == 30 and trace.meta["importer"]["kind"] == "verl"
+    assert trace.meta["max_response_tokens"] == 60 and trace.meta["importer"]["kind"] == "verl"
     assert main(["replay", str(out), "--policy", "nospec,tlt", "--out", str(tmp_path / "r")]) == 0
 
 
@@ -142,6 +188,11 @@ def test_the_cli_writes_a_trace_replay_reads(tokenizer, tmp_path, capsys):
         ({"1.jsonl": '{"input": "q", "output": "a"}\n', "val_1.jsonl": ""},
          r"val_1\.jsonl: not a veRL dump name"),
         ({"notes.txt": ""}, r"no STEP\.jsonl files"),
+        ({"1.jsonl": '{"input": "q", "output": "a"}\n', "01.jsonl": ""},
+         r"01\.jsonl and 1\.jsonl are both step 1"),
+        # a killed run's half-written last step: the way out is named
+        ({"1.jsonl": '{"input": "q", "output": "a"}\n', "2.jsonl": '{"input": "q", "ou'},
+         r"2\.jsonl:1: not a JSON line .*last step.*--max-steps leaves it out"),
     ],
 )  # fmt: skip
 def test_bad_dumps_are_one_line_errors(tokenizer, tmp_path, capsys, files, message):
@@ -149,7 +200,7 @@ def test_bad_dumps_are_one_line_errors(tokenizer, tmp_path, capsys, files, messa
     dumps.mkdir()
     for name, content in files.items():
         (dumps / name).write_text(content)
-    argv = ["import-verl", str(dumps), "--tokenizer", str(tokenizer)]
+    argv = ["import-verl", str(dumps), "--tokenizer", str(tokenizer), "--max-response-tokens", "9"]
     assert main([*argv, "--out", str(tmp_path / "t.json")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

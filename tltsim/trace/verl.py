@@ -14,8 +14,10 @@ Hugging Face ``tokenizers``; the only module of tltsim that needs it, imported h
 
 * response tokens: the text's tokens, plus one for the EOS that veRL's decode dropped
   (``skip_special_tokens=True``; veRL's ``response_length`` counts it); a response whose count
-  reaches ``max_response_tokens`` (veRL's ``data.max_response_length``) was cut there: it is
-  the cap, ``finish: "length"``. Without the cap no response is known to be cut.
+  comes within ``cut_slack`` (0.2%) of ``max_response_tokens`` (veRL's
+  ``data.max_response_length``) was cut there: it is the cap, ``finish: "length"``; one 5% past
+  it says the cap given is not the run's (an error: clamped, the tail was lost). Without the
+  cap no response is known to be cut (a warning says so).
 * prompt tokens: the decoded prompt's tokens. The chat template's special tokens were dropped by
   the decode too and are not counted (a few per message).
 * Counts are of the text as encoded now, not of the tokens the model sampled: where it sampled a
@@ -23,16 +25,21 @@ Hugging Face ``tokenizers``; the only module of tltsim that needs it, imported h
 * groups: a step's rows with the same ``input`` (GRPO's n samples of a prompt; veRL's
   ``balance_batch`` reorders rows, so rows need not be adjacent), in order of first appearance.
   A prompt drawn k times in one step (k x n rows) becomes k groups of the step's most common
-  group size n, when k x n rows it has.
+  group size n, when k x n rows it has. A group's id is a digest of its prompt text, the same in
+  every step, so the simulated history drafter sees a prompt's earlier rollouts (epochs).
 
 Bad input (a file that is not JSON lines, a row without ``input``/``output`` text, a ``step``
-field other than its file's) is one error naming the file, line and field.
+field other than its file's, two files of one step) is one error naming the file, line and
+field. Lines end at ``\\n`` only (veRL writes ``ensure_ascii=False``: U+2028 and friends stand
+unescaped inside a row).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,6 +47,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from tltsim.errors import InputWarning
 from tltsim.trace.errors import TraceError
 from tltsim.trace.schema import MAX_COUNT, Prompt, Response, Step, Trace
 
@@ -114,13 +122,32 @@ def step_files(directory: Path) -> list[tuple[int, Path]]:
         )
     if not found:
         raise ValueError(f"{directory}: no STEP.jsonl files (veRL's rollout dumps)")
-    return sorted(found)
+    found.sort()
+    for (step, a), (other, b) in zip(found, found[1:], strict=False):
+        if step == other:
+            raise ValueError(f"{directory}: {a.name} and {b.name} are both step {step}")
+    return found
 
 
-def read_rows(path: Path, step: int) -> list[tuple[str, str]]:
-    """(input, output) of each row of one step's dump."""
+def read_rows(path: Path, step: int, is_last: bool = False) -> list[tuple[str, str, int]]:
+    """(input, output, line number) of each row of one step's dump. The last step's file may
+    be one a killed run left half written: its error says how to leave it out."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        return _read_rows(path, step)
+    except TraceError as err:
+        if not is_last:
+            raise
+        hint = (
+            " (the run's last step: if it was killed while writing it, --max-steps leaves it out)"
+        )
+        raise TraceError(str(err) + hint) from None
+
+
+def _read_rows(path: Path, step: int) -> list[tuple[str, str, int]]:
+    try:
+        # "\n" only: veRL writes ensure_ascii=False, so U+2028, U+2029 and U+0085 (which
+        # str.splitlines splits at) stand unescaped inside a row's text
+        lines = path.read_text(encoding="utf-8").split("\n")
     except UnicodeDecodeError as err:
         raise TraceError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     rows = []
@@ -141,17 +168,17 @@ def read_rows(path: Path, step: int) -> list[tuple[str, str]]:
             raise TraceError(
                 f"{path}:{line_no}: field 'step': {row['step']!r}, but the file is step {step}"
             )
-        rows.append((row["input"], row["output"]))
+        rows.append((row["input"], row["output"], line_no))
     if not rows:
         raise TraceError(f"{path}: no rows")
     return rows
 
 
-def groups_of(rows: list[tuple[str, str]]) -> list[tuple[str, list[int]]]:
+def groups_of(rows: list[tuple[str, str, int]]) -> list[tuple[str, list[int]]]:
     """(input, row indices) per GRPO group, in order of first appearance; a prompt with k times
     the most common group size of rows split into k groups."""
     by_input: dict[str, list[int]] = {}
-    for i, (text, _) in enumerate(rows):
+    for i, (text, *_) in enumerate(rows):
         by_input.setdefault(text, []).append(i)
     size = Counter(len(ix) for ix in by_input.values()).most_common(1)[0][0]
     groups = []
@@ -161,6 +188,19 @@ def groups_of(rows: list[tuple[str, str]]) -> list[tuple[str, list[int]]]:
         else:
             groups.append((text, ix))
     return groups
+
+
+def prompt_ids(groups: list[tuple[str, list[int]]]) -> list[str]:
+    """A group's trace id: a digest of its prompt text, the same in every step (the simulated
+    history drafter indexes a prompt's earlier rollouts by it); a prompt's second group in one
+    step gets ``#1``, as ``tltrun train`` names them."""
+    seen: Counter[str] = Counter()
+    ids = []
+    for text, _ in groups:
+        digest = "p" + hashlib.sha1(text.encode("utf-8")).hexdigest()[:12]
+        ids.append(digest if not seen[digest] else f"{digest}#{seen[digest]}")
+        seen[digest] += 1
+    return ids
 
 
 # texts encoded at once: encode_batch runs over all cores, and its Encoding objects (ids,
@@ -177,23 +217,38 @@ def token_counts(tok: Any, texts: list[str]) -> list[int]:
     return counts
 
 
-def import_step(step: int, rows: list[tuple[str, str]], tok: Any, cap: int | None) -> Step:
-    out_counts = token_counts(tok, [o for _, o in rows])
+def cut_slack(cap: int) -> int:
+    """Tokens below the cap at which a recount still reads as cut there: the model may have
+    sampled non-canonical splits, which the recount merges (0.2% of the cap, at least 2)."""
+    return max(2, cap // 500)
+
+
+def response(count: int, cap: int | None, where: str) -> Response:
+    """A response whose text recounts to ``count`` tokens, in a run capped at ``cap``."""
+    if cap is None:
+        return Response(tokens=min(count + 1, MAX_COUNT))  # + the EOS the decode dropped
+    if count > cap + max(8, cap // 20):  # 5% past it: not splits, a smaller cap than the run's
+        raise TraceError(
+            f"{where}: the output recounts to {count} tokens, past --max-response-tokens {cap}: "
+            "give the run's cap (veRL's data.max_response_length)"
+        )
+    if count >= cap - cut_slack(cap):
+        return Response(tokens=cap, finish="length")
+    return Response(tokens=count + 1)
+
+
+def import_step(
+    step: int, path: Path, rows: list[tuple[str, str, int]], tok: Any, cap: int | None
+) -> Step:
+    out_counts = token_counts(tok, [o for _, o, _ in rows])
     groups = groups_of(rows)
     unique_inputs = list(dict.fromkeys(text for text, _ in groups))
     in_counts = dict(zip(unique_inputs, token_counts(tok, unique_inputs), strict=True))
     prompts = []
-    for j, (text, ix) in enumerate(groups):
-        responses = []
-        for i in ix:
-            tokens = out_counts[i] + 1  # the EOS the decode dropped
-            if cap is not None and out_counts[i] >= cap:
-                responses.append(Response(tokens=cap, finish="length"))
-            else:
-                responses.append(Response(tokens=min(tokens, MAX_COUNT)))
+    for pid, (text, ix) in zip(prompt_ids(groups), groups, strict=True):
+        responses = tuple(response(out_counts[i], cap, f"{path}:{rows[i][2]}") for i in ix)
         prompt_tokens = min(max(in_counts[text], 1), MAX_COUNT)
-        prompts.append(Prompt(id=f"s{step}p{j}", prompt_tokens=prompt_tokens,
-                              responses=tuple(responses)))  # fmt: skip
+        prompts.append(Prompt(id=pid, prompt_tokens=prompt_tokens, responses=responses))
     return Step(step=step, prompts=tuple(prompts))
 
 
@@ -201,13 +256,22 @@ def import_verl(directory: str | Path, cfg: VerlImportConfig, progress: bool = T
     """The trace of veRL's dumps in ``directory`` (module docstring)."""
     directory = Path(directory)
     tok = load_tokenizer(cfg.tokenizer)
-    files = step_files(directory)[: cfg.max_steps]
+    every = step_files(directory)
+    files = every[: cfg.max_steps]
+    if cfg.max_response_tokens is None:
+        warnings.warn(
+            "no --max-response-tokens: responses cut at the run's cap read as stopped there, "
+            "with one token (an EOS) too many; give veRL's data.max_response_length",
+            InputWarning,
+            stacklevel=2,
+        )
     steps = []
     bars = None if progress else True  # None: a bar on a terminal only (tqdm)
     for step, path in tqdm(files, desc="import-verl", unit="step", disable=bars):
-        steps.append(import_step(step, read_rows(path, step), tok, cfg.max_response_tokens))
+        rows = read_rows(path, step, is_last=path == every[-1][1])
+        steps.append(import_step(step, path, rows, tok, cfg.max_response_tokens))
     sizes = {len(p.responses) for s in steps for p in s.prompts}
-    tokenizer = Path(cfg.tokenizer)
+    tokenizer = Path(cfg.tokenizer).resolve()
     name = cfg.model or (tokenizer.name if tokenizer.is_dir() else tokenizer.parent.name)
     meta: dict[str, Any] = {
         "source": f"{VERL_SOURCE}: {directory.name}; tokens counted again with {name}'s "
