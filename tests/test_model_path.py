@@ -59,12 +59,45 @@ def test_get_model_reads_a_config_file_or_a_model_directory(tmp_path):
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("num_experts", 128), ("num_local_experts", 8), ("n_routed_experts", 256)],
-)
+    [("num_experts", 128), ("num_local_experts", 8), ("n_routed_experts", 256),
+     ("moe_num_experts", 64)],  # ERNIE-4.5's
+)  # fmt: skip
 def test_a_mixture_of_experts_config_is_refused(key, value):
     with pytest.raises(ValueError, match=f"'{key}' = {value}: a mixture-of-experts model"):
         ModelSpec.from_hf_config({**QWEN3_4B, key: value})
     assert ModelSpec.from_hf_config({**QWEN3_4B, key: 0}).num_layers == 36  # "no experts"
+    nested = {**QWEN3_4B, "ffn_config": {"moe_num_experts": 16}}  # DBRX's layout
+    with pytest.raises(ValueError, match="'moe_num_experts' = 16: a mixture-of-experts"):
+        ModelSpec.from_hf_config(nested)
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"head_dim": [128]}, "field 'head_dim' must be an integer in [1, 2^31), got [128]"),
+        ({"num_key_value_heads": 0}, "'num_key_value_heads' must be an integer in [1, 2^31), got 0"),
+        ({"num_key_value_heads": "8"}, "'num_key_value_heads' must be an integer"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "a quantized checkpoint"),
+    ],
+)  # fmt: skip
+def test_config_fields_the_cost_model_cannot_price_are_one_line_errors(tmp_path, change, says):
+    directory = model_dir(tmp_path, config={**QWEN3_4B, **change})
+    with pytest.raises(ValueError) as err:
+        get_model(str(directory))
+    assert str(err.value).startswith(f"{directory / 'config.json'}: ")
+    assert says in str(err.value) and "config.json: config.json" not in str(err.value)
+
+
+def test_a_users_checkpoint_is_priced_in_the_rollouts_bf16_and_text_config_is_read(tmp_path):
+    fp32 = get_model(str(model_dir(tmp_path, "fp32", {**QWEN3_4B, "torch_dtype": "float32"})))
+    assert fp32.bytes_per_param == 2  # an FSDP-merged fp32 save: rolled out in bf16 all the same
+    text = {k: v for k, v in QWEN3_4B.items() if k != "vocab_size"}
+    multimodal = {"model_type": "gemma3", "vocab_size": 151936, "text_config": text}
+    spec = get_model(str(model_dir(tmp_path, "mm", multimodal)))
+    assert spec.vocab_size == 151936 and spec.num_layers == 36  # the top level's vocabulary
+    del multimodal["vocab_size"]
+    with pytest.raises(ValueError, match="text_config: missing field 'vocab_size'"):
+        get_model(str(model_dir(tmp_path, "mm2", multimodal)))
 
 
 def test_replay_with_a_model_directory(tmp_path, capsys):
@@ -135,3 +168,29 @@ def test_advise_on_a_users_model_and_cluster(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "advise --preset h100x8-qwen7b: num_gpus=8 is not a multiple of tp=3" in err
     assert not (out / "sweep.toml").read_text().count("tp =")  # the refused run wrote nothing
+
+
+def test_weights_that_do_not_fit_are_refused_and_kv_overflow_is_warned(tmp_path, capsys):
+    """Memory was not checked: a 70B model at TP 1 on an 80 GB GPU was simulated (2.29x), and
+    256 long responses per GPU decoded at once past its KV capacity, without a word."""
+    assert main(["replay", str(TRACE), "--model", "Llama-3.1-70B", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "Llama-3.1-70B at TP 1 on H100-SXM: 143.1 GB of weights per GPU" in err
+    assert "raise --tp" in err
+    # one step of 64 prompts x 8 responses of 30,000 tokens on one GPU: 15.6M KV tokens at once
+    from tltsim.trace.files import save_trace
+    from tltsim.trace.schema import Prompt, Response, Step, Trace
+
+    long = Response(tokens=30_000)
+    prompts = tuple(Prompt(id=f"p{i}", prompt_tokens=500, responses=(long,) * 8) for i in range(64))
+    trace = tmp_path / "long.json"
+    save_trace(Trace(meta={}, steps=(Step(step=0, prompts=prompts),)), trace)
+    argv = ["replay", str(trace), "--num-gpus", "1", "--policy", "nospec"]
+    assert main([*argv, "--out", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: nospec: one instance held up to 15,616,000 KV tokens at once" in err
+    steps = pd.read_csv(tmp_path / "r" / "steps.csv")
+    assert steps.peak_kv_tokens.tolist() == [64 * 8 * 30_500]
+    # 16 at once fit (16 x 30,500 = 488,000 tokens): no warning
+    assert main([*argv, "--max-running-requests", "16", "--out", str(tmp_path / "r16")]) == 0
+    assert "KV tokens" not in capsys.readouterr().err

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from typing import Any
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.cost.presets import CLUSTER_PRESETS, apply_preset
 from tltsim.cost.specs import get_model, is_model_path
-from tltsim.errors import UsageError
+from tltsim.errors import InputWarning, UsageError
 from tltsim.jsonio import remove_stale_outputs, write_json
 from tltsim.policy import SpotTrainerConfig, TLTConfig
 from tltsim.sim.acceptance import DrafterDynamics
@@ -44,6 +45,7 @@ from tltsim.sim.replay import (
     RunSettings,
     comparison,
     cost_model,
+    kv_overflow_lines,
     replay_intervals,
     simulate_policies,
 )
@@ -282,6 +284,8 @@ def recommend(
         is_spot_training=is_spot_training,
     )
     results = simulate_policies(trace, names, base)
+    for line in kv_overflow_lines(results, cost_model(base.sim)):
+        warnings.warn(line, InputWarning, stacklevel=2)
     intervals = replay_intervals(trace, names, base, spec, results)
     rows, ideal = comparison(results, base.sim, None, intervals)
     row = next(r for r in rows if r["policy"] == "tlt")

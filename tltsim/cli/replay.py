@@ -64,6 +64,7 @@ from tltsim.sim.replay import (
     RunSettings,
     cost_model,
     interval_spec,
+    kv_overflow_lines,
     policy_names,
     replay_cost,
     replay_intervals,
@@ -208,6 +209,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
         tltbase_arms=tltbase_arms,
     )
     results = simulate_policies(trace, names, settings, cost)
+    for line in kv_overflow_lines(results, cost):
+        warnings.warn(line, InputWarning, stacklevel=2)
     intervals = replay_intervals(trace, names, settings, spec, results, cost)
     summary = write_outputs(out, trace, results, sim, profile, intervals, spec, cost)
     print(format_report(results, summary, out))

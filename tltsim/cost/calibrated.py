@@ -43,7 +43,7 @@ from tltsim.cost.roofline import (
     _Pass,
     sum_max_linear,
 )
-from tltsim.cost.specs import HardwareSpec, ModelSpec, get_hardware, get_model
+from tltsim.cost.specs import DrafterSpec, HardwareSpec, ModelSpec, get_hardware, get_model
 from tltsim.errors import UsageError
 from tltsim.jsonio import typed_fields
 
@@ -377,13 +377,25 @@ def preset_cost(
         spec = model if isinstance(model, ModelSpec) else get_model(model)
         if is_preset_file(hardware):
             hw, params = load_hardware_preset(hardware)
-            return CalibratedCost(spec, hw, params=params, tp=tp)
-        hw = get_hardware(hardware)
-        if hardware in CALIBRATIONS:
-            return CalibratedCost(spec, hw, params=CALIBRATIONS[hardware], tp=tp)
-        return RooflineCost(spec, hw, tp=tp)
+            cost: RooflineCost = CalibratedCost(spec, hw, params=params, tp=tp)
+        else:
+            hw = get_hardware(hardware)
+            if hardware in CALIBRATIONS:
+                cost = CalibratedCost(spec, hw, params=CALIBRATIONS[hardware], tp=tp)
+            else:
+                cost = RooflineCost(spec, hw, tp=tp)
     except ValueError as err:
         raise UsageError(str(err)) from None
+    if cost.kv_capacity_tokens() == 0:  # (a 70B model on one 80 GB GPU was simulated)
+        params = spec.num_params + DrafterSpec(spec).trainable_params  # as kv_capacity_tokens
+        weights_gb = params * spec.bytes_per_param / tp / 1e9
+        raise UsageError(
+            f"{spec.name} at TP {tp} on {hw.name}: {weights_gb:,.1f} GB of weights per GPU "
+            f"(target and drafter) leave no room for a KV cache in "
+            f"{0.9 * hw.memory_bytes / 1e9:,.1f} GB (90% of its memory, vLLM's default "
+            "gpu_memory_utilization): raise --tp"
+        )
+    return cost
 
 
 __all__ = [

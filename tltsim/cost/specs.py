@@ -12,6 +12,7 @@ cited where it is set.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -141,25 +142,45 @@ class ModelSpec:
             else config
         )
 
-        def need(key: str) -> int:
-            if key not in cfg:
-                raise ValueError(f"config.json: missing field {key!r} (expected an integer)")
-            value = cfg[key]
+        where = "config.json: " + ("text_config: " if cfg is not config else "")
+
+        def need(key: str, default: int | None = None) -> int:
+            # a multimodal config's text_config may leave a field to the top level (vocab_size)
+            block = cfg if key in cfg or key not in config else config
+            if block.get(key) is None and default is not None:  # absent or null: the default
+                return default
+            if key not in block:
+                raise ValueError(f"{where}missing field {key!r} (expected an integer)")
+            value = block[key]
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value < 2**31:
                 raise ValueError(
-                    f"config.json: field {key!r} must be an integer in [1, 2^31), got {value!r}"
+                    f"{where}field {key!r} must be an integer in [1, 2^31), got {value!r}"
                 )
             return value
 
         # A mixture-of-experts model reads a few experts' weights per token, not all of them:
-        # priced as dense it would be off by the expert count, silently. Refused instead.
-        for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-            experts = cfg.get(key)
-            if isinstance(experts, int) and not isinstance(experts, bool) and experts > 0:
-                raise ValueError(
-                    f"config.json: field {key!r} = {experts}: a mixture-of-experts model; "
-                    "the cost model prices dense decoders only"
-                )
+        # priced as dense it would be off by the expert count, silently. Refused instead: any
+        # expert count above 1 (num_experts, num_local_experts, n_routed_experts,
+        # moe_num_experts, num_experts_per_tok, ...), here or in a nested block (DBRX's
+        # ffn_config).
+        nested = [v for v in cfg.values() if isinstance(v, Mapping)]
+        for block in (cfg, *nested):
+            for key, experts in block.items():
+                if (
+                    "expert" in str(key).lower()
+                    and isinstance(experts, int)
+                    and not isinstance(experts, bool)
+                    and experts > 1
+                ):
+                    raise ValueError(
+                        f"{where}field {key!r} = {experts}: a mixture-of-experts model; "
+                        "the cost model prices dense decoders only"
+                    )
+        if cfg.get("quantization_config") or config.get("quantization_config"):
+            raise ValueError(
+                f"{where}field 'quantization_config': a quantized checkpoint (its weight bytes "
+                "are not its dtype's); give the unquantized model's config.json"
+            )
         hidden, heads = need("hidden_size"), need("num_attention_heads")
         model_type = str(cfg.get("model_type", ""))
         dtype = str(cfg.get("torch_dtype", cfg.get("dtype", "bfloat16")))
@@ -169,8 +190,8 @@ class ModelSpec:
             hidden_size=hidden,
             intermediate_size=need("intermediate_size"),
             num_attention_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            num_kv_heads=need("num_key_value_heads", heads),
+            head_dim=need("head_dim", hidden // heads),
             vocab_size=need("vocab_size"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 puts biases on q/k/v without saying so in config.json; Llama says attention_bias.
@@ -192,7 +213,7 @@ class ModelSpec:
         try:
             return cls.from_hf_config(config, name=name or path.parent.name)
         except ValueError as err:
-            raise ValueError(f"{path}: {err}") from None
+            raise ValueError(f"{path}: {str(err).removeprefix('config.json: ')}") from None
 
 
 @dataclass(frozen=True)
@@ -393,7 +414,9 @@ def get_model(name: str) -> ModelSpec:
         config = model_config_file(name)
         if config.parent.is_dir() and not config.exists() and config.name == "config.json":
             raise ValueError(f"{config.parent}: no config.json there (not a model directory)")
-        return ModelSpec.from_hf_config_file(config)
+        # priced in bf16, the dtype RL rollouts run in (veRL's vLLM/SGLang and tltrun on GPUs),
+        # whatever the checkpoint was saved in (an FSDP-merged fp32 one cost 1.6x the time)
+        return dataclasses.replace(ModelSpec.from_hf_config_file(config), bytes_per_param=2)
     raise ValueError(
         f"unknown model preset {name!r}; expected one of {', '.join(MODEL_PRESETS)}, "
         "or a Hugging Face config.json (or the model directory holding it)"

@@ -103,6 +103,9 @@ class InstanceRollout:
         self.num_unseen = 0
         self.unseen_tokens = 0.0
         self.accept_len_ema = 0.0
+        # the most KV tokens the running requests held at once (each request's own prompt and
+        # what it generated: a real engine's KV capacity caps it; tltsim.sim.replay.kv_note)
+        self.peak_kv_tokens = 0.0
 
     @property
     def tokens(self) -> int:
@@ -294,6 +297,7 @@ class InstanceRollout:
                     self.num_unseen += take
                     self.unseen_tokens += float(self.prompt_tokens[sl].sum())
                 batch.admit(self.prompt_tokens[sl], self.response_tokens[sl], self.ids[sl])
+                self.peak_kv_tokens = max(self.peak_kv_tokens, batch.context_tokens)
                 self._charge(now, dt, "prefill", batch.num_active)
                 yield env.timeout(pending + dt)
                 pending = 0.0
@@ -323,6 +327,7 @@ class InstanceRollout:
             if is_watching:
                 hold = 1  # one iteration at a time: see _is_keyed_elsewhere
             dt, num_iters, emitted = batch.advance(decision, hold)
+            self.peak_kv_tokens = max(self.peak_kv_tokens, batch.context_tokens)
             if self.is_sd_on and not (decision.enabled and decision.drafter == "eagle"):
                 self.lag_tokens += emitted  # pairs the EAGLE drafter has not seen
             # tltrun's engine rewards the bandit per second of all the decision cost: the

@@ -89,6 +89,7 @@ class StepRecord:
     ideal_rollout_s: float  # lower bound: max of the two below, see ideal_bound()
     ideal_work_s: float = 0.0  # the work bound (work spread evenly, cheapest iterations)
     ideal_critical_path_s: float = 0.0  # the longest response decoded alone, drafts all accepted
+    peak_kv_tokens: int = 0  # the most KV tokens one instance's running requests held at once
 
     @property
     def sd_on_fraction(self) -> float:
@@ -274,6 +275,7 @@ def step_outputs(
         idle_gpu_s=(bubble - trained) * tp,
         drafter_trained_tokens=spot.tokens,
         ideal_rollout_s=0.0,  # filled in by simulate() once the strategies used are known
+        peak_kv_tokens=int(max(inst.peak_kv_tokens for inst in instances)),
     )
     return record, rows, shares
 

@@ -240,6 +240,33 @@ def run_settings(
     )
 
 
+def kv_overflow_lines(results: dict[str, SimResult], cost: Any) -> list[str]:
+    """A line per policy whose instances held more KV tokens at once than fit on them (the
+    GPUs' memory at vLLM's default gpu_memory_utilization of 0.9, less the target's and the
+    drafter's weights: ``RooflineCost.kv_capacity_tokens``). The simulator admits up to
+    --max-running-requests whatever their KV needs; a real engine queues or preempts there, so
+    such step times are optimistic. None for a measured profile (its machine is not the
+    preset's)."""
+    if not isinstance(cost, RooflineCost):
+        return []
+    capacity = cost.kv_capacity_tokens()
+    by_peak: dict[int, list[str]] = {}
+    for name, result in results.items():
+        peak = max((r.peak_kv_tokens for r in result.steps), default=0)
+        if peak > capacity:
+            by_peak.setdefault(peak, []).append(name)
+    lines = []
+    for peak, names in by_peak.items():
+        lines.append(
+            f"{', '.join(names)}: one instance held up to {peak:,} KV tokens at once, "
+            f"{peak / max(capacity, 1):.1f}x the {capacity:,} that fit ({cost.model.name} at "
+            f"TP {cost.tp} on {cost.hardware.name}, 90% of its memory less the weights): a "
+            "real engine would queue or preempt requests there, so these step times are "
+            "optimistic; lower --max-running-requests, or raise --tp"
+        )
+    return lines
+
+
 def replay_cost(sim: SimConfig, profile: Path | None = None) -> Any:
     """The cost model of ``sim`` (``cost_model``), or a ProfileCost of ``profile`` falling back
     to it."""
