@@ -111,6 +111,10 @@ def test_replay_with_a_model_directory(tmp_path, capsys):
     # the same replay of the 7B preset is slower: the 4B model was priced, not the default
     assert main(["replay", str(TRACE), "--max-steps", "1", "--policy", "nospec", "--out",
                  str(tmp_path / "7b")]) == 0  # fmt: skip
+    # what was priced, and the model the lengths came from (the trace's meta names another)
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("simulated: Qwen3-4B on 8 x H100-SXM (TP 1); the trace's lengths")
+    assert "are unknown (Azure LLM inference 2023, conv service)'s (its meta" in first
     four_b = json.loads((out / "summary.json").read_text())["policies"][0]["mean_step_s"]
     seven_b = json.loads((tmp_path / "7b" / "summary.json").read_text())["policies"][0]
     assert four_b < seven_b["mean_step_s"]

@@ -213,6 +213,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         warnings.warn(line, InputWarning, stacklevel=2)
     intervals = replay_intervals(trace, names, settings, spec, results, cost)
     summary = write_outputs(out, trace, results, sim, profile, intervals, spec, cost)
+    print(simulated_line(sim, trace))
     print(format_report(results, summary, out))
     for line in extrapolation_lines(cost):
         print(line)
@@ -285,6 +286,18 @@ def step_rows(results: dict[str, SimResult]) -> list[dict[str, Any]]:
         for name in names:
             table[f"{name}_step_s"] = results[name].steps_frame().step_s
     return table.to_dict("records")
+
+
+def simulated_line(sim: SimConfig, trace: Trace) -> str:
+    """What was simulated, and the model the trace's lengths came from where its meta names
+    another (a 70B run's lengths priced as the default 7B model said nothing)."""
+    model = cost_model(sim).model.name
+    hardware = Path(sim.hardware).stem if sim.hardware.endswith(".json") else sim.hardware
+    line = f"simulated: {model} on {sim.num_gpus} x {hardware} (TP {sim.tp})"
+    recorded = trace.meta.get("model")
+    if isinstance(recorded, str) and recorded and recorded != model:
+        line += f"; the trace's lengths are {recorded}'s (its meta; --model sets the one priced)"
+    return line
 
 
 def format_report(
