@@ -64,6 +64,7 @@ from tltsim.policy import SpecDecision, StaticSpec, TLTAdaptive
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is not a package
 from gpu_engine_models import (  # noqa: E402
+    bench_hf,
     build_model,
     copy_bandwidth,
     fits,
@@ -333,49 +334,6 @@ def bench_pool(cfg: BenchConfig, device, dtype, budget: Budget, rows: list[dict]
     for row in rows:
         if single and "memory_gib" in row:
             row["vs_single"] = row["memory_gib"] / single
-    return rows
-
-
-def hf_generate_s(hf, ids: torch.Tensor, num_new: int, device) -> float:
-    """Seconds of one greedy ``generate()`` of exactly ``num_new`` tokens per sequence."""
-    sync(device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                    max_new_tokens=num_new, min_new_tokens=num_new, pad_token_id=0)  # fmt: skip
-    sync(device)
-    return time.perf_counter() - start
-
-
-def bench_hf(cfg: BenchConfig, device, dtype, budget: Budget, rows: list[dict]) -> list[dict]:
-    try:
-        import transformers
-    except ImportError:
-        return [{"shape": "all", "note": "transformers is not installed"}]
-    for shape in cfg.shapes:
-        model = build_model(shape, device, dtype, cfg.seed)
-        hf_cfg = transformers.Qwen2Config(**model.config.to_hf_dict())
-        with torch.device(device):
-            hf = transformers.Qwen2ForCausalLM(hf_cfg).to(dtype).eval()
-        missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
-        if unexpected or set(missing) - {"lm_head.weight"}:  # the tied head is the embedding
-            raise RuntimeError(f"{shape}: transformers names differ: {missing}, {unexpected}")
-        del model
-        gen = torch.Generator(device).manual_seed(cfg.seed)
-        for batch in cfg.hf_batches:
-            if budget.is_over:
-                rows.append({"shape": shape, "batch": batch, "note": SKIPPED})
-                continue
-            ids = torch.randint(hf_cfg.vocab_size, (batch, cfg.hf_context), generator=gen,
-                                device=device)  # fmt: skip
-            hf_generate_s(hf, ids, 2, device)  # warm-up
-            first = hf_generate_s(hf, ids, 1, device)
-            full = hf_generate_s(hf, ids, cfg.hf_new_tokens, device)
-            decode_s = max(full - first, 1e-9)
-            rows.append({"shape": shape, "batch": batch, "context": cfg.hf_context,
-                         "tokens_per_s": batch * (cfg.hf_new_tokens - 1) / decode_s})  # fmt: skip
-        del hf
-        release(device)
     return rows
 
 

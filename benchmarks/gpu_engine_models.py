@@ -2,7 +2,8 @@
 transformers of Qwen2.5 preset shapes (``tltsim.cost.specs.MODEL_PRESETS``, built on the device:
 no download) or the tiny shape of its ``--smoke``; the HBM roofline's two halves, the bytes a
 decode step reads (weights, KV cache per token) and the measured copy bandwidth; whether a
-configuration's KV cache fits; random KV contents for an engine's slots.
+configuration's KV cache fits; random KV contents for an engine's slots; and the reference a
+user would otherwise have: the same model through ``transformers``' ``generate()``.
 
 Not run directly (``python benchmarks/bench_gpu_engine.py`` imports it).
 """
@@ -13,6 +14,7 @@ import statistics
 import time
 
 import torch
+from gpu_engine_timing import SKIPPED, BenchConfig, Budget, release
 
 from tltrun.model.config import ModelConfig
 from tltrun.model.transformer import Transformer
@@ -98,3 +100,46 @@ def copy_bandwidth(device: torch.device, num_bytes: int, reps: int = 10) -> floa
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def hf_generate_s(hf, ids: torch.Tensor, num_new: int, device) -> float:
+    """Seconds of one greedy ``generate()`` of exactly ``num_new`` tokens per sequence."""
+    sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                    max_new_tokens=num_new, min_new_tokens=num_new, pad_token_id=0)  # fmt: skip
+    sync(device)
+    return time.perf_counter() - start
+
+
+def bench_hf(cfg: BenchConfig, device, dtype, budget: Budget, rows: list[dict]) -> list[dict]:
+    try:
+        import transformers
+    except ImportError:
+        return [{"shape": "all", "note": "transformers is not installed"}]
+    for shape in cfg.shapes:
+        model = build_model(shape, device, dtype, cfg.seed)
+        hf_cfg = transformers.Qwen2Config(**model.config.to_hf_dict())
+        with torch.device(device):
+            hf = transformers.Qwen2ForCausalLM(hf_cfg).to(dtype).eval()
+        missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:  # the tied head is the embedding
+            raise RuntimeError(f"{shape}: transformers names differ: {missing}, {unexpected}")
+        del model
+        gen = torch.Generator(device).manual_seed(cfg.seed)
+        for batch in cfg.hf_batches:
+            if budget.is_over:
+                rows.append({"shape": shape, "batch": batch, "note": SKIPPED})
+                continue
+            ids = torch.randint(hf_cfg.vocab_size, (batch, cfg.hf_context), generator=gen,
+                                device=device)  # fmt: skip
+            hf_generate_s(hf, ids, 2, device)  # warm-up
+            first = hf_generate_s(hf, ids, 1, device)
+            full = hf_generate_s(hf, ids, cfg.hf_new_tokens, device)
+            decode_s = max(full - first, 1e-9)
+            rows.append({"shape": shape, "batch": batch, "context": cfg.hf_context,
+                         "tokens_per_s": batch * (cfg.hf_new_tokens - 1) / decode_s})  # fmt: skip
+        del hf
+        release(device)
+    return rows

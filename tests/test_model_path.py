@@ -113,8 +113,8 @@ def test_replay_with_a_model_directory(tmp_path, capsys):
                  str(tmp_path / "7b")]) == 0  # fmt: skip
     # what was priced, and the model the lengths came from (the trace's meta names another)
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith("simulated: Qwen3-4B on 8 x H100-SXM (TP 1); the trace's lengths")
-    assert "are unknown (Azure LLM inference 2023, conv service)'s (its meta" in first
+    assert first.startswith("simulated: Qwen3-4B on 8 x H100-SXM (TP 1); the trace's meta")
+    assert "meta names model 'unknown (Azure LLM inference 2023, conv service)'" in first
     four_b = json.loads((out / "summary.json").read_text())["policies"][0]["mean_step_s"]
     seven_b = json.loads((tmp_path / "7b" / "summary.json").read_text())["policies"][0]
     assert four_b < seven_b["mean_step_s"]
@@ -140,18 +140,22 @@ model = ["Qwen3-4B", "Qwen2.5-7B"]
 """
     (here / "spec.toml").write_text(spec)
     monkeypatch.chdir(tmp_path)  # not the spec's directory
-    first = run_sweep(here / "spec.toml", workers=1)
+    first = run_sweep(Path("study") / "spec.toml", workers=1)
     assert first.num_computed == 4  # 2 models x (static + its NoSpec)
     models = set(first.table["model"])
     assert models == {str(here / "Qwen3-4B"), "Qwen2.5-7B"}
     (here / "Qwen3-4B" / "config.json").write_text(
         json.dumps({**QWEN3_4B, "num_hidden_layers": 72})
     )
-    again = run_sweep(here / "spec.toml", workers=1)
+    again = run_sweep(Path("study") / "spec.toml", workers=1)
     assert again.num_computed == 2 and again.num_reused == 2  # the preset's rows kept
     deeper = again.table[again.table["model"] != "Qwen2.5-7B"]
     shallower = first.table[first.table["model"] != "Qwen2.5-7B"]
     assert (deeper.mean_step_s.to_numpy() > shallower.mean_step_s.to_numpy()).all()
+    # the same spec named from its own directory: the model's rows are reused (their keys held
+    # a path relative to wherever the sweep ran)
+    monkeypatch.chdir(here)
+    assert run_sweep(Path("spec.toml"), workers=1).num_computed == 0
 
 
 def test_advise_on_a_users_model_and_cluster(tmp_path, capsys):
@@ -170,7 +174,7 @@ def test_advise_on_a_users_model_and_cluster(tmp_path, capsys):
     assert set(sweep.num_gpus) == {16} and set(sweep.model) == {model}
     assert main([*argv, "--tp", "3"]) == 2  # 8 GPUs of the preset: checked before the sweep
     err = capsys.readouterr().err
-    assert "advise --preset h100x8-qwen7b: num_gpus=8 is not a multiple of tp=3" in err
+    assert "advise --preset h100x8-qwen7b --tp 3: num_gpus=8 is not a multiple of tp=3" in err
     assert not (out / "sweep.toml").read_text().count("tp =")  # the refused run wrote nothing
 
 

@@ -100,7 +100,17 @@ def test_a_template_that_opens_the_thinking_is_seen_from_the_prompt(bpe_model, t
         assert opens_thinking(tok, [*question, {"role": "assistant", "content": prefill}]) is (
             expected
         ), prefill
+    # a draft that repeats the question is still the open draft (the question is looked for
+    # before the continued message)
+    for question_text, draft in (("What is 1 plus 2?", "<think>\nThe user asks: What is 1 plus 2? So"),
+                                 ("2", "<think>\nx = 2")):  # fmt: skip
+        asked = [{"role": "user", "content": question_text}]
+        assert opens_thinking(tok, [*asked, {"role": "assistant", "content": draft}]), draft
     # a question that mentions <think> opens nothing; the R1 template after it still does
     mention = [{"role": "user", "content": "Put your reasoning after <think>. What is 1+2?"}]
     assert not opens_thinking(tok, mention)
     assert opens_thinking(load_tokenizer(str(model)), mention)
+    # a plain-text prompt (no template) opens thinking where it ends in <think> only
+    assert not tok.is_chat_template
+    assert not opens_thinking(tok, "Start your answer with <think>. What is 2+2?")
+    assert opens_thinking(tok, "User: What is 2+2?\nAssistant: <think>\n")

@@ -52,16 +52,24 @@ def opens_thinking(tok: TextTokenizer, prompt: Prompt) -> bool:
     mid-thought (``tltrun.data.scoring.final_part``): DeepSeek-R1 distills' templates end the
     generation prompt in ``<think>\\n``, and a final assistant message the response continues may
     stop inside its thinking (``<think>\\n5 plus 9 is``; only a prompt *ending* in ``<think>``
-    counted, and a response cut there mid-thought scored its whole text). Open: the last
-    ``<think>`` after the last ``</think>``, looked for after the last user or system message's
-    text, so that a question that mentions ``<think>`` opens nothing."""
+    counted, and a response cut there mid-thought scored its whole text). For chat messages:
+    open where the last ``<think>`` after the last user or system message's text (so that a
+    question that mentions ``<think>`` opens nothing) has no later ``</think>``. A plain-text
+    prompt without a template has no such structure: open where it ends in ``<think>``."""
     text = tok.prompt_text(prompt)
-    if isinstance(prompt, str):
-        asked = [prompt] if tok.is_chat_template else []
-    else:
-        asked = [m.get("content") for m in prompt if m.get("role") != "assistant"]
+    if isinstance(prompt, str) and not tok.is_chat_template:
+        return text.rstrip().endswith(THINK_OPEN)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    end = len(text)
+    last = messages[-1]
+    if last.get("role") == "assistant" and isinstance(last.get("content"), str):
+        # the continued message is the prompt's tail: the question is looked for before it (a
+        # draft that repeats the question would otherwise be taken for it)
+        at = text.rfind(last["content"].strip())
+        end = at if at >= 0 and last["content"].strip() else end
+    asked = [m.get("content") for m in messages if m.get("role") != "assistant"]
     asked = [c.strip() for c in asked if isinstance(c, str) and c.strip()]
-    if asked and (at := text.rfind(asked[-1])) >= 0:
+    if asked and (at := text.rfind(asked[-1], 0, end)) >= 0:
         text = text[at + len(asked[-1]) :]
     return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
 

@@ -211,7 +211,7 @@ def evaluate_pairs(
     ``is_held_out``: training never saw these prompts (else they are training rows)."""
     from tltrun.data.rewards import RewardItem, RewardPool, parse_reward
     from tltrun.data.rows import GYM_PREFIX
-    from tltrun.data.scoring import final_answer, final_part
+    from tltrun.data.scoring import THINK_OPEN, final_answer, final_part
     from tltrun.rollout.engine import RolloutEngine
     from tltrun.rollout.engine_config import EngineConfig
     from tltrun.rollout.interface import Request, SamplingParams
@@ -247,6 +247,11 @@ def evaluate_pairs(
                              num_rows=4 * cfg.num_eval_prompts, seed=cfg.seed + 1_000_003)  # fmt: skip
         by_prompt = {row.prompt: row for row in load_rows(spec_rows).rows}
         gym_rows = [by_prompt.get(p) for p, _ in pairs]
+
+    def reference_part(answer: str) -> str:
+        part = final_part(answer)
+        return answer if part is None else part
+
     items = [
         RewardItem(
             sample_id=f"eval{i}",
@@ -255,9 +260,12 @@ def evaluate_pairs(
             # exact compares the response's final answer (last \boxed{}, else last line) with
             # this: the reference's own final answer, not all of it (a model reproducing a
             # multi-line or boxed reference exactly scored 0), taken after its thinking as the
-            # response's is (a boxed draft inside the reference's <think> was compared)
-            answer=answer if gym else final_answer(final_part(answer) or answer),
+            # response's is (a boxed draft inside the reference's <think> was compared); a
+            # reference whose thinking never closes is taken whole
+            answer=answer if gym else final_answer(reference_part(answer)),
             meta=(gym_rows[i].meta if gym and gym_rows[i] is not None else {}),
+            # a prompt ending in <think>: the response starts mid-thought (as tltrun train's)
+            is_thinking_open=p.rstrip().endswith(THINK_OPEN),
         )
         for i, ((p, answer), text) in enumerate(zip(pairs, texts, strict=True))
     ]

@@ -314,8 +314,10 @@ def cmd_advise(args: argparse.Namespace) -> int:
         if hardware is not None:
             sim = dataclasses.replace(sim, hardware=hardware)
         cost_model(sim)
-    except (ValueError, UsageError) as err:
-        raise UsageError(f"advise --preset {config.preset}: {err}") from None
+    except (ValueError, UsageError) as err:  # named by the flags that made the cluster
+        given = {"preset": config.preset, **cluster_overrides(config)}
+        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in given.items())
+        raise UsageError(f"advise {flags}: {err}") from None
     trace = load_trace(args.trace)
     if config.max_steps is not None:
         trace = Trace(meta=trace.meta, steps=trace.steps[: config.max_steps])

@@ -296,7 +296,7 @@ def simulated_line(sim: SimConfig, trace: Trace) -> str:
     line = f"simulated: {model} on {sim.num_gpus} x {hardware} (TP {sim.tp})"
     recorded = trace.meta.get("model")
     if isinstance(recorded, str) and recorded and recorded != model:
-        line += f"; the trace's lengths are {recorded}'s (its meta; --model sets the one priced)"
+        line += f"; the trace's meta names model {recorded!r} (--model sets the one priced)"
     return line
 
 

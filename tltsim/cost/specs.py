@@ -211,7 +211,9 @@ class ModelSpec:
         if not isinstance(config, Mapping):
             raise ValueError(f"{path}: expected a JSON object (a Hugging Face config.json)")
         try:
-            return cls.from_hf_config(config, name=name or path.parent.name)
+            # a config.json is named after its model directory, another file after itself
+            default = path.parent.name if path.name == "config.json" else path.stem
+            return cls.from_hf_config(config, name=name or default)
         except ValueError as err:
             raise ValueError(f"{path}: {str(err).removeprefix('config.json: ')}") from None
 

@@ -232,7 +232,12 @@ def _relative_to(spec: Path, table: dict[str, Any]) -> dict[str, Any]:
     }
 
     def resolve(value: Any, is_file: Any) -> Any:
-        return str(_beside(spec, value)) if isinstance(value, str) and is_file(value) else value
+        if not (isinstance(value, str) and is_file(value)):
+            return value
+        path = _beside(spec, value)
+        # a model absolute: its rows' keys then hold wherever the sweep is run from (hardware
+        # files stay as they were keyed: resolving them would recompute existing sweeps)
+        return str(path.resolve() if is_file is is_path["model"] else path)
 
     resolved = dict(table)
     for key, is_file in is_path.items():
