@@ -30,6 +30,7 @@ from tltsim.cost.calibrated import (
 from tltsim.cost.profile import ProfileRow, write_profile
 from tltsim.cost.roofline import CostModel, RooflineCost
 from tltsim.cost.specs import get_hardware, get_model
+from tltsim.errors import InputWarning
 from tltsim.policy import SpecDecision
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -366,7 +367,9 @@ def test_a_held_overlap_exponent_stays_as_the_base_has_it(tmp_path, capsys):
     argv = ["calibrate", str(shipped), "--hardware", "H200", "--out", str(preset)]
     assert main([*argv, "--fit", "bandwidth_fraction"]) == 0
     assert "note:" not in capsys.readouterr().out
-    cost = preset_cost("Qwen2.5-1.5B", str(preset))
+    # one fitted fraction over the roofline's max misses the profile by a median 26%: said
+    with pytest.warns(InputWarning, match="missed its own profile by a median 26%"):
+        cost = preset_cost("Qwen2.5-1.5B", str(preset))
     assert cost.params.overlap_exponent is None and cost.params.bandwidth_fraction < 1
     argv = ["calibrate", str(shipped), "--hardware", "H100-SXM", "--out", str(tmp_path / "x.json")]
     assert main(argv) == 0

@@ -19,13 +19,22 @@ import json
 import warnings
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from tltsim.cli.args import check_out_file
 from tltsim.cli.table import format_table
 from tltsim.cost.calibrate import BOUNDS, DEFAULT_FIT_FIELDS, CalibrationFit, fit_calibration
-from tltsim.cost.calibrated import CALIBRATIONS, CalibrationParams, save_hardware_preset
+from tltsim.cost.calibrated import (
+    CALIBRATIONS,
+    MAX_MEDIAN_FIT_ERROR,
+    PRESET_FORMAT,
+    CalibrationParams,
+    is_preset_file,
+    load_hardware_preset,
+    save_hardware_preset,
+)
 from tltsim.cost.measured import INCOMPLETE_MARKS
 from tltsim.cost.profile import FORMAT as PROFILE_FORMAT
 from tltsim.cost.profile import Profile, load_profile, sidecar_path
@@ -150,6 +159,45 @@ def _warn_at_bounds(fit: CalibrationFit) -> None:
         )
 
 
+def _is_calibrated_preset(hardware: str) -> bool:
+    """Whether ``--hardware`` names a calibrate --out file (not plain HardwareSpec fields)."""
+    if not is_preset_file(hardware):
+        return False
+    try:
+        return json.loads(Path(hardware).read_text(encoding="utf-8")).get("format") == PRESET_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False  # hardware_of_profile has named what is wrong with it
+
+
+def fit_domain(fit: CalibrationFit) -> dict[str, Any]:
+    """The batches and per-sequence contexts the fitted points span (outside them the preset
+    extrapolates; it records them)."""
+    batches = sorted({r.batch for r in fit.rows})
+    contexts = [r.context_tokens / max(r.batch, 1) for r in fit.rows]
+    return {"batches": batches, "min_context_tokens": min(contexts),
+            "max_context_tokens": max(contexts)}  # fmt: skip
+
+
+def _warn_poor_fit(fit: CalibrationFit, domain: dict[str, Any]) -> None:
+    """A fit that does not describe its profile, or rests on too few batch sizes to say how
+    costs grow with the batch, is written with a warning (it was written without a word)."""
+    if fit.median_abs_error > MAX_MEDIAN_FIT_ERROR:
+        warnings.warn(
+            f"median |error| {100 * fit.median_abs_error:.0f}% over the fitted points (more than "
+            f"{100 * MAX_MEDIAN_FIT_ERROR:.0f}%): the calibrated curves do not describe this "
+            "profile, and replays with the preset will say so",
+            InputWarning,
+            stacklevel=2,
+        )
+    if len(domain["batches"]) < 3:
+        warnings.warn(
+            f"fitted on {len(domain['batches'])} batch size(s) ({domain['batches']}): how costs "
+            "grow with the batch is extrapolated (profile more --batches)",
+            InputWarning,
+            stacklevel=2,
+        )
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     # the profile-info resolution
     from tltsim.cli.profile_info import hardware_of_profile, model_of_profile, profile_tp
@@ -176,7 +224,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise UsageError(f"--fit {args.fit}: an empty item")
     if len(set(fields)) != len(fields):
         raise UsageError(f"--fit {args.fit}: a parameter is named twice")
-    base = CALIBRATIONS.get(hardware.name) or CalibrationParams.roofline_limit(hardware)
+    # what the fit does not touch keeps the GPU's calibration: a preset file's own (a refit of
+    # some fields reset its fitted overheads to the roofline's), else the shipped one
+    if args.hardware is not None and _is_calibrated_preset(args.hardware):
+        base = load_hardware_preset(args.hardware)[1]
+    else:
+        base = CALIBRATIONS.get(hardware.name) or CalibrationParams.roofline_limit(hardware)
+    measured = {r.op for r in profile.rows}
+    if "verify" not in measured:  # (decode alone fitted 3% and mis-priced verify by up to
+        # 387% at batch 64: TLT 0.98x where the whole profile gives 1.59x)
+        raise UsageError(
+            f"{args.profile}: no verify rows: SD's costs would be guessed from decode alone; "
+            "profile with a drafter (tltrun profile --drafter D)"
+        )
     try:
         fit = fit_calibration(
             profile.rows, model, hardware, tp, base, fields, source=str(args.profile)
@@ -191,6 +251,20 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if key in profile.meta:
             print(f"note: an incomplete profile ({key}: {profile.meta[key]})")
     _warn_at_bounds(fit)
+    if "drafter" not in measured:  # (after the fit: a refused fit says only why)
+        warnings.warn(
+            f"{args.profile}: no drafter rows: the drafter's forwards are priced by the curves "
+            "fitted to the target's (profile with --drafter to measure them)",
+            InputWarning,
+            stacklevel=2,
+        )
+    domain = fit_domain(fit)
+    print(
+        f"fitted on batches {domain['batches'][0]}-{domain['batches'][-1]} "
+        f"({len(domain['batches'])} sizes), context {domain['min_context_tokens']:,.0f}-"
+        f"{domain['max_context_tokens']:,.0f} tokens per sequence"
+    )
+    _warn_poor_fit(fit, domain)
     params = dataclasses.asdict(fit.params)
     print(
         format_table(
@@ -235,6 +309,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                 "profile_meta": {k: v for k, v in profile.meta.items() if k != "model"},
             },
             "fitted_fields": list(fit.fitted),
+            "fit_domain": domain,
             "fit_error": {
                 "median_abs": fit.median_abs_error,
                 "max_abs": fit.max_abs_error,

@@ -139,6 +139,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
     replay, sim, tlt, drafter, spot = resolve(args)
     if getattr(args, "hardware_file", None) is not None:
         sim = dataclasses.replace(sim, hardware=hardware_file_name(args.hardware_file))
+        named = load_hardware_preset(args.hardware_file)[0].name
+        if getattr(args, "hardware", None) not in (None, named):  # (the file won, unsaid)
+            warnings.warn(
+                f"--hardware {args.hardware}: --hardware-file {args.hardware_file} is a {named} "
+                f"calibration, which replaces it: simulated on {named}",
+                InputWarning,
+                stacklevel=2,
+            )
     profile = getattr(args, "profile", None)
     # one cost model for every simulation below, so that its extrapolation report covers them
     cost = replay_cost(sim, profile)
@@ -291,8 +299,8 @@ def step_rows(results: dict[str, SimResult]) -> list[dict[str, Any]]:
 def simulated_line(sim: SimConfig, trace: Trace) -> str:
     """What was simulated, and the model the trace's lengths came from where its meta names
     another (a 70B run's lengths priced as the default 7B model said nothing)."""
-    model = cost_model(sim).model.name
-    hardware = Path(sim.hardware).stem if sim.hardware.endswith(".json") else sim.hardware
+    cost = cost_model(sim)
+    model, hardware = cost.model.name, cost.hardware.name  # a preset file's GPU, not its name
     line = f"simulated: {model} on {sim.num_gpus} x {hardware} (TP {sim.tp})"
     recorded = trace.meta.get("model")
     if isinstance(recorded, str) and recorded and recorded != model:

@@ -1,0 +1,97 @@
+"""``tltsim calibrate`` on profiles that cannot price TLT, and presets that do not describe their
+GPU: refused or warned where they were written and replayed without a word (a hunt with
+variants of the shipped H200 profile).
+
+Run: ``python -m pytest tests/test_calibrate_checks.py -q`` (needs scipy: the fit extra).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from tltsim.cli.main import main
+
+pytest.importorskip("scipy")
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = ROOT / "profiles" / "h200_qwen2.5-1.5b_random.csv"
+TRACE = ROOT / "traces" / "synth_reasoning_rl.json"
+FLAGS = ["--hardware", "H200", "--model", "Qwen2.5-1.5B"]
+
+
+def variant(tmp_path: Path, name: str, keep=lambda row: True, factor=lambda: 1.0) -> Path:
+    """The shipped profile's rows that ``keep`` keeps, each row's times times ``factor()``; its
+    sidecar."""
+    rows = [r for r in csv.DictReader(PROFILE.open()) if keep(r)]
+    for r in rows:
+        k = factor()
+        for column in ("seconds", "seconds_p10", "seconds_p90"):
+            r[column] = repr(k * float(r[column]))
+    path = tmp_path / f"{name}.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    path.with_suffix(".json").write_text(PROFILE.with_suffix(".json").read_text())
+    return path
+
+
+def test_a_profile_without_verify_rows_is_refused_and_without_drafter_rows_warned(tmp_path, capsys):
+    """Decode alone fitted to 3% and mis-priced verify by up to 387%: TLT 0.98x vs 1.59x."""
+    decode_only = variant(tmp_path, "decode", keep=lambda r: r["op"] not in ("verify", "drafter"))
+    assert main(["calibrate", str(decode_only), *FLAGS, "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "no verify rows: SD's costs would be guessed from decode alone" in err
+    assert not (tmp_path / "p.json").exists()
+    no_drafter = variant(tmp_path, "nodrafter", keep=lambda r: r["op"] != "drafter")
+    assert main(["calibrate", str(no_drafter), *FLAGS, "--out", str(tmp_path / "p.json")]) == 0
+    assert "no drafter rows: the drafter's forwards are priced" in capsys.readouterr().err
+
+
+def test_a_fit_that_misses_its_profile_is_warned_when_written_and_when_replayed(tmp_path, capsys):
+    rng = random.Random(2)
+    garbage = variant(tmp_path, "garbage", factor=lambda: 10 ** rng.uniform(-2, 2))
+    preset = tmp_path / "garbage-preset.json"
+    assert main(["calibrate", str(garbage), *FLAGS, "--out", str(preset)]) == 0
+    assert "warning: median |error|" in capsys.readouterr().err
+    assert json.loads(preset.read_text())["fit_error"]["median_abs"] > 0.25
+    argv = ["replay", str(TRACE), "--preset", "h200x8-qwen7b", "--hardware-file", str(preset)]
+    assert main([*argv, "--max-steps", "1", "--out", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("its calibration missed its own profile by a median") == 1  # once
+    # the shipped profile's own fit is quiet
+    good = tmp_path / "good.json"
+    assert main(["calibrate", str(PROFILE), *FLAGS, "--out", str(good)]) == 0
+    out, err = capsys.readouterr()
+    assert "median |error|" not in err and "fitted on batches 1-64 (4 sizes)" in out
+    assert json.loads(good.read_text())["fit_domain"]["batches"] == [1, 4, 16, 64]
+
+
+def test_a_fit_on_one_batch_size_is_warned(tmp_path, capsys):
+    batch1 = variant(tmp_path, "batch1", keep=lambda r: r["batch"] == "1")
+    assert main(["calibrate", str(batch1), *FLAGS, "--out", str(tmp_path / "b.json")]) == 0
+    assert "fitted on 1 batch size(s) ([1]): how costs grow" in capsys.readouterr().err
+
+
+def test_a_refit_keeps_what_the_given_preset_fitted_and_replay_names_its_gpu(tmp_path, capsys):
+    first = tmp_path / "first.json"
+    argv = ["calibrate", str(PROFILE), *FLAGS[2:], "--out", str(first)]
+    assert main([*argv, "--hardware", "H200", "--fit", "bandwidth_fraction,step_overhead_s"]) == 0
+    fitted = json.loads(first.read_text())["calibration"]["step_overhead_s"]
+    assert fitted != 0.001  # (not the held default)
+    again = tmp_path / "again.json"
+    refit = ["calibrate", str(PROFILE), *FLAGS[2:], "--hardware", str(first)]
+    assert main([*refit, "--fit", "flops_fraction", "--out", str(again)]) == 0
+    # a field the refit held is the given preset's, not the roofline's (it was reset)
+    assert json.loads(again.read_text())["calibration"]["step_overhead_s"] == fitted
+    capsys.readouterr()
+    replay = ["replay", str(TRACE), "--preset", "h100x8-qwen7b", "--hardware", "H100-SXM"]
+    assert main([*replay, "--hardware-file", str(again), "--max-steps", "1",
+                 "--policy", "nospec", "--out", str(tmp_path / "r")]) == 0  # fmt: skip
+    out, err = capsys.readouterr()
+    assert "--hardware H100-SXM: --hardware-file" in err and "simulated on H200" in err
+    assert out.startswith("simulated: Qwen2.5-7B on 8 x H200 (TP 1)")
