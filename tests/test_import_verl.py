@@ -188,6 +188,8 @@ def test_the_cli_writes_a_trace_replay_reads(tokenizer, tmp_path, capsys):
         ({"1.jsonl": '{"input": "q", "output": "a"}\n', "val_1.jsonl": ""},
          r"val_1\.jsonl: not a veRL dump name"),
         ({"notes.txt": ""}, r"no STEP\.jsonl files"),
+        ({"99999999999.jsonl": '{"input": "q", "output": "a"}\n'},
+         r"step 99999999999 is past 2147483647"),
         ({"1.jsonl": '{"input": "q", "output": "a"}\n', "01.jsonl": ""},
          r"01\.jsonl and 1\.jsonl are both step 1"),
         # a killed run's half-written last step: the way out is named

@@ -123,6 +123,8 @@ def step_files(directory: Path) -> list[tuple[int, Path]]:
     if not found:
         raise ValueError(f"{directory}: no STEP.jsonl files (veRL's rollout dumps)")
     found.sort()
+    if found[-1][0] > MAX_COUNT:  # (a trace's step numbers are int32: the file was refused later)
+        raise ValueError(f"{found[-1][1]}: step {found[-1][0]} is past {MAX_COUNT}")
     for (step, a), (other, b) in zip(found, found[1:], strict=False):
         if step == other:
             raise ValueError(f"{directory}: {a.name} and {b.name} are both step {step}")
