@@ -71,10 +71,17 @@ def test_a_fit_that_misses_its_profile_is_warned_when_written_and_when_replayed(
     assert json.loads(good.read_text())["fit_domain"]["batches"] == [1, 4, 16, 64]
 
 
-def test_a_fit_on_one_batch_size_is_warned(tmp_path, capsys):
+def test_a_fit_on_one_batch_size_or_cpu_seconds_is_warned(tmp_path, capsys):
     batch1 = variant(tmp_path, "batch1", keep=lambda r: r["batch"] == "1")
     assert main(["calibrate", str(batch1), *FLAGS, "--out", str(tmp_path / "b.json")]) == 0
     assert "fitted on 1 batch size(s) ([1]): how costs grow" in capsys.readouterr().err
+    cpu = variant(tmp_path, "cpu")
+    sidecar = json.loads(cpu.with_suffix(".json").read_text())
+    cpu.with_suffix(".json").write_text(json.dumps({**sidecar, "clock": "cpu"}))
+    assert main(["calibrate", str(cpu), *FLAGS, "--out", str(tmp_path / "c.json")]) == 0
+    assert "timed on the 'cpu' clock (its sidecar): a GPU's costs are wall seconds" in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_refit_keeps_what_the_given_preset_fitted_and_replay_names_its_gpu(tmp_path, capsys):

@@ -251,6 +251,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if key in profile.meta:
             print(f"note: an incomplete profile ({key}: {profile.meta[key]})")
     _warn_at_bounds(fit)
+    if profile.meta.get("clock", "wall") != "wall":  # (it was fitted as GPU seconds, unsaid)
+        warnings.warn(
+            f"{args.profile}: timed on the {profile.meta['clock']!r} clock (its sidecar): a "
+            "GPU's costs are wall seconds, which replays simulate",
+            InputWarning,
+            stacklevel=2,
+        )
     if "drafter" not in measured:  # (after the fit: a refused fit says only why)
         warnings.warn(
             f"{args.profile}: no drafter rows: the drafter's forwards are priced by the curves "
