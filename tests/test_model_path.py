@@ -169,6 +169,7 @@ def test_advise_on_a_users_model_and_cluster(tmp_path, capsys):
     report = json.loads((out / "advise.json").read_text())
     model = str(directory / "config.json")
     assert report["sim"]["num_gpus"] == 16 and report["sim"]["model"] == model
+    assert report["model"]["num_layers"] == 36 and report["hardware"]["name"] == "H100-SXM"
     assert 'model = "' + model + '"' in (out / "sweep.toml").read_text()
     sweep = pd.read_csv(out / "sweep" / "sweep.csv")
     assert set(sweep.num_gpus) == {16} and set(sweep.model) == {model}

@@ -341,6 +341,9 @@ def cmd_advise(args: argparse.Namespace) -> int:
         "trace": str(args.trace),
         "config": config,
         "sim": sim,
+        # the model and GPU as priced (a path alone does not say which config it held)
+        "model": dataclasses.asdict(cost_model(sim).model),
+        "hardware": dataclasses.asdict(cost_model(sim).hardware),
         "recommendation": {
             "tlt": tlt,
             "is_spot_training": is_spot,
