@@ -68,6 +68,8 @@ def test_a_fit_that_misses_its_profile_is_warned_when_written_and_when_replayed(
     assert main(["calibrate", str(PROFILE), *FLAGS, "--out", str(good)]) == 0
     out, err = capsys.readouterr()
     assert "median |error|" not in err and "fitted on batches 1-64 (4 sizes)" in out
+    # the ops the fit does not take, as the preset prices them (replays charge them so)
+    assert "sd_switch (not fitted)" in out and "prefill (not fitted)" in out
     assert json.loads(good.read_text())["fit_domain"]["batches"] == [1, 4, 16, 64]
 
 

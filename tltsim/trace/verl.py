@@ -91,7 +91,7 @@ def load_tokenizer(path: str) -> Any:
         from tokenizers import Tokenizer
     except ImportError:
         raise ValueError(
-            "import-verl counts tokens with Hugging Face tokenizers, which is not installed: "
+            "tokens are counted with Hugging Face tokenizers, which is not installed: "
             "pip install -e '.[import-verl]' (or the run extra)"
         ) from None
     file = Path(path)
