@@ -33,7 +33,7 @@ from typing import Any
 
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.cost.presets import CLUSTER_PRESETS, apply_preset
-from tltsim.cost.specs import get_model, is_model_path
+from tltsim.cost.specs import is_model_path
 from tltsim.errors import InputWarning, UsageError
 from tltsim.jsonio import remove_stale_outputs, write_json
 from tltsim.policy import SpotTrainerConfig, TLTConfig
@@ -313,7 +313,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
         )
         if hardware is not None:
             sim = dataclasses.replace(sim, hardware=hardware)
-        cost_model(sim)
+        cost = cost_model(sim)
     except (ValueError, UsageError) as err:  # named by the flags that made the cluster
         given = {"preset": config.preset, **cluster_overrides(config)}
         flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in given.items())
@@ -342,8 +342,8 @@ def cmd_advise(args: argparse.Namespace) -> int:
         "config": config,
         "sim": sim,
         # the model and GPU as priced (a path alone does not say which config it held)
-        "model": dataclasses.asdict(cost_model(sim).model),
-        "hardware": dataclasses.asdict(cost_model(sim).hardware),
+        "model": dataclasses.asdict(cost.model),
+        "hardware": dataclasses.asdict(cost.hardware),
         "recommendation": {
             "tlt": tlt,
             "is_spot_training": is_spot,
@@ -448,8 +448,8 @@ def format_advice(report: dict[str, Any], out: Path) -> str:
     else:
         verdict = "TLT does not reliably pay on this workload"
     sim: SimConfig = report["sim"]
-    model = get_model(sim.model).name  # a config.json's: its directory's name
-    hardware = Path(sim.hardware).stem if sim.hardware.endswith(".json") else sim.hardware
+    model = report["model"]["name"]  # as priced: a config.json's is its directory's name
+    hardware = report["hardware"]["name"]  # a preset file's GPU, not the file's name
     return "\n".join(
         [
             f"simulated: {model} on {sim.num_gpus} x {hardware} (TP {sim.tp})",
