@@ -231,25 +231,25 @@ def _relative_to(spec: Path, table: dict[str, Any]) -> dict[str, Any]:
         ),
     }
 
-    def resolve(value: Any, is_file: Any) -> Any:
-        if not (isinstance(value, str) and is_file(value)):
+    def resolve(value: Any, key: str) -> Any:
+        if not (isinstance(value, str) and is_path[key](value)):
             return value
         path = _beside(spec, value)
         # a model absolute: its rows' keys then hold wherever the sweep is run from (hardware
         # files stay as they were keyed: resolving them would recompute existing sweeps)
-        return str(path.resolve() if is_file is is_path["model"] else path)
+        return str(path.resolve() if key == "model" else path)
 
     resolved = dict(table)
-    for key, is_file in is_path.items():
+    for key in is_path:
         value = table.get(key)
         if value is None:
             continue
         if isinstance(value, list):
-            value = [resolve(v, is_file) for v in value]
+            value = [resolve(v, key) for v in value]
         elif isinstance(value, dict) and isinstance(value.get("choices"), list):
-            value = {**value, "choices": [resolve(v, is_file) for v in value["choices"]]}
+            value = {**value, "choices": [resolve(v, key) for v in value["choices"]]}
         else:
-            value = resolve(value, is_file)
+            value = resolve(value, key)
         resolved[key] = value
     return resolved
 
