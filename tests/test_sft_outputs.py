@@ -349,3 +349,32 @@ def test_sft_eval_says_when_the_runs_data_changed(tmp_path, capsys):
     (tmp_path / "d.jsonl").write_text(ROWS.replace('"response": "', '"response": "x'))
     assert main(["sft-eval", str(tmp_path / "run")]) == 0
     assert "its --data changed since the run" in capsys.readouterr().err
+
+
+def test_a_stop_a_clean_up_raised_over_still_says_how_to_resume(tmp_path, capsys):
+    """SIGTERM inside torch.save: its zip writer's exit raised RuntimeError("unexpected pos")
+    over the stop, which then read as an internal error, exit 1 (a CI run's flake)."""
+    import argparse
+
+    from tltrun.cli.args import stop_says_how_to_resume
+    from tltsim.cli.args import Terminated, run_command
+    from tltsim.errors import StoppedError
+
+    def cut_mid_write():
+        try:
+            raise Terminated
+        finally:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+
+    with pytest.raises(StoppedError) as stopped, stop_says_how_to_resume(tmp_path, "tltrun sft"):
+        cut_mid_write()
+    assert stopped.value.exit_code == 143 and "stopped by SIGTERM" in str(stopped.value)
+
+    def command(args):
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise RuntimeError("clean-up failed")
+
+    assert run_command(command, argparse.Namespace(), "tltrun") == 130
+    assert capsys.readouterr().err.strip() == "interrupted"

@@ -20,7 +20,7 @@ from typing import Any
 from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import SamplingParams
 from tltrun.train.config_checks import absolute_paths
-from tltsim.cli.args import Terminated, add_dataclass_args, dataclass_from_args
+from tltsim.cli.args import add_dataclass_args, dataclass_from_args, stop_in
 from tltsim.errors import StoppedError, UsageError
 
 # cuda_graphs is set by --eager (below): a user turns capture off, never on where it cannot run;
@@ -295,7 +295,10 @@ def stop_says_how_to_resume(
 
     try:
         yield
-    except (KeyboardInterrupt, Terminated) as err:
+    except BaseException as err:
+        err = stop_in(err)  # also one a clean-up raised over (torch.save's writer)
+        if err is None:
+            raise
         how, code = ("interrupted", 130) if isinstance(err, KeyboardInterrupt) else (
             "stopped by SIGTERM", 143)  # fmt: skip
         if is_resumable_anytime:

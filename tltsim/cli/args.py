@@ -58,6 +58,19 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise Terminated
 
 
+def stop_in(err: BaseException) -> BaseException | None:
+    """The Ctrl-C or SIGTERM behind ``err``: itself, or one a library's clean-up raised over
+    (SIGTERM inside torch.save: its zip writer's exit raised "unexpected pos", and the stop was
+    reported as an internal error)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt | Terminated):
+            return err
+        seen.add(id(err))
+        err = err.__context__
+    return None
+
+
 def run_command(
     func: Callable[[argparse.Namespace], Any],
     args: argparse.Namespace,
@@ -105,6 +118,11 @@ def run_command(
         print(f"error: {err.filename}: {err.strerror or err}", file=sys.stderr)
         return 2
     except Exception as err:  # noqa: BLE001 - the last line of defence, reported as a bug
+        stop = stop_in(err)
+        if stop is not None:
+            is_term = isinstance(stop, Terminated)
+            print("stopped by SIGTERM" if is_term else "interrupted", file=sys.stderr)
+            return 143 if is_term else 130
         return _internal_error(err, prog)
 
 
