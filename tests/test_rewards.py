@@ -324,37 +324,6 @@ def test_pool_on_error_raise_names_the_sample(user_module):
         assert [o.reward for o in pool.score([item("ok", "1")])] == [0.5]
 
 
-def test_math_reward_reads_a_latex_answer_without_dollars_as_latex():
-    """MATH-style answers ('2\\sqrt{2}', '2^{10}', '2x+3') were parsed bare first, where
-    math-verify reads their leading number: \\boxed{2} scored 1 and the right answer 0."""
-    cases = [
-        ("\\boxed{2\\sqrt{2}}", "2\\sqrt{2}"),
-        ("\\boxed{2}", "2\\sqrt{2}"),
-        ("\\boxed{1024}", "2^{10}"),
-        ("\\boxed{2}", "2^{10}"),
-        ("\\boxed{2x+3}", "2x+3"),
-        ("\\boxed{2}", "2x+3"),
-        ("\\boxed{1,000}", "1,000"),
-    ]
-    assert rewards("math", cases) == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
-
-
-def test_math_reward_reads_a_number_with_words_or_spaced_digits_as_text():
-    """Hunt: an answer field of a number and words or spaced digits was parsed as LaTeX, its
-    words a product of letters: '18 dollars' matched nothing, not even itself, and '1 000' was
-    1*0, which \\boxed{0} matched; '\\boxed{42.}' (a sentence's period) held no number."""
-    cases = [
-        ("\\boxed{18}", "18 dollars"),
-        ("18 dollars", "18 dollars"),
-        ("\\boxed{0}", "1 000"),
-        ("\\boxed{1000}", "1 000"),
-        ("\\boxed{1.5}", "1.5 million"),
-        ("\\boxed{42.}", "42"),
-        ("\\boxed{x^2}", "x^2"),
-    ]
-    assert rewards("math", cases) == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
-
-
 def test_pool_with_math_and_reasoning_gym_in_processes():
     with RewardPool(parse_reward("math"), num_processes=2) as pool:
         outcomes = pool.score([item("\\boxed{3/4}", "0.75"), item("\\boxed{1/4}", "0.75")])
@@ -502,12 +471,3 @@ def test_async_and_generator_reward_functions_are_refused_at_launch(user_module,
     """Hunt: they passed the launch check and failed on every call ("returned coroutine")."""
     with pytest.raises(UsageError, match=f"{name}: {kind} function; the reward is a plain"):
         parse_reward(f"{user_module}:{name}")
-
-
-def test_exact_and_regex_edges():
-    """Hunt: \\boxed{\\text{Paris}} did not match Paris; an answer normalising to nothing
-    ('...') matched the empty response; a regex that can match empty text took its empty
-    match after the answer."""
-    cases = [("\\boxed{\\text{Paris}}", "Paris"), ("", "..."), ("...", "...")]
-    assert rewards("exact", cases) == [1.0, 0.0, 1.0]
-    assert rewards("regex:(?P<answer>\\d+)?$", [("x 42", "42"), ("x 41", "42")]) == [1.0, 0.0]

@@ -2,7 +2,8 @@
 score only the text after the last ``</think>`` (``scoring.final_part``); a response whose
 thinking never ended (cut at the token cap mid-thought, or opened by the prompt's template)
 has no answer and is not well formed; a user's function still sees the whole response. And
-an answer field listing numbers ('2, 3') is a list, not its last number.
+an answer field listing numbers ('2, 3') is a list, not its last number. How math-verify, exact
+and regex read answers: LaTeX without dollars, numbers with words or spaced digits, edges.
 
 Run: ``python -m pytest tests/test_rewards_thinking.py -q``.
 """
@@ -10,6 +11,7 @@ Run: ``python -m pytest tests/test_rewards_thinking.py -q``.
 from __future__ import annotations
 
 import pytest
+from test_rewards import rewards
 from test_train_data import bpe_model  # noqa: F401 (fixture)
 
 from tltrun.data.rewards import parse_reward
@@ -114,3 +116,43 @@ def test_a_template_that_opens_the_thinking_is_seen_from_the_prompt(bpe_model, t
     assert not tok.is_chat_template
     assert not opens_thinking(tok, "Start your answer with <think>. What is 2+2?")
     assert opens_thinking(tok, "User: What is 2+2?\nAssistant: <think>\n")
+
+
+def test_math_reward_reads_a_latex_answer_without_dollars_as_latex():
+    """MATH-style answers ('2\\sqrt{2}', '2^{10}', '2x+3') were parsed bare first, where
+    math-verify reads their leading number: \\boxed{2} scored 1 and the right answer 0."""
+    cases = [
+        ("\\boxed{2\\sqrt{2}}", "2\\sqrt{2}"),
+        ("\\boxed{2}", "2\\sqrt{2}"),
+        ("\\boxed{1024}", "2^{10}"),
+        ("\\boxed{2}", "2^{10}"),
+        ("\\boxed{2x+3}", "2x+3"),
+        ("\\boxed{2}", "2x+3"),
+        ("\\boxed{1,000}", "1,000"),
+    ]
+    assert rewards("math", cases) == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+
+
+def test_math_reward_reads_a_number_with_words_or_spaced_digits_as_text():
+    """Hunt: an answer field of a number and words or spaced digits was parsed as LaTeX, its
+    words a product of letters: '18 dollars' matched nothing, not even itself, and '1 000' was
+    1*0, which \\boxed{0} matched; '\\boxed{42.}' (a sentence's period) held no number."""
+    cases = [
+        ("\\boxed{18}", "18 dollars"),
+        ("18 dollars", "18 dollars"),
+        ("\\boxed{0}", "1 000"),
+        ("\\boxed{1000}", "1 000"),
+        ("\\boxed{1.5}", "1.5 million"),
+        ("\\boxed{42.}", "42"),
+        ("\\boxed{x^2}", "x^2"),
+    ]
+    assert rewards("math", cases) == [1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_exact_and_regex_edges():
+    """Hunt: \\boxed{\\text{Paris}} did not match Paris; an answer normalising to nothing
+    ('...') matched the empty response; a regex that can match empty text took its empty
+    match after the answer."""
+    cases = [("\\boxed{\\text{Paris}}", "Paris"), ("", "..."), ("...", "...")]
+    assert rewards("exact", cases) == [1.0, 0.0, 1.0]
+    assert rewards("regex:(?P<answer>\\d+)?$", [("x 42", "42"), ("x 41", "42")]) == [1.0, 0.0]

@@ -248,6 +248,7 @@ def test_a_kill_mid_drafter_export_does_not_block_the_next(tmp_path):
     from tiny_models import tiny_model
 
     from tltrun.model.drafter import EagleDrafter
+    from tltrun.train.checkpoint import export_drafter_atomic
 
     drafter = EagleDrafter.for_target(tiny_model(seed=0))
     (tmp_path / "drafter").mkdir()
@@ -255,7 +256,7 @@ def test_a_kill_mid_drafter_export_does_not_block_the_next(tmp_path):
     (tmp_path / "drafter.old" / "model.safetensors").write_text("older")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ts.export_drafter_atomic(drafter, tmp_path / "drafter")
+        export_drafter_atomic(drafter, tmp_path / "drafter")
     assert (tmp_path / "drafter" / "model.safetensors").stat().st_size > 100
     assert not (tmp_path / "drafter.old").exists()
 

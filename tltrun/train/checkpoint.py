@@ -14,13 +14,16 @@
   a kill meanwhile leaves the previous checkpoint as the newest complete one.
 
 Both go through their own gloo process group (``checkpoint_group``): DCP's background thread
-then never interleaves its collectives with the training loop's on the default group.
+then never interleaves its collectives with the training loop's on the default group. The
+drafter's vLLM-layout copy in the run directory is swapped in by renames
+(``export_drafter_atomic``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -150,3 +153,17 @@ def is_reward_mode_kept(out: Path, step: int, is_deterministic: bool) -> bool:
     if learned is None:
         return True
     return bool(learned["train"].get("is_deterministic", False)) == is_deterministic
+
+
+def export_drafter_atomic(drafter, dest: Path) -> None:
+    """export_vllm into a temporary directory, then swap it in by renames."""
+    from tltrun.model.drafter import export_vllm
+
+    tmp, old = dest.with_name(dest.name + ".tmp"), dest.with_name(dest.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)  # a kill mid-swap left it: the rename needs it gone
+    export_vllm(drafter, tmp)
+    if dest.exists():
+        os.rename(dest, old)
+    os.rename(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)

@@ -490,17 +490,3 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def export_drafter_atomic(drafter, dest: Path) -> None:
-    """export_vllm into a temporary directory, then swap it in by renames."""
-    from tltrun.model.drafter import export_vllm
-
-    tmp, old = dest.with_name(dest.name + ".tmp"), dest.with_name(dest.name + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(old, ignore_errors=True)  # a kill mid-swap left it: the rename needs it gone
-    export_vllm(drafter, tmp)
-    if dest.exists():
-        os.rename(dest, old)
-    os.rename(tmp, dest)
-    shutil.rmtree(old, ignore_errors=True)

@@ -394,7 +394,7 @@ class Worker:
             if self.engine.drafter is not None:
                 self.engine.update_drafter(self.spot.drafter.state_dict())
             if self.rank == 0:  # the drafter after preemption, for vLLM / the next run
-                ts.export_drafter_atomic(self.spot.drafter, self.out / "drafter")
+                ckpt_io.export_drafter_atomic(self.spot.drafter, self.out / "drafter")
         else:
             dist.barrier()
         # before the commit of the last checkpoint (its manifest hashes every file: minutes at
