@@ -297,7 +297,7 @@ def _measured_trace(**measured) -> dict:
         (_measured_trace(prefix_block_tokens=0), [], "measured.prefix_block_tokens"),
         (_measured_trace(), ["--profile", "/nonexistent.csv"], "/nonexistent.csv"),
         (_measured_trace(), ["--hardware", "TPU"], "hardware"),
-        # history-drafter runs are replayed (issue #20; tests/test_history_sim.py), but a
+        # history-drafter runs are replayed (issue #20; tests/test_history_fit.py), but a
         # tltbase config that is not TLTConfig's is still refused
         (
             _measured_trace(policy={"name": "tltbase", "config": {"speed": 1}}),

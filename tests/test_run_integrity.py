@@ -283,7 +283,7 @@ def test_resume_that_changes_the_run_is_refused_with_the_diff(model_dir, tmp_pat
     with pytest.raises(UsageError, match="--task-median-ops: 2 -> 3"):
         prepare_run_dir(config(model_dir, tmp_path), task, is_resume=True, is_override_config=False)
     # another world size changes the prompt split: a change of the run like any other (the
-    # DCP checkpoint loads into it with --override-config: tests/test_torchrun.py)
+    # DCP checkpoint loads into it with --override-config: tests/test_torchrun_state.py)
     with pytest.raises(UsageError, match="--num-workers: 2 -> 4; --prompt-split"):
         prepare_run_dir(
             config(model_dir, tmp_path, num_workers=4, prompt_split=(1, 1, 1, 1)),

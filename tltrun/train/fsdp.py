@@ -7,7 +7,7 @@ reduce-scatter reduces the gradients); ``full_state_dict`` gathers the full weig
 engine loads after each step (the resharding veRL and TLT do between training and rollout).
 
 ``tltrun train --fsdp-size W`` (W = the number of workers; 1 keeps the actor replicated) shards
-the workers' actor; tests/test_torchrun.py checks that a sharded GRPO update, and a sharded
+the workers' actor; tests/test_torchrun_state.py checks that a sharded GRPO update, and a sharded
 ``tltrun train`` run, give the actor of the replicated data-parallel one.
 """
 

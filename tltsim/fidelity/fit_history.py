@@ -35,7 +35,7 @@ Covariates, reconstructed from the trace (the trace records no per-verify group 
   each response's verifies are i.i.d. from the mixture sum_k w_k pmf(a(f_k, h)) with those
   weights w_k, which depend on the parameters and are recomputed with them.
   Both are approximations: admission waves (``max_running_requests`` below the group's share)
-  and unequal speeds of siblings blur f; tests/test_history_sim.py checks that the fit recovers
+  and unequal speeds of siblings blur f; tests/test_history_fit.py checks that the fit recovers
   known parameters on data drawn with the simulator's own walk.
 
 Fit: Nelder-Mead then BFGS (scipy, the ``fit`` extra) on the negative log-likelihood over
