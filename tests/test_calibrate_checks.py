@@ -104,3 +104,39 @@ def test_a_refit_keeps_what_the_given_preset_fitted_and_replay_names_its_gpu(tmp
     out, err = capsys.readouterr()
     assert "--hardware H100-SXM: --hardware-file" in err and "simulated on H200" in err
     assert out.startswith("simulated: Qwen2.5-7B on 8 x H200 (TP 1)")
+
+
+def test_a_hand_edited_preset_or_hardware_file_names_the_misspelt_field(tmp_path, capsys):
+    """Hunt: a misspelt calibration field was Python's "CalibrationParams.__init__() got an
+    unexpected keyword argument"; a misspelt section was "expected an object" with no word of
+    the spelling; a hardware JSON missing a field said the same in Python's words."""
+    preset = tmp_path / "h200.json"
+    assert main(["calibrate", str(PROFILE), *FLAGS, "--out", str(preset)]) == 0
+    doc = json.loads(preset.read_text())
+    doc["calibration"]["layer_overhead_ms"] = doc["calibration"].pop("layer_overhead_s")
+    (tmp_path / "field.json").write_text(json.dumps(doc))
+    doc["calibraton"] = doc.pop("calibration")
+    (tmp_path / "section.json").write_text(json.dumps(doc))
+    (tmp_path / "hw.json").write_text(json.dumps({"name": "X", "peak_flops_per_s": 9e14}))
+    (tmp_path / "extra.json").write_text(
+        json.dumps({"name": "X", "peak_flops_per_s": 9e14, "hbm_bytes_per_s": 3e12,
+                    "memory_bytes": 8e10, "link_bytes_per_s": 4e11, "peak_tflops": 900})
+    )  # fmt: skip
+    capsys.readouterr()
+    expected = {
+        "field.json": "field 'calibration': unknown field 'layer_overhead_ms' (did you mean "
+        "'layer_overhead_s'?)",
+        "section.json": "field 'calibration': expected an object of CalibrationParams fields "
+        "(the file has 'calibraton')",
+        "hw.json": "missing field 'hbm_bytes_per_s'",
+        "extra.json": "unknown field 'peak_tflops' (did you mean 'peak_flops_per_s'?)",
+    }
+    for name, message in expected.items():
+        path = tmp_path / name
+        argv = ["replay", str(TRACE), "--preset", "h100x8-qwen7b", "--max-steps", "1"]
+        argv += ["--policy", "nospec", "--hardware-file", str(path), "--out", str(tmp_path / "r")]
+        if name.startswith(("hw", "extra")):
+            argv = ["profile-info", str(PROFILE), "--hardware", str(path)]
+        assert main(argv) == 2, name
+        err = capsys.readouterr().err.strip()
+        assert err == f"error: {'--hardware ' if 'profile-info' in argv else ''}{path}: {message}"

@@ -6,12 +6,14 @@ the same way by tltsim, tltrun and the benchmarks. ``read_text`` / ``parse_json`
 ``read_json`` are the input side every loader of a user's file uses, so binary garbage
 (UnicodeDecodeError), pathological nesting (RecursionError) and a directory in place of a file
 all become one ``TLTError`` line naming the file instead of a traceback. ``typed_fields``
-checks a config file's values against the dataclass they configure, before any run starts.
+checks a config file's values against the dataclass they configure, before any run starts;
+``exact_fields`` also refuses names the dataclass lacks and names the fields it needs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -165,6 +167,30 @@ def typed_fields(cls: type, values: dict[str, Any], where: str) -> dict[str, Any
         if name in hints:
             checked[name] = typed_value(hints[name], value, f"{where}: {name}")
     return checked
+
+
+def exact_fields(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
+    """``typed_fields``, where every name must be one of ``cls``'s fields (a misspelt one was
+    refused with Python's "unexpected keyword argument" or, had it a default, silently ignored)
+    and every field without a default must be there: one UsageError naming the field."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name in values:
+        if name not in fields:
+            close = _closest(name, fields)
+            hint = f"did you mean {close!r}?" if close else f"expected some of {', '.join(fields)}"
+            raise UsageError(f"{where}: unknown field {name!r} ({hint})")
+    for name, f in fields.items():
+        needed = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if needed and name not in values:
+            close = _closest(name, values)
+            hint = f" (the file has {close!r})" if close else ""
+            raise UsageError(f"{where}: missing field {name!r}{hint}")
+    return typed_fields(cls, values, where)
+
+
+def _closest(name: str, names: Any) -> str | None:
+    close = difflib.get_close_matches(name, [str(n) for n in names], n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def typed_value(tp: Any, value: Any, where: str) -> Any:

@@ -27,7 +27,7 @@ from tltsim.cost.profile_tables import profile_tables
 from tltsim.cost.roofline import CostModel, RooflineCost
 from tltsim.cost.specs import HARDWARE_PRESETS, MODEL_PRESETS, HardwareSpec, ModelSpec
 from tltsim.errors import UsageError
-from tltsim.jsonio import typed_fields
+from tltsim.jsonio import exact_fields
 
 
 def model_of_profile(arg: str | None, profile: Profile) -> ModelSpec | None:
@@ -105,9 +105,9 @@ def _hardware_and_calibration(
                 f"expected an object of HardwareSpec fields, got {type(fields).__name__}"
             )
         # each field's type first (true for a number was written out, and replay refused it)
-        return HardwareSpec(**typed_fields(HardwareSpec, fields, f"{path}")), None
-    except UsageError as err:
-        raise UsageError(f"--hardware {arg}: {err}") from None
+        return HardwareSpec(**exact_fields(HardwareSpec, fields, f"{path}")), None
+    except UsageError as err:  # (its message starts with the file)
+        raise UsageError(f"--hardware {err}") from None
     except (OSError, TypeError, ValueError, RecursionError) as err:  # JSON/Unicode errors too
         raise UsageError(
             f"--hardware {arg}: not a preset ({', '.join(HARDWARE_PRESETS)}) nor a JSON file of HardwareSpec fields ({err})"

@@ -32,6 +32,7 @@ engine-level step latencies, ``tltsim.cost.published``); ``preset_cost`` returns
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import json
 import math
@@ -47,7 +48,7 @@ from tltsim.cost.roofline import (
 )
 from tltsim.cost.specs import DrafterSpec, HardwareSpec, ModelSpec, get_hardware, get_model
 from tltsim.errors import InputWarning, UsageError
-from tltsim.jsonio import typed_fields
+from tltsim.jsonio import exact_fields
 
 PRESET_FORMAT = "tlt-hardware"
 # A calibration whose fit missed its profile by more than this (median |predicted / measured -
@@ -352,15 +353,17 @@ def load_hardware_preset(path: str | Path) -> tuple[HardwareSpec, CalibrationPar
         )
     for key, cls in (("hardware", HardwareSpec), ("calibration", CalibrationParams)):
         if type(doc.get(key)) is not dict:
+            close = difflib.get_close_matches(key, [str(k) for k in doc if k != key], n=1)
+            has = f" (the file has {close[0]!r})" if close else ""
             raise CalibrationError(
-                f"{path}: field '{key}': expected an object of {cls.__name__} fields"
+                f"{path}: field '{key}': expected an object of {cls.__name__} fields{has}"
             )
     try:  # each field's type first ("0.001", true: the dataclasses took them or failed oddly)
         hardware = HardwareSpec(
-            **typed_fields(HardwareSpec, doc["hardware"], f"{path}: field 'hardware'")
+            **exact_fields(HardwareSpec, doc["hardware"], f"{path}: field 'hardware'")
         )
         params = CalibrationParams(
-            **typed_fields(CalibrationParams, doc["calibration"], f"{path}: field 'calibration'")
+            **exact_fields(CalibrationParams, doc["calibration"], f"{path}: field 'calibration'")
         )
     except UsageError as err:
         raise CalibrationError(str(err)) from None
