@@ -307,3 +307,36 @@ def test_a_replay_killed_before_its_results_leaves_no_stale_ones(
         assert f"{out}: a tltrun {command} output directory; tltsim report draws" in (
             capsys.readouterr().err
         )
+
+
+def test_a_directory_of_another_commands_results_is_refused(
+    replay_dir: Path, tmp_path: Path, capsys
+) -> None:
+    """Hunt: each command removed only its own earlier files, so an advice written into a
+    replay's --out left that replay's summary.json beside it, and report drew the replay as
+    this run's; a replay into an advice's directory left a recommendation for another trace."""
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(replay_dir, out)
+    before = sorted(p.name for p in out.iterdir())
+    assert main(["advise", str(SAMPLE), "--max-steps", "1", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --out {out}: holds the results of a tltsim replay (config.json); give this "
+        "advise a directory of its own (or remove that one)"
+    )
+    assert sorted(p.name for p in out.iterdir()) == before  # nothing removed or added
+    spec = tmp_path / "s.toml"
+    spec.write_text(f'trace = "{SAMPLE}"\npolicy = ["nospec"]\nmax_steps = 1\n')
+    assert main(["sweep", str(spec), "--out", str(out)]) == 2
+    assert "holds the results of a tltsim replay (config.json); give this sweep" in (
+        capsys.readouterr().err
+    )
+    (out / "advise.json").write_text("{}")
+    argv = ["replay", str(SAMPLE), "--max-steps", "1", "--policy", "nospec", "--out", str(out)]
+    assert main(argv) == 2
+    assert "holds the results of a tltsim advise (advise.json)" in capsys.readouterr().err
+    (out / "advise.json").unlink()
+    assert main(argv) == 0  # its own kind: replaced
+    (out / "config.json").write_text('{"model_type": "qwen2"}')  # a model's, not ours
+    assert main(argv) == 0

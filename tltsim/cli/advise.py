@@ -322,7 +322,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     if config.max_steps is not None:
         trace = Trace(meta=trace.meta, steps=trace.steps[: config.max_steps])
     out = Path(config.out or Path("results") / f"advise-{trace_stem(args.trace)}")
-    check_out_dir(out)
+    check_out_dir(out, kind="advise")
     out.mkdir(parents=True, exist_ok=True)
     # an earlier advice is removed first: an interrupted run left it beside the new sweep.toml
     remove_stale_outputs(out, RESULT_FILES)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import signal
 import sys
@@ -160,13 +161,21 @@ def _erase_progress_bars() -> None:
         bar.close()
 
 
-def check_out_dir(path: str | Path, flag: str = "--out") -> Path:
+def check_out_dir(path: str | Path, flag: str = "--out", kind: str | None = None) -> Path:
     """Create the output directory ``path`` up front, so that a run never fails after its work
     when it comes to write: an existing file, a parent that is a file or an unwritable place is
-    one UsageError naming the flag."""
+    one UsageError naming the flag. With ``kind`` (the command), a directory holding another
+    tltsim command's results is refused too: each command removes only its own earlier files,
+    so an advice beside a replay's summary.json was drawn by ``report`` as that replay."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UsageError(f"{flag} {path}: exists and is not a directory")
+    other = None if kind is None else results_kind(path)
+    if other is not None and other[0] != kind:
+        raise UsageError(
+            f"{flag} {path}: holds the results of a tltsim {other[0]} ({other[1]}); give this "
+            f"{kind} a directory of its own (or remove that one)"
+        )
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -174,6 +183,19 @@ def check_out_dir(path: str | Path, flag: str = "--out") -> Path:
     if not os.access(path, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path}: directory is not writable")
     return path
+
+
+def results_kind(path: Path) -> tuple[str, str] | None:
+    """Which tltsim command wrote the results in ``path`` (its config.json's "kind"; advise
+    writes advise.json) and the file that says so; None for anything else (a model
+    directory's config.json has no "kind")."""
+    if (path / "advise.json").is_file():
+        return "advise", "advise.json"
+    try:
+        kind = json.loads((path / "config.json").read_text(encoding="utf-8")).get("kind")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return (kind, "config.json") if kind in ("replay", "sweep", "compare") else None
 
 
 def check_out_file(path: str | Path, flag: str = "--out") -> Path:

@@ -109,7 +109,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     steps, ups, summary, config = compare.compare(args.traces, cfg, tlt, drafter, history)
     _warn_unused_tlt_flags(tlt, {run["policy"] for run in config["runs"]})
     out = Path(cfg.out) if cfg.out else Path("results") / f"compare-{trace_stem(args.traces[0])}"
-    plots = compare.write_outputs(check_out_dir(out), steps, ups, summary, config)
+    plots = compare.write_outputs(check_out_dir(out, kind="compare"), steps, ups, summary, config)
     print(format_report(steps, ups, summary))
     names = ["config.json", "steps.csv", "speedups.csv", "summary.json"] + [p.name for p in plots]
     print(f"wrote {out}/: {' '.join(names)}")

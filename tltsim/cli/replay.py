@@ -181,7 +181,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
             tltbase_policy(RunSettings(sim, "tltbase", tlt, tltbase_arms=tltbase_arms))
         except ValueError as err:
             raise UsageError(f"--policy tltbase: {err}") from None
-    check_out_dir(out)  # after every check of the input (a refused replay left it empty)
+    check_out_dir(
+        out, kind="replay"
+    )  # after every check of the input (a refused replay left it empty)
     remove_stale_outputs(out, RESULT_FILES)
     sim = dataclasses.replace(sim, seed=spec.seeds[0])  # the point estimate's seed
     config = {

@@ -47,7 +47,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
     if args.out is not None:
-        check_out_dir(args.out)
+        check_out_dir(args.out, kind="sweep")
     outcome = sweep.run_sweep(args.spec, args.out, args.workers)
     print(
         f"{len(outcome.table)} rows (points x seeds): {outcome.num_computed} simulations run, {outcome.num_reused} reused from {outcome.out / 'points.jsonl'}"
