@@ -39,7 +39,8 @@ POLICY_COLORS = {"nospec": "#1f77b4", "static": "#ff7f0e", "tlt": "#2ca02c", "tl
 
 def _save(fig: plt.Figure, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # tight: a colour bar's label or a legend below the axes was cut at the figure's edge
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -6,7 +6,8 @@
 Reads ``sweep.parquet`` and ``summary.json``. Speedup vs NoSpec (mean over seeds, other settings
 averaged) against the settings the sweep varied: bars when none varies, lines (one per policy)
 for one setting, a heat map per policy over the first two otherwise (cells averaged over a third
-and later ones, as its titles say). The best setting is marked. A numeric setting with more
+and later ones, as its titles say). The highest mean is marked (over the settings averaged:
+the sweep's best single point is summary.json's ``best``). A numeric setting with more
 than ``MAX_CATEGORIES`` values (a ``[random]`` section draws a new one per point) is drawn as a
 scatter of the points instead: as heat-map categories it gave a grid of ~100 x 150 mostly empty
 cells with unreadable tick labels, and its lines zigzagged between single draws.
@@ -51,7 +52,7 @@ def speedup_bars(table: pd.DataFrame, path: Path) -> Path:
     ax.bar(rows.index, rows["mean"], yerr=rows["std"], color=colors, capsize=4)
     best = rows["mean"].idxmax()
     ax.annotate(
-        "best",
+        "highest mean",
         (list(rows.index).index(best), rows.loc[best, "mean"]),
         ha="center",
         va="bottom",
@@ -80,6 +81,8 @@ def speedup_lines(table: pd.DataFrame, setting: str, path: Path) -> Path:
         if rows.empty:  # no point of this policy sets it (a grid + random sweep): no line
             continue
         x = rows.index.to_numpy()
+        if pd.api.types.is_bool_dtype(rows.index):  # on/off, not a 0..1 axis ticked at 0.2
+            x = np.where(x, "on", "off")
         matters = setting_matters(policy, setting)
         label = policy if matters else f"{policy} (does not read {setting})"
         if is_scatter:  # one point per drawn value: no line joins unrelated draws
@@ -103,8 +106,9 @@ def speedup_lines(table: pd.DataFrame, setting: str, path: Path) -> Path:
             color="gold",
             mec="black",
             ls="none",
-            # a string setting (static_strategy, preset) has no 'g' format: the report failed
-            label=f"best: {best_at[1]}, {setting}={_shown(best_at[0])} ({best_val:.2f}x)",
+            # a string setting (static_strategy, preset) has no 'g' format: the report failed;
+            # the mean over the other settings: not the sweep's best point (summary.json's)
+            label=f"highest mean: {best_at[1]}, {setting}={_shown(best_at[0])} ({best_val:.2f}x)",
         )
     ax.axhline(1.0, color="black", lw=1, ls=":")
     ax.set_xlabel(setting)
@@ -161,11 +165,10 @@ def speedup_surface(
                 ax.text(j, i, f"{value:.2f}", ha="center", va="center", color=color, fontsize=8)
         if policy == best_policy:
             i, j = np.unravel_index(np.nanargmax(grid.to_numpy()), grid.shape)
-            best = f"best mean over {', '.join(averaged)}" if averaged else "best"
-            # an outline: a filled star hid the cell's value
-            ax.plot(
-                [j], [i], marker="*", ms=26, mfc="none", mec="red", mew=1.5, ls="none", label=best
-            )
+            best = f"highest mean over {', '.join(averaged)}" if averaged else "highest"
+            # in the cell's corner: a star on the cell hid its value
+            ax.plot([j - 0.32], [i + 0.3], marker="*", ms=14, color="red", mec="white",
+                    ls="none", label=best)  # fmt: skip
             # below the axes: inside, it covered the top-right cell
             ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), fontsize=8)
         ax.set_xlabel(x)

@@ -370,8 +370,34 @@ def test_a_policy_that_ignores_the_swept_setting_is_no_best_value_of_it(tmp_path
     run_sweep(write_spec(tmp_path), out, workers=1)
     labels = _drawn_texts(out, monkeypatch)["speedup_vs_tlt.threshold.png"]
     assert "static (does not read tlt.threshold)" in labels and "tlt" in labels
-    (best,) = [label for label in labels if label.startswith("best:")]
-    assert best.startswith("best: tlt, tlt.threshold=")
+    (best,) = [label for label in labels if label.startswith("highest mean:")]
+    assert best.startswith("highest mean: tlt, tlt.threshold=")
+
+
+def test_an_integer_setting_stays_one_and_an_on_off_one_is_drawn_as_on_off(tmp_path, monkeypatch):
+    """Hunt: the NoSpec baseline sets no tlt.threshold, so the column became float and
+    sweep.csv read 8.0; is_spot_training was drawn on a 0..1 axis ticked at 0.2, 0.4, ..."""
+    import pandas as pd
+
+    from analysis import sweep_plots
+
+    out = tmp_path / "out"
+    run_sweep(write_spec(tmp_path), out, workers=1)
+    column = pd.read_csv(out / "sweep.csv", dtype=str)["tlt.threshold"].dropna()
+    assert len(column) and all(value.isdigit() for value in column), list(column)
+    ticks = {}
+
+    def keep(fig, path):
+        ticks[path] = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+        return path
+
+    monkeypatch.setattr(sweep_plots, "_save", keep)
+    # as a sweep's table holds it: the NoSpec baseline's None makes the column 'object'
+    table = pd.DataFrame({"policy": ["nospec", "tlt", "tlt"],
+                          "is_spot_training": [None, False, True],
+                          "speedup_vs_nospec": [1.0, 1.2, 1.3]})  # fmt: skip
+    sweep_plots.speedup_lines(table, "is_spot_training", tmp_path / "s.png")
+    assert ticks[tmp_path / "s.png"] == ["off", "on"]
 
 
 def test_a_heat_map_says_which_settings_its_cells_average(tmp_path, monkeypatch):
@@ -392,7 +418,7 @@ def test_a_heat_map_says_which_settings_its_cells_average(tmp_path, monkeypatch)
     (tmp_path / "summary.json").write_text(json.dumps({"varying": ["a", "b", "c"]}))
     texts = _drawn_texts(tmp_path, monkeypatch)["speedup_a_x_b.png"]
     assert "tlt: speedup vs NoSpec\n(mean over seeds, c)" in texts
-    assert "best mean over c" in texts
+    assert "highest mean over c" in texts
 
 
 def test_a_new_sweep_killed_before_its_table_leaves_no_stale_one(tmp_path: Path, monkeypatch):

@@ -284,6 +284,10 @@ def sweep_table(rows: list[dict[str, Any]], trace_id: str = "") -> pd.DataFrame:
         rec["key"] = row["key"]
         records.append(rec)
     table = pd.DataFrame(records)
+    for name in {k for row in rows for k in row["point"]}:  # an integer setting stays one
+        values = [r[name] for r in records if r.get(name) is not None]
+        if values and all(type(v) is int for v in values) and table[name].isna().any():
+            table[name] = table[name].astype("Int64")  # (a point without it made it 16.0)
     # NoSpec points differing only in settings NoSpec ignores are one simulation (one key)
     base = table[table.policy == "nospec"].drop_duplicates("key").set_index("key")
     step = base["mean_step_s"].reindex(table["baseline_key"]).to_numpy()
