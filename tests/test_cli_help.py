@@ -183,3 +183,29 @@ def test_a_value_starting_with_minus_says_how_to_write_it(monkeypatch, capsys):
         err = capsys.readouterr().err
         assert stop.value.code == 2 and err.count("\n") == 1 and "expected one argument" in err
         assert ("--flag=VALUE" in err) is is_hinted
+
+
+@pytest.mark.parametrize(
+    ("build", "argv", "expected"),
+    [
+        (tltsim_parser, ["advise", "t.json", "--hardware", "H100-SXM"],
+         "error: tltsim advise: unrecognized arguments: --hardware H100-SXM (did you mean "
+         "--hardware-file?) (see tltsim advise --help)"),
+        (tltsim_parser, ["replay", "t.json", "--polcy=all"],
+         "error: tltsim replay: unrecognized arguments: --polcy=all (did you mean --policy?) "
+         "(see tltsim replay --help)"),
+        (tltsim_parser, ["replay", "t.json", "--bogus"],
+         "error: tltsim replay: unrecognized arguments: --bogus (see tltsim replay --help)"),
+        (tltrun_parser, ["train", "--model-d", "m"],
+         "error: tltrun train: unrecognized arguments: --model-d m (did you mean --model-dir?) "
+         "(see tltrun train --help)"),
+    ],
+)  # fmt: skip
+def test_a_flag_is_spelt_in_full_and_a_misspelt_one_gets_the_subcommands_closest(
+    build, argv, expected, capsys
+):
+    """Hunt: argparse took ``advise --hardware H100-SXM`` for ``--hardware-file`` and answered
+    about a preset file; an unknown flag pointed at the top command's --help, which lists none."""
+    with pytest.raises(SystemExit) as stop:
+        build().parse_args(argv)
+    assert stop.value.code == 2 and capsys.readouterr().err == expected + "\n"

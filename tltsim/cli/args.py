@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 import signal
@@ -34,7 +35,14 @@ from tltsim.errors import TLTError, UsageError
 
 class OneLineParser(argparse.ArgumentParser):
     """An ArgumentParser whose usage errors are one ``error:`` line (exit 2) like every other
-    input error of the CLIs; ``--help`` still prints the full usage."""
+    input error of the CLIs; ``--help`` still prints the full usage. A flag is spelt in full:
+    argparse's abbreviations took ``advise --hardware H100-SXM`` for ``--hardware-file`` and
+    answered about a preset file, and a new flag sharing a prefix would change what an old
+    abbreviation means."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # subcommands' parsers are built here too
+        super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):  # (the words error() looks at)
         self.words = list(sys.argv[1:] if args is None else args)
@@ -46,7 +54,24 @@ class OneLineParser(argparse.ArgumentParser):
             for word in getattr(self, "words", sys.argv[1:])
         ):  # argparse takes "-8,16" (not a plain negative number) for a flag
             message += " (a value that starts with '-' is written --flag=VALUE)"
-        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+        prog = self.prog
+        if message.startswith("unrecognized arguments: "):
+            prog, message = self._unknown_flag(message)
+        self.exit(2, f"error: {prog}: {message} (see {prog} --help)\n")
+
+    def _unknown_flag(self, message: str) -> tuple[str, str]:
+        """The subcommand's name and the flag of it closest to the first unknown one: the top
+        parser reports unrecognized arguments, and 'see tltsim --help' lists no flag."""
+        words = getattr(self, "words", sys.argv[1:])
+        parser: argparse.ArgumentParser = self
+        for action in self._actions:  # argparse keeps the subcommands' parsers there
+            if isinstance(action, argparse._SubParsersAction):
+                parser = next((action.choices[w] for w in words if w in action.choices), self)
+        # the names without '--' (with them, --bogus was one letter from --out)
+        unknown = [w.split("=")[0][2:] for w in message.split(": ", 1)[1].split() if w[:2] == "--"]
+        names = [o[2:] for a in parser._actions for o in a.option_strings if o[:2] == "--"]
+        close = difflib.get_close_matches(unknown[0], names, n=1) if unknown else []
+        return parser.prog, message + (f" (did you mean --{close[0]}?)" if close else "")
 
 
 class Terminated(BaseException):
