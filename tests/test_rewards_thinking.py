@@ -74,6 +74,27 @@ def test_a_prompt_that_opens_the_thinking_and_a_users_function(tmp_path):
     assert scored(f"{module}:whole", DRAFT, "42") == (float(len(DRAFT)), True)
 
 
+def test_thinking_tags_a_tokenizer_marks_special_are_kept_in_the_response(bpe_model, tmp_path):  # noqa: F811 (the fixture)
+    """Hunt: decode skipped special tokens, and a tokenizer marking <think>/</think> special
+    lost the tags: every answer after the thinking scored 0, silently. The stop and pad
+    tokens are still dropped."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "special"
+    shutil.copytree(bpe_model, model)
+    hf = AutoTokenizer.from_pretrained(model)
+    hf.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    hf.save_pretrained(model)
+    tok = load_tokenizer(str(model))
+    assert len(tok.encode("</think>")) == 1  # one special token
+    text = "<think>\nMaybe 41.</think>\nThe answer is \\boxed{42}"
+    response = tok.decode([*tok.encode(text), *tok.eos_ids, tok.pad_id])
+    assert response == text
+    assert scored("math", response, "42") == (1.0, True)
+
+
 def test_a_template_that_opens_the_thinking_is_seen_from_the_prompt(bpe_model, tmp_path):  # noqa: F811 (the fixture)
     """DeepSeek-R1 distills' templates end the generation prompt in ``<think>\\n``: the
     rewards then know the response starts mid-thought (tltrun.data.scoring.final_part)."""

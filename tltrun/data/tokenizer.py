@@ -30,6 +30,7 @@ the same layout and loads through here too; AutoTokenizer gives the same ids (it
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tltrun.data.scoring import THINK_CLOSE, THINK_OPEN
 from tltsim.errors import UsageError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -150,8 +152,21 @@ class TextTokenizer:
         return list(self.hf(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Response text without special tokens (what rewards read)."""
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+        """Response text without special tokens (what rewards read), the thinking tags kept:
+        a tokenizer that marks ``<think>``/``</think>`` special (Qwen3's does not) lost them
+        with skip_special_tokens, and every answer after the thinking scored 0 (no
+        ``</think>`` to find: ``scoring.final_part``)."""
+        skipped = self._skipped_ids
+        return self.hf.decode([i for i in ids if i not in skipped], skip_special_tokens=False)
+
+    @functools.cached_property
+    def _skipped_ids(self) -> frozenset[int]:
+        """What skip_special_tokens drops (the special-tokens map and every added token marked
+        special), less the thinking tags."""
+        added = getattr(self.hf, "added_tokens_decoder", {})
+        special = {*self.hf.all_special_ids, *(i for i, tok in added.items() if tok.special)}
+        tags = {i for i, tok in added.items() if str(tok.content) in (THINK_OPEN, THINK_CLOSE)}
+        return frozenset(special - tags)
 
 
 def _eos_from_json(path: Path) -> list[int]:
