@@ -298,6 +298,17 @@ def test_a_resume_refuses_what_the_run_cannot_change_and_says_a_new_policy_start
         with pytest.raises(UsageError, match=f"cannot change {flag} .* even with --override"):
             resume(**fields)
     assert not (tmp_path / ts.CONFIG_HISTORY).exists()  # nothing recorded
+    # first of all the resume's refusals (hunt): without --override-config it asked for that
+    # flag, which the next refusal rejected; and a new seed redraws the evaluation split, so
+    # the inputs' fingerprints differ too: that was reported as changed data
+    saved = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "data": data()}))
+    for is_override_config in (False, True):
+        with pytest.raises(UsageError, match="cannot change --seed .* even with --override"):
+            cfg = config(model_dir, tmp_path, seed=base.seed + 1)
+            prepare_run_dir(cfg, TASK, is_resume=True, is_override_config=is_override_config,
+                            data=data(train_fingerprint="resplit", eval_fingerprint="resplit"))  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(saved))
     with pytest.warns(ts.RunDirWarning, match="--tlt-threshold changed: the SD policy starts"):
         resume(tlt_threshold=base.tlt_threshold + 1, max_new_tokens=base.max_new_tokens + 8)
     # deterministic mode rewards the bandit with modelled costs, not seconds (hunt: a resume

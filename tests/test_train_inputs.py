@@ -294,14 +294,14 @@ def test_spot_training_by_default_only_where_the_policy_drafts_with_eagle():
 def test_a_resume_that_changes_the_history_settings_says_the_index_starts_empty(tmp_path):
     """The index was emptied without a word (RolloutHistory.load_state_dict refuses another
     config's state); the launcher says so, as for a changed SD policy."""
-    from tltrun.train.config_checks import check_overridable
+    from tltrun.train.config_checks import warn_restarted_state
     from tltrun.train.state import RunDirWarning
 
     with pytest.warns(RunDirWarning, match="--history-cross-prompt changed: the history drafter"):
-        check_overridable(tmp_path, {"train.is_history_cross_prompt": [True, False]})
+        warn_restarted_state(tmp_path, {"train.is_history_cross_prompt": [True, False]})
     with warnings.catch_warnings():
         warnings.simplefilter("error", RunDirWarning)
-        check_overridable(tmp_path, {"train.lr": [1e-3, 2e-3]})
+        warn_restarted_state(tmp_path, {"train.lr": [1e-3, 2e-3]})
 
 
 def test_spot_training_asked_of_one_worker_is_a_warning(bpe_model, tmp_path, monkeypatch, capsys):  # noqa: F811

@@ -1,8 +1,8 @@
 """Validation of ``TrainConfig`` (called by its ``__post_init__``): every field a user can
 set, checked before any worker starts, each failure one ``ValueError`` line naming the field.
 Kept apart from the fields so that each file reads on its own. Also what a ``--resume`` may
-change against the run's recorded config and inputs (``check_overridable``,
-``check_same_inputs``)."""
+change against the run's recorded config and inputs (``refuse_fixed_changes``,
+``check_same_inputs``, ``warn_restarted_state``)."""
 
 from __future__ import annotations
 
@@ -279,10 +279,11 @@ POLICY_FIELDS = ("train.policy", "train.static_strategy", "train.is_deterministi
 HISTORY_FIELDS = ("train.is_history_cross_prompt",)
 
 
-def check_overridable(out: Path, diff: dict[str, list]) -> None:
+def refuse_fixed_changes(out: Path, diff: dict[str, list]) -> None:
     """Refuse what a resume cannot change (``FIXED_ON_RESUME``, a lower --max-new-tokens:
-    the trace's earlier responses would exceed it); say that a changed SD policy starts afresh
-    (what it learned, bandit estimates and SD switches, was learned under the old settings)."""
+    the trace's earlier responses would exceed it), before any other check of the resume: a
+    new --seed redraws the evaluation split and was reported as changed data, and the refusal
+    that asked for --override-config came before the one saying it cannot help."""
     for key, (before, after) in diff.items():
         why = FIXED_ON_RESUME.get(key)
         if key == "train.max_new_tokens" and after < before:
@@ -292,6 +293,11 @@ def check_overridable(out: Path, diff: dict[str, list]) -> None:
                 f"{out}: --resume cannot change {flag_of(key)} ({before!r} -> {after!r}), even with "
                 f"--override-config: {why}; start a new run in another --out"
             )
+
+
+def warn_restarted_state(out: Path, diff: dict[str, list]) -> None:
+    """Say that a changed SD policy starts afresh (what it learned, bandit estimates and SD
+    switches, was learned under the old settings), and a changed history index empty."""
     from tltrun.train.state import RunDirWarning
 
     policy = [k for k in diff if k in POLICY_FIELDS or k.startswith("train.tlt_")]

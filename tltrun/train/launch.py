@@ -57,11 +57,12 @@ from tltrun.rollout.vllm_config import check_vllm_cpu_head_size, quiet_vllm_logs
 from tltrun.train.config import RESUME_NEUTRAL_FIELDS, TrainConfig
 from tltrun.train.config_checks import (
     check_eval_flags,
-    check_overridable,
     check_same_inputs,
     flag_of,
     is_same_path,
+    refuse_fixed_changes,
     warn_neutral_changes,
+    warn_restarted_state,
 )
 from tltrun.train.prompts import DataWarning, warn_data
 from tltrun.train.tasks import TaskConfig
@@ -448,7 +449,6 @@ def prepare_run_dir(
         write_json(out / "config.json", new)
         return None
     old = resumed_config(out)
-    check_same_inputs(out, old, data or {}, cfg)
     diff, neutral = {}, {}
     for section in ("train", "task"):
         changed = train_state.config_diff(old.get(section, {}), new[section])
@@ -458,13 +458,15 @@ def prepare_run_dir(
             is_same = section == "train" and is_same_path(TrainConfig, name, *values)
             is_neutral = is_same or (section == "train" and name in RESUME_NEUTRAL_FIELDS)
             (neutral if is_neutral else diff)[f"{section}.{name}"] = values
+    refuse_fixed_changes(out, diff)
+    check_same_inputs(out, old, data or {}, cfg)
     shown = "; ".join(f"{flag_of(key)}: {a!r} -> {b!r}" for key, (a, b) in diff.items())
     if diff and not is_override_config:
         raise UsageError(
             f"{out}: --resume with settings that change the run ({shown}); pass "
             f"--override-config to resume with them (recorded in {train_state.CONFIG_HISTORY})"
         )
-    check_overridable(out, diff)
+    warn_restarted_state(out, diff)
     warn_neutral_changes(out, neutral, cfg)
     resume_dir = train_state.select_checkpoint(out, cfg.num_workers)
     if resume_dir is None and (out / "final").exists():
