@@ -1,5 +1,6 @@
 """``tltsim compare`` against what a tltrun run measured: training priced per worker (each
-trains its own rollouts), and a trace measured on other hardware than the profile (a warning).
+trains its own rollouts), and a trace measured on other hardware than the profile, or of other
+prompts or another model than the baseline run (warnings).
 The measured traces and profile: tests/test_compare.py's helpers.
 
 Run: .venv/bin/python -m pytest tests/test_compare_measured.py -q
@@ -83,3 +84,42 @@ def test_a_trace_of_other_hardware_than_the_profile_is_a_warning(profile_path, t
     profile_path = preset
     assert compare_on("NVIDIA H100 80GB HBM3") == ""
     assert "measured on 'NVIDIA H200'" in compare_on("NVIDIA H200")
+
+
+def test_runs_that_rolled_out_other_prompts_or_models_are_a_warning(profile_path, tmp_path, capsys):
+    """Hunt: two tltrun train runs of other seeds (other rows in every step) were paired step
+    by step and their measured speedup printed without a word."""
+    runs = {
+        policy: self_measured(lengths_trace(2), policy, settings, profile_path, 1, 32)
+        for policy, settings in (("nospec", {}), ("static", {"strategy": "4_1_4"}))
+    }
+
+    def compare(
+        static_ids: dict[int, dict[str, str]], is_stable: bool = True, model: str = "m"
+    ) -> str:
+        paths = []
+        for policy, trace in runs.items():
+            steps = []
+            for step in trace.steps:
+                rename = static_ids.get(step.step, {}) if policy == "static" else {}
+                prompts = tuple(dataclasses.replace(p, id=rename.get(p.id, p.id))
+                                for p in step.prompts)  # fmt: skip
+                measured = dataclasses.replace(step.measured, is_prompt_id_stable=is_stable,
+                                               instance_prompts=None)  # fmt: skip
+                steps.append(dataclasses.replace(step, prompts=prompts, measured=measured))
+            meta = {**trace.meta, "model": model if policy == "static" else "m"}
+            paths.append(tmp_path / f"{policy}.json")
+            save_trace(dataclasses.replace(trace, meta=meta, steps=tuple(steps)), paths[-1])
+        argv = ["compare", *map(str, paths), "--profile", str(profile_path)]
+        assert main([*argv, "--out", str(tmp_path / "c")]) == 0
+        return capsys.readouterr().err
+
+    first = runs["static"].steps[1].prompts[0].id
+    assert compare({}) == ""
+    assert compare({1: {first: "row 99"}}) == (
+        f"warning: {tmp_path / 'static.json'}: step(s) 1 rolled out other prompts than "
+        f"{tmp_path / 'nospec.json'}'s (another --seed, --data or data order): their speedups "
+        "compare different work\n"
+    )
+    assert compare({1: {first: "row 99"}}, is_stable=False) == ""  # ids name no rows: unsaid
+    assert "measured other, " in compare({}, model="other")

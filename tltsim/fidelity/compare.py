@@ -21,7 +21,8 @@ effect; with ``--drafter-dynamics`` the model learns each step's measured traine
 Training is priced per worker, as tltrun trains: each worker its own rollouts' tokens, the step
 waiting for the one that served the most (``measured.instance_prompts``; even without it).
 A trace measured on other hardware than the profile (``measured.hardware`` vs the sidecar's
-``hardware``: another GPU, another CPU or torch thread count) is one warning.
+``hardware``: another GPU, another CPU or torch thread count) is one warning, as is a run whose
+steps rolled out other prompts than the baseline's (another seed or data) or another model.
 
 Printed and written to ``--out`` (default ``results/compare-<first trace stem>``):
 ``steps.csv`` (per trace and step: measured and simulated rollout, train, prefill, SD and
@@ -190,6 +191,37 @@ def _warn_other_hardware(run: MeasuredRun, profile: Profile, path: Path) -> None
             "simulated times are the profile's machine's (profile with the settings the run used)",
             CompareWarning,
             stacklevel=2,
+        )
+
+
+def _warn_other_work(run: MeasuredRun, path: Path, base: MeasuredRun, base_path: Path) -> None:
+    """Hunt: two train runs of other seeds (step 0 rolled out other rows) were paired step by
+    step, and their 'measured speedup' compared different work without a word. Prompt ids
+    are compared where both traces name prompts by their data rows (is_prompt_id_stable)."""
+    models = (run.trace.meta.get("model"), base.trace.meta.get("model"))
+    if all(isinstance(m, str) for m in models) and models[0] != models[1]:
+        warnings.warn(
+            f"{path}: measured {models[0]}, {base_path} {models[1]}: the speedup compares "
+            "two models",
+            CompareWarning,
+            stacklevel=3,
+        )
+
+    def prompts(r: MeasuredRun) -> dict[int, frozenset[str]]:
+        steps = [s for s in r.trace.steps if s.measured is not None]
+        if not steps or not all(s.measured.is_prompt_id_stable for s in steps):
+            return {}
+        return {s.step: frozenset(p.id for p in s.prompts) for s in steps}
+
+    mine, theirs = prompts(run), prompts(base)
+    other = [s for s in mine if s in theirs and mine[s] != theirs[s]]
+    if other:
+        shown = ", ".join(map(str, other[:5])) + (", ..." if len(other) > 5 else "")
+        warnings.warn(
+            f"{path}: step(s) {shown} rolled out other prompts than {base_path}'s (another "
+            "--seed, --data or data order): their speedups compare different work",
+            CompareWarning,
+            stacklevel=3,
         )
 
 
@@ -370,7 +402,7 @@ def compare(
     ``history``: a ``tltsim fit`` file's dynamics and history model (``simulate_run``)."""
     profile = load_profile(cfg.profile)
     cost = profile_cost(profile, cfg.hardware)
-    rows, runs, seen = [], [], {}
+    rows, runs, seen, measured = [], [], {}, {}
     for path in paths:
         run = measured_run(load_trace(path), str(path), cfg.max_running_requests, tlt)
         # one run per policy: speedups pair each policy's steps with the baseline's (two
@@ -380,7 +412,7 @@ def compare(
                 f"{path}: measures policy {run.policy!r}, as {seen[run.policy]} does; compare "
                 "one run per policy (compare the other run in a second call)"
             )
-        seen[run.policy] = path
+        seen[run.policy], measured[run.policy] = path, run
         if run.clock != profile.meta.get("clock", "wall"):
             raise UsageError(
                 f"{path}: measured in {run.clock} seconds but the profile {profile.source} in {profile.meta.get('clock', 'wall')} seconds (measure both with the same clock)"
@@ -400,6 +432,11 @@ def compare(
                 "sim": [dataclasses.asdict(s) for s in sims],
             }
         )
+    if cfg.baseline in measured:
+        for policy, run in measured.items():
+            if policy != cfg.baseline:
+                base = measured[cfg.baseline]
+                _warn_other_work(run, seen[policy], base, seen[cfg.baseline])
     steps = pd.DataFrame(rows)
     steps["rollout_err_pct"] = abs_pct_error(steps.sim_rollout_s, steps.measured_rollout_s)
     steps["train_err_pct"] = abs_pct_error(steps.sim_train_s, steps.measured_train_s)
