@@ -240,7 +240,7 @@ def test_a_survivors_broken_collective_says_a_worker_died_and_how_to_resume(tmp_
     err = failure_error(tmp_path, RankFailure(rank=0, pid=1, exit_code=1, traceback=gloo))
     message = str(err)
     assert message.startswith("worker rank 0 lost its connection to another worker, which died")
-    assert "--resume continues" in message and "worker_errors.log" in message
+    assert "--resume starts it again from step 0" in message and "worker_errors.log" in message
     assert "\n" not in message and err.is_output_cut
     assert "Connection reset by peer" in (tmp_path / "worker_errors.log").read_text()
 
@@ -298,8 +298,8 @@ def test_sigterm_to_the_launcher_is_a_stop_not_a_bug(model_dir, tmp_path):
             launcher.wait()
     assert launcher.returncode == 128 + signal.SIGTERM, err
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
-        f"error: {out}: stopped by SIGTERM; its workers were stopped. Continue from the last "
-        f"checkpoint with tltrun train --out {out} --resume"
+        f"error: {out}: stopped by SIGTERM; its workers were stopped; "
+        + ts.resume_hint(out, f"tltrun train --out {out}")  # (tested in test_run_dir_lifecycle)
     ], err
     assert "internal error" not in err and "Traceback" not in err
     # the error line is a line of its own, not glued to rank 0's progress bar; torch's agent

@@ -335,9 +335,9 @@ def test_ctrl_c_under_torchrun_is_one_line_on_rank_0_saying_how_to_resume(
     if rank:
         assert err == ""
     else:
-        assert err.strip() == (
-            f"interrupted; continue from the last checkpoint with: torchrun ... -m tltrun train "
-            f"--out {out} --resume"
+        assert err.strip() == (  # (no step ran: none to continue from)
+            f"interrupted; it wrote no checkpoint yet (--checkpoint-every): torchrun ... -m "
+            f"tltrun train --out {out} --resume starts it again from step 0"
         )
 
 

@@ -126,11 +126,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
             # Ctrl-C to torchrun's agent reaches every rank: rank 0 says how to go on (each
             # rank printed "interrupted", nothing said --resume)
             if os.environ.get("RANK", "0") == "0":
-                print(
-                    f"interrupted; continue from the last checkpoint with: torchrun ... -m "
-                    f"tltrun train --out {cfg.out} --resume",
-                    file=sys.stderr,
-                )
+                command = f"torchrun ... -m tltrun train --out {cfg.out}"
+                how = train_state.resume_hint(Path(cfg.out), command)
+                print(f"interrupted; {how}", file=sys.stderr)
             return 130
     if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 speaks for the job
         print(f"log.jsonl, trace.json, checkpoints and final/ written to {out}")

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tltrun.train.state import resume_hint
 from tltsim.errors import UsageError, WorkerError, is_input_error_name
 from tltsim.lifetime import die_with_parent
 
@@ -255,6 +256,10 @@ def _traceback(failure) -> str:
     return message if isinstance(message, str) else ""
 
 
+def _resume(out: Path) -> str:
+    return resume_hint(out, f"tltrun train --out {out}")
+
+
 def failure_error(out: Path, failure) -> WorkerError:
     """One line for the rank that ended a job (tltrun.train.elastic.root_failure)."""
     if failure.traceback and any(mark in failure.traceback for mark in COLLATERAL):
@@ -263,8 +268,8 @@ def failure_error(out: Path, failure) -> WorkerError:
         logged = worker_error(out, failure.rank, failure.traceback)
         return WorkerError(
             f"worker rank {failure.rank} lost its connection to another worker, which died "
-            f"(killed, or out of memory?); the other workers were stopped; --resume continues "
-            f"from the last checkpoint in {out / 'ckpt'} ({str(logged).rpartition('(')[2]}",
+            f"(killed, or out of memory?); the other workers were stopped; {_resume(out)} "
+            f"({str(logged).rpartition('(')[2]}",
             is_output_cut=True,
         )
     if failure.traceback:
@@ -276,7 +281,7 @@ def failure_error(out: Path, failure) -> WorkerError:
     )
     return WorkerError(
         f"worker rank {failure.rank} {how} (pid {failure.pid}); the other workers were "
-        f"stopped; --resume continues from the last checkpoint in {out / 'ckpt'}",
+        f"stopped; {_resume(out)}",
         is_output_cut=True,
     )
 

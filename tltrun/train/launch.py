@@ -246,9 +246,9 @@ def run_train(
             except SignalException as err:  # SIGTERM/SIGHUP to the launcher: torchrun's
                 # agent has stopped the workers; a stop, not a bug (exit 128 + signal, as a
                 # shell reports a process a signal ended)
+                how = train_state.resume_hint(out, f"tltrun train --out {out}")
                 raise WorkerError(
-                    f"{out}: stopped by {err.sigval.name}; its workers were stopped. Continue "
-                    f"from the last checkpoint with tltrun train --out {out} --resume",
+                    f"{out}: stopped by {err.sigval.name}; its workers were stopped; {how}",
                     exit_code=128 + int(err.sigval),
                     is_output_cut=True,
                 ) from None
