@@ -202,9 +202,12 @@ def test_flags_override_the_preset(tmp_path: Path) -> None:
     "argv, message",
     [
         (["replay", "no/such/trace.json"], "no/such/trace.json"),
-        (["replay", str(SAMPLE), "--preset", "h100x3-gpt5"], "unknown preset"),
+        (["replay", str(SAMPLE), "--preset", "h100x3-gpt5"], "unknown --preset 'h100x3-gpt5'"),
         (["replay", str(SAMPLE), "--policy", "nospec,fast"], "policy"),
-        (["replay", str(SAMPLE), "--num-gpus", "6", "--tp", "4"], "not a multiple of tp"),
+        (
+            ["replay", str(SAMPLE), "--num-gpus", "6", "--tp", "4"],
+            "--num-gpus=6 is not a multiple of --tp=4",
+        ),
         (["replay", str(SAMPLE), "--model", "GPT-9"], "unknown model preset"),
         (["replay", str(SAMPLE), "--tlt-epsilon", "2"], "epsilon"),
         (["report", str(ROOT / "traces")], "no summary.json"),

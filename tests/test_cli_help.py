@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -209,3 +210,22 @@ def test_a_flag_is_spelt_in_full_and_a_misspelt_one_gets_the_subcommands_closest
     with pytest.raises(SystemExit) as stop:
         build().parse_args(argv)
     assert stop.value.code == 2 and capsys.readouterr().err == expected + "\n"
+
+
+def test_a_bad_value_is_named_by_the_flag_that_set_it(tmp_path, capsys):
+    """Hunt: ``--eval-split 1.5`` said "TrainConfig: eval_split must be in [0, 1)", the field
+    a user never typed; a --config file's key keeps its name (test_train_inputs)."""
+    from tltrun.cli.main import main as tltrun_main
+    from tltsim.cli.main import main as tltsim_main
+
+    argv = ["train", "--model-dir", str(tmp_path), "--out", str(tmp_path / "o")]
+    assert tltrun_main([*argv, "--eval-split", "1.5"]) == 2
+    assert capsys.readouterr().err == "error: --eval-split must be in [0, 1), got 1.5\n"
+    assert tltrun_main([*argv, "--tlt-threshold", "0"]) == 2  # a TLTConfig field of TrainConfig
+    assert capsys.readouterr().err.startswith("error: --tlt-threshold, warmup_checks and window")
+    trace = str(Path(__file__).parents[1] / "traces" / "synth_reasoning_rl.json")
+    assert tltsim_main(["replay", trace, "--tlt-threshold", "0"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --tlt-threshold, --tlt-warmup-checks and --tlt-window must be >= 1, got 0, 10, "
+        "300\n"
+    )

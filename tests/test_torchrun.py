@@ -304,7 +304,7 @@ def test_settings_that_do_not_fit_the_torchrun_world_are_one_line_on_rank_0(
         assert err == ""
     else:
         assert "warning: --num-workers 3: not used under torchrun, whose world size (2)" in err
-        assert "error: torchrun world size 2: " in err and "prompt_split (1, 1, 2)" in err
+        assert "error: torchrun world size 2: " in err and "--prompt-split (1, 1, 2)" in err
         assert len(err.strip().splitlines()) == 2
 
 
@@ -356,4 +356,4 @@ def test_a_bad_flag_under_torchrun_is_not_blamed_on_the_world_size(
     argv = ["train", "--model-dir", str(model_dir), "--out", str(tmp_path / "o"), "--lr", "-1"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "lr and drafter_lr in (0, 1.0]" in err and "world size" not in err
+    assert "--lr and --drafter-lr in (0, 1.0]" in err and "world size" not in err

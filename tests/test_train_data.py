@@ -297,7 +297,7 @@ def test_data_without_an_answer_column_trains_with_the_users_reward(bpe_model, t
     # a reward that compares with an answer cannot score answerless rows
     code = main([*base, "--out", str(tmp_path / "b"), "--reward", "math", "--answer-key", ""])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "answer_key ''" in err and "'math'" in err and "\n" not in err
+    assert code == 2 and "--answer-key ''" in err and "'math'" in err and "\n" not in err
     assert not (tmp_path / "b").exists()
     # flags that would be ignored: refused (an --eval-data without --data evaluated the
     # built-in task; reasoning-gym rows have no columns to name)
@@ -312,12 +312,12 @@ def test_data_without_an_answer_column_trains_with_the_users_reward(bpe_model, t
     ]
     code = main([*common, "--eval-data", str(data)])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "eval_data" in err and "--data" in err and "\n" not in err
+    assert code == 2 and "--eval-data without --data" in err and "\n" not in err
     gym = ["--data", "reasoning-gym:chain_sum"]
     for flags in (["--prompt-key", "question"], ["--answer-key", ""], ["--answer-key", "x"]):
         code = main([*common, *gym, *flags])
         err = capsys.readouterr().err.strip()
-        assert code == 2 and "prompt_key and answer_key name columns" in err, flags
+        assert code == 2 and "--prompt-key and --answer-key name columns" in err, flags
     # a task setting beside --data, TLT's beside a policy that takes none: ignored, and a
     # later --resume changing one was refused as a change of the run
     for flags, message in (

@@ -169,7 +169,10 @@ def test_a_config_file_and_flags_invalid_together_name_the_file(bpe_model, tmp_p
             str(tmp_path / "c.toml")]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert "summing to prompts_per_step=8" in err and f"--config {tmp_path / 'c.toml'}" in err
+    assert (
+        "prompt_split (2, 1): need 2 counts >= 1 summing to --prompts-per-step=8" in err
+        and f"--config {tmp_path / 'c.toml'}" in err
+    )
     assert "\n" not in err
 
 
@@ -205,7 +208,7 @@ def test_request_slots_never_exceed_a_workers_responses():
          "dtype 'float64': backend vllm takes float32, bfloat16, float16"),
         ("", ["--backend", "vllm", "--eager", "--attn-impl", "flex"],
          "--attn-impl, --eager: settings of the torch engine"),
-        ("", ["--attn-impl", "paged"], "attn_impl 'paged': expected one of sdpa, flex"),
+        ("", ["--attn-impl", "paged"], "--attn-impl 'paged': expected one of sdpa, flex"),
         # Triton's interpreter runs no bf16 tree attention: refused before any worker
         ("", ["--attn-impl", "triton", "--dtype", "bfloat16"], "--attn-impl triton: "),
     ],

@@ -185,7 +185,15 @@ def _train_configs(args: argparse.Namespace) -> tuple[TrainConfig, TaskConfig]:
         cfg = absolute_paths(dataclass_from_args(TrainConfig, args, base=base))
     except UsageError as err:
         said = str(err)
-        if env is not None and any(n in said for n in ("num_workers", "prompt_split", "fsdp_size")):
+        sized = (
+            "num_workers",
+            "prompt_split",
+            "fsdp_size",
+            "num-workers",
+            "prompt-split",
+            "fsdp-size",
+        )
+        if env is not None and any(n in said for n in sized):
             # the world size decided num_workers: a recorded prompt_split or fsdp_size for
             # another size fails here
             said = f"torchrun world size {env.world_size}: {said}"

@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -340,6 +341,12 @@ def add_dataclass_args(
             )
 
 
+# Field names that are also words of the validation messages ("the policy", "its data"):
+# dataclass_from_args does not turn them into flags.
+PROSE_WORDS = frozenset({"out", "policy", "data", "model", "device", "backend", "dtype", "reward",
+                         "hardware", "sampling", "instance", "placement", "exact"})  # fmt: skip
+
+
 def dataclass_from_args(
     cls: type, ns: argparse.Namespace, prefix: str = "", base: Any = None
 ) -> Any:
@@ -352,14 +359,44 @@ def dataclass_from_args(
         for f in dataclasses.fields(cls)
         if f.init and base is not None
     }
-    values.update(given_fields(cls, ns, prefix))
+    given = given_fields(cls, ns, prefix)
+    values.update(given)
     try:
         return cls(**values)
     except (TypeError, ValueError) as err:
         # __post_init__ messages name their class already ("TLTConfig: ..."); say it once
-        text = str(err)
-        named = text.startswith(f"{cls.__name__}:")
-        raise UsageError(text if named else f"{cls.__name__}: {text}") from None
+        text = str(err).removeprefix(f"{cls.__name__}: ")
+        # the flags a user typed, not the fields ("eval_split must be in [0, 1)"); a setting
+        # ``base`` changed (a --config file's key) keeps its name, and so do field names that
+        # are also plain words of the messages (and of paths)
+        flags = {
+            f.name: flag_name(f, prefix)
+            for f in dataclasses.fields(cls)
+            if f.name not in PROSE_WORDS
+            and hasattr(ns, prefix + f.name)
+            and (f.name in given or not _is_changed_by(base, f))
+        }
+        # TrainConfig's tlt_* fields are a TLTConfig's, whose own message names them bare
+        nested = "tlt_" if text.startswith("TLTConfig: ") else ""
+        said = re.sub(
+            r"(?<![-./\w])[a-z][a-z0-9_]*\b(?![./])",
+            lambda m: flags.get(m[0]) or flags.get(nested + m[0], m[0]),
+            text,
+        )
+        if said != text:
+            raise UsageError(said.removeprefix("TLTConfig: ") if nested else said) from None
+        raise UsageError(f"{cls.__name__}: {text}") from None
+
+
+def _is_changed_by(base: Any, f: dataclasses.Field) -> bool:
+    """Whether ``base`` holds another value of field ``f`` than its default."""
+    if base is None or not hasattr(base, f.name):
+        return False
+    if f.default is not dataclasses.MISSING:
+        return getattr(base, f.name) != f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return getattr(base, f.name) != f.default_factory()
+    return True
 
 
 def given_fields(cls: type, ns: argparse.Namespace, prefix: str = "") -> dict[str, Any]:
