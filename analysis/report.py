@@ -49,6 +49,11 @@ def report(out_dir: str | Path) -> list[Path]:
         from analysis.replay_plots import draw_all
     elif kind == "sweep":
         from analysis.sweep_plots import draw_all
+    elif kind == "compare":  # (it was "field 'kind' must be 'replay' or 'sweep'")
+        raise ReportError(
+            f"{out_dir}: a tltsim compare output, whose figures compare wrote already "
+            f"({', '.join(sorted(p.name for p in out_dir.glob('*.png'))) or 'none left'})"
+        )
     else:
         raise ReportError(f"{summary_path}: field 'kind' must be 'replay' or 'sweep', got {kind!r}")
     import pandas as pd

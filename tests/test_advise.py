@@ -203,7 +203,9 @@ def test_a_workload_where_tlt_is_slower_says_do_not_use_it(tmp_path, capsys):
 
 @pytest.mark.parametrize(("reclaimed", "expected"), [
     (6.34, "idle GPU-seconds reclaimed per step: 6.3"),
-    (0.0, "idle GPU-seconds reclaimed per step: 0.0"),
+    (0.0, "idle GPU-seconds per step: as NoSpec's"),
+    (-0.04, "idle GPU-seconds per step: as NoSpec's"),  # (hunt: "0.0 MORE than NoSpec")
+    (-0.06, "idle GPU-seconds per step: 0.1 MORE than NoSpec"),
     (-1234.5, "idle GPU-seconds per step: 1,234.5 MORE than NoSpec"),
 ])  # fmt: skip
 def test_more_idle_time_than_nospec_is_said_as_a_loss(reclaimed, expected):

@@ -343,3 +343,26 @@ def test_a_directory_of_another_commands_results_is_refused(
     assert main(argv) == 0  # its own kind: replaced
     (out / "config.json").write_text('{"model_type": "qwen2"}')  # a model's, not ours
     assert main(argv) == 0
+
+
+def test_the_summary_footnote_names_the_columns_shown(tmp_path: Path, capsys) -> None:
+    """Hunt: a tlt-only replay's footnote spoke of reclaimed_gpu_s, a column its table lacks,
+    and a one-step trace's of 'the 1 steps'."""
+    argv = ["replay", str(SAMPLE), "--max-steps", "1", "--out", str(tmp_path / "o")]
+    assert main([*argv, "--policy", "tlt"]) == 0
+    assert "(step_s, rollout_s: means per step; drafter_gpu_s: total over the 1 step)\n" in (
+        capsys.readouterr().out
+    )
+    assert main([*argv, "--policy", "nospec,tlt", "--max-steps", "2"]) == 0
+    assert "reclaimed_gpu_s, drafter_gpu_s: totals over the 2 steps)" in capsys.readouterr().out
+
+
+def test_report_of_a_compare_output_says_its_figures_are_there(tmp_path: Path, capsys) -> None:
+    """Hunt: it said "field 'kind' must be 'replay' or 'sweep', got 'compare'"."""
+    (tmp_path / "summary.json").write_text('{"kind": "compare"}')
+    (tmp_path / "parity.png").write_bytes(b"")
+    assert main(["report", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path}: a tltsim compare output, whose figures compare wrote already "
+        "(parity.png)\n"
+    )

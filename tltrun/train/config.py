@@ -46,7 +46,11 @@ RESUME_NEUTRAL_FIELDS = (
 class TrainConfig:
     model_dir: str = field(
         default="",
-        metadata={"help": "Hugging Face checkpoint from `tltrun sft` (required)", "metavar": "DIR"},
+        metadata={
+            "help": "Hugging Face model directory (config.json + safetensors + tokenizer: "
+            "a Qwen/Llama checkpoint, or `tltrun sft`'s) (required)",
+            "metavar": "DIR",
+        },
     )
     out: str = field(default="", metadata={"help": "output directory (required)", "metavar": "DIR"})
     drafter_dir: str | None = field(

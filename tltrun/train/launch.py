@@ -1,5 +1,6 @@
-"""``tltrun train``: GRPO on the built-in long-tail task (tltrun.train.tasks) with W rollout workers
-(torch.distributed ranks, gloo on CPU / NCCL on CUDA) and spot drafter training in their idle time.
+"""``tltrun train``: GRPO of a Hugging Face model on your data (``--data``, ``--reward``) or the
+built-in long-tail task (tltrun.train.tasks), with W rollout workers (torch.distributed ranks,
+gloo on CPU / NCCL on CUDA) and spot drafter training in their idle time.
 
     tltrun train --config train.toml            # or train.json; flags override the file
     tltrun train --model-dir runs/sft --out runs/rl --num-workers 2 --num-steps 20 --policy tlt

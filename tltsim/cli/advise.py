@@ -420,6 +420,8 @@ def idle_line(r: dict[str, Any]) -> str:
     """The idle GPU-seconds TLT saves per step against NoSpec, said as a loss when negative (a
     slower TLT run idles more GPUs for longer, and "reclaimed -12.0" reads like a gain)."""
     reclaimed = r["idle_gpu_s_reclaimed_per_step"]
+    if round(reclaimed, 1) == 0:  # (-0.04 read "0.0 MORE than NoSpec")
+        return "idle GPU-seconds per step: as NoSpec's"
     if reclaimed >= 0:
         return f"idle GPU-seconds reclaimed per step: {reclaimed:,.1f}"
     return f"idle GPU-seconds per step: {-reclaimed:,.1f} MORE than NoSpec"

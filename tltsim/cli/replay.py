@@ -310,6 +310,18 @@ def simulated_line(sim: SimConfig, trace: Trace) -> str:
     return line
 
 
+def _footnote(columns: dict[str, Any], num_steps: int) -> str:
+    """What the summary's columns are, of those it shows (a tlt-only table has no
+    reclaimed_gpu_s, and said it had)."""
+    totals = [c for c in ("reclaimed_gpu_s", "drafter_gpu_s") if c in columns.values()]
+    over = f"the {num_steps} steps" if num_steps != 1 else "the 1 step"
+    return f"(step_s, rollout_s: means per step{'; ' if totals else ''}" + (
+        f"{', '.join(totals)}: total{'s' if len(totals) > 1 else ''} over {over})"
+        if totals
+        else ")"
+    )
+
+
 def format_report(
     results: dict[str, SimResult], summary: dict[str, Any], out: Path, max_rows: int = 12
 ) -> str:
@@ -334,8 +346,7 @@ def format_report(
             f"bound {summary['mean_ideal_work_s']:,.2f} s, critical path "
             f"{summary['mean_ideal_critical_path_s']:,.2f} s):",
             format_table(policies, columns, left=("policy",), float_format=",.2f"),
-            f"(step_s, rollout_s: means per step; reclaimed_gpu_s, drafter_gpu_s: totals over "
-            f"the {summary['policies'][0]['num_steps']} steps)",
+            _footnote(columns, summary["policies"][0]["num_steps"]),
             *interval_lines(summary.get("speedup_interval")),
             "",
             f"wrote {out}/: {OUTPUT_FILES}",
