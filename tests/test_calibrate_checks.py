@@ -140,3 +140,28 @@ def test_a_hand_edited_preset_or_hardware_file_names_the_misspelt_field(tmp_path
         assert main(argv) == 2, name
         err = capsys.readouterr().err.strip()
         assert err == f"error: {'--hardware ' if 'profile-info' in argv else ''}{path}: {message}"
+
+
+def test_a_replay_beyond_the_shapes_a_preset_was_fitted_on_says_so(tmp_path, capsys):
+    """Hunt: the preset records its fit_domain (batches, contexts per sequence) and nothing
+    read it: a 1-2k-context profile priced a 10k-token long tail without a word."""
+    from tltsim.trace.files import save_trace
+    from tltsim.trace.schema import Prompt, Response, Step, Trace
+
+    preset = tmp_path / "h200.json"
+    assert main(["calibrate", str(PROFILE), *FLAGS, "--out", str(preset)]) == 0
+    short = tmp_path / "short.json"
+    prompts = tuple(Prompt(f"p{i}", 100, (Response(900), Response(1500))) for i in range(4))
+    save_trace(Trace({}, (Step(0, prompts),)), short)
+    capsys.readouterr()
+    argv = ["replay", "--preset", "h200x8-qwen7b", "--hardware-file", str(preset), "--policy",
+            "nospec", "--max-steps", "1", "--out", str(tmp_path / "r")]  # fmt: skip
+    assert main([*argv, str(short)]) == 0
+    assert "calibration:" not in capsys.readouterr().out  # 1,600 tokens: inside 512-2,048
+    assert main([*argv, str(TRACE)]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("calibration:")]
+    assert lines == [
+        "calibration: this replay runs contexts up to 10,242 tokens per sequence (fitted up to "
+        "2,048): h200.json's curves are extrapolated there (profile those shapes with tltrun "
+        "profile and calibrate again)"
+    ]

@@ -46,7 +46,12 @@ from tltsim.cli.fidelity import (
     history_from_args,
 )
 from tltsim.cli.table import format_table
-from tltsim.cost.calibrated import CalibratedCost, is_preset_file, load_hardware_preset
+from tltsim.cost.calibrated import (
+    CalibratedCost,
+    fit_domain_line,
+    is_preset_file,
+    load_hardware_preset,
+)
 from tltsim.cost.measured import profile_gaps
 from tltsim.cost.presets import apply_preset
 from tltsim.cost.profile import load_profile
@@ -227,6 +232,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print(format_report(results, summary, out))
     for line in extrapolation_lines(cost):
         print(line)
+    if is_preset_file(sim.hardware):
+        # a step's responses spread over the instances (an instance's first batch)
+        instances = sim.num_gpus // sim.tp
+        most = max(-(-sum(len(p.responses) for p in s.prompts) // instances) for s in trace.steps)
+        longest = max(
+            p.prompt_tokens + max(r.tokens for r in p.responses)
+            for step in trace.steps
+            for p in step.prompts
+        )
+        line = fit_domain_line(sim.hardware, min(most, sim.max_running_requests), longest)
+        if line is not None:
+            print(line)
     return 0
 
 

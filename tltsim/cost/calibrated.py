@@ -376,6 +376,32 @@ def load_hardware_preset(path: str | Path) -> tuple[HardwareSpec, CalibrationPar
     return hardware, params
 
 
+def fit_domain_line(path: str | Path, max_batch: int, max_context_tokens: int) -> str | None:
+    """A line when a replay runs batches or per-sequence contexts beyond those the preset at
+    ``path`` was fitted on (its ``fit_domain``, written by ``tltsim calibrate``): the curves
+    are extrapolated there (a 1k-context profile priced a 16k-token long tail unsaid). None
+    inside, or for a file that records no domain."""
+    try:
+        domain = json.loads(Path(path).read_text(encoding="utf-8")).get("fit_domain")
+        batch_hi, context_hi = max(domain["batches"]), float(domain["max_context_tokens"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    beyond = []
+    if max_batch > batch_hi:
+        beyond.append(f"batches up to {max_batch:,} (fitted up to {batch_hi:,})")
+    if max_context_tokens > context_hi:
+        beyond.append(
+            f"contexts up to {max_context_tokens:,} tokens per sequence (fitted up to "
+            f"{context_hi:,.0f})"
+        )
+    if not beyond:
+        return None
+    return (
+        f"calibration: this replay runs {' and '.join(beyond)}: {Path(path).name}'s curves are "
+        "extrapolated there (profile those shapes with tltrun profile and calibrate again)"
+    )
+
+
 @functools.cache  # once per file and process: every cost model built reads the file again
 def _warn_poor_preset(path: str, median: float) -> None:
     warnings.warn(
