@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from analysis import ReportError, step_axis
+from tltsim.sim.intervals import described_sources
 
 PHASE_COLORS = {
     "prefill": "#8c564b",
@@ -247,7 +248,8 @@ def step_time_per_policy(steps: pd.DataFrame, path: Path, summary: dict | None =
     ax.set_ylabel("step time (seconds)")
     ax.set_title("Step time per policy")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    # below the axes: inside, it covered the slowest policy's curve
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=2)
     if has_speedup:
         speedup_bars(right, policies, summary.get("speedup_interval"))
     return _save(fig, path)
@@ -267,7 +269,7 @@ def speedup_bars(ax: plt.Axes, policies: list[dict], interval: dict | None) -> N
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks(x, [r["policy"] for r in rows])
     ax.set_ylabel("step-time speedup vs NoSpec")
-    sources = ",\n".join(interval["sources"]) if interval and interval["sources"] else "none"
+    sources = ",\n".join(described_sources(interval)) or "nothing (one simulation)"
     ax.set_title(f"Speedup vs NoSpec, min-max over\n{sources}", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
 
@@ -278,6 +280,9 @@ def accept_length(steps: pd.DataFrame, path: Path, learned: set[str] | None = No
     all but tltbase; tltbase's history drafter is not that drafter)."""
     fig, ax = plt.subplots(figsize=(9, 4.5))
     right = ax.twinx()
+    # the drafter's curves of static and tlt nearly coincide (one drafter, trained on what
+    # each rollout generated): wider and dashed under narrower and dotted, both stay visible
+    styles = iter([("--", 3.0), (":", 2.0), ("-.", 1.2), ("-", 0.8)] * 4)
     for policy in dict.fromkeys(steps.policy):
         s = steps[steps.policy == policy]
         if s.sd_verifies.sum() == 0:
@@ -292,15 +297,9 @@ def accept_length(steps: pd.DataFrame, path: Path, learned: set[str] | None = No
             label=f"{policy}: mean accept length",
         )
         if policy in (learned if learned is not None else set(POLICY_COLORS) - {"tltbase"}):
-            right.plot(
-                s.step,
-                s.drafter_acceptance,
-                color=color,
-                ls="--",
-                marker="x",
-                ms=3,
-                label=f"{policy}: EAGLE drafter per-token acceptance",
-            )
+            ls, lw = next(styles)
+            right.plot(s.step, s.drafter_acceptance, color=color, ls=ls, lw=lw, marker="x", ms=3,
+                       label=f"{policy}: EAGLE drafter per-token acceptance")  # fmt: skip
     step_axis(ax, steps.step)
     ax.set_ylabel("tokens per request per verify (incl. bonus)")
     right.set_ylabel("per-token acceptance")

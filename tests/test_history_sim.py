@@ -326,7 +326,7 @@ def test_replay_runs_tltbase_beside_nospec_and_tlt_on_a_version_1_trace(tmp_path
     # without a history drafter in tlt the flag would change nothing there: refused
     assert main([*argv, "--tlt-history-strategies", "3_1_3", "--out", str(out3)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "history_strategies" in err and "\n" not in err
+    assert "--tlt-history-strategies" in err and "\n" not in err
 
 
 @pytest.mark.parametrize("explore_iters", [1, 16])

@@ -61,7 +61,7 @@ from tltsim.policy import SpotTrainerConfig, TLTConfig
 from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.config import SimConfig
 from tltsim.sim.history_acceptance import HistoryModel
-from tltsim.sim.intervals import describe
+from tltsim.sim.intervals import describe, described_sources
 from tltsim.sim.metrics import SimResult
 from tltsim.sim.replay import (
     RESULT_FILES,
@@ -383,15 +383,5 @@ def with_speedup_text(row: dict[str, Any]) -> dict[str, Any]:
 
 def interval_lines(described: dict[str, Any] | None) -> list[str]:
     """What the speedup intervals include (``tltsim.sim.intervals.describe``)."""
-    if not described:
-        return []
-    parts = []
-    if "seeds" in described["sources"]:
-        parts.append(f"seeds {','.join(map(str, described['seeds']))}")
-    if "accept_rate" in described["sources"]:
-        parts.append(f"accept rates {described['accept_rate_range']}")
-    if "cost_error" in described["sources"]:
-        parts.append(f"SD iteration cost +/-{100 * described['cost_error']:g}%")
-    if not parts:
-        return []
-    return [f"speedup interval: min-max over {'; '.join(parts)}"]
+    parts = described_sources(described)
+    return [f"speedup interval: min-max over {'; '.join(parts)}"] if parts else []

@@ -345,3 +345,17 @@ def describe(spec: IntervalSpec) -> dict[str, Any]:
         "accept_rate_range": spec.accept.description if spec.accept else None,
         "cost_error": spec.cost_error,
     }
+
+
+def described_sources(described: dict[str, Any] | None) -> list[str]:
+    """``describe``'s record in words ("seeds 0,1,2", "SD iteration cost +/-10%"), as the
+    replay's text and its figure say it."""
+    sources = described["sources"] if described else []
+    parts = []
+    if "seeds" in sources:
+        parts.append(f"seeds {','.join(map(str, described['seeds']))}")
+    if "accept_rate" in sources:
+        parts.append(f"accept rates {described['accept_rate_range']}")
+    if "cost_error" in sources:
+        parts.append(f"SD iteration cost +/-{100 * described['cost_error']:g}%")
+    return parts
