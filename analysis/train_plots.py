@@ -200,7 +200,7 @@ def _accept(runs, out: Path) -> Path:
 
 
 def _step_time(runs, out: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(8, 3.5))
     names = [label for label, _ in runs]
     x = range(len(runs))
     mean = [
@@ -217,14 +217,25 @@ def _step_time(runs, out: Path) -> Path:
         sum(r["eval_s"] for r in rows if type(r.get("eval_s")) in (int, float)) / len(rows)
         for _, rows in runs
     ]
-    other = [max(m["step_s"] - m["rollout_s"] - m["train_s"] - e, 0.0)
-             for m, e in zip(mean, evaluation, strict=True)]  # fmt: skip
+    # the drafter's training and sync past the rollout's end (deterministic mode's wait for
+    # its spot budgets; else the preempted update and the broadcast): it was "other"
+    spot_wait = [
+        sum(r["spot_wait_s"] for r in rows if type(r.get("spot_wait_s")) in (int, float))
+        / len(rows)
+        for _, rows in runs
+    ]
+    other = [max(m["step_s"] - m["rollout_s"] - m["train_s"] - e - w, 0.0)
+             for m, e, w in zip(mean, evaluation, spot_wait, strict=True)]  # fmt: skip
     below = [a + b for a, b in zip(rollout, train, strict=True)]
     ax.bar([i - 0.2 for i in x], rollout, width=0.4, label="rollout")
     ax.bar([i - 0.2 for i in x], train, width=0.4, bottom=rollout, label="actor update")
     if any(evaluation):
         ax.bar([i - 0.2 for i in x], evaluation, width=0.4, bottom=below, label="evaluation")
         below = [a + b for a, b in zip(below, evaluation, strict=True)]
+    if any(spot_wait):
+        ax.bar([i - 0.2 for i in x], spot_wait, width=0.4, bottom=below,
+               label="drafter sync / spot wait after the rollout")  # fmt: skip
+        below = [a + b for a, b in zip(below, spot_wait, strict=True)]
     ax.bar([i - 0.2 for i in x], other, width=0.4, bottom=below, label="other")
     ax.bar(
         [i + 0.2 for i in x],
@@ -232,17 +243,17 @@ def _step_time(runs, out: Path) -> Path:
         width=0.4,
         hatch="//",
         fill=False,
-        label="spot drafter training (in idle time)",
+        label="spot drafter training (on idle workers, during the rollout and the wait)",
     )
     ax.set_xticks(list(x), names, rotation=15, fontsize=7)
     ax.set_ylabel("seconds per RL step")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # (it covered the bars)
     return _save(fig, out / "step_time.png")
 
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # (a legend beside the axes is kept)
     plt.close(fig)
     return path
 

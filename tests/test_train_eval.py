@@ -215,6 +215,11 @@ def test_the_step_time_figure_draws_evaluation_apart_from_other(tmp_path, monkey
     ]  # fmt: skip
     train_plots._step_time([("run", rows)], tmp_path)
     assert ("evaluation", [0.5]) in bars and ("other", [0.5]) in bars  # step 2.5, eval 0.5
+    # the drafter's wait past the rollout (hunt: deterministic mode's ~1 s was "other")
+    bars.clear()
+    train_plots._step_time([("run", [{**r, "spot_wait_s": 0.2} for r in rows])], tmp_path)
+    assert ("drafter sync / spot wait after the rollout", [0.2]) in bars
+    assert ("other", [0.3]) in bars
 
 
 def test_data_smaller_than_a_step_and_a_files_num_rows_are_warned_about(bpe_model, tmp_path):  # noqa: F811
