@@ -233,3 +233,17 @@ def test_an_interrupted_advice_leaves_no_earlier_advice_beside_its_sweep(
     assert main([*argv, "--max-steps", "2", "--out", str(out)]) == 130
     left = {p.name for p in out.iterdir()}
     assert "sweep.toml" in left and not left & {"advise.json", "train.toml", "fastrl.yaml"}
+
+
+def test_advise_takes_a_gpu_as_replay_does(tmp_path, capsys):
+    """Hunt: users type replay's --hardware here too; argparse took it for --hardware-file and
+    answered about a preset file. The GPU replaces the preset's; beside a file it is refused."""
+    argv = ["advise", str(TRACE), "--max-steps", "1", "--num-seeds", "1", "--thresholds", "32",
+            "--strategy-sets", "chains", "--hardware", "H200"]  # fmt: skip
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "simulated: Qwen2.5-7B on 8 x H200 (TP 1)" in out
+    assert "interval: min-max over accept rates x0.9-x1.1; SD iteration cost +/-10%)" in out
+    assert 'hardware = "H200"' in (tmp_path / "a" / "sweep.toml").read_text()
+    assert main([*argv, "--hardware-file", str(tmp_path / "x.json")]) == 2
+    assert "--hardware H200 and --hardware-file" in capsys.readouterr().err

@@ -33,14 +33,20 @@ from typing import Any
 
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args
 from tltsim.cost.presets import CLUSTER_PRESETS, apply_preset
-from tltsim.cost.specs import is_model_path
+from tltsim.cost.specs import HARDWARE_PRESETS, is_model_path
 from tltsim.errors import InputWarning, UsageError
 from tltsim.jsonio import remove_stale_outputs, write_json
 from tltsim.policy import SpotTrainerConfig, TLTConfig
 from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.config import MAX_SIMULATIONS, SimConfig
 from tltsim.sim.history_acceptance import HistoryModel
-from tltsim.sim.intervals import DEFAULT_COST_ERROR, IntervalSpec, accept_band, describe
+from tltsim.sim.intervals import (
+    DEFAULT_COST_ERROR,
+    IntervalSpec,
+    accept_band,
+    describe,
+    described_sources,
+)
 from tltsim.sim.replay import (
     RunSettings,
     comparison,
@@ -78,6 +84,10 @@ class AdviseConfig:
             "target model over the preset's: a preset name, or a Hugging Face config.json or "
             "model directory"
         ),
+    )
+    hardware: str | None = field(
+        default=None,
+        metadata=_help("GPU over the preset's: " + ", ".join(HARDWARE_PRESETS)),
     )
     num_gpus: int | None = field(default=None, metadata=_help("GPUs over the preset's"))
     tp: int | None = field(default=None, metadata=_help("tensor-parallel degree over the preset's"))
@@ -175,7 +185,8 @@ def _toml_string(text: str) -> str:
 def cluster_overrides(config: AdviseConfig) -> dict[str, Any]:
     """The SimConfig fields ``config`` sets over its preset (a model path made absolute: the
     sweep resolves paths beside its spec)."""
-    fields = {"model": config.model, "num_gpus": config.num_gpus, "tp": config.tp}
+    fields = {"model": config.model, "hardware": config.hardware, "num_gpus": config.num_gpus,
+              "tp": config.tp}  # fmt: skip
     if config.model is not None and is_model_path(config.model):
         fields["model"] = str(Path(config.model).resolve())
     return {k: v for k, v in fields.items() if v is not None}
@@ -304,6 +315,12 @@ def cmd_advise(args: argparse.Namespace) -> int:
     hardware = None
     if args.hardware_file is not None:
         from tltsim.cli.replay import hardware_file_name
+
+        if config.hardware is not None:  # (replay warns and takes the file; here: one of them)
+            raise UsageError(
+                f"--hardware {config.hardware} and --hardware-file {args.hardware_file}: give "
+                "one (the file names its GPU)"
+            )
 
         hardware = hardware_file_name(args.hardware_file)
     spec = interval_spec(config)  # a bad band or cost error is refused before the sweep runs
@@ -436,7 +453,7 @@ def format_advice(report: dict[str, Any], out: Path) -> str:
     interval = ""
     if r["speedup_vs_nospec_low"] is not None:
         interval = f" [{r['speedup_vs_nospec_low']:.2f}-{r['speedup_vs_nospec_high']:.2f}]"
-    sources = ", ".join(report["speedup_interval"]["sources"]) or "none"
+    sources = "; ".join(described_sources(report["speedup_interval"])) or "nothing"
     low, high = r["speedup_vs_nospec_low"], r["speedup_vs_nospec_high"]
     low = r["speedup_vs_nospec"] if low is None else low
     high = r["speedup_vs_nospec"] if high is None else high
