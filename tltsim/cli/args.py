@@ -366,26 +366,32 @@ def dataclass_from_args(
     except (TypeError, ValueError) as err:
         # __post_init__ messages name their class already ("TLTConfig: ..."); say it once
         text = str(err).removeprefix(f"{cls.__name__}: ")
-        # the flags a user typed, not the fields ("eval_split must be in [0, 1)"); a setting
-        # ``base`` changed (a --config file's key) keeps its name, and so do field names that
-        # are also plain words of the messages (and of paths)
-        flags = {
-            f.name: flag_name(f, prefix)
-            for f in dataclasses.fields(cls)
-            if f.name not in PROSE_WORDS
-            and hasattr(ns, prefix + f.name)
-            and (f.name in given or not _is_changed_by(base, f))
-        }
-        # TrainConfig's tlt_* fields are a TLTConfig's, whose own message names them bare
-        nested = "tlt_" if text.startswith("TLTConfig: ") else ""
-        said = re.sub(
-            r"(?<![-./\w])[a-z][a-z0-9_]*\b(?![./])",
-            lambda m: flags.get(m[0]) or flags.get(nested + m[0], m[0]),
-            text,
-        )
-        if said != text:
-            raise UsageError(said.removeprefix("TLTConfig: ") if nested else said) from None
-        raise UsageError(f"{cls.__name__}: {text}") from None
+        said = _said_with_flags(text, cls, ns, prefix, base, given)
+        raise UsageError(said if said != text else f"{cls.__name__}: {text}") from None
+
+
+def _said_with_flags(
+    text: str, cls: type, ns: argparse.Namespace, prefix: str, base: Any, given: dict[str, Any]
+) -> str:
+    """A validation message with the flags a user typed for the fields it names
+    ("eval_split must be in [0, 1)" -> "--eval-split ..."). A setting ``base`` changed (a
+    --config file's key) keeps its name, and so do field names that are also plain words of
+    the messages (and of paths): ``PROSE_WORDS``."""
+    flags = {
+        f.name: flag_name(f, prefix)
+        for f in dataclasses.fields(cls)
+        if f.name not in PROSE_WORDS
+        and hasattr(ns, prefix + f.name)
+        and (f.name in given or not _is_changed_by(base, f))
+    }
+    # TrainConfig's tlt_* fields are a TLTConfig's, whose own message names them bare
+    nested = "tlt_" if text.startswith("TLTConfig: ") else ""
+    said = re.sub(
+        r"(?<![-./\w])[a-z][a-z0-9_]*\b(?![./])",
+        lambda m: flags.get(m[0]) or flags.get(nested + m[0], m[0]),
+        text,
+    )
+    return said.removeprefix("TLTConfig: ") if nested and said != text else said
 
 
 def _is_changed_by(base: Any, f: dataclasses.Field) -> bool:
