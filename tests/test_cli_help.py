@@ -189,9 +189,12 @@ def test_a_value_starting_with_minus_says_how_to_write_it(monkeypatch, capsys):
 @pytest.mark.parametrize(
     ("build", "argv", "expected"),
     [
-        (tltsim_parser, ["advise", "t.json", "--hardware", "H100-SXM"],
-         "error: tltsim advise: unrecognized arguments: --hardware H100-SXM (did you mean "
+        (tltsim_parser, ["advise", "t.json", "--hardwarefile", "h.json"],
+         "error: tltsim advise: unrecognized arguments: --hardwarefile h.json (did you mean "
          "--hardware-file?) (see tltsim advise --help)"),
+        (tltsim_parser, ["advise", "t.json", "--hardware-f", "h.json"],  # no prefix match
+         "error: tltsim advise: unrecognized arguments: --hardware-f h.json (did you mean "
+         "--hardware?) (see tltsim advise --help)"),
         (tltsim_parser, ["replay", "t.json", "--polcy=all"],
          "error: tltsim replay: unrecognized arguments: --polcy=all (did you mean --policy?) "
          "(see tltsim replay --help)"),
