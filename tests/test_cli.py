@@ -330,9 +330,15 @@ def test_a_directory_of_another_commands_results_is_refused(
     )
     assert sorted(p.name for p in out.iterdir()) == before  # nothing removed or added
     spec = tmp_path / "s.toml"
-    spec.write_text(f'trace = "{SAMPLE}"\npolicy = ["nospec"]\nmax_steps = 1\n')
+    spec.write_text(f'trace = "{SAMPLE}"\nmax_steps = 1\n')
     assert main(["sweep", str(spec), "--out", str(out)]) == 2
     assert "holds the results of a tltsim replay (config.json); give this sweep" in (
+        capsys.readouterr().err
+    )
+    # the spec's own out too (review: it wrote over the replay's config.json and summary.json)
+    spec.write_text(f'out = "{out}"\n' + spec.read_text())
+    assert main(["sweep", str(spec)]) == 2
+    assert f"error: {spec}: out {out}: holds the results of a tltsim replay" in (
         capsys.readouterr().err
     )
     (out / "advise.json").write_text("{}")

@@ -123,3 +123,4 @@ def test_runs_that_rolled_out_other_prompts_or_models_are_a_warning(profile_path
     )
     assert compare({1: {first: "row 99"}}, is_stable=False) == ""  # ids name no rows: unsaid
     assert "measured other, " in compare({}, model="other")
+    assert compare({}, model="/elsewhere/m") == ""  # the same model directory's name

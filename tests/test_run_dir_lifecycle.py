@@ -444,14 +444,14 @@ def test_resuming_a_finished_run_says_so_and_touches_nothing(model_dir, tmp_path
 def test_a_stopped_run_is_told_whether_a_checkpoint_holds_its_steps(tmp_path):
     """Hunt: a run stopped before its first checkpoint was told to 'continue from the last
     checkpoint'; --resume then began again at step 0 without a word."""
-    assert ts.resume_hint(tmp_path, "tltrun train --out o") == (
+    assert run_logs.resume_hint(tmp_path, "tltrun train --out o") == (
         "it wrote no checkpoint yet (--checkpoint-every): tltrun train --out o --resume starts "
         "it again from step 0"
     )
     ts.tmp_checkpoint_dir(tmp_path, 2).mkdir(parents=True)  # being written: not one yet
-    assert "no checkpoint yet" in ts.resume_hint(tmp_path, "tltrun train --out o")
+    assert "no checkpoint yet" in run_logs.resume_hint(tmp_path, "tltrun train --out o")
     for step in (1, 3):
         ts.checkpoint_dir(tmp_path, step).mkdir(parents=True)
-    assert ts.resume_hint(tmp_path, "tltrun train --out o") == (
+    assert run_logs.resume_hint(tmp_path, "tltrun train --out o") == (
         "continue from its last checkpoint (step_000003) with tltrun train --out o --resume"
     )

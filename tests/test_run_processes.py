@@ -25,6 +25,7 @@ import test_run_integrity
 from test_run_integrity import cli, make_fake_run
 
 from tltrun.train import state as ts
+from tltrun.train.run_logs import resume_hint
 from tltsim.errors import UsageError
 from tltsim.lifetime import owned_tempdir
 
@@ -299,7 +300,7 @@ def test_sigterm_to_the_launcher_is_a_stop_not_a_bug(model_dir, tmp_path):
     assert launcher.returncode == 128 + signal.SIGTERM, err
     assert [line for line in err.splitlines() if line.startswith("error:")] == [
         f"error: {out}: stopped by SIGTERM; its workers were stopped; "
-        + ts.resume_hint(out, f"tltrun train --out {out}")  # (tested in test_run_dir_lifecycle)
+        + resume_hint(out, f"tltrun train --out {out}")  # (tested in test_run_dir_lifecycle)
     ], err
     assert "internal error" not in err and "Traceback" not in err
     # the error line is a line of its own, not glued to rank 0's progress bar; torch's agent

@@ -127,7 +127,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
             # rank printed "interrupted", nothing said --resume)
             if os.environ.get("RANK", "0") == "0":
                 command = f"torchrun ... -m tltrun train --out {cfg.out}"
-                how = train_state.resume_hint(Path(cfg.out), command)
+                from tltrun.train.run_logs import resume_hint
+
+                how = resume_hint(Path(cfg.out), command)
                 print(f"interrupted; {how}", file=sys.stderr)
             return 130
     if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 speaks for the job

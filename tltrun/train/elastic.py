@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tltrun.train.state import resume_hint
+from tltrun.train.run_logs import resume_hint
 from tltsim.errors import UsageError, WorkerError, is_input_error_name
 from tltsim.lifetime import die_with_parent
 

@@ -22,7 +22,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from tltrun.train.state import LOGS, RunDirWarning, checkpoint_error, read_jsonl, write_atomic
+from tltrun.train.state import (
+    CKPT_RE,
+    LOGS,
+    RunDirWarning,
+    checkpoint_error,
+    read_jsonl,
+    write_atomic,
+)
 from tltsim.trace.files import append_steps, save_trace
 from tltsim.trace.schema import trace_from_dict
 
@@ -199,3 +206,16 @@ def tensorboard_writer(out: Path, start_step: int, is_on: bool):
         return writer
     writer.close()
     return None
+
+
+def resume_hint(out: Path, command: str) -> str:
+    """How a stopped run goes on (``command`` ends in ``--out OUT``): from its newest
+    checkpoint, or, stopped before its first (``--checkpoint-every``), from step 0 (the stop
+    promised 'the last checkpoint' where there was none)."""
+    done = sorted(p.name for p in (out / "ckpt").glob("step_*") if CKPT_RE.match(p.name))
+    if done:
+        return f"continue from its last checkpoint ({done[-1]}) with {command} --resume"
+    return (
+        f"it wrote no checkpoint yet (--checkpoint-every): {command} --resume starts it again "
+        "from step 0"
+    )

@@ -82,19 +82,6 @@ def tmp_checkpoint_dir(out: Path, next_step: int) -> Path:
     return out / "ckpt" / f".tmp_step_{next_step:06d}"
 
 
-def resume_hint(out: Path, command: str) -> str:
-    """How a stopped run goes on (``command`` ends in ``--out OUT``): from its newest
-    checkpoint, or, stopped before its first (``--checkpoint-every``), from step 0 (the stop
-    promised 'the last checkpoint' where there was none)."""
-    done = sorted(p.name for p in (out / "ckpt").glob("step_*") if CKPT_RE.match(p.name))
-    if done:
-        return f"continue from its last checkpoint ({done[-1]}) with {command} --resume"
-    return (
-        f"it wrote no checkpoint yet (--checkpoint-every): {command} --resume starts it again "
-        "from step 0"
-    )
-
-
 def read_next_step(ckpt: Path) -> int:
     return int(json.loads((ckpt / "state.json").read_text())["next_step"])
 

@@ -71,7 +71,10 @@ class OneLineParser(argparse.ArgumentParser):
         # the names without '--' (with them, --bogus was one letter from --out)
         unknown = [w.split("=")[0][2:] for w in message.split(": ", 1)[1].split() if w[:2] == "--"]
         names = [o[2:] for a in parser._actions for o in a.option_strings if o[:2] == "--"]
-        close = difflib.get_close_matches(unknown[0], names, n=1) if unknown else []
+        # one flag the typed word begins (an abbreviation): that one, before the closest
+        begun = [n for n in names if unknown and n.startswith(unknown[0])]
+        close = begun if len(begun) == 1 else []
+        close = close or (difflib.get_close_matches(unknown[0], names, n=1) if unknown else [])
         return parser.prog, message + (f" (did you mean --{close[0]}?)" if close else "")
 
 
@@ -376,22 +379,34 @@ def _said_with_flags(
     """A validation message with the flags a user typed for the fields it names
     ("eval_split must be in [0, 1)" -> "--eval-split ..."). A setting ``base`` changed (a
     --config file's key) keeps its name, and so do field names that are also plain words of
-    the messages (and of paths): ``PROSE_WORDS``."""
+    the messages (and of paths): ``PROSE_WORDS``, unless the message opens with one (its
+    subject: "policy must be one of ...")."""
     flags = {
         f.name: flag_name(f, prefix)
         for f in dataclasses.fields(cls)
-        if f.name not in PROSE_WORDS
-        and hasattr(ns, prefix + f.name)
-        and (f.name in given or not _is_changed_by(base, f))
+        if hasattr(ns, prefix + f.name) and (f.name in given or not _is_changed_by(base, f))
     }
+    subject = re.match(r"[a-z][a-z0-9_]* (?=must )", text)  # "policy must be one of ..."
+    if subject is not None and subject[0].strip() in flags:
+        text = flags[subject[0].strip()] + text[subject.end() - 1 :]
+    flags = {name: flag for name, flag in flags.items() if name not in PROSE_WORDS}
     # TrainConfig's tlt_* fields are a TLTConfig's, whose own message names them bare
-    nested = "tlt_" if text.startswith("TLTConfig: ") else ""
-    said = re.sub(
-        r"(?<![-./\w])[a-z][a-z0-9_]*\b(?![./])",
-        lambda m: flags.get(m[0]) or flags.get(nested + m[0], m[0]),
-        text,
+    body = text.removeprefix("TLTConfig: ")
+    nested = "tlt_" if body != text else ""
+
+    def flag(m: re.Match) -> str:
+        return flags.get(m[0]) or flags.get(nested + m[0], m[0])
+
+    # a quoted word is a value ("got 'seed'"), a word in a path or file name no field; one
+    # word is a field only in the subject, before the verb ("strategies" after "must be" is
+    # prose), a field_with_underscores anywhere
+    word = r"(?<![-./\w'\"])[a-z][a-z0-9_]*\b(?![./'\"])"
+    verb = re.search(r" must | required| need|: | \(|;| got ", body)
+    cut = len(body) if verb is None else verb.start()
+    said = re.sub(word, flag, body[:cut]) + re.sub(
+        word, lambda m: flag(m) if "_" in m[0] else m[0], body[cut:]
     )
-    return said.removeprefix("TLTConfig: ") if nested and said != text else said
+    return said if said != body else text
 
 
 def _is_changed_by(base: Any, f: dataclasses.Field) -> bool:

@@ -46,9 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_sweep(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 1:
         raise UsageError(f"--workers must be >= 1, got {args.workers}")
-    if args.out is not None:
-        check_out_dir(args.out, kind="sweep")
-    outcome = sweep.run_sweep(args.spec, args.out, args.workers)
+    # the spec's out too: it wrote over a replay's results unsaid (review)
+    out = Path(args.out) if args.out is not None else sweep.sweep_out(args.spec)
+    check_out_dir(out, kind="sweep", flag="--out" if args.out is not None else f"{args.spec}: out")
+    outcome = sweep.run_sweep(args.spec, out, args.workers)
     print(
         f"{len(outcome.table)} rows (points x seeds): {outcome.num_computed} simulations run, {outcome.num_reused} reused from {outcome.out / 'points.jsonl'}"
     )

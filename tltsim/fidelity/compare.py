@@ -199,7 +199,8 @@ def _warn_other_work(run: MeasuredRun, path: Path, base: MeasuredRun, base_path:
     step, and their 'measured speedup' compared different work without a word. Prompt ids
     are compared where both traces name prompts by their data rows (is_prompt_id_stable)."""
     models = (run.trace.meta.get("model"), base.trace.meta.get("model"))
-    if all(isinstance(m, str) for m in models) and models[0] != models[1]:
+    # by name: tltrun records the model directory's path, another on another machine (review)
+    if all(isinstance(m, str) for m in models) and len({Path(m).name for m in models}) > 1:
         warnings.warn(
             f"{path}: measured {models[0]}, {base_path} {models[1]}: the speedup compares "
             "two models",

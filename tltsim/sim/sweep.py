@@ -200,9 +200,16 @@ class SweepOutcome:
     out: Path
 
 
+def sweep_out(spec_path: Path) -> Path:
+    """Where a sweep of ``spec_path`` without --out writes: the spec's ``out``, else
+    ``results/sweep-<spec stem>``."""
+    spec = load_spec(spec_path)
+    return Path(spec.out or Path("results") / f"sweep-{spec_path.stem}")
+
+
 def run_sweep(spec_path: Path, out: Path | None = None, workers: int | None = None) -> SweepOutcome:
     spec = load_spec(spec_path)
-    out = out or Path(spec.out or Path("results") / f"sweep-{spec_path.stem}")
+    out = out or sweep_out(spec_path)
     if out.exists() and not out.is_dir():  # (the spec's out or --out: "File exists" named none)
         raise UsageError(f"{spec_path}: out {out}: exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
