@@ -160,11 +160,11 @@ def test_any_valid_config_gives_a_valid_trace(
 @pytest.mark.parametrize(
     "flags, fragment",
     [
-        (["--num-steps", "0"], "num_steps"),
-        (["--group-size", "-2"], "group_size"),
-        (["--median-response-tokens", "0"], "median_response_tokens"),
-        (["--seed", "-1"], "seed"),
-        (["--group-sigma", "-0.1"], "group_sigma"),
+        (["--num-steps", "0"], "--num-steps must be"),
+        (["--group-size", "-2"], "--group-size must be"),
+        (["--median-response-tokens", "0"], "--median-response-tokens must be"),
+        (["--seed", "-1"], "--seed"),
+        (["--group-sigma", "-0.1"], "--group-sigma"),
     ],
 )
 def test_bad_config_exits_2_with_one_line(
