@@ -360,7 +360,7 @@ REFUSALS = {
     "train-drafter both loss weights 0": (
         "train-drafter --model {model} --data {data} --out {empty} "
         "--train-regression-weight 0 --train-classification-weight 0",
-        "regression_weight and classification_weight are both 0",
+        "--train-regression-weight and --train-classification-weight are both 0",
     ),
 }
 

@@ -280,7 +280,7 @@ def test_the_train_op_runs_the_updates_of_the_run_to_predict(monkeypatch):
         (["--model", "m", "--out", "x.csv", "--strategies", "2_1_2,2_2_2"], "verify_tokens"),
         (["--model", "m", "--out", "x.csv", "--context-per-seq", "32"], ">= 2 values"),
         (["--model", "m", "--out", "x.csv", "--statistic", "mode"], "statistic"),
-        (["--model", "m", "--out", "x.csv", "--back-to-back-calls", "0"], "back_to_back_calls"),
+        (["--model", "m", "--out", "x.csv", "--back-to-back-calls", "0"], "--back-to-back-calls"),
         # a 1-token sequence has no response: the drafter op failed as an internal error
         (["--model", "m", "--out", "x.csv", "--train-tokens-per-seq", "1,2"], "must be >= 2"),
         # internal errors: an IndexError once the model had loaded, a traceback from the engine
