@@ -160,8 +160,16 @@ def test_a_replay_beyond_the_shapes_a_preset_was_fitted_on_says_so(tmp_path, cap
     assert "calibration:" not in capsys.readouterr().out  # 1,600 tokens: inside 512-2,048
     assert main([*argv, str(TRACE)]) == 0
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("calibration:")]
-    assert lines == [
-        "calibration: this replay runs contexts up to 10,242 tokens per sequence (fitted up to "
+    expected = (
+        "calibration: this trace runs contexts up to 10,242 tokens per sequence (fitted up to "
         "2,048): h200.json's curves are extrapolated there (profile those shapes with tltrun "
         "profile and calibrate again)"
-    ]
+    )
+    assert lines == [expected]
+    # advise says it among its notes (advise.json too)
+    argv = ["advise", str(TRACE), "--preset", "h200x8-qwen7b", "--hardware-file", str(preset),
+            "--max-steps", "1", "--num-seeds", "1", "--thresholds", "32", "--strategy-sets",
+            "chains", "--out", str(tmp_path / "a")]  # fmt: skip
+    assert main(argv) == 0
+    assert f"  note: {expected}" in capsys.readouterr().out.splitlines()
+    assert expected in json.loads((tmp_path / "a" / "advise.json").read_text())["notes"]

@@ -51,6 +51,7 @@ from tltsim.sim.replay import (
     RunSettings,
     comparison,
     cost_model,
+    fit_domain_note,
     kv_overflow_lines,
     replay_intervals,
     simulate_policies,
@@ -381,7 +382,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
             "is_best_distinguishable": summary["is_best_distinguishable"],
             "speedup_interval_over_seeds": summary["speedup_interval_over_seeds"],
         },
-        "notes": notes(trace.num_steps, sim),
+        "notes": notes(trace, sim),
         "train_toml": train_toml(tlt, is_spot),
         "fastrl_yaml": fastrl_yaml(tlt, is_spot),
     }
@@ -392,17 +393,21 @@ def cmd_advise(args: argparse.Namespace) -> int:
     return 0
 
 
-def notes(num_steps: int, sim: SimConfig) -> list[str]:
-    """What the recommendation cannot tell from this trace."""
+def notes(trace: Trace, sim: SimConfig) -> list[str]:
+    """What the recommendation cannot tell from this trace, and where a calibrated preset
+    file extrapolates (``fit_domain_note``)."""
+    num_steps = trace.num_steps
     first = DrafterDynamics().first_step_training_shows()  # the sweep's (default) dynamics
+    said = [] if (line := fit_domain_note(trace, sim)) is None else [line]
     if first is not None and num_steps > first:
-        return []
+        return said
     return [
         f"in {num_steps} step{'s' * (num_steps != 1)} spot training cannot raise the drafter's "
         "acceptance (it starts fully trained, and what a step trains serves the next step once "
         f"the target has moved): spot training on/off here weighs its checkpoint cost alone "
         f"({sim.spot_checkpoint_s:g} s a step)"
-        + ("" if first is None else f"; replay {first + 1} or more steps to judge it")
+        + ("" if first is None else f"; replay {first + 1} or more steps to judge it"),
+        *said,
     ]
 
 

@@ -48,7 +48,6 @@ from tltsim.cli.fidelity import (
 from tltsim.cli.table import format_table
 from tltsim.cost.calibrated import (
     CalibratedCost,
-    fit_domain_line,
     is_preset_file,
     load_hardware_preset,
 )
@@ -68,6 +67,7 @@ from tltsim.sim.replay import (
     ReplayConfig,
     RunSettings,
     cost_model,
+    fit_domain_note,
     interval_spec,
     kv_overflow_lines,
     policy_names,
@@ -232,18 +232,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print(format_report(results, summary, out))
     for line in extrapolation_lines(cost):
         print(line)
-    if is_preset_file(sim.hardware):
-        # a step's responses spread over the instances (an instance's first batch)
-        instances = sim.num_gpus // sim.tp
-        most = max(-(-sum(len(p.responses) for p in s.prompts) // instances) for s in trace.steps)
-        longest = max(
-            p.prompt_tokens + max(r.tokens for r in p.responses)
-            for step in trace.steps
-            for p in step.prompts
-        )
-        line = fit_domain_line(sim.hardware, min(most, sim.max_running_requests), longest)
-        if line is not None:
-            print(line)
+    line = fit_domain_note(trace, sim)
+    if line is not None:
+        print(line)
     return 0
 
 

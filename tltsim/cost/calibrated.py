@@ -397,7 +397,7 @@ def fit_domain_line(path: str | Path, max_batch: int, max_context_tokens: int) -
     if not beyond:
         return None
     return (
-        f"calibration: this replay runs {' and '.join(beyond)}: {Path(path).name}'s curves are "
+        f"calibration: this trace runs {' and '.join(beyond)}: {Path(path).name}'s curves are "
         "extrapolated there (profile those shapes with tltrun profile and calibrate again)"
     )
 

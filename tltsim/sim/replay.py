@@ -24,7 +24,12 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
-from tltsim.cost.calibrated import CalibratedCost, preset_cost
+from tltsim.cost.calibrated import (
+    CalibratedCost,
+    fit_domain_line,
+    is_preset_file,
+    preset_cost,
+)
 from tltsim.cost.measured import with_profile
 from tltsim.cost.presets import CLUSTER_PRESETS
 from tltsim.cost.roofline import RooflineCost
@@ -238,6 +243,20 @@ def run_settings(
         progress=progress,
         history=settings.history,
     )
+
+
+def fit_domain_note(trace: Trace, sim: SimConfig) -> str | None:
+    """Where ``sim``'s hardware preset file was fitted on smaller batches or contexts than the
+    trace runs (``fit_domain_line``); None for a GPU name or inside the fitted shapes."""
+    if not is_preset_file(sim.hardware):
+        return None
+    # a step's responses spread over the instances (an instance's first batch)
+    instances = sim.num_gpus // sim.tp
+    most = max(-(-sum(len(p.responses) for p in s.prompts) // instances) for s in trace.steps)
+    longest = max(
+        p.prompt_tokens + max(r.tokens for r in p.responses) for s in trace.steps for p in s.prompts
+    )
+    return fit_domain_line(sim.hardware, min(most, sim.max_running_requests), longest)
 
 
 def kv_overflow_lines(results: dict[str, SimResult], cost: Any) -> list[str]:
