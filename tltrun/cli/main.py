@@ -3,11 +3,12 @@
     tltrun generate --model DIR --prompts FILE.jsonl --out DIR [--drafter DIR] [--policy tlt]
     tltrun train-drafter --model DIR --data DIR/generations.jsonl --out DIR [--train-num-steps N]
     tltrun bench --trace T --policy nospec,static,tlt --model DIR --drafter DIR --out DIR
-    tltrun sft --out DIR                       (the built-in task's starting policy)
-    tltrun train --model-dir DIR --out DIR     (GRPO with spot drafter training)
+    tltrun sft --out DIR [--data FILE]         (a starting policy; sft-eval scores one; task)
+    tltrun train --model-dir DIR --out DIR     (GRPO with spot drafter training; report: figures)
     tltrun profile --model DIR --out FILE.csv  (measured costs for tltsim --profile)
 
-Each subcommand family has a module in ``tltrun.cli`` (generate, bench, sft, train, profile)
+Each subcommand family has a module in ``tltrun.cli`` (generate, train_drafter, bench, sft =
+sft / sft-eval / task, train = train / report, profile)
 whose ``register(subparsers)`` adds its parsers; flags map 1:1 onto config dataclasses, and every
 output directory gets the resolved ``config.json``. The libraries they call hold no argument
 parsing and print nothing.

@@ -1,4 +1,5 @@
-"""``tltsim`` command line: replay / sweep / report / gen / validate / import / calibrate / advise.
+"""``tltsim`` command line: replay / sweep / report / advise / compare / fit / calibrate /
+profile-info / gen / validate / import / import-verl.
 
     tltsim replay traces/synth_reasoning_rl.json --preset h100x8-qwen7b   # simulate, compare policies
     tltsim sweep sweep.toml                                              # grid / random search
@@ -6,8 +7,10 @@
     tltsim gen --out my.json ; tltsim validate my.json                   # traces
     tltsim calibrate profile.csv --hardware H100-SXM --model Qwen2.5-7B --out h100.json
     tltsim advise traces/synth_reasoning_rl.json --preset h100x8-qwen7b  # recommend settings
+    tltsim compare RUN/trace_nospec.json RUN/trace_tlt.json --profile p.csv  # measured vs sim
 
-Each subcommand family has a module in ``tltsim.cli`` (replay, sweep, compare, fidelity, trace)
+Each subcommand family has a module in ``tltsim.cli`` (replay, sweep, compare, fidelity = fit,
+trace = gen / validate / import / import-verl, calibrate, profile_info, advise)
 whose ``register(subparsers)`` adds its parsers and sets ``func``; the libraries they call hold
 no argument parsing and print nothing. Run ``tltsim --help``. Bad input (any
 ``tltsim.errors.TLTError``, a bad flag) ends with one ``error: ...`` line and exit code 2
