@@ -173,3 +173,21 @@ def test_a_replay_beyond_the_shapes_a_preset_was_fitted_on_says_so(tmp_path, cap
     assert main(argv) == 0
     assert f"  note: {expected}" in capsys.readouterr().out.splitlines()
     assert expected in json.loads((tmp_path / "a" / "advise.json").read_text())["notes"]
+
+
+def test_a_unit_slip_in_a_hardware_file_is_refused(tmp_path, capsys):
+    """A bandwidth written in TB/s (3.35) priced every byte a trillion times too slowly, and a
+    replay said nothing: values beyond any CPU core or GPU are refused, naming the unit."""
+    fields = {"name": "X", "peak_flops_per_s": 989e12, "hbm_bytes_per_s": 3.35e12,
+              "memory_bytes": 80e9, "link_bytes_per_s": 450e9}  # fmt: skip
+    for name, slip, unit in (("hbm_bytes_per_s", 3.35, "3.35e12 for 3.35 TB/s"),
+                             ("memory_bytes", 80, "80e9 for 80 GB"),
+                             ("peak_flops_per_s", 989, "989e12 for 989 TFLOP/s")):  # fmt: skip
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({**fields, name: slip}))
+        assert main(["profile-info", str(PROFILE), "--hardware", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --hardware {path}: HardwareSpec 'X': {name} {slip:g} is ")
+        assert err.endswith(f"(the unit is in the name: {unit})\n")
+    path.write_text(json.dumps(fields))
+    assert main(["profile-info", str(PROFILE), "--hardware", str(path)]) == 0

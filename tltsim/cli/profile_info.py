@@ -105,7 +105,11 @@ def _hardware_and_calibration(
                 f"expected an object of HardwareSpec fields, got {type(fields).__name__}"
             )
         # each field's type first (true for a number was written out, and replay refused it)
-        return HardwareSpec(**exact_fields(HardwareSpec, fields, f"{path}")), None
+        checked = exact_fields(HardwareSpec, fields, f"{path}")
+        try:
+            return HardwareSpec(**checked), None
+        except ValueError as err:  # a value out of range: the file is one, its value is not
+            raise UsageError(f"{path}: {err}") from None
     except UsageError as err:  # (its message starts with the file)
         raise UsageError(f"--hardware {err}") from None
     except (OSError, TypeError, ValueError, RecursionError) as err:  # JSON/Unicode errors too

@@ -10,6 +10,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# What a hand-written hardware file can hold before it is a unit slip (a value in TB/s, GB or
+# TFLOP/s where the field is per second, bytes or FLOP/s): from one CPU core's (~1e11 FLOP/s,
+# ~3e10 B/s, benchmarks/bench_fidelity.py's CPU_SPEC) to well past any datasheet (B200: ~2.3e15
+# dense BF16 FLOP/s, 8e12 B/s HBM3e, 1.9e11 bytes; NVLink 5: 1.8e12 B/s), 40x or more either side.
+PLAUSIBLE = {
+    "peak_flops_per_s": (1e9, 1e17, "989e12 for 989 TFLOP/s"),
+    "hbm_bytes_per_s": (1e8, 1e15, "3.35e12 for 3.35 TB/s"),
+    "memory_bytes": (1e8, 1e14, "80e9 for 80 GB"),
+    "link_bytes_per_s": (1e6, 1e15, "450e9 for 450 GB/s"),
+}
+
 
 @dataclass(frozen=True)
 class HardwareSpec:
@@ -55,6 +66,13 @@ class HardwareSpec:
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(
                     f"HardwareSpec {self.name!r}: {field_name} must be > 0, got {value}"
+                )
+            low, high, example = PLAUSIBLE[field_name]
+            if not low <= value <= high:  # a unit slip: 3.35 (TB/s) priced bytes per second
+                raise ValueError(
+                    f"HardwareSpec {self.name!r}: {field_name} {value:g} is outside "
+                    f"[{low:g}, {high:g}], what any CPU core or GPU has (the unit is in the name: "
+                    f"{example})"
                 )
         for field_name in ("flops_fraction", "bandwidth_fraction", "train_flops_fraction"):
             if not 0 < getattr(self, field_name) <= 1:
