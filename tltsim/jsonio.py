@@ -176,19 +176,20 @@ def exact_fields(cls: type, values: dict[str, Any], where: str) -> dict[str, Any
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for name in values:
         if name not in fields:
-            close = _closest(name, fields)
+            close = closest(name, fields)
             hint = f"did you mean {close!r}?" if close else f"expected some of {', '.join(fields)}"
             raise UsageError(f"{where}: unknown field {name!r} ({hint})")
     for name, f in fields.items():
         needed = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if needed and name not in values:
-            close = _closest(name, values)
+            close = closest(name, values)
             hint = f" (the file has {close!r})" if close else ""
             raise UsageError(f"{where}: missing field {name!r}{hint}")
     return typed_fields(cls, values, where)
 
 
-def _closest(name: str, names: Any) -> str | None:
+def closest(name: str, names: Any) -> str | None:
+    """The one of ``names`` most like ``name`` (a misspelling's intended word), if any is."""
     close = difflib.get_close_matches(name, [str(n) for n in names], n=1, cutoff=0.6)
     return close[0] if close else None
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import json
 import os
 import re
@@ -32,6 +31,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tltsim.errors import TLTError, UsageError
+from tltsim.jsonio import closest
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -73,9 +73,8 @@ class OneLineParser(argparse.ArgumentParser):
         names = [o[2:] for a in parser._actions for o in a.option_strings if o[:2] == "--"]
         # one flag the typed word begins (an abbreviation): that one, before the closest
         begun = [n for n in names if unknown and n.startswith(unknown[0])]
-        close = begun if len(begun) == 1 else []
-        close = close or (difflib.get_close_matches(unknown[0], names, n=1) if unknown else [])
-        return parser.prog, message + (f" (did you mean --{close[0]}?)" if close else "")
+        guess = begun[0] if len(begun) == 1 else (closest(unknown[0], names) if unknown else None)
+        return parser.prog, message + (f" (did you mean --{guess}?)" if guess else "")
 
 
 class Terminated(BaseException):

@@ -32,7 +32,6 @@ engine-level step latencies, ``tltsim.cost.published``); ``preset_cost`` returns
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import json
 import math
@@ -48,7 +47,7 @@ from tltsim.cost.roofline import (
 )
 from tltsim.cost.specs import DrafterSpec, HardwareSpec, ModelSpec, get_hardware, get_model
 from tltsim.errors import InputWarning, UsageError
-from tltsim.jsonio import exact_fields
+from tltsim.jsonio import closest, exact_fields
 
 PRESET_FORMAT = "tlt-hardware"
 # A calibration whose fit missed its profile by more than this (median |predicted / measured -
@@ -353,8 +352,8 @@ def load_hardware_preset(path: str | Path) -> tuple[HardwareSpec, CalibrationPar
         )
     for key, cls in (("hardware", HardwareSpec), ("calibration", CalibrationParams)):
         if type(doc.get(key)) is not dict:
-            close = difflib.get_close_matches(key, [str(k) for k in doc if k != key], n=1)
-            has = f" (the file has {close[0]!r})" if close else ""
+            close = closest(key, [k for k in doc if k != key])
+            has = f" (the file has {close!r})" if close else ""
             raise CalibrationError(
                 f"{path}: field '{key}': expected an object of {cls.__name__} fields{has}"
             )
