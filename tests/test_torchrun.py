@@ -357,3 +357,42 @@ def test_a_bad_flag_under_torchrun_is_not_blamed_on_the_world_size(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "--lr and --drafter-lr in (0, 1.0]" in err and "world size" not in err
+
+
+@pytest.mark.parametrize("is_deterministic", [False, True])
+def test_a_worker_waiting_for_a_lost_nodes_rollout_raises_instead_of_hanging(is_deterministic):
+    """Hunt: two torchrun nodes, one SIGKILLed while the other trained the drafter in its idle
+    time: the survivor polled the store (alive on its own node) for the lost rank's rollout
+    forever. It now raises after the wait timeout, naming the ranks that never finished."""
+    import torch.distributed as dist
+    from tiny_models import tiny_model
+
+    from tltrun.model.drafter import EagleDrafter
+    from tltrun.train.drafter_training import DrafterTrainConfig
+    from tltrun.train.spot import SpotTrainer, SubsetGroups
+    from tltsim.policy import SpotTrainerPolicy
+
+    store = dist.HashStore()
+    drafter = EagleDrafter.for_target(tiny_model(seed=0), seed=1)
+    groups = SubsetGroups(store, 0, 5.0)
+    groups.groups[(0,)] = OneRank()  # rank 0 alone in its phase: no peer to talk to
+    spot = SpotTrainer(0, 2, store, groups, drafter, SpotTrainerPolicy(), DrafterTrainConfig(),
+                       seed=0, poll_s=0.01, wait_timeout_s=0.2)  # fmt: skip
+    order = spot.announce_done(0)  # rank 1's rollout never ends
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank 0 waited 0 s for the rollouts of rank\(s\) 1 "):
+        if is_deterministic:
+            spot.run_budget(0, [])
+        else:
+            spot.run_idle(0, order, [], started)
+    assert time.monotonic() - started < 30
+
+
+class OneRank:
+    """A process group of one rank: its collectives change nothing."""
+
+    def all_reduce(self, tensor, op=None):
+        return tensor
+
+    def all_gather(self, tensor):
+        return [tensor]

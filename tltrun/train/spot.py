@@ -251,8 +251,13 @@ class SpotTrainer:
         seed: int,
         poll_s: float,
         clock: Callable[[], float] = time.monotonic,
+        wait_timeout_s: float = 3600.0,
     ):
         self.rank, self.world_size, self.store, self.groups = rank, world_size, store, groups
+        # how long a worker waits for the others' rollouts (tltrun.train.elastic's
+        # COLLECTIVE_TIMEOUT_S): a node lost whole is seen by no agent here, and the wait polled
+        # the store, which lives on, forever (hunt: two torchrun nodes, one SIGKILLed)
+        self.wait_timeout_s = wait_timeout_s
         self.drafter, self.policy, self.cfg, self.poll_s, self.clock = (
             drafter,
             policy,
@@ -283,6 +288,20 @@ class SpotTrainer:
     def _first_finishers(self, step: int, n: int) -> list[int]:
         return [int(self.store.get(f"s{step}/order/{i}")) for i in range(1, n + 1)]
 
+    def _check_wait(self, step: int, since: float) -> None:
+        """Raise once this worker has waited ``wait_timeout_s`` (real seconds) for the other
+        workers' rollouts of ``step``, naming those that never finished."""
+        waited_s = time.monotonic() - since
+        if waited_s <= self.wait_timeout_s:
+            return
+        done = set(self._first_finishers(step, self._num_done(step)))
+        missing = sorted(set(range(self.world_size)) - done)
+        raise TimeoutError(
+            f"rank {self.rank} waited {waited_s:.0f} s for the rollouts of rank(s) "
+            f"{', '.join(map(str, missing))} in step {step}: lost (a node that died whole is "
+            "seen by no launcher here)?"
+        )
+
     # ---- the protocol ----------------------------------------------------------------------
 
     def run_idle(
@@ -292,7 +311,7 @@ class SpotTrainer:
         the rollout has ended on every worker."""
         stats = SpotStats()
         buffer = current + self.previous
-        start = self.clock()
+        start, since = self.clock(), time.monotonic()
         step_version = self.version
         j = order
         while j < self.world_size:
@@ -316,6 +335,7 @@ class SpotTrainer:
                 group.all_reduce(flag, dist.ReduceOp.MAX)
                 if int(flag[0]) > j:
                     break
+                self._check_wait(step, since)  # (its agent then ends the job)
                 if opt is not None and done_here < remaining and buffer:
                     self._train_one(buffer, opt, stats)
                     done_here += 1
@@ -339,9 +359,11 @@ class SpotTrainer:
         stats.decisions.append(
             {"idle": [self.rank], "trainers": [self.rank] if budget else [], "max_updates": budget}
         )
+        since = time.monotonic()
         for _ in range(budget):
             self._train_one(buffer, self.optimizer, stats)
         while self._num_done(step) < self.world_size:  # sleep, leaving the CPU to the rollout
+            self._check_wait(step, since)
             time.sleep(self.poll_s)
         stats.idle_s = self.clock() - start
         self.previous = current

@@ -201,6 +201,7 @@ class Worker:
                 seed=cfg.worker_seed(rank, stream=500),
                 poll_s=cfg.poll_s,
                 clock=self.clock,
+                wait_timeout_s=elastic.COLLECTIVE_TIMEOUT_S,
             )
         self.start_step = 0
         if ckpt:
