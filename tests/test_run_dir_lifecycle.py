@@ -455,3 +455,31 @@ def test_a_stopped_run_is_told_whether_a_checkpoint_holds_its_steps(tmp_path):
     assert run_logs.resume_hint(tmp_path, "tltrun train --out o") == (
         "continue from its last checkpoint (step_000003) with tltrun train --out o --resume"
     )
+
+
+def test_a_resume_on_one_worker_says_the_default_spot_training_stops(tmp_path, monkeypatch, capsys):
+    """Hunt: a default tlt run resumed from 2 workers on 1 dropped its drafter's optimizer
+    state without a word (the warning looked at an explicit --spot-training only)."""
+    from test_run_integrity import fake_checkpoint, fake_logs
+    from test_train import TASK, config
+    from tiny_models import tiny_model
+
+    from tltrun.cli.main import main
+    from tltrun.model.hf_checkpoint import save_hf
+    from tltrun.train import launch
+
+    model = tmp_path / "m"
+    save_hf(tiny_model(seed=0), model)
+    out = tmp_path / "run"
+    out.mkdir()
+    cfg = config(model, out, policy="tlt", prompt_split=(), is_spot_training=None)
+    launch.prepare_run_dir(cfg, TASK, is_resume=False, is_override_config=False)
+    fake_checkpoint(out, 1)
+    fake_logs(out, 1)
+    monkeypatch.setattr(launch, "run_train", lambda cfg, task, **kw: "o")
+    argv = ["train", "--out", str(out), "--resume", "--override-config", "--num-workers", "1"]
+    assert main(argv) == 0
+    assert (
+        "warning: --policy tlt's spot training: idle workers train the drafter, and 1 worker is "
+        "never idle: no drafter training in this run" in capsys.readouterr().err
+    )

@@ -31,6 +31,7 @@ from tltrun.train.tasks import TaskConfig
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args, given_fields
 from tltsim.errors import UsageError
 from tltsim.jsonio import parse_json, read_text, typed_fields
+from tltsim.policy import is_eagle_drafting
 
 
 def load_config_file(path: str) -> dict[str, Any]:
@@ -241,10 +242,20 @@ def _train_configs(args: argparse.Namespace) -> tuple[TrainConfig, TaskConfig]:
         args.config,
     )
     _check_inputs(cfg)
-    if cfg.is_spot_training and cfg.num_workers < 2 and os.environ.get("RANK", "0") == "0":
+    # spot training as asked, or by default on a resume where the policy drafts with EAGLE
+    # (hunt: a default run resumed 2 -> 1 dropped the drafter's AdamW state unsaid; a fresh
+    # one-worker run by default has nothing to lose)
+    wants_spot = cfg.is_spot_training
+    if wants_spot is None and args.resume:
+        wants_spot = is_eagle_drafting(cfg.policy, cfg.tlt_drafters, cfg.static_strategy)
+    if wants_spot and cfg.num_workers < 2 and os.environ.get("RANK", "0") == "0":
+        said = (
+            "--spot-training" if cfg.is_spot_training else f"--policy {cfg.policy}'s spot training"
+        )
         warnings.warn(  # (it was dropped unsaid: a 2 -> 1 resume lost the drafter's AdamW state)
-            f"--spot-training: idle workers train the drafter, and {cfg.num_workers} worker "
-            "is never idle: no drafter training in this run",
+            f"{said}: idle workers train the drafter, and {cfg.num_workers} worker is never "
+            "idle: no drafter training in this run (a resumed run's drafter optimizer state "
+            "is not carried on)",
             launch.LaunchWarning,
             stacklevel=2,
         )
