@@ -218,6 +218,12 @@ def test_a_failed_checkpoint_write_names_the_checkpoint_and_the_free_space(tmp_p
         assert "MiB free" in message and "--keep-checkpoints" in message
     with pytest.raises(ValueError), explain_write_failure(ckpt):  # not a write failure
         raise ValueError("a bug")
+    # a peer lost mid-write (hunt: a SIGKILLed node was "full? free space"): not the disk
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    with pytest.raises(CheckpointWriteError) as err, explain_write_failure(ckpt):
+        raise gloo
+    assert "because another rank was lost during it" in str(err.value)
+    assert "MiB free" not in str(err.value)
 
 
 # ---- logs ------------------------------------------------------------------------------------

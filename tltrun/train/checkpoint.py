@@ -48,6 +48,11 @@ class CheckpointWriteError(TLTError):
     """A checkpoint could not be written (one line: which, where, why, and the free space)."""
 
 
+# What gloo's errors say when the peer of a collective died (DCP's save gathers over every
+# rank): a dead peer, not a full disk (hunt: a SIGKILLed node was reported as "full?").
+LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
 @contextlib.contextmanager
 def explain_write_failure(ckpt_dir: Path) -> Iterator[None]:
     """Turn a failed write under ``ckpt_dir`` into a CheckpointWriteError. A full disk reached
@@ -61,6 +66,11 @@ def explain_write_failure(ckpt_dir: Path) -> Iterator[None]:
         if isinstance(err, CheckpointException) and err.failures:
             cause = next(iter(err.failures.values()))[0]  # (exception, stack summary) per rank
         text = (str(cause).strip().splitlines() or [""])[0][:200]
+        if any(mark in str(cause) for mark in LOST_PEER):  # a rank died mid-write: not the disk
+            raise CheckpointWriteError(
+                f"checkpoint {ckpt_dir}: writing failed because another rank was lost during "
+                f"it ({type(cause).__name__}: {text})"
+            ) from err
         where = ckpt_dir
         while not where.exists() and where != where.parent:
             where = where.parent
