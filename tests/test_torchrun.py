@@ -10,6 +10,7 @@ Checkpoints and FSDP2: test_torchrun_state.py. Run: ``python -m pytest tests/tes
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -78,14 +79,14 @@ def test_ranks_started_with_other_settings_or_blind_to_out_stop_together(monkeyp
     from tltrun.train import elastic
 
     cfg = config(Path("m"), tmp_path / "run", num_steps=1)
-    other = {"cfg": dataclasses.replace(cfg, lr=0.5, checkpoint_every=2), "sees": False}
+    other = {"cfg": dataclasses.replace(cfg, lr=0.5, checkpoint_every=2), "sees": None}
 
     def gather(into, mine):  # rank 0 is this process, rank 1 differs
         into[0] = mine
         into[1] = (
-            other["sees"]
-            if isinstance(mine, bool)
-            else {**mine, **{f"train.{k}": v for k, v in dataclasses.asdict(other["cfg"]).items()}}
+            {**mine, **{f"train.{k}": v for k, v in dataclasses.asdict(other["cfg"]).items()}}
+            if isinstance(mine, dict)
+            else other["sees"]  # rank 1's digest of config.json (None: no such file)
         )
 
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
@@ -103,7 +104,10 @@ def test_ranks_started_with_other_settings_or_blind_to_out_stop_together(monkeyp
     (tmp_path / "run" / "config.json").write_text("{}")
     with pytest.raises(UsageError, match="rank 1 cannot see the run directory rank 0 prepared"):
         elastic.check_shared_out(tmp_path / "run")
-    other["sees"] = True
+    other["sees"] = "an earlier run's config.json on rank 1's own disk"  # (hunt: it passed)
+    with pytest.raises(UsageError, match="rank 1 cannot see the run directory rank 0 prepared"):
+        elastic.check_shared_out(tmp_path / "run")
+    other["sees"] = hashlib.sha1(b"{}").hexdigest()  # the bytes rank 0 wrote
     elastic.check_shared_out(tmp_path / "run")
 
 

@@ -20,6 +20,7 @@ every failed rank, so a dead rank ends the job instead of leaving the others in 
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import logging
 import os
@@ -356,10 +357,17 @@ def check_same_command(cfg: Any, task: Any, is_resume: bool, is_override_config:
 
 def check_shared_out(out: Path) -> None:
     """Rank 0 prepared ``out``; a rank that cannot see it (node-local disks under one path)
-    would fail at the first checkpoint, blaming the disk (hunt): every rank stops now."""
+    would fail at the first checkpoint, blaming the disk (hunt): every rank stops now. Each
+    rank reads config.json's bytes: a node-local directory holding an earlier run's copy passed
+    a check of its presence (hunt), and close-to-open consistency (NFS) shows every rank the
+    bytes rank 0 wrote."""
+    try:
+        seen = hashlib.sha1((out / "config.json").read_bytes()).hexdigest()
+    except OSError:
+        seen = None
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (out / "config.json").is_file())
-    blind = [r for r, sees in enumerate(every) if not sees]
+    dist.all_gather_object(every, seen)
+    blind = [r for r, digest in enumerate(every) if digest is None or digest != every[0]]
     if blind:
         dist.destroy_process_group()
         raise UsageError(
