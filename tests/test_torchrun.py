@@ -400,3 +400,23 @@ class OneRank:
 
     def all_gather(self, tensor):
         return [tensor]
+
+
+def test_a_rank_environment_left_set_without_torchrun_is_not_called_torchrun(
+    model_dir,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    capsys,
+):
+    """Hunt: RANK/WORLD_SIZE left exported (no torchrun agent) gave '--num-workers 2: not used
+    under torchrun' and then '(--num-workers 1 is not used)': two warnings that contradicted
+    each other; the launcher's own (joining that job as one rank) stays."""
+    from tltrun.cli.main import main
+
+    for name, value in {"RANK": 0, "WORLD_SIZE": 2, "MASTER_ADDR": "h", "MASTER_PORT": 1}.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    argv = ["train", "--model-dir", str(model_dir), "--out", str(tmp_path / "o"),
+            "--num-workers", "3", "--prompt-split", "1,1,2"]  # fmt: skip
+    assert main(argv) == 2
+    assert "not used under torchrun" not in capsys.readouterr().err

@@ -175,7 +175,10 @@ def _train_configs(args: argparse.Namespace) -> tuple[TrainConfig, TaskConfig]:
     env = elastic.rank_env()
     if env is not None:  # under torchrun the world size is the number of workers, before any
         # check that reads it (fsdp_size, prompt_split were checked against the default 2)
-        if args.num_workers not in (None, env.world_size) and env.rank == 0:
+        # (a RANK left set without torchrun gets launch.run_ranked's warning instead: one,
+        # not two that contradicted each other)
+        is_agent = elastic.is_torchrun_agent()
+        if args.num_workers not in (None, env.world_size) and env.rank == 0 and is_agent:
             warnings.warn(
                 f"--num-workers {args.num_workers}: not used under torchrun, whose world size "
                 f"({env.world_size}) is the number of workers",

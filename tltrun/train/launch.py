@@ -338,7 +338,7 @@ def run_ranked(
         warnings.warn(
             f"RANK={env.rank} WORLD_SIZE={env.world_size} MASTER_ADDR={env.master_addr} "
             f"MASTER_PORT={env.master_port} are set: this process joins that job as one rank "
-            f"(--num-workers {cfg.num_workers} is not used) and waits for its "
+            "(--num-workers is not used: WORLD_SIZE is the number of workers) and waits for its "
             f"{env.world_size} ranks; unset them to start the workers here",
             LaunchWarning,
             stacklevel=2,
