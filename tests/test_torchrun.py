@@ -420,3 +420,31 @@ def test_a_rank_environment_left_set_without_torchrun_is_not_called_torchrun(
             "--num-workers", "3", "--prompt-split", "1,1,2"]  # fmt: skip
     assert main(argv) == 2
     assert "not used under torchrun" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_a_refusal_every_rank_finds_is_said_once_per_node(
+    model_dir,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    capsys,
+    local_rank,
+):
+    """Hunt: two nodes of two processes, one node started with another --lr: each node's log
+    held the refusal twice (run_train's refusals skipped the one-rank-per-node rule)."""
+    from tltrun.cli.main import main
+    from tltrun.train import launch
+
+    for name, value in {"RANK": local_rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": 2,
+                        "MASTER_ADDR": "h", "MASTER_PORT": 1, "TORCHELASTIC_RUN_ID": "x"}.items():  # fmt: skip
+        monkeypatch.setenv(name, str(value))
+
+    def refused(*args, **kwargs):
+        raise UsageError("rank 1 was started with other settings than rank 0 (--lr 1 vs 2)")
+
+    monkeypatch.setattr(launch, "run_train", refused)
+    argv = ["train", "--model-dir", str(model_dir), "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    said = capsys.readouterr().err
+    assert said == ("" if local_rank else "error: rank 1 was started with other settings than "
+                    "rank 0 (--lr 1 vs 2)\n")  # fmt: skip

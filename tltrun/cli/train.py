@@ -96,6 +96,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     report.set_defaults(func=_cmd_report)
 
 
+def _is_said_by_another_rank() -> bool:
+    """Under torchrun every rank checks the same settings: one rank per node says what is
+    wrong (it was printed once per rank; a file only one node lacks is said by that node)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("LOCAL_RANK", "0") != "0"
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("always", train_state.RunDirWarning)
@@ -103,15 +109,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
         try:
             cfg, task = _train_configs(args)
         except UsageError:
-            # under torchrun every rank checks the same settings: one rank per node says it (it
-            # was printed once per rank; a file only one node lacks is said by that node)
-            if "TORCHELASTIC_RUN_ID" in os.environ and os.environ.get("LOCAL_RANK", "0") != "0":
+            if _is_said_by_another_rank():
                 return 2
             raise
         try:
             out = launch.run_train(
                 cfg, task, is_resume=args.resume, is_override_config=args.override_config
             )
+        except UsageError:  # (the ranks' exchange of settings found a difference: every rank)
+            if _is_said_by_another_rank():
+                return 2
+            raise
         except launch.RunFinished as done:
             print(done)
             return 0
