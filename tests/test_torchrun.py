@@ -373,7 +373,8 @@ def test_a_worker_waiting_for_a_lost_nodes_rollout_raises_instead_of_hanging(is_
 
     from tltrun.model.drafter import EagleDrafter
     from tltrun.train.drafter_training import DrafterTrainConfig
-    from tltrun.train.spot import SpotTrainer, SubsetGroups
+    from tltrun.train.spot import SpotTrainer
+    from tltrun.train.subset_groups import SubsetGroups
     from tltsim.policy import SpotTrainerPolicy
 
     store = dist.HashStore()

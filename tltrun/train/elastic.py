@@ -257,7 +257,8 @@ def _traceback(failure) -> str:
     return message if isinstance(message, str) else ""
 
 
-def _resume(out: Path) -> str:
+def train_resume_hint(out: Path) -> str:
+    """How the stopped ``tltrun train`` run in ``out`` goes on (``run_logs.resume_hint``)."""
     return resume_hint(out, f"tltrun train --out {out}")
 
 
@@ -269,7 +270,7 @@ def failure_error(out: Path, failure) -> WorkerError:
         logged = worker_error(out, failure.rank, failure.traceback)
         return WorkerError(
             f"worker rank {failure.rank} lost its connection to another worker, which died "
-            f"(killed, or out of memory?); the other workers were stopped; {_resume(out)} "
+            f"(killed, or out of memory?); the other workers were stopped; {train_resume_hint(out)} "
             f"({str(logged).rpartition('(')[2]}",
             is_output_cut=True,
         )
@@ -282,7 +283,7 @@ def failure_error(out: Path, failure) -> WorkerError:
     )
     return WorkerError(
         f"worker rank {failure.rank} {how} (pid {failure.pid}); the other workers were "
-        f"stopped; {_resume(out)}",
+        f"stopped; {train_resume_hint(out)}",
         is_output_cut=True,
     )
 

@@ -247,9 +247,7 @@ def run_train(
             except SignalException as err:  # SIGTERM/SIGHUP to the launcher: torchrun's
                 # agent has stopped the workers; a stop, not a bug (exit 128 + signal, as a
                 # shell reports a process a signal ended)
-                from tltrun.train.run_logs import resume_hint
-
-                how = resume_hint(out, f"tltrun train --out {out}")
+                how = elastic.train_resume_hint(out)
                 raise WorkerError(
                     f"{out}: stopped by {err.sigval.name}; its workers were stopped; {how}",
                     exit_code=128 + int(err.sigval),

@@ -47,8 +47,9 @@ from tltrun.train.grpo import GRPOConfig, Sample, autocast_dtype_for, grpo_updat
 from tltrun.train.prompts import load_run_data, max_request_tokens, reward_spec
 from tltrun.train.responses import ResponseScorer
 from tltrun.train.run_logs import tensorboard_writer
-from tltrun.train.spot import ModelledFeedback, SpotStats, SpotTrainer, SubsetGroups
+from tltrun.train.spot import ModelledFeedback, SpotStats, SpotTrainer
 from tltrun.train.step_log import WorkerStepReport, sha1_digest, write_step_record
+from tltrun.train.subset_groups import SubsetGroups
 from tltrun.train.tasks import TaskConfig
 from tltsim.policy import PolicyStateError, SpotTrainerPolicy, make_policy
 
