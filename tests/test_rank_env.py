@@ -111,3 +111,17 @@ def test_a_rank_takes_the_first_ctrl_c_and_ignores_the_agents_repeat():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["first", "second", "ignored"]
+
+
+def test_a_torchrun_rank_s_resume_hint_names_torchrun(tmp_path, monkeypatch):
+    """Hunt: a rank of a torchrun job that failed said to go on with ``tltrun train --out X
+    --resume``, which starts the workers on one machine only."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert elastic.train_resume_hint(tmp_path).endswith(
+        f"tltrun train --out {tmp_path} --resume starts it again from step 0"
+    )
+    assert "torchrun ..." not in elastic.train_resume_hint(tmp_path)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert elastic.train_resume_hint(tmp_path).endswith(
+        f"torchrun ... -m tltrun train --out {tmp_path} --resume starts it again from step 0"
+    )

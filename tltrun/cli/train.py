@@ -135,11 +135,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
             # Ctrl-C to torchrun's agent reaches every rank: rank 0 says how to go on (each
             # rank printed "interrupted", nothing said --resume)
             if os.environ.get("RANK", "0") == "0":
-                command = f"torchrun ... -m tltrun train --out {cfg.out}"
-                from tltrun.train.run_logs import resume_hint
+                from tltrun.train.elastic import train_resume_hint
 
-                how = resume_hint(Path(cfg.out), command)
-                print(f"interrupted; {how}", file=sys.stderr)
+                print(f"interrupted; {train_resume_hint(Path(cfg.out))}", file=sys.stderr)
             return 130
     if os.environ.get("RANK", "0") == "0":  # under torchrun: rank 0 speaks for the job
         print(f"log.jsonl, trace.json, checkpoints and final/ written to {out}")

@@ -258,8 +258,11 @@ def _traceback(failure) -> str:
 
 
 def train_resume_hint(out: Path) -> str:
-    """How the stopped ``tltrun train`` run in ``out`` goes on (``run_logs.resume_hint``)."""
-    return resume_hint(out, f"tltrun train --out {out}")
+    """How the stopped ``tltrun train`` run in ``out`` goes on (``run_logs.resume_hint``): a
+    rank of a torchrun job names torchrun (it named the one-machine command, which would start
+    the workers on this machine only)."""
+    command = "torchrun ... -m tltrun train" if is_torchrun_agent() else "tltrun train"
+    return resume_hint(out, f"{command} --out {out}")
 
 
 def failure_error(out: Path, failure) -> WorkerError:
