@@ -267,3 +267,46 @@ def test_vllm_cpu_head_size_is_checked_before_its_workers_start():
     with pytest.raises(UsageError, match=r"^m: head_dim 12: vLLM's CPU attention supports head"):
         check_vllm_cpu_head_size("m", 12)
     check_vllm_cpu_head_size("m", 64)
+
+
+@pytest.mark.parametrize(
+    "recorded, flags, says, given",
+    [
+        ({"fsdp_size": 2}, ["--num-workers", "1"], "the run's recorded --fsdp-size 2: 1", "2"),
+        (
+            {"prompts_per_step": 3, "prompt_split": (2, 1)},
+            ["--num-workers", "3"],
+            "the run's recorded --prompt-split (2, 1): need 3 counts",
+            "2,1",
+        ),
+    ],
+)
+def test_a_resume_on_another_world_size_says_the_recorded_setting_and_its_fix(
+    recorded, flags, says, given, tmp_path, capsys
+):
+    """Multi-node hunt: a resume on another number of workers was refused by the run's
+    recorded fsdp_size by its field name, without saying how to change it."""
+    from dataclasses import asdict
+
+    from tltrun.train.config import TrainConfig
+    from tltrun.train.tasks import TaskConfig
+
+    out = tmp_path / "o"
+    out.mkdir()
+    cfg = TrainConfig(model_dir=str(tmp_path), out=str(out), num_workers=2, **recorded)
+    (out / "config.json").write_text(
+        json.dumps({"train": asdict(cfg), "task": asdict(TaskConfig())})
+    )
+    rc, said, err = run("tltrun", ["train", "--out", str(out), "--resume", *flags], capsys)
+    assert_one_error_line(rc, said, err)
+    flag = says.split()[3]
+    assert says in err and err.rstrip().endswith(
+        f"resume with {flag} for this world size and --override-config"
+    )
+    # given on the command line, the value is the user's own: no "recorded", no advice
+    rc, said, err = run(
+        "tltrun", ["train", "--out", str(out), "--resume", *flags, flag, given], capsys
+    )
+    assert_one_error_line(rc, said, err)
+    assert f"error: {flag} " in err  # (the same check refuses it)
+    assert "recorded" not in err and "--override-config" not in err

@@ -144,6 +144,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recorded_for_other_size(said: str, stored: dict | None, given: set[str]) -> str:
+    """A resume on another number of workers refused the run's recorded ``fsdp_size`` or
+    ``prompt_split`` by its field name, without saying it was recorded or how to change it."""
+    if stored is None:
+        return said
+    for name in ("fsdp_size", "prompt_split"):
+        flag = "--" + name.replace("_", "-")
+        if name not in given and f"{name} " in said:
+            said = said.removeprefix("TrainConfig: ").replace(
+                f"{name} ", f"the run's recorded {flag} ", 1
+            )
+            return f"{said}; resume with {flag} for this world size and --override-config"
+    return said
+
+
 def _train_configs(args: argparse.Namespace) -> tuple[TrainConfig, TaskConfig]:
     """The run's settings: --config's, the flags over them, a resume's recorded ones below
     both; checked (one UsageError naming where a bad value was set)."""
@@ -209,6 +224,7 @@ def _train_configs(args: argparse.Namespace) -> tuple[TrainConfig, TaskConfig]:
             # the world size decided num_workers: a recorded prompt_split or fsdp_size for
             # another size fails here
             said = f"torchrun world size {env.world_size}: {said}"
+        said = _recorded_for_other_size(said, stored, {*given_fields(TrainConfig, args), *raw})
         if raw:
             said += f" (--config {args.config} with the flags over it)"
         raise UsageError(said) from None
