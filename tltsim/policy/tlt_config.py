@@ -107,10 +107,10 @@ class TLTConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.threshold < 1 or self.warmup_checks < 1 or self.window < 1:
-            raise ValueError(
-                f"TLTConfig: threshold, warmup_checks and window must be >= 1, got {self.threshold}, {self.warmup_checks}, {self.window}"
-            )
+        for name in ("threshold", "warmup_checks", "window"):  # the one that is wrong, named
+            # alone (the three together named fields tltrun train has no flags for)
+            if getattr(self, name) < 1:
+                raise ValueError(f"TLTConfig: {name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.epsilon <= 1.0:
             raise ValueError(f"TLTConfig: epsilon must be in [0, 1], got {self.epsilon}")
         if (
