@@ -95,7 +95,10 @@ def test_runs_that_rolled_out_other_prompts_or_models_are_a_warning(profile_path
     }
 
     def compare(
-        static_ids: dict[int, dict[str, str]], is_stable: bool = True, model: str = "m"
+        static_ids: dict[int, dict[str, str]],
+        is_stable: bool = True,
+        model: str = "m",
+        static_steps: int = 2,
     ) -> str:
         paths = []
         for policy, trace in runs.items():
@@ -107,6 +110,8 @@ def test_runs_that_rolled_out_other_prompts_or_models_are_a_warning(profile_path
                 measured = dataclasses.replace(step.measured, is_prompt_id_stable=is_stable,
                                                instance_prompts=None)  # fmt: skip
                 steps.append(dataclasses.replace(step, prompts=prompts, measured=measured))
+            if policy == "static":
+                steps = steps[:static_steps]
             meta = {**trace.meta, "model": model if policy == "static" else "m"}
             paths.append(tmp_path / f"{policy}.json")
             save_trace(dataclasses.replace(trace, meta=meta, steps=tuple(steps)), paths[-1])
@@ -124,3 +129,8 @@ def test_runs_that_rolled_out_other_prompts_or_models_are_a_warning(profile_path
     assert compare({1: {first: "row 99"}}, is_stable=False) == ""  # ids name no rows: unsaid
     assert "measured other, " in compare({}, model="other")
     assert compare({}, model="/elsewhere/m") == ""  # the same model directory's name
+    # a run stopped early: its speedups are the common steps' (compare said nothing)
+    assert compare({}, static_steps=1) == (
+        f"warning: {tmp_path / 'static.json'}: measured 1 step(s), {tmp_path / 'nospec.json'} "
+        "2: speedups compare the 1 step(s) both ran\n"
+    )

@@ -208,6 +208,17 @@ def _warn_other_work(run: MeasuredRun, path: Path, base: MeasuredRun, base_path:
             stacklevel=3,
         )
 
+    # speedups pair the steps both ran (a run stopped early, or one resumed for more steps)
+    ran = [{s.step for s in r.trace.steps if s.measured is not None} for r in (run, base)]
+    if ran[0] != ran[1]:
+        common = len(ran[0] & ran[1])
+        warnings.warn(
+            f"{path}: measured {len(ran[0])} step(s), {base_path} {len(ran[1])}: speedups "
+            + (f"compare the {common} step(s) both ran" if common else "need a step both ran"),
+            CompareWarning,
+            stacklevel=3,
+        )
+
     def prompts(r: MeasuredRun) -> dict[int, frozenset[str]]:
         steps = [s for s in r.trace.steps if s.measured is not None]
         if not steps or not all(s.measured.is_prompt_id_stable for s in steps):
