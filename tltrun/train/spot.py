@@ -36,7 +36,8 @@ issues the same sequence on G (phase entry, then rounds whose number every membe
 the same all_reduce result). A member of phase j waits only for other members of phase j,
 which all arrive (the j-th finisher finishes its finite rollout; earlier ones leave phase j - 1
 once that finish is seen). Phases end because every worker eventually finishes its rollout (a
-worker lost with its whole node never does: the wait raises after ``wait_timeout_s``).
+worker lost with its whole node never does: the wait raises once its heartbeats stop,
+tltrun.train.heartbeat, or at the latest after ``wait_timeout_s``).
 Different groups have separate communicators (``tltrun.train.subset_groups``), so interleaving
 across groups is harmless.
 
@@ -83,6 +84,7 @@ from tltrun.train.drafter_training import (
     drafter_train_step,
     make_batch,
 )
+from tltrun.train.heartbeat import PeerWatch
 from tltrun.train.subset_groups import AveragedOptimizer, SubsetGroup, SubsetGroups
 from tltsim.policy import DrafterTrainingPolicy, IdleObs
 from tltsim.policy.spec import SpecDecision, SpecFeedback, SpecPolicy
@@ -164,12 +166,15 @@ class SpotTrainer:
         poll_s: float,
         clock: Callable[[], float] = time.monotonic,
         wait_timeout_s: float = 3600.0,
+        watch: PeerWatch | None = None,
     ):
         self.rank, self.world_size, self.store, self.groups = rank, world_size, store, groups
         # how long a worker waits for the others' rollouts (tltrun.train.elastic's
         # COLLECTIVE_TIMEOUT_S): a node lost whole is seen by no agent here, and the wait polled
         # the store, which lives on, forever (hunt: two torchrun nodes, one SIGKILLed)
         self.wait_timeout_s = wait_timeout_s
+        # ... and the heartbeats that find a lost rank much sooner (tltrun.train.heartbeat)
+        self.watch = watch
         self.drafter, self.policy, self.cfg, self.poll_s, self.clock = (
             drafter,
             policy,
@@ -201,18 +206,30 @@ class SpotTrainer:
         return [int(self.store.get(f"s{step}/order/{i}")) for i in range(1, n + 1)]
 
     def _check_wait(self, step: int, since: float) -> None:
-        """Raise once this worker has waited ``wait_timeout_s`` (real seconds) for the other
-        workers' rollouts of ``step``, naming those that never finished."""
+        """Raise once a worker whose rollout of ``step`` this one waits for stopped sending
+        heartbeats (``watch``), or once this one has waited ``wait_timeout_s`` (real seconds),
+        naming the workers that never finished."""
         waited_s = time.monotonic() - since
-        if waited_s <= self.wait_timeout_s:
-            return
+        if waited_s > self.wait_timeout_s:
+            raise TimeoutError(
+                f"rank {self.rank} waited {waited_s:.0f} s for the rollouts of rank(s) "
+                f"{', '.join(map(str, self._missing(step)))} in step {step}: lost (a node "
+                "that died whole is seen by no launcher here)?"
+            )
+        if self.watch is not None and self.watch.is_due():
+            silent = self.watch.lost(self._missing(step))
+            if silent:
+                raise TimeoutError(
+                    f"rank {self.rank} waited for the rollouts of rank(s) "
+                    f"{', '.join(map(str, silent))} in step {step}, which sent no heartbeat for "
+                    f"{max(silent.values()):.0f} s: lost (a node that died whole is seen by no "
+                    "launcher here)?"
+                )
+
+    def _missing(self, step: int) -> list[int]:
+        """The ranks whose rollout of ``step`` has not finished."""
         done = set(self._first_finishers(step, self._num_done(step)))
-        missing = sorted(set(range(self.world_size)) - done)
-        raise TimeoutError(
-            f"rank {self.rank} waited {waited_s:.0f} s for the rollouts of rank(s) "
-            f"{', '.join(map(str, missing))} in step {step}: lost (a node that died whole is "
-            "seen by no launcher here)?"
-        )
+        return sorted(set(range(self.world_size)) - done)
 
     # ---- the protocol ----------------------------------------------------------------------
 

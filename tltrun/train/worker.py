@@ -44,6 +44,7 @@ from tltrun.train import state as ts
 from tltrun.train.config import TrainConfig
 from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord, num_trained_pairs
 from tltrun.train.grpo import GRPOConfig, Sample, autocast_dtype_for, grpo_update, make_optimizer
+from tltrun.train.heartbeat import Heartbeat, PeerWatch
 from tltrun.train.prompts import load_run_data, max_request_tokens, reward_spec
 from tltrun.train.responses import ResponseScorer
 from tltrun.train.run_logs import tensorboard_writer
@@ -69,10 +70,13 @@ def worker_entry(cfg: TrainConfig, task: TaskConfig, resume: str | None, launche
 def run_worker(env: elastic.RankEnv, cfg: TrainConfig, task: TaskConfig, resume: str | None):
     """One rank's run, in a process group already initialised (``elastic.init_process_group``)."""
     worker = None
+    # beats from the start: a rank still loading its model is waited for by faster ones
+    heartbeat = Heartbeat(elastic.side_store(env), env.rank).start()
     try:
         worker = Worker(env.rank, cfg, task, elastic.side_store(env), resume)
         worker.run()
     finally:
+        heartbeat.stop()
         if worker is not None and worker.tensorboard is not None:
             worker.tensorboard.close()
         if worker is not None:
@@ -203,6 +207,7 @@ class Worker:
                 poll_s=cfg.poll_s,
                 clock=self.clock,
                 wait_timeout_s=elastic.COLLECTIVE_TIMEOUT_S,
+                watch=PeerWatch(store),
             )
         self.start_step = 0
         if ckpt:
