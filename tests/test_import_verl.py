@@ -10,6 +10,7 @@ import functools
 import json
 import random
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -183,7 +184,7 @@ def test_the_cli_writes_a_trace_replay_reads(tokenizer, tmp_path, capsys):
          r"1\.jsonl:1: field 'output': expected text, got int"),
         ({"1.jsonl": '{"output": "a"}\n'}, r"1\.jsonl:1: field 'input': expected text, got missing"),
         ({"2.jsonl": '{"input": "q", "output": "a", "step": 3}\n'},
-         r"2\.jsonl:1: field 'step': 3, but the file is step 2"),
+         r"2\.jsonl:1: field 'step': 3, but the file is step 2\n"),  # (not "killed")
         ({"1.jsonl": "\n"}, r"1\.jsonl: no rows"),
         ({"1.jsonl": '{"input": "q", "output": "a"}\n', "val_1.jsonl": ""},
          r"val_1\.jsonl: not a veRL dump name"),
@@ -215,3 +216,65 @@ def test_a_missing_tokenizer_is_named(tmp_path, capsys):
     argv = ["import-verl", str(tmp_path / "d"), "--tokenizer", str(tmp_path), "--out", "t.json"]
     assert main(argv) == 2
     assert f"--tokenizer {tmp_path}: no tokenizer.json there" in capsys.readouterr().err
+
+
+def test_counts_ignore_a_tokenizer_file_saved_with_padding_or_truncation(tokenizer, tmp_path):
+    """Hunt: a tokenizer.json saved with padding on counted every text of a batch as its
+    longest (all 'at the cap'), one with truncation on cut long texts without a word."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    tok.enable_padding(pad_id=0, pad_token="<|im_end|>")
+    tok.enable_truncation(max_length=4)
+    (tmp_path / "m").mkdir()
+    tok.save(str(tmp_path / "m" / "tokenizer.json"))
+    rng = random.Random(4)
+    rows = [{"input": "q", "output": text(rng, n)} for n in (1, 3, 30)]
+    write_dump(tmp_path / "d", 1, rows)
+    cfg = VerlImportConfig(tokenizer=str(tmp_path / "m"), max_response_tokens=100)
+    (step,) = import_verl(tmp_path / "d", cfg, progress=False).steps
+    got = [r.tokens for r in step.prompts[0].responses]
+    assert got == [count(tokenizer, r["output"]) + 1 for r in rows] and got[-1] > 5
+
+
+def test_equally_common_group_sizes_do_not_depend_on_the_row_order(tokenizer, tmp_path):
+    """Hunt: two prompts drawn twice (16 rows) beside two drawn once (8): whichever came first
+    set the step's group size, so one row order made groups of 16 in a run of 8."""
+    rows = {
+        q: [{"input": q, "output": "four"}] * n for q, n in zip("ABCD", (16, 16, 8, 8), strict=True)
+    }
+    for step, order in ((1, "CDAB"), (2, "ABCD")):
+        write_dump(tmp_path / "d", step, [r for q in order for r in rows[q]])
+    cfg = VerlImportConfig(tokenizer=str(tokenizer), max_response_tokens=100)
+    trace = import_verl(tmp_path / "d", cfg, progress=False)
+    assert [[len(p.responses) for p in s.prompts] for s in trace.steps] == [[8] * 6] * 2
+    assert trace.meta["group_size"] == 8
+
+
+def test_a_cap_above_the_runs_and_special_thinking_tags_are_said(tokenizer, tmp_path):
+    """Hunt: with a cap larger than the run's, its cut responses read as stopped a token past
+    it without a word; a tokenizer marking <think> special lost the tags from every response
+    (veRL's decode skips special tokens) without a word."""
+    rng = random.Random(5)
+    cut = text(rng, 30)  # six responses cut at the run's cap: the same length
+    rows = [{"input": "q", "output": cut}] * 6 + [{"input": "r", "output": "four"}] * 8
+    write_dump(tmp_path / "d", 1, rows)
+    run_cap = count(tokenizer, cut)
+    cfg = VerlImportConfig(tokenizer=str(tokenizer), max_response_tokens=run_cap + 100)
+    with pytest.warns(InputWarning, match=f"6 of 14 end within 2 tokens of the longest "
+                      rf"\({run_cap} tokens and an EOS\): was the run's cap {run_cap}\?"):  # fmt: skip
+        import_verl(tmp_path / "d", cfg, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the run's cap: cut, nothing to say
+        cfg = VerlImportConfig(tokenizer=str(tokenizer), max_response_tokens=run_cap)
+        (step,) = import_verl(tmp_path / "d", cfg, progress=False).steps
+    assert {r.finish for r in step.prompts[0].responses} == {"length"}
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<think>"), AddedToken("</think>")])
+    (tmp_path / "m").mkdir()
+    tok.save(str(tmp_path / "m" / "tokenizer.json"))
+    cfg = VerlImportConfig(tokenizer=str(tmp_path / "m"), max_response_tokens=run_cap)
+    with pytest.warns(InputWarning, match="marks </think>, <think> special: .* 2 token"):
+        import_verl(tmp_path / "d", cfg, progress=False)

@@ -21,7 +21,9 @@ Hugging Face ``tokenizers``; the only module of tltsim that needs it, imported h
 * prompt tokens: the decoded prompt's tokens. The chat template's special tokens were dropped by
   the decode too and are not counted (a few per message).
 * Counts are of the text as encoded now, not of the tokens the model sampled: where it sampled a
-  non-canonical split of a word, the two differ.
+  non-canonical split of a word, the two differ. Thinking tags the tokenizer marks special were
+  dropped by the decode as well (a warning says so); a tokenizer.json saved with padding or
+  truncation on is read with both off.
 * groups: a step's rows with the same ``input`` (GRPO's n samples of a prompt; veRL's
   ``balance_batch`` reorders rows, so rows need not be adjacent), in order of first appearance.
   A prompt drawn k times in one step (k x n rows) becomes k groups of the step's most common
@@ -100,9 +102,33 @@ def load_tokenizer(path: str) -> Any:
     if not file.is_file():
         raise ValueError(f"--tokenizer {path}: no tokenizer.json there")
     try:
-        return Tokenizer.from_file(str(file))
+        tok = Tokenizer.from_file(str(file))
     except Exception as err:  # tokenizers raises its own Exception types on a bad file
         raise ValueError(f"{file}: not a Hugging Face tokenizer.json ({err})") from None
+    # a file saved with padding or truncation on (some released ones are) padded every text of
+    # a batch to its longest, or cut long ones, without a word: counts are of the text alone
+    tok.no_padding()
+    tok.no_truncation()
+    _warn_special_thinking_tags(tok, file)
+    return tok
+
+
+def _warn_special_thinking_tags(tok: Any, file: Path) -> None:
+    """veRL's decode (``skip_special_tokens=True``) dropped the tokens the tokenizer marks
+    special: thinking tags so marked are missing from every thinking response's text, and its
+    count (Qwen3's are not special; some reasoning tokenizers' are)."""
+    tags = sorted(
+        t.content
+        for t in tok.get_added_tokens_decoder().values()
+        if t.special and "think" in t.content.lower()
+    )
+    if tags:
+        warnings.warn(
+            f"{file}: marks {', '.join(tags)} special: veRL's dump dropped them from the text "
+            f"(skip_special_tokens), so a response that thinks counts {len(tags)} token(s) short",
+            InputWarning,
+            stacklevel=3,
+        )
 
 
 def step_files(directory: Path) -> list[tuple[int, Path]]:
@@ -133,25 +159,25 @@ def step_files(directory: Path) -> list[tuple[int, Path]]:
 
 def read_rows(path: Path, step: int, is_last: bool = False) -> list[tuple[str, str, int]]:
     """(input, output, line number) of each row of one step's dump. The last step's file may
-    be one a killed run left half written: its error says how to leave it out."""
-    try:
-        return _read_rows(path, step)
-    except TraceError as err:
-        if not is_last:
-            raise
-        hint = (
-            " (the run's last step: if it was killed while writing it, --max-steps leaves it out)"
-        )
-        raise TraceError(str(err) + hint) from None
-
-
-def _read_rows(path: Path, step: int) -> list[tuple[str, str, int]]:
+    be one a killed run left half written: an error that a cut write explains (its last line
+    torn, its last character cut, no rows) says how to leave it out; others (a row naming
+    another step, a field missing) are the file's own."""
+    cut = (
+        " (the run's last step: if it was killed while writing it, --max-steps leaves it out)"
+        if is_last
+        else ""
+    )
     try:
         # "\n" only: veRL writes ensure_ascii=False, so U+2028, U+2029 and U+0085 (which
         # str.splitlines splits at) stand unescaped inside a row's text
-        lines = path.read_text(encoding="utf-8").split("\n")
+        data = path.read_bytes()
+        lines = data.decode("utf-8").split("\n")
     except UnicodeDecodeError as err:
-        raise TraceError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        at_end = cut if err.start >= len(data) - 4 else ""  # a character cut in its bytes
+        raise TraceError(
+            f"{path}: not UTF-8 text ({err.reason} at byte {err.start}){at_end}"
+        ) from None
+    last_line = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
     rows = []
     for line_no, line in enumerate(lines, 1):
         if not line.strip():
@@ -159,7 +185,8 @@ def _read_rows(path: Path, step: int) -> list[tuple[str, str, int]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise TraceError(f"{path}:{line_no}: not a JSON line ({err.msg})") from None
+            torn = cut if line_no == last_line else ""
+            raise TraceError(f"{path}:{line_no}: not a JSON line ({err.msg}){torn}") from None
         if not isinstance(row, dict):
             raise TraceError(f"{path}:{line_no}: expected a JSON object (a veRL dump row)")
         for key in ("input", "output"):
@@ -172,17 +199,21 @@ def _read_rows(path: Path, step: int) -> list[tuple[str, str, int]]:
             )
         rows.append((row["input"], row["output"], line_no))
     if not rows:
-        raise TraceError(f"{path}: no rows")
+        raise TraceError(f"{path}: no rows{cut}")
     return rows
 
 
 def groups_of(rows: list[tuple[str, str, int]]) -> list[tuple[str, list[int]]]:
     """(input, row indices) per GRPO group, in order of first appearance; a prompt with k times
-    the most common group size of rows split into k groups."""
+    the most common group size of rows (of equally common sizes, the smallest) split into k
+    groups."""
     by_input: dict[str, list[int]] = {}
     for i, (text, *_) in enumerate(rows):
         by_input.setdefault(text, []).append(i)
-    size = Counter(len(ix) for ix in by_input.values()).most_common(1)[0][0]
+    # the most common size; a tie the smallest (the row order decided it: two prompts drawn
+    # twice beside two drawn once made 16-row groups of a run of 8)
+    sizes = Counter(len(ix) for ix in by_input.values())
+    size = min(n for n, k in sizes.items() if k == max(sizes.values()))
     groups = []
     for text, ix in by_input.items():
         if len(ix) > size and len(ix) % size == 0:
@@ -272,6 +303,8 @@ def import_verl(directory: str | Path, cfg: VerlImportConfig, progress: bool = T
     for step, path in tqdm(files, desc="import-verl", unit="step", disable=bars):
         rows = read_rows(path, step, is_last=path == every[-1][1])
         steps.append(import_step(step, path, rows, tok, cfg.max_response_tokens))
+    if cfg.max_response_tokens is not None:
+        _warn_cap_not_reached(steps, cfg.max_response_tokens)
     sizes = {len(p.responses) for s in steps for p in s.prompts}
     tokenizer = Path(cfg.tokenizer).resolve()
     name = cfg.model or (tokenizer.name if tokenizer.is_dir() else tokenizer.parent.name)
@@ -286,6 +319,27 @@ def import_verl(directory: str | Path, cfg: VerlImportConfig, progress: bool = T
     if len(sizes) == 1:
         meta["group_size"] = sizes.pop()
     return Trace(meta=meta, steps=tuple(steps))
+
+
+def _warn_cap_not_reached(steps: list[Step], cap: int) -> None:
+    """A cap above the run's read its cut responses as stopped a token past it: where none
+    reaches the cap but a cluster of the longest recounts to one length (at least 5 and 1% of
+    the responses, less than half, within ``cut_slack`` of it: a natural tail thins out
+    instead), say so."""
+    lengths = [r.tokens for s in steps for p in s.prompts for r in p.responses]
+    if any(r.finish == "length" for s in steps for p in s.prompts for r in p.responses):
+        return
+    longest = max(lengths)
+    near = sum(n >= longest - cut_slack(longest) for n in lengths)
+    # (most responses of one length are no tail: a run whose answers are all alike)
+    if max(5, len(lengths) / 100) <= near < len(lengths) / 2 and longest < cap - cut_slack(cap):
+        warnings.warn(
+            f"no response reaches --max-response-tokens {cap}, but {near} of {len(lengths)} end "
+            f"within {cut_slack(longest)} tokens of the longest ({longest - 1} tokens and an EOS):"
+            f" was the run's cap {longest - 1}? (they read as stopped, not cut)",
+            InputWarning,
+            stacklevel=3,
+        )
 
 
 __all__ = ["VerlImportConfig", "import_verl"]
