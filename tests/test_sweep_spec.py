@@ -7,8 +7,10 @@ Run: ``python -m pytest tests/test_sweep_spec.py -q``.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from tltsim.errors import UsageError
@@ -75,3 +77,25 @@ def test_a_bad_point_names_the_spec_file(tmp_path):
     path = spec(tmp_path, '[grid]\npolicy = ["TLT"]\n')
     with pytest.raises(UsageError, match=f"^{path}: .*unknown policy 'TLT'"):
         run_sweep(path, tmp_path / "out")
+
+
+def test_a_setting_a_point_left_to_its_default_is_named_in_the_best(tmp_path, capsys):
+    """Hunt: a grid of tlt.threshold beside a random tlt.epsilon: the random points ran the
+    default threshold, and the best setting (one of them) left the threshold out; the grid's
+    points ran the default epsilon, which made them other settings than one naming it."""
+    import json
+
+    from tltsim.cli.main import main
+
+    body = ('max_steps = 1\n[fixed]\npreset = "h100x8-qwen7b"\n[grid]\n"tlt.threshold" = [16, 32]'
+            '\n[random]\nnum_points = 2\nseed = 5\n"tlt.epsilon" = {low = 0, high = 0.3}\n')  # fmt: skip
+    assert main(["sweep", str(spec(tmp_path, body)), "--out", str(tmp_path / "s")]) == 0
+    summary = json.loads((tmp_path / "s" / "summary.json").read_text())
+    for picked in (summary["best"], summary["runner_up"]):
+        assert set(picked) == {"policy", "tlt.threshold", "tlt.epsilon", "speedup_vs_nospec"}
+    printed = capsys.readouterr().out
+    assert "tlt.threshold=" in printed.split("best setting")[1].split("\n")[0]
+    assert not re.search(r"=0\.\d{5}", printed)  # floats to 4 digits, the runner-up's too
+    points = pd.read_csv(tmp_path / "s" / "sweep.csv")
+    # the table keeps what each point said (the random points' and NoSpec's blank)
+    assert points["tlt.threshold"].isna().sum() == 3

@@ -304,10 +304,13 @@ def sweep_table(rows: list[dict[str, Any]], trace_id: str = "") -> pd.DataFrame:
     return table.drop(columns=["baseline_key"])
 
 
+# the sweep table's columns that are neither a setting nor a result of one simulation
+_NOT_SETTINGS = ("seed", "key", "speedup_vs_nospec", "rollout_speedup_vs_nospec")
+
+
 def varying_settings(table: pd.DataFrame) -> list[str]:
     """Setting columns that take more than one value among the speculating points."""
-    skip = {*RESULT_COLUMNS, "seed", "key", "policy"}
-    skip |= {"speedup_vs_nospec", "rollout_speedup_vs_nospec"}
+    skip = {*RESULT_COLUMNS, *_NOT_SETTINGS, "policy"}
     spec = table[table.policy != "nospec"]
     return [c for c in table.columns if c not in skip and spec[c].nunique(dropna=False) > 1]
 
@@ -320,6 +323,37 @@ def _setting_values(row: pd.Series) -> dict[str, Any]:
         k: int(v) if k != "speedup_vs_nospec" and isinstance(v, float) and v.is_integer() else v
         for k, v in out.items()
     }
+
+
+def _is_blank(value: Any) -> bool:
+    """None, NaN or pandas' NA (an integer column's blank); a list value is never blank."""
+    return not isinstance(value, list | tuple | dict) and bool(pd.isna(value))
+
+
+def _fill_defaults(rows: pd.DataFrame, varying: list[str], table: pd.DataFrame) -> None:
+    """A varying setting a point left out (a random section's point beside a grid's) ran with
+    its default: written in, so the best setting names it (it was left out of the best, and a
+    point of the default value was another setting than one that named it)."""
+    settings = [c for c in table.columns if c not in {*RESULT_COLUMNS, *_NOT_SETTINGS}]
+    for index, row in rows.iterrows():
+        missing = [
+            c
+            for c in varying
+            if c != "preset" and _is_blank(row[c]) and setting_matters(row.policy, c)
+        ]
+        if not missing:
+            continue
+        point = {c: row[c] for c in settings if not _is_blank(row[c])}
+        ran = settings_of(point, 0)
+        for column in missing:
+            section, _, name = column.partition(".")
+            if name:
+                value = getattr(getattr(ran, section), name)
+            elif hasattr(ran, column):
+                value = getattr(ran, column)
+            else:
+                value = getattr(ran.sim, column)
+            rows.at[index, column] = list(value) if isinstance(value, tuple) else value
 
 
 def sweep_summary(table: pd.DataFrame, spec: SweepSpec) -> dict[str, Any]:
@@ -335,6 +369,7 @@ def sweep_summary(table: pd.DataFrame, spec: SweepSpec) -> dict[str, Any]:
         ignored = [p for p in spec_rows.policy.unique() if not setting_matters(p, column)]
         spec_rows[column] = spec_rows[column].astype(object)
         spec_rows.loc[spec_rows.policy.isin(ignored), column] = None
+    _fill_defaults(spec_rows, varying, table)
     best: dict[str, Any] = {}
     runner_up: dict[str, Any] = {}
     intervals: dict[str, list[float]] = {}
