@@ -347,8 +347,16 @@ def test_a_directory_of_another_commands_results_is_refused(
     assert "holds the results of a tltsim advise (advise.json)" in capsys.readouterr().err
     (out / "advise.json").unlink()
     assert main(argv) == 0  # its own kind: replaced
-    (out / "config.json").write_text('{"model_type": "qwen2"}')  # a model's, not ours
-    assert main(argv) == 0
+    # a model's config.json, or a tltrun run's, was written over (hunt: the model then failed
+    # to load; the run could no longer be resumed)
+    for config, says in (
+        ('{"model_type": "qwen2"}', "holds a model (config.json)"),
+        ('{"generate": {}, "engine": {}}', "holds the results of a tltrun generate (config.json)"),
+    ):
+        (out / "config.json").write_text(config)
+        assert main(argv) == 2
+        assert says in capsys.readouterr().err
+        assert (out / "config.json").read_text() == config
 
 
 def test_the_summary_footnote_names_the_columns_shown(tmp_path: Path, capsys) -> None:

@@ -194,10 +194,11 @@ def test_engine_sizes_default_to_what_the_rollout_needs(dirs, capsys):
     assert (engine["max_running_requests"], engine["max_model_len"]) == (8, 25)
     assert len((out / "generations.jsonl").read_text().splitlines()) == 8
     # bench: the step's 5 responses at once, the longest request 7 + 20 tokens
+    argv[argv.index(str(out))] = str(dirs / "bench_defaults")  # (a run's own directory)
     rc = main(["bench", *argv, "--trace", str(dirs / "trace.json"), "--policy", "nospec",
                "--no-progress-shown"])  # fmt: skip
     assert rc == 0, capsys.readouterr().err
-    engine = json.loads((out / "config.json").read_text())["engine"]
+    engine = json.loads((dirs / "bench_defaults" / "config.json").read_text())["engine"]
     assert (engine["max_running_requests"], engine["max_model_len"]) == (5, 27)
 
 

@@ -310,3 +310,46 @@ def test_a_resume_on_another_world_size_says_the_recorded_setting_and_its_fix(
     assert_one_error_line(rc, said, err)
     assert f"error: {flag} " in err  # (the same check refuses it)
     assert "recorded" not in err and "--override-config" not in err
+
+
+def test_an_out_holding_a_model_or_another_commands_run_is_refused(files, tmp_path, capsys):
+    """Hunt: ``generate --out MODEL`` wrote its config.json over the model's (it no longer
+    loaded); ``bench`` / ``train`` into another command's run made that run unresumable."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(files["model"], model)
+    runs = {"generate": tmp_path / "g", "bench": tmp_path / "b"}
+    for command, out in runs.items():
+        out.mkdir()
+        (out / "config.json").write_text(json.dumps({command: {}, "engine": {}}))
+    cases = [
+        (
+            swap(GEN, out=str(model)),
+            model,
+            "holds a model's config.json; give this tltrun generate",
+        ),
+        (swap(BENCH, out=str(model)), model, "holds a model's config.json; give this tltrun bench"),
+        (swap(GEN, out=str(runs["bench"])), runs["bench"], "holds the results of tltrun bench;"),
+        (
+            swap(BENCH, out=str(runs["generate"])),
+            runs["generate"],
+            "the results of tltrun generate",
+        ),
+        (
+            swap(TRAIN, "--max-new-tokens 64", out=str(model)),
+            model,
+            "holds a model's config.json; give this tltrun train",
+        ),
+        (
+            swap(TRAIN, "--max-new-tokens 64", out=str(runs["bench"])),
+            runs["bench"],
+            "holds the results of tltrun bench;",
+        ),
+    ]
+    for argv, out, says in cases:
+        before = (out / "config.json").read_bytes()
+        rc, said, err = run("tltrun", fill(argv, files, tmp_path), capsys)
+        assert_one_error_line(rc, said, err)
+        assert err.startswith(f"error: --out {out}: ") and says in err, err
+        assert (out / "config.json").read_bytes() == before

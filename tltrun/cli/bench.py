@@ -67,6 +67,7 @@ def format_results(results: dict[str, Any]) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from tltrun.train.resumable import refuse_other_results
     from tltrun.train.state import RunLock, write_atomic
 
     if args.resume:
@@ -91,6 +92,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 f"--policy {','.join(cfg.policy)} choose their own"
             )
         out = check_out_dir(cfg.out)
+        refuse_other_results(out, "tltrun bench")
         trace = load_bench_trace(cfg)
         steps = select_steps(trace, cfg, max_model_len=None)
         # Defaults sized to the replay: the most responses of one step, the longest scaled request.

@@ -195,6 +195,7 @@ def read_prompts(path: str, model_dir: str, cfg: GenerateConfig) -> tuple[list[R
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from tltrun.train.resumable import refuse_other_results
     from tltrun.train.state import RunLock
 
     if args.resume:
@@ -234,6 +235,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "or choose a policy that does (static, tlt)"
             )
         out = check_out_dir(cfg.out)
+        refuse_other_results(out, "tltrun generate")
         requests, tokenizer = read_prompts(cfg.prompts, cfg.model, cfg)
         longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
         engine_cfg = engine_config_from_args(

@@ -37,6 +37,7 @@ new run: the learning-rate schedule depends on the step count).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 from collections.abc import Iterable
@@ -187,6 +188,40 @@ def start_fresh(out: Path, command: str, config_file: str) -> None:
         )
     for name in outputs:
         (out / name).unlink(missing_ok=True)
+
+
+# The section of config.json that names the tltrun command that wrote it
+RUN_SECTIONS = {"generate": "tltrun generate", "bench": "tltrun bench", "train": "tltrun train"}
+
+
+def written_by(out: Path) -> str | None:
+    """What wrote ``out/config.json``: a tltrun command (its section), a tltsim command (its
+    ``kind``), a model (a Hugging Face config's ``model_type``); None where there is none, or
+    one none of these wrote."""
+    try:
+        config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    if "model_type" in config:
+        return "a model"
+    if config.get("kind") in ("replay", "sweep", "compare"):
+        return f"tltsim {config['kind']}"
+    return next((command for key, command in RUN_SECTIONS.items() if key in config), None)
+
+
+def refuse_other_results(out: Path, command: str) -> None:
+    """A fresh run of ``command`` writes its config.json over the one in ``out``: refused where
+    another command or a model wrote it (hunt: ``generate --out MODEL`` replaced the model's
+    config.json; ``generate --out`` a train run's directory made it unresumable)."""
+    other = written_by(out)
+    if other is not None and other != command:
+        what = "a model's config.json" if other == "a model" else f"the results of {other}"
+        raise UsageError(
+            f"--out {out}: holds {what}; give this {command} a directory of its own (or "
+            "remove that one)"
+        )
 
 
 def configs_to_resume(

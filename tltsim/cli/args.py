@@ -200,9 +200,10 @@ def check_out_dir(path: str | Path, flag: str = "--out", kind: str | None = None
         raise UsageError(f"{flag} {path}: exists and is not a directory")
     other = None if kind is None else results_kind(path)
     if other is not None and other[0] != kind:
+        what = other[0] if " " in other[0] else f"the results of a tltsim {other[0]}"
         raise UsageError(
-            f"{flag} {path}: holds the results of a tltsim {other[0]} ({other[1]}); give this "
-            f"{kind} a directory of its own (or remove that one)"
+            f"{flag} {path}: holds {what} ({other[1]}); give this {kind} a directory of its own "
+            "(or remove that one)"
         )
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -215,15 +216,22 @@ def check_out_dir(path: str | Path, flag: str = "--out", kind: str | None = None
 
 def results_kind(path: Path) -> tuple[str, str] | None:
     """Which tltsim command wrote the results in ``path`` (its config.json's "kind"; advise
-    writes advise.json) and the file that says so; None for anything else (a model
-    directory's config.json has no "kind")."""
+    writes advise.json), or, in words, a model or a tltrun run (tltrun.train.resumable's
+    ``written_by``), and the file that says so; None for anything else."""
     if (path / "advise.json").is_file():
         return "advise", "advise.json"
     try:
-        kind = json.loads((path / "config.json").read_text(encoding="utf-8")).get("kind")
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        kind = config.get("kind")
     except (OSError, ValueError, AttributeError, RecursionError):
         return None
-    return (kind, "config.json") if kind in ("replay", "sweep", "compare") else None
+    if kind in ("replay", "sweep", "compare"):
+        return kind, "config.json"
+    # a model's, or a tltrun run's (its section names the command): written over, it was lost
+    if "model_type" in config:
+        return "a model", "config.json"
+    run = next((key for key in ("generate", "bench", "train") if key in config), None)
+    return (f"the results of a tltrun {run}", "config.json") if run else None
 
 
 def check_out_file(path: str | Path, flag: str = "--out") -> Path:
