@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from process_tools import sigkill_when
-from test_generate_resume import SLOW_CLI
+from test_generate_resume import SLOW_CLI, assert_other_weights_refused
 from test_hostile import assert_one_error_line, run
 from tiny_models import tiny_model
 
@@ -143,6 +143,7 @@ def test_refusals_are_one_error_line(inputs, tmp_path, capsys):
         rc, stdout, err = run("tltrun", args, capsys)
         assert_one_error_line(rc, stdout, err)
         assert says in err, name
+    assert_other_weights_refused(inputs, out, "bench", ["model", "drafter"], capsys)
     assert (out / "trace_torch_nospec.json").read_bytes() == kept  # refused runs wrote nothing
     assert not (out / "results.json").exists()
 

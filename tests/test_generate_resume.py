@@ -107,6 +107,21 @@ def test_a_resume_with_every_response_written_only_writes_the_trace(inputs, tmp_
     assert step.num_responses == NUM_PROMPTS and step.measured is None
 
 
+def assert_other_weights_refused(inputs, out, command: str, parts, capsys) -> None:
+    """Hunt: a resume over other weights in the run's --model wrote their responses after the
+    old ones' without a word (and a changed model was blamed on the prompts)."""
+    for part in parts:
+        weights = next((inputs / part).glob("*.safetensors"))
+        original = weights.read_bytes()
+        try:
+            weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+            rc, stdout, err = run("tltrun", [command, "--out", str(out), "--resume"], capsys)
+        finally:
+            weights.write_bytes(original)
+        assert_one_error_line(rc, stdout, err)
+        assert f"--{part} {inputs / part}: its config.json or weights changed since the run" in err
+
+
 def test_refusals_are_one_error_line(inputs, tmp_path, capsys):
     out = tmp_path / "unfinished"
     assert main(argv(inputs, out)) == 0
@@ -155,6 +170,7 @@ def test_refusals_are_one_error_line(inputs, tmp_path, capsys):
             prompts.write_text(original)
         assert_one_error_line(rc, stdout, err)
         assert "its requests changed since the run started" in err
+    assert_other_weights_refused(inputs, out, "generate", ["model"], capsys)
     assert len(rows_of(out)) == 3
 
 

@@ -282,6 +282,43 @@ def recorded_engine_run(
         raise UsageError(f"{path}: not a {command} config ({type(err).__name__}: {err})") from None
 
 
+def weights_digests(model: str, drafter: str | None) -> dict[str, str]:
+    """sha256 of a run's target (and drafter) checkpoint, recorded in its config.json: its
+    ``--resume`` refuses other weights (``check_same_weights``)."""
+    from tltrun.model.hf_checkpoint import checkpoint_digest
+
+    digests = {"model_sha256": checkpoint_digest(model)}
+    if drafter:
+        digests["drafter_sha256"] = checkpoint_digest(drafter)
+    return digests
+
+
+def check_same_weights(out: Path, model: str, drafter: str | None) -> None:
+    """A resume whose --model or --drafter directory holds other weights than the run started
+    with (hunt: ``generate --resume`` wrote 76 responses of new weights after 20 of the old,
+    unsaid); runs recorded before the digests resume unchecked."""
+    from tltrun.model.hf_checkpoint import checkpoint_digest
+    from tltsim.jsonio import read_json
+
+    recorded = read_json(out / "config.json", "recorded run config")
+    for key, flag, path in (
+        ("model_sha256", "--model", model),
+        ("drafter_sha256", "--drafter", drafter),
+    ):
+        if key not in recorded or not path:
+            continue
+        try:
+            now = checkpoint_digest(path)
+        except OSError as err:
+            raise UsageError(f"{flag} {path}: cannot be read ({err.strerror or err})") from None
+        if now != recorded[key]:
+            raise UsageError(
+                f"{flag} {path}: its config.json or weights changed since the run in {out} "
+                "started (another sha256 than its config.json records); its finished responses "
+                "came from the old ones: restore them, or start a new run in another --out"
+            )
+
+
 @contextmanager
 def stop_says_how_to_resume(
     out: Path, command: str, is_resumable_anytime: bool = False

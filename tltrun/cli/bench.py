@@ -19,12 +19,14 @@ from typing import Any
 from tltrun.cli.args import (
     add_engine_args,
     check_kv_cache_fits,
+    check_same_weights,
     check_torch_only_flags,
     engine_config_from_args,
     engine_defaults,
     recorded_engine_run,
     run_config_dict,
     stop_says_how_to_resume,
+    weights_digests,
 )
 from tltrun.rollout.bench import (
     BenchConfig,
@@ -82,6 +84,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return 0
         cfg, engine_cfg = configs
         out = Path(args.out)  # where the run is now (its config names where it started)
+        check_same_weights(out, cfg.model, cfg.drafter)
         trace = load_bench_trace(cfg)
     else:
         cfg = absolute_paths(dataclass_from_args(BenchConfig, args))  # resumable from anywhere
@@ -122,7 +125,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 print(f"note: {note}")
         else:
             _start_fresh(cfg, out)
-            write_json(out / "config.json", run_config_dict(bench=cfg, engine=engine_cfg))
+            write_json(
+                out / "config.json",
+                {
+                    **run_config_dict(bench=cfg, engine=engine_cfg),
+                    **weights_digests(cfg.model, cfg.drafter),
+                },
+            )
             done = {}
         results = run_bench(cfg, engine_cfg, trace, out, done)
         write_atomic(out / "results.json", json.dumps(results, indent=2) + "\n")

@@ -31,11 +31,13 @@ from typing import Any
 from tltrun.cli.args import (
     add_engine_args,
     check_kv_cache_fits,
+    check_same_weights,
     engine_config_from_args,
     engine_defaults,
     recorded_engine_run,
     run_config_dict,
     stop_says_how_to_resume,
+    weights_digests,
 )
 from tltrun.cli.generations_log import GenerationsLog
 from tltrun.data.dataset import checked_prompt
@@ -212,8 +214,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
             )
             return 0
         cfg, engine_cfg = configs
-        requests, tokenizer = read_prompts(cfg.prompts, cfg.model, cfg)
         out = Path(args.out)  # where the run is now (its config names where it started)
+        # first: another model (a tokenizer too) was blamed on --prompts ("its requests changed")
+        check_same_weights(out, cfg.model, cfg.drafter)
+        requests, tokenizer = read_prompts(cfg.prompts, cfg.model, cfg)
         recorded = read_json(out / "config.json", "run config").get("requests_sha256")
         if recorded is not None and recorded != requests_sha256(requests):
             raise UsageError(  # (only the answered prompts' rows were compared)
@@ -271,6 +275,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 {
                     **run_config_dict(generate=cfg, engine=engine_cfg),
                     "requests_sha256": requests_sha256(requests),
+                    **weights_digests(cfg.model, cfg.drafter),
                 },
             )
             log.start()
