@@ -166,6 +166,15 @@ def test_a_fresh_bench_over_a_finished_one_forgets_its_rows(inputs, tmp_path, ca
     assert not (out / "results.json").exists()
     assert main(["bench", "--out", str(out), "--resume"]) == 0, capsys.readouterr().err
     assert [r["is_resumed"] for r in results_of(out).values()] == [False, False, False]
+    # one of fewer rows: the earlier rows of other policies go too (hunt: they stayed beside
+    # the new results.json, as if of this run)
+    args = argv(inputs, out)
+    args[args.index("--policy") + 1] = "nospec,static"
+    assert main(args) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in out.glob("trace_*.json")) == [
+        "trace_torch_nospec.json",
+        "trace_torch_static.json",
+    ]
 
 
 def test_save_trace_killed_mid_write_leaves_the_previous_file(inputs, tmp_path, monkeypatch):
@@ -206,3 +215,10 @@ def test_a_rows_accept_length_pools_the_steps_verifies():
     first, second = step(467 / 332, [197, 135], 24), step(149 / 96, [43, 53], 96)
     assert _totals([first, second])["mean_accept_len"] == pytest.approx((467 + 149) / 428)
     assert _totals([first, second])["sd_iteration_share"] == pytest.approx(120 / 200)
+
+
+def test_steps_given_out_of_order_run_in_the_traces_order(inputs, tmp_path, capsys):
+    """Hunt: ``--steps 1,0`` wrote a row trace whose steps descend, which tltsim refuses and a
+    --resume took for another run's (the finished row ran again)."""
+    assert main([*argv(inputs, tmp_path / "o"), "--steps", "1,0"]) == 0, capsys.readouterr().err
+    assert [s.step for s in load_trace(tmp_path / "o" / "trace_torch_nospec.json").steps] == [0, 1]

@@ -147,8 +147,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _start_fresh(cfg: BenchConfig, out: Path) -> None:
     """A fresh bench in ``out``: refused over an unfinished one (its finished rows would be
-    overwritten; ``--resume`` keeps them); an earlier finished run's results.json and this run's
-    row traces go, so that this run, if killed, is neither taken for finished nor resumed with
+    overwritten; ``--resume`` keeps them); an earlier finished run's results.json and row
+    traces go, so that this run, if killed, is neither taken for finished nor resumed with
     the earlier run's rows."""
     rows = [row_trace_name(f"{b}/{p}") for b in cfg.backend for p in cfg.policy]
     if not (out / "results.json").is_file() and (out / "config.json").is_file():
@@ -159,7 +159,13 @@ def _start_fresh(cfg: BenchConfig, out: Path) -> None:
                 "no results.json); pass --resume to continue it, or choose another --out"
             )
     (out / "results.json").unlink(missing_ok=True)
-    for name in rows:
+    # an earlier bench's rows of other policies or backends go too (hunt: its static and tlt
+    # row traces stayed beside a nospec-only results.json); config.json is a bench's here
+    # (refuse_other_results), so its trace_*.json are its rows
+    earlier = (
+        {p.name for p in out.glob("trace_*.json")} if (out / "config.json").is_file() else set()
+    )
+    for name in {*rows, *earlier}:
         (out / name).unlink(missing_ok=True)
 
 

@@ -80,7 +80,8 @@ class BenchConfig:
     steps: tuple[int, ...] = field(
         default=(),
         metadata={
-            "help": "trace step numbers (the trace's 'step' fields) to replay (default: all)"
+            "help": "trace step numbers (the trace's 'step' fields) to replay, in ascending "
+            "order whatever the order given (default: all)"
         },
     )
     length_scale: float = field(
@@ -148,7 +149,9 @@ def scale_step(step: Step, scale: float) -> Step:
 def select_steps(trace: Trace, cfg: BenchConfig, max_model_len: int | None) -> list[Step]:
     """The steps ``cfg`` names, scaled; each request must fit ``max_model_len`` (None: unchecked)."""
     by_index = {s.step: s for s in trace.steps}
-    wanted = cfg.steps or tuple(by_index)
+    # ascending, as a trace's steps are (--steps 1,0 wrote a row trace tltsim refused, and
+    # its resume found the rows "not this run's replay")
+    wanted = sorted(cfg.steps) if cfg.steps else list(by_index)
     missing = [i for i in wanted if i not in by_index]
     if missing:
         raise UsageError(f"{cfg.trace}: no step {missing[0]} (steps: {sorted(by_index)[:10]})")
