@@ -208,8 +208,8 @@ def test_a_missing_value_reaches_the_reward_as_none(tmp_path):
 
 
 BAD_ROWS = [
-    ({"answer": "1"}, "key 'prompt': missing (columns: answer)"),
-    ({"prompt": "x"}, "key 'answer': missing (columns: prompt)"),
+    ({"answer": "1"}, "key 'prompt': missing (columns: answer; --prompt-key names another)"),
+    ({"prompt": "x"}, "key 'answer': missing (columns: prompt; --answer-key names another)"),
     (
         {"prompt": 7, "answer": "1"},
         "key 'prompt': expected a string or a list of chat messages, got int",
@@ -276,7 +276,7 @@ def test_bad_sources_are_one_line_errors(tmp_path):
             '{\n"data": [{"prompt": "x"}]\n}',
             "expected a JSON list of objects, got object",
         ),
-        "one.json": ('{"prompt": "x"}', "one.json:1: key 'answer': missing (columns: prompt)"),
+        "one.json": ('{"prompt": "x"}', "one.json:1: key 'answer': missing (columns: prompt;"),
         "twice.json": (
             '[{"prompt": "x", "prompt": "y"}]',
             "key 'prompt' given twice in one object",

@@ -354,3 +354,16 @@ def test_a_run_of_relative_paths_resumes_from_another_directory(inputs, tmp_path
     capsys.readouterr()
     assert main(["generate", "--out", "g", "--resume"]) == 0, capsys.readouterr().err
     assert len(rows_of(out)) == NUM_PROMPTS
+
+
+def test_a_parquet_prompt_file_is_named_as_one(inputs, tmp_path, capsys):
+    """Hunt: a Parquet file (``tltrun train --data`` reads them) was "not a text prompt file
+    (byte 251 is not UTF-8; binary or corrupted?)"."""
+    import pandas as pd
+
+    pd.DataFrame({"id": ["a"], "prompt": ["2+2"]}).to_parquet(tmp_path / "p.parquet")
+    args = argv(inputs, tmp_path / "o")
+    args[args.index("--prompts") + 1] = str(tmp_path / "p.parquet")
+    rc, stdout, err = run("tltrun", args, capsys)
+    assert_one_error_line(rc, stdout, err)
+    assert f"--prompts {tmp_path / 'p.parquet'}: a Parquet file; tltrun generate reads JSON" in err

@@ -168,6 +168,7 @@ def test_sigterm_to_sft_is_one_line_saying_how_to_resume(tmp_path):
 
 
 def test_data_settings_without_data_and_empty_keys_are_refused(tmp_path, capsys):
+    (tmp_path / "r.jsonl").write_text('{"prompt": "2+2", "solution": "4"}\n')
     for extra, message in [
         (["--prompt-key", "q", "--data-num-rows", "5"], "--prompt-key, --data-num-rows: "
          "settings of --data, which is not given"),
@@ -176,6 +177,9 @@ def test_data_settings_without_data_and_empty_keys_are_refused(tmp_path, capsys)
         (["--data", "reasoning-gym:chain_sum", "--prompt-key", "foo"],
          "--prompt-key: not read for a reasoning-gym task"),
         (["--data", "x.jsonl", "--data-num-rows", "5"], "--data-num-rows: not read for a file"),
+        # a column no row has: its flag, not --skip-bad-rows (which then skipped every row)
+        (["--data", str(tmp_path / "r.jsonl")], "key 'response': missing (columns: prompt, "
+         "solution; --response-key names another)"),
     ]:  # fmt: skip
         assert main(["sft", "--out", str(tmp_path / "o"), *extra]) == 2
         err = capsys.readouterr().err

@@ -21,6 +21,7 @@ finished. A progress bar counts the finished responses.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import warnings
@@ -123,6 +124,14 @@ def read_prompts(path: str, model_dir: str, cfg: GenerateConfig) -> tuple[list[R
     """Requests (``group_size`` per prompt line) and the tokenizer if text prompts were used.
     A legal but suspicious text prompt (empty, or with characters the tokenizer maps to
     ``<unk>``) is generated anyway, with one ``PromptWarning`` counting them all."""
+    # (read_text says what is wrong with a path that cannot be opened)
+    with contextlib.suppress(OSError), open(path, "rb") as fh:
+        if fh.read(4) == b"PAR1":  # (it said "not a text prompt file ... binary?")
+            raise UsageError(
+                f"--prompts {path}: a Parquet file; tltrun generate reads JSON lines (an "
+                "object per line: 'id' and 'prompt' or 'prompt_token_ids'): convert it, e.g. "
+                "pandas.read_parquet(path).to_json(out, orient='records', lines=True)"
+            )
     tokenizer = None
     requests = []
     num_empty = num_with_unk = num_unk_chars = 0

@@ -72,6 +72,8 @@ class DataSpec:
     is_skip_bad_rows: bool = False
     num_rows: int | None = None
     seed: int = 0
+    # the flag that sets answer_key, for messages (tltrun sft's is --response-key)
+    answer_flag: str = "--answer-key"
 
     def __post_init__(self) -> None:
         if not self.path:
@@ -79,7 +81,7 @@ class DataSpec:
         if not self.prompt_key:
             raise DataError("--prompt-key: expected a column name, got an empty string")
         if self.answer_key is not None and not self.answer_key:
-            raise DataError("--answer-key: expected a column name, got an empty string")
+            raise DataError(f"{self.answer_flag}: expected a column name, got an empty string")
         if self.num_rows is not None and self.num_rows < 1:
             raise DataError(f"--num-rows: expected a positive count, got {self.num_rows}")
 
@@ -180,13 +182,21 @@ def _file_rows(spec: DataSpec) -> Iterator[PromptRow | str]:
 def _check_record(raw: RawRow, spec: DataSpec, *, prompt_id: str) -> PromptRow:
     record = raw.record
     assert record is not None
+    if spec.prompt_key not in record:  # (the hint was --skip-bad-rows, which then skipped all)
+        raise _BadRow(_missing(record, spec.prompt_key, raw.place, "--prompt-key"))
     prompt = _check_prompt(record, spec.prompt_key, raw.place)
     answer = None
     if spec.answer_key is not None:
+        if spec.answer_key not in record:
+            raise _BadRow(_missing(record, spec.answer_key, raw.place, spec.answer_flag))
         answer = _check_answer(record, spec.answer_key, raw.place)
     used = {spec.prompt_key, spec.answer_key}
     meta = {str(k): json_safe(v) for k, v in record.items() if k not in used}
     return PromptRow(prompt_id=prompt_id, prompt=prompt, answer=answer, meta=meta, source=raw.place)
+
+
+def _missing(record: dict[str, Any], key: str, place: str, flag: str) -> str:
+    return f"{place}: key {key!r}: missing (columns: {_columns(record)}; {flag} names another)"
 
 
 def checked_prompt(value: Any, key: str, place: str) -> str | tuple[dict[str, Any], ...]:

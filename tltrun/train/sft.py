@@ -180,6 +180,7 @@ def data_pairs(cfg: SFTConfig, *, seed: int, num_rows: int) -> list[tuple[str, s
         path=cfg.data,
         prompt_key="question" if cfg.data.startswith(GYM_PREFIX) else cfg.prompt_key,
         answer_key=cfg.response_key,
+        answer_flag="--response-key",
         num_rows=num_rows if cfg.data.startswith(GYM_PREFIX) else None,
         seed=seed,
         is_skip_bad_rows=cfg.skip_bad_rows,
