@@ -367,3 +367,20 @@ def test_a_parquet_prompt_file_is_named_as_one(inputs, tmp_path, capsys):
     rc, stdout, err = run("tltrun", args, capsys)
     assert_one_error_line(rc, stdout, err)
     assert f"--prompts {tmp_path / 'p.parquet'}: a Parquet file; tltrun generate reads JSON" in err
+
+
+def test_a_request_longer_than_the_context_names_its_prompt_and_the_limit(inputs, tmp_path, capsys):
+    """Hunt: "request 'b/0': prompt + max_new_tokens = 604 exceeds max_model_len=512", from the
+    engine, named neither the file, the prompt's id, nor where 512 came from."""
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text('{"id": "b", "prompt_token_ids": [5, 6, 7], "max_new_tokens": 100000}\n')
+    args = argv(inputs, tmp_path / "o")
+    args[args.index("--prompts") + 1] = str(prompts)
+    rc, stdout, err = run("tltrun", args, capsys)
+    assert_one_error_line(rc, stdout, err)
+    assert f"--prompts {prompts}: prompt 'b': 3 prompt tokens + max_new_tokens 100000 = " in err
+    assert "positions (max_position_embeddings, " in err
+    prompts.write_text('{"id": "b", "prompt_token_ids": [5, 6, 7], "max_new_tokens": 9}\n')
+    rc, stdout, err = run("tltrun", [*args, "--max-model-len", "10"], capsys)
+    assert_one_error_line(rc, stdout, err)
+    assert "prompt 'b': 3 prompt tokens + max_new_tokens 9 = 12 exceed --max-model-len 10" in err

@@ -254,6 +254,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         engine_cfg = engine_config_from_args(
             args, defaults=engine_defaults(cfg.model, len(requests), longest)
         )
+        _check_requests_fit(requests, engine_cfg.max_model_len, cfg, args.max_model_len)
     check_kv_cache_fits(cfg.model, engine_cfg)
     with (
         RunLock(out, "tltrun generate"),
@@ -292,6 +293,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return _generate(cfg, engine_cfg, engine, requests, log, done, out)
         finally:
             log.close()
+
+
+def _check_requests_fit(
+    requests: list[Request], max_model_len: int, cfg: GenerateConfig, given: int | None
+) -> None:
+    """A request longer than the engine's context, named by its prompt's id and the limit's
+    source (the engine's refusal named neither the file nor the flag: "request 'b/0': prompt +
+    max_new_tokens = 604 exceeds max_model_len=512")."""
+    for r in requests:
+        total = len(r.prompt_token_ids) + r.max_new_tokens
+        if total <= max_model_len:
+            continue
+        limit = (
+            f"--max-model-len {given}"
+            if given is not None
+            else f"the model's {max_model_len} positions (max_position_embeddings, "
+            f"{Path(cfg.model) / 'config.json'})"
+        )
+        raise UsageError(
+            f"--prompts {cfg.prompts}: prompt {r.prompt_id!r}: {len(r.prompt_token_ids)} prompt "
+            f"tokens + max_new_tokens {r.max_new_tokens} = {total} exceed {limit}; shorten it or "
+            "lower its max_new_tokens (--max-new-tokens)"
+        )
 
 
 def requests_sha256(requests: list[Request]) -> str:
