@@ -115,7 +115,8 @@ def test_generate_then_train_drafter(dirs, capsys):
     recorded = json.loads((dirs / "trained" / "train_config.json").read_text())
     assert recorded["train_drafter"]["dtype"] is None  # as typed (none): the device decides
     assert recorded["resolved"] == {"dtype": "float32"}  # what it decided on the CPU
-    assert "exported to" in capsys.readouterr().out
+    # (it said "last 20: loss ..." of a 5-step run)
+    assert "for 5 steps (all 5: loss " in capsys.readouterr().out
 
 
 def test_generate_checks_strategy_whatever_the_policy(dirs, capsys):
@@ -190,6 +191,7 @@ def test_engine_sizes_default_to_what_the_rollout_needs(dirs, capsys):
     argv = ["--model", str(dirs / "model"), "--out", str(out), "--temperature", "0"]
     rc = main(["generate", *argv, "--prompts", str(dirs / "prompts.jsonl"), "--group-size", "2"])
     assert rc == 0, capsys.readouterr().err
+    assert "decode tokens/s, no SD); written to" in capsys.readouterr().out  # (was "0.00")
     engine = json.loads((out / "config.json").read_text())["engine"]
     assert (engine["max_running_requests"], engine["max_model_len"]) == (8, 25)
     assert len((out / "generations.jsonl").read_text().splitlines()) == 8

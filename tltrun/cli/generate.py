@@ -295,6 +295,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             log.close()
 
 
+def _accept_text(mean_accept_len: float) -> str:
+    """The mean accept length where SD ran (0 means it never verified: "0.00" read as a
+    drafter that never hit)."""
+    return f", mean accept length {mean_accept_len:.2f}" if mean_accept_len > 0 else ", no SD"
+
+
 def _check_requests_fit(
     requests: list[Request], max_model_len: int, cfg: GenerateConfig, given: int | None
 ) -> None:
@@ -411,7 +417,8 @@ def _generate(
     resumed = f" (and {len(done)} written before the resume)" if done else ""
     print(
         f"{len(result.outputs)} responses{resumed}, {m.total_tokens} tokens in {result.wall_s:.2f} s "
-        f"({m.decode_tokens_per_s:.1f} decode tokens/s, mean accept length {m.mean_accept_len:.2f}); written to {out}"
+        f"({m.decode_tokens_per_s:.1f} decode tokens/s{_accept_text(m.mean_accept_len)}); "
+        f"written to {out}"
     )
     return 0
 

@@ -154,7 +154,9 @@ def _train_drafter(cfg: TrainDrafterConfig, train_cfg, out: Path, is_resume: boo
     write_json(out / "history.json", history)
     resumable.finish(out)
     if history:
-        how = (f"for {train_cfg.num_steps} steps (last 20: loss {final['loss']:.3f}, top-1 "
+        # (mean of the last 20 steps, or of all: "last 20" of a 2-step run said what was not)
+        last = f"last {len(tail)}" if len(tail) < len(history) else f"all {len(tail)}"
+        how = (f"for {train_cfg.num_steps} steps ({last}: loss {final['loss']:.3f}, top-1 "
                f"agreement {final['top1']:.3f})")  # fmt: skip
     else:  # (it printed "loss 0.000, top-1 agreement 0.000" for a drafter never trained)
         how = "for no steps (--train-num-steps 0: the initial drafter)"
