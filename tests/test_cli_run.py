@@ -349,7 +349,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
         # the engine's error comes while bench's progress bar is drawn: still one line
         (
             cli_words("bench --trace T --model M --out y --policy nospec --eos-token-ids=-1"),
-            "outside the model's vocabulary",
+            "generation_config.json's): -1 outside the model's vocabulary",
         ),
     ],
 )

@@ -120,10 +120,12 @@ class RolloutEngine:
                     fuse_projections(module)
         self._apply_layer_settings()
         cfg = model.config
-        if any(not 0 <= i < cfg.vocab_size for i in config.eos_token_ids):
+        outside = [i for i in config.eos_token_ids if not 0 <= i < cfg.vocab_size]
+        if outside:
             raise ValueError(  # such an id never stops a response
-                f"eos_token_ids {list(config.eos_token_ids)}: outside the model's vocabulary "
-                f"[0, {cfg.vocab_size})"
+                f"eos_token_ids {list(config.eos_token_ids)} (--eos-token-ids with the model's "
+                f"generation_config.json's): {', '.join(map(str, outside))} outside the model's "
+                f"vocabulary [0, {cfg.vocab_size})"
             )
         slots = config.max_running_requests
         self.max_tokens = config.max_model_len + config.max_verify_tokens + 1
