@@ -450,11 +450,15 @@ def test_a_stopped_run_is_told_whether_a_checkpoint_holds_its_steps(tmp_path):
     )
     ts.tmp_checkpoint_dir(tmp_path, 2).mkdir(parents=True)  # being written: not one yet
     assert "no checkpoint yet" in run_logs.resume_hint(tmp_path, "tltrun train --out o")
-    for step in (1, 3):
-        ts.checkpoint_dir(tmp_path, step).mkdir(parents=True)
+    first, newest = (fake_checkpoint(tmp_path, step) for step in (1, 3))
     assert run_logs.resume_hint(tmp_path, "tltrun train --out o") == (
         "continue from its last checkpoint (step_000003) with tltrun train --out o --resume"
     )
+    # a damaged one is not promised (--resume then refused it): the newest that looks intact
+    for ckpt, says in ((newest, "(step_000001)"), (first, "none of its checkpoints is intact")):
+        weights = ckpt / "actor" / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-1])
+        assert says in run_logs.resume_hint(tmp_path, "tltrun train --out o")
 
 
 def test_a_resume_on_one_worker_says_the_default_spot_training_stops(tmp_path, monkeypatch, capsys):

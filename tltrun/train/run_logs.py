@@ -27,6 +27,7 @@ from tltrun.train.state import (
     LOGS,
     RunDirWarning,
     checkpoint_error,
+    looks_intact,
     read_jsonl,
     write_atomic,
 )
@@ -210,11 +211,18 @@ def tensorboard_writer(out: Path, start_step: int, is_on: bool):
 
 def resume_hint(out: Path, command: str) -> str:
     """How a stopped run goes on (``command`` ends in ``--out OUT``): from its newest
-    checkpoint, or, stopped before its first (``--checkpoint-every``), from step 0 (the stop
-    promised 'the last checkpoint' where there was none)."""
-    done = sorted(p.name for p in (out / "ckpt").glob("step_*") if CKPT_RE.match(p.name))
+    checkpoint that looks intact (``looks_intact``), or, stopped before its first
+    (``--checkpoint-every``), from step 0 (the stop promised 'the last checkpoint' where there
+    was none)."""
+    found = sorted(p for p in (out / "ckpt").glob("step_*") if CKPT_RE.match(p.name))
+    done = [p.name for p in found if looks_intact(p)]
     if done:
         return f"continue from its last checkpoint ({done[-1]}) with {command} --resume"
+    if found:  # (it promised the newest, which --resume then refused as damaged)
+        return (
+            f"none of its checkpoints is intact ({found[-1].name} the newest; {command} --resume "
+            "names the damage): start the run again in another --out"
+        )
     return (
         f"it wrote no checkpoint yet (--checkpoint-every): {command} --resume starts it again "
         "from step 0"

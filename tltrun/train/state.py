@@ -97,16 +97,8 @@ RUN_FILES = (
     "trace.json.tmp",  # a kill mid-append (tltsim.trace.files.append_steps)
     "trace.tmp.json",  # a kill between run_logs.write_trace's save and rename
 )
-RUN_DIRS = (
-    "rollouts",
-    "tensorboard",
-    "ckpt",
-    "drafter",
-    "drafter.tmp",
-    "drafter.old",
-    ".tmp_final",
-    ".tmp_old_final",
-)
+RUN_DIRS = ("rollouts", "tensorboard", "ckpt", "drafter", "drafter.tmp", "drafter.old")
+RUN_DIRS += (".tmp_final", ".tmp_old_final")  # (final/ being replaced: tltrun.train.worker)
 FINAL_STATE = "run_state.json"  # final/'s record of the steps trained ({"num_steps": N})
 
 
@@ -332,6 +324,15 @@ def _read_manifest(ckpt_dir: Path) -> tuple[dict[str, dict] | None, str]:
             f"{MANIFEST}: not a {MANIFEST_FORMAT} (format, files: {{path: sha256, size_bytes}})",
         )
     return files, ""
+
+
+def looks_intact(ckpt_dir: Path) -> bool:
+    """``verify_checkpoint`` unhashed (for a message): the manifest's files there, sized."""
+    files, _ = _read_manifest(ckpt_dir)
+    sizes = {rel: entry["size_bytes"] for rel, entry in (files or {}).items()}
+    return files is not None and all(
+        (ckpt_dir / r).is_file() and (ckpt_dir / r).stat().st_size == n for r, n in sizes.items()
+    )
 
 
 def verify_checkpoint(ckpt_dir: Path, num_workers: int) -> list[str]:
