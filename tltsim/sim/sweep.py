@@ -343,7 +343,11 @@ def _fill_defaults(rows: pd.DataFrame, varying: list[str], table: pd.DataFrame) 
         ]
         if not missing:
             continue
-        point = {c: row[c] for c in settings if not _is_blank(row[c])}
+        point = {  # (numpy scalars as Python's: TLTConfig checks for an int)
+            c: row[c].item() if hasattr(row[c], "item") else row[c]
+            for c in settings
+            if not _is_blank(row[c])
+        }
         ran = settings_of(point, 0)
         for column in missing:
             section, _, name = column.partition(".")
