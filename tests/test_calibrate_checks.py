@@ -191,3 +191,25 @@ def test_a_unit_slip_in_a_hardware_file_is_refused(tmp_path, capsys):
         assert err.endswith(f"(the unit is in the name: {unit})\n")
     path.write_text(json.dumps(fields))
     assert main(["profile-info", str(PROFILE), "--hardware", str(path)]) == 0
+
+
+def test_bytes_are_priced_in_the_dtype_the_profile_was_timed_in(tmp_path):
+    """Hunt: the fit priced the weights in the sidecar config.json's torch_dtype (a float32
+    config beside a bf16 run moved 0.69 to 0.87 of the bandwidth) and never in the dtype the
+    profile ran (a float32 run, every CPU profile, was priced in bf16)."""
+    from tltsim.cli.profile_info import model_of_profile
+    from tltsim.cost.profile import load_profile
+
+    def timed(name: str, model_dtype: str, run_dtype: str) -> Path:
+        path = variant(tmp_path, name)
+        meta = json.loads(path.with_suffix(".json").read_text())
+        meta["model"]["torch_dtype"], meta["config"]["dtype"] = model_dtype, run_dtype
+        path.with_suffix(".json").write_text(json.dumps(meta))
+        return path
+
+    shipped = model_of_profile(None, load_profile(PROFILE))
+    assert (shipped.bytes_per_param, shipped.kv_bytes_per_elem) == (2, 2)
+    config_fp32 = model_of_profile(None, load_profile(timed("a", "float32", "bfloat16")))
+    assert config_fp32 == shipped
+    run_fp32 = model_of_profile("Qwen2.5-1.5B", load_profile(timed("b", "bfloat16", "float32")))
+    assert (run_fp32.bytes_per_param, run_fp32.kv_bytes_per_elem) == (4, 4)

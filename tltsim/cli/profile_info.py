@@ -8,6 +8,7 @@ flags and its sidecar (``tltsim calibrate`` resolves them the same way).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,33 @@ from tltsim.cost.measured import compare_to_roofline, profile_gaps, summarize_co
 from tltsim.cost.profile import OPS, Profile, load_profile
 from tltsim.cost.profile_tables import profile_tables
 from tltsim.cost.roofline import CostModel, RooflineCost
-from tltsim.cost.specs import HARDWARE_PRESETS, MODEL_PRESETS, HardwareSpec, ModelSpec
+from tltsim.cost.specs import (
+    DTYPE_BYTES,
+    HARDWARE_PRESETS,
+    MODEL_PRESETS,
+    HardwareSpec,
+    ModelSpec,
+)
 from tltsim.errors import UsageError
 from tltsim.jsonio import exact_fields
 
 
 def model_of_profile(arg: str | None, profile: Profile) -> ModelSpec | None:
+    """The model the profile's times are priced with (``--model``, else the sidecar's), its
+    bytes per weight and KV element in the dtype the profile was timed in (the sidecar's
+    ``config.dtype``): a config.json's ``torch_dtype`` (float32 beside a bf16 run) or bf16
+    beside a CPU run's float32 priced other bytes than the engine moved, and the calibrated
+    bandwidth fraction came out off by that factor, unsaid."""
+    spec = _model_of_profile(arg, profile)
+    config = profile.meta.get("config")
+    dtype = config.get("dtype") if isinstance(config, dict) else None
+    if spec is None or not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        return spec
+    size = DTYPE_BYTES[dtype]
+    return dataclasses.replace(spec, bytes_per_param=size, kv_bytes_per_elem=size)
+
+
+def _model_of_profile(arg: str | None, profile: Profile) -> ModelSpec | None:
     source = arg if arg is not None else profile.meta.get("model")
     if isinstance(source, dict):
         try:

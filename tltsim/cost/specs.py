@@ -23,7 +23,7 @@ from typing import Any
 
 from tltsim.cost.hardware import HARDWARE_PRESETS, HardwareSpec, get_hardware
 
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ class ModelSpec:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 puts biases on q/k/v without saying so in config.json; Llama says attention_bias.
             has_qkv_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            bytes_per_param=_DTYPE_BYTES.get(dtype, 2),
+            bytes_per_param=DTYPE_BYTES.get(dtype, 2),
         )
 
     @classmethod
