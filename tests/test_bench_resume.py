@@ -221,4 +221,6 @@ def test_steps_given_out_of_order_run_in_the_traces_order(inputs, tmp_path, caps
     """Hunt: ``--steps 1,0`` wrote a row trace whose steps descend, which tltsim refuses and a
     --resume took for another run's (the finished row ran again)."""
     assert main([*argv(inputs, tmp_path / "o"), "--steps", "1,0"]) == 0, capsys.readouterr().err
-    assert [s.step for s in load_trace(tmp_path / "o" / "trace_torch_nospec.json").steps] == [0, 1]
+    row = load_trace(tmp_path / "o" / "trace_torch_nospec.json")
+    assert [s.step for s in row.steps] == [0, 1]
+    assert row.meta["model"] == str(inputs / "model")  # (it claimed the source trace's model)

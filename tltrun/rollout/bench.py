@@ -283,6 +283,9 @@ def run_bench(
             **trace.meta,
             "source": f"tltrun bench replay of {cfg.trace} on {backend}",
             "length_scale": cfg.length_scale,
+            # the model that ran, not the source trace's (compare warns of two models by this
+            # field: two benches of other models both claimed the trace's)
+            "model": cfg.model,
         }
         save_trace(Trace(meta=meta, steps=tuple(measured)), out / row_trace_name(row))
         results[row] = {**_totals(measured), "is_resumed": False}
