@@ -173,6 +173,14 @@ def test_a_replay_beyond_the_shapes_a_preset_was_fitted_on_says_so(tmp_path, cap
     assert main(argv) == 0
     assert f"  note: {expected}" in capsys.readouterr().out.splitlines()
     assert expected in json.loads((tmp_path / "a" / "advise.json").read_text())["notes"]
+    # a sweep too, once whatever its points (hunt: it said nothing), and in summary.json
+    spec = tmp_path / "s.toml"
+    spec.write_text(f'trace = "{TRACE}"\nseeds = [0]\nmax_steps = 1\n[fixed]\npreset = '
+                    f'"h200x8-qwen7b"\nhardware = "{preset}"\n[grid]\npolicy = ["static", '
+                    '"tlt"]\n')  # fmt: skip
+    assert main(["sweep", str(spec), "--workers", "1", "--out", str(tmp_path / "s")]) == 0
+    assert capsys.readouterr().out.splitlines().count(expected) == 1
+    assert json.loads((tmp_path / "s" / "summary.json").read_text())["notes"] == [expected]
 
 
 def test_a_unit_slip_in_a_hardware_file_is_refused(tmp_path, capsys):

@@ -53,6 +53,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(
         f"{len(outcome.table)} rows (points x seeds): {outcome.num_computed} simulations run, {outcome.num_reused} reused from {outcome.out / 'points.jsonl'}"
     )
+    for note in outcome.notes:
+        print(note)
     summary = json.loads((outcome.out / "summary.json").read_text())
     if summary["best"]:
         print(

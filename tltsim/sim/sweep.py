@@ -57,7 +57,7 @@ from tltsim.policy import POLICY_NAMES, SpotTrainerConfig, TLTConfig, make_polic
 from tltsim.policy.tlt import TLTBASE_FIELDS
 from tltsim.sim.acceptance import DrafterDynamics
 from tltsim.sim.config import SimConfig
-from tltsim.sim.replay import RunSettings, cost_model, run_settings
+from tltsim.sim.replay import RunSettings, cost_model, fit_domain_note, run_settings
 from tltsim.sim.sweep_spec import (
     SECTIONS,
     TOP_KEYS,
@@ -198,6 +198,7 @@ class SweepOutcome:
     num_computed: int
     num_reused: int
     out: Path
+    notes: list[str]  # hardware preset files extrapolated (replay's "calibration:" lines)
 
 
 def sweep_out(spec_path: Path) -> Path:
@@ -220,11 +221,20 @@ def run_sweep(spec_path: Path, out: Path | None = None, workers: int | None = No
     if spec.max_steps is not None:
         trace = Trace(meta=trace.meta, steps=trace.steps[: spec.max_steps])
     points = spec_points(spec)
+    notes: list[str] = []
+    seen: set[tuple] = set()  # (a note reads the whole trace: once per hardware and cluster)
     for point in points:  # validate every point before spending any time
         try:  # (the error named the point, not the spec file it came from)
-            cost_model(settings_of(point, spec.seeds[0]).sim)  # a bad model or hardware too
+            sim = settings_of(point, spec.seeds[0]).sim
+            cost_model(sim)  # a bad model or hardware too
         except UsageError as err:
             raise UsageError(f"{spec_path}: {err}") from None
+        # a preset file fitted on smaller shapes than the trace runs: said, as replay says it
+        # (a sweep said nothing)
+        shape = (sim.hardware, sim.num_gpus, sim.tp, sim.max_running_requests)
+        if shape not in seen and (note := fit_domain_note(trace, sim)) and note not in notes:
+            notes.append(note)
+        seen.add(shape)
     # points.jsonl stays: its rows are keyed by what they simulated (resume, reuse)
     remove_stale_outputs(out, ("summary.json", "sweep.csv", "sweep.parquet"))
     write_json(
@@ -264,8 +274,8 @@ def run_sweep(spec_path: Path, out: Path | None = None, workers: int | None = No
     table = sweep_table(rows, trace_id)
     table.to_parquet(out / "sweep.parquet", index=False)
     table.to_csv(out / "sweep.csv", index=False)
-    write_json(out / "summary.json", sweep_summary(table, spec))
-    return SweepOutcome(table, len(todo), len({t[0] for t in tasks}) - len(todo), out)
+    write_json(out / "summary.json", {**sweep_summary(table, spec), "notes": notes})
+    return SweepOutcome(table, len(todo), len({t[0] for t in tasks}) - len(todo), out, notes)
 
 
 def _collect(rows, done: dict, sink, bar) -> None:
