@@ -221,3 +221,20 @@ def test_bytes_are_priced_in_the_dtype_the_profile_was_timed_in(tmp_path):
     assert config_fp32 == shipped
     run_fp32 = model_of_profile("Qwen2.5-1.5B", load_profile(timed("b", "bfloat16", "float32")))
     assert (run_fp32.bytes_per_param, run_fp32.kv_bytes_per_elem) == (4, 4)
+
+
+def test_a_hardware_file_beside_a_profile_that_prices_every_op_is_said_unused(tmp_path, capsys):
+    """Hunt: replay --profile (every op measured) --hardware-file warned of the file's fit
+    error and extrapolation, yet its step times were byte-identical without the file."""
+    preset = tmp_path / "h200.json"
+    assert main(["calibrate", str(PROFILE), *FLAGS, "--out", str(preset)]) == 0
+    capsys.readouterr()
+    argv = ["replay", str(TRACE), "--preset", "h200x8-qwen7b", "--profile", str(PROFILE),
+            "--policy", "nospec", "--max-steps", "1"]  # fmt: skip
+    assert main([*argv, "--hardware-file", str(preset), "--out", str(tmp_path / "a")]) == 0
+    said = capsys.readouterr()
+    assert f"warning: --hardware-file {preset}: not used: --profile {PROFILE} measures" in said.err
+    assert "calibration:" not in said.out
+    assert main([*argv, "--out", str(tmp_path / "b")]) == 0
+    steps = [(tmp_path / run / "steps.csv").read_text() for run in "ab"]
+    assert steps[0] == steps[1]

@@ -142,7 +142,14 @@ def resolve(
 
 def cmd_replay(args: argparse.Namespace) -> int:
     replay, sim, tlt, drafter, spot = resolve(args)
-    if getattr(args, "hardware_file", None) is not None:
+    if _is_priced_by_profile(args):
+        warnings.warn(
+            f"--hardware-file {args.hardware_file}: not used: --profile {args.profile} measures "
+            "every op a replay prices (a hardware file prices the ops a profile lacks)",
+            InputWarning,
+            stacklevel=2,
+        )
+    elif getattr(args, "hardware_file", None) is not None:
         sim = dataclasses.replace(sim, hardware=hardware_file_name(args.hardware_file))
         named = load_hardware_preset(args.hardware_file)[0].name
         if getattr(args, "hardware", None) not in (None, named):  # (the file won, unsaid)
@@ -236,6 +243,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if line is not None:
         print(line)
     return 0
+
+
+def _is_priced_by_profile(args: argparse.Namespace) -> bool:
+    """A --hardware-file beside a --profile that measures every op (hunt: its fit warnings and
+    extrapolation notes were said of a file that priced nothing)."""
+    if getattr(args, "hardware_file", None) is None or getattr(args, "profile", None) is None:
+        return False
+    return not profile_gaps(load_profile(args.profile))["ops_not_measured"]
 
 
 def cost_record(sim: SimConfig, profile: Path | None) -> dict[str, Any]:
