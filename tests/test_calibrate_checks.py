@@ -238,3 +238,28 @@ def test_a_hardware_file_beside_a_profile_that_prices_every_op_is_said_unused(tm
     assert main([*argv, "--out", str(tmp_path / "b")]) == 0
     steps = [(tmp_path / run / "steps.csv").read_text() for run in "ab"]
     assert steps[0] == steps[1]
+
+
+def test_an_output_file_of_another_format_is_not_written_over(tmp_path, capsys):
+    """Hunt: ``calibrate --out`` a trace, or a replay's summary.json, replaced it (the next
+    replay of the trace failed); ``gen`` and ``fit`` wrote over a preset the same way."""
+    trace = tmp_path / "t.json"
+    trace.write_bytes(TRACE.read_bytes())
+    summary = tmp_path / "summary.json"
+    summary.write_text('{"policies": {}}')
+    preset = tmp_path / "h.json"
+    for out, held in ((trace, "a tlt-trace file"), (summary, "a file of another kind")):
+        before = out.read_bytes()
+        assert main(["calibrate", str(PROFILE), *FLAGS, "--out", str(out)]) == 2
+        assert capsys.readouterr().err == (
+            f"error: --out {out}: holds {held}, not a tlt-hardware file; choose another name (or "
+            "remove it)\n"
+        )
+        assert out.read_bytes() == before
+    assert main(["calibrate", str(PROFILE), *FLAGS, "--out", str(preset)]) == 0
+    assert main(["calibrate", str(PROFILE), *FLAGS, "--out", str(preset)]) == 0  # its own kind
+    assert main(["gen", "--out", str(preset)]) == 2
+    assert "holds a tlt-hardware file, not a tlt-trace file" in capsys.readouterr().err
+    assert main(["fit", str(TRACE), "--out", str(preset)]) == 2
+    assert "holds a tlt-hardware file, not a tlt-drafter-dynamics file" in capsys.readouterr().err
+    assert main(["gen", "--out", str(trace), "--num-steps", "1"]) == 0  # a trace over a trace

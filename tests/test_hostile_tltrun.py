@@ -353,3 +353,14 @@ def test_an_out_holding_a_model_or_another_commands_run_is_refused(files, tmp_pa
         assert_one_error_line(rc, said, err)
         assert err.startswith(f"error: --out {out}: ") and says in err, err
         assert (out / "config.json").read_bytes() == before
+
+
+def test_profile_does_not_write_over_a_file_of_another_format(files, tmp_path, capsys):
+    """Hunt: ``tltrun profile --out tp.csv`` replaced ``tp.json``, a trace, as its sidecar."""
+    trace = tmp_path / "tp.json"
+    trace.write_text(json.dumps({"format": "tlt-trace", "version": 1, "meta": {}, "steps": []}))
+    argv = f"profile --model {{model}} --out {tmp_path / 'tp.csv'}"
+    rc, said, err = run("tltrun", fill(argv, files, tmp_path), capsys)
+    assert_one_error_line(rc, said, err)
+    assert f"its sidecar {trace}: holds a tlt-trace file, not a tlt-profile file" in err
+    assert json.loads(trace.read_text())["format"] == "tlt-trace"

@@ -20,14 +20,19 @@ from pathlib import Path
 from tltrun.cli.args import check_kv_cache_fits, check_triton_impls
 from tltrun.profile import measure
 from tltsim.cli.args import add_dataclass_args, check_out_file, dataclass_from_args
+from tltsim.cost.profile import FORMAT as PROFILE_FORMAT
 from tltsim.errors import InputWarning, UsageError
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     cfg = dataclass_from_args(measure.ProfileRunConfig, args)
-    check_out_file(cfg.out)
+    check_out_file(cfg.out, file_format=PROFILE_FORMAT)
     # the sidecar is written beside it (a directory there lost the measured run at its write)
-    check_out_file(Path(cfg.out).with_suffix(".json"), flag=f"--out {cfg.out}: its sidecar")
+    check_out_file(
+        Path(cfg.out).with_suffix(".json"),
+        flag=f"--out {cfg.out}: its sidecar",
+        file_format=PROFILE_FORMAT,
+    )
     _check_model_fits(cfg)
     if cfg.backend == "torch":
         check_triton_impls(cfg.device, cfg.dtype_name, attn_impl=cfg.attn_impl)

@@ -234,13 +234,41 @@ def results_kind(path: Path) -> tuple[str, str] | None:
     return (f"the results of a tltrun {run}", "config.json") if run else None
 
 
-def check_out_file(path: str | Path, flag: str = "--out") -> Path:
-    """Like ``check_out_dir`` for an output file: not a directory, its directory writable."""
+def check_out_file(path: str | Path, flag: str = "--out", file_format: str | None = None) -> Path:
+    """Like ``check_out_dir`` for an output file: not a directory, its directory writable. With
+    ``file_format`` (the format the command writes: ``tlt-hardware``, ``tlt-trace``, ...), an
+    existing file of another format is refused (hunt: ``calibrate --out`` a trace, or a
+    replay's summary.json, replaced it)."""
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"{flag} {path}: is a directory, expected a file name")
+    if file_format is not None and path.is_file() and path.stat().st_size:
+        found = file_format_of(path)
+        if found != file_format:
+            held = f"a {found} file" if found else "a file of another kind"
+            raise UsageError(
+                f"{flag} {path}: holds {held}, not a {file_format} file; choose another name "
+                "(or remove it)"
+            )
     check_out_dir(path.parent, flag=f"{flag} {path}: directory")
     return path
+
+
+def file_format_of(path: Path) -> str | None:
+    """The ``format`` a JSON file names, ``tlt-profile`` for a profile CSV (its header), None
+    for anything else. Reads a CSV's first line, a JSON whole (at most 256 MiB)."""
+    try:
+        if path.suffix.lower() == ".csv":
+            with path.open(encoding="utf-8", errors="replace") as fh:
+                return "tlt-profile" if fh.readline().startswith("op,batch,") else None
+        if path.stat().st_size > 2**28:
+            return None
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return (
+        doc.get("format") if isinstance(doc, dict) and isinstance(doc.get("format"), str) else None
+    )
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

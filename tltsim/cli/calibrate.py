@@ -228,8 +228,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     out = args.out or args.profile.with_name(f"{args.profile.stem}-hardware.json")
     if out.suffix != ".json":  # replay --hardware-file reads .json preset files only
         raise UsageError(f"--out {out}: a hardware preset is a .json file")
-    check_out_file(out)
-    _check_not_a_sidecar(out, args.profile)
+    _check_not_a_sidecar(out, args.profile)  # (first: it says more than "another format")
+    check_out_file(out, file_format=PRESET_FORMAT)
     profile = load_profile(args.profile)
     model, hardware = (
         model_of_profile(args.model, profile),

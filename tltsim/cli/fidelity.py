@@ -30,6 +30,7 @@ from tltsim.cost.measured import (
 from tltsim.cost.roofline import CostModel, RooflineCost
 from tltsim.cost.specs import HardwareSpec, ModelSpec
 from tltsim.errors import UsageError
+from tltsim.fidelity.fit import FORMAT as DYNAMICS_FORMAT
 from tltsim.fidelity.fit import (
     FitConfig,
     FitResult,
@@ -214,7 +215,7 @@ def _chi2_line(chi2_per_dof: float, num_steps: int, num_fitted: int) -> str:
 def _cmd_fit(args: argparse.Namespace) -> int:
     config = dataclass_from_args(FitConfig, args)
     if args.out is not None:
-        check_out_file(args.out)
+        check_out_file(args.out, file_format=DYNAMICS_FORMAT)
     trace = load_trace(args.trace)
     base = load_dynamics(args.base) if args.base is not None else None
     history_base = load_history(args.base) if args.base is not None else None

@@ -19,6 +19,7 @@ from tltsim.cli.args import add_dataclass_args, check_out_file, dataclass_from_a
 from tltsim.errors import UsageError
 from tltsim.trace.files import load_trace, save_trace
 from tltsim.trace.importers import KINDS, ImportConfig, import_trace
+from tltsim.trace.schema import FORMAT as TRACE_FORMAT
 from tltsim.trace.schema import SUFFIXES, Trace, TraceError
 from tltsim.trace.synth import GenConfig, generate
 
@@ -50,7 +51,8 @@ def summary_line(trace: Trace, name: str) -> str:
 def _check_out(path: Path) -> None:
     if not path.name.lower().endswith(SUFFIXES):
         raise UsageError(f"--out {path}: expected a file name ending in {', '.join(SUFFIXES)}")
-    check_out_file(path)
+    # a .json of another format (a hardware preset, a replay's summary.json) is not replaced
+    check_out_file(path, file_format=TRACE_FORMAT if path.suffix.lower() == ".json" else None)
 
 
 def _cmd_gen(args: argparse.Namespace) -> int:
