@@ -131,3 +131,26 @@ def test_a_write_killed_midway_leaves_the_previous_profile(tmp_path, monkeypatch
         write_profile(rows[:2], out, {**meta, "partial": "yes"})
     assert (out.read_text(), out.with_suffix(".json").read_text()) == before
     assert len(load_profile(out).rows) == 3
+
+
+def test_a_rerun_killed_before_its_first_round_leaves_no_earlier_profile(
+    model_dirs,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    capsys,
+):
+    """Hunt: a profile into an earlier one's --out, killed while the model loaded, left the
+    earlier files unmarked, as if this run's (of another model, say)."""
+    from tltrun.cli.main import main
+
+    target, drafter = model_dirs
+    out = tmp_path / "p.csv"
+    run_profile(tiny_grid(target, drafter, out), NOW)  # the earlier, finished profile
+
+    def killed(cfg, now):
+        raise Killed
+
+    monkeypatch.setattr(measure_module, "run_profile", killed)
+    with pytest.raises(Killed):
+        main(["profile", "--model", str(target), "--out", str(out)])
+    assert not out.exists() and not out.with_suffix(".json").exists()

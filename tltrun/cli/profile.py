@@ -47,6 +47,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 f"--batches / --prefill-batches up to {engine.max_running_requests} sequences of "
                 f"up to {engine.max_model_len} tokens: {need}"
             ) from None
+    # an earlier profile in --out goes now (its own kind: check_out_file): one killed before
+    # its first round left the earlier run's files there, unmarked, as if this run's
+    for path in (Path(cfg.out), Path(cfg.out).with_suffix(".json")):
+        path.unlink(missing_ok=True)
     start = time.perf_counter()
     # SIGTERM (what `timeout` and job schedulers send) ends the profile as Ctrl-C does: the
     # completed rounds are written (measure.run_profile) instead of lost

@@ -494,7 +494,7 @@ def _write_interrupted(rows: list[ProfileRow], cfg: ProfileRunConfig, now, when:
         f"tltrun profile: interrupted {when}; wrote the {len(rows)} points of the completed "
         f"rounds to {cfg.out}"
         if rows
-        else "tltrun profile: interrupted before a round ended",
+        else "tltrun profile: interrupted before a round ended: nothing written",
         file=sys.stderr,
     )
     raise KeyboardInterrupt
