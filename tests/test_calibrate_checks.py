@@ -263,3 +263,16 @@ def test_an_output_file_of_another_format_is_not_written_over(tmp_path, capsys):
     assert main(["fit", str(TRACE), "--out", str(preset)]) == 2
     assert "holds a tlt-hardware file, not a tlt-drafter-dynamics file" in capsys.readouterr().err
     assert main(["gen", "--out", str(trace), "--num-steps", "1"]) == 0  # a trace over a trace
+
+
+def test_calibrate_asks_only_for_what_the_sidecar_lacks(tmp_path, capsys):
+    """Hunt: a CPU profile (its sidecar names no GPU preset, but its model) asked for "--model
+    and --hardware"; --hardware alone runs it."""
+    cpu = variant(tmp_path, "cpu")
+    meta = json.loads(cpu.with_suffix(".json").read_text())
+    meta["hardware"] = "AMD EPYC, 2 CPUs, 1 torch threads"
+    cpu.with_suffix(".json").write_text(json.dumps(meta))
+    assert main(["calibrate", str(cpu), "--out", str(tmp_path / "h.json")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {cpu}: need --hardware (the sidecar names no preset for the hardware)\n"
+    )

@@ -235,10 +235,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         model_of_profile(args.model, profile),
         hardware_of_profile(args.hardware, profile),
     )
-    if model is None or hardware is None:
+    if model is None or hardware is None:  # (it asked for both where one was missing)
+        missing = [flag for flag, v in (("--model", model), ("--hardware", hardware)) if v is None]
+        what = " or ".join("the model" if f == "--model" else "the hardware" for f in missing)
         raise UsageError(
-            f"{args.profile}: need --model and --hardware (the sidecar names no preset for "
-            f"{'the model' if model is None else 'the hardware'})"
+            f"{args.profile}: need {' and '.join(missing)} (the sidecar names no preset for {what})"
         )
     check_sidecar_agrees(args, profile, model, hardware)
     tp = profile_tp(args.tp, profile, is_strict=True)
