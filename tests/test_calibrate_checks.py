@@ -52,7 +52,9 @@ def test_a_profile_without_verify_rows_is_refused_and_without_drafter_rows_warne
     assert "no drafter rows: the drafter's forwards are priced" in capsys.readouterr().err
 
 
-def test_a_fit_that_misses_its_profile_is_warned_when_written_and_when_replayed(tmp_path, capsys):
+def test_a_fit_that_misses_its_profile_is_warned_when_written_and_when_replayed(
+    tmp_path, capsys, monkeypatch
+):
     rng = random.Random(2)
     garbage = variant(tmp_path, "garbage", factor=lambda: 10 ** rng.uniform(-2, 2))
     preset = tmp_path / "garbage-preset.json"
@@ -63,6 +65,14 @@ def test_a_fit_that_misses_its_profile_is_warned_when_written_and_when_replayed(
     assert main([*argv, "--max-steps", "1", "--out", str(tmp_path / "r")]) == 0
     err = capsys.readouterr().err
     assert err.count("its calibration missed its own profile by a median") == 1  # once
+    # advise named the file relative, then absolute: once too (a copy: warned once a process)
+    (tmp_path / "rel.json").write_bytes(preset.read_bytes())
+    monkeypatch.chdir(tmp_path)
+    argv = ["advise", str(TRACE), "--preset", "h200x8-qwen7b", "--hardware-file", "rel.json",
+            "--max-steps", "1", "--num-seeds", "1", "--thresholds", "32", "--strategy-sets",
+            "chains", "--out", str(tmp_path / "a")]  # fmt: skip
+    assert main(argv) == 0
+    assert capsys.readouterr().err.count("missed its own profile by a median") == 1
     # the shipped profile's own fit is quiet
     good = tmp_path / "good.json"
     assert main(["calibrate", str(PROFILE), *FLAGS, "--out", str(good)]) == 0

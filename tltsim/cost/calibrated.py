@@ -371,7 +371,9 @@ def load_hardware_preset(path: str | Path) -> tuple[HardwareSpec, CalibrationPar
     fit_error = doc.get("fit_error")
     median = fit_error.get("median_abs") if isinstance(fit_error, dict) else None
     if isinstance(median, int | float) and median > MAX_MEDIAN_FIT_ERROR:
-        _warn_poor_preset(str(path), float(median))  # (a garbage fit replayed without a word)
+        # (a garbage fit replayed without a word); once per file, however it is named (advise
+        # named it relative, then absolute: two warnings)
+        _warn_poor_preset(str(Path(path).resolve()), float(median))
     return hardware, params
 
 
