@@ -291,3 +291,20 @@ def test_the_report_says_when_runs_differ_in_length(tmp_path):
         dirs.append(str(run))
     with pytest.warns(InputWarning, match=r"runs of different lengths \(a: 3 steps, b: 5 steps\)"):
         report(dirs, str(tmp_path / "out"))
+
+
+def test_greedy_grpo_is_said_to_learn_nothing(bpe_model, tmp_path, capsys, monkeypatch):  # noqa: F811
+    """Hunt: --temperature 0 made every group's responses alike, every advantage 0 and every
+    step's loss 0.0, and the run ended as if it had trained."""
+    from tltrun.cli.main import main
+    from tltrun.train import launch
+
+    monkeypatch.setattr(launch, "run_train", lambda cfg, task, **kwargs: tmp_path / "o")
+    argv = ["train", "--model-dir", str(bpe_model), "--out", str(tmp_path / "o"),
+            "--max-new-tokens", "64"]  # fmt: skip
+    assert main([*argv, "--temperature", "0"]) == 0
+    assert "warning: --temperature 0.0: greedy decoding gives a group's responses the same " in (
+        capsys.readouterr().err
+    )
+    assert main([*argv, "--temperature", "0.7"]) == 0
+    assert "greedy" not in capsys.readouterr().err

@@ -211,6 +211,15 @@ def test_request_slots_never_exceed_a_workers_responses():
         ("", ["--attn-impl", "paged"], "--attn-impl 'paged': expected one of sdpa, flex"),
         # Triton's interpreter runs no bf16 tree attention: refused before any worker
         ("", ["--attn-impl", "triton", "--dtype", "bfloat16"], "--attn-impl triton: "),
+        # spot training's and overlong shaping's settings where neither runs (hunt: recorded,
+        # never read, then refused as changes on --resume)
+        ("", ["--policy", "nospec", "--drafter-lr", "0.5"],
+         "--drafter-lr: settings of spot drafter training, which this run does not do (--policy "
+         "nospec drafts with no EAGLE drafter, --spot-training turns it on)"),
+        ("", ["--num-workers", "1", "--spot-max-epochs", "3"], "(1 worker is never idle)"),
+        ("drafter_batch_size = 7\n", ["--no-spot-training"],
+         "drafter_batch_size (--config {config}): settings of spot drafter training"),
+        ("", ["--overlong-penalty", "0.5"], "--overlong-penalty: applies over --overlong-buffer"),
     ],
 )  # fmt: skip
 def test_unused_and_bad_config_settings_are_named_where_they_were_set(

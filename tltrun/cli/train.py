@@ -23,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from tltrun.rollout.interface import GREEDY_BELOW_TEMPERATURE
 from tltrun.train import launch
 from tltrun.train import state as train_state
 from tltrun.train.config import TrainConfig
@@ -284,6 +285,14 @@ def _train_configs(args: argparse.Namespace) -> tuple[TrainConfig, TaskConfig]:
             launch.LaunchWarning,
             stacklevel=2,
         )
+    if cfg.temperature < GREEDY_BELOW_TEMPERATURE and os.environ.get("RANK", "0") == "0":
+        warnings.warn(  # (hunt: every step's loss was 0.0, unsaid)
+            f"--temperature {cfg.temperature}: greedy decoding gives a group's responses the "
+            "same tokens, so GRPO's advantages are 0 and the actor does not learn (a "
+            "temperature > 0 samples; greedy suits checks of the rollout)",
+            launch.LaunchWarning,
+            stacklevel=2,
+        )
     return cfg, task
 
 
@@ -339,6 +348,25 @@ def _check_used(
         unused.add("static_strategy")
     if unused:
         raise UsageError(f"{flags(unused)}: not read by --policy {cfg.policy}; drop them")
+    # (hunt: each was recorded, read by nothing, and refused as a change on a later --resume)
+    spot = given & {"drafter_lr", "drafter_batch_size", "spot_max_epochs"}
+    if spot and not cfg.is_spot_harvesting:
+        why = (
+            f"{cfg.num_workers} worker is never idle"
+            if cfg.num_workers < 2
+            else "--no-spot-training"
+            if cfg.is_spot_training is False
+            else f"--policy {cfg.policy} drafts with no EAGLE drafter, --spot-training turns it on"
+        )
+        raise UsageError(
+            f"{flags(spot)}: settings of spot drafter training, which this run does not do "
+            f"({why}); drop them"
+        )
+    if "overlong_penalty" in given and not cfg.overlong_buffer_tokens:
+        raise UsageError(
+            f"{flags({'overlong_penalty'})}: applies over --overlong-buffer-tokens, which is 0 "
+            "(no overlong shaping); give both, or drop it"
+        )
 
 
 def _check_inputs(cfg: TrainConfig) -> None:
