@@ -308,3 +308,18 @@ def test_greedy_grpo_is_said_to_learn_nothing(bpe_model, tmp_path, capsys, monke
     )
     assert main([*argv, "--temperature", "0.7"]) == 0
     assert "greedy" not in capsys.readouterr().err
+
+
+def test_a_step_whose_every_reward_call_failed_is_said(tmp_path, capsys):
+    """Hunt: a reward that failed on every call (a forgotten return, another task's scorer)
+    trained on zeros, with the failures in log.jsonl and reward_errors.log only."""
+    from tltrun.train.step_log import said_reward_failed
+
+    cfg = TrainConfig(model_dir="m", out="o", prompts_per_step=2, group_size=4)
+    assert not said_reward_failed({"reward_errors": 7}, cfg, tmp_path, 3)
+    assert capsys.readouterr().err == ""
+    assert said_reward_failed({"reward_errors": 8}, cfg, tmp_path, 3)
+    assert capsys.readouterr().err == (
+        "warning: step 3: every reward call failed and scored 0, so the run trains on no "
+        f"signal: see {tmp_path / 'reward_errors.log'}; --reward-errors raise stops at the first\n"
+    )

@@ -8,11 +8,13 @@ scalars. Not run directly.
 from __future__ import annotations
 
 import hashlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from tltrun.rollout.interface import RolloutResult
 from tltrun.rollout.measured_trace import hardware_name, instance_prompts, measured_step
@@ -211,6 +213,20 @@ def write_step_record(
                 tensorboard.add_scalar(f"{group}/{key}", value, step)
         tensorboard.flush()
     return row
+
+
+def said_reward_failed(row: dict, cfg: TrainConfig, out: Path, step: int) -> bool:
+    """Whether every reward call of the step failed (each scored 0 under ``--reward-errors
+    zero``), said then in one line (hunt: a reward that always failed trained on zeros, counted
+    in log.jsonl and reward_errors.log only); the worker says it once a run."""
+    if row["reward_errors"] < cfg.prompts_per_step * cfg.group_size:
+        return False
+    tqdm.write(  # (above the progress bar)
+        f"warning: step {step}: every reward call failed and scored 0, so the run trains on no "
+        f"signal: see {out / 'reward_errors.log'}; --reward-errors raise stops at the first",
+        file=sys.stderr,
+    )
+    return True
 
 
 def eval_columns(evals: list[EvalSummary], eval_s: float) -> dict:

@@ -39,7 +39,7 @@ from tltrun.rollout.engine_config import EngineConfig
 from tltrun.rollout.interface import SamplingParams
 from tltrun.rollout.slot_state import HarvestRecord
 from tltrun.train import checkpoint as ckpt_io
-from tltrun.train import elastic
+from tltrun.train import elastic, step_log
 from tltrun.train import state as ts
 from tltrun.train.config import TrainConfig
 from tltrun.train.drafter_training import DrafterTrainConfig, TrainRecord, num_trained_pairs
@@ -351,12 +351,14 @@ class Worker:
         # a resumed run counts on from its checkpoint's step (as sft and train-drafter do)
         bar = tqdm(steps, desc="tltrun train", unit="step", disable=self.rank != 0,
                    initial=self.start_step, total=max(cfg.num_steps, self.start_step))  # fmt: skip
+        is_said = False  # every reward call of a step failed: said once
         for step in bar:
             row = self.step(step)
             if self.rank == 0:
                 bar.set_postfix(
                     reward=f"{row['reward_mean']:.3f}", rollout_s=f"{row['rollout_s']:.1f}"
                 )
+                is_said = is_said or step_log.said_reward_failed(row, cfg, self.out, step)
             if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.num_steps:
                 self._checkpoint(step + 1)
         self._finish_checkpoint()
