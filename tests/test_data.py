@@ -412,6 +412,8 @@ def test_reasoning_gym_bad_input_is_one_line():
         # values of the wrong kind that reasoning-gym takes, then fails on generating an entry
         "reasoning-gym:tower_of_hanoi?max_disks=3.5": "fails generating entry 0",
         "reasoning-gym:chain_sum?max_digits=1e400": "reasoning-gym task 'chain_sum'",
+        # (the last one was kept, unsaid)
+        "reasoning-gym:chain_sum?min_terms=2&min_terms=5": "'min_terms' given twice",
     }
     for path, expected in cases.items():
         with pytest.raises(UsageError) as err:

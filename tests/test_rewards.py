@@ -471,3 +471,21 @@ def test_async_and_generator_reward_functions_are_refused_at_launch(user_module,
     """Hunt: they passed the launch check and failed on every call ("returned coroutine")."""
     with pytest.raises(UsageError, match=f"{name}: {kind} function; the reward is a plain"):
         parse_reward(f"{user_module}:{name}")
+
+
+def test_a_reasoning_gym_scorer_of_another_task_is_refused():
+    """Hunt: --reward reasoning-gym:tower_of_hanoi on basic_arithmetic rows failed on every
+    row (KeyError), and an --eval-data of another task than --data's was scored by the generic
+    compare; both unsaid."""
+    from tltrun.train.config import TrainConfig
+    from tltrun.train.prompts import reward_spec
+
+    def spec(**fields):
+        return reward_spec(TrainConfig(model_dir="m", out="o", **fields))
+
+    assert spec(data="reasoning-gym:chain_sum").arg == "chain_sum"
+    with pytest.raises(UsageError, match=r"--data reasoning-gym:chain_sum: another reasoning-gym "
+                       r"task than the run's reward scores \('tower_of_hanoi', --reward"):  # fmt: skip
+        spec(data="reasoning-gym:chain_sum", reward="reasoning-gym:tower_of_hanoi")
+    with pytest.raises(UsageError, match=r"--eval-data reasoning-gym:tower_of_hanoi: another"):
+        spec(data="reasoning-gym:chain_sum", eval_data="reasoning-gym:tower_of_hanoi", eval_every=1)

@@ -61,6 +61,8 @@ def parse_gym_path(path: str) -> tuple[str, dict[str, Any], str | None]:
         if not is_pair or not key:
             raise UsageError(f"--data {path!r}: {part!r} is not key=value")
         key, value = urllib.parse.unquote(key), urllib.parse.unquote(value)
+        if key in config:  # (the last one was kept, unsaid; a column or JSON key twice is refused)
+            raise UsageError(f"--data {path!r}: {key!r} given twice")
         try:
             config[key] = json.loads(value)
         except json.JSONDecodeError:

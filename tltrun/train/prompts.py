@@ -245,7 +245,20 @@ def reward_spec(cfg: TrainConfig, is_module_checked: bool = True) -> RewardSpec:
     at import, is one error line before any worker starts; workers pass False."""
     # without --reward, a reasoning-gym --data implies its task's scorer: name --data if bad
     flag = "--reward" if cfg.reward else "--data"
-    return parse_reward(cfg.reward_name, flag=flag, is_module_checked=is_module_checked)
+    spec = parse_reward(cfg.reward_name, flag=flag, is_module_checked=is_module_checked)
+    if spec.kind == "reasoning-gym":  # another task's scorer failed every row, or scored an
+        # evaluation task's rows with the generic compare (hunt: both unsaid)
+        from tltrun.data.gym import parse_gym_path
+
+        for data_flag, path in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
+            if path and path.startswith(GYM_PREFIX) and parse_gym_path(path)[0] != spec.arg:
+                raise UsageError(
+                    f"{data_flag} {path}: another reasoning-gym task than the run's reward "
+                    f"scores ({spec.arg!r}, {flag} {cfg.reward_name if flag == '--reward' else cfg.data}"
+                    "), whose scorer would fail or fall back on every row; give the rows' own "
+                    "task (or a --reward function that scores both)"
+                )
+    return spec
 
 
 # the start of a message list's repr or JSON: [{'role': ... / [{"content": ...
