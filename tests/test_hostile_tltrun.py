@@ -364,3 +364,20 @@ def test_profile_does_not_write_over_a_file_of_another_format(files, tmp_path, c
     assert_one_error_line(rc, said, err)
     assert f"its sidecar {trace}: holds a tlt-trace file, not a tlt-profile file" in err
     assert json.loads(trace.read_text())["format"] == "tlt-trace"
+
+
+def test_a_config_key_is_named_with_its_closest_and_a_boolean_by_its_flag(tmp_path, capsys):
+    """Hunt: ``num_step = 3`` got no suggestion (a flag does), and ``spot_training = true``
+    (the flag's name) was unknown; the field is is_spot_training."""
+    from tltrun.cli.train import load_config_file
+
+    config = tmp_path / "c.toml"
+    config.write_text("num_step = 3\n[task]\nmax_op = 3\n")
+    rc, said, err = run("tltrun", ["train", "--config", str(config)], capsys)
+    assert_one_error_line(rc, said, err)
+    assert "[task]: unknown field(s) max_op (max_ops?)" in err
+    config.write_text("num_step = 3\n")
+    rc, said, err = run("tltrun", ["train", "--config", str(config)], capsys)
+    assert err == f"error: --config {config}: unknown field(s) num_step (num_steps?)\n"
+    config.write_text("spot_training = false\n")
+    assert load_config_file(str(config)) == {"is_spot_training": False}

@@ -31,7 +31,7 @@ from tltrun.train.config_checks import absolute_path, absolute_paths
 from tltrun.train.tasks import TaskConfig
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args, given_fields
 from tltsim.errors import UsageError
-from tltsim.jsonio import parse_json, read_text, typed_fields
+from tltsim.jsonio import closest, parse_json, read_text, typed_fields
 from tltsim.policy import is_eagle_drafting
 
 
@@ -51,19 +51,30 @@ def load_config_file(path: str) -> dict[str, Any]:
         )
     if not isinstance(raw.get("task", {}), dict):
         raise UsageError(f"--config {path}: [task] must be a table of TaskConfig fields")
-    unknown_task = sorted(set(raw.get("task", {})) - {f.name for f in fields(TaskConfig)})
+    task_names = {f.name for f in fields(TaskConfig)}
+    unknown_task = sorted(set(raw.get("task", {})) - task_names)
     if unknown_task:  # (Python's "unexpected keyword argument" came through)
-        raise UsageError(f"--config {path} [task]: unknown field(s) {', '.join(unknown_task)}")
+        said = _unknown(unknown_task, task_names)
+        raise UsageError(f"--config {path} [task]: unknown field(s) {said}")
     known = {f.name for f in fields(TrainConfig)}
+    # a boolean by its flag's name (spot_training for is_spot_training), as sweep specs take it
+    for key in [k for k in raw if k not in known and f"is_{k}" in known]:
+        raw[f"is_{key}"] = raw.pop(key)
     unknown = sorted(set(raw) - known - {"task"})
     if unknown:
-        raise UsageError(f"--config {path}: unknown field(s) {', '.join(unknown)}")
+        raise UsageError(f"--config {path}: unknown field(s) {_unknown(unknown, known)}")
     # each value of the field's type (TOML / JSON arrays -> the frozen dataclass's tuples)
     task = raw.pop("task", None)
     raw = typed_fields(TrainConfig, raw, f"--config {path}")
     if task is not None:
         raw["task"] = typed_fields(TaskConfig, task, f"--config {path} [task]")
     return raw
+
+
+def _unknown(names: list[str], known: set[str]) -> str:
+    """The unknown keys, each with the closest known one (flags got one, keys did not)."""
+    hints = [(n, closest(n, known)) for n in names]
+    return ", ".join(f"{n} ({hint}?)" if hint else n for n, hint in hints)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -74,7 +85,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=launch.__doc__.split("\n\n")[0],
     )
     parser.add_argument(
-        "--config", metavar="PATH", help="TOML or JSON file of TrainConfig fields (+ [task])"
+        "--config",
+        metavar="PATH",
+        help="TOML or JSON file of TrainConfig fields (+ [task]); its relative paths are read "
+        "from the current directory, as a flag's are",
     )
     parser.add_argument(
         "--resume",
