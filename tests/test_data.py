@@ -406,7 +406,8 @@ def test_reasoning_gym_bad_input_is_one_line():
         "reasoning-gym:chain_sum?min_terms": "'min_terms' is not key=value",
         "reasoning-gym:basic_arithmetc": "unknown; ",
         "reasoning-gym:basic_arithmetic?no_such_key=1": "bad config",
-        "reasoning-gym:basic_arithmetic?seed=1": "config key 'seed' is set by --seed",
+        "reasoning-gym:basic_arithmetic?seed=1": "config key 'seed' is set by --seed,",
+        "reasoning-gym:basic_arithmetic?size=3": "'size' is set by --data-num-rows,",
         "reasoning-gym:basic_arithmetic?system_prompt=nope": "system_prompt='nope': unknown",
         "reasoning-gym:": "expected reasoning-gym:<task>",
         # values of the wrong kind that reasoning-gym takes, then fails on generating an entry

@@ -82,7 +82,7 @@ def create(task: str, *, seed: int, num_rows: int, config: dict[str, Any]):
         if reserved in config:
             raise UsageError(
                 f"reasoning-gym task {task!r}: config key {reserved!r} is set by "
-                f"--seed / --num-rows, not in the data path"
+                f"{'--seed' if reserved == 'seed' else '--data-num-rows'}, not in the data path"
             )
     try:
         return reasoning_gym.create_dataset(task, seed=seed, size=num_rows, **config)
