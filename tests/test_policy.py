@@ -122,6 +122,16 @@ def test_default_buckets_follow_tlt_configuration():
         assert policy.default_decision(batch).strategy == strategy
 
 
+def test_strategies_too_few_for_the_buckets_name_the_bucket_starts():
+    """Hunt: --tlt-strategies 2_1_2 alone said "4 buckets need as many distinct verify_tokens
+    values", not which setting made 4 buckets."""
+    from tltsim.policy import TLTConfig
+
+    with pytest.raises(ValueError, match=r"4 buckets \(bucket_starts \(1, 2, 5, 21\)\) need"):
+        TLTConfig(strategies=("2_1_2",))
+    TLTConfig(strategies=("2_1_2",), bucket_starts=(1,))
+
+
 def test_history_strategies_are_the_history_drafters_arms_in_every_bucket():
     """The history drafter's arms need not follow EAGLE's per-bucket strategies (issue #20):
     with history_strategies every bucket offers those, after the bucket's EAGLE arms."""

@@ -161,7 +161,9 @@ class TLTConfig:
             )
         if len({d.verify_tokens for d in decisions}) != len(starts):
             raise ValueError(
-                f"TLTConfig: {len(starts)} buckets need as many distinct verify_tokens values among the strategies, got {self.strategies}"
+                f"TLTConfig: {len(starts)} buckets (bucket_starts {tuple(starts)}) need as many "
+                f"distinct verify_tokens values among the strategies, got {self.strategies}: "
+                "give bucket_starts one start per verify_tokens value, or more strategies"
             )
 
     def buckets(self) -> tuple[tuple[int, int | None, tuple[SpecDecision, ...]], ...]:
