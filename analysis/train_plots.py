@@ -262,6 +262,11 @@ def report(run_dirs: list[str], out: str | None = None, prepare_out=None) -> lis
     """The figures of the runs into ``out`` (default: the first run's directory), created
     by ``prepare_out(path)`` (the CLI's checks) only once every run has been read (a refused
     report left an empty --out behind)."""
+    seen: dict[Path, str] = {}
+    for run in run_dirs:  # (one run twice drew two identical curves under one label)
+        if Path(run).resolve() in seen:
+            raise ReportError(f"{run}: given twice (as {seen[Path(run).resolve()]})")
+        seen[Path(run).resolve()] = run
     runs = unique_labels([load_run(r) for r in run_dirs], list(run_dirs))
     lengths = {label: len(rows) for label, rows in runs}
     if len(set(lengths.values())) > 1:  # the step-time bars average different steps

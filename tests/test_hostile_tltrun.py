@@ -221,6 +221,11 @@ def test_report_out_that_cannot_be_written_names_the_flag(files, tmp_path, capsy
     assert err.startswith(f"error: --out {files['file']}: ")
     rc, out, err = run("tltrun", ["report", str(run_dir), "--out", str(tmp_path / "figs")], capsys)
     assert rc == 0 and (tmp_path / "figs" / "reward.png").is_file()
+    # one run twice (hunt: two identical curves under one label)
+    twice = [str(run_dir), f"{tmp_path}/./run"]  # (another spelling of one directory)
+    rc, out, err = run("tltrun", ["report", *twice, "--out", str(tmp_path / "figs")], capsys)
+    assert_one_error_line(rc, out, err)
+    assert err == f"error: {twice[1]}: given twice (as {twice[0]})\n"
 
 
 def test_report_of_a_killed_resumed_run_labels_it_as_it_now_runs(tmp_path, capsys):
