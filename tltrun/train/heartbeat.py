@@ -16,6 +16,7 @@ Run: used by ``tltrun train``'s workers (tltrun.train.worker); tested in tests/t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -35,8 +36,9 @@ def _key(rank: int) -> str:
 
 class Heartbeat:
     """This rank's beating thread. It needs a store client of its own (``store``): a client
-    is not shared between threads. A store that cannot be reached ends the thread quietly: the
-    rank's own collectives then say what broke."""
+    is not shared between threads. A failed beat is tried again at the next interval (a
+    thread that ended at one store hiccup left a live rank silent, then called lost); a store
+    gone for good is the rank's own collectives' to report, and the thread is a daemon."""
 
     def __init__(self, store, rank: int, interval_s: float = HEARTBEAT_S):
         if interval_s <= 0:
@@ -57,10 +59,9 @@ class Heartbeat:
 
     def _beat(self) -> None:
         while True:
-            try:
+            # (any error of the store's client: tried again, see the docstring)
+            with contextlib.suppress(Exception):
                 self._store.add(_key(self._rank), 1)
-            except Exception:  # noqa: BLE001 - the store (its host) is gone: see the docstring
-                return
             if self._stop.wait(self._interval_s):
                 return
 
