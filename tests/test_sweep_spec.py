@@ -99,3 +99,22 @@ def test_a_setting_a_point_left_to_its_default_is_named_in_the_best(tmp_path, ca
     points = pd.read_csv(tmp_path / "s" / "sweep.csv")
     # the table keeps what each point said (the random points' and NoSpec's blank)
     assert points["tlt.threshold"].isna().sum() == 3
+
+
+def test_a_list_setting_beside_a_random_section_fills_its_default_as_the_table_writes_lists(
+    tmp_path,
+):
+    """Review: the defaults were rebuilt from table cells, where lists are comma strings
+    ('8_4_32,8_4_16' read as strategy '8'), and a list default was unhashable in the
+    grouping: the summary failed after every point had run."""
+    import json
+
+    from tltsim.cli.main import main
+
+    body = ('max_steps = 1\n[fixed]\npreset = "h100x8-qwen7b"\n[grid]\n"tlt.strategies" = '
+            '[["8_4_32", "8_4_16"]]\n"tlt.bucket_starts" = [[1, 16]]\n[random]\nnum_points = 1\n'
+            'seed = 5\n"tlt.epsilon" = {low = 0, high = 0.3}\n')  # fmt: skip
+    assert main(["sweep", str(spec(tmp_path, body)), "--out", str(tmp_path / "s")]) == 0
+    summary = json.loads((tmp_path / "s" / "summary.json").read_text())
+    settings = {summary["best"]["tlt.strategies"], summary["runner_up"]["tlt.strategies"]}
+    assert settings == {"8_4_32,8_4_16", "8_4_48,8_4_32,8_4_16,8_4_8"}  # (the default's)

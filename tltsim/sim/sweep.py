@@ -340,11 +340,12 @@ def _is_blank(value: Any) -> bool:
     return not isinstance(value, list | tuple | dict) and bool(pd.isna(value))
 
 
-def _fill_defaults(rows: pd.DataFrame, varying: list[str], table: pd.DataFrame) -> None:
+def _fill_defaults(rows: pd.DataFrame, varying: list[str]) -> None:
     """A varying setting a point left out (a random section's point beside a grid's) ran with
     its default: written in, so the best setting names it (it was left out of the best, and a
-    point of the default value was another setting than one that named it)."""
-    settings = [c for c in table.columns if c not in {*RESULT_COLUMNS, *_NOT_SETTINGS}]
+    point of the default value was another setting than one that named it). A default depends
+    on the point's policy and preset only (a preset sets SimConfig fields); a list default is
+    written as ``sweep_table`` writes lists, comma-joined."""
     for index, row in rows.iterrows():
         missing = [
             c
@@ -353,12 +354,9 @@ def _fill_defaults(rows: pd.DataFrame, varying: list[str], table: pd.DataFrame) 
         ]
         if not missing:
             continue
-        point = {  # (numpy scalars as Python's: TLTConfig checks for an int)
-            c: row[c].item() if hasattr(row[c], "item") else row[c]
-            for c in settings
-            if not _is_blank(row[c])
-        }
-        ran = settings_of(point, 0)
+        preset = row.get("preset")
+        base = {"policy": row.policy, **({} if _is_blank(preset) else {"preset": preset})}
+        ran = settings_of(base, 0)
         for column in missing:
             section, _, name = column.partition(".")
             if name:
@@ -367,7 +365,9 @@ def _fill_defaults(rows: pd.DataFrame, varying: list[str], table: pd.DataFrame) 
                 value = getattr(ran, column)
             else:
                 value = getattr(ran.sim, column)
-            rows.at[index, column] = list(value) if isinstance(value, tuple) else value
+            rows.at[index, column] = (
+                ",".join(map(str, value)) if isinstance(value, tuple | list) else value
+            )
 
 
 def sweep_summary(table: pd.DataFrame, spec: SweepSpec) -> dict[str, Any]:
@@ -383,7 +383,7 @@ def sweep_summary(table: pd.DataFrame, spec: SweepSpec) -> dict[str, Any]:
         ignored = [p for p in spec_rows.policy.unique() if not setting_matters(p, column)]
         spec_rows[column] = spec_rows[column].astype(object)
         spec_rows.loc[spec_rows.policy.isin(ignored), column] = None
-    _fill_defaults(spec_rows, varying, table)
+    _fill_defaults(spec_rows, varying)
     best: dict[str, Any] = {}
     runner_up: dict[str, Any] = {}
     intervals: dict[str, list[float]] = {}
