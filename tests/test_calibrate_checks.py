@@ -286,3 +286,22 @@ def test_calibrate_asks_only_for_what_the_sidecar_lacks(tmp_path, capsys):
     assert capsys.readouterr().err == (
         f"error: {cpu}: need --hardware (the sidecar names no preset for the hardware)\n"
     )
+
+
+def test_a_large_json_is_told_by_its_head_or_left_unchecked(tmp_path, monkeypatch):
+    """Review: a JSON over the size cap read as "another kind", so a rerun into one's own
+    300 MB trace was refused; parsing it whole to read one key cost GBs."""
+    from tltsim.cli import args
+
+    monkeypatch.setattr(Path, "stat", lambda self, **kw: _Big())
+    head = tmp_path / "t.json"
+    head.write_text('{"format": "tlt-trace", "version": 1, "steps": []}')
+    assert args.file_format_of(head) == "tlt-trace"  # (its first MiB names it)
+    anonymous = tmp_path / "a.json"
+    anonymous.write_text('{"calibration": {}}')
+    assert args.file_format_of(anonymous) is None  # cannot tell: left unchecked
+
+
+class _Big:
+    st_size = 2**30
+    st_mode = 0o100644

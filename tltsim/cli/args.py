@@ -244,7 +244,7 @@ def check_out_file(path: str | Path, flag: str = "--out", file_format: str | Non
         raise UsageError(f"{flag} {path}: is a directory, expected a file name")
     if file_format is not None and path.is_file() and path.stat().st_size:
         found = file_format_of(path)
-        if found != file_format:
+        if found is not None and found != file_format:
             held = f"a {found} file" if found else "a file of another kind"
             raise UsageError(
                 f"{flag} {path}: holds {held}, not a {file_format} file; choose another name "
@@ -255,20 +255,24 @@ def check_out_file(path: str | Path, flag: str = "--out", file_format: str | Non
 
 
 def file_format_of(path: Path) -> str | None:
-    """The ``format`` a JSON file names, ``tlt-profile`` for a profile CSV (its header), None
-    for anything else. Reads a CSV's first line, a JSON whole (at most 256 MiB)."""
+    """The ``format`` a JSON file names ("" where it names none, or is no JSON), ``tlt-profile``
+    for a profile CSV ("" for another CSV); None where it cannot tell without reading a large
+    file whole: a JSON over 64 MiB is told by a ``format`` key in its first MiB (a trace's
+    comes first), else left unchecked (review: a 300 MB trace of one's own was refused)."""
     try:
         if path.suffix.lower() == ".csv":
             with path.open(encoding="utf-8", errors="replace") as fh:
-                return "tlt-profile" if fh.readline().startswith("op,batch,") else None
-        if path.stat().st_size > 2**28:
-            return None
+                return "tlt-profile" if fh.readline().startswith("op,batch,") else ""
+        if path.stat().st_size > 2**26:
+            with path.open("rb") as fh:
+                head = fh.read(2**20).decode("utf-8", errors="replace")
+            found = re.search(r'"format"\s*:\s*"([^"\\]+)"', head)
+            return found[1] if found else None
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
-        return None
-    return (
-        doc.get("format") if isinstance(doc, dict) and isinstance(doc.get("format"), str) else None
-    )
+        return ""
+    is_named = isinstance(doc, dict) and isinstance(doc.get("format"), str)
+    return doc["format"] if is_named else ""
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
