@@ -28,6 +28,7 @@ from tltrun.train import launch
 from tltrun.train import state as train_state
 from tltrun.train.config import TrainConfig
 from tltrun.train.config_checks import absolute_path, absolute_paths
+from tltrun.train.resumable import check_resume_dir
 from tltrun.train.tasks import TaskConfig
 from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_args, given_fields
 from tltsim.errors import UsageError
@@ -191,7 +192,7 @@ def _train_configs(args: argparse.Namespace) -> tuple[TrainConfig, TaskConfig]:
     stored = None
     if args.resume and (args.out or raw.get("out")):
         resumed = Path(args.out or raw["out"])
-        launch.check_resume_dir(resumed, is_resume=True)  # before "--model-dir is required"
+        check_resume_dir(resumed, is_resume=True)  # before "--model-dir is required"
         stored = launch.resumed_config(resumed)
     if stored is not None:
         run_dir = Path(args.out or raw["out"])

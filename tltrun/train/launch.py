@@ -66,6 +66,7 @@ from tltrun.train.config_checks import (
     warn_restarted_state,
 )
 from tltrun.train.prompts import DataWarning, warn_data
+from tltrun.train.resumable import check_resume_dir
 from tltrun.train.tasks import TaskConfig
 from tltsim.errors import TLTError, UsageError, WorkerError
 from tltsim.jsonio import write_json
@@ -256,18 +257,6 @@ def run_train(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def check_resume_dir(out: Path, is_resume: bool) -> None:
-    """--resume of a directory that does not exist: refused before it is made (a refusal left
-    an empty --out holding run.lock); a fresh run over another command's results or a model
-    (``refuse_other_results``)."""
-    if is_resume and not out.is_dir():
-        raise UsageError(f"{out}: --resume, but no run was started here (no such directory)")
-    if not is_resume:  # (a resume reads config.json as a run's, and says it is not)
-        from tltrun.train.resumable import refuse_other_results
-
-        refuse_other_results(out, "tltrun train")
 
 
 def resumed_config(out: Path) -> dict:

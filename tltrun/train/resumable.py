@@ -224,6 +224,16 @@ def refuse_other_results(out: Path, command: str) -> None:
         )
 
 
+def check_resume_dir(out: Path, is_resume: bool) -> None:
+    """``tltrun train``'s --out: --resume of a directory that does not exist: refused before it is made (a refusal left
+    an empty --out holding run.lock); a fresh run over another command's results or a model
+    (``refuse_other_results``)."""
+    if is_resume and not out.is_dir():
+        raise UsageError(f"{out}: --resume, but no run was started here (no such directory)")
+    if not is_resume:  # (a resume reads config.json as a run's, and says it is not)
+        refuse_other_results(out, "tltrun train")
+
+
 def configs_to_resume(
     out: str | None, command: str, config_file: str, finished_file: str, sections: dict[str, type]
 ) -> dict[str, Any] | None:
