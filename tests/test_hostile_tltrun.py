@@ -358,6 +358,11 @@ def test_an_out_holding_a_model_or_another_commands_run_is_refused(files, tmp_pa
         assert_one_error_line(rc, said, err)
         assert err.startswith(f"error: --out {out}: ") and says in err, err
         assert (out / "config.json").read_bytes() == before
+    # a command's own earlier run is not another's: a fresh rerun into it runs (review)
+    own = tmp_path / "own"
+    for _ in range(2):
+        rc, said, err = run("tltrun", fill(swap(GEN, out=str(own)), files, tmp_path), capsys)
+        assert rc == 0, err
 
 
 def test_profile_does_not_write_over_a_file_of_another_format(files, tmp_path, capsys):

@@ -216,7 +216,7 @@ def test_request_slots_never_exceed_a_workers_responses():
         ("", ["--policy", "nospec", "--drafter-lr", "0.5"],
          "--drafter-lr: settings of spot drafter training, which this run does not do (--policy "
          "nospec drafts with no EAGLE drafter, --spot-training turns it on)"),
-        ("", ["--num-workers", "1", "--spot-max-epochs", "3"], "(1 worker is never idle)"),
+        ("spot_training = true\nis_spot_training = true\n", [], "are one setting; keep one"),
         ("drafter_batch_size = 7\n", ["--no-spot-training"],
          "drafter_batch_size (--config {config}): settings of spot drafter training"),
         ("", ["--overlong-penalty", "0.5"], "--overlong-penalty: applies over --overlong-buffer"),

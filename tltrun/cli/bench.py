@@ -29,6 +29,7 @@ from tltrun.cli.args import (
     weights_digests,
 )
 from tltrun.rollout.bench import (
+    BACKENDS,
     BenchConfig,
     finished_rows,
     load_bench_trace,
@@ -41,6 +42,7 @@ from tltsim.cli.args import add_dataclass_args, check_out_dir, dataclass_from_ar
 from tltsim.cli.table import format_table
 from tltsim.errors import UsageError
 from tltsim.jsonio import write_json
+from tltsim.policy import POLICY_NAMES
 
 COLUMNS = {
     "name": "backend/policy",
@@ -160,13 +162,12 @@ def _start_fresh(cfg: BenchConfig, out: Path) -> None:
             )
     (out / "results.json").unlink(missing_ok=True)
     # an earlier bench's rows of other policies or backends go too (hunt: its static and tlt
-    # row traces stayed beside a nospec-only results.json); config.json is a bench's here
-    # (refuse_other_results), so its trace_*.json are its rows
-    earlier = (
-        {p.name for p in out.glob("trace_*.json")} if (out / "config.json").is_file() else set()
-    )
+    # row traces stayed beside a nospec-only results.json): the names a row has, never the
+    # bench's own --trace (review)
+    earlier = [row_trace_name(f"{b}/{p}") for b in BACKENDS for p in POLICY_NAMES]
     for name in {*rows, *earlier}:
-        (out / name).unlink(missing_ok=True)
+        if (out / name).resolve() != Path(cfg.trace).resolve():
+            (out / name).unlink(missing_ok=True)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -60,6 +60,8 @@ def load_config_file(path: str) -> dict[str, Any]:
     known = {f.name for f in fields(TrainConfig)}
     # a boolean by its flag's name (spot_training for is_spot_training), as sweep specs take it
     for key in [k for k in raw if k not in known and f"is_{k}" in known]:
+        if f"is_{key}" in raw:
+            raise UsageError(f"--config {path}: {key} and is_{key} are one setting; keep one")
         raw[f"is_{key}"] = raw.pop(key)
     unknown = sorted(set(raw) - known - {"task"})
     if unknown:
@@ -365,11 +367,10 @@ def _check_used(
         raise UsageError(f"{flags(unused)}: not read by --policy {cfg.policy}; drop them")
     # (hunt: each was recorded, read by nothing, and refused as a change on a later --resume)
     spot = given & {"drafter_lr", "drafter_batch_size", "spot_max_epochs"}
-    if spot and not cfg.is_spot_harvesting:
+    # (one worker: kept for a resume on more, as a shared config's smoke run gives them)
+    if spot and not cfg.is_spot_harvesting and cfg.num_workers >= 2:
         why = (
-            f"{cfg.num_workers} worker is never idle"
-            if cfg.num_workers < 2
-            else "--no-spot-training"
+            "--no-spot-training"
             if cfg.is_spot_training is False
             else f"--policy {cfg.policy} drafts with no EAGLE drafter, --spot-training turns it on"
         )
