@@ -246,6 +246,19 @@ def test_a_survivors_broken_collective_says_a_worker_died_and_how_to_resume(tmp_
     assert "Connection reset by peer" in (tmp_path / "worker_errors.log").read_text()
 
 
+def test_a_rank_lost_whole_says_how_to_resume(tmp_path):
+    """The spot trainer's wait for a rank lost with its node (tltrun.train.heartbeat) ended
+    the job with its TimeoutError alone: nothing said the run resumes once the node is back."""
+    from tltrun.train.elastic import RankFailure, failure_error
+
+    lost = ("Traceback ...\nTimeoutError: rank 0 waited for the rollouts of rank(s) 1 in step 0, "
+            "which sent no heartbeat for 120 s: lost (a node that died whole is seen by no "
+            "launcher here)?\n")  # fmt: skip
+    message = str(failure_error(tmp_path, RankFailure(rank=0, pid=1, exit_code=1, traceback=lost)))
+    assert message.startswith("worker rank 0: TimeoutError: rank 0 waited for the rollouts of")
+    assert message.endswith(f"tltrun train --out {tmp_path} --resume starts it again from step 0")
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads /proc (Linux)")
 def test_a_killed_worker_ends_the_run_with_one_line(model_dir, tmp_path):

@@ -51,6 +51,8 @@ MONITOR_INTERVAL_S = 0.5
 # dead peer normally ends the job much sooner, through the agent). Rollouts of long responses
 # on a slow CPU keep the other ranks in a barrier for minutes: an hour leaves them room.
 COLLECTIVE_TIMEOUT_S = 3600
+# The exception a rank raises when another rank was lost whole (tltrun.train.spot's wait)
+LOST_RANK = "TimeoutError"
 # Exceptions a rank raises because ANOTHER rank died (its sockets closed): never a root cause.
 COLLATERAL = ("DistBackendError", "DistNetworkError", "Connection closed", "Connection reset")
 
@@ -277,6 +279,10 @@ def failure_error(out: Path, failure) -> WorkerError:
             f"({str(logged).rpartition('(')[2]}",
             is_output_cut=True,
         )
+    if failure.traceback and _exception_line(failure.traceback).startswith(LOST_RANK):
+        # a rank lost whole (the spot trainer's wait, tltrun.train.heartbeat): how to go on
+        logged = str(worker_error(out, failure.rank, failure.traceback))
+        return WorkerError(f"{logged}; {train_resume_hint(out)}", is_output_cut=True)
     if failure.traceback:
         return worker_error(out, failure.rank, failure.traceback)
     how = (
