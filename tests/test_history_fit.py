@@ -34,7 +34,12 @@ TRUE = HistoryModel(base_logit=-0.5, finished_logit=1.5, history_logit=0.8)
 
 
 def synthetic_history_trace(
-    model: HistoryModel, seed: int = 0, num_steps: int = 4, num_prompts: int = 8, group: int = 6
+    model: HistoryModel,
+    seed: int = 0,
+    num_steps: int = 4,
+    num_prompts: int = 8,
+    group: int = 6,
+    decision: SpecDecision = CHAIN,
 ) -> Trace:
     """A measured TLTBase-like trace whose per-response history histograms are drawn from
     ``model``: every response speculates from its first token with history:6_1_6; sibling j
@@ -51,16 +56,16 @@ def synthetic_history_trace(
             hists = []
             for r, length in enumerate(lengths):
                 siblings = np.delete(lengths, r)
-                hist = [0] * (CHAIN.draft_steps + 1)
+                hist = [0] * (decision.draft_steps + 1)
                 t = 0
                 while t < length:
                     f = float(np.count_nonzero(siblings <= t)) / (group - 1)
-                    pmf = model.accept_len_pmf(CHAIN, f, not first)
+                    pmf = model.accept_len_pmf(decision, f, not first)
                     n = int(rng.choice(pmf.size, p=pmf)) + 1
                     n = min(n, int(length) - t)
                     hist[n - 1] += 1
                     t += n
-                hists.append({CHAIN.arm: tuple(hist)})
+                hists.append({decision.arm: tuple(hist)})
             prompts.append(Prompt(pid, 50, tuple(Response(int(n)) for n in lengths)))
             table[pid] = tuple(hists)
         measured = MeasuredStep(
@@ -105,6 +110,20 @@ def test_fit_recovers_the_history_model_and_replay_uses_it(tmp_path, capsys) -> 
     held = fit_trace(trace, FitConfig(fixed=("history_logit",)), "synthetic").history
     assert "history_logit" not in held.fitted
     assert held.model.history_logit == HistoryModel().history_logit
+
+
+def test_the_fit_recovers_the_sibling_rate_of_history_trees() -> None:
+    """Hunt: sibling_rate was never fitted for history trees (held at 0.25), so a top-4
+    tree's accept length could not come down to a measured 1.01 (predicted 1.58)."""
+    tree = SpecDecision.parse("history:6_3_12")
+    true = dataclasses.replace(TRUE, sibling_rate=0.08)
+    fit = fit_trace(synthetic_history_trace(true, decision=tree), FitConfig(), "trees").history
+    assert "sibling_rate" in fit.fitted
+    got, se = fit.model.sibling_rate, fit.stderr["sibling_rate"]
+    assert 0 < se < 0.1 and abs(got - 0.08) < 4 * se, (got, se)
+    assert fit.predicted_accept_len == pytest.approx(fit.mean_accept_len, rel=0.03)
+    chains = fit_trace(synthetic_history_trace(TRUE), FitConfig(), "chains").history
+    assert chains.held["sibling_rate"] == "no tree verifies of the history drafter"
 
 
 def test_fit_output_without_history_arms_has_no_history(tmp_path) -> None:

@@ -138,7 +138,11 @@ def format_history_fit(fit: HistoryFit) -> str:
             "name": name,
             "value": getattr(fit.model, name),
             "stderr": fit.stderr.get(name),
-            "status": "fitted" if name in fit.stderr else "held: " + fit.held.get(name, ""),
+            "status": (
+                ("fitted" if math.isfinite(fit.stderr[name]) else "fitted (at a bound, or flat)")
+                if name in fit.stderr
+                else "held: " + fit.held.get(name, "")
+            ),
         }
         for name in LOGITS + ("sibling_rate",)
     ]

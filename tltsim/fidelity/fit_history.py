@@ -39,10 +39,11 @@ Covariates, reconstructed from the trace (the trace records no per-verify group 
   known parameters on data drawn with the simulator's own walk.
 
 Fit: Nelder-Mead then BFGS (scipy, the ``fit`` extra) on the negative log-likelihood over
-(base_logit, finished_logit, history_logit); standard errors from the inverse Hessian. A logit
-the data cannot determine (no h = 1 responses; f the same for every verify) is held at its base
-value and reported as such; so is ``sibling_rate`` (trees of history continuations: fitted
-nowhere yet).
+(base_logit, finished_logit, history_logit) and, where the history drafter verified trees,
+``sibling_rate`` (as its logit); standard errors from the inverse Hessian (none for an estimate
+at the optimiser's bound, |x| = 30). A parameter the data cannot determine (no h = 1
+responses; f the same for every verify; no tree verifies) is held at its base value and
+reported as such.
 """
 
 from __future__ import annotations
@@ -269,8 +270,31 @@ def _free_logits(obs: list[HistoryObservation], fixed: tuple[str, ...]) -> _Free
             free.held[name] = "the finished-sibling fraction never varied"
         else:
             free.names.append(name)
-    free.held["sibling_rate"] = "not fitted for history trees (held at its base value)"
+    # a tree's other branches: fitted where the history drafter verified trees (held at the
+    # base value, a top-4 tree's 1.58 accept length could not come down to a measured 1.01)
+    if "sibling_rate" in fixed:
+        free.held["sibling_rate"] = "fixed by --fixed"
+    elif not any(o.decision.topk > 1 for o in obs):
+        free.held["sibling_rate"] = "no tree verifies of the history drafter"
+    else:
+        free.names.append("sibling_rate")
     return free
+
+
+# The optimiser's coordinates: the logits as they are, sibling_rate as its logit (in (0, 1));
+# |x| past BOUND is refused, so an estimate there is at its bound (the data push it further)
+BOUND = 30.0
+
+
+def _to_x(name: str, value: float) -> float:
+    if name != "sibling_rate":
+        return value
+    v = min(max(value, 1e-9), 1 - 1e-9)
+    return math.log(v / (1 - v))
+
+
+def _from_x(name: str, x: float) -> float:
+    return 1 / (1 + math.exp(-x)) if name == "sibling_rate" else x
 
 
 def fit_history(
@@ -291,15 +315,15 @@ def fit_history(
     pieces = _pieces(obs)
 
     def model_at(x: np.ndarray) -> HistoryModel:
-        values = {n: float(v) for n, v in zip(free.names, x, strict=True)}
+        values = {n: _from_x(n, float(v)) for n, v in zip(free.names, x, strict=True)}
         return dataclasses.replace(base, **values)
 
     def nll(x: np.ndarray) -> float:
-        if not np.all(np.isfinite(x)) or np.any(np.abs(x) > 30):
+        if not np.all(np.isfinite(x)) or np.any(np.abs(x) > BOUND):
             return 1e300
         return _neg_loglik(model_at(x), obs, pieces)
 
-    x0 = np.array([getattr(base, n) for n in free.names], dtype=np.float64)
+    x0 = np.array([_to_x(n, getattr(base, n)) for n in free.names], dtype=np.float64)
     stderr: dict[str, float] = {}
     if free.names:
         first = minimize(nll, x0, method="Nelder-Mead", options={"xatol": 1e-6, "fatol": 1e-9})
@@ -311,8 +335,12 @@ def fit_history(
             diag = np.diag(cov)
         except np.linalg.LinAlgError:
             diag = np.full(x.size, np.inf)
-        for name, var in zip(free.names, diag, strict=True):
-            stderr[name] = math.sqrt(var) if var > 0 else math.inf
+        for name, var, xi in zip(free.names, diag, x, strict=True):
+            se = math.sqrt(var) if var > 0 else math.inf
+            if name == "sibling_rate":  # the delta method: d rate / d logit = rate (1 - rate)
+                se *= _from_x(name, xi) * (1 - _from_x(name, xi))
+            # at the bound the curvature says nothing: no error bar (it printed a number)
+            stderr[name] = math.inf if abs(xi) > BOUND - 0.01 else se
         model = model_at(x)
     else:
         model = base
