@@ -192,3 +192,24 @@ def test_the_fit_counts_history_only_on_workers_whose_drafter_drafted() -> None:
     seen = {(o.step, o.prompt_id): o.has_history for o in history_observations(trace, "t.json")}
     assert seen[(1, "a")] and not seen[(1, "b")]  # b's step-0 rollouts were kept by no one
     assert seen[(2, "b")]  # from step 1 on, worker 1 keeps them
+
+
+def test_a_measured_trace_replayed_says_whose_times_and_acceptance_it_uses(tmp_path, capsys):
+    """Hunt: a replay of tltrun's measured trace with --profile named the preset's GPU for the
+    CPU profile's times, and replayed the default dynamics (accept length 4.47 against a
+    measured 1.08) without a word."""
+    from pathlib import Path
+
+    profile = Path(__file__).resolve().parents[1] / "profiles" / "h200_qwen2.5-1.5b_random.csv"
+    path = tmp_path / "t.json"
+    save_trace(synthetic_history_trace(TRUE, num_steps=2, num_prompts=2), path)
+    argv = ["replay", str(path), "--num-gpus", "1", "--policy", "tltbase", "--max-steps", "1"]
+    assert main([*argv, "--profile", str(profile), "--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert f", times from profile {profile}, measured on NVIDIA H200\n" in out
+    assert "note: the trace's measured acceptance is not replayed (the default dynamics" in out
+    assert main(["fit", str(path), "--out", str(tmp_path / "fit.json")]) == 0
+    capsys.readouterr()
+    fitted = ["--drafter-dynamics", str(tmp_path / "fit.json"), "--out", str(tmp_path / "b")]
+    assert main([*argv, *fitted]) == 0
+    assert "not replayed" not in capsys.readouterr().out

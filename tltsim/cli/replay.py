@@ -235,8 +235,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
         warnings.warn(line, InputWarning, stacklevel=2)
     intervals = replay_intervals(trace, names, settings, spec, results, cost)
     summary = write_outputs(out, trace, results, sim, profile, intervals, spec, cost)
-    print(simulated_line(sim, trace))
+    print(simulated_line(sim, trace, profile))
     print(format_report(results, summary, out))
+    if _has_measured_acceptance(trace) and getattr(args, "drafter_dynamics", None) is None:
+        print(  # (hunt: a measured run's 1.08 replayed as the defaults' 4.47, unsaid)
+            "note: the trace's measured acceptance is not replayed (the default dynamics are): "
+            "tltsim fit it and replay with --drafter-dynamics, or tltsim compare it"
+        )
     for line in extrapolation_lines(cost):
         print(line)
     line = fit_domain_note(trace, sim)
@@ -321,16 +326,29 @@ def step_rows(results: dict[str, SimResult]) -> list[dict[str, Any]]:
     return table.to_dict("records")
 
 
-def simulated_line(sim: SimConfig, trace: Trace) -> str:
+def simulated_line(sim: SimConfig, trace: Trace, profile: Path | None = None) -> str:
     """What was simulated, and the model the trace's lengths came from where its meta names
-    another (a 70B run's lengths priced as the default 7B model said nothing)."""
+    another (a 70B run's lengths priced as the default 7B model said nothing); with a profile,
+    whose times they are (the line named the preset's GPU for a CPU profile's times)."""
     cost = cost_model(sim)
     model, hardware = cost.model.name, cost.hardware.name  # a preset file's GPU, not its name
     line = f"simulated: {model} on {sim.num_gpus} x {hardware} (TP {sim.tp})"
+    if profile is not None:
+        machine = load_profile(profile).meta.get("hardware")
+        on = f", measured on {machine}" if isinstance(machine, str) and machine else ""
+        line += f", times from profile {profile}{on}"
     recorded = trace.meta.get("model")
-    if isinstance(recorded, str) and recorded and recorded != model:
+    # by name: a model directory's path recorded by tltrun is the --model given (hunt)
+    if isinstance(recorded, str) and recorded and Path(recorded).name != Path(model).name:
         line += f"; the trace's meta names model {recorded!r} (--model sets the one priced)"
     return line
+
+
+def _has_measured_acceptance(trace: Trace) -> bool:
+    """A measured run's trace (tltrun train/bench): per-response accept histograms."""
+    return any(
+        s.measured is not None and s.measured.response_accept_hist_by_strategy for s in trace.steps
+    )
 
 
 def _footnote(columns: dict[str, Any], num_steps: int) -> str:
