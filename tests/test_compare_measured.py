@@ -27,6 +27,18 @@ from tltsim.cost.profile import load_profile, write_profile
 from tltsim.trace.files import save_trace
 
 
+def compare_edited(trace, profile, tmp_path, capsys, **measured) -> str:
+    """stderr of ``tltsim compare`` of ``trace`` (one step) with its measured block's fields
+    replaced by ``measured``, against ``profile``."""
+    step = trace.steps[0]
+    edited = dataclasses.replace(step, measured=dataclasses.replace(step.measured, **measured))
+    path = tmp_path / "t.json"
+    save_trace(dataclasses.replace(trace, steps=(edited,)), path)
+    argv = ["compare", str(path), "--profile", str(profile), "--out", str(tmp_path / "c")]
+    assert main(argv) == 0
+    return capsys.readouterr().err
+
+
 def test_training_is_priced_per_worker_as_tltrun_trains(profile_path, tmp_path):
     """Hunt: compare priced training as the step's tokens split evenly, but each tltrun worker
     trains its own rollouts (gradients all-reduced, data not rebalanced): with --prompt-split
@@ -55,16 +67,8 @@ def test_a_trace_of_other_hardware_than_the_profile_is_a_warning(profile_path, t
     without a word. The old sidecar spelling ("N cores") names the same machine as "N CPUs"."""
     trace = self_measured(lengths_trace(1), "nospec", {}, profile_path, 1, 32)
 
-    def compare_on(hardware: str) -> str:
-        step = trace.steps[0]
-        measured = dataclasses.replace(step.measured, hardware=hardware)
-        path = tmp_path / "t.json"
-        save_trace(
-            dataclasses.replace(trace, steps=(dataclasses.replace(step, measured=measured),)), path
-        )
-        argv = ["compare", str(path), "--profile", str(profile_path), "--out", str(tmp_path / "c")]
-        assert main(argv) == 0
-        return capsys.readouterr().err
+    def compare_on(hardware: str) -> str:  # (profile_path: the one set when called)
+        return compare_edited(trace, profile_path, tmp_path, capsys, hardware=hardware)
 
     assert compare_on("test") == ""
     assert compare_on("EPYC, 2 CPUs, 2 torch threads") == (
@@ -134,3 +138,26 @@ def test_runs_that_rolled_out_other_prompts_or_models_are_a_warning(profile_path
         f"warning: {tmp_path / 'static.json'}: measured 1 step(s), {tmp_path / 'nospec.json'} "
         "2: speedups compare the 1 step(s) both ran\n"
     )
+
+
+def test_a_run_of_another_update_than_the_profiles_train_op_is_a_warning(
+    profile_path, tmp_path, capsys
+):
+    """Hunt: a --num-epochs 4 run compared against a profile whose train op ran one epoch: 88%
+    train error, no word (the trace did not record the update's settings)."""
+    trace = self_measured(lengths_trace(1), "nospec", {}, profile_path, 1, 32)
+    profile = tmp_path / "p.csv"
+    write_profile(load_profile(profile_path).rows, profile,
+                  {**META, "config": {"num_epochs": 1, "kl_coef": 0.04}})  # fmt: skip
+
+    def compare_with(**update) -> str:
+        return compare_edited(trace, profile, tmp_path, capsys, **update)
+
+    assert compare_with(num_epochs=1, kl_coef=0.04) == ""
+    assert compare_with() == ""  # a trace that records neither (older runs): nothing to say
+    assert compare_with(num_epochs=4, kl_coef=0.04) == (
+        f"warning: {tmp_path / 't.json'}: trained with --num-epochs 4, the profile {profile}'s "
+        "train op with 1: simulated train times are of another update (tltrun profile "
+        "--num-epochs as the run)\n"
+    )
+    assert "trained with --kl-coef 0.0, " in compare_with(num_epochs=1, kl_coef=0.0)

@@ -321,6 +321,8 @@ _FULL = {
     "clock": "cpu",
     "max_running_requests": 8,
     "rollout_s_replays": (1.0, 1.5),
+    "num_epochs": 2,
+    "kl_coef": 0.04,
     "strategy": "4_1_4",
 }
 

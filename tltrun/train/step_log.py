@@ -141,6 +141,8 @@ def write_step_record(
         "instance_prompts": instance_prompts([g.result for g in gathered]),
         "max_running_requests": cfg.max_running_requests,
         "is_prompt_id_stable": True,  # groups are named by dataset prompt id (group_names)
+        "num_epochs": cfg.num_epochs,  # (what the update ran: compare checks a profile's)
+        "kl_coef": cfg.kl_coef,
     }
     trace_step = measured_step(
         step,

@@ -137,6 +137,10 @@ class MeasuredStep:
     # continuous-batching cap per engine instance; None: each instance admitted its whole share
     max_running_requests: int | None | Unrecorded = UNRECORDED
     rollout_s_replays: tuple[float, ...] | None = None  # every replay's seconds (bench_fidelity)
+    # what the actor update ran (tltrun train's --num-epochs, --kl-coef): a profile's train op
+    # timed with others prices another update (tltsim.fidelity.compare warns)
+    num_epochs: int | None = None
+    kl_coef: float | None = None
     strategy: str | None = None  # the step's one SD strategy (tltsim.fidelity.fit's contract)
 
     def arm_drafters(self) -> set[str]:
@@ -316,6 +320,8 @@ _CHECKS: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = {
         _same,
     ),
     "rollout_s_replays": (lambda v: _is_list_of(v, _is_seconds), "a list of seconds >= 0", tuple),
+    "num_epochs": (_is_positive_count, f"an integer in [1, {MAX_MEASURED_COUNT}]", _same),
+    "kl_coef": (_is_seconds, "a number >= 0", _same),
     "strategy": (_is_arm, _ARM, _same),
 }
 _POLICY_CHECKS: dict[str, tuple[Callable[[Any], bool], str, Callable[[Any], Any]]] = {
