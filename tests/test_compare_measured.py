@@ -161,3 +161,25 @@ def test_a_run_of_another_update_than_the_profiles_train_op_is_a_warning(
         "--num-epochs as the run)\n"
     )
     assert "trained with --kl-coef 0.0, " in compare_with(num_epochs=1, kl_coef=0.0)
+
+
+def test_a_profile_without_drafting_rows_names_the_flag_that_prices_them(
+    profile_path, tmp_path, capsys
+):
+    """Hunt: a profile taken without --drafter refused every compare with "or give a fallback
+    cost model", which names no flag; --hardware is the one."""
+    trace = self_measured(lengths_trace(1), "nospec", {}, profile_path, 1, 32)
+    rows = [r for r in load_profile(profile_path).rows if r.op not in ("verify", "drafter")]
+    plain = tmp_path / "plain.csv"
+    write_profile(rows, plain, META)
+    path = tmp_path / "t.json"
+    save_trace(trace, path)
+    assert main(["compare", str(path), "--profile", str(plain), "--out", str(tmp_path / "c")]) == 2
+    assert (
+        capsys.readouterr()
+        .err.rstrip()
+        .endswith(
+            "or give a fallback cost model: --hardware GPU prices them by a roofline of the profiled "
+            "model)"
+        )
+    )

@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 
 from tltsim.cost.measured import ProfileCost
-from tltsim.cost.profile import Profile, load_profile
+from tltsim.cost.profile import Profile, ProfileError, load_profile
 from tltsim.cost.roofline import RooflineCost
 from tltsim.cost.specs import HARDWARE_PRESETS, ModelSpec
 from tltsim.errors import UsageError
@@ -124,7 +124,13 @@ def profile_cost(profile: Profile, hardware: str | None) -> ProfileCost:
             fallback = RooflineCost(spec, HARDWARE_PRESETS[hardware], tp=int(profile.meta["tp"]))
         except ValueError as err:
             raise UsageError(f"{profile.source}: {err}") from None
-    return ProfileCost(profile, fallback=fallback, is_warned=False)
+    try:
+        return ProfileCost(profile, fallback=fallback, is_warned=False)
+    except ProfileError as err:  # (it said "or give a fallback cost model", no flag)
+        raise UsageError(
+            f"{str(err).removesuffix(')')}: --hardware GPU prices them by a roofline of the "
+            "profiled model)"
+        ) from None
 
 
 # --- simulating one measured run ---------------------------------------------------------------
