@@ -323,3 +323,23 @@ def test_a_step_whose_every_reward_call_failed_is_said(tmp_path, capsys):
         "warning: step 3: every reward call failed and scored 0, so the run trains on no "
         f"signal: see {tmp_path / 'reward_errors.log'}; --reward-errors raise stops at the first\n"
     )
+
+
+def test_more_worker_threads_than_cores_is_said(bpe_model, tmp_path, capsys, monkeypatch):  # noqa: F811
+    """Hunt: 2 workers x 2 threads on 2 cores made a step's 1.5 s rollout 119 s, unsaid (only
+    one worker's threads past the cores was refused)."""
+    import os
+
+    from tltrun.cli.main import main
+    from tltrun.train import launch
+
+    monkeypatch.setattr(launch, "run_train", lambda cfg, task, **kwargs: tmp_path / "o")
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    argv = ["train", "--model-dir", str(bpe_model), "--out", str(tmp_path / "o"),
+            "--max-new-tokens", "64", "--num-workers", "2"]  # fmt: skip
+    assert main([*argv, "--num-threads", "2"]) == 0
+    assert "contend" not in capsys.readouterr().err  # 4 threads on 4 cores
+    assert main([*argv, "--num-threads", "3"]) == 0
+    assert "warning: 2 workers x --num-threads 3 = 6 threads on this machine's 4 cores" in (
+        capsys.readouterr().err
+    )
