@@ -124,6 +124,10 @@ def test_the_fit_recovers_the_sibling_rate_of_history_trees() -> None:
     assert fit.predicted_accept_len == pytest.approx(fit.mean_accept_len, rel=0.03)
     chains = fit_trace(synthetic_history_trace(TRUE), FitConfig(), "chains").history
     assert chains.held["sibling_rate"] == "no tree verifies of the history drafter"
+    trace = synthetic_history_trace(true, decision=tree)
+    held = fit_trace(trace, FitConfig(fixed=("sibling_rate",)), "trees").history
+    assert held.held["sibling_rate"] == "fixed by --fixed"  # (--fixed reached no history fit)
+    assert held.model.sibling_rate == HistoryModel().sibling_rate
 
 
 def test_fit_output_without_history_arms_has_no_history(tmp_path) -> None:

@@ -171,7 +171,7 @@ def _format_dynamics(result: FitResult, source: str) -> str:
             "status": (
                 "fitted" + (f" ({fit.caveats[name]})" if name in fit.caveats else "")
                 if name in stderr
-                else "held: " + fit.held.get(name, "no tree verifies in the trace")
+                else "held: " + fit.held[name]
             ),
         }
         for name in DYNAMICS_FIELDS + ("sibling_rate",)

@@ -97,7 +97,7 @@ class FitConfig:
         metadata=_help(
             "DrafterDynamics and HistoryModel fields held at their base values: "
             + ", ".join(DYNAMICS_FIELDS + ("sibling_rate",) + LOGITS)
-            + " (sibling_rate: DrafterDynamics'; the history model's is not fitted)"
+            + " (sibling_rate: the EAGLE drafter's and the history drafter's)"
         ),
     )
 
@@ -305,7 +305,9 @@ def fit_trace(
     history = None
     if observations:
         history = fit_history(
-            observations, history_base, tuple(f for f in config.fixed if f in LOGITS)
+            observations,
+            history_base,
+            tuple(f for f in config.fixed if f in (*LOGITS, "sibling_rate")),
         )
     steps = collect_steps(
         trace,
@@ -325,6 +327,10 @@ def fit_trace(
             s.accept_rate, s.stderr, _ = estimate_accept_rate(s.hists, sibling_rate)
     base = dataclasses.replace(base, sibling_rate=sibling_rate)
     fit = fit_dynamics(steps, base, tuple(f for f in config.fixed if f != "sibling_rate"))
+    if sibling_se is None:  # why, recorded as the other held fields' (it said "no tree
+        # verifies" of a --fixed one, and the fit file named it neither fitted nor held)
+        fixed = "sibling_rate" in config.fixed
+        fit.held["sibling_rate"] = "held by --fixed" if fixed else "no tree verifies in the trace"
     return FitResult(fit.dynamics, fit, sibling_se, steps, history)
 
 
