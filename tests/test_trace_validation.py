@@ -357,6 +357,11 @@ def test_missing_file_directory_and_broken_gzip(
     assert "no such file" in _run_validate(tmp_path / "nope.csv", capsys)
     (tmp_path / "dir.json").mkdir()
     assert "directory" in _run_validate(tmp_path / "dir.json", capsys)
+    # a tltrun run's directory names its trace (hunt: "unknown trace file type")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "trace.json").write_text(json.dumps(GOOD))
+    said = _run_validate(tmp_path / "run", capsys)
+    assert f"a directory; its run's trace is {tmp_path / 'run' / 'trace.json'}" in said
     good = gzip.compress(json.dumps(GOOD).encode())
     (tmp_path / "cut.json.gz").write_bytes(good[: len(good) // 2])
     assert "cannot read" in _run_validate(tmp_path / "cut.json.gz", capsys)

@@ -40,6 +40,8 @@ def trace_suffix(path: Path) -> str:
     for suffix in sorted(SUFFIXES, key=len, reverse=True):
         if name.endswith(suffix):
             return suffix
+    if (Path(path) / "trace.json").is_file():  # a tltrun run's directory (hunt: "unknown type")
+        raise TraceError(f"{path}: a directory; its run's trace is {Path(path) / 'trace.json'}")
     raise TraceError(
         f"{path}: unknown trace file type: expected a name ending in {', '.join(SUFFIXES)}"
     )
