@@ -62,7 +62,8 @@ class SFTConfig:
         default=256, metadata={"help": "held-out prompts decoded greedily for accuracy"}
     )
     num_sample_prompts: int = field(
-        default=32, metadata={"help": "held-out prompts sampled at temperature 1"}
+        default=32,
+        metadata={"help": "held-out prompts sampled at temperature 1 (the built-in task only)"},
     )
     # as in GRPO runs (TLT's use 8-16)
     group_size: int = field(default=8, metadata={"help": "samples per sampled prompt"})
