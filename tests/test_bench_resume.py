@@ -224,3 +224,19 @@ def test_steps_given_out_of_order_run_in_the_traces_order(inputs, tmp_path, caps
     row = load_trace(tmp_path / "o" / "trace_torch_nospec.json")
     assert [s.step for s in row.steps] == [0, 1]
     assert row.meta["model"] == str(inputs / "model")  # (it claimed the source trace's model)
+
+
+def test_one_untimed_warm_up_rollout_runs_before_the_rows(inputs, tmp_path, monkeypatch):
+    """Hunt: whichever row ran first was slower (a process's first rollout pays one-time
+    costs): one short NoSpec rollout on its own engine runs first, none before a resume whose
+    torch rows are all done."""
+    from tltrun.rollout import bench
+
+    calls = []
+    real = bench.warm_up
+    monkeypatch.setattr(bench, "warm_up", lambda *a: calls.append(a) or real(*a))
+    assert main(argv(inputs, tmp_path / "o")) == 0
+    assert len(calls) == 1
+    (tmp_path / "o" / "results.json").unlink()
+    assert main(["bench", "--out", str(tmp_path / "o"), "--resume"]) == 0  # every row done
+    assert len(calls) == 1

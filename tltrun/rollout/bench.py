@@ -31,7 +31,7 @@ so its speedup compares runs of two processes; ``results.json`` marks it ``is_re
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -242,6 +242,8 @@ def run_bench(
     results: dict[str, Any] = {}
     done = done or {}
     rows = [(b, p) for b in cfg.backend for p in cfg.policy]
+    if "torch" in cfg.backend and any(f"torch/{p}" not in done for p in cfg.policy):
+        warm_up(cfg, engine_cfg, target, steps[0], vocab)
     bar = tqdm(
         total=len(rows) * len(steps),
         initial=len(done) * len(steps),
@@ -294,6 +296,26 @@ def run_bench(
     for r in results.values():
         r["speedup"] = first / r["rollout_s"] if r["rollout_s"] > 0 else 0.0
     return results
+
+
+# Requests of a warm-up rollout and their tokens each: enough to run every kernel a decode does
+WARM_UP_REQUESTS, WARM_UP_TOKENS = 4, 16
+
+
+def warm_up(cfg: BenchConfig, engine_cfg, target, step: Step, vocab: int) -> None:
+    """One untimed NoSpec rollout of a few short requests on a throwaway torch engine before
+    the timed rows: a process's first rollout pays one-time costs (lazy initialisation, the
+    first touch of the weights) that the first row's times held (hunt: whichever row ran first
+    was slower). Its own engine and policy: no row's policy state or history drafter sees it."""
+    from tltrun.rollout.measured_trace import requests_from_step
+
+    reqs = requests_from_step(step, vocab, seed=engine_cfg.seed + step.step)[:WARM_UP_REQUESTS]
+    short = [replace(r, max_new_tokens=min(r.max_new_tokens, WARM_UP_TOKENS)) for r in reqs]
+    engine = _make_backend("torch", "nospec", cfg, engine_cfg, target, None)
+    try:
+        engine.generate(short, make_policy("nospec"), step=step.step)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def _make_backend(backend: str, policy: str, cfg: BenchConfig, engine_cfg, target, drafter):
