@@ -325,21 +325,18 @@ def test_a_step_whose_every_reward_call_failed_is_said(tmp_path, capsys):
     )
 
 
-def test_more_worker_threads_than_cores_is_said(bpe_model, tmp_path, capsys, monkeypatch):  # noqa: F811
+def test_more_worker_threads_than_cores_is_said(monkeypatch):
     """Hunt: 2 workers x 2 threads on 2 cores made a step's 1.5 s rollout 119 s, unsaid (only
-    one worker's threads past the cores was refused)."""
+    one worker's threads past the cores was refused); said after the worker count's check (a
+    refused 10^8 workers had a warning line before its error)."""
     import os
 
-    from tltrun.cli.main import main
-    from tltrun.train import launch
+    from tltrun.train import elastic
 
-    monkeypatch.setattr(launch, "run_train", lambda cfg, task, **kwargs: tmp_path / "o")
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    argv = ["train", "--model-dir", str(bpe_model), "--out", str(tmp_path / "o"),
-            "--max-new-tokens", "64", "--num-workers", "2"]  # fmt: skip
-    assert main([*argv, "--num-threads", "2"]) == 0
-    assert "contend" not in capsys.readouterr().err  # 4 threads on 4 cores
-    assert main([*argv, "--num-threads", "3"]) == 0
-    assert "warning: 2 workers x --num-threads 3 = 6 threads on this machine's 4 cores" in (
-        capsys.readouterr().err
-    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        elastic.warn_contention(2, 2)  # 4 threads on 4 cores
+    with pytest.warns(elastic.ContentionWarning, match=r"^2 workers x --num-threads 3 = 6 "
+                      "threads on this machine's 4 cores: they contend"):  # fmt: skip
+        elastic.warn_contention(2, 3)

@@ -302,18 +302,6 @@ def _train_configs(args: argparse.Namespace) -> tuple[TrainConfig, TaskConfig]:
             launch.LaunchWarning,
             stacklevel=2,
         )
-    # the workers of this machine (torchrun's LOCAL_WORLD_SIZE) x their threads over its cores:
-    # they contend, and the measured rollout times say so (hunt: a step's 1.5 s became 119 s)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.num_workers))
-    cores = os.cpu_count() or 1
-    if local * cfg.num_threads > cores and os.environ.get("LOCAL_RANK", "0") == "0":
-        warnings.warn(
-            f"{local} workers x --num-threads {cfg.num_threads} = {local * cfg.num_threads} "
-            f"threads on this machine's {cores} cores: they contend, and the step times "
-            "measure it",
-            launch.LaunchWarning,
-            stacklevel=2,
-        )
     if cfg.temperature < GREEDY_BELOW_TEMPERATURE and os.environ.get("RANK", "0") == "0":
         warnings.warn(  # (hunt: every step's loss was 0.0, unsaid)
             f"--temperature {cfg.temperature}: greedy decoding gives a group's responses the "

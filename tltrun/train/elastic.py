@@ -28,6 +28,7 @@ import re
 import signal
 import tempfile
 import uuid
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -103,6 +104,25 @@ def rank_env() -> RankEnv | None:
         master_addr=os.environ["MASTER_ADDR"],
         master_port=values["MASTER_PORT"],
     )
+
+
+class ContentionWarning(UserWarning):
+    """This machine's workers run more threads than it has cores (``warn_contention``)."""
+
+
+def warn_contention(num_local_workers: int, num_threads: int) -> None:
+    """This machine's workers x their threads over its cores: they contend, and the measured
+    step times say so (hunt: a step's 1.5 s rollout took 119 s, unsaid). Said by the launcher,
+    or torchrun's local rank 0, after the worker count was checked."""
+    cores = os.cpu_count() or 1
+    if num_local_workers * num_threads > cores:
+        warnings.warn(
+            f"{num_local_workers} workers x --num-threads {num_threads} = "
+            f"{num_local_workers * num_threads} threads on this machine's {cores} cores: they "
+            "contend, and the step times measure it",
+            ContentionWarning,
+            stacklevel=3,
+        )
 
 
 def is_torchrun_agent() -> bool:

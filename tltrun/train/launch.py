@@ -229,6 +229,7 @@ def run_train(
     if elastic.rank_env() is not None:
         return run_ranked(cfg, task, is_resume, is_override_config)
     check_local_workers(cfg.num_workers)
+    elastic.warn_contention(cfg.num_workers, cfg.num_threads)
     data = check_inputs(cfg, task)
     _warn_skipped(data)
     out = Path(cfg.out)
@@ -344,6 +345,8 @@ def run_ranked(
             cfg = replace(cfg, num_workers=env.world_size)
         except ValueError as err:
             raise UsageError(f"torchrun world size {env.world_size}: {err}") from None
+    if env.local_rank == 0:  # (LOCAL_WORLD_SIZE: this node's ranks)
+        elastic.warn_contention(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), cfg.num_threads)
     elastic.init_process_group(cfg.device)
     elastic.check_same_command(cfg, task, is_resume, is_override_config)
     out = Path(cfg.out)
